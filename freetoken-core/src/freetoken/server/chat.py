@@ -1,0 +1,150 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from freetoken.server.errors import APIError, parse_body
+from freetoken.server.faults import maybe_fail
+from freetoken.server.generation import (
+    ChoiceJob,
+    ChoiceResult,
+    ChoiceStreams,
+    ClientDisconnected,
+    build_params,
+    choice_seed,
+    collect,
+    resolve_max_tokens,
+    until_disconnect,
+)
+from freetoken.server.json_mode import JsonModeChecker
+from freetoken.server.logprobs import TokenText, chat_logprobs
+from freetoken.server.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    UsageInfo,
+)
+from freetoken.server.sse import DONE, event, sse_response
+from freetoken.server.state import EngineHolder
+
+CLIENT_CLOSED = 499
+
+
+def render_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+    """Messages -> prompt token ids through the model's chat template."""
+    if not getattr(tokenizer, "has_text", True):
+        raise APIError(400, "This model has no text tokenizer; use /v1/completions with token-id prompts.",
+                       param="messages", code="no_tokenizer")
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
+    ]
+    try:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as exc:
+        raise APIError(400, f"messages cannot be rendered with the model's chat template: {exc}",
+                       param="messages", code="invalid_messages") from None
+    return list(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+async def create_chat_completion(request: Request) -> Response:
+    arrival = time.monotonic()
+    holder: EngineHolder = request.app.state.holder
+    req = parse_body(ChatCompletionRequest, await request.body())
+    engine = holder.require_engine()
+    model = holder.check_model(req.model)
+    json_mode = req.response_format is not None and req.response_format.type == "json_object"
+    prompt_ids = render_prompt(req, engine.tokenizer)
+    max_tokens = resolve_max_tokens(req.requested_max_tokens(), len(prompt_ids), engine.max_model_len, "messages")
+    top_n = req.top_logprobs or 0
+    jobs = [
+        ChoiceJob(i, prompt_ids, build_params(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            min_p=req.min_p, seed=choice_seed(req.seed, i), presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+            stop=req.stop_list(), ignore_eos=req.ignore_eos, logprobs=req.logprobs, top_logprobs=top_n,
+        ))
+        for i in range(req.n)
+    ]
+    if json_mode:
+        jobs = [JsonModeChecker.prepare(job, engine) for job in jobs]
+    maybe_fail(request, holder, "before")
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = ChoiceStreams(engine, jobs, request_id, holder.metrics, arrival)
+    try:
+        await until_disconnect(request.receive, streams.start())
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    common = {"id": request_id, "model": model, "fingerprint": holder.system_fingerprint()}
+    text_of = TokenText(engine.tokenizer)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        chunks = _stream(request, holder, streams, req, common, len(prompt_ids), text_of, include_usage)
+        return sse_response(chunks, request_id)
+
+    results = {i: ChoiceResult(i, len(prompt_ids)) for i in range(req.n)}
+    try:
+        await until_disconnect(request.receive, collect(streams, results))
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    choices = []
+    for i in range(req.n):
+        res = results[i]
+        logprobs = ChatChoiceLogprobs(content=chat_logprobs(res.logprobs, text_of, top_n)) if req.logprobs else None
+        choices.append(ChatCompletionChoice(
+            index=i, message=ChatResponseMessage(content=res.text), logprobs=logprobs,
+            finish_reason=res.finish_reason,
+        ))
+    completion_tokens = sum(len(r.token_ids) for r in results.values())
+    response = ChatCompletionResponse(
+        id=request_id, model=model, system_fingerprint=common["fingerprint"], choices=choices,
+        usage=UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens,
+                        total_tokens=len(prompt_ids) + completion_tokens),
+    )
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams, req: ChatCompletionRequest,
+                  common: dict[str, Any], prompt_tokens: int, text_of: TokenText,
+                  include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+    top_n = req.top_logprobs or 0
+
+    def chunk(choices: list[dict[str, Any]], usage: Optional[dict[str, int]] = None) -> str:
+        payload: dict[str, Any] = {
+            "id": common["id"], "object": "chat.completion.chunk", "created": created, "model": common["model"],
+            "system_fingerprint": common["fingerprint"], "choices": choices,
+        }
+        if include_usage:
+            payload["usage"] = usage
+        return event(payload)
+
+    for i in range(req.n):
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+    completion_tokens = 0
+    sent = 0
+    async for index, delta in streams:
+        completion_tokens += len(delta.token_ids)
+        if delta.text or (req.logprobs and delta.logprobs):
+            logprobs = {"content": chat_logprobs(delta.logprobs, text_of, top_n)} if req.logprobs else None
+            yield chunk([{"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                          "finish_reason": None}])
+            sent += 1
+            if sent == 1:
+                maybe_fail(request, holder, "stream")
+        if delta.finished:
+            if delta.finish_reason == "error":
+                raise RuntimeError(f"engine reported an error for choice {index}")
+            yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}])
+    if include_usage:
+        yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens})
+    yield DONE
