@@ -108,18 +108,18 @@ def test_lockstep_applies_to_freetoken_distributions_only():
     assert lockstep_error("freetoken-fakegpu", "7.0") is None  # third party: contract version only
 
 
-def test_installed_skewed_freetoken_rocm_is_caught_before_import(plugin_factory):
+def test_installed_skewed_freetoken_rocm_is_caught_before_import(plugin_factory, tmp_path):
     # A freetoken-rocm 0.0.1 earlier on sys.path shadows the real one, as a stale install would.
-    ep = plugin_factory.make(
-        "rocm", distribution="freetoken-rocm", version="0.0.1", installed=True, import_raises="must not be imported"
-    )
+    marker = tmp_path / "rocm-imported"
+    plugin_factory.make("rocm", distribution="freetoken-rocm", version="0.0.1", installed=True,
+                        prelude=f"open({str(marker)!r}, 'w').close()", hardware="rocm")
     records = {r.name: r for r in registry.plugins()}
     rocm = records["rocm"]
     assert (rocm.distribution, rocm.version) == ("freetoken-rocm", "0.0.1")
     assert rocm.status is PluginStatus.VERSION_MISMATCH
     assert f"freetoken-rocm 0.0.1 does not match freetoken-core {CORE_VERSION}" in rocm.error
     assert f"pip install 'freetoken[rocm]=={CORE_VERSION}'" in rocm.error
-    assert ep.module not in sys.modules
+    assert not marker.exists()  # refused on its metadata, never imported
     assert records["cpu"].status is PluginStatus.AVAILABLE  # the others are unaffected
 
 

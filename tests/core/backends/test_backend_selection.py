@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -147,13 +145,19 @@ def test_unavailable_top_priority_plugin_falls_back_to_the_next_one(plugin_facto
 # ---- explicit selection ------------------------------------------------------------------
 
 
-def test_explicit_name_loads_only_that_plugin(plugin_factory, cpu_entry_point):
-    # A plugin whose import would fail loudly: it must not even be imported.
-    bomb = plugin_factory.make("bomb", hardware="cuda", import_raises="imported although not selected")
+def test_explicit_name_loads_only_that_plugin(plugin_factory, cpu_entry_point, tmp_path):
+    # A plugin that leaves a mark when imported (then fails): it must not even be imported.
+    marker = tmp_path / "bomb-imported"
+    prelude = f"open({str(marker)!r}, 'w').close()"
+    bomb = plugin_factory.make("bomb", hardware="cuda", prelude=prelude, import_raises="imported although not selected")
     chosen = select(flag="cpu", environ={}, eps=[bomb, cpu_entry_point], platform=CUDA_BOX)
     assert chosen.name == "cpu" and chosen.rule == "--backend"
-    assert bomb.module not in sys.modules
+    assert not marker.exists()
     assert [r.name for r in chosen.candidates] == ["cpu"]
+    # The same plugin set under the automatic rule does import it (so the mark is real).
+    with pytest.raises(BackendSelectionError, match="imported although not selected"):
+        select(environ={}, eps=[bomb, cpu_entry_point], platform=CUDA_BOX)
+    assert marker.exists()
 
 
 def test_environment_variable_selects_and_flag_overrides_it(plugin_factory, cpu_entry_point):
