@@ -58,6 +58,35 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _server_class() -> Any:
+    import contextlib
+    import signal
+    import threading
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that SIGINT/SIGTERM end in a clean exit (status 0) after the
+        graceful shutdown, instead of re-raising the signal once the server has stopped."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+                for sig in self._captured_signals[:1]:
+                    logger.info("received %s: shut down", signal.Signals(sig).name)
+
+    return Server
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -92,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    server = uvicorn.Server(uvicorn.Config(
+    server = _server_class()(uvicorn.Config(
         app, log_config=None, access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=30,
     ))
 

@@ -12,7 +12,7 @@ from typing import Any, Optional, TypeVar, Union
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 
-from freetoken.server.protocol import ErrorInfo, ErrorResponse
+from freetoken.server.protocol import ErrorInfo, ErrorResponse, FieldError
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -67,10 +67,9 @@ def _loc_to_param(loc: tuple[Any, ...]) -> Optional[str]:
     """('messages', 0, 'role') -> 'messages.0.role'; union branch names are dropped."""
     parts: list[str] = []
     for item in loc:
-        if isinstance(item, int):
-            parts.append(str(item))
-        elif isinstance(item, str) and item not in _UNION_TAGS and not any(c in item for c in "[]()"):
-            parts.append(item)
+        if isinstance(item, str) and (item in _UNION_TAGS or any(c in item for c in "[]()")):
+            break  # a union branch: report the field itself, not the branch's inside
+        parts.append(str(item))
     return ".".join(parts) or None
 
 
@@ -88,7 +87,13 @@ def parse_body(model: type[M], raw: bytes) -> M:
     if not raw.strip():
         raise APIError(400, "request body is empty; expected a JSON object", code="invalid_json")
     try:
-        return model.model_validate_json(raw)
+        parsed = model.model_validate_json(raw)
+        check = getattr(parsed, "check", None)
+        if check is not None:
+            check()
+        return parsed
+    except FieldError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         first = errors[0]

@@ -173,6 +173,7 @@ class ChoiceStreams:
     async def _pump(self, job: ChoiceJob) -> None:
         timer = TokenTimer(self._metrics, self._arrival)
         stream = self._engine.stream(job.prompt_ids, job.params, request_id=f"{self._request_id}-{job.index}")
+        finished = False
         try:
             async for delta in stream:
                 now = time.monotonic()
@@ -181,10 +182,13 @@ class ChoiceStreams:
                     timer.finish(delta.finish_reason, now)
                 self._queue.put_nowait((job.index, delta))
                 if delta.finished:
+                    finished = True
                     break
             else:
                 raise RuntimeError(f"engine stream {self._request_id}-{job.index} ended without a finished delta")
         except asyncio.CancelledError:
+            if not finished:
+                self._metrics.cancelled.inc()
             raise
         except BaseException as exc:  # handed to the consumer, which decides what the client sees
             self._queue.put_nowait((job.index, exc))

@@ -51,6 +51,10 @@ class ServerMetrics:
             "freetoken_request_finished", "Generation requests finished, by finish reason.", ["finish_reason"],
             registry=r,
         )
+        self.cancelled = Counter(
+            "freetoken_requests_cancelled", "Engine requests cancelled before finishing (client gone or failed).",
+            registry=r,
+        )
         self.ttft = Histogram(
             "freetoken_time_to_first_token_seconds", "Time from request arrival to its first generated token.",
             buckets=_LATENCY_BUCKETS, registry=r,

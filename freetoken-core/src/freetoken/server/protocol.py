@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 #: Maximum number of choices per request (``n``) and per-token alternatives.
 MAX_N = 16
@@ -22,12 +22,20 @@ MAX_STOP_SEQUENCES = 16
 UNSUPPORTED_FIELDS = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "suffix", "best_of", "audio")
 
 
+class FieldError(ValueError):
+    """A request that is well-formed but asks for something invalid or unsupported."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class _Request(BaseModel):
     # strict: JSON numbers stay numbers ("0.5" is not a temperature), bools stay bools.
     model_config = ConfigDict(extra="allow", strict=True)
 
-    @model_validator(mode="after")
-    def _reject_unsupported(self) -> "_Request":
+    def check(self) -> None:
+        """Cross-field rules; raises FieldError (called after validation)."""
         extra = self.model_extra or {}
         for name in UNSUPPORTED_FIELDS:
             value = extra.get(name)
@@ -37,8 +45,7 @@ class _Request(BaseModel):
                 continue
             if name == "tool_choice" and value == "none":
                 continue
-            raise ValueError(f"'{name}' is not supported by this server")
-        return self
+            raise FieldError(name, f"'{name}' is not supported by this server")
 
 
 class StreamOptions(BaseModel):
@@ -101,11 +108,10 @@ class _SamplingFields(_Request):
             raise ValueError("stop sequences must not be empty")
         return stops
 
-    @model_validator(mode="after")
-    def _check_stream_options(self) -> "_SamplingFields":
+    def check(self) -> None:
+        super().check()
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return self
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
 
     def stop_list(self) -> list[str]:
         return list(self.stop or [])  # type: ignore[arg-type]
@@ -119,11 +125,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: Optional[ResponseFormat] = None
 
-    @model_validator(mode="after")
-    def _check_logprobs(self) -> "ChatCompletionRequest":
+    def check(self) -> None:
+        super().check()
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
+            raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
