@@ -1,0 +1,239 @@
+"""The synchronous engine: requests in, one model step at a time, deltas out.
+
+:class:`LLMEngine` owns the model, the paged KV cache and the scheduler. It is not
+thread-safe; :class:`freetoken.engine.async_engine.AsyncEngine` drives it from one
+background thread, :class:`freetoken.engine.llm.LLM` from the caller's thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Optional
+
+import torch
+
+from freetoken.engine.config import EngineConfig
+from freetoken.engine.kv_cache import KVCache
+from freetoken.engine.outputs import StreamDelta
+from freetoken.engine.request import Request, Status, new_request_id
+from freetoken.engine.sampling import sample
+from freetoken.engine.sampling_params import SamplingParams
+from freetoken.engine.scheduler import Scheduled, Scheduler
+from freetoken.loading.memory import available_ram
+from freetoken.models.attention import AttentionMetadata, SeqSlice
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (says why)."""
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    kv_total_tokens: int
+    kv_used_tokens: int
+    num_preemptions: int = 0
+
+
+def _resolve_backend(name: Optional[str]) -> Any:
+    from freetoken.backends.registry import get_backend
+
+    return get_backend(name)
+
+
+class LLMEngine:
+    """Loads the model and runs continuous-batching steps."""
+
+    def __init__(self, config: EngineConfig, backend: Any = None) -> None:
+        from freetoken.loading.loader import load, resolve_dtype
+
+        self.config = config
+        self.backend = backend if backend is not None else _resolve_backend(config.backend)
+        self.device = torch.device(self.backend.device())
+        path = config.model
+        if path is None:
+            from freetoken.models.demo import ensure_demo_model
+
+            path = ensure_demo_model().hf_dir
+        act = resolve_dtype(config.dtype, self.device)
+        kv_tokens_hint = config.kv_cache_tokens
+        loaded = load(path, self.device, config.dtype, kv_bytes=0)
+        self.loaded = loaded
+        self.model = loaded.model
+        self.model_config = cfg = loaded.config
+        self.tokenizer = loaded.tokenizer
+        default_name = "freetoken-demo" if config.model is None else loaded.name
+        self.model_name = config.served_model_name or default_name
+        elt = torch.empty((), dtype=act).element_size()
+        per_tok = cfg.kv_bytes_per_token(elt)
+        ctx = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's context {cfg.max_position_embeddings}"
+            )
+        if kv_tokens_hint is None:
+            want = ctx * config.max_running_requests
+            avail = available_ram() if self.device.type == "cpu" else None
+            if avail is not None:
+                want = min(want, max(ctx if config.max_model_len else 4096, int(avail * 0.25) // per_tok))
+            kv_tokens_hint = want
+        bs = config.kv_block_size
+        self.kv = KVCache(cfg, kv_tokens_hint, bs, act, self.device)
+        if config.max_model_len and config.max_model_len > self.kv.total_tokens:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} does not fit the KV cache ({self.kv.total_tokens} tokens); "
+                "raise kv_cache_tokens"
+            )
+        self.max_model_len = min(ctx, self.kv.total_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_running_requests, config.prefill_chunk)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.requests: dict[str, Request] = {}
+        self.capture_logits = False  # tests: keep every sampled row of logits per request
+        self.captured: dict[str, list[torch.Tensor]] = {}
+        logger.info(
+            "engine ready: %s, max_model_len %d, KV cache %d tokens (%.2f GiB), backend %s",
+            self.model_name, self.max_model_len, self.kv.total_tokens, self.kv.bytes / 2**30, self.backend.name,
+        )
+
+    # ------------------------------------------------------------- requests
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise RequestRejected("the prompt is empty; give at least one token")
+        V = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not (0 <= int(t) < V)]
+        if bad:
+            raise RequestRejected(f"prompt token ids out of range [0, {V}): {bad[:5]}")
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
+                "(prompt plus at least one generated token)"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"max_tokens={params.max_tokens} plus the prompt's {n} tokens exceeds the context of "
+                f"{self.max_model_len} tokens; lower max_tokens to at most {self.max_model_len - n}"
+            )
+        if params.stop and not self.tokenizer.has_text:
+            raise RequestRejected(f"{self.loaded.path} has no tokenizer, so stop strings cannot be matched; use stop_token_ids")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None,
+                    prompt: Optional[str] = None) -> Request:
+        self.validate(prompt_ids, params)
+        rid = request_id or new_request_id()
+        if rid in self.requests:
+            raise RequestRejected(f"request id {rid!r} is already in use")
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        req = Request(rid, prompt_ids, params, self.tokenizer, list(self.model_config.eos_token_ids),
+                      self.max_model_len, gen, prompt)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        req.aborted = True
+        if req.status != Status.FINISHED:
+            req.finish("abort")
+        self.scheduler.remove(req)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        used = self.kv.used_blocks * self.kv.block_size
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=used / self.kv.total_tokens,
+            kv_total_tokens=self.kv.total_tokens,
+            kv_used_tokens=used,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def backend_info(self) -> dict[str, Any]:
+        info = getattr(self.backend, "engine_info", None)
+        if callable(info):
+            return dict(info())
+        return {
+            "backend": self.backend.name,
+            "io_path": "synchronous",
+            "graphs": False,
+            "reason": "CPU backend: routed experts run synchronously in freetoken_cpu_moe",
+        }
+
+    # ------------------------------------------------------------------ step
+
+    def _metadata(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.kv.block_size
+        dev = self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        seqs: list[SeqSlice] = []
+        decode = True
+        for s in batch:
+            r = s.request
+            start = r.num_computed
+            end = start + s.num_tokens
+            toks = r.all_ids[start:end] if s.num_tokens > 1 else [r.all_ids[start]]
+            seqs.append(SeqSlice(len(ids), s.num_tokens, end, r.block_table(dev)))
+            ids.extend(toks)
+            blocks = r.blocks
+            for p in range(start, end):
+                pos.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+            if s.num_tokens != 1:
+                decode = False
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), seqs, bs, decode)
+        if decode and len(seqs) > 1:
+            maxb = max(len(s.request.blocks) for s in batch)
+            table = torch.zeros(len(batch), maxb, dtype=torch.int64)
+            for i, s in enumerate(batch):
+                table[i, : len(s.request.blocks)] = torch.tensor(s.request.blocks, dtype=torch.int64)
+            ctx = torch.tensor([q.ctx_len for q in seqs], dtype=torch.int64)
+            meta.block_tables = table.to(dev)
+            meta.ctx_lens = ctx.to(dev)
+            meta.mask = (torch.arange(maxb * bs)[None, :] < ctx[:, None]).view(len(batch), 1, 1, maxb * bs).to(dev)
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), meta)
+
+    @torch.inference_mode()
+    def step(self) -> list[StreamDelta]:
+        """Run one model step; returns the deltas of the requests that advanced."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        ids, pos, meta = self._metadata(batch)
+        hidden = self.model.forward(ids, pos, meta, self.kv.layers)
+        samplers = [s for s in batch if s.sample]
+        for s in batch:
+            s.request.num_computed += s.num_tokens
+        deltas: list[StreamDelta] = []
+        if samplers:
+            rows = [seq.q_start + seq.q_len - 1 for seq, s in zip(meta.seqs, batch) if s.sample]
+            h = hidden if len(rows) == hidden.shape[0] else hidden[rows]
+            logits = self.model.compute_logits(h)
+            reqs = [s.request for s in samplers]
+            if self.capture_logits:
+                for i, r in enumerate(reqs):
+                    self.captured.setdefault(r.request_id, []).append(logits[i].detach().clone())
+            for r, (tok, lp) in zip(reqs, sample(logits, reqs, self.generator)):
+                r.append(tok, lp)
+                if r.status != Status.FINISHED and r.num_tokens >= self.max_model_len:
+                    r.finish("length")
+                d = r.take_delta()
+                if d is not None:
+                    deltas.append(d)
+                if r.status == Status.FINISHED:
+                    self.scheduler.remove(r)
+                    self.requests.pop(r.request_id, None)
+        return deltas

@@ -1,0 +1,56 @@
+"""The paged KV cache: fixed-size blocks of token slots shared by all requests."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from freetoken.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+class KVCache:
+    """Per layer a K and a V tensor ``[num_blocks, block_size, kv_heads, head_dim]``
+    and a free list of blocks. Memory is reserved with ``torch.empty`` and only
+    touched as blocks are used."""
+
+    def __init__(self, config: ModelConfig, num_tokens: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.block_size = block_size
+        self.num_blocks = max(1, num_tokens // block_size)
+        shape = (self.num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.layers = [
+            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            for _ in range(config.num_layers)
+        ]
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.bytes = 2 * config.num_layers * self.num_blocks * block_size * config.num_kv_heads * config.head_dim * (
+            torch.empty((), dtype=dtype).element_size())
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return (tokens + self.block_size - 1) // self.block_size
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))

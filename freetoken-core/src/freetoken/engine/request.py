@@ -1,0 +1,206 @@
+"""One request's state inside the engine: tokens, KV blocks, text and stop rules."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Optional
+
+import torch
+
+from freetoken.engine.outputs import StreamDelta, TokenLogprob
+from freetoken.engine.sampling_params import SamplingParams
+from freetoken.loading.tokenizer import Tokenizer
+
+_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    return f"req-{next(_ids)}"
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class Detokenizer:
+    """Incremental byte-level detokenization: text is final once it no longer ends in
+    an incomplete UTF-8 sequence (decoded as U+FFFD)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.prefix = 0
+        self.read = 0
+
+    def step(self, ids: list[int]) -> str:
+        if not self.tok.has_text:
+            return ""
+        prefix_text = self.tok.decode(ids[self.prefix : self.read])
+        full = self.tok.decode(ids[self.prefix :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix_text):
+            return ""
+        new = full[len(prefix_text) :]
+        self.prefix = self.read
+        self.read = len(ids)
+        return new
+
+    def flush(self, ids: list[int]) -> str:
+        """Whatever is still held back (an incomplete sequence at the very end)."""
+        if not self.tok.has_text or self.read >= len(ids):
+            return ""
+        prefix_text = self.tok.decode(ids[self.prefix : self.read])
+        full = self.tok.decode(ids[self.prefix :])
+        self.prefix = self.read = len(ids)
+        return full[len(prefix_text) :] if len(full) > len(prefix_text) else ""
+
+
+class Request:
+    """A generation request moving through the scheduler."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        eos_ids: list[int],
+        max_model_len: int,
+        generator: Optional[torch.Generator],
+        prompt: Optional[str] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.status = Status.WAITING
+        self.finish_reason: Optional[str] = None
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.blocks: list[int] = []
+        self._table: Optional[torch.Tensor] = None
+        self.generator = generator
+        limit = max_model_len - len(self.prompt_ids)
+        self.max_new = limit if params.max_tokens is None else min(params.max_tokens, limit)
+        self.stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_ids.update(eos_ids)
+        self.detok = Detokenizer(tokenizer)
+        self.text = ""  # all finalised output text (cut at a stop string)
+        self.sent = 0  # characters of text already streamed
+        self.max_stop = max((len(s) for s in params.stop), default=0)
+        self.logprobs: list[TokenLogprob] = []
+        self.pending_ids: list[int] = []
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.out_counts: dict[int, int] = {}
+        self.aborted = False
+
+    # ------------------------------------------------------------ tokens / KV
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return self.num_tokens - self.num_computed
+
+    def block_table(self, device: torch.device) -> torch.Tensor:
+        if self._table is None or self._table.numel() != len(self.blocks):
+            self._table = torch.tensor(self.blocks, dtype=torch.int64, device=device)
+        return self._table
+
+    def reset_blocks(self) -> list[int]:
+        """Drop the KV state (preemption): everything will be recomputed."""
+        blocks, self.blocks, self._table = self.blocks, [], None
+        self.num_computed = 0
+        return blocks
+
+    # --------------------------------------------------------------- outputs
+
+    def append(self, token: int, logprob: Optional[TokenLogprob]) -> None:
+        """Record one sampled token and apply the stop rules."""
+        self.output_ids.append(token)
+        self.out_counts[token] = self.out_counts.get(token, 0) + 1
+        self.pending_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+            self.pending_logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish("stop")
+            return
+        new = self.detok.step(self.output_ids)
+        if new:
+            self._add_text(new)
+            if self.status == Status.FINISHED:
+                return
+        if len(self.output_ids) >= self.max_new:
+            self.finish("length")
+
+    def _add_text(self, new: str) -> None:
+        old = len(self.text)
+        self.text += new
+        if self.params.stop:
+            start = max(0, old - self.max_stop + 1)
+            best = -1
+            for s in self.params.stop:
+                if not s:
+                    continue
+                i = self.text.find(s, start)
+                if i >= 0 and (best < 0 or i < best):
+                    best = i
+            if best >= 0:
+                self.text = self.text[:best]
+                self.finish("stop")
+
+    def finish(self, reason: str) -> None:
+        if self.status == Status.FINISHED:
+            return
+        if reason == "length":
+            tail = self.detok.flush(self.output_ids)
+            if tail:
+                self._add_text(tail)
+                if self.status == Status.FINISHED:
+                    return
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+
+    def _holdback(self) -> int:
+        """Characters at the end of ``text`` that may be the start of a stop string."""
+        if not self.params.stop or self.status == Status.FINISHED:
+            return 0
+        best = 0
+        for s in self.params.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def take_delta(self) -> Optional[StreamDelta]:
+        """What is new since the last delta (None if nothing)."""
+        end = len(self.text) - self._holdback()
+        finished = self.status == Status.FINISHED
+        if not self.pending_ids and end <= self.sent and not finished:
+            return None
+        text = self.text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        d = StreamDelta(
+            request_id=self.request_id,
+            token_ids=self.pending_ids,
+            text=text,
+            logprobs=self.pending_logprobs,
+            finished=finished,
+            finish_reason=self.finish_reason if finished else None,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+        )
+        self.pending_ids = []
+        self.pending_logprobs = []
+        return d

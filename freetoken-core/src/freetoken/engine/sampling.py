@@ -1,0 +1,115 @@
+"""Turning a step's logits into tokens, per request.
+
+Order (as vLLM/transformers): repetition penalty (prompt + output tokens),
+presence/frequency penalties (output tokens), temperature, top-k, top-p, min-p,
+then a draw from the request's own generator (seeded requests are reproducible
+whatever else runs in the batch). Log-probabilities report the model's
+distribution (log-softmax of the raw logits), independent of the sampling knobs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from freetoken.engine.outputs import TokenLogprob
+from freetoken.engine.request import Request
+from freetoken.engine.sampling_params import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
+                    out_counts: dict[int, int]) -> torch.Tensor:
+    """Penalised copy of one row of logits (float32 [V])."""
+    rep = params.repetition_penalty
+    pres = params.presence_penalty
+    freq = params.frequency_penalty
+    if rep == 1.0 and pres == 0.0 and freq == 0.0:
+        return logits
+    logits = logits.clone()
+    V = logits.shape[0]
+    if rep != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(out_counts)), dtype=torch.int64)
+        seen = seen[seen < V]
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / rep, vals * rep)
+    if (pres != 0.0 or freq != 0.0) and out_counts:
+        ids = torch.tensor(list(out_counts), dtype=torch.int64)
+        cnt = torch.tensor([out_counts[i] for i in out_counts], dtype=torch.float32)
+        keep = ids < V
+        ids, cnt = ids[keep], cnt[keep]
+        logits[ids] -= freq * cnt + pres * (cnt > 0).float()
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request draws from (float32 [V], sums to 1)."""
+    x = logits / params.temperature
+    V = x.shape[0]
+    k = params.top_k
+    if k is not None and 0 < k < V:
+        kth = torch.topk(x, k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sp, si = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sp, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the crossing token included)
+        remove = (cum - sp) >= params.top_p
+        remove[0] = False
+        mask = torch.zeros_like(remove).scatter(0, si, remove)
+        probs = probs.masked_fill(mask, 0.0)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def _logprob_entry(lp_row: torch.Tensor, token: int, n_top: int) -> TokenLogprob:
+    top: list[tuple[int, float]] = []
+    if n_top > 0:
+        v, i = torch.topk(lp_row, min(n_top, lp_row.shape[0]))
+        top = [(int(a), float(b)) for a, b in zip(i.tolist(), v.tolist())]
+    return TokenLogprob(token_id=token, logprob=float(lp_row[token]), top=top)
+
+
+def _trivial(p: SamplingParams) -> bool:
+    return p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+
+
+def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Generator) -> list[tuple[int, Optional[TokenLogprob]]]:
+    """One token (and its log-probability if asked) per row of ``logits`` [B, V]."""
+    logits = logits.float().cpu()
+    B = logits.shape[0]
+    tokens: list[Optional[int]] = [None] * B
+    fast = [i for i, r in enumerate(requests) if r.params.greedy and _trivial(r.params)]
+    if fast:
+        if len(fast) == B:
+            am = torch.argmax(logits, dim=-1).tolist()
+            tokens = list(am)
+        else:
+            am = torch.argmax(logits[fast], dim=-1).tolist()
+            for i, t in zip(fast, am):
+                tokens[i] = t
+    for i, r in enumerate(requests):
+        if tokens[i] is not None:
+            continue
+        p = r.params
+        row = apply_penalties(logits[i], p, r.prompt_ids, r.out_counts)
+        if p.greedy:
+            tokens[i] = int(torch.argmax(row))
+            continue
+        probs = sampling_probs(row, p)
+        g = r.generator if r.generator is not None else default_gen
+        tokens[i] = int(torch.multinomial(probs, 1, generator=g))
+    out: list[tuple[int, Optional[TokenLogprob]]] = []
+    need_lp = [i for i, r in enumerate(requests) if r.params.logprobs or r.params.top_logprobs > 0]
+    lps = torch.log_softmax(logits[need_lp], dim=-1) if need_lp else None
+    j = 0
+    for i, r in enumerate(requests):
+        tok = int(tokens[i])  # type: ignore[arg-type]
+        lp = None
+        if lps is not None and j < len(need_lp) and need_lp[j] == i:
+            lp = _logprob_entry(lps[j], tok, r.params.top_logprobs)
+            j += 1
+        out.append((tok, lp))
+    return out

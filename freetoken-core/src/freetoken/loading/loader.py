@@ -1,0 +1,128 @@
+"""Open a checkpoint (HF directory or .gguf file) and build the runnable model."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import torch
+
+from freetoken.loading.hf import CheckpointError, HFCheckpoint, hf_architecture
+from freetoken.loading.memory import check_fits
+from freetoken.loading.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
+from freetoken.models.config import ModelConfig
+from freetoken.models.layers import WeightPolicy
+from freetoken.models.registry import family_for_gguf, family_for_hf
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: Any
+    config: ModelConfig
+    tokenizer: Tokenizer
+    generation_config: dict[str, Any]
+    path: str
+    name: str
+    format: str  # "hf" | "gguf"
+    checkpoint: Any = None  # keeps the memory mapping alive
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return None, lambda i: None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return None, lambda i: None
+    bar = tqdm(total=total, desc=desc, unit="layer", leave=False)
+    return bar, lambda i: bar.update(1)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    try:
+        return table[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {dtype!r}") from None
+
+
+def load(path: str, device: Any = "cpu", dtype: str = "auto", kv_bytes: int = 0, show_progress: Optional[bool] = None) -> LoadedModel:
+    """Load ``path`` (an HF directory or a ``.gguf`` file) onto ``device``."""
+    device = torch.device(device)
+    act = resolve_dtype(dtype, device)
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file or directory (give an HF model directory or a .gguf file)")
+    if os.path.isdir(path):
+        return _load_hf(path, device, act, kv_bytes, show_progress)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return _load_gguf(path, device, act, kv_bytes, show_progress)
+    raise CheckpointError(f"{path}: not an HF model directory and not a GGUF file (magic {magic!r})")
+
+
+def _load_hf(path: str, device: torch.device, act: torch.dtype, kv_bytes: int, show: Optional[bool]) -> LoadedModel:
+    ck = HFCheckpoint(path)
+    arch = hf_architecture(ck.config)
+    fam = family_for_hf(arch, os.path.join(path, "config.json"))
+    mod = fam.load()
+    cfg = mod.config_from_hf(ck.config, ck.generation_config)
+    total = ck.total_bytes()
+    # Per-expert HF tensors are stacked into one buffer per layer: one copy of them.
+    expert_bytes = int(total * _expert_fraction(cfg))
+    check_fits(path, weights=total, copies=expert_bytes, kv=kv_bytes)
+    t0 = time.time()
+    show = total > (1 << 30) if show is None else show
+    bar, prog = _progress(cfg.num_layers, "loading", show)
+    model = getattr(mod, fam.model_class)(cfg, ck, mod.HF_NAMES, WeightPolicy(device, act), progress=prog)
+    if bar is not None:
+        bar.close()
+    tok = load_hf_tokenizer(path, cfg.eos_token_ids)
+    if not cfg.eos_token_ids:
+        cfg.eos_token_ids = tuple(tok.eos_token_ids)
+    logger.info("loaded %s (%s, %d layers) in %.1fs", path, arch, cfg.num_layers, time.time() - t0)
+    name = os.path.basename(os.path.normpath(path))
+    return LoadedModel(model, cfg, tok, ck.generation_config, path, name, "hf", ck)
+
+
+def _expert_fraction(cfg: ModelConfig) -> float:
+    e = 3 * cfg.num_experts * cfg.hidden_size * cfg.moe_intermediate_size * sum(
+        cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    attn = cfg.num_layers * cfg.hidden_size * cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads)
+    emb = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    return e / max(1, e + attn + emb)
+
+
+def _load_gguf(path: str, device: torch.device, act: torch.dtype, kv_bytes: int, show: Optional[bool]) -> LoadedModel:
+    from freetoken.loading.gguf import GGUFCheckpoint
+
+    ck = GGUFCheckpoint(path)
+    fam = family_for_gguf(ck.architecture, path)
+    mod = fam.load()
+    cfg = mod.config_from_gguf(ck.metadata, has_output=ck.has(mod.GGUF_NAMES.lm_head))
+    if cfg.vocab_size <= 0 and ck.has(mod.GGUF_NAMES.embed):
+        cfg.vocab_size = int(ck.get(mod.GGUF_NAMES.embed).shape[0])
+    total = ck.total_bytes()
+    copies = 0 if device.type == "cpu" else total
+    check_fits(path, weights=total if device.type == "cpu" else 0, copies=copies, kv=kv_bytes)
+    t0 = time.time()
+    show = total > (1 << 30) if show is None else show
+    bar, prog = _progress(cfg.num_layers, "loading", show)
+    model = getattr(mod, fam.model_class)(cfg, ck, mod.GGUF_NAMES, WeightPolicy(device, act), progress=prog)
+    if bar is not None:
+        bar.close()
+    tok = load_gguf_tokenizer(ck, cfg.vocab_size)
+    if not cfg.eos_token_ids:
+        cfg.eos_token_ids = tuple(tok.eos_token_ids)
+    logger.info("loaded %s (%s, %d layers) in %.1fs", path, ck.architecture, cfg.num_layers, time.time() - t0)
+    name = str(ck.metadata.get("general.name") or os.path.splitext(os.path.basename(path))[0])
+    return LoadedModel(model, cfg, tok, {}, path, name, "gguf", ck)

@@ -1,0 +1,96 @@
+"""Attention over the paged KV cache, in plain torch ops (any device).
+
+One engine step runs a flat batch of ``T`` tokens from several sequences. The
+engine describes where they go with :class:`AttentionMetadata`: for every token the
+cache slot its K/V are written to, and per sequence which slice of the step's
+tokens it owns and which cache blocks hold its context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class SeqSlice:
+    """One sequence's part of a step."""
+
+    q_start: int  # first of its tokens in the step's flat batch
+    q_len: int  # tokens computed this step
+    ctx_len: int  # context length after this step (cached + new)
+    block_table: torch.Tensor  # int64 [num_blocks] on the dense device
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where a step's tokens read and write K/V.
+
+    ``decode`` is set when every sequence computes exactly one token: then the
+    batched tensors ``block_tables`` ([B, max_blocks], padded with block 0),
+    ``ctx_lens`` and ``mask`` ([B, 1, 1, max_blocks*block_size], True = attend) let
+    one batched attention call serve the whole step.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [T]
+    seqs: list[SeqSlice]
+    block_size: int
+    decode: bool = False
+    block_tables: Optional[torch.Tensor] = None
+    ctx_lens: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store ``k``/``v`` ([T, kv_heads, head_dim]) into their cache slots."""
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the step's queries ``q`` ([T, heads, head_dim]) over each
+    sequence's cached context (which already holds this step's K/V).
+
+    Returns ``[T, heads * head_dim]``.
+    """
+    T, H, D = q.shape
+    nb, bs, kvh, _ = k_cache.shape
+    gqa = H != kvh
+    if meta.decode:
+        B = len(meta.seqs)
+        if B == 1:
+            s = meta.seqs[0]
+            k = k_cache[s.block_table].reshape(-1, kvh, D)[: s.ctx_len].transpose(0, 1)
+            v = v_cache[s.block_table].reshape(-1, kvh, D)[: s.ctx_len].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=scale, enable_gqa=gqa)
+            return o.reshape(H, D).reshape(1, H * D)
+        assert meta.block_tables is not None and meta.mask is not None
+        k = k_cache[meta.block_tables].reshape(B, -1, kvh, D).transpose(1, 2)
+        v = v_cache[meta.block_tables].reshape(B, -1, kvh, D).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.mask, scale=scale, enable_gqa=gqa)
+        return o.reshape(B, H * D)
+
+    out = q.new_empty(T, H * D)
+    for s in meta.seqs:
+        qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        k = k_cache[s.block_table].reshape(-1, kvh, D)[: s.ctx_len].transpose(0, 1).unsqueeze(0)
+        v = v_cache[s.block_table].reshape(-1, kvh, D)[: s.ctx_len].transpose(0, 1).unsqueeze(0)
+        if s.q_len == s.ctx_len:
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        elif s.q_len == 1:
+            o = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=gqa)
+        else:
+            mask = torch.ones(s.q_len, s.ctx_len, dtype=torch.bool, device=q.device).tril(s.ctx_len - s.q_len)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1).reshape(s.q_len, H * D)
+    return out

@@ -1,0 +1,166 @@
+"""Building blocks shared by the model families: linears, norms, rotary embeddings,
+and the policy that decides how each checkpoint tensor is held in memory.
+
+Weight policy (see the engine issue): on the CPU backend a projection whose
+checkpoint format is not the activation dtype (GGUF blocks, BF16/FP16/FP8 in an FP32
+run) stays in its file format and runs through ``freetoken_cpu_moe.linear`` -- a
+dense projection is a one-expert layer -- because decode reads every byte of it per
+token and a dequantized copy would multiply those bytes. Small tensors (norms, the
+router, biases) are turned into float tensors. On a GPU device the dense part is
+dequantized onto the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.handoff import Fmt
+from freetoken.loading.tensors import RawTensor, is_packed
+
+logger = logging.getLogger(__name__)
+
+_FMT_NAMES = {
+    int(Fmt.F32): "f32",
+    int(Fmt.F16): "f16",
+    int(Fmt.BF16): "bf16",
+    int(Fmt.FP8_E4M3_B128): "fp8_e4m3_b128",
+    int(Fmt.Q8_0): "q8_0",
+    int(Fmt.Q4_K): "q4_k",
+    int(Fmt.Q5_K): "q5_k",
+    int(Fmt.Q6_K): "q6_k",
+}
+
+
+def cpu_moe() -> Any:
+    """Import ``freetoken_cpu_moe`` or fail with the install command."""
+    try:
+        import freetoken_cpu_moe as cm
+    except ImportError as exc:  # pragma: no cover - the meta package depends on it
+        raise RuntimeError(
+            "freetoken_cpu_moe is not installed; it runs the routed experts. Install it with "
+            "`pip install -e ./freetoken-cpu-moe` (or `pip install freetoken`)."
+        ) from exc
+    if not hasattr(cm, "moe_forward"):
+        raise RuntimeError("freetoken_cpu_moe is a placeholder build without kernels; rebuild freetoken-cpu-moe")
+    return cm
+
+
+def cm_weights(raw: RawTensor, num_experts: int, rows: int, cols: int, data: Any = None) -> Any:
+    """A ``freetoken_cpu_moe.Weights`` over the tensor's own bytes (no copy)."""
+    cm = cpu_moe()
+    buf = raw.raw_torch() if data is None else data
+    scale = raw.scale
+    return cm.Weights(buf, _FMT_NAMES[int(raw.fmt)], num_experts, rows, cols, scale=scale)
+
+
+class TorchLinear:
+    """``y = x @ W.T`` with a float weight on the dense device."""
+
+    packed = False
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.nbytes = weight.numel() * weight.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class PackedLinear:
+    """A projection kept in its checkpoint format, run by the CPU kernels."""
+
+    packed = True
+
+    def __init__(self, raw: RawTensor) -> None:
+        rows, cols = raw.shape
+        self.out_features, self.in_features = rows, cols
+        self.fmt = int(raw.fmt)
+        self.nbytes = raw.nbytes
+        self._raw = raw  # keeps the mapping alive
+        self.weights = cm_weights(raw, 1, rows, cols)
+        self._linear = cpu_moe().linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(self.weights, x, out_dtype=x.dtype)
+
+
+class Embedding:
+    """Token embedding lookup: a float table, or packed rows dequantized on demand."""
+
+    def __init__(self, raw: RawTensor, device: torch.device, dtype: torch.dtype, keep_packed: bool) -> None:
+        self.raw = raw
+        self.dtype = dtype
+        self.device = device
+        self.table: Optional[torch.Tensor] = None
+        if not (keep_packed and is_packed(raw.fmt)):
+            self.table = raw.to_float(dtype).to(device)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return self.table[ids]
+        return self.raw.rows_to_float(ids, self.dtype).to(self.device)
+
+
+class WeightPolicy:
+    """Turns :class:`RawTensor` objects into runnable weights for one device/dtype."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.on_cpu = self.device.type == "cpu"
+
+    def tensor(self, raw: RawTensor) -> torch.Tensor:
+        """A float tensor (norm weights, routers, biases)."""
+        t = raw.to_float(self.dtype)
+        return t.to(self.device) if not self.on_cpu else t
+
+    def linear(self, raw: RawTensor) -> Any:
+        if len(raw.shape) != 2:
+            raise ValueError(f"{raw.source}: {raw.name} should be a matrix, has shape {raw.shape}")
+        fmt = int(raw.fmt)
+        if self.on_cpu:
+            if fmt == Fmt.F32 and self.dtype == torch.float32:
+                return TorchLinear(raw.to_float(torch.float32))
+            if fmt in _FMT_NAMES:
+                return PackedLinear(raw)
+        return TorchLinear(raw.to_float(self.dtype).to(self.device))
+
+    def embedding(self, raw: RawTensor) -> Embedding:
+        return Embedding(raw, self.device, self.dtype, keep_packed=self.on_cpu)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in FP32 (as HF does), returned in ``x``'s dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Rotary:
+    """NeoX-style rotary embeddings (rotate-half), cos/sin tables cached per position."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        pos = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+        self.half = head_dim // 2
+        self.max_positions = max_positions
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for ``positions`` shaped ``[T, 1, head_dim]`` (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` is ``[T, heads, head_dim]``."""
+        x1 = x[..., : self.half]
+        x2 = x[..., self.half :]
+        rot = torch.cat((-x2, x1), dim=-1)
+        return x * cos + rot * sin
