@@ -207,6 +207,30 @@ class LLMEngine:
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), meta)
 
     @torch.inference_mode()
+    def prompt_logits(self, prompt_ids: list[int], chunk: Optional[int] = None) -> torch.Tensor:
+        """Logits (float32 [N, vocab]) at every position of a prompt, computed through
+        the paged cache in chunks of ``chunk`` tokens (default ``prefill_chunk``).
+        Runs outside the scheduler: call it while no requests are in flight."""
+        self.validate(prompt_ids, SamplingParams(max_tokens=1))
+        req = Request("prompt-logits", prompt_ids, SamplingParams(max_tokens=1), self.tokenizer, [],
+                      self.max_model_len, None)
+        chunk = chunk or self.config.prefill_chunk
+        out = []
+        try:
+            while req.num_computed < len(prompt_ids):
+                n = min(chunk, len(prompt_ids) - req.num_computed)
+                need = self.kv.blocks_for(req.num_computed + n) - len(req.blocks)
+                req.blocks.extend(self.kv.allocate(need))
+                batch = [Scheduled(req, n, False)]
+                ids, pos, meta = self._metadata(batch)
+                hidden = self.model.forward(ids, pos, meta, self.kv.layers)
+                out.append(self.model.compute_logits(hidden))
+                req.num_computed += n
+        finally:
+            self.kv.free(req.reset_blocks())
+        return torch.cat(out)
+
+    @torch.inference_mode()
     def step(self) -> list[StreamDelta]:
         """Run one model step; returns the deltas of the requests that advanced."""
         batch = self.scheduler.schedule()

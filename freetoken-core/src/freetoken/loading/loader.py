@@ -12,7 +12,7 @@ import torch
 
 from freetoken.loading.hf import CheckpointError, HFCheckpoint, hf_architecture
 from freetoken.loading.memory import check_fits
-from freetoken.loading.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
+from freetoken.loading.tokenizer import IdsOnlyTokenizer, Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import WeightPolicy
 from freetoken.models.registry import family_for_gguf, family_for_hf
@@ -86,7 +86,11 @@ def _load_hf(path: str, device: torch.device, act: torch.dtype, kv_bytes: int, s
     model = getattr(mod, fam.model_class)(cfg, ck, mod.HF_NAMES, WeightPolicy(device, act), progress=prog)
     if bar is not None:
         bar.close()
-    tok = load_hf_tokenizer(path, cfg.eos_token_ids)
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        tok = load_hf_tokenizer(path, cfg.eos_token_ids)
+    else:
+        logger.warning("%s has no tokenizer.json: token ids only", path)
+        tok = IdsOnlyTokenizer(cfg.eos_token_ids, cfg.vocab_size, path)
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = tuple(tok.eos_token_ids)
     logger.info("loaded %s (%s, %d layers) in %.1fs", path, arch, cfg.num_layers, time.time() - t0)

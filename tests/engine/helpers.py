@@ -1,0 +1,71 @@
+"""Shared test helpers: tiny random Qwen3-MoE checkpoints and HF references."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+# FP32 everywhere. The engine and HF differ only in summation order (SDPA vs eager
+# attention, GEMM blocking, per-expert accumulation order); each op contributes
+# ~1e-7 relative error, a few layers of it stay well below 1e-4 on logits of size
+# O(1). A real bug (rope, norm, routing, cache slot) moves logits by >1e-2.
+ATOL = 2e-4
+RTOL = 1e-4
+
+
+def tiny_config(**over: Any) -> Any:
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(
+        vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=512, norm_topk_prob=True, rope_theta=10000.0, tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    kw.update(over)
+    theta = kw.pop("rope_theta")
+    cfg = Qwen3MoeConfig(**kw)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    return cfg
+
+
+def randomize(model: Any, seed: int) -> None:
+    """Fresh random weights (norm weights around 1, everything else N(0, 0.1^2))."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def make_hf(path: str, seed: int, **over: Any) -> Any:
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(tiny_config(**over)).float().eval()
+    randomize(model, seed)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    model.save_pretrained(path)
+    return model
+
+
+@torch.no_grad()
+def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
+
+
+def engine_for(path: str, **kw: Any) -> Any:
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import LLMEngine
+
+    kw.setdefault("kv_cache_tokens", 4096)
+    return LLMEngine(EngineConfig(model=path, backend="cpu", **kw))
