@@ -374,6 +374,13 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:
         """Block the host until all work on the device is complete."""
 
+    def stream_capturing(self, stream: int) -> bool:
+        """Whether ``stream`` is being captured into a graph now (False without graphs).
+
+        Work recorded while this is True is not executed until replay, so host-side
+        writes (e.g. a task's ``num_tokens``) must not depend on it."""
+        return False
+
 
 def flag_slot_at(address: int) -> handoff.FlagSlot:
     """A ctypes view of the flag slot at a host address."""

@@ -1,0 +1,100 @@
+/*
+ * The pybind11 surface of a FreeToken GPU backend extension, shared by freetoken-cuda
+ * (module freetoken_cuda._C) and freetoken-rocm (freetoken_rocm._C). Each package's
+ * csrc file is just:
+ *     #include <freetoken/gpu/module_bindings.cuh>
+ *     PYBIND11_MODULE(_C, m) { freetoken_gpu::bind_module(m); }
+ * Everything is integers (addresses, stream handles, sizes): no libtorch, no torch types.
+ */
+#ifndef FREETOKEN_GPU_MODULE_BINDINGS_CUH
+#define FREETOKEN_GPU_MODULE_BINDINGS_CUH
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <freetoken/gpu/runtime_host.cuh>
+
+namespace freetoken_gpu {
+
+namespace py = pybind11;
+
+inline py::dict device_info_dict(int device) {
+    DeviceInfo d = device_info(device);
+    py::dict r;
+    r["name"] = d.name;
+    r["arch"] = d.arch;
+    r["capability"] = py::make_tuple(d.major, d.minor);
+    r["total_memory"] = d.total_memory;
+    r["multiprocessors"] = d.multiprocessors;
+    r["can_map_host_memory"] = static_cast<bool>(d.can_map_host_memory);
+    r["unified_addressing"] = static_cast<bool>(d.unified_addressing);
+    r["pageable_memory_access"] = static_cast<bool>(d.pageable_memory_access);
+    r["stream_memops"] = d.memops;
+    r["stream_memops_reason"] = d.memops_reason;
+    if (d.memops_v1_attr >= 0) r["stream_memops_v1_attribute"] = d.memops_v1_attr;
+    return r;
+}
+
+inline py::dict graph_memop_probe_dict(uint64_t host_addr, uint64_t dev_addr) {
+    GraphMemopProbe p;
+    {
+        py::gil_scoped_release release;
+        p = probe_graph_memops(host_addr, dev_addr);
+    }
+    py::dict r;
+    r["capture_ok"] = p.capture_ok;
+    r["flag_unchanged_during_capture"] = p.flag_unchanged_during_capture;
+    r["nodes"] = p.nodes;
+    r["memop_nodes"] = p.memop_nodes;
+    r["replay_performed"] = p.replay_performed;
+    r["native"] = p.native;
+    r["explicit_ok"] = p.explicit_ok;
+    r["error"] = p.error;
+    return r;
+}
+
+inline void bind_module(py::module_& m) {
+    m.doc() = "FreeToken GPU backend native surface (" FT_GPU_API_NAME "): queries, probes, hand-off kernels";
+    m.attr("API") = FT_GPU_API_NAME;
+    m.attr("HANDOFF_ABI_VERSION") = static_cast<int>(FT_HANDOFF_ABI_VERSION);
+    m.attr("DONE_SKIPPED") = static_cast<uint64_t>(FT_DONE_SKIPPED);
+    m.attr("FAULT_NONE") = FT_FAULT_NONE;
+    m.attr("FAULT_STALE") = FT_FAULT_STALE;
+    m.attr("FAULT_NOFENCE") = FT_FAULT_NOFENCE;
+    m.def("device_count", &device_count, "number of visible devices (raises with the runtime's error)");
+    m.def("device_info", &device_info_dict, py::arg("device"));
+    m.def("runtime_version", &runtime_version);
+    m.def("driver_version", &driver_version);
+    m.def(
+        "host_alloc",
+        [](size_t nbytes, bool mapped) {
+            HostAllocation a = host_alloc(nbytes, mapped);
+            return py::make_tuple(a.host, a.device);
+        },
+        py::arg("nbytes"), py::arg("mapped"), "page-locked host memory -> (host_ptr, device_ptr or 0)");
+    m.def("host_free", &host_free, py::arg("host_ptr"));
+    m.def("host_register", &host_register, py::arg("ptr"), py::arg("nbytes"), py::arg("mapped"),
+          "page-lock and register existing host memory -> device_ptr (0 unless mapped)");
+    m.def("host_unregister", &host_unregister, py::arg("ptr"));
+    m.def("stream_is_capturing", &stream_is_capturing, py::arg("stream"));
+    m.def("memop_write", &memop_write, py::arg("stream"), py::arg("dev_addr"), py::arg("value"),
+          py::arg("explicit_node") = false);
+    m.def("memop_wait", &memop_wait, py::arg("stream"), py::arg("dev_addr"), py::arg("value"),
+          py::arg("explicit_node") = false);
+    m.def("flag_write_kernel", &launch_flag_write, py::arg("stream"), py::arg("dev_addr"), py::arg("value"));
+    m.def("flag_wait_kernel", &launch_flag_wait, py::arg("stream"), py::arg("dev_addr"), py::arg("value"),
+          py::arg("reset"), py::arg("err_addr"), py::arg("timeout_ns"));
+    m.def("kio_publish", &kio_publish, py::arg("stream"), py::arg("x"), py::arg("ids"), py::arg("w"), py::arg("n_x"),
+          py::arg("n_routes"), py::arg("dst_x"), py::arg("dst_ids"), py::arg("dst_w"), py::arg("flags"),
+          py::arg("fault") = 0);
+    m.def("kio_combine", &kio_combine, py::arg("stream"), py::arg("out"), py::arg("y"), py::arg("y_is_f32"),
+          py::arg("n"), py::arg("flags"), py::arg("timeout_ns"));
+    m.def("host_callback_publish", &host_callback_publish, py::arg("stream"), py::arg("slot_host"));
+    m.def("host_callback_wait", &host_callback_wait, py::arg("stream"), py::arg("slot_host"), py::arg("timeout_ns"));
+    m.def("graph_memop_probe", &graph_memop_probe_dict, py::arg("host_addr"), py::arg("dev_addr"),
+          "capture memops on a private stream: recorded natively? as explicit nodes?");
+}
+
+}  // namespace freetoken_gpu
+
+#endif /* FREETOKEN_GPU_MODULE_BINDINGS_CUH */

@@ -1,0 +1,171 @@
+"""The layer-level hybrid MoE executor: GPU experts and CPU experts in one step.
+
+One :class:`HybridMoEExecutor` per MoE layer. ``forward(x, ids, w)`` splits the routes
+(placement), hands the CPU routes to the CPU workers through the chosen IO path while
+the GPU experts run, and adds the CPU result into the GPU result::
+
+    KERNEL_IO      publish kernel (x, cpu ids, w -> mapped memory, ready)  | CPU workers
+                   GPU experts                                             |  compute y,
+                   combine kernel (wait done, out += y, done = 0)          |  done = 1
+    COPY           D2H copies + GpuSync.publish; GPU experts; GpuSync.wait + H2D + add
+    HOST_CALLBACK  the copy path with host-callback sync (eager only)
+    SYNCHRONOUS    the copy path with the CPU backend's synchronous GpuSync
+
+Every enqueued operation is stream-ordered with no host synchronisation, so a forward
+can be captured into a graph and replayed; each batch size has its own task (buffers,
+flag slot, descriptor) that lives as long as the executor. Tasks for the batch sizes a
+graph will use must exist before capture (:meth:`prepare`): allocation is not capturable.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from freetoken.backends.contract import Backend, HandoffTask, IOPath, SyncMode
+from freetoken.moe import faults
+from freetoken.moe.gpu_experts import GpuExperts
+from freetoken.moe.placement import Placement, split_routes
+
+log = logging.getLogger(__name__)
+
+
+class HybridMoEExecutor:
+    def __init__(
+        self,
+        backend: Backend,
+        layer: int,
+        gpu_experts: GpuExperts,
+        cpu_bank_address: int,
+        top_k: int,
+        io_path: IOPath,
+        act_dtype: Any,
+        placement: Optional[Placement] = None,
+        coordinator: Any = None,
+        sync_mode: Optional[SyncMode] = None,
+        y_dtype: Any = None,
+    ) -> None:
+        import torch
+
+        self.backend = backend
+        self.layer = layer
+        self.experts = gpu_experts
+        self.bank_address = cpu_bank_address
+        self.top_k = top_k
+        self.hidden = gpu_experts.hidden
+        self.io_path = IOPath(io_path)
+        self.act_dtype = act_dtype
+        self.y_dtype = torch.float32 if y_dtype is None else y_dtype
+        self.placement = placement
+        self.coordinator = coordinator
+        self.staging = backend.staging()
+        self.tasks: dict[int, HandoffTask] = {}
+        self.scratch: dict[int, Any] = {}
+        self.kio = None
+        self.sync = None
+        if self.io_path == IOPath.KERNEL_IO:
+            if act_dtype != torch.bfloat16:
+                raise ValueError(f"KernelIO carries bfloat16 activations only, not {act_dtype}; use IOPath.COPY")
+            self.kio = backend.kernel_io()
+            if self.kio is None:
+                raise ValueError(f"backend {backend.name} has no KernelIO")
+        elif self.io_path == IOPath.HOST_CALLBACK:
+            self.sync = backend.gpu_sync(SyncMode.HOST_CALLBACK)
+        else:
+            self.sync = backend.gpu_sync(sync_mode)
+
+    @property
+    def graph_safe(self) -> bool:
+        return self.sync is None or self.sync.graph_safe
+
+    # ---- tasks ---------------------------------------------------------------------
+    def prepare(self, batch_sizes: Any) -> None:
+        """Create the tasks (and device scratch) of these batch sizes ahead of capture."""
+        for t in batch_sizes:
+            self.task_for(int(t))
+
+    def task_for(self, tokens: int) -> HandoffTask:
+        task = self.tasks.get(tokens)
+        if task is not None:
+            return task
+        if self.backend.stream_capturing(self.backend.current_stream()):
+            raise RuntimeError(
+                f"layer {self.layer}: no hand-off task for batch size {tokens} and the stream is capturing; "
+                "call prepare() with every captured batch size before capture"
+            )
+        import torch
+
+        task = self.staging.new_task(
+            self.layer, tokens, tokens, self.top_k, self.hidden, self.act_dtype, self.y_dtype, self.bank_address,
+            mapped=True,
+        )  # fmt: skip
+        self.tasks[tokens] = task
+        self.scratch[tokens] = torch.empty(tokens, self.hidden, dtype=self.y_dtype, device=self.backend.device())
+        if self.coordinator is not None:
+            self.coordinator.add_task(task.desc_buffer.host_ptr)
+        return task
+
+    def check_errors(self) -> None:
+        """Raise if the CPU side reported an error on any task (call after a sync)."""
+        for task in self.tasks.values():
+            task.check_error()
+
+    def close(self) -> None:
+        if self.coordinator is not None:
+            for task in self.tasks.values():
+                try:
+                    self.coordinator.remove_task(task.desc_buffer.host_ptr)
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("layer %d: removing task from the coordinator failed: %s", self.layer, exc)
+        self.tasks.clear()
+        self.scratch.clear()
+
+    # ---- one step --------------------------------------------------------------------
+    def forward(self, x: Any, ids: Any, w: Any, cpu_mask: Optional[Any] = None) -> Any:
+        """``x [T, H]``, ``ids [T, K]`` expert ids, ``w [T, K]`` routing weights; ``cpu_mask``
+        (bool ``[T, K]``) overrides the placement. Returns ``[T, H]`` in ``x.dtype``."""
+        import torch
+
+        tokens = x.shape[0]
+        if x.dim() != 2 or x.shape[1] != self.hidden or ids.shape != (tokens, self.top_k) or w.shape != ids.shape:
+            raise ValueError(
+                f"layer {self.layer}: x {tuple(x.shape)}, ids {tuple(ids.shape)}, w {tuple(w.shape)} do not match "
+                f"hidden={self.hidden}, top_k={self.top_k}"
+            )
+        if cpu_mask is None:
+            if self.placement is None:
+                raise ValueError("no placement configured: pass cpu_mask")
+            cpu_mask = self.placement.cpu_mask(ids)
+        task = self.task_for(tokens)
+        gpu_ids, cpu_ids = split_routes(ids, cpu_mask)
+        w32 = w.to(torch.float32).contiguous()
+        stream = self.backend.current_stream()
+        if self.kio is not None:
+            self.kio.publish(stream, task, x.contiguous(), cpu_ids.contiguous(), w32)
+            out = self.experts.forward(x, gpu_ids, w).contiguous()
+            self.kio.combine(stream, task, out)
+            return out
+        self._publish_copies(stream, task, x, cpu_ids, w32)
+        out = self.experts.forward(x, gpu_ids, w)
+        self.sync.wait(stream, task)
+        y = self.scratch[tokens]
+        y.copy_(task.y[:tokens], non_blocking=True)
+        out.add_(y)
+        return out
+
+    def _publish_copies(self, stream: int, task: HandoffTask, x: Any, cpu_ids: Any, w32: Any) -> None:
+        capturing = self.backend.stream_capturing(stream)
+        kind = faults.fault_for(self.io_path.value, capturing)
+        if kind == "error":
+            raise faults.InjectedFault(f"injected {self.io_path.value} publish error")
+        tokens = x.shape[0]
+        if not capturing:
+            task.desc.num_tokens = tokens
+        if kind == "nofence":
+            self.sync.publish(stream, task)
+        if kind != "stale":
+            task.x[:tokens].copy_(x, non_blocking=True)
+        task.ids[:tokens].copy_(cpu_ids, non_blocking=True)
+        task.w[:tokens].copy_(w32, non_blocking=True)
+        if kind != "nofence":
+            self.sync.publish(stream, task)

@@ -1,0 +1,447 @@
+"""The generic native GPU backend shared by freetoken-cuda and freetoken-rocm.
+
+Both packages build the same native surface (``freetoken/include/freetoken/gpu/``) with
+their compiler and bind it here by naming their extension module; this module holds the
+Python half once: probe, capabilities, Staging, the GpuSync modes, KernelIO and graph
+capture. Native code sees integers only (addresses, sizes, stream handles).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import threading
+import time
+from typing import Any, Callable, ClassVar, Optional
+
+from freetoken import handoff
+from freetoken.backends.contract import (
+    Backend,
+    BackendError,
+    Capabilities,
+    CapturedGraph,
+    GpuSync,
+    GraphCapture,
+    HandoffTask,
+    HostBuffer,
+    KernelIO,
+    ProbeResult,
+    Staging,
+    SyncMode,
+)
+from freetoken.moe import faults
+
+log = logging.getLogger(__name__)
+
+#: Bound on GPU-side waits (flag-wait and combine kernels, host-callback waits). The CPU
+#: coordinator's watchdog (2 s by default) normally fires first and reports the error.
+WAIT_TIMEOUT_NS = 10_000_000_000
+
+_FAULT_CODES = {None: 0, "stale": 1, "nofence": 2}
+
+
+def _load_native(module: str) -> Any:
+    return importlib.import_module(module)
+
+
+class _HostMemory:
+    """Owns one page-locked host allocation; frees it when the last view is gone."""
+
+    def __init__(self, native: Any, nbytes: int, mapped: bool) -> None:
+        self.native = native
+        self.host, self.device = native.host_alloc(nbytes, mapped)
+        self.nbytes = nbytes
+
+    def __del__(self) -> None:
+        host, self.host = getattr(self, "host", 0), 0
+        if host:
+            try:
+                self.native.host_free(host)
+            except Exception as exc:  # noqa: BLE001 - never raise from a finalizer
+                log.warning("freeing pinned host memory failed: %s", exc)
+
+
+def _tensor_over(memory: _HostMemory) -> Any:
+    """A uint8 CPU tensor over the allocation that keeps ``memory`` alive."""
+    import torch
+
+    array_type = type("_PinnedBytes", (ctypes.c_uint8 * memory.nbytes,), {})
+    array = array_type.from_address(memory.host)
+    array.owner = memory  # the tensor holds the array, the array holds the owner
+    return torch.frombuffer(array, dtype=torch.uint8)
+
+
+class _Registration:
+    def __init__(self, native: Any, tensor: Any, mapped: bool) -> None:
+        self.native = native
+        self.tensor = tensor
+        self.ptr = tensor.data_ptr()
+        self.device_ptr = native.host_register(self.ptr, tensor.numel() * tensor.element_size(), mapped)
+
+    def __del__(self) -> None:
+        ptr, self.ptr = getattr(self, "ptr", 0), 0
+        if ptr:
+            try:
+                self.native.host_unregister(ptr)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("unregistering host memory failed: %s", exc)
+
+
+class NativeStaging(Staging):
+    def __init__(self, native: Any) -> None:
+        self.native = native
+
+    def alloc_host(self, nbytes: int, mapped: bool = False) -> HostBuffer:
+        if nbytes <= 0:
+            raise ValueError(f"alloc_host: nbytes must be positive, got {nbytes}")
+        memory = _HostMemory(self.native, nbytes, mapped)
+        tensor = _tensor_over(memory)
+        return HostBuffer(tensor, memory.host, memory.device, nbytes, mapped, owner=memory)
+
+    def register_host(self, tensor: Any) -> Any:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError("register_host needs a contiguous CPU tensor")
+        return _Registration(self.native, tensor, mapped=False)
+
+    def fetch(self, stream: int, dst: Any, src: Any) -> None:
+        _on_stream(stream, lambda: dst.copy_(src, non_blocking=True))
+
+
+def _on_stream(stream: int, fn: Callable[[], Any]) -> Any:
+    import torch
+
+    if stream == torch.cuda.current_stream().cuda_stream:
+        return fn()
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        return fn()
+
+
+def _flags_dev(task: HandoffTask) -> int:
+    try:
+        return task.device_ptrs["flags"]
+    except KeyError:
+        raise BackendError(
+            f"task layer {task.layer} slot {task.slot} has no mapped flag slot; allocate it with mapped=True"
+        ) from None
+
+
+class MemopSync(GpuSync):
+    """Stream write/wait-value on the flag slot; ``explicit_nodes`` adds them as graph
+    nodes under capture where stream capture does not record them natively."""
+
+    mode = SyncMode.STREAM_MEMOPS
+    graph_safe = True
+
+    def __init__(self, native: Any, explicit_nodes: bool = False) -> None:
+        self.native = native
+        self.explicit_nodes = explicit_nodes
+
+    def publish(self, stream: int, task: HandoffTask) -> None:
+        self.native.memop_write(stream, _flags_dev(task) + handoff.FlagSlot.ready.offset, 1, self.explicit_nodes)
+
+    def wait(self, stream: int, task: HandoffTask) -> None:
+        done = _flags_dev(task) + handoff.FlagSlot.done.offset
+        self.native.memop_wait(stream, done, 1, self.explicit_nodes)
+        self.native.memop_write(stream, done, 0, self.explicit_nodes)
+
+
+class FlagWaitSync(GpuSync):
+    """Without memops: a one-thread kernel raises ``ready`` after a system fence, and a
+    one-thread kernel spins on ``done`` (bounded; on timeout it sets ``err``)."""
+
+    mode = SyncMode.FLAG_WAIT_KERNEL
+    graph_safe = True
+
+    def __init__(self, native: Any) -> None:
+        self.native = native
+
+    def publish(self, stream: int, task: HandoffTask) -> None:
+        self.native.flag_write_kernel(stream, _flags_dev(task) + handoff.FlagSlot.ready.offset, 1)
+
+    def wait(self, stream: int, task: HandoffTask) -> None:
+        base = _flags_dev(task)
+        self.native.flag_wait_kernel(
+            stream, base + handoff.FlagSlot.done.offset, 1, 0, base + handoff.FlagSlot.err.offset, WAIT_TIMEOUT_NS
+        )
+
+
+class HostCallbackSync(GpuSync):
+    """Host functions on the stream: one raises ``ready``, one spins on ``done``. Eager only."""
+
+    mode = SyncMode.HOST_CALLBACK
+    graph_safe = False
+
+    def __init__(self, native: Any) -> None:
+        self.native = native
+
+    def publish(self, stream: int, task: HandoffTask) -> None:
+        self.native.host_callback_publish(stream, task.flag_addr)
+
+    def wait(self, stream: int, task: HandoffTask) -> None:
+        self.native.host_callback_wait(stream, task.flag_addr, WAIT_TIMEOUT_NS)
+
+
+class NativeKernelIO(KernelIO):
+    """Publish/combine kernels on mapped memory (BF16 activations)."""
+
+    def __init__(self, backend: "NativeGpuBackend") -> None:
+        self.backend = backend
+        self.native = backend.native()
+        self.probe_details: dict[str, Any] = {}
+        self.faults_enabled = True  # the probe checks the path itself, without injected faults
+
+    def publish(self, stream: int, task: HandoffTask, x: Any, cpu_ids: Any, weights: Any) -> None:
+        import torch
+
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"KernelIO takes bfloat16 activations, got {x.dtype}; use the copy path")
+        tokens = x.shape[0]
+        if tokens > task.max_tokens or x.shape[1] != task.hidden or cpu_ids.shape != (tokens, task.top_k):
+            raise ValueError(
+                f"KernelIO publish: x {tuple(x.shape)} / ids {tuple(cpu_ids.shape)} do not fit task "
+                f"(max_tokens={task.max_tokens}, hidden={task.hidden}, top_k={task.top_k})"
+            )
+        if not (x.is_contiguous() and cpu_ids.is_contiguous() and weights.is_contiguous()):
+            raise ValueError("KernelIO publish needs contiguous x, ids and weights")
+        if cpu_ids.dtype != torch.int32 or weights.dtype != torch.float32:
+            raise ValueError("KernelIO publish needs int32 ids and float32 weights")
+        capturing = bool(self.native.stream_is_capturing(stream))
+        kind = faults.fault_for("kernel_io", capturing) if self.faults_enabled else None
+        if kind == "error":
+            raise faults.InjectedFault("injected KernelIO publish error")
+        if not capturing:
+            task.desc.num_tokens = tokens
+        dp = task.device_ptrs
+        self.native.kio_publish(
+            stream, x.data_ptr(), cpu_ids.data_ptr(), weights.data_ptr(), tokens * task.hidden,
+            tokens * task.top_k, dp["x"], dp["ids"], dp["w"], _flags_dev(task), _FAULT_CODES[kind],
+        )  # fmt: skip
+
+    def combine(self, stream: int, task: HandoffTask, out: Any) -> None:
+        import torch
+
+        if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.shape[1] != task.hidden:
+            raise ValueError("KernelIO combine needs a contiguous bfloat16 [tokens, hidden] output")
+        if task.out_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"KernelIO combine reads y as float32 or bfloat16, task has {task.out_dtype}")
+        self.native.kio_combine(
+            stream, out.data_ptr(), task.device_ptrs["y"], task.out_dtype == torch.float32, out.numel(),
+            _flags_dev(task), WAIT_TIMEOUT_NS,
+        )  # fmt: skip
+
+    def probe(self) -> bool:
+        """Round trips through publish/combine with a Python thread as the CPU side
+        (y = 2 * x, exact in BF16), eager and captured, against torch."""
+        from freetoken.moe.kernel_io_probe import run_kernel_io_probe
+
+        self.faults_enabled = False
+        try:
+            ok, details = run_kernel_io_probe(self.backend, self)
+        finally:
+            self.faults_enabled = True
+        self.probe_details = details
+        return ok
+
+
+class NativeCapturedGraph(CapturedGraph):
+    def __init__(self, graph: Any, keepalive: list[Any]) -> None:
+        self.graph = graph
+        self.keepalive = keepalive  # tasks, tensors and events used by the captured work
+
+    def replay(self, stream: Optional[int] = None) -> None:
+        if stream is None:
+            self.graph.replay()
+        else:
+            _on_stream(stream, self.graph.replay)
+
+
+class NativeGraphCapture(GraphCapture):
+    def __init__(self, backend: "NativeGpuBackend") -> None:
+        self.backend = backend
+
+    def memops_captured_natively(self) -> Optional[bool]:
+        probe = self.backend.graph_memop_probe()
+        return bool(probe.get("native")) if probe else None
+
+    def capture(self, fn: Callable[[], Any], stream: Optional[int] = None, keepalive: Any = ()) -> CapturedGraph:
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        kwargs = {} if stream is None else {"stream": torch.cuda.ExternalStream(stream)}
+        with torch.cuda.graph(graph, **kwargs):
+            result = fn()
+        return NativeCapturedGraph(graph, [fn, result, *keepalive])
+
+
+class NativeGpuBackend(Backend):
+    """Base of the cuda/rocm backends; subclasses name their extension module."""
+
+    native_module: ClassVar[str]
+    torch_flavour: ClassVar[str]  # "cuda" or "hip": which torch build drives this GPU
+    install_hint: ClassVar[str] = ""
+
+    def __init__(self, device_index: Optional[int] = None) -> None:
+        import torch
+
+        self.device_index = torch.cuda.current_device() if device_index is None else device_index
+        self._caps: Optional[Capabilities] = None
+        self._graph_probe: Optional[dict[str, Any]] = None
+        self._kio: Optional[NativeKernelIO] = None
+        self._lock = threading.Lock()
+
+    # ---- identity and probe -----------------------------------------------------
+    @classmethod
+    def native(cls) -> Any:
+        try:
+            return _load_native(cls.native_module)
+        except ImportError as exc:
+            raise BackendError(
+                f"{cls.native_module} is not available ({exc}); the package was installed without its "
+                f"native extension: {cls.install_hint}"
+            ) from exc
+
+    @classmethod
+    def probe(cls) -> ProbeResult:
+        try:
+            native = cls.native()
+        except BackendError as exc:
+            return ProbeResult(False, reason=str(exc))
+        details: dict[str, Any] = {"api": native.API}
+        try:
+            details["runtime_version"] = native.runtime_version()
+        except Exception as exc:  # noqa: BLE001 - a probe never raises
+            details["runtime_version_error"] = str(exc)
+        try:
+            count = native.device_count()
+        except Exception as exc:  # noqa: BLE001
+            return ProbeResult(False, reason=f"no usable {cls.name} device: {exc}", details=details)
+        if count < 1:
+            return ProbeResult(False, reason=f"no {cls.name} device visible", details=details)
+        try:
+            import torch
+        except ImportError as exc:
+            return ProbeResult(False, reason=f"torch is not importable: {exc}", details=details)
+        flavour = getattr(torch.version, cls.torch_flavour, None)
+        if not flavour:
+            return ProbeResult(
+                False,
+                reason=f"{count} {cls.name} device(s) found but this torch build has no {cls.torch_flavour} "
+                f"support (torch {torch.__version__})",
+                details=details,
+            )
+        try:
+            details["driver_version"] = native.driver_version()
+            info = native.device_info(0)
+        except Exception as exc:  # noqa: BLE001
+            return ProbeResult(False, reason=f"{cls.name} device query failed: {exc}", details=details)
+        details.update(device_count=count, device0=info)
+        return ProbeResult(True, device_name=info["name"], details=details)
+
+    def device(self) -> Any:
+        import torch
+
+        return torch.device("cuda", self.device_index)
+
+    def current_stream(self) -> int:
+        import torch
+
+        return torch.cuda.current_stream(self.device_index).cuda_stream
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device_index)
+
+    def stream_capturing(self, stream: int) -> bool:
+        return bool(self.native().stream_is_capturing(stream))
+
+    # ---- capabilities ---------------------------------------------------------------
+    def device_info(self) -> dict[str, Any]:
+        return self.native().device_info(self.device_index)
+
+    def graph_memop_probe(self) -> dict[str, Any]:
+        with self._lock:
+            if self._graph_probe is None:
+                staging = self.staging()
+                slot = staging.alloc_host(ctypes.sizeof(handoff.FlagSlot), mapped=True)
+                if not self.device_info()["stream_memops"]:
+                    self._graph_probe = {"native": False, "explicit_ok": False, "error": "no stream memops"}
+                else:
+                    self._graph_probe = dict(self.native().graph_memop_probe(slot.host_ptr, slot.device_ptr))
+        return self._graph_probe
+
+    def capabilities(self) -> Capabilities:
+        if self._caps is not None:
+            return self._caps
+        info = self.device_info()
+        caps = Capabilities(extra={"device": info})
+        caps.stream_memops = bool(info["stream_memops"])
+        caps.mapped_memory = bool(info["can_map_host_memory"]) and self._mapped_memory_works()
+        caps.flag_wait_kernel = caps.mapped_memory
+        caps.host_callbacks = True
+        caps.graph_capture = True
+        if caps.stream_memops:
+            gp = self.graph_memop_probe()
+            caps.memops_in_graphs = bool(gp.get("native") or gp.get("explicit_ok"))
+            caps.extra["graph_memops"] = gp
+        else:
+            caps.memops_in_graphs = False
+        kio = self.kernel_io()
+        caps.kernel_io = bool(kio is not None and kio.probe())
+        if kio is not None:
+            caps.extra["kernel_io_probe"] = kio.probe_details
+        self._caps = caps
+        return caps
+
+    def _mapped_memory_works(self) -> bool:
+        """Write through the device pointer of a mapped allocation and read it on the host."""
+        import torch
+
+        try:
+            buf = self.staging().alloc_host(64, mapped=True)
+            buf.tensor.fill_(0)
+            self.native().flag_write_kernel(self.current_stream(), buf.device_ptr, 0x5EED)
+            torch.cuda.synchronize(self.device_index)
+            return handoff.FlagSlot.from_address(buf.host_ptr).ready == 0x5EED
+        except Exception as exc:  # noqa: BLE001 - a capability probe answers False
+            log.warning("mapped host memory probe failed: %s", exc)
+            return False
+
+    # ---- factories ---------------------------------------------------------------
+    def staging(self) -> Staging:
+        return NativeStaging(self.native())
+
+    def gpu_sync(self, mode: Optional[SyncMode] = None) -> GpuSync:
+        info = self.device_info()
+        if mode is None:
+            mode = SyncMode.STREAM_MEMOPS if info["stream_memops"] else SyncMode.FLAG_WAIT_KERNEL
+        if mode == SyncMode.STREAM_MEMOPS:
+            if not info["stream_memops"]:
+                raise BackendError(f"stream memops unavailable on this device: {info['stream_memops_reason']}")
+            gp = self.graph_memop_probe()
+            return MemopSync(self.native(), explicit_nodes=not gp.get("native", False))
+        if mode == SyncMode.FLAG_WAIT_KERNEL:
+            return FlagWaitSync(self.native())
+        if mode == SyncMode.HOST_CALLBACK:
+            return HostCallbackSync(self.native())
+        raise BackendError(f"{self.name} backend has no GpuSync mode {mode}")
+
+    def kernel_io(self) -> Optional[KernelIO]:
+        if self._kio is None:
+            self._kio = NativeKernelIO(self)
+        return self._kio
+
+    def graph_capture(self) -> Optional[GraphCapture]:
+        return NativeGraphCapture(self)
+
+
+def wait_for_flag(address: int, value: int, timeout_s: float) -> bool:
+    """Host-side spin on a 64-bit word (used by probes standing in for the CPU side)."""
+    word = ctypes.c_uint64.from_address(address)
+    deadline = time.monotonic() + timeout_s
+    while word.value != value:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0)
+    return True

@@ -1,0 +1,68 @@
+"""Placement: which (token, k) route of a hybrid MoE layer runs on the GPU, which on the CPU.
+
+A route goes to the GPU when its expert is resident in the GPU expert cache, else to the
+CPU. The split is computed on the device with tensor ops only (no host sync), so it is
+captured into decode graphs and follows the routes of every replay. Each side gets the
+full ``[tokens, top_k]`` id matrix with ``-1`` where the route belongs to the other side
+(the layout the hand-off task and the CPU kernels take).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+
+@dataclasses.dataclass
+class Placement:
+    """``resident``: bool ``[num_experts]`` on the layer's device (True = expert on the GPU).
+
+    ``cpu_routes_per_token`` (benchmarks, tests): when set, the last n routes of every
+    token go to the CPU whatever the residency, e.g. "one CPU expert per token".
+    """
+
+    resident: Any
+    cpu_routes_per_token: Optional[int] = None
+
+    @classmethod
+    def all_gpu(cls, num_experts: int, device: Any) -> "Placement":
+        import torch
+
+        return cls(torch.ones(num_experts, dtype=torch.bool, device=device))
+
+    @classmethod
+    def from_cpu_experts(cls, num_experts: int, cpu_experts: list[int], device: Any) -> "Placement":
+        import torch
+
+        resident = torch.ones(num_experts, dtype=torch.bool)
+        for e in cpu_experts:
+            if not 0 <= e < num_experts:
+                raise ValueError(f"CPU expert {e} outside 0..{num_experts - 1}")
+            resident[e] = False
+        return cls(resident.to(device))
+
+    def cpu_mask(self, ids: Any) -> Any:
+        """bool ``[tokens, top_k]``: True where the route runs on the CPU."""
+        import torch
+
+        if self.cpu_routes_per_token is not None:
+            n = self.cpu_routes_per_token
+            k = ids.shape[1]
+            if not 0 <= n <= k:
+                raise ValueError(f"cpu_routes_per_token={n} outside 0..top_k={k}")
+            mask = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+            if n:
+                mask[:, k - n :] = True
+            return mask
+        return ~self.resident[ids.long()]
+
+
+def split_routes(ids: Any, cpu_mask: Any) -> tuple[Any, Any]:
+    """(gpu_ids, cpu_ids) as int32, each with -1 where the route belongs to the other side."""
+    import torch
+
+    ids32 = ids.to(torch.int32)
+    minus_one = torch.full_like(ids32, -1)
+    gpu_ids = torch.where(cpu_mask, minus_one, ids32)
+    cpu_ids = torch.where(cpu_mask, ids32, minus_one)
+    return gpu_ids, cpu_ids
