@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from freetoken.backends import registry
 from freetoken.cli.doctor import REPORT_KEYS
+from freetoken.cli.main import main
 from freetoken.cpu_isa import RELEVANT_FLAGS, parse_cpuinfo
 
 FREETOKEN = shutil.which("freetoken", path=str(Path(sys.executable).parent)) or "freetoken"
@@ -23,8 +25,23 @@ def _doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([FREETOKEN, "doctor", *args], capture_output=True, text=True, env=environment, timeout=120)
 
 
+def _doctor_in_process(capsys, monkeypatch, *args: str, env: str | None = None) -> tuple[int, str]:
+    """Run the doctor command in this process with a fresh backend selection."""
+    if env is None:
+        monkeypatch.delenv("FREETOKEN_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("FREETOKEN_BACKEND", env)
+    registry.reset()
+    try:
+        code = main(["doctor", *args])
+    finally:
+        registry.reset()
+    return code, capsys.readouterr().out
+
+
 @pytest.fixture(scope="module")
 def report() -> dict:
+    """The installed `freetoken` command's report, run once as a user would."""
     result = _doctor("--json")
     assert result.returncode in (0, 1), result.stderr
     return json.loads(result.stdout)
@@ -82,25 +99,28 @@ def test_gpu_machine_selects_cuda_with_memops_and_mapped_memory(report):
     assert report["capabilities"]["mapped_memory"] is True
 
 
-def test_explicit_backend_through_the_environment_and_the_flag():
-    by_env = json.loads(_doctor("--json", FREETOKEN_BACKEND="fakegpu").stdout)
-    assert (by_env["selection"]["backend"], by_env["selection"]["rule"]) == ("fakegpu", "FREETOKEN_BACKEND")
-    by_flag = json.loads(_doctor("--json", "--backend", "cpu", FREETOKEN_BACKEND="fakegpu").stdout)
-    assert (by_flag["selection"]["backend"], by_flag["selection"]["rule"]) == ("cpu", "--backend")
+def test_explicit_backend_through_the_environment_and_the_flag(capsys, monkeypatch):
+    code, out = _doctor_in_process(capsys, monkeypatch, "--json", env="fakegpu")
+    by_env = json.loads(out)
+    assert code == 0 and (by_env["selection"]["backend"], by_env["selection"]["rule"]) == ("fakegpu", "FREETOKEN_BACKEND")
+    assert by_env["capabilities"]["extra"] == {"simulated": True}
+    code, out = _doctor_in_process(capsys, monkeypatch, "--json", "--backend", "cpu", env="fakegpu")
+    by_flag = json.loads(out)
+    assert code == 0 and (by_flag["selection"]["backend"], by_flag["selection"]["rule"]) == ("cpu", "--backend")
 
 
-def test_missing_backend_fails_with_the_reason_and_exit_status_1():
-    result = _doctor("--backend", "nosuchbackend")
-    assert result.returncode == 1
-    assert "Selected backend: NONE" in result.stdout
-    assert "'nosuchbackend' requested by --backend is not installed" in result.stdout
+def test_missing_backend_fails_with_the_reason_and_exit_status_1(capsys, monkeypatch):
+    code, out = _doctor_in_process(capsys, monkeypatch, "--backend", "nosuchbackend")
+    assert code == 1
+    assert "Selected backend: NONE" in out
+    assert "'nosuchbackend' requested by --backend is not installed" in out
 
 
-def test_human_report_names_the_selected_backend():
-    result = _doctor("--backend", "cpu")
-    assert result.returncode == 0, result.stderr
-    assert "Selected backend: cpu (requested by --backend)" in result.stdout
-    assert "Backend plugins:" in result.stdout
+def test_human_report_names_the_selected_backend(capsys, monkeypatch):
+    code, out = _doctor_in_process(capsys, monkeypatch, "--backend", "cpu")
+    assert code == 0
+    assert "Selected backend: cpu (requested by --backend)" in out
+    assert "Backend plugins:" in out and "fakegpu" in out
 
 
 def test_parse_cpuinfo_keeps_the_relevant_flags_of_the_first_processor():
