@@ -22,7 +22,7 @@ from freetoken.server.generation import (
     resolve_max_tokens,
     until_disconnect,
 )
-from freetoken.server.json_mode import JsonModeChecker
+from freetoken.server.json_mode import check_supported as check_json_support
 from freetoken.server.logprobs import TokenText, chat_logprobs
 from freetoken.server.protocol import (
     ChatChoiceLogprobs,
@@ -74,7 +74,11 @@ async def create_chat_completion(request: Request) -> Response:
         for i in range(req.n)
     ]
     if json_mode:
-        jobs = [JsonModeChecker.prepare(job, engine) for job in jobs]
+        problem = check_json_support(engine.tokenizer)
+        if problem:
+            raise APIError(400, problem, param="response_format", code="unsupported_response_format")
+        for job in jobs:
+            job.json_object = True
     maybe_fail(request, holder, "before")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = ChoiceStreams(engine, jobs, request_id, holder.metrics, arrival)

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 from freetoken.engine.outputs import StreamDelta, TokenLogprob
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.server.errors import APIError
+from freetoken.server.json_mode import json_object_stream
 from freetoken.server.metrics import ServerMetrics, TokenTimer
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class ChoiceJob:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+    #: response_format json_object: constrained decoding (see json_mode)
+    json_object: bool = False
 
 
 @dataclasses.dataclass
@@ -172,7 +175,11 @@ class ChoiceStreams:
 
     async def _pump(self, job: ChoiceJob) -> None:
         timer = TokenTimer(self._metrics, self._arrival)
-        stream = self._engine.stream(job.prompt_ids, job.params, request_id=f"{self._request_id}-{job.index}")
+        rid = f"{self._request_id}-{job.index}"
+        if job.json_object:
+            stream = json_object_stream(self._engine, job.prompt_ids, job.params, request_id=rid)
+        else:
+            stream = self._engine.stream(job.prompt_ids, job.params, request_id=rid)
         finished = False
         try:
             async for delta in stream:
