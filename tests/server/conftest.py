@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import httpx
 import pytest
@@ -112,3 +112,14 @@ def server_factory() -> Iterator[object]:
     yield factory
     for srv in started:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def ref_tokenizer() -> Any:
+    """An independent tokenizer for usage counts: HF transformers reading the demo model's
+    tokenizer.json / tokenizer_config.json (chat template included)."""
+    import transformers
+
+    from freetoken.models.demo import ensure_demo_model
+
+    return transformers.AutoTokenizer.from_pretrained(ensure_demo_model().hf_dir)

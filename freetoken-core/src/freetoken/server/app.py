@@ -48,6 +48,9 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "loading"}, status_code=503)
     info = holder.backend_info()
     engine = holder.engine
+    if not getattr(engine, "running", True):
+        return JSONResponse({"status": "error", "error": "the engine loop is not running (see the server log)",
+                             "model": engine.model_name}, status_code=503)
     return JSONResponse({
         "status": "ok",
         "model": engine.model_name,
