@@ -1,0 +1,258 @@
+"""``freetoken bench moe-layer``: latency of hybrid MoE layers and of their hand-off.
+
+Workload (defaults): FP8 (E4M3, 128x128 block scales) expert weights, BF16 activations,
+H=2048, I=768, E=8, K=4, three layers chained, batch 1, four CPU workers, one CPU
+route per token (the last of the top-k), the other routes on the GPU (BF16 experts
+dequantized from the same FP8 weights), hybrid accumulation. For every IO path
+(KernelIO, copy + memop, host callbacks) eager and graph replay (host callbacks:
+eager only), plus the CPU expert compute alone (``run_task`` on the same task, from
+Python) and the GPU experts alone, so the hand-off overhead is visible:
+
+    overhead per layer = layer latency - max(CPU expert compute, GPU experts)
+
+Each configuration is timed with device events over ``--iters`` steps, ``--repeats``
+times (median); the parent runs ``--processes`` worker processes and reports medians
+across them. Results go to stdout and, with ``--json``, to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+
+def add_parser(subparsers: "argparse._SubParsersAction") -> None:
+    p = subparsers.add_parser("moe-layer", help="hybrid MoE layer latency and hand-off overhead (GPU)")
+    p.add_argument("--backend", default=None, help="backend name (default: automatic selection)")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--cpu-threads", type=int, default=4)
+    p.add_argument("--cpu-routes-per-token", type=int, default=1)
+    p.add_argument("--paths", default="kernel_io,copy,host_callback")
+    p.add_argument("--iters", type=int, default=200, help="steps per timed block")
+    p.add_argument("--repeats", type=int, default=7, help="timed blocks per configuration (median)")
+    p.add_argument("--processes", type=int, default=3, help="worker processes (median across them)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker:
+        result = worker(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
+    runs = []
+    for i in range(args.processes):
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+            path = tmp.name
+        cmd = [sys.executable, "-m", "freetoken.cli.main", "bench", "moe-layer", "--worker", "--json", path]
+        for key in ("backend", "hidden", "intermediate", "experts", "top_k", "layers", "batch", "cpu_threads",
+                    "cpu_routes_per_token", "paths", "iters", "repeats"):  # fmt: skip
+            value = getattr(args, key)
+            if value is not None:
+                cmd += [f"--{key.replace('_', '-')}", str(value)]
+        print(f"process {i + 1}/{args.processes}: {' '.join(cmd[2:])}", file=sys.stderr)
+        subprocess.run(cmd, check=True)
+        with open(path) as f:
+            runs.append(json.load(f))
+        os.unlink(path)
+    summary = summarize(runs)
+    print_table(summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "runs": runs}, f, indent=1)
+    return 0
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = runs[0]["per_layer_us"].keys()
+    per_layer = {k: statistics.median(r["per_layer_us"][k] for r in runs if k in r["per_layer_us"]) for k in keys}
+    base = max(per_layer["cpu_compute_alone"], per_layer["gpu_experts_alone"])
+    overhead = {k: v - base for k, v in per_layer.items() if k not in ("cpu_compute_alone", "gpu_experts_alone")}
+    return {
+        "config": runs[0]["config"],
+        "device": runs[0]["device"],
+        "processes": len(runs),
+        "per_layer_us": per_layer,
+        "overhead_per_layer_us": overhead,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    print(f"\nhybrid MoE layer, {summary['device']}, medians across {summary['processes']} processes")
+    print(f"config: {summary['config']}")
+    print(f"{'configuration':<28}{'us/layer':>10}{'overhead':>10}")
+    for k, v in summary["per_layer_us"].items():
+        ov = summary["overhead_per_layer_us"].get(k)
+        print(f"{k:<28}{v:>10.1f}{'' if ov is None else f'{ov:>10.1f}'}")
+
+
+# --------------------------------------------------------------------------------------
+# one worker process
+# --------------------------------------------------------------------------------------
+
+
+def fp8_experts(num_experts: int, rows: int, cols: int, gen: Any) -> tuple[Any, Any, Any]:
+    """Random FP8 E4M3 weights with float32 128x128 block scales, and their BF16 dequantization."""
+    import torch
+
+    w = torch.randn(num_experts, rows, cols, generator=gen) / cols**0.5
+    rb, cb = -(-rows // 128), -(-cols // 128)
+    pad = torch.zeros(num_experts, rb * 128, cb * 128)
+    pad[:, :rows, :cols] = w
+    blocks = pad.view(num_experts, rb, 128, cb, 128)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-8) / 448.0  # [E, rb, cb]
+    q = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn)
+    deq = (q.float() * scale[:, :, None, :, None]).view(num_experts, rb * 128, cb * 128)[:, :rows, :cols]
+    q = q.view(num_experts, rb * 128, cb * 128)[:, :rows, :cols].contiguous()
+    return q.view(torch.uint8), scale.contiguous(), deq.to(torch.bfloat16)
+
+
+def _time_blocks(fn: Any, iters: int, repeats: int) -> float:
+    """Median over blocks of the mean time per call, in microseconds (device events)."""
+    import torch
+
+    for _ in range(max(10, iters // 10)):
+        fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) * 1000.0 / iters)
+    return statistics.median(per_call)
+
+
+def _time_host(fn: Any, iters: int, repeats: int) -> float:
+    for _ in range(max(10, iters // 10)):
+        fn()
+    per_call = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        per_call.append((time.perf_counter() - t0) * 1e6 / iters)
+    return statistics.median(per_call)
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import freetoken_cpu_moe as cm
+    from freetoken.backends.contract import IOPath
+    from freetoken.backends.registry import get_backend
+    from freetoken.moe.gpu_experts import GpuExperts
+    from freetoken.moe.hybrid import HybridMoEExecutor
+    from freetoken.moe.placement import Placement, split_routes
+
+    backend = get_backend(args.backend)
+    dev = backend.device()
+    E, H, I, K, T = args.experts, args.hidden, args.intermediate, args.top_k, args.batch
+    gen = torch.Generator().manual_seed(int(time.time_ns() % 2**31))
+    pool = cm.Pool(args.cpu_threads)
+    coordinator = cm.Coordinator(pool=pool, watchdog_ms=5000.0).start()
+    layers = []
+    for _ in range(args.layers):
+        (gq, gs, gd), (uq, us, ud), (dq, ds, dd) = (
+            fp8_experts(E, I, H, gen), fp8_experts(E, I, H, gen), fp8_experts(E, H, I, gen)
+        )  # fmt: skip
+        bank = cm.ExpertBank(
+            cm.Weights(gq, "fp8_e4m3_b128", E, I, H, scale=gs),
+            cm.Weights(uq, "fp8_e4m3_b128", E, I, H, scale=us),
+            cm.Weights(dq, "fp8_e4m3_b128", E, H, I, scale=ds),
+        )
+        experts = GpuExperts(gd.to(dev), ud.to(dev), dd.to(dev))
+        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32).to(dev)
+        w = torch.softmax(torch.randn(T, K, generator=gen), dim=-1).to(dev)
+        layers.append({"bank": bank, "experts": experts, "ids": ids, "w": w, "keep": (gq, gs, uq, us, dq, ds)})
+    placement = Placement.all_gpu(E, dev)
+    placement.cpu_routes_per_token = args.cpu_routes_per_token
+    x0 = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+    results: dict[str, float] = {}
+    executors = {}
+
+    def make_step(exs: list[Any]) -> Any:
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+
+        def step() -> Any:
+            h = x0
+            for ex, layer in zip(exs, layers):
+                h = ex.forward(h, layer["ids"], layer["w"])
+            out.copy_(h)
+            return out
+
+        return step
+
+    for name in args.paths.split(","):
+        path = IOPath(name)
+        exs = [
+            HybridMoEExecutor(backend, l, layer["experts"], layer["bank"].address, K, path, torch.bfloat16,
+                              placement=placement, coordinator=coordinator)  # fmt: skip
+            for l, layer in enumerate(layers)
+        ]
+        for ex in exs:
+            ex.prepare([T])
+        executors[name] = exs
+        step = make_step(exs)
+        results[f"{name}_eager"] = _time_blocks(step, args.iters, args.repeats) / args.layers
+        for ex in exs:
+            ex.check_errors()
+        if all(ex.graph_safe for ex in exs):
+            graph = backend.graph_capture().capture(step)
+            results[f"{name}_graph"] = _time_blocks(graph.replay, args.iters, args.repeats) / args.layers
+            for ex in exs:
+                ex.check_errors()
+
+    # the CPU expert compute alone: the same tasks (inputs already published), synchronously
+    any_exs = next(iter(executors.values()))
+    descs = [ex.tasks[T].desc_buffer.host_ptr for ex in any_exs]
+
+    def cpu_only() -> None:
+        for d in descs:
+            cm.run_task(d, pool=pool)
+
+    coordinator.stop()
+    results["cpu_compute_alone"] = _time_host(cpu_only, args.iters, args.repeats) / args.layers
+
+    # the GPU experts alone, graph-replayed
+    gpu_parts = []
+    for layer in layers:
+        mask = placement.cpu_mask(layer["ids"])
+        gpu_parts.append(split_routes(layer["ids"], mask)[0])
+
+    def gpu_only() -> None:
+        h = x0
+        for layer, gids in zip(layers, gpu_parts):
+            h = layer["experts"].forward(h, gids, layer["w"])
+
+    graph = backend.graph_capture().capture(gpu_only)
+    results["gpu_experts_alone"] = _time_blocks(graph.replay, args.iters, args.repeats) / args.layers
+    for exs in executors.values():
+        for ex in exs:
+            ex.close()
+    props = torch.cuda.get_device_properties(dev)
+    return {
+        "config": {k: getattr(args, k) for k in ("hidden", "intermediate", "experts", "top_k", "layers", "batch",
+                                                  "cpu_threads", "cpu_routes_per_token", "iters", "repeats")},
+        "device": f"{props.name}, torch {torch.__version__}, {os.cpu_count()} CPUs",
+        "per_layer_us": results,
+    }
