@@ -82,6 +82,7 @@ class ServerProcess:
         raise RuntimeError(f"server not healthy after {timeout} s; log:\n{self.log()}")
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
+        """Send ``sig`` (once) and wait; returns the exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -110,8 +111,10 @@ def server_factory() -> Iterator[object]:
         return srv
 
     yield factory
-    for srv in started:
-        srv.stop()
+    codes = [(srv.stop(), srv) for srv in started]
+    for code, srv in codes:  # Ctrl-C (SIGINT) is a clean shutdown
+        assert code == 0, f"server exited with {code} on SIGINT; log tail:\n{srv.log()[-3000:]}"
+        assert "server stopped" in srv.log()
 
 
 @pytest.fixture(scope="session")
