@@ -1,0 +1,64 @@
+// Preparation of float32 activations for the quantized dot products: symmetric
+// int8 with a float scale per 32 elements (Q8_0 blocks; K-quant super-blocks of
+// 256 also carry sums per 16 for the mins / the Q6_K offset).
+// Included inside an ISA namespace by isa_*.cpp.
+#pragma once
+
+static inline int8_t quant_round(float v) {
+    // round half away from zero, as the reference rounding of the test comments assumes
+    float r = v >= 0.0f ? v + 0.5f : v - 0.5f;
+    int q = (int)r;
+    q = q > 127 ? 127 : (q < -127 ? -127 : q);
+    return (int8_t)q;
+}
+
+static inline float absmax_span(const float* x, uint32_t n) {
+    float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; ++l) { float a = x[i + l] < 0 ? -x[i + l] : x[i + l]; m[l] = m[l] > a ? m[l] : a; }
+    float r = 0.0f;
+    for (int l = 0; l < 8; ++l) r = r > m[l] ? r : m[l];
+    for (; i < n; ++i) { float a = x[i] < 0 ? -x[i] : x[i]; r = r > a ? r : a; }
+    return r;
+}
+
+static void prepare_q8_32(const float* x, uint32_t n, BlockQ8x32* out) {
+    for (uint32_t b = 0; b < n / 32; ++b) {
+        const float* xb = x + (size_t)b * 32;
+        const float amax = absmax_span(xb, 32);
+        const float d = amax / 127.0f;
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < 32; ++i) { out[b].qs[i] = quant_round(xb[i] * id); sum += out[b].qs[i]; }
+        out[b].d = d;
+        out[b].qsum = sum;
+    }
+}
+
+static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
+    for (uint32_t b = 0; b < n / 256; ++b) {
+        BlockQ8xK& o = out[b];
+        for (int s = 0; s < 8; ++s) {
+            const float* xs = x + (size_t)b * 256 + 32 * s;
+            const float amax = absmax_span(xs, 32);
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int i = 0; i < 32; ++i) o.qs[32 * s + i] = quant_round(xs[i] * id);
+            o.d[s] = amax / 127.0f;
+        }
+        for (int g = 0; g < 16; ++g) {
+            int sum = 0;
+            for (int i = 0; i < 16; ++i) sum += o.qs[g * 16 + i];
+            o.bsums[g] = (int16_t)sum;
+        }
+    }
+}
+
+static void prepare_any(int kind, const float* x, uint32_t n, void* out) {
+    switch (kind) {
+        case ACT_F32: std::memcpy(out, x, (size_t)n * 4); break;
+        case ACT_Q8_32: prepare_q8_32(x, n, (BlockQ8x32*)out); break;
+        case ACT_Q8_K: prepare_q8_k(x, n, (BlockQ8xK*)out); break;
+        default: break;
+    }
+}

@@ -1,0 +1,158 @@
+// Shared definitions of the CPU expert kernels: formats, prepared-activation
+// layouts, the per-ISA kernel table, and portable numeric conversions.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "freetoken/handoff.h"
+
+namespace ft {
+
+// ---- weight block geometry (GGUF layouts, ggml type ids) -------------------
+constexpr uint32_t QK8_0 = 32;    // Q8_0: fp16 d, int8 qs[32]                       (34 bytes)
+constexpr uint32_t QK_K = 256;    // K-quant super-block
+constexpr size_t Q8_0_BYTES = 34;
+constexpr size_t Q4_K_BYTES = 144;  // fp16 d, fp16 dmin, scales[12], qs[128]
+constexpr size_t Q5_K_BYTES = 176;  // fp16 d, fp16 dmin, scales[12], qh[32], qs[128]
+constexpr size_t Q6_K_BYTES = 210;  // ql[128], qh[64], int8 scales[16], fp16 d
+constexpr uint32_t FP8_BLOCK = 128;  // FP8 E4M3 scale block (rows and cols)
+
+// Elements per block and bytes per block of a weight format (0 if unknown).
+static inline uint32_t block_elems(uint32_t fmt) {
+    switch (fmt) {
+        case FT_FMT_F32: case FT_FMT_F16: case FT_FMT_BF16: case FT_FMT_FP8_E4M3_B128: return 1;
+        case FT_FMT_Q8_0: return QK8_0;
+        case FT_FMT_Q4_K: case FT_FMT_Q5_K: case FT_FMT_Q6_K: return QK_K;
+        default: return 0;
+    }
+}
+static inline size_t block_bytes(uint32_t fmt) {
+    switch (fmt) {
+        case FT_FMT_F32: return 4;
+        case FT_FMT_F16: case FT_FMT_BF16: return 2;
+        case FT_FMT_FP8_E4M3_B128: return 1;
+        case FT_FMT_Q8_0: return Q8_0_BYTES;
+        case FT_FMT_Q4_K: return Q4_K_BYTES;
+        case FT_FMT_Q5_K: return Q5_K_BYTES;
+        case FT_FMT_Q6_K: return Q6_K_BYTES;
+        default: return 0;
+    }
+}
+static inline size_t row_bytes(uint32_t fmt, uint32_t cols) {
+    uint32_t be = block_elems(fmt);
+    return be ? (size_t)(cols / be) * block_bytes(fmt) : 0;
+}
+
+// ---- prepared activations ---------------------------------------------------
+// Each weight format multiplies against the activation prepared the way its dot
+// product wants it: float formats read float32, Q8_0 reads int8 blocks of 32,
+// the K-quants read int8 super-blocks of 256 (scale per 32, sums per 16).
+enum ActKind : int { ACT_F32 = 0, ACT_Q8_32 = 1, ACT_Q8_K = 2 };
+
+struct BlockQ8x32 {       // activation block for Q8_0 weights
+    float d;              // x ~= d * qs
+    int32_t qsum;         // sum of qs
+    int8_t qs[32];
+};
+static_assert(sizeof(BlockQ8x32) == 40, "BlockQ8x32 layout");
+
+struct BlockQ8xK {        // activation super-block for Q4_K/Q5_K/Q6_K weights
+    float d[8];           // x ~= d[i / 32] * qs[i] (a scale per 32: h is heavy-tailed)
+    int16_t bsums[16];    // sums of qs over each group of 16
+    int8_t qs[256];       // 64-byte aligned inside the block
+};
+static_assert(sizeof(BlockQ8xK) == 320, "BlockQ8xK layout");
+
+static inline ActKind act_kind_for(uint32_t fmt) {
+    switch (fmt) {
+        case FT_FMT_Q8_0: return ACT_Q8_32;
+        case FT_FMT_Q4_K: case FT_FMT_Q5_K: case FT_FMT_Q6_K: return ACT_Q8_K;
+        default: return ACT_F32;
+    }
+}
+// Bytes of one prepared activation vector of n elements (rounded to 64).
+static inline size_t act_bytes(ActKind kind, uint32_t n) {
+    size_t b = 0;
+    switch (kind) {
+        case ACT_F32: b = (size_t)n * 4; break;
+        case ACT_Q8_32: b = (size_t)(n / 32) * sizeof(BlockQ8x32); break;
+        case ACT_Q8_K: b = (size_t)(n / 256) * sizeof(BlockQ8xK); break;
+    }
+    return (b + 63) & ~(size_t)63;
+}
+
+// ---- the per-ISA kernel table ----------------------------------------------
+struct KernelTable {
+    const char* name;
+    // Prepare x[n] (float32) as `kind` into out (act_bytes(kind, n) bytes).
+    void (*prepare)(int kind, const float* x, uint32_t n, void* out);
+    // out[j * out_stride + (r - r0)] = dot(W[expert][r], x_j) for r in [r0, r1),
+    // j in [0, ntok); xs[j] is x_j prepared as act_kind_for(w.format).
+    void (*dot_rows)(const ft_weight_desc& w, uint32_t expert, uint32_t r0, uint32_t r1,
+                     const void* const* xs, uint32_t ntok, float* out, size_t out_stride);
+    // Read n bytes (n % 64 == 0) as fast as this tier can; returns a checksum.
+    uint64_t (*stream)(const uint8_t* p, size_t n);
+};
+
+const KernelTable* kernels_scalar();
+const KernelTable* kernels_avx2();
+const KernelTable* kernels_avx512();
+
+// ---- bit-exact scalar conversions -------------------------------------------
+static inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t em = h & 0x7fffu;
+    float f;
+    if (em >= 0x7c00u) {
+        f = bits_to_float((em << 13) | 0x7f800000u);  // inf / nan
+    } else {
+        f = bits_to_float(em << 13) * 0x1p112f;       // normal and subnormal
+    }
+    return bits_to_float(float_to_bits(f) | sign);
+}
+
+static inline uint16_t float_to_half(float v) {  // round to nearest even
+    uint32_t u = float_to_bits(v);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    u &= 0x7fffffffu;
+    uint16_t o;
+    if (u >= 0x7f800000u) {
+        o = (u > 0x7f800000u) ? 0x7e00u : 0x7c00u;
+    } else if (u >= (uint32_t)(127 + 16) << 23) {
+        o = 0x7c00u;
+    } else if (u < (uint32_t)113 << 23) {
+        float f = bits_to_float(u) + 0.5f;           // subnormal: align to 2^-24
+        o = (uint16_t)(float_to_bits(f) - float_to_bits(0.5f));
+    } else {
+        uint32_t odd = (u >> 13) & 1u;
+        u += ((uint32_t)(15 - 127) << 23) + 0xfffu + odd;
+        o = (uint16_t)(u >> 13);
+    }
+    return (uint16_t)(o | sign);
+}
+
+static inline float bf16_to_float(uint16_t b) { return bits_to_float((uint32_t)b << 16); }
+static inline uint16_t float_to_bf16(float v) {
+    uint32_t u = float_to_bits(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  // quiet nan
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+// FP8 E4M3 (OCP "fn": bias 7, no inf, 0x7f/0xff nan).
+static inline float fp8_e4m3_to_float(uint8_t b) {
+    const uint32_t sign = (uint32_t)(b & 0x80u) << 24;
+    const uint32_t e = (b >> 3) & 0xfu, m = b & 0x7u;
+    float f;
+    if (e == 0xfu && m == 0x7u) f = bits_to_float(0x7fc00000u);
+    else if (e == 0) f = (float)m * 0x1p-9f;
+    else f = bits_to_float(((e + 120u) << 23) | (m << 20));
+    return bits_to_float(float_to_bits(f) | sign);
+}
+
+}  // namespace ft

@@ -1,0 +1,61 @@
+// The hand-off coordinator: one thread polls the flag slots of its tasks and
+// serves them (ready -> run -> y -> seq++ -> done), a second thread is the
+// watchdog that fails a task whose `ready` stays up unserved past the bound.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "pool.h"
+
+namespace ft {
+
+struct CoordinatorStats {
+    uint64_t served = 0, errors = 0, watchdog_fired = 0, sleeps = 0;
+};
+
+class Coordinator {
+public:
+    Coordinator(std::shared_ptr<Pool> pool, double watchdog_ms, double spin_us);
+    ~Coordinator();
+    void add_task(uint64_t desc);
+    // After return the coordinator no longer reads the task's memory.
+    void remove_task(uint64_t desc);
+    void start();
+    void stop();
+    bool running() const { return running_.load(); }
+    size_t num_tasks();
+    CoordinatorStats stats() const;
+    // Test hooks: stall the poll loop once for ms; make the next served task throw.
+    void inject_stall_ms(double ms) { stall_ms_.store(ms); }
+    void inject_fault() { fault_.store(true); }
+
+private:
+    void loop_main();
+    void watchdog_main();
+    void wait_seen(uint64_t version);
+
+    std::shared_ptr<Pool> pool_;
+    double watchdog_ms_, spin_us_;
+    std::mutex tasks_mu_;
+    std::vector<uint64_t> tasks_;
+    std::atomic<uint64_t> version_{0};
+    std::atomic<uint64_t> loop_seen_{0}, wd_seen_{0};
+    std::atomic<bool> running_{false}, stop_{false};
+    std::thread loop_, watchdog_;
+    std::mutex wd_mu_;
+    std::condition_variable wd_cv_;
+    std::mutex loop_mu_;
+    std::condition_variable loop_cv_;
+    std::atomic<double> stall_ms_{0.0};
+    std::atomic<bool> fault_{false};
+    std::atomic<uint64_t> served_{0}, errors_{0}, watchdog_fired_{0}, sleeps_{0};
+    std::mutex lifecycle_mu_;
+};
+
+}  // namespace ft

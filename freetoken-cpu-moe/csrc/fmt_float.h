@@ -1,0 +1,184 @@
+// Float weight formats (F32, F16, BF16, FP8 E4M3 with 128x128 block scales)
+// against float32 activations. Included inside an ISA namespace by isa_*.cpp:
+// the portable loops are vectorised by the compiler with that file's flags, and
+// FT_HAVE_AVX512 / FT_HAVE_AVX2 sections add hand-written kernels.
+#pragma once
+
+// Portable element loaders.
+struct LoadF32 { static float at(const uint8_t* p, uint32_t i) { float v; std::memcpy(&v, p + 4 * (size_t)i, 4); return v; } };
+struct LoadF16 { static float at(const uint8_t* p, uint32_t i) { uint16_t h; std::memcpy(&h, p + 2 * (size_t)i, 2); return half_to_float(h); } };
+struct LoadBF16 { static float at(const uint8_t* p, uint32_t i) { uint16_t h; std::memcpy(&h, p + 2 * (size_t)i, 2); return bf16_to_float(h); } };
+struct LoadFP8 { static float at(const uint8_t* p, uint32_t i) { return fp8_e4m3_to_float(p[i]); } };
+
+// dot of n weights (format L) starting at element c0 of row with x[c0..c0+n)
+template <class L>
+static inline float dot_span_portable(const uint8_t* row, const float* x, uint32_t c0, uint32_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    uint32_t c = 0;
+    for (; c + 8 <= n; c += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += L::at(row, c0 + c + l) * x[c0 + c + l];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; c < n; ++c) s += L::at(row, c0 + c) * x[c0 + c];
+    return s;
+}
+
+#if defined(FT_HAVE_AVX512)
+// 16 weights -> float32 lanes
+static inline __m512 load16_f32(const uint8_t* p) { return _mm512_loadu_ps((const float*)p); }
+static inline __m512 load16_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+static inline __m512 load16_bf16(const uint8_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+// E4M3 -> f16 by moving the 7 exponent/mantissa bits into f16 position (value / 2^8),
+// then f16 -> f32; the caller folds 2^8 into the block scale. Nan codes are not produced
+// by checkpoints and are not special-cased here.
+static inline __m512 load16_fp8_div256(const uint8_t* p) {
+    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+    __m256i s = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    __m256i em = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(s, em));
+}
+#define FT_FLOAT_KERNEL(NAME, LOAD, ESZ)                                                          \
+    template <int NT>                                                                             \
+    static inline void NAME##_tile(const uint8_t* row, const float* const* x, uint32_t c0,        \
+                                   uint32_t n, float* res) {                                      \
+        __m512 acc[NT];                                                                           \
+        for (int j = 0; j < NT; ++j) acc[j] = _mm512_setzero_ps();                                \
+        uint32_t c = 0;                                                                           \
+        for (; c + 16 <= n; c += 16) {                                                            \
+            __m512 wv = LOAD(row + (size_t)(c0 + c) * ESZ);                                      \
+            for (int j = 0; j < NT; ++j) acc[j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[j] + c0 + c), acc[j]); \
+        }                                                                                         \
+        if (c < n) {                                                                              \
+            __mmask16 m = (__mmask16)((1u << (n - c)) - 1u);                                      \
+            __m512 wv = LOAD##_tail(row + (size_t)(c0 + c) * ESZ, m);                             \
+            for (int j = 0; j < NT; ++j) acc[j] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x[j] + c0 + c), acc[j]); \
+        }                                                                                         \
+        for (int j = 0; j < NT; ++j) res[j] = _mm512_reduce_add_ps(acc[j]);                      \
+    }
+static inline __m512 load16_f32_tail(const uint8_t* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 load16_f16_tail(const uint8_t* p, __mmask16 m) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+static inline __m512 load16_bf16_tail(const uint8_t* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+static inline __m512 load16_fp8_div256_tail(const uint8_t* p, __mmask16 m) {
+    __m256i b = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+    __m256i s = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    __m256i em = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(s, em));
+}
+FT_FLOAT_KERNEL(k_f32, load16_f32, 4)
+FT_FLOAT_KERNEL(k_f16, load16_f16, 2)
+FT_FLOAT_KERNEL(k_bf16, load16_bf16, 2)
+FT_FLOAT_KERNEL(k_fp8, load16_fp8_div256, 1)
+#define FT_FLOAT_SIMD 1
+#elif defined(FT_HAVE_AVX2)
+static inline __m256 load8_f32(const uint8_t* p) { return _mm256_loadu_ps((const float*)p); }
+static inline __m256 load8_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+static inline __m256 load8_bf16(const uint8_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline __m256 load8_fp8_div256(const uint8_t* p) {
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+    __m128i s = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    __m128i em = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7);
+    return _mm256_cvtph_ps(_mm_or_si128(s, em));
+}
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#define FT_FLOAT_KERNEL(NAME, LOAD, ESZ, PORT)                                                    \
+    template <int NT>                                                                             \
+    static inline void NAME##_tile(const uint8_t* row, const float* const* x, uint32_t c0,        \
+                                   uint32_t n, float* res) {                                      \
+        __m256 acc[NT];                                                                           \
+        for (int j = 0; j < NT; ++j) acc[j] = _mm256_setzero_ps();                                \
+        uint32_t c = 0;                                                                           \
+        for (; c + 8 <= n; c += 8) {                                                              \
+            __m256 wv = LOAD(row + (size_t)(c0 + c) * ESZ);                                      \
+            for (int j = 0; j < NT; ++j) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[j] + c0 + c), acc[j]); \
+        }                                                                                         \
+        for (int j = 0; j < NT; ++j) {                                                            \
+            float s = hsum256(acc[j]);                                                            \
+            for (uint32_t t = c; t < n; ++t) s += PORT::at(row, c0 + t) * x[j][c0 + t];          \
+            res[j] = s;                                                                           \
+        }                                                                                         \
+    }
+struct LoadFP8Div256 { static float at(const uint8_t* p, uint32_t i) { return fp8_e4m3_to_float(p[i]) * 0x1p-8f; } };
+FT_FLOAT_KERNEL(k_f32, load8_f32, 4, LoadF32)
+FT_FLOAT_KERNEL(k_f16, load8_f16, 2, LoadF16)
+FT_FLOAT_KERNEL(k_bf16, load8_bf16, 2, LoadBF16)
+FT_FLOAT_KERNEL(k_fp8, load8_fp8_div256, 1, LoadFP8Div256)
+#define FT_FLOAT_SIMD 1
+#else
+#define FT_FLOAT_KERNEL(NAME, PORT, SCALE)                                                        \
+    template <int NT>                                                                             \
+    static inline void NAME##_tile(const uint8_t* row, const float* const* x, uint32_t c0,        \
+                                   uint32_t n, float* res) {                                      \
+        for (int j = 0; j < NT; ++j) res[j] = dot_span_portable<PORT>(row, x[j], c0, n) * SCALE;  \
+    }
+FT_FLOAT_KERNEL(k_f32, LoadF32, 1.0f)
+FT_FLOAT_KERNEL(k_f16, LoadF16, 1.0f)
+FT_FLOAT_KERNEL(k_bf16, LoadBF16, 1.0f)
+FT_FLOAT_KERNEL(k_fp8, LoadFP8, 0x1p-8f)
+#endif
+
+// Rows [r0, r1) of a float-format weight against NT tokens at a time.
+template <void (*TILE1)(const uint8_t*, const float* const*, uint32_t, uint32_t, float*),
+          void (*TILE2)(const uint8_t*, const float* const*, uint32_t, uint32_t, float*),
+          void (*TILE4)(const uint8_t*, const float* const*, uint32_t, uint32_t, float*)>
+static void dot_rows_float(const uint8_t* base, size_t row_stride, uint32_t cols, uint32_t r0, uint32_t r1,
+                           const void* const* xs, uint32_t ntok, float* out, size_t os) {
+    const float* const* x = (const float* const*)xs;
+    for (uint32_t r = r0; r < r1; ++r) {
+        const uint8_t* row = base + (size_t)r * row_stride;
+        uint32_t j = 0;
+        float res[4];
+        for (; j + 4 <= ntok; j += 4) {
+            TILE4(row, x + j, 0, cols, res);
+            for (int q = 0; q < 4; ++q) out[(j + q) * os + (r - r0)] = res[q];
+        }
+        for (; j + 2 <= ntok; j += 2) {
+            TILE2(row, x + j, 0, cols, res);
+            for (int q = 0; q < 2; ++q) out[(j + q) * os + (r - r0)] = res[q];
+        }
+        for (; j < ntok; ++j) {
+            TILE1(row, x + j, 0, cols, res);
+            out[j * os + (r - r0)] = res[0];
+        }
+    }
+}
+
+// FP8: the dot runs per 128-column block, each weighted by its block scale.
+static void dot_rows_fp8(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint32_t r1,
+                         const void* const* xs, uint32_t ntok, float* out, size_t os) {
+    const uint8_t* base = (const uint8_t*)(uintptr_t)w.data + (size_t)e * w.expert_stride;
+    const float* sbase = (const float*)((const uint8_t*)(uintptr_t)w.scale + (size_t)e * w.scale_expert_stride);
+    const uint32_t ncb = (w.cols + FP8_BLOCK - 1) / FP8_BLOCK;
+    const float* const* x = (const float* const*)xs;
+    for (uint32_t r = r0; r < r1; ++r) {
+        const uint8_t* row = base + (size_t)r * w.row_stride;
+        const float* srow = sbase + (size_t)(r / FP8_BLOCK) * ncb;
+        uint32_t j = 0;
+        for (; j < ntok; j += 4) {
+            const uint32_t nt = (ntok - j) < 4 ? (ntok - j) : 4;
+            float acc[4] = {0, 0, 0, 0}, res[4];
+            for (uint32_t cb = 0; cb < ncb; ++cb) {
+                const uint32_t c0 = cb * FP8_BLOCK;
+                const uint32_t n = (w.cols - c0) < FP8_BLOCK ? (w.cols - c0) : FP8_BLOCK;
+                const float s = srow[cb] * 256.0f;
+                if (nt == 4) k_fp8_tile<4>(row, x + j, c0, n, res);
+                else if (nt >= 2) k_fp8_tile<2>(row, x + j, c0, n, res);
+                else k_fp8_tile<1>(row, x + j, c0, n, res);
+                if (nt == 3) { float r3; k_fp8_tile<1>(row, x + j + 2, c0, n, &r3); res[2] = r3; }
+                for (uint32_t q = 0; q < nt; ++q) acc[q] += res[q] * s;
+            }
+            for (uint32_t q = 0; q < nt; ++q) out[(j + q) * os + (r - r0)] = acc[q];
+        }
+    }
+}

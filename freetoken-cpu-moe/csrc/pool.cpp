@@ -1,0 +1,127 @@
+#include "pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <chrono>
+#include <stdexcept>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FT_PAUSE() _mm_pause()
+#else
+#define FT_PAUSE() std::this_thread::yield()
+#endif
+
+namespace ft {
+
+using Clock = std::chrono::steady_clock;
+
+Pool::Pool(int num_threads, std::vector<int> cpus, double spin_us)
+    : nthreads_(num_threads < 1 ? 1 : num_threads), cpus_(std::move(cpus)), spin_us_(spin_us) {
+    threads_.reserve(nthreads_ - 1);
+    for (int t = 1; t < nthreads_; ++t) threads_.emplace_back([this, t] { worker_main(t); });
+}
+
+Pool::~Pool() { close(); }
+
+void Pool::close() {
+    std::lock_guard<std::mutex> run_lock(run_mu_);
+    if (closed_.exchange(true)) return;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        stop_.store(true);
+    }
+    cv_.notify_all();
+    for (auto& th : threads_) th.join();
+    threads_.clear();
+}
+
+void Pool::worker_main(int tid) {
+    if (!cpus_.empty()) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpus_[tid % cpus_.size()], &set);
+        pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort
+    }
+    uint64_t seen = 0;
+    for (;;) {
+        // spin for a while, then sleep until the next job
+        auto t0 = Clock::now();
+        uint32_t n = 0;
+        while (gen_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_relaxed)) {
+            FT_PAUSE();
+            if ((++n & 255) == 0 &&
+                std::chrono::duration<double, std::micro>(Clock::now() - t0).count() > spin_us_) {
+                std::unique_lock<std::mutex> lk(mu_);
+                sleepers_.fetch_add(1);
+                cv_.wait(lk, [&] { return gen_.load() != seen || stop_.load(); });
+                sleepers_.fetch_sub(1);
+                break;
+            }
+        }
+        if (stop_.load()) return;
+        seen = gen_.load(std::memory_order_acquire);
+        try {
+            (*job_)(tid);
+        } catch (...) {
+            std::lock_guard<std::mutex> lk(err_mu_);
+            if (!err_) err_ = std::current_exception();
+        }
+        pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+}
+
+void Pool::run(const std::function<void(int)>& fn) {
+    std::lock_guard<std::mutex> run_lock(run_mu_);
+    if (closed_.load()) throw std::runtime_error("freetoken_cpu_moe: the worker pool is closed");
+    if (nthreads_ == 1) {
+        fn(0);
+        return;
+    }
+    err_ = nullptr;
+    job_ = &fn;
+    pending_.store(nthreads_ - 1, std::memory_order_relaxed);
+    gen_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+        { std::lock_guard<std::mutex> lk(mu_); }
+        cv_.notify_all();
+    }
+    std::exception_ptr mine;
+    try {
+        fn(0);
+    } catch (...) {
+        mine = std::current_exception();
+    }
+    uint32_t n = 0;
+    while (pending_.load(std::memory_order_acquire) != 0) {
+        FT_PAUSE();
+        if ((++n & 4095) == 0) std::this_thread::yield();
+    }
+    job_ = nullptr;
+    if (mine) std::rethrow_exception(mine);
+    if (err_) {
+        std::exception_ptr e = err_;
+        err_ = nullptr;
+        std::rethrow_exception(e);
+    }
+}
+
+void Pool::parallel_for(int nitems, const std::function<void(int, int)>& fn) {
+    if (nitems <= 0) return;
+    if (nitems == 1 || nthreads_ == 1) {
+        for (int i = 0; i < nitems; ++i) fn(i, 0);
+        return;
+    }
+    std::atomic<int> next{0};
+    std::function<void(int)> body = [&](int tid) {
+        for (;;) {
+            int i = next.fetch_add(1, std::memory_order_relaxed);
+            if (i >= nitems) break;
+            fn(i, tid);
+        }
+    };
+    run(body);
+}
+
+}  // namespace ft

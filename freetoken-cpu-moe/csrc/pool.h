@@ -1,0 +1,55 @@
+// Persistent worker pool: threads created once, woken per job, the calling
+// thread takes part as worker 0. Workers spin briefly after a job (decode
+// steps arrive back to back) and then sleep on a condition variable.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ft {
+
+class Pool {
+public:
+    // num_threads workers in total (the caller is one of them); cpus: where to
+    // pin workers 1..n-1 (cpus[i % size]); empty = no pinning.
+    Pool(int num_threads, std::vector<int> cpus, double spin_us);
+    ~Pool();
+    Pool(const Pool&) = delete;
+    Pool& operator=(const Pool&) = delete;
+
+    int num_threads() const { return nthreads_; }
+    // Run fn(tid) on every worker (tid 0 = the caller) and wait for all.
+    // Callers are serialised; the first exception thrown by any worker is rethrown.
+    void run(const std::function<void(int)>& fn);
+    // Dynamic split: fn(item, tid) for item in [0, nitems), items handed out in order.
+    void parallel_for(int nitems, const std::function<void(int, int)>& fn);
+    void close();
+    bool closed() const { return closed_.load(); }
+
+private:
+    void worker_main(int tid);
+
+    int nthreads_;
+    std::vector<int> cpus_;
+    double spin_us_;
+    std::vector<std::thread> threads_;
+    std::mutex run_mu_;
+    const std::function<void(int)>* job_ = nullptr;
+    std::atomic<uint64_t> gen_{0};
+    std::atomic<int> pending_{0};
+    std::atomic<int> sleepers_{0};
+    std::atomic<bool> stop_{false};
+    std::atomic<bool> closed_{false};
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::mutex err_mu_;
+    std::exception_ptr err_;
+};
+
+}  // namespace ft

@@ -1,0 +1,72 @@
+"""Build of freetoken_cpu_moe._core (C++17, pybind11).
+
+The distributable build never uses -march=native: each ISA tier is its own
+translation unit (csrc/isa_<tier>.cpp) compiled with that tier's flags, and the
+tier is picked at run time from the CPU's features (csrc/dispatch.cpp).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def freetoken_include() -> str:
+    """handoff.h: from the installed freetoken-core, else the sibling checkout."""
+    try:
+        import freetoken
+
+        return freetoken.get_include()
+    except ImportError:
+        path = os.path.join(HERE, "..", "freetoken-core", "src", "freetoken", "include")
+        if not os.path.isfile(os.path.join(path, "freetoken", "handoff.h")):
+            sys.exit("freetoken-cpu-moe: cannot find freetoken/handoff.h; install freetoken-core first")
+        return path
+
+
+ISA_FLAGS = {
+    "isa_avx2.cpp": ["-mavx2", "-mfma", "-mf16c", "-mbmi2"],
+    "isa_avx512.cpp": [
+        "-mavx2", "-mfma", "-mf16c", "-mbmi2",
+        "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+        "-Wno-uninitialized", "-Wno-maybe-uninitialized",  # false positives in gcc 12 intrinsic headers
+    ],
+}
+
+
+class IsaBuildExt(build_ext):
+    """Adds per-file ISA flags to the tier translation units."""
+
+    def build_extensions(self) -> None:
+        compiler = self.compiler
+        original = compiler._compile
+
+        def _compile(obj: str, src: str, ext: str, cc_args: Any, extra_postargs: Any, pp_opts: Any) -> None:
+            extra = list(extra_postargs) + ISA_FLAGS.get(os.path.basename(src), [])
+            original(obj, src, ext, cc_args, extra, pp_opts)
+
+        compiler._compile = _compile  # type: ignore[method-assign]
+        super().build_extensions()
+
+
+SOURCES = [
+    "bindings.cpp", "coordinator.cpp", "dispatch.cpp", "moe.cpp", "pool.cpp", "stream.cpp",
+    "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp",
+]
+
+ext = Pybind11Extension(
+    "freetoken_cpu_moe._core",
+    [os.path.join("csrc", s) for s in SOURCES],
+    include_dirs=[freetoken_include(), os.path.join(HERE, "csrc")],
+    cxx_std=17,
+    extra_compile_args=["-O3", "-fno-math-errno", "-Wall", "-Wno-unused-function"],
+    extra_link_args=["-pthread"],
+)
+
+setup(ext_modules=[ext], cmdclass={"build_ext": IsaBuildExt})

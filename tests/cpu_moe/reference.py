@@ -1,0 +1,197 @@
+"""Independent references for the CPU MoE tests.
+
+Weights are generated in each format's raw layout and dequantized by an
+independent decoder: numpy for the float formats, torch's float8_e4m3fn for FP8,
+gguf-py (``gguf.quants``) for Q8_0 and the K-quants. The MoE reference is plain
+float64 numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+BLOCK = {"q8_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
+BLOCK_BYTES = {"q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+# byte offsets of the fp16 super-block scales (d, dmin) inside a K-quant block
+FP16_FIELDS = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+@dataclass
+class RawWeights:
+    fmt: str
+    data: np.ndarray  # raw bytes in the format's layout
+    scale: Optional[np.ndarray]  # fp8 block scales
+    dense: np.ndarray  # float64 [E][rows][cols], the independent dequantization
+
+
+def _gguf_type(fmt: str) -> Any:
+    from gguf import GGMLQuantizationType as Q
+
+    return {"q8_0": Q.Q8_0, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}[fmt]
+
+
+def gguf_dequantize(raw: np.ndarray, fmt: str, E: int, rows: int, cols: int) -> np.ndarray:
+    from gguf import quants
+
+    flat = quants.dequantize(raw.reshape(E * rows, -1), _gguf_type(fmt))
+    return np.asarray(flat, dtype=np.float64).reshape(E, rows, cols)
+
+
+def make_weights(fmt: str, E: int, rows: int, cols: int, rng: np.random.Generator, std: float) -> RawWeights:
+    """Random weights of about `std` in `fmt`, with their independent float64 decoding."""
+    if fmt == "f32":
+        a = (rng.standard_normal((E, rows, cols)) * std).astype(np.float32)
+        return RawWeights(fmt, a, None, a.astype(np.float64))
+    if fmt == "f16":
+        a = (rng.standard_normal((E, rows, cols)) * std).astype(np.float16)
+        return RawWeights(fmt, a, None, a.astype(np.float64))
+    if fmt == "bf16":
+        f = (rng.standard_normal((E, rows, cols)) * std).astype(np.float32)
+        raw = (f.view(np.uint32) >> 16).astype(np.uint16)  # truncation gives valid bf16 values
+        dense = (raw.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return RawWeights(fmt, raw, None, dense)
+    if fmt == "fp8_e4m3_b128":
+        import torch
+
+        codes = rng.integers(0, 256, size=(E, rows, cols), dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x3F  # no NaN codes in checkpoints
+        sr, sc = math.ceil(rows / 128), math.ceil(cols / 128)
+        scale = (rng.uniform(0.5, 2.0, size=(E, sr, sc)) * std / 100.0).astype(np.float32)
+        vals = torch.from_numpy(codes).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+        full = np.repeat(np.repeat(scale.astype(np.float64), 128, axis=1), 128, axis=2)[:, :rows, :cols]
+        return RawWeights(fmt, codes, scale, vals * full)
+    if fmt == "q8_0":
+        from gguf import quants
+
+        f = (rng.standard_normal((E * rows, cols)) * std).astype(np.float32)
+        raw = np.ascontiguousarray(quants.quantize(f, _gguf_type(fmt)))
+        return RawWeights(fmt, raw, None, gguf_dequantize(raw, fmt, E, rows, cols))
+    if fmt in ("q4_k", "q5_k", "q6_k"):
+        nb = E * rows * cols // 256
+        raw = rng.integers(0, 256, size=(nb, BLOCK_BYTES[fmt]), dtype=np.uint8)
+        if fmt in ("q4_k", "q5_k"):
+            # random codes, scales, and mins that centre each sub-block near zero the
+            # way a real quantizer does (min ~ scale * mean code), packed 6-bit
+            top = 8 if fmt == "q4_k" else 4
+            mean_code = 7.5 if fmt == "q4_k" else 15.5
+            sc = rng.integers(1, top + 1, size=(nb, 8))
+            mn = np.clip(np.rint(sc * mean_code + rng.integers(-2, 3, size=(nb, 8))), 0, 63).astype(np.int64)
+            raw[:, 4:16] = pack_k_scales(sc, mn)
+        fields = FP16_FIELDS[fmt]
+
+        def set_scales(mult: float) -> None:
+            v = (rng.uniform(0.5, 1.0, size=nb) * mult).astype(np.float16)
+            for off in fields:  # d and dmin alike (q4_k/q5_k), d alone (q6_k)
+                raw[:, off : off + 2] = v.view(np.uint8).reshape(nb, 2)
+
+        set_scales(1.0)
+        s = gguf_dequantize(raw, fmt, E, rows, cols).std()
+        set_scales(std / s)  # bring the weights to about `std`
+        return RawWeights(fmt, raw, None, gguf_dequantize(raw, fmt, E, rows, cols))
+    raise ValueError(fmt)
+
+
+def pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """The 12-byte packing of eight 6-bit scales and mins of Q4_K/Q5_K ([nb, 8] each)."""
+    out = np.zeros((sc.shape[0], 12), dtype=np.uint8)
+    for j in range(4):
+        out[:, j] = (sc[:, j] & 63) | ((sc[:, j + 4] >> 4) << 6)
+        out[:, j + 4] = (mn[:, j] & 63) | ((mn[:, j + 4] >> 4) << 6)
+        out[:, j + 8] = (sc[:, j + 4] & 0xF) | ((mn[:, j + 4] & 0xF) << 4)
+    return out
+
+
+def round_to(x32: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 values of x32 after rounding to the activation dtype."""
+    import torch
+
+    return torch.from_numpy(x32).to(getattr(torch, dtype)).to(torch.float64).numpy()
+
+
+def act_ref(kind: str, g: np.ndarray, u: np.ndarray, alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:
+    if kind == "silu":
+        return g / (1.0 + np.exp(-g)) * u
+    if kind == "gelu_tanh":
+        return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3))) * u
+    if kind == "swiglu_oai":
+        g = np.minimum(g, limit)
+        u = np.clip(u, -limit, limit)
+        return (u + 1.0) * g / (1.0 + np.exp(-alpha * g))
+    raise ValueError(kind)
+
+
+def moe_ref(
+    gate: np.ndarray, up: np.ndarray, down: np.ndarray, x: np.ndarray, ids: np.ndarray, w: np.ndarray,
+    act: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+) -> np.ndarray:
+    """float64 y[t] = sum_k w[t,k] * down_e(act(gate_e x_t, up_e x_t)), routes with ids < 0 skipped."""
+    T, K = ids.shape
+    y = np.zeros((T, down.shape[1]), dtype=np.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            h = act_ref(act, gate[e] @ x[t], up[e] @ x[t], alpha, limit)
+            y[t] += float(w[t, k]) * (down[e] @ h)
+    return y
+
+
+def random_routes(rng: np.random.Generator, T: int, K: int, E: int) -> tuple[np.ndarray, np.ndarray]:
+    """ids [T,K] with -1s and duplicate experts (within a token and across tokens), w [T,K]."""
+    ids = rng.integers(0, E, size=(T, K)).astype(np.int32)
+    ids[rng.random((T, K)) < 0.2] = -1
+    if K >= 2:
+        ids[0, 1] = ids[0, 0] if ids[0, 0] >= 0 else 1  # a duplicate inside one token
+    if T >= 2:
+        ids[T - 1, :] = -1  # one token routed entirely elsewhere
+    w = rng.uniform(0.05, 1.0, size=(T, K)).astype(np.float32)
+    return ids, w
+
+
+def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+#: int8 block length of the activations each weight format multiplies against
+#: (the documented numerics of freetoken_cpu_moe: symmetric, scale = absmax/127,
+#: round half away from zero); None = float32 activations.
+ACT_QUANT_BLOCK = {"q8_0": 32, "q4_k": 32, "q5_k": 32, "q6_k": 32}
+
+
+def quantize_act(v: np.ndarray, block: Optional[int]) -> np.ndarray:
+    """float64 values of v after the kernels' per-block int8 activation quantization."""
+    if block is None:
+        return v
+    v32 = np.asarray(v, dtype=np.float32).reshape(-1, block)
+    amax = np.abs(v32).max(axis=1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    s = v32 * inv
+    q = np.clip(np.trunc(s + np.where(s >= 0, np.float32(0.5), np.float32(-0.5))), -127, 127)
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(np.shape(v))
+
+
+def moe_reference(
+    gate: RawWeights, up: RawWeights, down: RawWeights, x: np.ndarray, ids: np.ndarray, w: np.ndarray,
+    act: str = "silu", alpha: float = 1.702, limit: float = 7.0, quantized: bool = True,
+) -> np.ndarray:
+    """float64 MoE, vectorised per expert; with ``quantized`` the kernels' int8
+    activation quantization (x before gate/up, h before down) is modelled too."""
+    def q(v: np.ndarray, fmt: str) -> np.ndarray:
+        return quantize_act(v, ACT_QUANT_BLOCK.get(fmt)) if quantized else v
+
+    T, K = ids.shape
+    y = np.zeros((T, down.dense.shape[1]), dtype=np.float64)
+    xg, xu = q(x, gate.fmt), q(x, up.fmt)
+    for e in np.unique(ids[ids >= 0]):
+        t_idx, k_idx = np.nonzero(ids == e)
+        g = xg[t_idx] @ gate.dense[e].T
+        u = xu[t_idx] @ up.dense[e].T
+        h = q(act_ref(act, g, u, alpha, limit), down.fmt)
+        np.add.at(y, t_idx, w[t_idx, k_idx].astype(np.float64)[:, None] * (h @ down.dense[e].T))
+    return y
