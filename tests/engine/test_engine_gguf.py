@@ -1,0 +1,222 @@
+"""GGUF: a tiny qwen3moe file with packed tensors gives the logits of an HF model
+built from the same tensors dequantized by gguf-py."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken import SamplingParams
+from freetoken.handoff import Fmt
+from freetoken.loading.gguf_writer import random_blocks, write_qwen3moe_metadata
+from freetoken.models.config import ModelConfig
+from helpers import engine_for, hf_logits, tiny_config
+
+H, HEADS, KVH, HD, I, E, K, V, LAYERS = 256, 4, 2, 64, 256, 4, 2, 300, 2
+
+# Per layer: the format of each matrix (all K-quants, Q8_0, F16 covered).
+MIX = [
+    {"attn_q": Fmt.Q8_0, "attn_k": Fmt.F16, "attn_v": Fmt.Q6_K, "attn_output": Fmt.Q4_K,
+     "ffn_gate_exps": Fmt.Q4_K, "ffn_up_exps": Fmt.Q5_K, "ffn_down_exps": Fmt.Q6_K},
+    {"attn_q": Fmt.Q4_K, "attn_k": Fmt.Q5_K, "attn_v": Fmt.Q8_0, "attn_output": Fmt.Q6_K,
+     "ffn_gate_exps": Fmt.F16, "ffn_up_exps": Fmt.Q6_K, "ffn_down_exps": Fmt.Q8_0},
+]
+OUTPUT_FMT = Fmt.Q6_K
+SHAPES = {"attn_q": (HEADS * HD, H), "attn_k": (KVH * HD, H), "attn_v": (KVH * HD, H), "attn_output": (H, HEADS * HD),
+          "ffn_gate_exps": (E, I, H), "ffn_up_exps": (E, I, H), "ffn_down_exps": (E, H, I)}
+
+
+def _packed(fmt, shape, rng):
+    rows = int(np.prod(shape[:-1]))
+    if fmt == Fmt.F16:
+        return (rng.standard_normal(shape) * 0.05).astype(np.float16)
+    return random_blocks(fmt, rows, shape[-1], rng).reshape(*shape[:-1], -1)
+
+
+def _deq(fmt, data, shape):
+    import gguf
+    from gguf.quants import dequantize
+
+    if fmt == Fmt.F16:
+        return torch.from_numpy(data.astype(np.float32))
+    return torch.from_numpy(dequantize(data, gguf.GGMLQuantizationType(int(fmt))).astype(np.float32)).reshape(shape)
+
+
+def write_tiny_gguf(path: str, seed: int, tokenizer: bool = False) -> dict[str, torch.Tensor]:
+    """Write the file; return the dequantized tensors by GGUF name."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    cfg = ModelConfig("qwen3_moe", V, H, LAYERS, HEADS, KVH, HD, 0, I, E, K, rope_theta=1e6, max_position_embeddings=1024)
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    write_qwen3moe_metadata(w, cfg, "tiny")
+    ref: dict[str, torch.Tensor] = {}
+
+    def add(name, fmt, data, shape):
+        if fmt in (Fmt.F32, Fmt.F16):
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType(int(fmt)))
+        ref[name] = _deq(fmt, data, shape) if fmt != Fmt.F32 else torch.from_numpy(data.copy())
+
+    add("token_embd.weight", Fmt.Q8_0, _packed(Fmt.Q8_0, (V, H), rng), (V, H))
+    add("output_norm.weight", Fmt.F32, (1 + 0.1 * rng.standard_normal(H)).astype(np.float32), (H,))
+    add("output.weight", OUTPUT_FMT, _packed(OUTPUT_FMT, (V, H), rng), (V, H))
+    for i, mix in enumerate(MIX):
+        for n in ("attn_norm", "ffn_norm"):
+            add(f"blk.{i}.{n}.weight", Fmt.F32, (1 + 0.1 * rng.standard_normal(H)).astype(np.float32), (H,))
+        for n in ("attn_q_norm", "attn_k_norm"):
+            add(f"blk.{i}.{n}.weight", Fmt.F32, (1 + 0.1 * rng.standard_normal(HD)).astype(np.float32), (HD,))
+        add(f"blk.{i}.ffn_gate_inp.weight", Fmt.F32, (0.5 * rng.standard_normal((E, H))).astype(np.float32), (E, H))
+        for n, fmt in mix.items():
+            add(f"blk.{i}.{n}.weight", fmt, _packed(fmt, SHAPES[n], rng), SHAPES[n])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ref
+
+
+def quantize_activations(x: torch.Tensor, fmt: int) -> torch.Tensor:
+    """What the CPU kernels do to activations before an integer dot product with
+    packed weights (freetoken-cpu-moe csrc/act_prepare.h, the llama.cpp scheme):
+    symmetric int8 with one float scale amax/127 per 32 values, round half away
+    from zero. Float weights see the FP32 activations."""
+    if fmt in (Fmt.F32, Fmt.F16, Fmt.BF16):
+        return x
+    blk = 32
+    xb = x.float().reshape(*x.shape[:-1], -1, blk)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    v = xb * inv
+    q = torch.where(v >= 0, v + 0.5, v - 0.5).trunc().clamp(-127, 127)
+    return (q * (amax / 127.0)).reshape(x.shape)
+
+
+def _quantizing_experts(experts, f_gate: int, f_up: int, f_down: int):
+    """HF's expert loop with the kernels' activation quantization in front of each matrix."""
+    import types
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        I = self.down_proj.shape[-1]
+        for t in range(hidden_states.shape[0]):
+            for k in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, k])
+                x = hidden_states[t]
+                g = torch.nn.functional.linear(quantize_activations(x, f_gate), self.gate_up_proj[e, :I])
+                u = torch.nn.functional.linear(quantize_activations(x, f_up), self.gate_up_proj[e, I:])
+                h = self.act_fn(g) * u
+                out[t] += top_k_weights[t, k] * torch.nn.functional.linear(quantize_activations(h, f_down), self.down_proj[e])
+        return out
+
+    experts.forward = types.MethodType(forward, experts)
+
+
+def hf_from_gguf_tensors(ref: dict[str, torch.Tensor], model_kernel_rounding: bool = False):
+    from transformers import Qwen3MoeForCausalLM
+
+    cfg = tiny_config(vocab_size=V, hidden_size=H, moe_intermediate_size=I, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KVH, head_dim=HD, num_experts=E,
+                      num_experts_per_tok=K, norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=1024,
+                      rms_norm_eps=1e-6)
+    m = Qwen3MoeForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        m.model.embed_tokens.weight.copy_(ref["token_embd.weight"])
+        m.model.norm.weight.copy_(ref["output_norm.weight"])
+        m.lm_head.weight.copy_(ref["output.weight"])
+        for i, L in enumerate(m.model.layers):
+            g = lambda n: ref[f"blk.{i}.{n}.weight"]  # noqa: E731
+            L.input_layernorm.weight.copy_(g("attn_norm"))
+            L.post_attention_layernorm.weight.copy_(g("ffn_norm"))
+            a = L.self_attn
+            a.q_proj.weight.copy_(g("attn_q"))
+            a.k_proj.weight.copy_(g("attn_k"))
+            a.v_proj.weight.copy_(g("attn_v"))
+            a.o_proj.weight.copy_(g("attn_output"))
+            a.q_norm.weight.copy_(g("attn_q_norm"))
+            a.k_norm.weight.copy_(g("attn_k_norm"))
+            L.mlp.gate.weight.copy_(g("ffn_gate_inp"))
+            L.mlp.experts.gate_up_proj.copy_(torch.cat([g("ffn_gate_exps"), g("ffn_up_exps")], dim=1))
+            L.mlp.experts.down_proj.copy_(g("ffn_down_exps"))
+    if model_kernel_rounding:
+        def pre(fmt):
+            return lambda mod, args: (quantize_activations(args[0], fmt),)
+
+        m.lm_head.register_forward_pre_hook(pre(OUTPUT_FMT))
+        for i, L in enumerate(m.model.layers):
+            mix = MIX[i]
+            for proj, n in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+                getattr(L.self_attn, proj).register_forward_pre_hook(pre(mix[n]))
+            _quantizing_experts(L.mlp.experts, mix["ffn_gate_exps"], mix["ffn_up_exps"], mix["ffn_down_exps"])
+    return m
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    seed = random.randrange(1 << 30)
+    path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    ref = write_tiny_gguf(path, seed)
+    return path, hf_from_gguf_tensors(ref, model_kernel_rounding=True), hf_from_gguf_tensors(ref), seed
+
+
+# The reference applies the kernels' int8 activation rounding (above), so what is
+# left is FP32 summation order (~1e-6 relative). That tiny noise occasionally moves
+# an activation across an int8 rounding boundary (~1e5 roundings per forward here),
+# shifting it by one step (1/127 of its block's max): the logits of that position
+# move by up to ~1e-2 of their scale, and a flip inside a cached K/V nudges every
+# later position a little. Most positions agree to ~1e-6. So: every position within
+# 3e-2 of the logit scale, the mean within 6e-3. Errors of the kind a bug makes
+# (a wrong block decode or scale, a wrong activation block size) are 1e-1..1.
+def assert_close_rounding(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert got.shape == ref.shape, what
+    scale = max(1.0, float(ref.abs().max()))
+    row_err = (got - ref).abs().amax(-1) / scale
+    assert float(row_err.max()) <= 3e-2, f"{what}: max error {float(row_err.max()):.3g} of scale: {row_err.tolist()}"
+    assert float(row_err.mean()) <= 6e-3, f"{what}: mean error {float(row_err.mean()):.3g} of scale: {row_err.tolist()}"
+
+
+def test_gguf_logits_match_dequantized_hf(tiny_gguf):
+    path, model, _, seed = tiny_gguf
+    rng = random.Random(seed)
+    eng = engine_for(path, prefill_chunk=9)
+    ids = [rng.randrange(V) for _ in range(30)]
+    got = eng.prompt_logits(ids)
+    ref = hf_logits(model, ids)
+    assert_close_rounding(got, ref, f"seed {seed}")
+
+
+def test_gguf_decode_through_cache(tiny_gguf):
+    path, model, _, seed = tiny_gguf
+    rng = random.Random(seed + 1)
+    eng = engine_for(path)
+    eng.capture_logits = True
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (7, 19)]
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    for p, r in zip(prompts, reqs):
+        full = p + r.output_ids
+        ref = hf_logits(model, full)[len(p) - 1 : -1]
+        assert_close_rounding(torch.stack(eng.captured[r.request_id]), ref, f"seed {seed}")
+
+
+def test_gguf_without_tokenizer_rejects_text(tiny_gguf):
+    from freetoken.loading.tokenizer import NoTokenizerError
+
+    path = tiny_gguf[0]
+    eng = engine_for(path)
+    assert eng.tokenizer.has_text is False
+    with pytest.raises(NoTokenizerError, match="token ids only"):
+        eng.tokenizer.encode("hello")
+    from freetoken.engine.llm import LLM
+
+    llm = LLM.__new__(LLM)
+    llm.engine, llm.tokenizer = eng, eng.tokenizer
+    with pytest.raises(NoTokenizerError, match="--prompt-ids"):
+        llm.generate("hello", SamplingParams(max_tokens=2))
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 2 and out[0].text == ""
