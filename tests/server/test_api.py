@@ -280,6 +280,32 @@ def test_response_format_json_object_gives_valid_json(client: openai.OpenAI) -> 
     assert isinstance(json.loads(greedy.choices[0].message.content), dict)
 
 
+def test_response_format_json_object_streaming_and_n(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Two JSON objects please."}], max_tokens=40,
+        temperature=0.9, seed=11, n=2, stream=True, response_format={"type": "json_object"},
+    )
+    texts = {0: "", 1: ""}
+    reasons = {}
+    for chunk in stream:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                reasons[ch.index] = ch.finish_reason
+    assert reasons == {0: "stop", 1: "stop"}
+    for text in texts.values():
+        assert isinstance(json.loads(text), dict), text
+
+
+def test_any_integer_seed_is_accepted_and_reproducible(client: openai.OpenAI) -> None:
+    for seed in (-7, 2**70):
+        kw: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "seed"}], max_tokens=6,
+                                  temperature=1.0, seed=seed, extra_body={"ignore_eos": True})
+        a = client.chat.completions.create(**kw)
+        b = client.chat.completions.create(**kw)
+        assert a.choices[0].message.content == b.choices[0].message.content
+
+
 # ------------------------------------------------------------------ completions
 
 

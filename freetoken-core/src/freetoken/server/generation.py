@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+SEED_RANGE = 2**63
+
 
 class ClientDisconnected(Exception):
     """The client went away before the response started."""
@@ -123,8 +125,9 @@ def build_params(
 
 
 def choice_seed(seed: Optional[int], choice: int) -> Optional[int]:
-    """Seed of one choice: a seeded request with n > 1 gives distinct, reproducible choices."""
-    return None if seed is None else seed + choice
+    """Seed of one choice: a seeded request with n > 1 gives distinct, reproducible choices.
+    Any JSON integer is accepted; it is folded into the generator's 63-bit range."""
+    return None if seed is None else (seed + choice) % SEED_RANGE
 
 
 async def _wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:

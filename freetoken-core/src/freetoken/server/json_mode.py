@@ -99,7 +99,7 @@ class _Decoder:
         self.text = ""
         self.calls = 0
         seed = params.seed if params.seed is not None else random.randrange(2**62)
-        self.gen = torch.Generator().manual_seed(int(seed))
+        self.gen = torch.Generator().manual_seed(int(seed) % 2**63)
 
     # ---------------------------------------------------------------- helpers
 
@@ -221,7 +221,7 @@ async def json_object_stream(engine: Any, prompt_ids: list[int], params: Samplin
             continue
         sub_params = dataclasses.replace(
             params, max_tokens=remaining, stop=[], stop_token_ids=[], ignore_eos=True,
-            seed=None if params.seed is None else params.seed + 7919 * dec.calls,
+            seed=None if params.seed is None else (params.seed + 7919 * dec.calls) % 2**63,
         )
         stream = engine.stream(prompt_ids + dec.out_ids, sub_params, request_id=dec._rid("s"))
         rejected = False
