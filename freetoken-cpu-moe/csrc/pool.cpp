@@ -108,6 +108,7 @@ void Pool::run(const std::function<void(int)>& fn) {
 }
 
 void Pool::parallel_for(int nitems, const std::function<void(int, int)>& fn) {
+    if (closed_.load()) throw std::runtime_error("freetoken_cpu_moe: the worker pool is closed");
     if (nitems <= 0) return;
     if (nitems == 1 || nthreads_ == 1) {
         for (int i = 0; i < nitems; ++i) fn(i, 0);

@@ -1,0 +1,190 @@
+"""The functional API around the kernels: metadata, validation, array kinds,
+weights read in place (torch, mmap), linear, pools."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import E, H, cm
+from reference import make_weights, quantize_act, ACT_QUANT_BLOCK, moe_reference, random_routes, rel_err
+
+import freetoken
+
+
+def test_version_and_metadata() -> None:
+    assert cm.__version__ == "0.1.0" == freetoken.__version__
+    assert cm.FORMATS == ("f32", "f16", "bf16", "fp8_e4m3_b128", "q8_0", "q4_k", "q5_k", "q6_k")
+    tiers = cm.isa_tiers()
+    assert tiers[-1] == "scalar" and cm.active_isa() in tiers
+
+
+def run_py(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    )
+
+
+def test_version_skew_is_refused() -> None:
+    out = run_py("import freetoken; freetoken.__version__ = '9.9.9'; import freetoken_cpu_moe")
+    assert out.returncode != 0 and "version skew" in out.stderr
+
+
+@pytest.mark.parametrize("tier", cm.isa_tiers())
+def test_env_forces_a_tier(tier: str) -> None:
+    out = run_py("import freetoken_cpu_moe as cm; print(cm.active_isa())", FREETOKEN_CPU_MOE_ISA=tier)
+    assert out.stdout.strip() == tier, out.stderr
+
+
+def test_set_isa_rejects_unknown_tier() -> None:
+    with pytest.raises(ValueError, match="unknown ISA tier"):
+        cm.set_isa("avx9000")
+
+
+def test_weights_validation() -> None:
+    with pytest.raises(ValueError, match="needs 2176 "):
+        cm.Weights(np.zeros(2000, np.uint8), "q8_0", 1, 2, 1024)
+    with pytest.raises(ValueError, match="not a multiple of the q4_k block size 256"):
+        cm.Weights(np.zeros(144, np.uint8), "q4_k", 1, 1, 128)
+    with pytest.raises(ValueError, match="unknown weight format"):
+        cm.Weights(np.zeros(16, np.uint8), "q3_k", 1, 1, 16)
+    with pytest.raises(ValueError, match="scales"):
+        cm.Weights(np.zeros((1, 4, 4), np.uint8), "fp8_e4m3_b128", 1, 4, 4)
+    with pytest.raises(ValueError, match=r"expected float32 \[1\]\[1\]\[2\]"):
+        cm.Weights(np.zeros((1, 4, 200), np.uint8), "fp8_e4m3_b128", 1, 4, 200, scale=np.ones(1, np.float32))
+    with pytest.raises(ValueError, match="contiguous"):
+        cm.Weights(np.zeros((8, 8), np.float32)[:, ::2], "f32", 1, 8, 4)
+    w = cm.Weights(np.zeros((2, 4, 8), np.float16), cm.format_info("f16").fmt_id, 2, 4, 8)
+    assert w.fmt == "f16" and w.nbytes == 128
+
+
+def test_expert_bank_validation() -> None:
+    g = cm.Weights(np.ones((2, 4, 8), np.float32), "f32", 2, 4, 8)
+    d = cm.Weights(np.ones((2, 8, 4), np.float32), "f32", 2, 8, 4)
+    bank = cm.ExpertBank(g, g, d)
+    assert (bank.num_experts, bank.hidden, bank.intermediate) == (2, 8, 4)
+    assert bank.address != 0
+    with pytest.raises(ValueError, match="down is"):
+        cm.ExpertBank(g, g, g)
+    with pytest.raises(ValueError, match="unknown activation"):
+        cm.ExpertBank(g, g, d, activation="relu")
+
+
+def _bank_from(raws, data_override=None):
+    ws = []
+    for i, r in enumerate(raws):
+        data = r.data if data_override is None else data_override[i]
+        ws.append(cm.Weights(data, r.fmt, r.dense.shape[0], r.dense.shape[1], r.dense.shape[2], scale=r.scale))
+    return cm.ExpertBank(*ws)
+
+
+def test_weights_keep_buffers_alive_and_read_torch_tensors(rng) -> None:
+    raws = [make_weights("q6_k", E, 256, H, rng, 0.1), make_weights("q6_k", E, 256, H, rng, 0.1), make_weights("q6_k", E, H, 256, rng, 0.1)]
+    tensors = [torch.from_numpy(r.data.copy()) for r in raws]  # torch CPU tensors, no other reference kept
+    bank = _bank_from(raws, tensors)
+    del tensors
+    gc.collect()
+    junk = [np.full(r.data.shape, 0xAB, np.uint8) for r in raws]  # reuse freed memory if it were freed
+    x = rng.standard_normal((3, H)).astype(np.float32)
+    ids, w = random_routes(rng, 3, 2, E)
+    y = cm.moe_forward(bank, torch.from_numpy(x), ids, w)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float32
+    assert rel_err(y.double().numpy(), moe_reference(*raws, x.astype(np.float64), ids, w)) < 1e-3
+    del junk
+
+
+def test_weights_from_an_mmap_view(tmp_path, rng) -> None:
+    raws = [make_weights("q4_k", E, 256, H, rng, 0.1), make_weights("q4_k", E, 256, H, rng, 0.1), make_weights("q8_0", E, H, 256, rng, 0.1)]
+    path = tmp_path / "bank.bin"
+    offsets = []
+    with open(path, "wb") as f:
+        for r in raws:
+            offsets.append(f.tell())
+            f.write(r.data.tobytes())
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    views = [mm[o : o + r.data.nbytes] for o, r in zip(offsets, raws)]
+    bank = _bank_from(raws, views)
+    x = rng.standard_normal((2, H)).astype(np.float16)
+    ids, w = random_routes(rng, 2, 8, E)
+    y = cm.moe_forward(bank, x, ids, w, out_dtype="float32")
+    assert isinstance(y, np.ndarray) and y.dtype == np.float32
+    assert rel_err(y, moe_reference(*raws, x.astype(np.float64), ids, w)) < 1e-3
+
+
+def test_moe_forward_argument_errors(bank_for, rng) -> None:
+    case = bank_for("f32")
+    x = rng.standard_normal((2, H)).astype(np.float32)
+    ids, w = random_routes(rng, 2, 2, E)
+    with pytest.raises(ValueError, match="hidden size"):
+        cm.moe_forward(case.bank, x[:, :128].copy(), ids, w)
+    with pytest.raises(ValueError, match="must both be"):
+        cm.moe_forward(case.bank, x, ids[:, :1], w)
+    with pytest.raises(ValueError, match="out of range"):
+        cm.moe_forward(case.bank, x, np.full((2, 2), E, np.int32), w)
+    with pytest.raises(ValueError, match="dtype float64"):
+        cm.moe_forward(case.bank, x.astype(np.float64), ids, w)
+    with pytest.raises(ValueError, match="numpy has no bfloat16"):
+        cm.moe_forward(case.bank, x, ids, w, out_dtype="bfloat16")
+
+
+def test_moe_forward_accumulate_and_out_dtype(bank_for, rng) -> None:
+    case = bank_for("bf16")
+    x = torch.from_numpy(rng.standard_normal((3, H)).astype(np.float32)).to(torch.bfloat16)
+    ids, w = random_routes(rng, 3, 8, E)
+    ref = moe_reference(*case.raw, x.double().numpy(), ids, w)
+    y = cm.moe_forward(case.bank, x, torch.from_numpy(ids).long(), torch.from_numpy(w), out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and rel_err(y.double().numpy(), ref) < 1e-5
+    base = torch.from_numpy(rng.standard_normal((3, H)).astype(np.float32))
+    out = base.clone()
+    cm.moe_forward(case.bank, x, ids, w, out=out, accumulate=True)
+    assert rel_err(out.double().numpy(), ref + base.double().numpy()) < 1e-5
+
+
+@pytest.mark.parametrize("isa", cm.isa_tiers())
+@pytest.mark.parametrize("fmt", cm.FORMATS)
+def test_linear(fmt: str, isa: str, rng) -> None:
+    rows, cols = 320, 512  # rows not a multiple of the pool's chunks; cols spans 2 K-quant blocks
+    r = make_weights(fmt, 1, rows, cols, rng, 0.05)
+    wts = cm.Weights(r.data, fmt, 1, rows, cols, scale=r.scale)
+    for T in (1, 3):
+        x = rng.standard_normal((T, cols)).astype(np.float32)
+        y = cm.linear(wts, x, isa=isa)
+        assert y.shape == (T, rows)
+        tight = quantize_act(x.astype(np.float64), ACT_QUANT_BLOCK.get(fmt)) @ r.dense[0].T
+        loose = x.astype(np.float64) @ r.dense[0].T
+        assert rel_err(y, tight) < (1e-3 if fmt in ACT_QUANT_BLOCK else 1e-5)  # see test_moe_matrix
+        assert rel_err(y, loose) < (3e-2 if fmt in ACT_QUANT_BLOCK else 1e-5)
+    y1 = cm.linear(wts, torch.from_numpy(x[0]).to(torch.bfloat16), isa=isa)
+    assert y1.shape == (rows,) and y1.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="columns"):
+        cm.linear(wts, np.zeros((1, cols + 1), np.float32))
+
+
+def test_linear_large_output_head(rng) -> None:
+    """A vocab-sized Q6_K head at T=1 (many rows: all split over the pool)."""
+    rows, cols = 16384, 256
+    r = make_weights("q6_k", 1, rows, cols, rng, 0.05)
+    wts = cm.Weights(r.data, "q6_k", 1, rows, cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    y = cm.linear(wts, x)
+    assert rel_err(y, quantize_act(x.astype(np.float64), 32) @ r.dense[0].T) < 1e-3
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_private_pools(bank_for, rng, threads: int) -> None:
+    case = bank_for("q5_k")
+    x = rng.standard_normal((16, H)).astype(np.float32)
+    ids, w = random_routes(rng, 16, 8, E)
+    with cm.Pool(threads, pin=False) as pool:
+        assert pool.num_threads == threads
+        y = cm.moe_forward(case.bank, x, ids, w, pool=pool)
+    assert rel_err(y, moe_reference(*case.raw, x.astype(np.float64), ids, w)) < 1e-3
+    with pytest.raises(RuntimeError, match="closed"):
+        cm.moe_forward(case.bank, x, ids, w, pool=pool)
+    assert cm.Pool().num_threads == len(cm.physical_core_cpus())

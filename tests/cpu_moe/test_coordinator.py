@@ -1,0 +1,183 @@
+"""The hand-off coordinator, driven from Python threads exactly as a GPU would:
+inputs, ready = 1, wait done == 1, read y, done = 0."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import cm
+from freetoken import handoff
+from freetoken.backends.contract import HandoffError
+from reference import moe_reference, random_routes, rel_err
+from tasks import err_name, fill_inputs, gpu_handoff, new_task
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def one_handoff(case, task, rng, T: int) -> None:
+    x = torch.from_numpy(rng.standard_normal((T, case.H)).astype(np.float32))
+    ids, w = random_routes(rng, T, task.top_k, case.E)
+    fill_inputs(task, x, ids, w)
+    task.y.fill_(float("nan"))
+    seq = task.flags.seq
+    gpu_handoff(task)
+    assert task.flags.seq == seq + 1
+    task.check_error()
+    ref = moe_reference(*case.raw, x.to(task.x.dtype).double().numpy(), ids, w)
+    tol = 1e-3 + (4e-3 if task.y.dtype == torch.bfloat16 else 0.0)  # see test_moe_matrix
+    assert rel_err(task.y[:T].double().numpy(), ref) < tol
+
+
+def test_many_consecutive_handoffs_on_one_slot(bank_for, rng) -> None:
+    case = bank_for(("q4_k", "q4_k", "q6_k"))
+    task = new_task(case.bank, max_tokens=16, top_k=8, act_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
+    with cm.Coordinator(watchdog_ms=5000) as coord:
+        coord.add_task(task.desc_buffer.host_ptr)
+        for i in range(150):
+            one_handoff(case, task, rng, T=int(rng.integers(1, 17)))
+        assert coord.stats()["served"] == 150
+    assert task.flags.seq == 150 and task.flags.err == 0
+
+
+def test_several_slots_from_several_threads(bank_for) -> None:
+    cases = [bank_for("q8_0"), bank_for("bf16"), bank_for(("q5_k", "q5_k", "q6_k"))]
+    tasks = [
+        new_task(c.bank, max_tokens=4, top_k=2, act_dtype=dt, out_dtype=dt, layer=i)
+        for i, (c, dt) in enumerate(zip(cases, [torch.float32, torch.bfloat16, torch.float16]))
+    ]
+    errors: list[BaseException] = []
+
+    def gpu(case, task, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(60):
+                one_handoff(case, task, rng, T=int(rng.integers(1, 5)))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    with cm.Coordinator(watchdog_ms=5000) as coord:
+        for t in tasks:
+            coord.add_task(t)
+        threads = [threading.Thread(target=gpu, args=(c, t, i)) for i, (c, t) in enumerate(zip(cases, tasks))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert not errors, errors
+    assert [t.flags.seq for t in tasks] == [60, 60, 60]
+
+
+def test_watchdog_fails_an_unserved_task_then_recovers(bank_for, rng) -> None:
+    case = bank_for("f16")
+    task = new_task(case.bank, max_tokens=2, top_k=2, act_dtype=torch.float32, out_dtype=torch.float32)
+    with cm.Coordinator(watchdog_ms=30) as coord:
+        coord.add_task(task)
+        one_handoff(case, task, rng, T=2)
+        coord._core._inject_stall_ms(600)  # the CPU side wedges
+        time.sleep(0.01)
+        t0 = time.monotonic()
+        gpu_handoff(task, timeout_s=5)
+        waited = time.monotonic() - t0
+        assert err_name(task) == "WATCHDOG"
+        assert waited < 0.5, f"the watchdog took {waited:.3f}s for a 30 ms bound"
+        with pytest.raises(HandoffError, match="WATCHDOG"):
+            task.check_error()
+        assert coord.stats()["watchdog_fired"] == 1
+        time.sleep(0.7)  # the stall ends; the slot works again
+        one_handoff(case, task, rng, T=1)
+
+
+def test_cpu_exception_and_bad_task_set_err(bank_for, rng) -> None:
+    case = bank_for("f16")
+    task = new_task(case.bank, max_tokens=2, top_k=2, act_dtype=torch.float32, out_dtype=torch.float32)
+    with cm.Coordinator(watchdog_ms=5000) as coord:
+        coord.add_task(task)
+        coord._core._inject_fault()
+        fill_inputs(task, torch.randn(2, case.H), np.zeros((2, 2), np.int32), np.ones((2, 2), np.float32))
+        gpu_handoff(task)
+        assert err_name(task) == "CPU_EXCEPTION"
+        task.flags.err = 0
+        task.ids[0, 0] = case.E + 3  # out of range: the descriptor's data is bad
+        gpu_handoff(task)
+        assert err_name(task) == "BAD_TASK"
+        task.flags.err = 0
+        one_handoff(case, task, rng, T=2)
+        assert coord.stats()["errors"] == 2
+
+
+def test_removed_task_is_not_served(bank_for, rng) -> None:
+    case = bank_for("f16")
+    a = new_task(case.bank, max_tokens=2, top_k=2, act_dtype=torch.float32, out_dtype=torch.float32, slot=0)
+    b = new_task(case.bank, max_tokens=2, top_k=2, act_dtype=torch.float32, out_dtype=torch.float32, slot=1)
+    with cm.Coordinator(watchdog_ms=40) as coord:
+        coord.add_task(a)
+        coord.add_task(b)
+        one_handoff(case, b, rng, T=1)
+        coord.remove_task(b)
+        assert coord.num_tasks == 1
+        fill_inputs(b, torch.randn(1, case.H), np.zeros((1, 2), np.int32), np.ones((1, 2), np.float32))
+        b.flags.ready = 1
+        time.sleep(0.2)  # neither the loop nor the watchdog may touch b any more
+        assert (b.flags.ready, b.flags.done, b.flags.err) == (1, 0, 0)
+        b.flags.ready = 0
+        one_handoff(case, a, rng, T=2)
+
+
+def test_idle_coordinator_sleeps(bank_for, rng) -> None:
+    case = bank_for("f16")
+    task = new_task(case.bank, max_tokens=2, top_k=2, act_dtype=torch.float32, out_dtype=torch.float32)
+    with cm.Coordinator(watchdog_ms=1000) as coord:
+        coord.add_task(task)
+        one_handoff(case, task, rng, T=2)
+        time.sleep(0.05)
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        time.sleep(0.5)
+        busy = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+        assert coord.stats()["sleeps"] > 10
+    assert busy < 0.2, f"an idle coordinator used {busy:.0%} of a core"
+
+
+def test_start_stop_many_times_without_leaks(bank_for, rng) -> None:
+    case = bank_for("f16")
+    task = new_task(case.bank, max_tokens=2, top_k=2, act_dtype=torch.float32, out_dtype=torch.float32)
+    cm.default_pool()
+    base = thread_count()
+    coord = cm.Coordinator(watchdog_ms=1000)
+    coord.add_task(task)
+    for i in range(30):
+        coord.start()
+        assert coord.running and thread_count() == base + 2
+        if i % 10 == 0:
+            one_handoff(case, task, rng, T=1)
+        coord.stop()
+        assert not coord.running and thread_count() == base
+    for _ in range(10):  # whole objects, and private pools
+        with cm.Pool(2) as pool, cm.Coordinator(pool=pool, watchdog_ms=1000) as c2:
+            c2.add_task(task)
+            one_handoff(case, task, rng, T=1)
+            c2.remove_task(task)
+        assert thread_count() == base
+
+
+def test_clean_shutdown_at_interpreter_exit() -> None:
+    code = (
+        "import freetoken_cpu_moe as cm\n"
+        "c = cm.Coordinator(watchdog_ms=100).start()\n"
+        "p = cm.Pool(2)\n"
+        "print('up', c.running, p.num_threads)\n"
+    )
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "up True 2" in out.stdout
+    assert time.monotonic() - t0 < 30
