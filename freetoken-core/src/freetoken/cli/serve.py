@@ -84,6 +84,13 @@ def _server_class() -> Any:
                 for sig in self._captured_signals[:1]:
                     logger.info("received %s: shut down", signal.Signals(sig).name)
 
+        async def shutdown(self, sockets: Any = None) -> None:
+            holder = getattr(self.config.app, "state", None)
+            holder = getattr(holder, "holder", None)
+            if holder is not None:
+                holder.drain()
+            await super().shutdown(sockets)
+
     return Server
 
 

@@ -81,7 +81,7 @@ async def create_chat_completion(request: Request) -> Response:
             job.json_object = True
     maybe_fail(request, holder, "before")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = ChoiceStreams(engine, jobs, request_id, holder.metrics, arrival)
+    streams = ChoiceStreams(engine, jobs, request_id, holder.metrics, arrival, holder.active)
     try:
         await until_disconnect(request.receive, streams.start())
     except ClientDisconnected:

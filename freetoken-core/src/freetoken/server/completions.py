@@ -105,7 +105,7 @@ async def create_completion(request: Request) -> Response:
             )))
     maybe_fail(request, holder, "before")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = ChoiceStreams(engine, jobs, request_id, holder.metrics, arrival)
+    streams = ChoiceStreams(engine, jobs, request_id, holder.metrics, arrival, holder.active)
     try:
         await until_disconnect(request.receive, streams.start())
     except ClientDisconnected:

@@ -165,7 +165,8 @@ class ChoiceStreams:
     """The engine streams of one request, merged into one async iterator of (index, delta)."""
 
     def __init__(self, engine: Any, jobs: list[ChoiceJob], request_id: str, metrics: ServerMetrics,
-                 arrival: float) -> None:
+                 arrival: float, registry: Optional[set["ChoiceStreams"]] = None) -> None:
+        self._registry = registry if registry is not None else set()
         self._engine = engine
         self._jobs = jobs
         self._request_id = request_id
@@ -212,6 +213,7 @@ class ChoiceStreams:
         """Start every stream and wait until each produced its first output (or failed)."""
         from freetoken.engine.async_engine import QueueFull, RequestRejected
 
+        self._registry.add(self)
         for job in self._jobs:
             self._metrics.prompt_tokens.inc(len(job.prompt_ids))
             self._tasks.append(asyncio.create_task(self._pump(job)))
@@ -253,7 +255,12 @@ class ChoiceStreams:
         finally:
             await self.aclose()
 
+    def interrupt(self, error: BaseException) -> None:
+        """End this request early with ``error`` (server shutdown): the consumer raises it."""
+        self._queue.put_nowait((-1, error))
+
     async def aclose(self) -> None:
+        self._registry.discard(self)
         for task in self._tasks:
             if not task.done():
                 task.cancel()

@@ -45,6 +45,9 @@ class EngineHolder:
         self._ready = asyncio.Event()
         self._thread: Optional[threading.Thread] = None
         self.metrics = ServerMetrics(self.stats)
+        #: requests being generated (ChoiceStreams), so a shutdown can end them cleanly
+        self.active: set[Any] = set()
+        self.draining = False
         self.on_load_failure: Optional[Callable[[BaseException], None]] = None
 
     # ------------------------------------------------------------- lifecycle
@@ -96,6 +99,16 @@ class EngineHolder:
             "on" if info.get("graphs") else "off", engine.max_model_len, ", ".join(self.model_names()),
         )
 
+    def drain(self) -> None:
+        """Server shutdown begins: refuse new requests and end the ones in flight with a 503
+        error (an error event for streams) instead of cutting their connections."""
+        self.draining = True
+        if self.active:
+            logger.info("shutting down: ending %d request(s) in flight", len(self.active))
+        for streams in list(self.active):
+            streams.interrupt(APIError(503, "The server is shutting down; retry on another instance or later.",
+                                       code="server_shutting_down"))
+
     async def shutdown(self) -> None:
         engine, self.engine = self.engine, None
         self._ready.clear()
@@ -113,6 +126,8 @@ class EngineHolder:
         return self.engine is not None
 
     def require_engine(self) -> Any:
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", code="server_shutting_down")
         if self.engine is None:
             if self.load_error is not None:
                 raise APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
