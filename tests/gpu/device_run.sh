@@ -18,7 +18,15 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/pytest.log" | sed 's/ *\[.*%\]//' | tail -60
   grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/pytest.log" | head -30
   timeout 120 python3 -m freetoken.cli.main doctor --json > "$OUT/doctor.json" 2> "$OUT/doctor.err"
-  echo "doctor rc=$?"; head -c 3000 "$OUT/doctor.json"; tail -5 "$OUT/doctor.err"
+  echo "doctor rc=$?"; python3 -c "import json; d=json.load(open('$OUT/doctor.json')); print(json.dumps({k: d.get(k) for k in ('selection', 'capabilities', 'qualification', 'handoff')})[:2500])"
+  tail -3 "$OUT/doctor.err"
+  python3 -c "
+import json, torch
+from freetoken.backends.registry import get_backend
+from freetoken.moe.qualify import doctor_section
+b = get_backend()
+print(json.dumps({'capabilities': b.capabilities().as_dict(), 'qualification': doctor_section(b)}, default=str, indent=1))
+" > "$OUT/qualify_section.json" 2>&1; echo "doctor_section rc=$?"; head -c 4000 "$OUT/qualify_section.json"
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   timeout 240 python3 -m freetoken.cli.main bench moe-layer --json "$OUT/bench.json" 2> "$OUT/bench.err"

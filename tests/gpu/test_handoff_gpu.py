@@ -192,41 +192,46 @@ def test_combine_times_out_into_an_error(backend, monkeypatch):
 
 
 def test_coordinator_watchdog_releases_memop_wait(backend):
-    """A CPU side that never finishes in time (pool busy elsewhere): the coordinator's
-    watchdog sets err and done, the memop wait is released and the host raises."""
+    """A CPU side that cannot serve in time: two long tasks published back to back on a
+    one-worker coordinator; while it runs one, the other's ready stays up past the 50 ms
+    watchdog, which sets err and done. The memop waits are released and the host raises."""
     pool = cm.Pool(1)
     coord = cm.Coordinator(pool=pool, watchdog_ms=50.0)
-    big = QualLayer(backend, torch.bfloat16, QualifyConfig(hidden=512, intermediate=256, cpu_threads=1))
+    layer = QualLayer(backend, torch.bfloat16, QualifyConfig(hidden=512, intermediate=256, cpu_threads=1))
+    tokens = 4096
     try:
-        task = backend.staging().new_task(0, 0, 1, 4, 512, torch.bfloat16, torch.float32, big.bank.address, mapped=True)
-        coord.add_task(task.desc_buffer.host_ptr)
+        tasks = []
+        for slot in range(2):
+            task = backend.staging().new_task(0, slot, tokens, 4, 512, torch.bfloat16, torch.float32,
+                                              layer.bank.address, mapped=True)  # fmt: skip
+            task.x.copy_(torch.randn(tokens, 512).to(torch.bfloat16))
+            task.ids.copy_(torch.randint(0, 8, (tokens, 4), dtype=torch.int32))
+            task.w.fill_(0.25)
+            coord.add_task(task.desc_buffer.host_ptr)
+            tasks.append(task)
         coord.start()
         sync = backend.gpu_sync(SyncMode.STREAM_MEMOPS)
-        # keep the only worker busy: a long synchronous job on the same pool from another thread
-        import threading
-
-        xs = torch.randn(4096, 512).to(torch.bfloat16)
-        ids = torch.randint(0, 8, (4096, 4), dtype=torch.int32)
-        ws = torch.rand(4096, 4)
-        busy = threading.Thread(target=lambda: [cm.moe_forward(big.bank, xs, ids, ws, pool=pool) for _ in range(3)])
-        busy.start()
-        time.sleep(0.05)
-        task.ids.copy_(torch.tensor([[1, 2, -1, -1]], dtype=torch.int32))
-        task.w.fill_(0.5)
-        task.x.normal_()
         stream = backend.current_stream()
-        sync.publish(stream, task)
-        sync.wait(stream, task)
+        t0 = time.monotonic()
+        for task in tasks:
+            sync.publish(stream, task)
+        for task in tasks:
+            sync.wait(stream, task)
         backend.synchronize()
-        busy.join()
-        fired = coord.stats().get("watchdog_fired", 0)
-        if not fired:
-            pytest.skip("the worker finished within the watchdog bound: could not provoke it")
-        with pytest.raises(HandoffError, match="WATCHDOG"):
-            task.check_error()
+        elapsed = time.monotonic() - t0
+        stats = coord.stats()
+        print("elapsed", elapsed, stats)
+        assert stats["watchdog_fired"] >= 1, f"neither task waited past 50 ms ({elapsed:.3f} s, {stats})"
+        errors = []
+        for task in tasks:
+            try:
+                task.check_error()
+            except HandoffError as exc:
+                errors.append(str(exc))
+        assert len(errors) >= 1 and all("WATCHDOG" in e for e in errors)
     finally:
         coord.stop()
-        big.close()
+        layer.close()
 
 
 def _settings():

@@ -132,14 +132,24 @@ class HybridMoEExecutor:
                 f"layer {self.layer}: x {tuple(x.shape)}, ids {tuple(ids.shape)}, w {tuple(w.shape)} do not match "
                 f"hidden={self.hidden}, top_k={self.top_k}"
             )
-        if cpu_mask is None:
-            if self.placement is None:
-                raise ValueError("no placement configured: pass cpu_mask")
-            cpu_mask = self.placement.cpu_mask(ids)
+        if cpu_mask is None and self.placement is None:
+            raise ValueError("no placement configured: pass cpu_mask")
         task = self.task_for(tokens)
-        gpu_ids, cpu_ids = split_routes(ids, cpu_mask)
         w32 = w.to(torch.float32).contiguous()
         stream = self.backend.current_stream()
+        if self.kio is not None and hasattr(self.kio, "publish_routes"):
+            # the split happens inside the publish kernel: nothing between the router and the hand-off
+            split = self._kernel_split(cpu_mask)
+            self.kio.publish_routes(stream, task, x.contiguous(), ids.contiguous(), w32, **split)
+            if cpu_mask is None:
+                cpu_mask = self.placement.cpu_mask(ids)
+            gpu_ids = split_routes(ids, cpu_mask)[0]
+            out = self.experts.forward(x, gpu_ids, w).contiguous()
+            self.kio.combine(stream, task, out)
+            return out
+        if cpu_mask is None:
+            cpu_mask = self.placement.cpu_mask(ids)
+        gpu_ids, cpu_ids = split_routes(ids, cpu_mask)
         if self.kio is not None:
             self.kio.publish(stream, task, x.contiguous(), cpu_ids.contiguous(), w32)
             out = self.experts.forward(x, gpu_ids, w).contiguous()
@@ -152,6 +162,13 @@ class HybridMoEExecutor:
         y.copy_(task.y[:tokens], non_blocking=True)
         out.add_(y)
         return out
+
+    def _kernel_split(self, cpu_mask: Optional[Any]) -> dict[str, Any]:
+        if cpu_mask is not None:
+            return {"cpu_mask": cpu_mask.contiguous()}
+        if self.placement.cpu_routes_per_token is not None:
+            return {"cpu_last_n": self.placement.cpu_routes_per_token}
+        return {"resident": self.placement.resident}
 
     def _publish_copies(self, stream: int, task: HandoffTask, x: Any, cpu_ids: Any, w32: Any) -> None:
         capturing = self.backend.stream_capturing(stream)

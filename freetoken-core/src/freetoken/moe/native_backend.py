@@ -192,20 +192,41 @@ class NativeKernelIO(KernelIO):
         self.faults_enabled = True  # the probe checks the path itself, without injected faults
 
     def publish(self, stream: int, task: HandoffTask, x: Any, cpu_ids: Any, weights: Any) -> None:
+        self.publish_routes(stream, task, x, cpu_ids, weights)
+
+    def publish_routes(
+        self,
+        stream: int,
+        task: HandoffTask,
+        x: Any,
+        ids: Any,
+        weights: Any,
+        cpu_mask: Any = None,
+        resident: Any = None,
+        cpu_last_n: Optional[int] = None,
+    ) -> None:
+        """Publish with the GPU/CPU split done inside the kernel: route (t, k) goes to the
+        CPU when ``cpu_mask[t, k]`` (bool), else when k is among the last ``cpu_last_n``,
+        else when ``resident[ids[t, k]]`` is False, else (nothing given) when ``ids >= 0``.
+        ``ids`` int32 or int64. Keeps split kernels off the hand-off's critical path."""
         import torch
 
         if x.dtype != torch.bfloat16:
             raise ValueError(f"KernelIO takes bfloat16 activations, got {x.dtype}; use the copy path")
         tokens = x.shape[0]
-        if tokens > task.max_tokens or x.shape[1] != task.hidden or cpu_ids.shape != (tokens, task.top_k):
+        if tokens > task.max_tokens or x.shape[1] != task.hidden or tuple(ids.shape) != (tokens, task.top_k):
             raise ValueError(
-                f"KernelIO publish: x {tuple(x.shape)} / ids {tuple(cpu_ids.shape)} do not fit task "
+                f"KernelIO publish: x {tuple(x.shape)} / ids {tuple(ids.shape)} do not fit task "
                 f"(max_tokens={task.max_tokens}, hidden={task.hidden}, top_k={task.top_k})"
             )
-        if not (x.is_contiguous() and cpu_ids.is_contiguous() and weights.is_contiguous()):
-            raise ValueError("KernelIO publish needs contiguous x, ids and weights")
-        if cpu_ids.dtype != torch.int32 or weights.dtype != torch.float32:
-            raise ValueError("KernelIO publish needs int32 ids and float32 weights")
+        if ids.dtype not in (torch.int32, torch.int64) or weights.dtype != torch.float32:
+            raise ValueError(f"KernelIO publish needs int32/int64 ids and float32 weights, got {ids.dtype}/{weights.dtype}")
+        for name, t in (("x", x), ("ids", ids), ("weights", weights), ("cpu_mask", cpu_mask), ("resident", resident)):
+            if t is not None and not t.is_contiguous():
+                raise ValueError(f"KernelIO publish needs a contiguous {name}")
+        for name, t in (("cpu_mask", cpu_mask), ("resident", resident)):
+            if t is not None and t.dtype != torch.bool:
+                raise ValueError(f"KernelIO publish: {name} must be bool, got {t.dtype}")
         capturing = bool(self.native.stream_is_capturing(stream))
         kind = faults.fault_for("kernel_io", capturing) if self.faults_enabled else None
         if kind == "error":
@@ -214,8 +235,10 @@ class NativeKernelIO(KernelIO):
             task.desc.num_tokens = tokens
         dp = task.device_ptrs
         self.native.kio_publish(
-            stream, x.data_ptr(), cpu_ids.data_ptr(), weights.data_ptr(), tokens * task.hidden,
-            tokens * task.top_k, dp["x"], dp["ids"], dp["w"], _flags_dev(task), _FAULT_CODES[kind],
+            stream, x.data_ptr(), ids.data_ptr(), ids.dtype == torch.int64, weights.data_ptr(), tokens * task.hidden,
+            tokens, task.top_k, 0 if cpu_mask is None else cpu_mask.data_ptr(),
+            0 if resident is None else resident.data_ptr(), -1 if cpu_last_n is None else int(cpu_last_n),
+            dp["x"], dp["ids"], dp["w"], _flags_dev(task), _FAULT_CODES[kind],
         )  # fmt: skip
 
     def combine(self, stream: int, task: HandoffTask, out: Any) -> None:

@@ -79,16 +79,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = runs[0]["per_layer_us"].keys()
-    per_layer = {k: statistics.median(r["per_layer_us"][k] for r in runs if k in r["per_layer_us"]) for k in keys}
-    base = max(per_layer["cpu_compute_alone"], per_layer["gpu_experts_alone"])
-    overhead = {k: v - base for k, v in per_layer.items() if k not in ("cpu_compute_alone", "gpu_experts_alone")}
+    def med(field: str) -> dict[str, float]:
+        keys = runs[0][field].keys()
+        return {k: statistics.median(r[field][k] for r in runs if k in r[field]) for k in keys}
+
     return {
         "config": runs[0]["config"],
         "device": runs[0]["device"],
         "processes": len(runs),
-        "per_layer_us": per_layer,
-        "overhead_per_layer_us": overhead,
+        "per_layer_us": med("per_layer_us"),
+        "cpu_alone_interleaved_us": med("cpu_alone_interleaved_us"),
+        "overhead_per_layer_us": med("overhead_per_layer_us"),
+        "per_process_overhead_us": [r["overhead_per_layer_us"] for r in runs],
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
 
@@ -96,10 +98,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def print_table(summary: dict[str, Any]) -> None:
     print(f"\nhybrid MoE layer, {summary['device']}, medians across {summary['processes']} processes")
     print(f"config: {summary['config']}")
-    print(f"{'configuration':<28}{'us/layer':>10}{'overhead':>10}")
+    print(f"{'configuration':<24}{'us/layer':>10}{'cpu alone':>11}{'overhead':>10}")
     for k, v in summary["per_layer_us"].items():
+        cpu = summary["cpu_alone_interleaved_us"].get(k)
         ov = summary["overhead_per_layer_us"].get(k)
-        print(f"{k:<28}{v:>10.1f}{'' if ov is None else f'{ov:>10.1f}'}")
+        print(f"{k:<24}{v:>10.1f}{'' if cpu is None else f'{cpu:>11.1f}'}{'' if ov is None else f'{ov:>10.1f}'}")
 
 
 # --------------------------------------------------------------------------------------
@@ -123,35 +126,39 @@ def fp8_experts(num_experts: int, rows: int, cols: int, gen: Any) -> tuple[Any, 
     return q.view(torch.uint8), scale.contiguous(), deq.to(torch.bfloat16)
 
 
-def _time_blocks(fn: Any, iters: int, repeats: int) -> float:
-    """Median over blocks of the mean time per call, in microseconds (device events)."""
+def _device_block(fn: Any, iters: int) -> float:
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / iters
+
+
+def _host_block(fn: Any, iters: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1e6 / iters
+
+
+def _time_interleaved(dev_fn: Any, host_fn: Any, iters: int, repeats: int) -> tuple[float, float]:
+    """Medians (us per call) of device-timed blocks of ``dev_fn`` and host-timed blocks of
+    ``host_fn``, alternating block by block so drift (clocks, neighbours) hits both alike."""
     import torch
 
     for _ in range(max(10, iters // 10)):
-        fn()
+        dev_fn()
+        host_fn()
     torch.cuda.synchronize()
-    per_call = []
+    dev, host = [], []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) * 1000.0 / iters)
-    return statistics.median(per_call)
-
-
-def _time_host(fn: Any, iters: int, repeats: int) -> float:
-    for _ in range(max(10, iters // 10)):
-        fn()
-    per_call = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        per_call.append((time.perf_counter() - t0) * 1e6 / iters)
-    return statistics.median(per_call)
+        dev.append(_device_block(dev_fn, iters))
+        host.append(_host_block(host_fn, iters))
+    return statistics.median(dev), statistics.median(host)
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -188,7 +195,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     placement.cpu_routes_per_token = args.cpu_routes_per_token
     x0 = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
     results: dict[str, float] = {}
-    executors = {}
+    executors: dict[str, list[Any]] = {}
 
     def make_step(exs: list[Any]) -> Any:
         out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
@@ -202,8 +209,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
         return step
 
-    for name in args.paths.split(","):
-        path = IOPath(name)
+    paths = [IOPath(name) for name in args.paths.split(",")]
+    for path in paths:
         exs = [
             HybridMoEExecutor(backend, l, layer["experts"], layer["bank"].address, K, path, torch.bfloat16,
                               placement=placement, coordinator=coordinator)  # fmt: skip
@@ -211,33 +218,41 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         ]
         for ex in exs:
             ex.prepare([T])
-        executors[name] = exs
+        executors[path.value] = exs
+    # the CPU expert compute alone: the same work run_task'd synchronously from Python on the
+    # same pool (its own tasks, inputs as published), timed block by block next to each config
+    cpu_tasks = []
+    for l, layer in enumerate(layers):
+        task = backend.staging().new_task(l, 999, T, K, H, torch.bfloat16, torch.float32, layer["bank"].address, mapped=False)
+        task.x.copy_(x0.cpu())
+        mask = placement.cpu_mask(layer["ids"]).cpu()
+        task.ids.copy_(torch.where(mask, layer["ids"].cpu(), torch.full_like(layer["ids"].cpu(), -1)))
+        task.w.copy_(layer["w"].cpu())
+        cpu_tasks.append(task)
+
+    def cpu_only() -> None:
+        for task in cpu_tasks:
+            cm.run_task(task.desc_buffer.host_ptr, pool=pool)
+
+    cpu_alone: dict[str, float] = {}
+    for path in paths:
+        exs = executors[path.value]
         step = make_step(exs)
-        results[f"{name}_eager"] = _time_blocks(step, args.iters, args.repeats) / args.layers
+        key = f"{path.value}_eager"
+        results[key], cpu_alone[key] = _time_interleaved(step, cpu_only, args.iters, args.repeats)
         for ex in exs:
             ex.check_errors()
         if all(ex.graph_safe for ex in exs):
             graph = backend.graph_capture().capture(step)
-            results[f"{name}_graph"] = _time_blocks(graph.replay, args.iters, args.repeats) / args.layers
+            key = f"{path.value}_graph"
+            results[key], cpu_alone[key] = _time_interleaved(graph.replay, cpu_only, args.iters, args.repeats)
             for ex in exs:
                 ex.check_errors()
+    results = {k: v / args.layers for k, v in results.items()}
+    cpu_alone = {k: v / args.layers for k, v in cpu_alone.items()}
 
-    # the CPU expert compute alone: the same tasks (inputs already published), synchronously
-    any_exs = next(iter(executors.values()))
-    descs = [ex.tasks[T].desc_buffer.host_ptr for ex in any_exs]
-
-    def cpu_only() -> None:
-        for d in descs:
-            cm.run_task(d, pool=pool)
-
-    coordinator.stop()
-    results["cpu_compute_alone"] = _time_host(cpu_only, args.iters, args.repeats) / args.layers
-
-    # the GPU experts alone, graph-replayed
-    gpu_parts = []
-    for layer in layers:
-        mask = placement.cpu_mask(layer["ids"])
-        gpu_parts.append(split_routes(layer["ids"], mask)[0])
+    # the GPU experts alone (the routes the GPU serves), graph-replayed
+    gpu_parts = [split_routes(layer["ids"], placement.cpu_mask(layer["ids"]))[0] for layer in layers]
 
     def gpu_only() -> None:
         h = x0
@@ -245,7 +260,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             h = layer["experts"].forward(h, gids, layer["w"])
 
     graph = backend.graph_capture().capture(gpu_only)
-    results["gpu_experts_alone"] = _time_blocks(graph.replay, args.iters, args.repeats) / args.layers
+    gpu_alone, _ = _time_interleaved(graph.replay, lambda: None, args.iters, args.repeats)
+    gpu_alone /= args.layers
+    results["gpu_experts_alone"] = gpu_alone
+    results["cpu_compute_alone"] = statistics.median(cpu_alone.values())
+    overhead = {k: results[k] - max(cpu_alone[k], gpu_alone) for k in cpu_alone}
+    coordinator.stop()
     for exs in executors.values():
         for ex in exs:
             ex.close()
@@ -255,4 +275,6 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                                                   "cpu_threads", "cpu_routes_per_token", "iters", "repeats")},
         "device": f"{props.name}, torch {torch.__version__}, {os.cpu_count()} CPUs",
         "per_layer_us": results,
+        "cpu_alone_interleaved_us": cpu_alone,
+        "overhead_per_layer_us": overhead,
     }

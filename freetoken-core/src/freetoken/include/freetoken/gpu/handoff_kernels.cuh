@@ -109,15 +109,44 @@ __global__ void ft_flag_wait_kernel(uint64_t* word, uint64_t value, uint64_t res
     }
 }
 
-/* One block. x/dst_x: n_x BF16 values; ids/w: n_routes int32/float routes. */
-__global__ void ft_kio_publish_kernel(const uint16_t* __restrict__ x, const int32_t* __restrict__ ids,
-                                      const float* __restrict__ w, int n_x, int n_routes, uint16_t* dst_x,
+/* The routes of one publish: expert ids [tokens][top_k] (int32 or int64), float32
+ * weights, and which routes go to the CPU, decided in the kernel so no split kernels
+ * sit on the hand-off's critical path. A route goes to the CPU when, in this order:
+ * cpu_mask (bool per route) is given and set; else cpu_last_n >= 0 and it is one of
+ * the token's last cpu_last_n routes; else resident (bool per expert) is given and its
+ * expert is not resident; else (none given) when its id is >= 0. */
+struct KioRoutes {
+    const void* ids;
+    int ids_are_64;
+    const float* w;
+    int tokens;
+    int top_k;
+    const uint8_t* cpu_mask;
+    const uint8_t* resident;
+    int cpu_last_n;
+};
+
+__device__ __forceinline__ int32_t ft_cpu_route(const KioRoutes& r, int i) {
+    const int32_t id = r.ids_are_64 ? static_cast<int32_t>(static_cast<const int64_t*>(r.ids)[i])
+                                    : static_cast<const int32_t*>(r.ids)[i];
+    if (id < 0) return -1;
+    bool cpu;
+    if (r.cpu_mask) cpu = r.cpu_mask[i] != 0;
+    else if (r.cpu_last_n >= 0) cpu = (i % r.top_k) >= r.top_k - r.cpu_last_n;
+    else if (r.resident) cpu = r.resident[id] == 0;
+    else cpu = true;
+    return cpu ? id : -1;
+}
+
+/* One block. x/dst_x: n_x BF16 values; routes as above, written as CPU ids (-1 = GPU). */
+__global__ void ft_kio_publish_kernel(const uint16_t* __restrict__ x, int n_x, KioRoutes routes, uint16_t* dst_x,
                                       int32_t* dst_ids, float* dst_w, uint64_t* flags, int fault) {
     __shared__ int cpu_routes;
     if (threadIdx.x == 0) cpu_routes = 0;
     __syncthreads();
+    const int n_routes = routes.tokens * routes.top_k;
     int mine = 0;
-    for (int i = threadIdx.x; i < n_routes; i += blockDim.x) mine += ids[i] >= 0 ? 1 : 0;
+    for (int i = threadIdx.x; i < n_routes; i += blockDim.x) mine += ft_cpu_route(routes, i) >= 0 ? 1 : 0;
     if (mine) atomicAdd(&cpu_routes, mine);
     __syncthreads();
     uint64_t* ready = flags + FT_FLAG_READY_OFFSET / 8;
@@ -138,8 +167,8 @@ __global__ void ft_kio_publish_kernel(const uint16_t* __restrict__ x, const int3
         }
     }
     for (int i = threadIdx.x; i < n_routes; i += blockDim.x) {
-        dst_ids[i] = ids[i];
-        dst_w[i] = w[i];
+        dst_ids[i] = ft_cpu_route(routes, i);
+        dst_w[i] = routes.w[i];
     }
     if (fault == FT_FAULT_NOFENCE) return;
     __threadfence_system(); /* this thread's stores reach host memory before ready */

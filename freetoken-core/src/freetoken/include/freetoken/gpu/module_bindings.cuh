@@ -84,9 +84,12 @@ inline void bind_module(py::module_& m) {
     m.def("flag_write_kernel", &launch_flag_write, py::arg("stream"), py::arg("dev_addr"), py::arg("value"));
     m.def("flag_wait_kernel", &launch_flag_wait, py::arg("stream"), py::arg("dev_addr"), py::arg("value"),
           py::arg("reset"), py::arg("err_addr"), py::arg("timeout_ns"));
-    m.def("kio_publish", &kio_publish, py::arg("stream"), py::arg("x"), py::arg("ids"), py::arg("w"), py::arg("n_x"),
-          py::arg("n_routes"), py::arg("dst_x"), py::arg("dst_ids"), py::arg("dst_w"), py::arg("flags"),
-          py::arg("fault") = 0);
+    m.def("kio_publish", &kio_publish, py::arg("stream"), py::arg("x"), py::arg("ids"), py::arg("ids_are_64"),
+          py::arg("w"), py::arg("n_x"), py::arg("tokens"), py::arg("top_k"), py::arg("cpu_mask"), py::arg("resident"),
+          py::arg("cpu_last_n"), py::arg("dst_x"), py::arg("dst_ids"), py::arg("dst_w"), py::arg("flags"),
+          py::arg("fault") = 0,
+          "KernelIO publish: x, CPU routes (split in the kernel: mask > last_n > resident > id>=0) and weights into "
+          "mapped memory, system fence, ready = 1 (or done = DONE_SKIPPED when no route goes to the CPU)");
     m.def("kio_combine", &kio_combine, py::arg("stream"), py::arg("out"), py::arg("y"), py::arg("y_is_f32"),
           py::arg("n"), py::arg("flags"), py::arg("timeout_ns"));
     m.def("host_callback_publish", &host_callback_publish, py::arg("stream"), py::arg("slot_host"));

@@ -167,6 +167,7 @@ inline hipError_t ftLaunchHostFunc(hipStream_t stream, ft_host_fn fn, void* arg)
 /* Throw with the failing call's text and the runtime's error name. */
 inline void ft_check(ftError_t err, const char* call, const char* file, int line) {
     if (err != ftSuccess) {
+        (void)ftGetLastError(); /* clear it, so a later launch check does not report it again */
         throw std::runtime_error(std::string(FT_GPU_API_NAME) + " call failed: " + call + " -> " +
                                  ftGetErrorString(err) + " (" + file + ":" + std::to_string(line) + ")");
     }
@@ -218,6 +219,7 @@ typedef CUresult (*ft_pfn_cuGetErrorName)(CUresult, const char**);
 typedef CUresult (*ft_pfn_cuGraphAddBatchMemOpNode)(CUgraphNode*, CUgraph, const CUgraphNode*, size_t,
                                                     const CUDA_BATCH_MEM_OP_NODE_PARAMS*);
 typedef CUresult (*ft_pfn_cuCtxGetCurrent)(CUcontext*);
+typedef CUresult (*ft_pfn_cuGraphNodeGetType)(CUgraphNode, CUgraphNodeType*);
 
 struct DriverApi {
     ft_pfn_cuStreamWriteValue64 write64 = nullptr;
@@ -226,6 +228,7 @@ struct DriverApi {
     ft_pfn_cuGetErrorName error_name = nullptr;
     ft_pfn_cuGraphAddBatchMemOpNode add_memop_node = nullptr;
     ft_pfn_cuCtxGetCurrent ctx_get_current = nullptr;
+    ft_pfn_cuGraphNodeGetType node_get_type = nullptr; /* the runtime's has no enum for memop nodes */
     std::string error; /* non-empty when resolution failed */
 };
 
@@ -256,6 +259,8 @@ inline const DriverApi& driver_api() {
             resolve_driver_symbol("cuGraphAddBatchMemOpNode", optional_error));
         a.ctx_get_current =
             reinterpret_cast<ft_pfn_cuCtxGetCurrent>(resolve_driver_symbol("cuCtxGetCurrent", optional_error));
+        a.node_get_type =
+            reinterpret_cast<ft_pfn_cuGraphNodeGetType>(resolve_driver_symbol("cuGraphNodeGetType", optional_error));
         return a;
     }();
     return api;

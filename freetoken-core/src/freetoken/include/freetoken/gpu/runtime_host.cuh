@@ -207,12 +207,21 @@ inline void launch_flag_wait(uint64_t stream, uint64_t dev_addr, uint64_t value,
     FT_CHECK_LAUNCH("ft_flag_wait_kernel<<<>>>");
 }
 
-inline void kio_publish(uint64_t stream, uint64_t x, uint64_t ids, uint64_t w, int n_x, int n_routes, uint64_t dst_x,
-                        uint64_t dst_ids, uint64_t dst_w, uint64_t flags, int fault) {
+inline void kio_publish(uint64_t stream, uint64_t x, uint64_t ids, bool ids_are_64, uint64_t w, int n_x, int tokens,
+                        int top_k, uint64_t cpu_mask, uint64_t resident, int cpu_last_n, uint64_t dst_x, uint64_t dst_ids,
+                        uint64_t dst_w, uint64_t flags, int fault) {
+    KioRoutes r;
+    r.ids = reinterpret_cast<const void*>(ids);
+    r.ids_are_64 = ids_are_64 ? 1 : 0;
+    r.w = reinterpret_cast<const float*>(w);
+    r.tokens = tokens;
+    r.top_k = top_k;
+    r.cpu_mask = reinterpret_cast<const uint8_t*>(cpu_mask);
+    r.resident = reinterpret_cast<const uint8_t*>(resident);
+    r.cpu_last_n = cpu_last_n;
     ft_kio_publish_kernel<<<1, 512, 0, as_stream(stream)>>>(
-        reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(w),
-        n_x, n_routes, reinterpret_cast<uint16_t*>(dst_x), reinterpret_cast<int32_t*>(dst_ids),
-        reinterpret_cast<float*>(dst_w), reinterpret_cast<uint64_t*>(flags), fault);
+        reinterpret_cast<const uint16_t*>(x), n_x, r, reinterpret_cast<uint16_t*>(dst_x),
+        reinterpret_cast<int32_t*>(dst_ids), reinterpret_cast<float*>(dst_w), reinterpret_cast<uint64_t*>(flags), fault);
     FT_CHECK_LAUNCH("ft_kio_publish_kernel<<<>>>");
 }
 
@@ -317,12 +326,14 @@ inline GraphMemopProbe probe_graph_memops(uint64_t host_addr, uint64_t dev_addr)
             if (n) FT_CHECK(ftGraphGetNodes(g, nodes.data(), &n));
             int memops = 0;
             for (size_t i = 0; i < n; ++i) {
+#ifndef FT_GPU_HIP
+                if (!driver_api().node_get_type) throw std::runtime_error("cuGraphNodeGetType unavailable");
+                CUgraphNodeType t;
+                FT_CU_CHECK(driver_api().node_get_type(reinterpret_cast<CUgraphNode>(nodes[i]), &t));
+                if (t == CU_GRAPH_NODE_TYPE_BATCH_MEM_OP) ++memops;
+#else
                 ftGraphNodeType t;
                 FT_CHECK(ftGraphNodeGetType(nodes[i], &t));
-#ifndef FT_GPU_HIP
-                if (static_cast<int>(t) == static_cast<int>(CU_GRAPH_NODE_TYPE_BATCH_MEM_OP)) ++memops;
-#else
-                (void)t;
                 ++memops; /* HIP 5.x has no memop node type: count what was recorded */
 #endif
             }
