@@ -369,9 +369,13 @@ def test_completion_streaming_raw_and_client(client: openai.OpenAI, http: httpx.
     assert text == "Rivers flow" + full.choices[0].text
     assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 8
     assert [c["finish_reason"] for p in payloads for c in p["choices"] if c["finish_reason"]] == ["length"]
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="Rivers flow", max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}))
-    assert streamed == full.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt="Rivers flow", max_tokens=8, temperature=0,
+                                            stream=True, logprobs=2, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert len(tokens) == 8 and "".join(tokens) == full.choices[0].text
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(8)]
 
 
 # ------------------------------------------------------------------ metrics

@@ -35,6 +35,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="largest accepted request body; larger ones get HTTP 413 (default 8 MiB)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    p.add_argument("--access-log", action="store_true", help="log one line per HTTP request (uvicorn.access)")
     p.set_defaults(func=run)
 
 
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     server = _server_class()(uvicorn.Config(
-        app, log_config=None, access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=30,
+        app, log_config=None, access_log=bool(args.access_log), timeout_graceful_shutdown=5, timeout_keep_alive=30,
     ))
 
     def on_load_failure(exc: BaseException) -> None:
