@@ -75,7 +75,8 @@ def random_blocks(fmt: int, rows: int, cols: int, rng: np.random.Generator, scal
     if cols % per:
         raise ValueError(f"{Fmt(fmt).name} needs cols multiple of {per}, got {cols}")
     nblk = rows * (cols // per)
-    raw = rng.integers(0, 256, size=(nblk, nb), dtype=np.uint8)
+    n = nblk * nb
+    raw = rng.bit_generator.random_raw((n + 7) // 8).view(np.uint8)[:n].reshape(nblk, nb)
 
     def f16(lo: float, hi: float) -> np.ndarray:
         return rng.uniform(lo, hi, size=nblk).astype(np.float16).view(np.uint8).reshape(nblk, 2)

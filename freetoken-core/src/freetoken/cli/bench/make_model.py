@@ -1,0 +1,172 @@
+"""``freetoken bench make-model``: a synthetic GGUF with a real model's shapes.
+
+Real weights cannot be downloaded here, and decode speed depends only on shapes and
+formats, so benchmarks run on files of the real geometry filled with random but
+valid blocks (random quantized bits, small finite fp16 scales). The file is written
+streaming, one tensor at a time. It has no tokenizer: feed it token ids.
+
+Q4_K_M follows llama.cpp's mix (llama_tensor_get_type): Q4_K everywhere, except the
+output head Q6_K, and attn_v and ffn_down(_exps) Q6_K in the layers where
+``use_more_bits(i, n)`` holds (i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2, n = the
+file's layer count); norms and the router stay F32 (llama.cpp never quantizes
+ffn_gate_inp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+from freetoken.handoff import Fmt
+from freetoken.loading.tensors import row_bytes
+from freetoken.models.config import ModelConfig
+
+PRESETS: dict[str, ModelConfig] = {
+    "qwen3-30b-a3b": ModelConfig(
+        architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, top_k=8,
+        norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
+}
+
+QUANTS = ("q4_k_m", "q8_0", "q4_k", "q6_k")
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_format(quant: str, role: str, layer: int, n_layers: int) -> int:
+    if quant == "q8_0":
+        return Fmt.Q8_0
+    if quant == "q4_k":
+        return Fmt.Q4_K
+    if quant == "q6_k":
+        return Fmt.Q6_K
+    # q4_k_m
+    if role == "output":
+        return Fmt.Q6_K
+    if role in ("attn_v", "ffn_down_exps") and use_more_bits(layer, n_layers):
+        return Fmt.Q6_K
+    return Fmt.Q4_K
+
+
+@dataclasses.dataclass
+class Planned:
+    name: str
+    shape: tuple[int, ...]  # row-major
+    fmt: int
+    make: Callable[[np.random.Generator], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+        return rows * row_bytes(self.fmt, self.shape[-1])
+
+
+def plan(cfg: ModelConfig, quant: str) -> list[Planned]:
+    from freetoken.loading.gguf_writer import random_blocks
+
+    def packed(shape: tuple[int, ...], fmt: int) -> Callable[[np.random.Generator], np.ndarray]:
+        rows = int(np.prod(shape[:-1]))
+        return lambda rng: random_blocks(fmt, rows, shape[-1], rng).reshape(*shape[:-1], -1)
+
+    def f32(shape: tuple[int, ...], mean: float, std: float) -> Callable[[np.random.Generator], np.ndarray]:
+        return lambda rng: (mean + std * rng.standard_normal(shape)).astype(np.float32)
+
+    H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
+    out: list[Planned] = []
+
+    def add(name: str, shape: tuple[int, ...], fmt: int, make=None) -> None:
+        out.append(Planned(name, shape, fmt, make or packed(shape, fmt)))
+
+    add("token_embd.weight", (cfg.vocab_size, H), tensor_format(quant, "token_embd", 0, L))
+    for i in range(L):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", (H,), Fmt.F32, f32((H,), 1.0, 0.05))
+        add(b + "attn_q.weight", (cfg.num_heads * D, H), tensor_format(quant, "attn_q", i, L))
+        add(b + "attn_k.weight", (cfg.num_kv_heads * D, H), tensor_format(quant, "attn_k", i, L))
+        add(b + "attn_v.weight", (cfg.num_kv_heads * D, H), tensor_format(quant, "attn_v", i, L))
+        add(b + "attn_output.weight", (H, cfg.num_heads * D), tensor_format(quant, "attn_output", i, L))
+        add(b + "attn_q_norm.weight", (D,), Fmt.F32, f32((D,), 1.0, 0.05))
+        add(b + "attn_k_norm.weight", (D,), Fmt.F32, f32((D,), 1.0, 0.05))
+        add(b + "ffn_norm.weight", (H,), Fmt.F32, f32((H,), 1.0, 0.05))
+        add(b + "ffn_gate_inp.weight", (E, H), Fmt.F32, f32((E, H), 0.0, 0.02))
+        add(b + "ffn_gate_exps.weight", (E, I, H), tensor_format(quant, "ffn_gate_exps", i, L))
+        add(b + "ffn_up_exps.weight", (E, I, H), tensor_format(quant, "ffn_up_exps", i, L))
+        add(b + "ffn_down_exps.weight", (E, H, I), tensor_format(quant, "ffn_down_exps", i, L))
+    add("output_norm.weight", (H,), Fmt.F32, f32((H,), 1.0, 0.05))
+    add("output.weight", (cfg.vocab_size, H), tensor_format(quant, "output", L, L))
+    return out
+
+
+def write(path: str, cfg: ModelConfig, quant: str, seed: int = 0, progress: bool = True) -> int:
+    import gguf
+
+    from freetoken.loading.gguf_writer import ARCH, write_qwen3moe_metadata
+
+    tensors = plan(cfg, quant)
+    w = gguf.GGUFWriter(path, ARCH)
+    write_qwen3moe_metadata(w, cfg, f"synthetic {cfg.architecture} {quant} ({cfg.num_layers} layers, random weights)")
+    w.add_uint32("general.file_type", {"q4_k_m": 15, "q8_0": 7, "q4_k": 14, "q6_k": 18}[quant])
+    w.add_string("general.description", "random but valid blocks, written by freetoken bench make-model")
+    for t in tensors:
+        raw = None if t.fmt in (Fmt.F32, Fmt.F16) else gguf.GGMLQuantizationType(int(t.fmt))
+        dt = np.dtype(np.float32) if t.fmt == Fmt.F32 else np.dtype(np.uint8)
+        shape = t.shape if raw is None else (*t.shape[:-1], row_bytes(t.fmt, t.shape[-1]))  # byte shape
+        w.add_tensor_info(t.name, shape, dt, t.nbytes, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    total = sum(t.nbytes for t in tensors)
+    done = 0
+    t0 = time.time()
+    for t in tensors:
+        arr = t.make(rng)
+        assert arr.nbytes == t.nbytes, (t.name, arr.nbytes, t.nbytes)
+        w.write_tensor_data(arr)
+        done += t.nbytes
+        del arr
+        if progress and sys.stderr.isatty():
+            sys.stderr.write(f"\r{done / 2**30:.2f} / {total / 2**30:.2f} GiB  {time.time() - t0:.0f}s")
+    w.close()
+    if progress and sys.stderr.isatty():
+        sys.stderr.write("\n")
+    return os.path.getsize(path)
+
+
+def add_parser(subparsers: "argparse._SubParsersAction") -> None:
+    p = subparsers.add_parser("make-model", help="write a synthetic GGUF of a real model's shapes (random weights)")
+    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    p.add_argument("--quant", default="q4_k_m", choices=QUANTS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output .gguf path")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = dataclasses.replace(PRESETS[args.preset])
+    if args.layers is not None:
+        if not 1 <= args.layers <= cfg.num_layers:
+            print(f"--layers must be in 1..{cfg.num_layers}", file=sys.stderr)
+            return 2
+        cfg.num_layers = args.layers
+    need = sum(t.nbytes for t in plan(cfg, args.quant))
+    d = os.path.dirname(os.path.abspath(args.out))
+    free = os.statvfs(d).f_bavail * os.statvfs(d).f_frsize
+    if need > free:
+        print(f"not enough disk space in {d}: need {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free", file=sys.stderr)
+        return 1
+    t0 = time.time()
+    size = write(args.out, cfg, args.quant, args.seed)
+    print(f"wrote {args.out}: {size / 2**30:.2f} GiB, {cfg.num_layers} layers, {args.quant}, in {time.time() - t0:.1f}s")
+    return 0
