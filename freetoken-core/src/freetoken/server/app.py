@@ -41,6 +41,8 @@ async def retrieve_model(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     holder: EngineHolder = request.app.state.holder
+    if holder.draining:
+        return JSONResponse({"status": "shutting_down"}, status_code=503)
     if holder.engine is None:
         if holder.load_error is not None:
             return JSONResponse({"status": "error", "error": f"model failed to load: {holder.load_error}"},
