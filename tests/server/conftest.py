@@ -41,6 +41,7 @@ class ServerProcess:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self.health_seen: list[int] = []
+        self.loading_answers: list[tuple[int, Any]] = []
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -77,6 +78,12 @@ class ServerProcess:
                 self.health_seen.append(status)
                 if status == 200:
                     return
+                if status == 503 and len(self.loading_answers) < 5:  # what /v1 says meanwhile
+                    try:
+                        resp = client.get(self.base_url + "/v1/models")
+                        self.loading_answers.append((resp.status_code, resp.json()))
+                    except (httpx.TransportError, ValueError):
+                        pass
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout} s; log:\n{self.log()}")

@@ -60,6 +60,10 @@ def test_health_reports_backend_io_path_and_model(server: Any, http: httpx.Clien
     assert body["max_model_len"] > 0
     # The server listened while the model loaded: /health said 503 first (torch import alone takes seconds).
     assert 503 in server.health_seen and server.health_seen[-1] == 200
+    # ... and /v1 answered 503 with an error object while loading (or 200 once it had loaded)
+    assert any(code == 503 for code, _ in server.loading_answers), server.loading_answers
+    for code, body in server.loading_answers:
+        assert code == 200 or (code == 503 and body["error"]["code"] == "model_loading"), (code, body)
     log = server.log()
     assert "listening on http://127.0.0.1:" in log
     assert "loaded model" in log and "backend cpu" in log
