@@ -16,7 +16,7 @@ from freetoken.backends.discovery import PluginStatus
 from freetoken.backends.platform import detect_platform
 from freetoken.versioning import VersionMismatchError, lockstep_error, require_core_version
 
-from conftest import backend_source
+from plugin_distributions import backend_source
 
 
 def _loaded(ep):
