@@ -148,12 +148,14 @@ def _missing_plugin_error(platform: TorchPlatform, records: list[PluginRecord]) 
     hardware = platform.hardware
     hint = INSTALL_HINTS.get(hardware, f"a plugin whose Backend.hardware is {hardware!r}")
     broken = [r for r in records if r.status in (PluginStatus.LOAD_ERROR, PluginStatus.VERSION_MISMATCH)]
-    note = ""
     if broken:
-        note = " Plugins that failed to load: " + "; ".join(_load_error_text(r) for r in broken) + "."
+        failures = "; ".join(_load_error_text(r) for r in broken)
+        return BackendSelectionError(
+            f"{platform.rule}, but no {hardware} backend plugin could be loaded. {failures}. Fix the plugin "
+            f"above that drives {hardware}, or if none of them does, install it with: {hint}. {_CPU_ESCAPE}"
+        )
     return BackendSelectionError(
-        f"{platform.rule}, but no {hardware} backend plugin is installed. Install it with: {hint}.{note} "
-        f"{_CPU_ESCAPE}"
+        f"{platform.rule}, but no {hardware} backend plugin is installed. Install it with: {hint}. {_CPU_ESCAPE}"
     )
 
 
