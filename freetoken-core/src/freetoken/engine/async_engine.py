@@ -108,7 +108,9 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine.start() has not been awaited")
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.engine.validate(prompt_token_ids, params)
-        if self.stats().num_waiting >= self.config.max_queued_requests:
+        st_ = self.stats()
+        free_slots = max(0, self.config.max_running_requests - st_.num_running)
+        if st_.num_waiting - free_slots >= self.config.max_queued_requests:
             raise QueueFull(f"{self.config.max_queued_requests} requests are already waiting; retry later")
         rid = request_id or new_request_id()
         if rid in self._streams:

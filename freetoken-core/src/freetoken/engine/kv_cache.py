@@ -50,7 +50,15 @@ class KVCache:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        blocks = [self._free.pop() for _ in range(n)]
+        if blocks:
+            # Batched attention reads whole blocks (masked past each context), so a
+            # block must never hold NaN/Inf garbage from uninitialised memory.
+            idx = torch.tensor(blocks, dtype=torch.int64, device=self.layers[0][0].device)
+            for k, v in self.layers:
+                k.index_fill_(0, idx, 0)
+                v.index_fill_(0, idx, 0)
+        return blocks
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))

@@ -133,6 +133,10 @@ class Request:
             self.logprobs.append(logprob)
             self.pending_logprobs.append(logprob)
         if token in self.stop_ids:
+            # the text ends before the stop token; flush what the detokenizer held back
+            tail = self.detok.flush(self.output_ids[:-1])
+            if tail:
+                self._add_text(tail)
             self.finish("stop")
             return
         new = self.detok.step(self.output_ids)

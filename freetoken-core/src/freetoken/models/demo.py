@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -84,7 +85,9 @@ def corpus() -> list[str]:
         for attr in sorted(dir(mod)):
             if attr.startswith("_"):
                 continue
-            obj = getattr(mod, attr, None)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                obj = getattr(mod, attr, None)
             if inspect.isclass(obj) or inspect.isfunction(obj):
                 doc = obj.__doc__
                 if doc and getattr(obj, "__module__", None) == mod.__name__:
