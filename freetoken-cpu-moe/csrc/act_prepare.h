@@ -23,20 +23,28 @@ static inline float absmax_span(const float* x, uint32_t n) {
     return r;
 }
 
-static void prepare_q8_32(const float* x, uint32_t n, BlockQ8x32* out) {
+static void prepare_q8_32(const float* x, uint32_t n, void* out) {
+    uint8_t* base = (uint8_t*)out;
+    int8_t* qs = (int8_t*)base;
+    float* d = (float*)(base + q8x32_d_offset(n));
+    float* dq = d + n / 32;
     for (uint32_t b = 0; b < n / 32; ++b) {
         const float* xb = x + (size_t)b * 32;
         const float amax = absmax_span(xb, 32);
-        const float d = amax / 127.0f;
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
-        for (int i = 0; i < 32; ++i) { out[b].qs[i] = quant_round(xb[i] * id); sum += out[b].qs[i]; }
-        out[b].d = d;
-        out[b].qsum = sum;
+        for (int i = 0; i < 32; ++i) {
+            const int8_t q = quant_round(xb[i] * id);
+            qs[(size_t)b * 32 + i] = q;
+            sum += q;
+        }
+        d[b] = amax / 127.0f;
+        dq[b] = d[b] * (float)sum;
     }
 }
 
 static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
+    static const int kOrder45[8] = {0, 2, 1, 3, 4, 6, 5, 7};  // sub-block held by each 32-byte slot
     for (uint32_t b = 0; b < n / 256; ++b) {
         BlockQ8xK& o = out[b];
         for (int s = 0; s < 8; ++s) {
@@ -50,14 +58,24 @@ static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
             int sum = 0;
             for (int i = 0; i < 16; ++i) sum += o.qs[g * 16 + i];
             o.bsums[g] = (int16_t)sum;
+            o.xs16[g] = o.d[g / 2] * (float)sum;
         }
+        for (int s = 0; s < 8; ++s) {
+            o.xs32[s] = o.d[s] * (float)((int)o.bsums[2 * s] + (int)o.bsums[2 * s + 1]);
+            std::memcpy(o.qs45 + 32 * s, o.qs + 32 * kOrder45[s], 32);
+        }
+        for (int r = 0; r < 4; ++r)
+            for (int l = 0; l < 16; ++l) {
+                o.dxl45[16 * r + l] = o.d[kOrder45[2 * r + l / 8]];
+                o.dxl6[16 * r + l] = o.d[2 * r + l / 8];
+            }
     }
 }
 
 static void prepare_any(int kind, const float* x, uint32_t n, void* out) {
     switch (kind) {
         case ACT_F32: std::memcpy(out, x, (size_t)n * 4); break;
-        case ACT_Q8_32: prepare_q8_32(x, n, (BlockQ8x32*)out); break;
+        case ACT_Q8_32: prepare_q8_32(x, n, out); break;
         case ACT_Q8_K: prepare_q8_k(x, n, (BlockQ8xK*)out); break;
         default: break;
     }

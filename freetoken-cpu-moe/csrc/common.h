@@ -51,19 +51,37 @@ static inline size_t row_bytes(uint32_t fmt, uint32_t cols) {
 // the K-quants read int8 super-blocks of 256 (scale per 32, sums per 16).
 enum ActKind : int { ACT_F32 = 0, ACT_Q8_32 = 1, ACT_Q8_K = 2 };
 
-struct BlockQ8x32 {       // activation block for Q8_0 weights
-    float d;              // x ~= d * qs
-    int32_t qsum;         // sum of qs
-    int8_t qs[32];
+// ACT_Q8_32 (for Q8_0 weights), structure of arrays over a vector of n elements:
+//   int8 qs[n] | float d[n/32] (x ~= d[i/32] * qs[i]) | float dq[n/32] (= d * sum of the block's qs)
+struct ActQ8x32View {
+    const int8_t* qs;
+    const float* d;
+    const float* dq;
 };
-static_assert(sizeof(BlockQ8x32) == 40, "BlockQ8x32 layout");
+static inline size_t q8x32_d_offset(uint32_t n) { return ((size_t)n + 63) & ~(size_t)63; }
+static inline ActQ8x32View q8x32_view(const void* p, uint32_t n) {
+    const uint8_t* b = (const uint8_t*)p;
+    ActQ8x32View v;
+    v.qs = (const int8_t*)b;
+    v.d = (const float*)(b + q8x32_d_offset(n));
+    v.dq = v.d + n / 32;
+    return v;
+}
 
-struct BlockQ8xK {        // activation super-block for Q4_K/Q5_K/Q6_K weights
+// ACT_Q8_K (for Q4_K/Q5_K/Q6_K weights): one block per 256 elements. The portable
+// kernels read d/bsums/qs; the AVX-512 kernels read the copies laid out the way
+// their registers hold the weights (see fmt_kquant_avx512.h).
+struct BlockQ8xK {
     float d[8];           // x ~= d[i / 32] * qs[i] (a scale per 32: h is heavy-tailed)
     int16_t bsums[16];    // sums of qs over each group of 16
-    int8_t qs[256];       // 64-byte aligned inside the block
+    int8_t qs[256];       // natural order (also the Q6_K register order)
+    int8_t qs45[256];     // Q4_K/Q5_K nibble order: 0-31, 64-95, 32-63, 96-127, then +128
+    float dxl45[64];      // per-lane scale of each of the 4 Q4_K/Q5_K registers (16 lanes each)
+    float dxl6[64];       // per-lane scale of each of the 4 Q6_K registers
+    float xs32[8];        // d[s] * (sum of qs over sub-block s of 32)
+    float xs16[16];       // d[g / 2] * bsums[g]
 };
-static_assert(sizeof(BlockQ8xK) == 320, "BlockQ8xK layout");
+static_assert(sizeof(BlockQ8xK) == 1184, "BlockQ8xK layout");
 
 static inline ActKind act_kind_for(uint32_t fmt) {
     switch (fmt) {
@@ -77,7 +95,7 @@ static inline size_t act_bytes(ActKind kind, uint32_t n) {
     size_t b = 0;
     switch (kind) {
         case ACT_F32: b = (size_t)n * 4; break;
-        case ACT_Q8_32: b = (size_t)(n / 32) * sizeof(BlockQ8x32); break;
+        case ACT_Q8_32: b = q8x32_d_offset(n) + (size_t)(n / 32) * 8; break;
         case ACT_Q8_K: b = (size_t)(n / 256) * sizeof(BlockQ8xK); break;
     }
     return (b + 63) & ~(size_t)63;

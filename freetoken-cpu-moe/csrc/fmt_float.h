@@ -29,14 +29,15 @@ static inline __m512 load16_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm25
 static inline __m512 load16_bf16(const uint8_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
-// E4M3 -> f16 by moving the 7 exponent/mantissa bits into f16 position (value / 2^8),
-// then f16 -> f32; the caller folds 2^8 into the block scale. Nan codes are not produced
-// by checkpoints and are not special-cased here.
+// E4M3 -> f16 bits (value / 2^8): sign-extend the byte to 16 bits and shift left by
+// 7, which puts the sign in bit 15 and exponent/mantissa in bits 13..7; bit 14
+// (a copy of the sign) is cleared. Subnormal E4M3 codes become subnormal f16, exactly.
+// The caller folds 2^8 into the block scale. NaN codes do not occur in checkpoints.
+static inline __m256i fp8_to_f16_bits(__m128i b16) {
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b16), 7), _mm256_set1_epi16((short)0xBF80));
+}
 static inline __m512 load16_fp8_div256(const uint8_t* p) {
-    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
-    __m256i s = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-    __m256i em = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
-    return _mm512_cvtph_ps(_mm256_or_si256(s, em));
+    return _mm512_cvtph_ps(fp8_to_f16_bits(_mm_loadu_si128((const __m128i*)p)));
 }
 #define FT_FLOAT_KERNEL(NAME, LOAD, ESZ)                                                          \
     template <int NT>                                                                             \
@@ -64,10 +65,7 @@ static inline __m512 load16_bf16_tail(const uint8_t* p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 static inline __m512 load16_fp8_div256_tail(const uint8_t* p, __mmask16 m) {
-    __m256i b = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
-    __m256i s = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-    __m256i em = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
-    return _mm512_cvtph_ps(_mm256_or_si256(s, em));
+    return _mm512_cvtph_ps(fp8_to_f16_bits(_mm_maskz_loadu_epi8(m, p)));
 }
 FT_FLOAT_KERNEL(k_f32, load16_f32, 4)
 FT_FLOAT_KERNEL(k_f16, load16_f16, 2)
@@ -80,11 +78,10 @@ static inline __m256 load8_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_lo
 static inline __m256 load8_bf16(const uint8_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
-static inline __m256 load8_fp8_div256(const uint8_t* p) {
-    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
-    __m128i s = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-    __m128i em = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7);
-    return _mm256_cvtph_ps(_mm_or_si128(s, em));
+static inline __m256 load8_fp8_div256(const uint8_t* p) {  // see the AVX-512 version
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p)), 7),
+                                    _mm_set1_epi16((short)0xBF80));
+    return _mm256_cvtph_ps(h);
 }
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -154,6 +151,42 @@ static void dot_rows_float(const uint8_t* base, size_t row_stride, uint32_t cols
     }
 }
 
+#if defined(FT_HAVE_AVX512)
+// FP8 rows against NT tokens: per 128-column block, accumulate in vectors, then
+// fold the block's scale into per-token vector totals (one reduction per row).
+template <int NT>
+static inline void fp8_row_avx512(const uint8_t* row, const float* srow, const float* const* x, uint32_t cols, float* res) {
+    __m512 tot[NT];
+    for (int j = 0; j < NT; ++j) tot[j] = _mm512_setzero_ps();
+    for (uint32_t c0 = 0, cb = 0; c0 < cols; c0 += FP8_BLOCK, ++cb) {
+        const uint32_t n = cols - c0 < FP8_BLOCK ? cols - c0 : FP8_BLOCK;
+        __m512 acc[NT];
+        for (int j = 0; j < NT; ++j) acc[j] = _mm512_setzero_ps();
+        uint32_t c = 0;
+        for (; c + 32 <= n; c += 32) {
+            const __m512i h = _mm512_and_si512(
+                _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(row + c0 + c))), 7),
+                _mm512_set1_epi16((short)0xBF80));
+            const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+            const __m512 w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+            for (int j = 0; j < NT; ++j) {
+                acc[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[j] + c0 + c), acc[j]);
+                acc[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[j] + c0 + c + 16), acc[j]);
+            }
+        }
+        for (; c < n; c += 16) {
+            const uint32_t k = n - c < 16 ? n - c : 16;
+            const __mmask16 m = (__mmask16)((1u << k) - 1u);
+            const __m512 wv = load16_fp8_div256_tail(row + c0 + c, m);
+            for (int j = 0; j < NT; ++j) acc[j] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x[j] + c0 + c), acc[j]);
+        }
+        const __m512 sv = _mm512_set1_ps(srow[cb] * 256.0f);
+        for (int j = 0; j < NT; ++j) tot[j] = _mm512_fmadd_ps(acc[j], sv, tot[j]);
+    }
+    for (int j = 0; j < NT; ++j) res[j] = _mm512_reduce_add_ps(tot[j]);
+}
+#endif
+
 // FP8: the dot runs per 128-column block, each weighted by its block scale.
 static void dot_rows_fp8(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint32_t r1,
                          const void* const* xs, uint32_t ntok, float* out, size_t os) {
@@ -161,13 +194,21 @@ static void dot_rows_fp8(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint3
     const float* sbase = (const float*)((const uint8_t*)(uintptr_t)w.scale + (size_t)e * w.scale_expert_stride);
     const uint32_t ncb = (w.cols + FP8_BLOCK - 1) / FP8_BLOCK;
     const float* const* x = (const float* const*)xs;
-    for (uint32_t r = r0; r < r1; ++r) {
-        const uint8_t* row = base + (size_t)r * w.row_stride;
-        const float* srow = sbase + (size_t)(r / FP8_BLOCK) * ncb;
-        uint32_t j = 0;
-        for (; j < ntok; j += 4) {
-            const uint32_t nt = (ntok - j) < 4 ? (ntok - j) : 4;
-            float acc[4] = {0, 0, 0, 0}, res[4];
+    for (uint32_t j = 0; j < ntok; j += 4) {
+        const uint32_t nt = (ntok - j) < 4 ? (ntok - j) : 4;
+        for (uint32_t r = r0; r < r1; ++r) {
+            const uint8_t* row = base + (size_t)r * w.row_stride;
+            const float* srow = sbase + (size_t)(r / FP8_BLOCK) * ncb;
+            float res[4];
+#if defined(FT_HAVE_AVX512)
+            switch (nt) {
+                case 4: fp8_row_avx512<4>(row, srow, x + j, w.cols, res); break;
+                case 3: fp8_row_avx512<3>(row, srow, x + j, w.cols, res); break;
+                case 2: fp8_row_avx512<2>(row, srow, x + j, w.cols, res); break;
+                default: fp8_row_avx512<1>(row, srow, x + j, w.cols, res); break;
+            }
+#else
+            float acc[4] = {0, 0, 0, 0};
             for (uint32_t cb = 0; cb < ncb; ++cb) {
                 const uint32_t c0 = cb * FP8_BLOCK;
                 const uint32_t n = (w.cols - c0) < FP8_BLOCK ? (w.cols - c0) : FP8_BLOCK;
@@ -178,7 +219,9 @@ static void dot_rows_fp8(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint3
                 if (nt == 3) { float r3; k_fp8_tile<1>(row, x + j + 2, c0, n, &r3); res[2] = r3; }
                 for (uint32_t q = 0; q < nt; ++q) acc[q] += res[q] * s;
             }
-            for (uint32_t q = 0; q < nt; ++q) out[(j + q) * os + (r - r0)] = acc[q];
+            for (uint32_t q = 0; q < nt; ++q) res[q] = acc[q];
+#endif
+            for (uint32_t q = 0; q < nt; ++q) out[(j + q) * os + (r - r0)] = res[q];
         }
     }
 }

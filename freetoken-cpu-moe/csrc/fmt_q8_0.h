@@ -1,5 +1,6 @@
 // GGUF Q8_0 weights (fp16 d + int8 qs[32] per 32 elements) against int8
-// activation blocks. Included inside an ISA namespace by isa_*.cpp.
+// activations (ACT_Q8_32, a float scale per 32). Included inside an ISA
+// namespace by isa_*.cpp.
 #pragma once
 
 static inline int32_t dot_i8x32_portable(const int8_t* a, const int8_t* b) {
@@ -8,51 +9,79 @@ static inline int32_t dot_i8x32_portable(const int8_t* a, const int8_t* b) {
     return s;
 }
 
+static inline float q8_0_row_portable(const uint8_t* row, const ActQ8x32View& x, uint32_t b0, uint32_t b1) {
+    float acc = 0.0f;
+    for (uint32_t b = b0; b < b1; ++b) {
+        const uint8_t* p = row + (size_t)b * Q8_0_BYTES;
+        uint16_t h;
+        std::memcpy(&h, p, 2);
+        acc += half_to_float(h) * x.d[b] * (float)dot_i8x32_portable((const int8_t*)(p + 2), x.qs + (size_t)b * 32);
+    }
+    return acc;
+}
+
+#if defined(FT_HAVE_AVX512)
+// NT tokens against one row. Per group of 16 blocks: the weights' fp16 scales are
+// gathered once; per pair of blocks one 512-bit dpbusd on (w + 128) (unsigned)
+// against x, the 128 * sum(x) excess removed through dq = d * sum(qs).
+template <int NT>
+static inline void q8_0_row_avx512(const uint8_t* row, const ActQ8x32View* x, uint32_t nb, float* res) {
+    __m512 acc[NT], corr[NT];
+    for (int j = 0; j < NT; ++j) acc[j] = corr[j] = _mm512_setzero_ps();
+    const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)Q8_0_BYTES));
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    uint32_t b = 0;
+    for (; b + 16 <= nb; b += 16) {
+        const uint8_t* g = row + (size_t)b * Q8_0_BYTES;
+        __m512i dh = _mm512_i32gather_epi32(gidx, (const void*)g, 1);
+        const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh));
+        __m512 coef[NT];
+        for (int j = 0; j < NT; ++j) {
+            coef[j] = _mm512_mul_ps(dw, _mm512_loadu_ps(x[j].d + b));
+            corr[j] = _mm512_fmadd_ps(dw, _mm512_loadu_ps(x[j].dq + b), corr[j]);
+        }
+        for (int k = 0; k < 8; ++k) {
+            const uint8_t* p0 = g + (size_t)(2 * k) * Q8_0_BYTES + 2;
+            __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p0)),
+                                            _mm256_loadu_si256((const __m256i*)(p0 + Q8_0_BYTES)), 1);
+            wq = _mm512_xor_si512(wq, flip);
+            const __m512i sel = _mm512_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
+                                                 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k);
+            for (int j = 0; j < NT; ++j) {
+                const __m512i xq = _mm512_loadu_si512(x[j].qs + (size_t)(b + 2 * k) * 32);
+                const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(sel, coef[j]), acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < NT; ++j)
+        res[j] = _mm512_reduce_add_ps(acc[j]) - 128.0f * _mm512_reduce_add_ps(corr[j]) + q8_0_row_portable(row, x[j], b, nb);
+}
+#endif
+
 static void dot_rows_q8_0(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint32_t r1,
                           const void* const* xs, uint32_t ntok, float* out, size_t os) {
     const uint8_t* base = (const uint8_t*)(uintptr_t)w.data + (size_t)e * w.expert_stride;
     const uint32_t nb = w.cols / QK8_0;
-    for (uint32_t r = r0; r < r1; ++r) {
-        const uint8_t* row = base + (size_t)r * w.row_stride;
-        for (uint32_t j = 0; j < ntok; ++j) {
-            const BlockQ8x32* xb = (const BlockQ8x32*)xs[j];
-            float acc = 0.0f;
+    ActQ8x32View xv[4];
+    for (uint32_t j0 = 0; j0 < ntok; j0 += 4) {
+        const uint32_t nt = ntok - j0 < 4 ? ntok - j0 : 4;
+        for (uint32_t j = 0; j < nt; ++j) xv[j] = q8x32_view(xs[j0 + j], w.cols);
+        for (uint32_t r = r0; r < r1; ++r) {
+            const uint8_t* row = base + (size_t)r * w.row_stride;
+            float res[4];
 #if defined(FT_HAVE_AVX512)
-            __m512 vacc = _mm512_setzero_ps();
-            uint32_t b = 0;
-            // two blocks per step: 2 x 32 int8 in one 512-bit lane group
-            for (; b + 2 <= nb; b += 2) {
-                const uint8_t* p0 = row + (size_t)b * Q8_0_BYTES;
-                const uint8_t* p1 = p0 + Q8_0_BYTES;
-                __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(p0 + 2))),
-                                                _mm256_loadu_si256((const __m256i*)(p1 + 2)), 1);
-                __m512i xq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)xb[b].qs)),
-                                                _mm256_loadu_si256((const __m256i*)xb[b + 1].qs), 1);
-                // (w + 128) is unsigned: dpbusd, then remove 128 * sum(x)
-                __m512i wu = _mm512_xor_si512(wq, _mm512_set1_epi8((char)0x80));
-                __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xq);
-                uint16_t h0, h1;
-                std::memcpy(&h0, p0, 2);
-                std::memcpy(&h1, p1, 2);
-                const float d0 = half_to_float(h0) * xb[b].d, d1 = half_to_float(h1) * xb[b + 1].d;
-                __m512 dv = _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
-                vacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, vacc);
-                acc -= 128.0f * (d0 * (float)xb[b].qsum + d1 * (float)xb[b + 1].qsum);
-            }
-            acc += _mm512_reduce_add_ps(vacc);
-            for (; b < nb; ++b) {
-                const uint8_t* p = row + (size_t)b * Q8_0_BYTES;
-                uint16_t h; std::memcpy(&h, p, 2);
-                acc += half_to_float(h) * xb[b].d * (float)dot_i8x32_portable((const int8_t*)(p + 2), xb[b].qs);
+            switch (nt) {
+                case 4: q8_0_row_avx512<4>(row, xv, nb, res); break;
+                case 3: q8_0_row_avx512<3>(row, xv, nb, res); break;
+                case 2: q8_0_row_avx512<2>(row, xv, nb, res); break;
+                default: q8_0_row_avx512<1>(row, xv, nb, res); break;
             }
 #else
-            for (uint32_t b = 0; b < nb; ++b) {
-                const uint8_t* p = row + (size_t)b * Q8_0_BYTES;
-                uint16_t h; std::memcpy(&h, p, 2);
-                acc += half_to_float(h) * xb[b].d * (float)dot_i8x32_portable((const int8_t*)(p + 2), xb[b].qs);
-            }
+            for (uint32_t j = 0; j < nt; ++j) res[j] = q8_0_row_portable(row, xv[j], 0, nb);
 #endif
-            out[j * os + (r - r0)] = acc;
+            for (uint32_t j = 0; j < nt; ++j) out[(j0 + j) * os + (r - r0)] = res[j];
         }
     }
 }

@@ -34,6 +34,7 @@ except ImportError as exc:  # pragma: no cover - build error
         "`pip install --no-deps --no-build-isolation -e ./freetoken-cpu-moe`"
     ) from exc
 
+from freetoken_cpu_moe.bandwidth import measure_bandwidth
 from freetoken_cpu_moe.coordinator import Coordinator, stop_all as _stop_all_coordinators
 from freetoken_cpu_moe.formats import FORMATS, format_info
 from freetoken_cpu_moe.ops import active_isa, isa_tiers, linear, moe_forward, run_task, set_isa, _check_env_isa
@@ -53,6 +54,7 @@ __all__ = [
     "format_info",
     "isa_tiers",
     "linear",
+    "measure_bandwidth",
     "moe_forward",
     "physical_core_cpus",
     "run_task",

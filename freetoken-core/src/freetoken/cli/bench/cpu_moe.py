@@ -1,0 +1,142 @@
+"""``freetoken bench cpu-moe``: the CPU expert kernels against this machine's
+memory read bandwidth, measured by the same script in the same run.
+
+Shapes default to Qwen3-30B-A3B's experts (H=2048, I=768, 128 experts, top-8).
+For each weight format it builds ``--layers`` full banks of random weights in the
+format's own layout (hundreds of MB to GB each, far beyond the caches) and times
+``moe_forward`` at T=1 and T=16. Calls rotate over the layers and, within a
+layer, over the experts (call i routes to experts 8i..8i+7 mod 128 at T=1; fresh
+random top-8 routes per token at T=16), so an expert's weights are not read
+again before the whole bank has been streamed: the numbers are memory, not cache.
+
+Bytes read per call = distinct experts routed x (gate + up + down bytes of one
+expert). The ceiling is a multi-threaded streaming read of a 1 GiB buffer with
+the same worker pool (every worker reads its contiguous share with the kernels'
+widest loads; best of 5 passes): ``freetoken_cpu_moe.measure_bandwidth``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+FORMATS_DEFAULT = ["q4_k", "q6_k", "q8_0", "bf16", "fp8_e4m3_b128", "q5_k"]
+
+
+def random_weights(cm: Any, fmt: str, E: int, rows: int, cols: int, rng: np.random.Generator) -> Any:
+    """Random but valid (finite) weights of the format, in its raw layout."""
+    info = cm.format_info(fmt)
+    nbytes = E * rows * info.row_bytes(cols)
+    raw = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+    scale = None
+    if fmt in ("f32", "f16", "bf16"):
+        # clear the top exponent bit of every element: |w| < 2, never inf/nan
+        step = info.block_bytes
+        raw[step - 1 :: step] &= 0xBF
+    elif fmt == "fp8_e4m3_b128":
+        raw &= 0xBF
+        scale = rng.uniform(1e-3, 2e-3, size=(E, -(-rows // 128), -(-cols // 128))).astype(np.float32)
+    else:
+        blocks = raw.reshape(-1, info.block_bytes)
+        fields = {"q8_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}[fmt]
+        for off in fields:  # fp16 super-block scales: small, finite
+            blocks[:, off : off + 2] = np.array([1e-3], dtype=np.float16).view(np.uint8)
+    return cm.Weights(raw, fmt, E, rows, cols, scale=scale)
+
+
+def build_bank(cm: Any, fmt: str, E: int, H: int, I: int, rng: np.random.Generator) -> Any:
+    return cm.ExpertBank(
+        random_weights(cm, fmt, E, I, H, rng), random_weights(cm, fmt, E, I, H, rng), random_weights(cm, fmt, E, H, I, rng)
+    )
+
+
+def time_format(cm: Any, banks: list, T: int, K: int, E: int, seconds: float, rng: np.random.Generator, pool: Any) -> dict:
+    import torch
+
+    H = banks[0].hidden
+    x = torch.randn(T, H).to(torch.bfloat16)
+    w = torch.full((T, K), 1.0 / K, dtype=torch.float32)
+    out = torch.empty(T, H, dtype=torch.bfloat16)
+    # route plans: T=1 walks the experts in order; T>1 draws distinct top-K per token
+    plans = []
+    for i in range(64):
+        if T == 1:
+            ids = ((np.arange(K) + K * i) % E).reshape(1, K)
+        else:
+            ids = np.stack([rng.choice(E, size=K, replace=False) for _ in range(T)])
+        plans.append(torch.from_numpy(ids.astype(np.int32)))
+    per_expert = banks[0].expert_nbytes()
+    for i in range(4):  # warm-up: page in, wake workers
+        cm.moe_forward(banks[i % len(banks)], x, plans[i], w, out=out, pool=pool)
+    times, nbytes = [], []
+    t_end = time.perf_counter() + seconds
+    i = 0
+    while time.perf_counter() < t_end or len(times) < 10:
+        bank = banks[i % len(banks)]
+        ids = plans[(i // len(banks)) % len(plans)]
+        t0 = time.perf_counter()
+        cm.moe_forward(bank, x, ids, w, out=out, pool=pool)
+        times.append(time.perf_counter() - t0)
+        nbytes.append(len(np.unique(ids.numpy())) * per_expert)
+        i += 1
+    rates = sorted(b / t for b, t in zip(nbytes, times))
+    return {
+        "us": statistics.median(times) * 1e6,
+        "GBs": statistics.median(rates) / 1e9,  # median call: robust to a descheduled worker
+        "GBs_mean": sum(nbytes) / sum(times) / 1e9,  # all calls, outliers included
+        "calls": len(times),
+        "MB_per_call": statistics.mean(nbytes) / 1e6,
+    }
+
+
+def add_parser(subparsers: "argparse._SubParsersAction") -> None:
+    p = subparsers.add_parser("cpu-moe", help="CPU expert kernels vs this machine's measured memory bandwidth")
+    p.add_argument("--formats", nargs="+", default=FORMATS_DEFAULT, help="weight formats (freetoken_cpu_moe.FORMATS)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16], help="batch sizes T")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2, help="banks per format to rotate over (each far larger than the caches)")
+    p.add_argument("--threads", type=int, default=None, help="worker threads (default: one per physical core)")
+    p.add_argument("--seconds", type=float, default=2.0, help="timing per (format, T)")
+    p.add_argument("--isa", default=None, help="kernel tier (default: the best this CPU has)")
+    p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import freetoken_cpu_moe as cm
+
+    if args.isa:
+        cm.set_isa(args.isa)
+    pool = cm.Pool(args.threads) if args.threads else cm.default_pool()
+    rng = np.random.default_rng(0)
+    bw = cm.measure_bandwidth(pool=pool)
+    E, H, I, K = args.experts, args.hidden, args.intermediate, args.top_k
+    print(f"machine: {platform.processor() or platform.machine()}, {pool.num_threads} worker threads, tier {cm.active_isa()}")
+    print(f"shapes: H={H} I={I} E={E} top-{K}; {args.layers} banks per format, routes rotated (no cache reuse)")
+    print(f"ceiling: streaming read of 1 GiB with the same pool, best of 5 = {bw / 1e9:.1f} GB/s")
+    print("GB/s = weight bytes read / time of the median call; 'mean' = all bytes / all time (includes outliers)")
+    print(f"{'format':<15}{'T':>4}{'us/layer':>11}{'MB/call':>9}{'GB/s':>8}{'% of bw':>9}{'mean GB/s':>11}")
+    results = []
+    for fmt in args.formats:
+        banks = [build_bank(cm, fmt, E, H, I, rng) for _ in range(args.layers)]
+        for T in args.tokens:
+            r = time_format(cm, banks, T, K, E, args.seconds, rng, pool)
+            r.update(format=fmt, T=T, pct=100.0 * r["GBs"] * 1e9 / bw)
+            results.append(r)
+            print(
+                f"{fmt:<15}{T:>4}{r['us']:>11.1f}{r['MB_per_call']:>9.1f}{r['GBs']:>8.1f}{r['pct']:>8.0f}%{r['GBs_mean']:>11.1f}",
+                flush=True,
+            )
+        del banks
+    if args.json:
+        print(json.dumps({"bandwidth_GBs": bw / 1e9, "threads": pool.num_threads, "isa": cm.active_isa(), "results": results}))
+    return 0
