@@ -133,6 +133,17 @@ def test_prompt_longer_than_context(http: httpx.Client) -> None:
     still_serving(http)
 
 
+def test_default_max_tokens_is_the_rest_of_the_context(http: httpx.Client) -> None:
+    # a long prompt, so the rest of the context (the default) is short
+    body = ok_chat(ignore_eos=True, messages=[{"role": "user", "content": "many words here " * 60}])
+    prompt_tokens = http.post(CHAT, json=body).json()["usage"]["prompt_tokens"]
+    assert CONTEXT - 64 < prompt_tokens < CONTEXT, prompt_tokens
+    del body["max_tokens"]
+    out = http.post(CHAT, json=body).json()
+    assert out["usage"]["completion_tokens"] == CONTEXT - prompt_tokens
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
 COMPLETION_CASES = [
     ("missing prompt", {"prompt": None}, "prompt"),
     ("prompt wrong type", {"prompt": 12}, "prompt"),

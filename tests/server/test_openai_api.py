@@ -186,6 +186,11 @@ def test_stop_strings_cut_the_text(client: openai.OpenAI) -> None:
         out = greedy_chat(client, messages, 40, stop=value)
         assert out.choices[0].message.content == cut
         assert out.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=stop,
+                                            stream=True, extra_body={"ignore_eos": True})
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_seed_reproducible_and_n_choices(client: openai.OpenAI) -> None:
