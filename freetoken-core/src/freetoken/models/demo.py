@@ -88,7 +88,8 @@ def corpus() -> list[str]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 obj = getattr(mod, attr, None)
-            if inspect.isclass(obj) or inspect.isfunction(obj):
+                if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+                    continue
                 doc = obj.__doc__
                 if doc and getattr(obj, "__module__", None) == mod.__name__:
                     texts.append(inspect.cleandoc(doc))
