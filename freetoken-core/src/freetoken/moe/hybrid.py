@@ -141,10 +141,12 @@ class HybridMoEExecutor:
             # the split happens inside the publish kernel: nothing between the router and the hand-off
             split = self._kernel_split(cpu_mask)
             self.kio.publish_routes(stream, task, x.contiguous(), ids.contiguous(), w32, **split)
-            if cpu_mask is None:
-                cpu_mask = self.placement.cpu_mask(ids)
-            gpu_ids = split_routes(ids, cpu_mask)[0]
-            out = self.experts.forward(x, gpu_ids, w).contiguous()
+            if self._all_cpu(cpu_mask):
+                out = torch.zeros_like(x)
+            else:
+                if cpu_mask is None:
+                    cpu_mask = self.placement.cpu_mask(ids)
+                out = self.experts.forward(x, split_routes(ids, cpu_mask)[0], w).contiguous()
             self.kio.combine(stream, task, out)
             return out
         if cpu_mask is None:
@@ -162,6 +164,10 @@ class HybridMoEExecutor:
         y.copy_(task.y[:tokens], non_blocking=True)
         out.add_(y)
         return out
+
+    def _all_cpu(self, cpu_mask: Optional[Any]) -> bool:
+        """Statically known that no route runs on the GPU (placement puts all top-k on the CPU)."""
+        return cpu_mask is None and self.placement.cpu_routes_per_token == self.top_k
 
     def _kernel_split(self, cpu_mask: Optional[Any]) -> dict[str, Any]:
         if cpu_mask is not None:

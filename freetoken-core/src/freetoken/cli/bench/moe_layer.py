@@ -40,6 +40,10 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--cpu-threads", type=int, default=4)
     p.add_argument("--cpu-routes-per-token", type=int, default=1)
     p.add_argument("--paths", default="kernel_io,copy,host_callback")
+    p.add_argument(
+        "--floor-intermediate", type=int, default=128,
+        help="also time a hand-off floor: every route on the CPU with this tiny I (0: skip)",
+    )  # fmt: skip
     p.add_argument("--iters", type=int, default=200, help="steps per timed block")
     p.add_argument("--repeats", type=int, default=7, help="timed blocks per configuration (median)")
     p.add_argument("--processes", type=int, default=3, help="worker processes (median across them)")
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             path = tmp.name
         cmd = [sys.executable, "-m", "freetoken.cli.main", "bench", "moe-layer", "--worker", "--json", path]
         for key in ("backend", "hidden", "intermediate", "experts", "top_k", "layers", "batch", "cpu_threads",
-                    "cpu_routes_per_token", "paths", "iters", "repeats"):  # fmt: skip
+                    "cpu_routes_per_token", "paths", "iters", "repeats", "floor_intermediate"):  # fmt: skip
             value = getattr(args, key)
             if value is not None:
                 cmd += [f"--{key.replace('_', '-')}", str(value)]
@@ -129,7 +133,8 @@ def fp8_experts(num_experts: int, rows: int, cols: int, gen: Any) -> tuple[Any, 
 def _device_block(fn: Any, iters: int) -> float:
     import torch
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # a blocking end event: the timing thread sleeps instead of spinning next to the CPU workers
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True, blocking=True)
     start.record()
     for _ in range(iters):
         fn()
@@ -165,18 +170,47 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import freetoken_cpu_moe as cm
-    from freetoken.backends.contract import IOPath
     from freetoken.backends.registry import get_backend
+
+    backend = get_backend(args.backend)
+    pool = cm.Pool(args.cpu_threads)
+    coordinator = cm.Coordinator(pool=pool, watchdog_ms=5000.0).start()
+    try:
+        results, cpu_alone, overhead = _measure(
+            args, backend, cm, pool, coordinator, args.intermediate, args.cpu_routes_per_token, ""
+        )
+        if args.floor_intermediate:
+            # the hand-off floor: every route on the CPU, tiny experts, no GPU experts at all
+            r2, c2, o2 = _measure(args, backend, cm, pool, coordinator, args.floor_intermediate, args.top_k, "floor_")
+            results.update(r2), cpu_alone.update(c2), overhead.update(o2)
+    finally:
+        coordinator.stop()
+    props = torch.cuda.get_device_properties(backend.device())
+    return {
+        "config": {k: getattr(args, k) for k in ("hidden", "intermediate", "experts", "top_k", "layers", "batch",
+                                                  "cpu_threads", "cpu_routes_per_token", "iters", "repeats",
+                                                  "floor_intermediate")},  # fmt: skip
+        "device": f"{props.name}, torch {torch.__version__}, {os.cpu_count()} CPUs",
+        "per_layer_us": results,
+        "cpu_alone_interleaved_us": cpu_alone,
+        "overhead_per_layer_us": overhead,
+    }
+
+
+def _measure(
+    args: argparse.Namespace, backend: Any, cm: Any, pool: Any, coordinator: Any, intermediate: int, cpu_routes: int,
+    prefix: str,
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    import torch
+
+    from freetoken.backends.contract import IOPath
     from freetoken.moe.gpu_experts import GpuExperts
     from freetoken.moe.hybrid import HybridMoEExecutor
     from freetoken.moe.placement import Placement, split_routes
 
-    backend = get_backend(args.backend)
     dev = backend.device()
-    E, H, I, K, T = args.experts, args.hidden, args.intermediate, args.top_k, args.batch
+    E, H, I, K, T = args.experts, args.hidden, intermediate, args.top_k, args.batch
     gen = torch.Generator().manual_seed(int(time.time_ns() % 2**31))
-    pool = cm.Pool(args.cpu_threads)
-    coordinator = cm.Coordinator(pool=pool, watchdog_ms=5000.0).start()
     layers = []
     for _ in range(args.layers):
         (gq, gs, gd), (uq, us, ud), (dq, ds, dd) = (
@@ -192,10 +226,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         w = torch.softmax(torch.randn(T, K, generator=gen), dim=-1).to(dev)
         layers.append({"bank": bank, "experts": experts, "ids": ids, "w": w, "keep": (gq, gs, uq, us, dq, ds)})
     placement = Placement.all_gpu(E, dev)
-    placement.cpu_routes_per_token = args.cpu_routes_per_token
+    placement.cpu_routes_per_token = cpu_routes
     x0 = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
-    results: dict[str, float] = {}
-    executors: dict[str, list[Any]] = {}
 
     def make_step(exs: list[Any]) -> Any:
         out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
@@ -210,6 +242,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         return step
 
     paths = [IOPath(name) for name in args.paths.split(",")]
+    executors: dict[str, list[Any]] = {}
     for path in paths:
         exs = [
             HybridMoEExecutor(backend, l, layer["experts"], layer["bank"].address, K, path, torch.bfloat16,
@@ -220,7 +253,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             ex.prepare([T])
         executors[path.value] = exs
     # the CPU expert compute alone: the same work run_task'd synchronously from Python on the
-    # same pool (its own tasks, inputs as published), timed block by block next to each config
+    # same pool (its own tasks, same inputs), timed block by block next to each configuration
     cpu_tasks = []
     for l, layer in enumerate(layers):
         task = backend.staging().new_task(l, 999, T, K, H, torch.bfloat16, torch.float32, layer["bank"].address, mapped=False)
@@ -234,47 +267,39 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         for task in cpu_tasks:
             cm.run_task(task.desc_buffer.host_ptr, pool=pool)
 
+    results: dict[str, float] = {}
     cpu_alone: dict[str, float] = {}
     for path in paths:
         exs = executors[path.value]
         step = make_step(exs)
-        key = f"{path.value}_eager"
+        key = f"{prefix}{path.value}_eager"
         results[key], cpu_alone[key] = _time_interleaved(step, cpu_only, args.iters, args.repeats)
         for ex in exs:
             ex.check_errors()
         if all(ex.graph_safe for ex in exs):
             graph = backend.graph_capture().capture(step)
-            key = f"{path.value}_graph"
+            key = f"{prefix}{path.value}_graph"
             results[key], cpu_alone[key] = _time_interleaved(graph.replay, cpu_only, args.iters, args.repeats)
             for ex in exs:
                 ex.check_errors()
     results = {k: v / args.layers for k, v in results.items()}
     cpu_alone = {k: v / args.layers for k, v in cpu_alone.items()}
 
-    # the GPU experts alone (the routes the GPU serves), graph-replayed
-    gpu_parts = [split_routes(layer["ids"], placement.cpu_mask(layer["ids"]))[0] for layer in layers]
+    gpu_alone = 0.0
+    if cpu_routes < K:  # the GPU experts alone (the routes the GPU serves), graph-replayed
+        gpu_parts = [split_routes(layer["ids"], placement.cpu_mask(layer["ids"]))[0] for layer in layers]
 
-    def gpu_only() -> None:
-        h = x0
-        for layer, gids in zip(layers, gpu_parts):
-            h = layer["experts"].forward(h, gids, layer["w"])
+        def gpu_only() -> None:
+            h = x0
+            for layer, gids in zip(layers, gpu_parts):
+                h = layer["experts"].forward(h, gids, layer["w"])
 
-    graph = backend.graph_capture().capture(gpu_only)
-    gpu_alone, _ = _time_interleaved(graph.replay, lambda: None, args.iters, args.repeats)
-    gpu_alone /= args.layers
-    results["gpu_experts_alone"] = gpu_alone
-    results["cpu_compute_alone"] = statistics.median(cpu_alone.values())
+        graph = backend.graph_capture().capture(gpu_only)
+        gpu_alone = _time_interleaved(graph.replay, lambda: None, args.iters, args.repeats)[0] / args.layers
+        results[f"{prefix}gpu_experts_alone"] = gpu_alone
+    results[f"{prefix}cpu_compute_alone"] = statistics.median(cpu_alone.values())
     overhead = {k: results[k] - max(cpu_alone[k], gpu_alone) for k in cpu_alone}
-    coordinator.stop()
     for exs in executors.values():
         for ex in exs:
             ex.close()
-    props = torch.cuda.get_device_properties(dev)
-    return {
-        "config": {k: getattr(args, k) for k in ("hidden", "intermediate", "experts", "top_k", "layers", "batch",
-                                                  "cpu_threads", "cpu_routes_per_token", "iters", "repeats")},
-        "device": f"{props.name}, torch {torch.__version__}, {os.cpu_count()} CPUs",
-        "per_layer_us": results,
-        "cpu_alone_interleaved_us": cpu_alone,
-        "overhead_per_layer_us": overhead,
-    }
+    return results, cpu_alone, overhead

@@ -188,13 +188,23 @@ __global__ void ft_kio_combine_kernel(uint16_t* __restrict__ out, const void* y,
     }
     __syncthreads();
     if (seen == 1ull && ft_volatile_load(err) == 0) {
-        if (y_is_f32) {
-            const volatile float* yf = reinterpret_cast<const volatile float*>(y);
-            for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = ft_float_to_bf16(ft_bf16_to_float(out[i]) + yf[i]);
-        } else {
-            const volatile uint16_t* yb = reinterpret_cast<const volatile uint16_t*>(y);
-            for (int i = threadIdx.x; i < n; i += blockDim.x)
-                out[i] = ft_float_to_bf16(ft_bf16_to_float(out[i]) + ft_bf16_to_float(yb[i]));
+        /* Four loads from host memory in flight per thread before any is used: each is a
+         * bus round trip, so issuing them back to back hides most of the latency. */
+        const volatile float* yf = reinterpret_cast<const volatile float*>(y);
+        const volatile uint16_t* yb = reinterpret_cast<const volatile uint16_t*>(y);
+        const int stride = static_cast<int>(blockDim.x);
+        for (int base = threadIdx.x; base < n; base += 4 * stride) {
+            float yv[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int i = base + j * stride;
+                yv[j] = i < n ? (y_is_f32 ? yf[i] : ft_bf16_to_float(yb[i])) : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int i = base + j * stride;
+                if (i < n) out[i] = ft_float_to_bf16(ft_bf16_to_float(out[i]) + yv[j]);
+            }
         }
     }
     __syncthreads();
