@@ -260,29 +260,32 @@ void moe_forward(const MoeCall& c, Pool& pool, const KernelTable& k) {
     ap.alpha = b.act_alpha;
     ap.limit = b.act_limit;
 
-    // ---- gate/up + activation: items = row chunks of I, all experts each ------
-    if (nslots) {
-        const int itemsA = (int)((I + chunkA - 1) / chunkA);
-        pool.parallel_for(itemsA, [&](int it, int) {
-            const uint32_t r0 = (uint32_t)it * chunkA, r1 = std::min(I, r0 + chunkA);
-            for (uint32_t q = 0; q < nexp; ++q) {
-                const uint32_t e = ws.expert_ids[q], sb = ws.expert_begin[q], n = ws.expert_begin[q + 1] - sb;
-                k.dot_rows(b.gate, e, r0, r1, ws.gptr.data() + sb, n, h + (size_t)sb * I + r0, I);
-                k.dot_rows(b.up, e, r0, r1, ws.uptr.data() + sb, n, u + (size_t)sb * I + r0, I);
-                for (uint32_t j = 0; j < n; ++j) {
-                    float* hr = h + (size_t)(sb + j) * I + r0;
-                    apply_activation(ap, hr, hr, u + (size_t)(sb + j) * I + r0, r1 - r0);
-                }
-            }
-        });
-        if (kd != ACT_F32)
-            pool.parallel_for((int)nslots, [&](int s, int) { k.prepare(kd, h + (size_t)s * I, I, hq + (size_t)s * bd); });
-    }
-
-    // ---- down + weighted sum: items = row chunks of H --------------------------
-    const size_t ysz = dtype_size(c.y_fmt);
+    // ---- one wake-up, three phases -------------------------------------------
+    // A: gate/up + activation, items = row chunks of I (all experts each)
+    // B: quantize h for the down format, items = (expert, token) slots
+    // C: down + weighted sum into y, items = row chunks of H (disjoint rows of y)
+    const int itemsA = nslots ? (int)((I + chunkA - 1) / chunkA) : 0;
+    const int itemsB = (nslots && kd != ACT_F32) ? (int)nslots : 0;
     const int itemsC = (int)((H + chunkC - 1) / chunkC);
-    pool.parallel_for(itemsC, [&](int it, int tid) {
+    const size_t ysz = dtype_size(c.y_fmt);
+    std::vector<Pool::Phase> phases(3);
+    phases[0].nitems = itemsA;
+    phases[0].fn = [&](int it, int) {
+        const uint32_t r0 = (uint32_t)it * chunkA, r1 = std::min(I, r0 + chunkA);
+        for (uint32_t q = 0; q < nexp; ++q) {
+            const uint32_t e = ws.expert_ids[q], sb = ws.expert_begin[q], n = ws.expert_begin[q + 1] - sb;
+            k.dot_rows(b.gate, e, r0, r1, ws.gptr.data() + sb, n, h + (size_t)sb * I + r0, I);
+            k.dot_rows(b.up, e, r0, r1, ws.uptr.data() + sb, n, u + (size_t)sb * I + r0, I);
+            for (uint32_t j = 0; j < n; ++j) {
+                float* hr = h + (size_t)(sb + j) * I + r0;
+                apply_activation(ap, hr, hr, u + (size_t)(sb + j) * I + r0, r1 - r0);
+            }
+        }
+    };
+    phases[1].nitems = itemsB;
+    phases[1].fn = [&](int s, int) { k.prepare(kd, h + (size_t)s * I, I, hq + (size_t)s * bd); };
+    phases[2].nitems = itemsC;
+    phases[2].fn = [&](int it, int tid) {
         const uint32_t r0 = (uint32_t)it * chunkC, r1 = std::min(H, r0 + chunkC), rl = r1 - r0;
         float* tb = tmp + (size_t)tid * tmp_per;
         for (uint32_t t = 0; t < T; ++t) std::memset(yacc + (size_t)t * H + r0, 0, (size_t)rl * 4);
@@ -298,7 +301,8 @@ void moe_forward(const MoeCall& c, Pool& pool, const KernelTable& k) {
         }
         for (uint32_t t = 0; t < T; ++t)
             store_row(c.y_fmt, (uint8_t*)c.y + ((size_t)t * H + r0) * ysz, yacc + (size_t)t * H + r0, rl, c.accumulate);
-    });
+    };
+    pool.run_phases(phases);
 }
 
 void linear_forward(const ft_weight_desc& w, const void* x, uint32_t x_fmt, uint32_t T, void* y, uint32_t y_fmt,

@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <chrono>
+#include <memory>
 #include <stdexcept>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -96,7 +97,7 @@ void Pool::run(const std::function<void(int)>& fn) {
     uint32_t n = 0;
     while (pending_.load(std::memory_order_acquire) != 0) {
         FT_PAUSE();
-        if ((++n & 4095) == 0) std::this_thread::yield();
+        if ((++n & 255) == 0) std::this_thread::yield();
     }
     job_ = nullptr;
     if (mine) std::rethrow_exception(mine);
@@ -121,6 +122,51 @@ void Pool::parallel_for(int nitems, const std::function<void(int, int)>& fn) {
             if (i >= nitems) break;
             fn(i, tid);
         }
+    };
+    run(body);
+}
+
+void Pool::run_phases(const std::vector<Phase>& phases) {
+    if (closed_.load()) throw std::runtime_error("freetoken_cpu_moe: the worker pool is closed");
+    if (nthreads_ == 1) {
+        for (const auto& ph : phases)
+            for (int i = 0; i < ph.nitems; ++i) ph.fn(i, 0);
+        return;
+    }
+    const size_t np = phases.size();
+    std::unique_ptr<std::atomic<int>[]> next(new std::atomic<int>[np]);
+    std::unique_ptr<std::atomic<int>[]> arrived(new std::atomic<int>[np]);
+    for (size_t p = 0; p < np; ++p) {
+        next[p].store(0);
+        arrived[p].store(0);
+    }
+    std::atomic<bool> failed{false};
+    const int nt = nthreads_;
+    std::function<void(int)> body = [&](int tid) {
+        std::exception_ptr mine;
+        for (size_t p = 0; p < np; ++p) {
+            const Phase& ph = phases[p];
+            if (!failed.load(std::memory_order_relaxed)) {
+                try {
+                    for (;;) {
+                        const int i = next[p].fetch_add(1, std::memory_order_relaxed);
+                        if (i >= ph.nitems) break;
+                        ph.fn(i, tid);
+                    }
+                } catch (...) {
+                    if (!mine) mine = std::current_exception();
+                    failed.store(true);
+                }
+            }
+            if (p + 1 == np) break;  // the last phase needs no barrier: run() joins
+            arrived[p].fetch_add(1, std::memory_order_acq_rel);
+            uint32_t spins = 0;
+            while (arrived[p].load(std::memory_order_acquire) < nt) {
+                FT_PAUSE();
+                if ((++spins & 63) == 0) std::this_thread::yield();
+            }
+        }
+        if (mine) std::rethrow_exception(mine);
     };
     run(body);
 }

@@ -29,6 +29,13 @@ public:
     void run(const std::function<void(int)>& fn);
     // Dynamic split: fn(item, tid) for item in [0, nitems), items handed out in order.
     void parallel_for(int nitems, const std::function<void(int, int)>& fn);
+    // Several parallel_for phases in one wake-up, separated by barriers: phase p+1
+    // starts after every item of phase p is done. An exception skips the rest.
+    struct Phase {
+        int nitems;
+        std::function<void(int, int)> fn;
+    };
+    void run_phases(const std::vector<Phase>& phases);
     void close();
     bool closed() const { return closed_.load(); }
 

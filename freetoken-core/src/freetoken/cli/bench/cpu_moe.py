@@ -9,6 +9,8 @@ layer, over the experts (call i routes to experts 8i..8i+7 mod 128 at T=1; fresh
 random top-8 routes per token at T=16), so an expert's weights are not read
 again before the whole bank has been streamed: the numbers are memory, not cache.
 
+Each call is one hand-off task (``run_task`` on an ``ft_task_desc``, BF16
+activations), the path of the CPU backend and of the coordinator.
 Bytes read per call = distinct experts routed x (gate + up + down bytes of one
 expert). The ceiling is a multi-threaded streaming read of a 1 GiB buffer with
 the same worker pool (every worker reads its contiguous share with the kernels'
@@ -56,13 +58,43 @@ def build_bank(cm: Any, fmt: str, E: int, H: int, I: int, rng: np.random.Generat
     )
 
 
-def time_format(cm: Any, banks: list, T: int, K: int, E: int, seconds: float, rng: np.random.Generator, pool: Any) -> dict:
-    import torch
+class _Task:
+    """A hand-off task descriptor on numpy buffers: the path the CPU backend and the
+    coordinator run (``run_task``), without the functional API's argument checks."""
 
-    H = banks[0].hidden
-    x = torch.randn(T, H).to(torch.bfloat16)
-    w = torch.full((T, K), 1.0 / K, dtype=torch.float32)
-    out = torch.empty(T, H, dtype=torch.bfloat16)
+    def __init__(self, bank: Any, T: int, K: int) -> None:
+        import torch
+
+        from freetoken import handoff
+
+        H = bank.hidden
+        self.x = torch.randn(T, H).to(torch.bfloat16)
+        self.y = torch.empty(T, H, dtype=torch.bfloat16)
+        self.ids = np.zeros((T, K), dtype=np.int32)
+        self.w = np.full((T, K), 1.0 / K, dtype=np.float32)
+        self.desc = handoff.TaskDesc()
+        d = self.desc
+        d.abi_version = handoff.ABI_VERSION
+        d.max_tokens = d.num_tokens = T
+        d.top_k, d.hidden = K, H
+        d.act_dtype = d.out_dtype = int(handoff.Fmt.BF16)
+        d.x, d.y = self.x.data_ptr(), self.y.data_ptr()
+        d.ids, d.w = self.ids.ctypes.data, self.w.ctypes.data
+        self.set_bank(bank)
+
+    def set_bank(self, bank: Any) -> None:
+        self.bank = bank  # keep alive
+        self.desc.bank = bank.address
+
+    @property
+    def address(self) -> int:
+        import ctypes
+
+        return ctypes.addressof(self.desc)
+
+
+def time_format(cm: Any, banks: list, T: int, K: int, E: int, seconds: float, rng: np.random.Generator, pool: Any) -> dict:
+    task = _Task(banks[0], T, K)
     # route plans: T=1 walks the experts in order; T>1 draws distinct top-K per token
     plans = []
     for i in range(64):
@@ -70,20 +102,23 @@ def time_format(cm: Any, banks: list, T: int, K: int, E: int, seconds: float, rn
             ids = ((np.arange(K) + K * i) % E).reshape(1, K)
         else:
             ids = np.stack([rng.choice(E, size=K, replace=False) for _ in range(T)])
-        plans.append(torch.from_numpy(ids.astype(np.int32)))
+        plans.append(ids.astype(np.int32))
     per_expert = banks[0].expert_nbytes()
     for i in range(4):  # warm-up: page in, wake workers
-        cm.moe_forward(banks[i % len(banks)], x, plans[i], w, out=out, pool=pool)
+        task.set_bank(banks[i % len(banks)])
+        task.ids[:] = plans[i]
+        cm.run_task(task.address, pool=pool)
     times, nbytes = [], []
     t_end = time.perf_counter() + seconds
     i = 0
     while time.perf_counter() < t_end or len(times) < 10:
-        bank = banks[i % len(banks)]
+        task.set_bank(banks[i % len(banks)])
         ids = plans[(i // len(banks)) % len(plans)]
+        task.ids[:] = ids
         t0 = time.perf_counter()
-        cm.moe_forward(bank, x, ids, w, out=out, pool=pool)
+        cm.run_task(task.address, pool=pool)
         times.append(time.perf_counter() - t0)
-        nbytes.append(len(np.unique(ids.numpy())) * per_expert)
+        nbytes.append(len(np.unique(ids)) * per_expert)
         i += 1
     rates = sorted(b / t for b, t in zip(nbytes, times))
     return {
