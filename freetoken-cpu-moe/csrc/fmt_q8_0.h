@@ -60,6 +60,29 @@ static inline void q8_0_row_avx512(const uint8_t* row, const ActQ8x32View* x, ui
 }
 #endif
 
+#if defined(FT_HAVE_AVX2) && !defined(FT_HAVE_AVX512)
+// AVX2: |w| (unsigned, <= 128) x sign-adjusted x with vpmaddubsw (no saturation:
+// 2 * 128 * 127 < 32768), pairs summed to int32, one float scale per block.
+template <int NT>
+static inline void q8_0_row_avx2(const uint8_t* row, const ActQ8x32View* x, uint32_t nb, float* res) {
+    __m256 acc[NT];
+    for (int j = 0; j < NT; ++j) acc[j] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (uint32_t b = 0; b < nb; ++b) {
+        const uint8_t* p = row + (size_t)b * Q8_0_BYTES;
+        const __m256i wq = _mm256_loadu_si256((const __m256i*)(p + 2));
+        const __m256i aw = _mm256_sign_epi8(wq, wq);
+        const float dw = _cvtsh_ss(*(const uint16_t*)p);
+        for (int j = 0; j < NT; ++j) {
+            const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(x[j].qs + (size_t)b * 32)), wq);
+            const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), ones);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * x[j].d[b]), acc[j]);
+        }
+    }
+    for (int j = 0; j < NT; ++j) res[j] = hsum256(acc[j]);
+}
+#endif
+
 static void dot_rows_q8_0(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint32_t r1,
                           const void* const* xs, uint32_t ntok, float* out, size_t os) {
     const uint8_t* base = (const uint8_t*)(uintptr_t)w.data + (size_t)e * w.expert_stride;
@@ -77,6 +100,13 @@ static void dot_rows_q8_0(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint
                 case 3: q8_0_row_avx512<3>(row, xv, nb, res); break;
                 case 2: q8_0_row_avx512<2>(row, xv, nb, res); break;
                 default: q8_0_row_avx512<1>(row, xv, nb, res); break;
+            }
+#elif defined(FT_HAVE_AVX2)
+            switch (nt) {
+                case 4: q8_0_row_avx2<4>(row, xv, nb, res); break;
+                case 3: q8_0_row_avx2<3>(row, xv, nb, res); break;
+                case 2: q8_0_row_avx2<2>(row, xv, nb, res); break;
+                default: q8_0_row_avx2<1>(row, xv, nb, res); break;
             }
 #else
             for (uint32_t j = 0; j < nt; ++j) res[j] = q8_0_row_portable(row, xv[j], 0, nb);
