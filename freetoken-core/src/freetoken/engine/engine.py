@@ -93,6 +93,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_running_requests, config.prefill_chunk)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
+        # CPU: torch's OpenMP threads and the expert kernels' worker pool share the
+        # cores. Decode steps run only small torch ops (norms, rope, attention over
+        # one query): one torch thread, so idle OpenMP threads never spin against the
+        # pool; prefill steps (large attention) get torch's full thread count back.
+        self._cpu = self.device.type == "cpu"
+        self._prefill_threads = torch.get_num_threads()
+        self._threads = self._prefill_threads
         self.capture_logits = False  # tests: keep every sampled row of logits per request
         self.captured: dict[str, list[torch.Tensor]] = {}
         logger.info(
@@ -237,6 +244,11 @@ class LLMEngine:
         if not batch:
             return []
         ids, pos, meta = self._metadata(batch)
+        if self._cpu:
+            want = 1 if meta.decode else self._prefill_threads
+            if want != self._threads:
+                torch.set_num_threads(want)
+                self._threads = want
         hidden = self.model.forward(ids, pos, meta, self.kv.layers)
         samplers = [s for s in batch if s.sample]
         for s in batch:

@@ -67,16 +67,22 @@ def paged_attention(
     nb, bs, kvh, _ = k_cache.shape
     gqa = H != kvh
     if meta.decode:
+        # One query per sequence: plain matmuls over the gathered blocks (cheaper
+        # than SDPA's dispatch for a single query); GQA as [kv_heads, group] views.
         B = len(meta.seqs)
+        g = H // kvh
         if B == 1:
             s = meta.seqs[0]
-            k = k_cache[s.block_table].reshape(-1, kvh, D)[: s.ctx_len].transpose(0, 1)
-            v = v_cache[s.block_table].reshape(-1, kvh, D)[: s.ctx_len].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=scale, enable_gqa=gqa)
-            return o.reshape(H, D).reshape(1, H * D)
+            k = k_cache.index_select(0, s.block_table).view(-1, kvh, D)[: s.ctx_len].transpose(0, 1)
+            v = v_cache.index_select(0, s.block_table).view(-1, kvh, D)[: s.ctx_len].transpose(0, 1)
+            scores = torch.matmul(q.view(kvh, g, D), k.transpose(1, 2)) * scale  # [kvh, g, L]
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.matmul(probs, v).reshape(1, H * D)
         assert meta.block_tables is not None and meta.mask is not None
-        k = k_cache[meta.block_tables].reshape(B, -1, kvh, D).transpose(1, 2)
-        v = v_cache[meta.block_tables].reshape(B, -1, kvh, D).transpose(1, 2)
+        nbk = meta.block_tables.shape[1]
+        flat = meta.block_tables.reshape(-1)
+        k = k_cache.index_select(0, flat).view(B, nbk * bs, kvh, D).transpose(1, 2)  # [B, kvh, L, D]
+        v = v_cache.index_select(0, flat).view(B, nbk * bs, kvh, D).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.mask, scale=scale, enable_gqa=gqa)
         return o.reshape(B, H * D)
 

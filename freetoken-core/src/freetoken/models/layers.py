@@ -83,10 +83,12 @@ class PackedLinear:
         self.nbytes = raw.nbytes
         self._raw = raw  # keeps the mapping alive
         self.weights = cm_weights(raw, 1, rows, cols)
-        self._linear = cpu_moe().linear
+        cm = cpu_moe()
+        self._linear = cm.linear
+        self._pool = cm.default_pool()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(self.weights, x, out_dtype=x.dtype)
+        return self._linear(self.weights, x, x.dtype, self._pool)
 
 
 class Embedding:
@@ -136,6 +138,8 @@ class WeightPolicy:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in FP32 (as HF does), returned in ``x``'s dtype."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op on the decode path
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

@@ -88,6 +88,7 @@ class MoELayer:
         self.device = torch.device(device)
         self.activation = activation
         self.bank: Any = None
+        self._router_w: Any = None
         self._experts_fn: Optional[ExpertsFn] = None
         if self.device.type == "cpu":
             self._build_cpu_bank()
@@ -101,6 +102,11 @@ class MoELayer:
         down = cm_weights(e.down, e.num_experts, e.hidden, e.intermediate)
         self.bank = cm.ExpertBank(gate, up, down, activation=self.activation)
         self._moe_forward = cm.moe_forward
+        # the router is a small dense projection: run it on the same worker pool
+        self.router = self.router.float().contiguous()
+        self._router_w = cm.Weights(self.router, "f32", 1, int(self.router.shape[0]), int(self.router.shape[1]))
+        self._router_linear = cm.linear
+        self._pool = cm.default_pool()
 
     def set_experts(self, fn: ExpertsFn) -> None:
         """Install the routed-experts implementation of a (GPU) backend."""
@@ -108,7 +114,10 @@ class MoELayer:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids (int32 [T, K]) and weights (float32 [T, K]) for ``x``."""
-        logits = torch.nn.functional.linear(x, self.router)
+        if self._router_w is not None:
+            logits = self._router_linear(self._router_w, x, torch.float32, self._pool)
+        else:
+            logits = torch.nn.functional.linear(x, self.router)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         w, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -131,4 +140,4 @@ class MoELayer:
 
     def _run_cpu_synchronous(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # IOPath.SYNCHRONOUS: activations are host memory already; run the CPU kernels now.
-        return self._moe_forward(self.bank, x.contiguous(), ids.contiguous(), w.contiguous(), out_dtype=x.dtype)
+        return self._moe_forward(self.bank, x.contiguous(), ids.contiguous(), w.contiguous(), x.dtype, self._pool)
