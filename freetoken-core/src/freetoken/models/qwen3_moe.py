@@ -35,6 +35,16 @@ def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, An
         raise CheckpointError("Qwen3-MoE checkpoints with attention_bias=true are not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"Qwen3-MoE with hidden_act={cfg.get('hidden_act')!r} is not supported (silu only)")
+    qc = cfg.get("quantization_config")
+    if qc:
+        method = qc.get("quant_method")
+        if method != "fp8":
+            raise CheckpointError(
+                f"quantization method {method!r} is not supported (HF checkpoints: BF16/FP16/FP32 or FP8 with "
+                "128x128 block scales; use a GGUF file for other quantizations)")
+        block = qc.get("weight_block_size")
+        if block is not None and list(block) != [128, 128]:
+            raise CheckpointError(f"FP8 weight_block_size {block} is not supported (128x128 only)")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):

@@ -1,0 +1,101 @@
+"""HF checkpoints stored in BF16 and in FP8 (128x128 block scales): the CPU kernels
+read them as stored; the reference is HF's FP32 model on the same values decoded."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+
+import torch
+
+from freetoken import SamplingParams
+from helpers import engine_for, hf_logits, make_hf
+
+# Decoding the stored values exactly leaves FP32 summation order as the only
+# difference (as in test_engine_hf_logits), unless the kernels round activations.
+TOL = dict(atol=2e-4, rtol=1e-4)
+
+
+def _gen_check(eng, model, prompt):
+    eng.capture_logits = True
+    r = eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    ref = hf_logits(model, prompt + r.output_ids)[len(prompt) - 1 : -1]
+    torch.testing.assert_close(torch.stack(eng.captured[r.request_id]), ref, **TOL)
+
+
+def test_bf16_checkpoint(tmp_path):
+    seed = random.randrange(1 << 30)
+    model = make_hf(str(tmp_path / "f32"), seed)
+    with torch.no_grad():  # the same bf16 values, computed in FP32 (rope tables stay FP32)
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
+    ref = model
+    eng = engine_for(str(tmp_path / "bf16"))
+    rng = random.Random(seed)
+    ids = [rng.randrange(160) for _ in range(21)]
+    torch.testing.assert_close(eng.prompt_logits(ids), hf_logits(ref, ids), **TOL)
+    _gen_check(eng, ref, ids[:7])
+
+
+def _fp8_blockwise(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = w.shape
+    sr, sc = -(-rows // block), -(-cols // block)
+    pad = torch.zeros(sr * block, sc * block)
+    pad[:rows, :cols] = w
+    blocks = pad.view(sr, block, sc, block)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return q.view(sr * block, sc * block)[:rows, :cols].contiguous(), scale.float()
+
+
+def test_fp8_block_quantized_checkpoint(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    seed = random.randrange(1 << 30)
+    src = str(tmp_path / "f32")
+    over = dict(hidden_size=256, moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    model = make_hf(src, seed, **over)
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        if name.endswith("_proj.weight") and t.dim() == 2:  # attention projections and experts
+            q, s = _fp8_blockwise(t)
+            out[name] = q
+            out[name[: -len("weight")] + "weight_scale_inv"] = s
+        else:
+            out[name] = t
+    dst = tmp_path / "fp8"
+    dst.mkdir()
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    json.dump(cfg, open(dst / "config.json", "w"))
+    # reference: the decoded fp8 values in an FP32 HF model
+    with torch.no_grad():
+        dec = {}
+        for name, t in out.items():
+            if t.dtype == torch.float8_e4m3fn:
+                s = out[name[: -len("weight")] + "weight_scale_inv"]
+                rows, cols = t.shape
+                full = s.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+                dec[name] = t.float() * full
+        for i, L in enumerate(model.model.layers):
+            pre = f"model.layers.{i}."
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(L.self_attn, proj).weight.copy_(dec[pre + f"self_attn.{proj}.weight"])
+            E = L.mlp.experts.down_proj.shape[0]
+            I = L.mlp.experts.down_proj.shape[2]
+            for e in range(E):
+                L.mlp.experts.gate_up_proj[e, :I].copy_(dec[pre + f"mlp.experts.{e}.gate_proj.weight"])
+                L.mlp.experts.gate_up_proj[e, I:].copy_(dec[pre + f"mlp.experts.{e}.up_proj.weight"])
+                L.mlp.experts.down_proj[e].copy_(dec[pre + f"mlp.experts.{e}.down_proj.weight"])
+    eng = engine_for(str(dst))
+    rng = random.Random(seed)
+    ids = [rng.randrange(160) for _ in range(19)]
+    torch.testing.assert_close(eng.prompt_logits(ids), hf_logits(model, ids), **TOL)
