@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from typing import ClassVar
 
 from freetoken.moe.native_backend import NativeGpuBackend
@@ -18,3 +19,11 @@ class CudaBackend(NativeGpuBackend):
     install_hint: ClassVar[str] = (
         "reinstall with nvcc available: CUDA_HOME=/usr/local/cuda pip install --force-reinstall 'freetoken[cuda]'"
     )
+
+    @classmethod
+    def driver_hint(cls) -> str:
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return "no NVIDIA driver on this machine (libcuda.so.1 cannot be loaded)"
+        return ""

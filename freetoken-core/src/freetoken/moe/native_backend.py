@@ -338,7 +338,10 @@ class NativeGpuBackend(Backend):
         try:
             count = native.device_count()
         except Exception as exc:  # noqa: BLE001
-            return ProbeResult(False, reason=f"no usable {cls.name} device: {exc}", details=details)
+            hint = cls.driver_hint()
+            return ProbeResult(
+                False, reason=f"no usable {cls.name} device: {hint + '; ' if hint else ''}{exc}", details=details
+            )
         if count < 1:
             return ProbeResult(False, reason=f"no {cls.name} device visible", details=details)
         try:
@@ -360,6 +363,11 @@ class NativeGpuBackend(Backend):
             return ProbeResult(False, reason=f"{cls.name} device query failed: {exc}", details=details)
         details.update(device_count=count, device0=info)
         return ProbeResult(True, device_name=info["name"], details=details)
+
+    @classmethod
+    def driver_hint(cls) -> str:
+        """A plain-words reason when the device query fails (e.g. no driver installed)."""
+        return ""
 
     def device(self) -> Any:
         import torch
