@@ -91,6 +91,42 @@ class PackedLinear:
         return self._linear(self.weights, x, x.dtype, self._pool)
 
 
+class FusedLinears:
+    """Several projections of the same input (q/k/v) run as few calls as possible:
+    consecutive matrices with the same format are concatenated along their rows once
+    at load time (one copy of those bytes) and split after the matmul."""
+
+    def __init__(self, raws: list[RawTensor], policy: "WeightPolicy") -> None:
+        self.groups: list[tuple[Any, list[int]]] = []
+        i = 0
+        while i < len(raws):
+            j = i + 1
+            while (j < len(raws) and raws[j].fmt == raws[i].fmt and raws[j].shape[1:] == raws[i].shape[1:]
+                   and raws[j].scale is None and raws[i].scale is None):
+                j += 1
+            part = raws[i:j]
+            if len(part) == 1:
+                lin = policy.linear(part[0])
+            else:
+                data = torch.cat([r.raw_torch() for r in part], 0)
+                rows = sum(r.shape[0] for r in part)
+                lin = policy.linear(RawTensor("+".join(r.name for r in part), (rows, *part[0].shape[1:]),
+                                              part[0].fmt, data, part[0].source))
+            self.groups.append((lin, [r.shape[0] for r in part]))
+            i = j
+        self.nbytes = sum(lin.nbytes for lin, _ in self.groups)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs: list[torch.Tensor] = []
+        for lin, sizes in self.groups:
+            y = lin(x)
+            if len(sizes) == 1:
+                outs.append(y)
+            else:
+                outs.extend(y.split(sizes, dim=-1))
+        return outs
+
+
 class Embedding:
     """Token embedding lookup: a float table, or packed rows dequantized on demand."""
 

@@ -17,7 +17,7 @@ from freetoken.loading.hf import CheckpointError
 from freetoken.loading.tensors import RawTensor, TensorSource
 from freetoken.models.attention import AttentionMetadata, paged_attention, write_kv
 from freetoken.models.config import ModelConfig
-from freetoken.models.layers import Rotary, WeightPolicy, rms_norm
+from freetoken.models.layers import FusedLinears, Rotary, WeightPolicy, rms_norm
 from freetoken.moe.layer import ExpertWeights, MoELayer, stack_experts
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ GGUF_NAMES = Names(
 
 
 class _Layer:
-    __slots__ = ("in_norm", "post_norm", "q", "k", "v", "o", "q_norm", "k_norm", "moe", "mlp")
+    __slots__ = ("in_norm", "post_norm", "qkv", "o", "q_norm", "k_norm", "moe", "mlp")
 
 
 class Qwen3MoeModel:
@@ -214,7 +214,8 @@ class Qwen3MoeModel:
             n = lambda role: get(names.layer(i, role))  # noqa: E731
             L.in_norm = policy.tensor(n("in_norm"))
             L.post_norm = policy.tensor(n("post_norm"))
-            L.q, L.k, L.v, L.o = (policy.linear(n(r)) for r in ("q", "k", "v", "o"))
+            L.qkv = FusedLinears([n("q"), n("k"), n("v")], policy)
+            L.o = policy.linear(n("o"))
             L.q_norm = policy.tensor(n("q_norm"))
             L.k_norm = policy.tensor(n("k_norm"))
             L.moe = None
@@ -263,9 +264,10 @@ class Qwen3MoeModel:
         slots = meta.slot_mapping
         for L, (kc, vc) in zip(self.layers, kv_caches):
             x = rms_norm(h, L.in_norm, eps)
-            q = rms_norm(L.q(x).view(T, c.num_heads, c.head_dim), L.q_norm, eps)
-            k = rms_norm(L.k(x).view(T, c.num_kv_heads, c.head_dim), L.k_norm, eps)
-            v = L.v(x).view(T, c.num_kv_heads, c.head_dim)
+            q, k, v = L.qkv(x)
+            q = rms_norm(q.reshape(T, c.num_heads, c.head_dim), L.q_norm, eps)
+            k = rms_norm(k.reshape(T, c.num_kv_heads, c.head_dim), L.k_norm, eps)
+            v = v.reshape(T, c.num_kv_heads, c.head_dim)
             q = rope(q, cos, sin)
             k = rope(k, cos, sin)
             write_kv(kc, vc, k, v, slots)
@@ -288,7 +290,7 @@ class Qwen3MoeModel:
         dense = self.lm_head.nbytes
         experts = 0
         for L in self.layers:
-            dense += sum(p.nbytes for p in (L.q, L.k, L.v, L.o))
+            dense += L.qkv.nbytes + L.o.nbytes
             if L.moe is not None:
                 dense += L.moe.router.numel() * L.moe.router.element_size()
                 experts += self.config.top_k * L.moe.experts.bytes_per_expert
