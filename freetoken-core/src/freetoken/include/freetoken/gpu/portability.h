@@ -47,7 +47,8 @@ typedef hipDeviceProp_t ftDeviceProp;
 #define ftDriverGetVersion hipDriverGetVersion
 #define ftRuntimeGetVersion hipRuntimeGetVersion
 #define ftHostAlloc hipHostMalloc
-#define ftHostAllocMapped hipHostMallocMapped
+/* fine-grained (coherent) memory: the GPU spins on flags the CPU writes, and vice versa */
+#define ftHostAllocMapped (hipHostMallocMapped | hipHostMallocCoherent)
 #define ftHostAllocPortable hipHostMallocPortable
 #define ftHostAllocDefault hipHostMallocDefault
 #define ftFreeHost hipHostFree
