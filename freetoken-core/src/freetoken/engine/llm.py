@@ -41,9 +41,10 @@ class LLM:
                 kw[k] = type(getattr(SamplingParams(), k))(gc[k])
         return SamplingParams(**kw)
 
-    def generate(self, prompts: Prompts, params: Optional[SamplingParams] = None,
+    def generate(self, prompts: Prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (text, or a list of token ids); outputs in order."""
+        """Generate for every prompt (text, or a list of token ids); outputs in order.
+        ``params`` is one SamplingParams for all prompts or one per prompt."""
         params = params or self.get_default_sampling_params()
         if isinstance(prompts, str):
             items: list[Any] = [prompts]
@@ -51,14 +52,20 @@ class LLM:
             items = list(prompts)
             if items and all(isinstance(t, int) for t in items):
                 items = [items]  # one prompt given as token ids
+        if isinstance(params, SamplingParams):
+            per = [params] * len(items)
+        else:
+            per = list(params)
+            if len(per) != len(items):
+                raise ValueError(f"{len(per)} SamplingParams for {len(items)} prompts")
         reqs: list[Request] = []
         try:
-            for p in items:
+            for p, sp in zip(items, per):
                 if isinstance(p, str):
                     ids = self.tokenizer.encode(p, add_special_tokens=True)
-                    reqs.append(self.engine.add_request(ids, params, prompt=p))
+                    reqs.append(self.engine.add_request(ids, sp, prompt=p))
                 else:
-                    reqs.append(self.engine.add_request([int(t) for t in p], params))
+                    reqs.append(self.engine.add_request([int(t) for t in p], sp))
             while self.engine.has_work():
                 self.engine.step()
         except BaseException:
