@@ -39,23 +39,35 @@ static inline __m256i fp8_to_f16_bits(__m128i b16) {
 static inline __m512 load16_fp8_div256(const uint8_t* p) {
     return _mm512_cvtph_ps(fp8_to_f16_bits(_mm_loadu_si128((const __m128i*)p)));
 }
+// U independent accumulators per token hide the FMA latency when few tokens share a row.
 #define FT_FLOAT_KERNEL(NAME, LOAD, ESZ)                                                          \
     template <int NT>                                                                             \
     static inline void NAME##_tile(const uint8_t* row, const float* const* x, uint32_t c0,        \
                                    uint32_t n, float* res) {                                      \
-        __m512 acc[NT];                                                                           \
-        for (int j = 0; j < NT; ++j) acc[j] = _mm512_setzero_ps();                                \
+        constexpr int U = NT == 1 ? 4 : (NT == 2 ? 2 : 1);                                        \
+        __m512 acc[NT][U];                                                                        \
+        for (int j = 0; j < NT; ++j)                                                              \
+            for (int u = 0; u < U; ++u) acc[j][u] = _mm512_setzero_ps();                          \
         uint32_t c = 0;                                                                           \
+        for (; c + 16 * U <= n; c += 16 * U)                                                      \
+            for (int u = 0; u < U; ++u) {                                                         \
+                __m512 wv = LOAD(row + (size_t)(c0 + c + 16 * u) * ESZ);                         \
+                for (int j = 0; j < NT; ++j)                                                      \
+                    acc[j][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[j] + c0 + c + 16 * u), acc[j][u]); \
+            }                                                                                     \
         for (; c + 16 <= n; c += 16) {                                                            \
             __m512 wv = LOAD(row + (size_t)(c0 + c) * ESZ);                                      \
-            for (int j = 0; j < NT; ++j) acc[j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[j] + c0 + c), acc[j]); \
+            for (int j = 0; j < NT; ++j) acc[j][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[j] + c0 + c), acc[j][0]); \
         }                                                                                         \
         if (c < n) {                                                                              \
             __mmask16 m = (__mmask16)((1u << (n - c)) - 1u);                                      \
             __m512 wv = LOAD##_tail(row + (size_t)(c0 + c) * ESZ, m);                             \
-            for (int j = 0; j < NT; ++j) acc[j] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x[j] + c0 + c), acc[j]); \
+            for (int j = 0; j < NT; ++j) acc[j][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x[j] + c0 + c), acc[j][0]); \
         }                                                                                         \
-        for (int j = 0; j < NT; ++j) res[j] = _mm512_reduce_add_ps(acc[j]);                      \
+        for (int j = 0; j < NT; ++j) {                                                            \
+            for (int u = 1; u < U; ++u) acc[j][0] = _mm512_add_ps(acc[j][0], acc[j][u]);          \
+            res[j] = _mm512_reduce_add_ps(acc[j][0]);                                             \
+        }                                                                                         \
     }
 static inline __m512 load16_f32_tail(const uint8_t* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline __m512 load16_f16_tail(const uint8_t* p, __mmask16 m) {
@@ -156,32 +168,39 @@ static void dot_rows_float(const uint8_t* base, size_t row_stride, uint32_t cols
 // fold the block's scale into per-token vector totals (one reduction per row).
 template <int NT>
 static inline void fp8_row_avx512(const uint8_t* row, const float* srow, const float* const* x, uint32_t cols, float* res) {
+    constexpr int U = NT == 1 ? 2 : 1;  // 32-element steps in flight per token (2 accumulators each)
     __m512 tot[NT];
     for (int j = 0; j < NT; ++j) tot[j] = _mm512_setzero_ps();
     for (uint32_t c0 = 0, cb = 0; c0 < cols; c0 += FP8_BLOCK, ++cb) {
         const uint32_t n = cols - c0 < FP8_BLOCK ? cols - c0 : FP8_BLOCK;
-        __m512 acc[NT];
-        for (int j = 0; j < NT; ++j) acc[j] = _mm512_setzero_ps();
+        __m512 acc[NT][2 * U];
+        for (int j = 0; j < NT; ++j)
+            for (int u = 0; u < 2 * U; ++u) acc[j][u] = _mm512_setzero_ps();
         uint32_t c = 0;
-        for (; c + 32 <= n; c += 32) {
-            const __m512i h = _mm512_and_si512(
-                _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(row + c0 + c))), 7),
-                _mm512_set1_epi16((short)0xBF80));
-            const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-            const __m512 w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-            for (int j = 0; j < NT; ++j) {
-                acc[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[j] + c0 + c), acc[j]);
-                acc[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[j] + c0 + c + 16), acc[j]);
+        for (; c + 32 * U <= n; c += 32 * U)
+            for (int u = 0; u < U; ++u) {
+                const __m512i h = _mm512_and_si512(
+                    _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(row + c0 + c + 32 * u))), 7),
+                    _mm512_set1_epi16((short)0xBF80));
+                const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+                const __m512 w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+                for (int j = 0; j < NT; ++j) {
+                    const float* xp = x[j] + c0 + c + 32 * u;
+                    acc[j][2 * u] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp), acc[j][2 * u]);
+                    acc[j][2 * u + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + 16), acc[j][2 * u + 1]);
+                }
             }
-        }
         for (; c < n; c += 16) {
             const uint32_t k = n - c < 16 ? n - c : 16;
             const __mmask16 m = (__mmask16)((1u << k) - 1u);
             const __m512 wv = load16_fp8_div256_tail(row + c0 + c, m);
-            for (int j = 0; j < NT; ++j) acc[j] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x[j] + c0 + c), acc[j]);
+            for (int j = 0; j < NT; ++j) acc[j][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x[j] + c0 + c), acc[j][0]);
         }
         const __m512 sv = _mm512_set1_ps(srow[cb] * 256.0f);
-        for (int j = 0; j < NT; ++j) tot[j] = _mm512_fmadd_ps(acc[j], sv, tot[j]);
+        for (int j = 0; j < NT; ++j) {
+            for (int u = 1; u < 2 * U; ++u) acc[j][0] = _mm512_add_ps(acc[j][0], acc[j][u]);
+            tot[j] = _mm512_fmadd_ps(acc[j][0], sv, tot[j]);
+        }
     }
     for (int j = 0; j < NT; ++j) res[j] = _mm512_reduce_add_ps(tot[j]);
 }

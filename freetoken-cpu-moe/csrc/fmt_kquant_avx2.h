@@ -26,8 +26,12 @@ static inline __m256 kq2_scales_q45(const uint8_t* blk, __m256* M) {
 template <int FMT, int NT>
 static inline void kq_row_avx2(const uint8_t* row, uint32_t nb, const BlockQ8xK* const* x, float* res) {
     constexpr size_t BB = FMT == FT_FMT_Q4_K ? Q4_K_BYTES : (FMT == FT_FMT_Q5_K ? Q5_K_BYTES : Q6_K_BYTES);
-    __m256 acc[NT], cacc[NT];
-    for (int j = 0; j < NT; ++j) acc[j] = cacc[j] = _mm256_setzero_ps();
+    constexpr int U = NT == 1 ? 4 : 2;  // accumulators per token (FMA latency)
+    __m256 acc[NT][U], cacc[NT];
+    for (int j = 0; j < NT; ++j) {
+        cacc[j] = _mm256_setzero_ps();
+        for (int u = 0; u < U; ++u) acc[j][u] = _mm256_setzero_ps();
+    }
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (uint32_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + (size_t)b * BB;
@@ -63,7 +67,7 @@ static inline void kq_row_avx2(const uint8_t* row, uint32_t nb, const BlockQ8xK*
                 for (int s = 0; s < 8; ++s) {
                     const __m256i p = mul_sum_u8_i8(wq[s], _mm256_loadu_si256((const __m256i*)(xb.qs + 32 * s)));
                     const __m256 coef = _mm256_mul_ps(wsc[s], _mm256_broadcast_ss(xb.d + s));
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), coef, acc[j]);
+                    acc[j][s % U] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), coef, acc[j][s % U]);
                 }
                 cacc[j] = _mm256_fmadd_ps(off0, _mm256_loadu_ps(xb.xs16), cacc[j]);
                 cacc[j] = _mm256_fmadd_ps(off1, _mm256_loadu_ps(xb.xs16 + 8), cacc[j]);
@@ -91,13 +95,16 @@ static inline void kq_row_avx2(const uint8_t* row, uint32_t nb, const BlockQ8xK*
                 for (int s = 0; s < 8; ++s) {
                     const __m256i p = mul_sum_u8_i8(wq[s], _mm256_loadu_si256((const __m256i*)(xb.qs + 32 * s)));
                     const __m256 cs = _mm256_permutevar8x32_ps(coef, _mm256_set1_epi32(s));
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), cs, acc[j]);
+                    acc[j][s % U] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), cs, acc[j][s % U]);
                 }
                 cacc[j] = _mm256_fnmadd_ps(M, _mm256_loadu_ps(xb.xs32), cacc[j]);
             }
         }
     }
-    for (int j = 0; j < NT; ++j) res[j] = hsum256(_mm256_add_ps(acc[j], cacc[j]));
+    for (int j = 0; j < NT; ++j) {
+        for (int u = 0; u < U; ++u) cacc[j] = _mm256_add_ps(cacc[j], acc[j][u]);
+        res[j] = hsum256(cacc[j]);
+    }
 }
 
 template <int FMT>

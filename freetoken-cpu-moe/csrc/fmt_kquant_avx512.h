@@ -39,8 +39,12 @@ template <int FMT, int NT>
 static inline void kq_row_avx512(const uint8_t* row, uint32_t nb, const BlockQ8xK* const* x, const KqLaneIdx& ix,
                                  float* res) {
     constexpr size_t BB = FMT == FT_FMT_Q4_K ? Q4_K_BYTES : (FMT == FT_FMT_Q5_K ? Q5_K_BYTES : Q6_K_BYTES);
-    __m512 acc[NT], cacc[NT];
-    for (int j = 0; j < NT; ++j) acc[j] = cacc[j] = _mm512_setzero_ps();
+    constexpr int U = NT == 1 ? 4 : (NT == 2 ? 2 : 1);  // accumulators per token (FMA latency)
+    __m512 acc[NT][U], cacc[NT];
+    for (int j = 0; j < NT; ++j) {
+        cacc[j] = _mm512_setzero_ps();
+        for (int u = 0; u < U; ++u) acc[j][u] = _mm512_setzero_ps();
+    }
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (uint32_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + (size_t)b * BB;
@@ -93,7 +97,7 @@ static inline void kq_row_avx512(const uint8_t* row, uint32_t nb, const BlockQ8x
             for (int r = 0; r < 4; ++r) {
                 const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[r], _mm512_loadu_si512(xq + 64 * r));
                 const __m512 coef = _mm512_mul_ps(wsc[r], _mm512_loadu_ps(dl + 16 * r));
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), coef, acc[j]);
+                acc[j][r % U] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), coef, acc[j][r % U]);
             }
             if (FMT == FT_FMT_Q6_K)
                 cacc[j] = _mm512_fmadd_ps(corr, _mm512_loadu_ps(xb.xs16), cacc[j]);
@@ -101,7 +105,10 @@ static inline void kq_row_avx512(const uint8_t* row, uint32_t nb, const BlockQ8x
                 cacc[j] = _mm512_fmadd_ps(corr, _mm512_castps256_ps512(_mm256_loadu_ps(xb.xs32)), cacc[j]);
         }
     }
-    for (int j = 0; j < NT; ++j) res[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], cacc[j]));
+    for (int j = 0; j < NT; ++j) {
+        for (int u = 0; u < U; ++u) cacc[j] = _mm512_add_ps(cacc[j], acc[j][u]);
+        res[j] = _mm512_reduce_add_ps(cacc[j]);
+    }
 }
 
 template <int FMT>

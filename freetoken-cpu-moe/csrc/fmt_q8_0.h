@@ -26,37 +26,46 @@ static inline float q8_0_row_portable(const uint8_t* row, const ActQ8x32View& x,
 // against x, the 128 * sum(x) excess removed through dq = d * sum(qs).
 template <int NT>
 static inline void q8_0_row_avx512(const uint8_t* row, const ActQ8x32View* x, uint32_t nb, float* res) {
-    __m512 acc[NT], corr[NT];
-    for (int j = 0; j < NT; ++j) acc[j] = corr[j] = _mm512_setzero_ps();
+    constexpr int U = NT == 1 ? 2 : 1;  // accumulators per token (FMA latency)
+    __m512 acc[NT][U], corr[NT];
+    for (int j = 0; j < NT; ++j) {
+        corr[j] = _mm512_setzero_ps();
+        for (int u = 0; u < U; ++u) acc[j][u] = _mm512_setzero_ps();
+    }
     const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32((int)Q8_0_BYTES));
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    uint32_t b = 0;
-    for (; b + 16 <= nb; b += 16) {
+    for (uint32_t b = 0; b < nb; b += 16) {
+        const uint32_t m = nb - b < 16 ? nb - b : 16;  // blocks in this group
+        const __mmask16 mk = (__mmask16)((1u << m) - 1u);
         const uint8_t* g = row + (size_t)b * Q8_0_BYTES;
-        __m512i dh = _mm512_i32gather_epi32(gidx, (const void*)g, 1);
+        const __m512i dh = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mk, gidx, (const void*)g, 1);
         const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh));
         __m512 coef[NT];
         for (int j = 0; j < NT; ++j) {
-            coef[j] = _mm512_mul_ps(dw, _mm512_loadu_ps(x[j].d + b));
-            corr[j] = _mm512_fmadd_ps(dw, _mm512_loadu_ps(x[j].dq + b), corr[j]);
+            coef[j] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(mk, x[j].d + b));
+            corr[j] = _mm512_fmadd_ps(dw, _mm512_maskz_loadu_ps(mk, x[j].dq + b), corr[j]);
         }
-        for (int k = 0; k < 8; ++k) {
+        for (uint32_t k = 0; 2 * k < m; ++k) {
+            const bool pair = 2 * k + 1 < m;
             const uint8_t* p0 = g + (size_t)(2 * k) * Q8_0_BYTES + 2;
-            __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p0)),
-                                            _mm256_loadu_si256((const __m256i*)(p0 + Q8_0_BYTES)), 1);
+            const __m256i hi = pair ? _mm256_loadu_si256((const __m256i*)(p0 + Q8_0_BYTES)) : _mm256_setzero_si256();
+            __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p0)), hi, 1);
             wq = _mm512_xor_si512(wq, flip);
             const __m512i sel = _mm512_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
                                                  2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k);
+            const __mmask64 xm = pair ? ~(__mmask64)0 : (__mmask64)0xffffffffu;
             for (int j = 0; j < NT; ++j) {
-                const __m512i xq = _mm512_loadu_si512(x[j].qs + (size_t)(b + 2 * k) * 32);
+                const __m512i xq = _mm512_maskz_loadu_epi8(xm, x[j].qs + (size_t)(b + 2 * k) * 32);
                 const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq);
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(sel, coef[j]), acc[j]);
+                acc[j][k % U] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(sel, coef[j]), acc[j][k % U]);
             }
         }
     }
-    for (int j = 0; j < NT; ++j)
-        res[j] = _mm512_reduce_add_ps(acc[j]) - 128.0f * _mm512_reduce_add_ps(corr[j]) + q8_0_row_portable(row, x[j], b, nb);
+    for (int j = 0; j < NT; ++j) {
+        for (int u = 1; u < U; ++u) acc[j][0] = _mm512_add_ps(acc[j][0], acc[j][u]);
+        res[j] = _mm512_reduce_add_ps(_mm512_fmadd_ps(corr[j], _mm512_set1_ps(-128.0f), acc[j][0]));
+    }
 }
 #endif
 

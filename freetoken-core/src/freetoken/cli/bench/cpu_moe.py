@@ -153,11 +153,13 @@ def run(args: argparse.Namespace) -> int:
         cm.set_isa(args.isa)
     pool = cm.Pool(args.threads) if args.threads else cm.default_pool()
     rng = np.random.default_rng(0)
-    bw = cm.measure_bandwidth(pool=pool)
+    bw_samples = [cm.measure_bandwidth(pool=pool)]
+    bw = bw_samples[0]
     E, H, I, K = args.experts, args.hidden, args.intermediate, args.top_k
     print(f"machine: {platform.processor() or platform.machine()}, {pool.num_threads} worker threads, tier {cm.active_isa()}")
     print(f"shapes: H={H} I={I} E={E} top-{K}; {args.layers} banks per format, routes rotated (no cache reuse)")
-    print(f"ceiling: streaming read of 1 GiB with the same pool, best of 5 = {bw / 1e9:.1f} GB/s")
+    print(f"ceiling: streaming read of 1 GiB with the same pool, best of 5 passes = {bw / 1e9:.1f} GB/s "
+          "(measured again after each format; the table uses the best of all passes)")
     print("GB/s = weight bytes read / time of the median call; 'mean' = all bytes / all time (includes outliers)")
     print(f"{'format':<15}{'T':>4}{'us/layer':>11}{'MB/call':>9}{'GB/s':>8}{'% of bw':>9}{'mean GB/s':>11}")
     results = []
@@ -172,6 +174,16 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
         del banks
+        bw_samples.append(cm.measure_bandwidth(pool=pool))
+    best = max(bw_samples)
+    if best > bw:  # re-base the percentages on the best ceiling seen during the run
+        for r in results:
+            r["pct"] = 100.0 * r["GBs"] * 1e9 / best
+        bw = best
+    print(f"ceiling samples (GB/s): {', '.join(f'{b / 1e9:.1f}' for b in bw_samples)}; best {bw / 1e9:.1f}")
+    print(f"{'format':<15}{'T':>4}{'us/layer':>11}{'GB/s':>8}{'% of best bw':>14}")
+    for r in results:
+        print(f"{r['format']:<15}{r['T']:>4}{r['us']:>11.1f}{r['GBs']:>8.1f}{r['pct']:>13.0f}%")
     if args.json:
-        print(json.dumps({"bandwidth_GBs": bw / 1e9, "threads": pool.num_threads, "isa": cm.active_isa(), "results": results}))
+        print(json.dumps({"bandwidth_GBs": bw / 1e9, "bandwidth_samples_GBs": [b / 1e9 for b in bw_samples], "threads": pool.num_threads, "isa": cm.active_isa(), "results": results}))
     return 0
