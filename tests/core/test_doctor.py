@@ -130,3 +130,12 @@ def test_parse_cpuinfo_keeps_the_relevant_flags_of_the_first_processor():
     text = "processor : 0\nmodel name : Test CPU\nflags : fpu sse4_2 avx2 avx512f amx_tile\n\n" \
            "processor : 1\nmodel name : Other\nflags : fpu\n"
     assert parse_cpuinfo(text) == ("Test CPU", ("sse4_2", "avx2", "avx512f", "amx_tile"))
+
+
+def test_report_shows_the_startup_check_outcome(report):
+    q = report["qualification"]
+    assert q["qualified"] is True, q
+    assert q["backend"] == report["selection"]["backend"]
+    assert isinstance(q["graphs"], bool) and q["io_path"] and q["reason"]
+    if report["selection"]["backend"] == "cpu":
+        assert q["io_path"] == "synchronous" and q["graphs"] is False

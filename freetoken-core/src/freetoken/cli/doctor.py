@@ -26,7 +26,9 @@ from freetoken.cpu_isa import detect_cpu
 from freetoken.versioning import LOCKSTEP_DISTRIBUTIONS
 
 #: Top-level keys of ``freetoken doctor --json``.
-REPORT_KEYS = ("freetoken", "python", "torch", "cpu", "cpu_moe", "plugins", "selection", "capabilities")
+REPORT_KEYS = (
+    "freetoken", "python", "torch", "cpu", "cpu_moe", "plugins", "selection", "capabilities", "qualification",
+)
 
 
 def _installed_versions() -> dict[str, Optional[str]]:
@@ -90,6 +92,7 @@ def build_report(backend: Optional[str] = None) -> dict[str, Any]:
     }
     selection: dict[str, Any] = {"backend": None, "error": None}
     capabilities: Optional[dict[str, Any]] = None
+    qualification: Optional[dict[str, Any]] = None
     try:
         chosen = registry.get_backend(backend)
         current = registry.current_selection()
@@ -99,11 +102,22 @@ def build_report(backend: Optional[str] = None) -> dict[str, Any]:
             capabilities = chosen.capabilities().as_dict()
         except Exception as exc:
             capabilities = {"error": f"{type(exc).__name__}: {exc}"}
+        qualification = _qualification_report(chosen)
     except BackendError as exc:
         selection["error"] = str(exc)
     report["selection"] = selection
     report["capabilities"] = capabilities
+    report["qualification"] = qualification
     return report
+
+
+def _qualification_report(backend: Any) -> dict[str, Any]:
+    """The startup check's outcome for BF16: IO path, graphs on/off and why."""
+    try:
+        from freetoken.moe.qualify import doctor_section
+    except Exception as exc:
+        return {"qualified": False, "error": f"qualification unavailable: {type(exc).__name__}: {exc}"}
+    return doctor_section(backend)
 
 
 def _mark(value: Any) -> str:
@@ -147,6 +161,15 @@ def format_report(report: dict[str, Any]) -> str:
                     lines.append(f"  {k:<18} {v}")
             else:
                 lines.append(f"  {key:<18} {_mark(value)}")
+    q = report.get("qualification")
+    if q:
+        if q.get("qualified"):
+            graphs = "on" if q.get("graphs") else "off"
+            lines.append(f"Startup check (BF16): IO path {q.get('io_path')}, decode graphs {graphs}: {q.get('reason')}")
+            for warning in q.get("warnings") or []:
+                lines.append(f"  warning: {warning}")
+        else:
+            lines.append(f"Startup check (BF16): FAILED: {q.get('error') or q.get('note')}")
     return "\n".join(lines)
 
 
