@@ -133,3 +133,10 @@ def test_generate_cli_text_into_tokenizerless_gguf(tmp_path, capsys):
     assert main(["generate", "--model", p, "--prompt-ids", "1,2,3", "--max-tokens", "3", "--json", "--temperature", "0", "--ignore-eos"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 3 and out["text"] == ""
+
+
+def test_kv_budget_beyond_ram_fails_with_numbers(hf_dir):
+    from freetoken.loading.memory import InsufficientMemory
+
+    with pytest.raises(InsufficientMemory, match=r"KV cache [0-9.]+ GiB"):
+        engine_for(hf_dir[1], kv_cache_tokens=10**10)

@@ -62,7 +62,7 @@ class LLMEngine:
             path = ensure_demo_model().hf_dir
         act = resolve_dtype(config.dtype, self.device)
         kv_tokens_hint = config.kv_cache_tokens
-        loaded = load(path, self.device, config.dtype, kv_bytes=0)
+        loaded = load(path, self.device, config.dtype, kv_tokens=config.kv_cache_tokens or 0)
         self.loaded = loaded
         self.model = loaded.model
         self.model_config = cfg = loaded.config

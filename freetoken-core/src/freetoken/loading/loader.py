@@ -54,7 +54,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {dtype!r}") from None
 
 
-def load(path: str, device: Any = "cpu", dtype: str = "auto", kv_bytes: int = 0, show_progress: Optional[bool] = None) -> LoadedModel:
+def load(path: str, device: Any = "cpu", dtype: str = "auto", kv_tokens: int = 0, show_progress: Optional[bool] = None) -> LoadedModel:
     """Load ``path`` (an HF directory or a ``.gguf`` file) onto ``device``."""
     device = torch.device(device)
     act = resolve_dtype(dtype, device)
@@ -62,15 +62,15 @@ def load(path: str, device: Any = "cpu", dtype: str = "auto", kv_bytes: int = 0,
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory (give an HF model directory or a .gguf file)")
     if os.path.isdir(path):
-        return _load_hf(path, device, act, kv_bytes, show_progress)
+        return _load_hf(path, device, act, kv_tokens, show_progress)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
-        return _load_gguf(path, device, act, kv_bytes, show_progress)
+        return _load_gguf(path, device, act, kv_tokens, show_progress)
     raise CheckpointError(f"{path}: not an HF model directory and not a GGUF file (magic {magic!r})")
 
 
-def _load_hf(path: str, device: torch.device, act: torch.dtype, kv_bytes: int, show: Optional[bool]) -> LoadedModel:
+def _load_hf(path: str, device: torch.device, act: torch.dtype, kv_tokens: int, show: Optional[bool]) -> LoadedModel:
     ck = HFCheckpoint(path)
     arch = hf_architecture(ck.config)
     fam = family_for_hf(arch, os.path.join(path, "config.json"))
@@ -79,6 +79,7 @@ def _load_hf(path: str, device: torch.device, act: torch.dtype, kv_bytes: int, s
     total = ck.total_bytes()
     # Per-expert HF tensors are stacked into one buffer per layer: one copy of them.
     expert_bytes = int(total * _expert_fraction(cfg))
+    kv_bytes = kv_tokens * cfg.kv_bytes_per_token(torch.empty((), dtype=act).element_size())
     check_fits(path, weights=total, copies=expert_bytes, kv=kv_bytes)
     t0 = time.time()
     show = total > (1 << 30) if show is None else show
@@ -106,7 +107,7 @@ def _expert_fraction(cfg: ModelConfig) -> float:
     return e / max(1, e + attn + emb)
 
 
-def _load_gguf(path: str, device: torch.device, act: torch.dtype, kv_bytes: int, show: Optional[bool]) -> LoadedModel:
+def _load_gguf(path: str, device: torch.device, act: torch.dtype, kv_tokens: int, show: Optional[bool]) -> LoadedModel:
     from freetoken.loading.gguf import GGUFCheckpoint
 
     ck = GGUFCheckpoint(path)
@@ -117,7 +118,8 @@ def _load_gguf(path: str, device: torch.device, act: torch.dtype, kv_bytes: int,
         cfg.vocab_size = int(ck.get(mod.GGUF_NAMES.embed).shape[0])
     total = ck.total_bytes()
     copies = 0 if device.type == "cpu" else total
-    check_fits(path, weights=total if device.type == "cpu" else 0, copies=copies, kv=kv_bytes)
+    kv_bytes = kv_tokens * cfg.kv_bytes_per_token(torch.empty((), dtype=act).element_size())
+    check_fits(path, weights=total if device.type == "cpu" else 0, copies=copies, kv=kv_bytes if device.type == "cpu" else 0)
     t0 = time.time()
     show = total > (1 << 30) if show is None else show
     bar, prog = _progress(cfg.num_layers, "loading", show)
