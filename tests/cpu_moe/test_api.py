@@ -188,3 +188,20 @@ def test_private_pools(bank_for, rng, threads: int) -> None:
     with pytest.raises(RuntimeError, match="closed"):
         cm.moe_forward(case.bank, x, ids, w, pool=pool)
     assert cm.Pool().num_threads == len(cm.physical_core_cpus())
+
+
+@pytest.mark.parametrize("isa", cm.isa_tiers())
+@pytest.mark.parametrize(
+    "fmt,rows,cols",
+    [("f32", 5, 37), ("f16", 3, 45), ("bf16", 7, 83), ("fp8_e4m3_b128", 130, 200), ("q8_0", 9, 224), ("q8_0", 3, 32)],
+)
+def test_linear_tails(fmt: str, rows: int, cols: int, isa: str, rng) -> None:
+    """Shapes that end in partial vectors / an odd number of blocks (the SIMD tails)."""
+    r = make_weights(fmt, 1, rows, cols, rng, 0.05)
+    wts = cm.Weights(r.data, fmt, 1, rows, cols, scale=r.scale)
+    for T in (1, 2, 3, 4, 5):
+        x = rng.standard_normal((T, cols)).astype(np.float32)
+        out = np.full((T, rows), np.nan, np.float32)
+        cm.linear(wts, x, out=out, isa=isa)
+        tight = quantize_act(x.astype(np.float64), ACT_QUANT_BLOCK.get(fmt)) @ r.dense[0].T
+        assert rel_err(out, tight) < (1e-3 if fmt in ACT_QUANT_BLOCK else 1e-5)  # see test_moe_matrix
