@@ -90,8 +90,11 @@ class MoELayer:
         self.bank: Any = None
         self._router_w: Any = None
         self._experts_fn: Optional[ExpertsFn] = None
+        # The routed experts stay in host memory in their checkpoint format on every
+        # backend: the CPU workers read them through this bank (its ``address`` is what
+        # a GPU backend's hand-off tasks point at).
+        self._build_cpu_bank()
         if self.device.type == "cpu":
-            self._build_cpu_bank()
             self._experts_fn = self._run_cpu_synchronous
 
     def _build_cpu_bank(self) -> None:
@@ -102,11 +105,12 @@ class MoELayer:
         down = cm_weights(e.down, e.num_experts, e.hidden, e.intermediate)
         self.bank = cm.ExpertBank(gate, up, down, activation=self.activation)
         self._moe_forward = cm.moe_forward
-        # the router is a small dense projection: run it on the same worker pool
-        self.router = self.router.float().contiguous()
-        self._router_w = cm.Weights(self.router, "f32", 1, int(self.router.shape[0]), int(self.router.shape[1]))
-        self._router_linear = cm.linear
         self._pool = cm.default_pool()
+        if self.device.type == "cpu":
+            # the router is a small dense projection: run it on the same worker pool
+            self.router = self.router.float().contiguous()
+            self._router_w = cm.Weights(self.router, "f32", 1, int(self.router.shape[0]), int(self.router.shape[1]))
+            self._router_linear = cm.linear
 
     def set_experts(self, fn: ExpertsFn) -> None:
         """Install the routed-experts implementation of a (GPU) backend."""
