@@ -71,6 +71,26 @@ class TorchLinear:
         return F.linear(x, self.weight)
 
 
+class DualLinear:
+    """An FP32 projection on the CPU backend: few rows (decode) through the CPU
+    kernels' worker pool, many rows (prefill) through torch's GEMM; both read the same
+    memory-mapped weight, no copy."""
+
+    packed = True
+
+    def __init__(self, raw: RawTensor, max_kernel_rows: int = 16) -> None:
+        self.torch = TorchLinear(raw.to_float(torch.float32))
+        self.packed_lin = PackedLinear(raw)
+        self.out_features, self.in_features = self.torch.out_features, self.torch.in_features
+        self.nbytes = self.torch.nbytes
+        self.max_kernel_rows = max_kernel_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.max_kernel_rows:
+            return self.packed_lin(x)
+        return self.torch(x)
+
+
 class PackedLinear:
     """A projection kept in its checkpoint format, run by the CPU kernels."""
 
@@ -163,7 +183,7 @@ class WeightPolicy:
         fmt = int(raw.fmt)
         if self.on_cpu:
             if fmt == Fmt.F32 and self.dtype == torch.float32:
-                return TorchLinear(raw.to_float(torch.float32))
+                return DualLinear(raw)
             if fmt in _FMT_NAMES:
                 return PackedLinear(raw)
         return TorchLinear(raw.to_float(self.dtype).to(self.device))
