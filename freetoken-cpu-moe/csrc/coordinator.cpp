@@ -132,6 +132,7 @@ void Coordinator::loop_main() {
     uint64_t have = ~(uint64_t)0;
     auto last_work = Clock::now();
     double backoff_us = 20.0;
+    uint32_t idle_sweeps = 0;
     while (!stop_.load(std::memory_order_relaxed)) {
         const uint64_t v = version_.load();
         if (v != have) {
@@ -169,6 +170,7 @@ void Coordinator::loop_main() {
         }
         if (std::chrono::duration<double, std::micro>(now - last_work).count() < spin_us_) {
             for (int i = 0; i < 16; ++i) FT_PAUSE();
+            if ((++idle_sweeps & 7) == 0) std::this_thread::yield();  // share the CPU if oversubscribed
             continue;
         }
         // idle: sleep, growing the interval up to 1 ms (an idle server burns no core)

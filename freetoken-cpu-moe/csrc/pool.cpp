@@ -52,8 +52,10 @@ void Pool::worker_main(int tid) {
         uint32_t n = 0;
         while (gen_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_relaxed)) {
             FT_PAUSE();
-            if ((++n & 255) == 0 &&
-                std::chrono::duration<double, std::micro>(Clock::now() - t0).count() > spin_us_) {
+            if ((++n & 63) != 0) continue;
+            // let another thread on this CPU (the caller, on an oversubscribed machine) run
+            std::this_thread::yield();
+            if (std::chrono::duration<double, std::micro>(Clock::now() - t0).count() > spin_us_) {
                 std::unique_lock<std::mutex> lk(mu_);
                 sleepers_.fetch_add(1);
                 cv_.wait(lk, [&] { return gen_.load() != seen || stop_.load(); });
@@ -97,7 +99,7 @@ void Pool::run(const std::function<void(int)>& fn) {
     uint32_t n = 0;
     while (pending_.load(std::memory_order_acquire) != 0) {
         FT_PAUSE();
-        if ((++n & 255) == 0) std::this_thread::yield();
+        if ((++n & 63) == 0) std::this_thread::yield();
     }
     job_ = nullptr;
     if (mine) std::rethrow_exception(mine);
