@@ -1,5 +1,8 @@
 #include "coordinator.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
@@ -128,6 +131,13 @@ void Coordinator::stop() {
 }
 
 void Coordinator::loop_main() {
+    // the polling thread is the pool's worker 0: pin it to the CPU the pool leaves free
+    if (!pool_->cpus().empty()) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(pool_->cpus()[0], &set);
+        pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort
+    }
     std::vector<uint64_t> local;
     uint64_t have = ~(uint64_t)0;
     auto last_work = Clock::now();

@@ -24,6 +24,9 @@ public:
     Pool& operator=(const Pool&) = delete;
 
     int num_threads() const { return nthreads_; }
+    // CPUs the workers are pinned to (cpus()[t] for worker t >= 1); empty = unpinned.
+    // cpus()[0] is left for the calling thread (the coordinator pins itself there).
+    const std::vector<int>& cpus() const { return cpus_; }
     // Run fn(tid) on every worker (tid 0 = the caller) and wait for all.
     // Callers are serialised; the first exception thrown by any worker is rethrown.
     void run(const std::function<void(int)>& fn);
