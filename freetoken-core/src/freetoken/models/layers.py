@@ -12,6 +12,7 @@ dequantized onto the device.
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any, Optional
 
@@ -148,20 +149,36 @@ class FusedLinears:
 
 
 class Embedding:
-    """Token embedding lookup: a float table, or packed rows dequantized on demand."""
+    """Token embedding lookup: a float table, or packed rows dequantized on demand
+    (a packed table stays packed; recently used rows are kept in a small cache, since
+    dequantizing a row through gguf-py costs a few hundred microseconds)."""
 
-    def __init__(self, raw: RawTensor, device: torch.device, dtype: torch.dtype, keep_packed: bool) -> None:
+    def __init__(self, raw: RawTensor, device: torch.device, dtype: torch.dtype, keep_packed: bool,
+                 cache_rows: int = 8192) -> None:
         self.raw = raw
         self.dtype = dtype
         self.device = device
         self.table: Optional[torch.Tensor] = None
+        self.cache: "collections.OrderedDict[int, torch.Tensor]" = collections.OrderedDict()
+        self.cache_rows = cache_rows
         if not (keep_packed and is_packed(raw.fmt)):
             self.table = raw.to_float(dtype).to(device)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return self.table[ids]
-        return self.raw.rows_to_float(ids, self.dtype).to(self.device)
+        keys = ids.tolist()
+        missing = sorted({t for t in keys if t not in self.cache})
+        if missing:
+            rows = self.raw.rows_to_float(torch.tensor(missing, dtype=torch.int64), self.dtype).to(self.device)
+            for t, row in zip(missing, rows):
+                self.cache[t] = row
+        out = torch.stack([self.cache[t] for t in keys])
+        for t in keys:
+            self.cache.move_to_end(t)
+        while len(self.cache) > self.cache_rows:
+            self.cache.popitem(last=False)
+        return out
 
 
 class WeightPolicy:
@@ -201,6 +218,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``[T, heads, head_dim]`` with a per-head weight
+    ``[heads, head_dim]`` (q and k heads normalised in one go)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
 class Rotary:
     """NeoX-style rotary embeddings (rotate-half), cos/sin tables cached per position."""
 
@@ -209,18 +236,17 @@ class Rotary:
         pos = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
         self.half = head_dim // 2
+        sign = torch.cat((-torch.ones(self.half), torch.ones(self.half)))
+        self.cos = emb.cos().to(device)
+        # sin with the rotate-half sign folded in: rotate_half(x) * sin == roll(x) * sin_signed
+        self.sin_signed = (emb.sin() * sign).to(device)
         self.max_positions = max_positions
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for ``positions`` shaped ``[T, 1, head_dim]`` (broadcast over heads)."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """cos and signed sin for ``positions``, shaped ``[T, 1, head_dim]`` (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` is ``[T, heads, head_dim]``."""
-        x1 = x[..., : self.half]
-        x2 = x[..., self.half :]
-        rot = torch.cat((-x2, x1), dim=-1)
-        return x * cos + rot * sin
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """``x * cos + rotate_half(x) * sin`` for ``x`` of shape ``[T, heads, head_dim]``."""
+        return torch.addcmul(x * cos, x.roll(self.half, dims=-1), sin_signed)

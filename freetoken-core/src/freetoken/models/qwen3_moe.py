@@ -17,7 +17,7 @@ from freetoken.loading.hf import CheckpointError
 from freetoken.loading.tensors import RawTensor, TensorSource
 from freetoken.models.attention import AttentionMetadata, paged_attention, write_kv
 from freetoken.models.config import ModelConfig
-from freetoken.models.layers import FusedLinears, Rotary, WeightPolicy, rms_norm
+from freetoken.models.layers import FusedLinears, Rotary, WeightPolicy, rms_norm, rms_norm_heads
 from freetoken.moe.layer import ExpertWeights, MoELayer, stack_experts
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, An
         raise CheckpointError("Qwen3-MoE checkpoints with attention_bias=true are not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"Qwen3-MoE with hidden_act={cfg.get('hidden_act')!r} is not supported (silu only)")
+    if cfg.get("use_sliding_window"):
+        raise CheckpointError("Qwen3-MoE with use_sliding_window=true is not supported (full attention only)")
     qc = cfg.get("quantization_config")
     if qc:
         method = qc.get("quant_method")
@@ -185,7 +187,7 @@ GGUF_NAMES = Names(
 
 
 class _Layer:
-    __slots__ = ("in_norm", "post_norm", "qkv", "o", "q_norm", "k_norm", "moe", "mlp")
+    __slots__ = ("in_norm", "post_norm", "qkv", "o", "q_norm", "k_norm", "qk_norm", "moe", "mlp")
 
 
 class Qwen3MoeModel:
@@ -218,6 +220,11 @@ class Qwen3MoeModel:
             L.o = policy.linear(n("o"))
             L.q_norm = policy.tensor(n("q_norm"))
             L.k_norm = policy.tensor(n("k_norm"))
+            # q and k come out of one call: normalise and rotate them as one [T, Hq+Hkv, D] view
+            L.qk_norm = None
+            if len(L.qkv.groups[0][1]) >= 2:
+                L.qk_norm = torch.cat([L.q_norm.expand(c.num_heads, c.head_dim),
+                                       L.k_norm.expand(c.num_kv_heads, c.head_dim)]).contiguous()
             L.moe = None
             L.mlp = None
             if c.is_moe_layer(i):
@@ -262,14 +269,21 @@ class Qwen3MoeModel:
         cos, sin = self.rotary.tables(positions, h.dtype)
         rope = self.rotary.apply
         slots = meta.slot_mapping
+        Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         for L, (kc, vc) in zip(self.layers, kv_caches):
             x = rms_norm(h, L.in_norm, eps)
-            q, k, v = L.qkv(x)
-            q = rms_norm(q.reshape(T, c.num_heads, c.head_dim), L.q_norm, eps)
-            k = rms_norm(k.reshape(T, c.num_kv_heads, c.head_dim), L.k_norm, eps)
-            v = v.reshape(T, c.num_kv_heads, c.head_dim)
-            q = rope(q, cos, sin)
-            k = rope(k, cos, sin)
+            if L.qk_norm is not None:
+                outs = [lin(x) for lin, _ in L.qkv.groups]
+                first = outs[0]
+                qk = first[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D)
+                v = (first[:, (Hq + Hkv) * D :] if len(outs) == 1 else outs[1]).reshape(T, Hkv, D)
+                qk = rope(rms_norm_heads(qk, L.qk_norm, eps), cos, sin)
+                q, k = qk[:, :Hq], qk[:, Hq:]
+            else:
+                q, k, v = L.qkv(x)
+                q = rope(rms_norm(q.reshape(T, Hq, D), L.q_norm, eps), cos, sin)
+                k = rope(rms_norm(k.reshape(T, Hkv, D), L.k_norm, eps), cos, sin)
+                v = v.reshape(T, Hkv, D)
             write_kv(kc, vc, k, v, slots)
             h = h + L.o(paged_attention(q, kc, vc, meta, self.scale))
             x = rms_norm(h, L.post_norm, eps)

@@ -122,10 +122,12 @@ class MoELayer:
             logits = self._router_linear(self._router_w, x, torch.float32, self._pool)
         else:
             logits = torch.nn.functional.linear(x, self.router)
+        if self.norm_topk_prob:
+            # softmax over all experts then renormalised over the top-k == softmax of the top-k logits
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return ids.to(torch.int32), torch.softmax(top, dim=-1, dtype=torch.float32)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         w, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            w = w / w.sum(dim=-1, keepdim=True)
         return ids.to(torch.int32), w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
