@@ -44,7 +44,7 @@ static void prepare_q8_32(const float* x, uint32_t n, void* out) {
 }
 
 static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
-    static const int kOrder45[8] = {0, 2, 1, 3, 4, 6, 5, 7};  // sub-block held by each 32-byte slot
+    static const int kOrder45[8] = {0, 2, 1, 3, 4, 6, 5, 7};  // sub-block in each 32-byte slot of qs45
     for (uint32_t b = 0; b < n / 256; ++b) {
         BlockQ8xK& o = out[b];
         for (int s = 0; s < 8; ++s) {
@@ -64,11 +64,8 @@ static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
             o.xs32[s] = o.d[s] * (float)((int)o.bsums[2 * s] + (int)o.bsums[2 * s + 1]);
             std::memcpy(o.qs45 + 32 * s, o.qs + 32 * kOrder45[s], 32);
         }
-        for (int r = 0; r < 4; ++r)
-            for (int l = 0; l < 16; ++l) {
-                o.dxl45[16 * r + l] = o.d[kOrder45[2 * r + l / 8]];
-                o.dxl6[16 * r + l] = o.d[2 * r + l / 8];
-            }
+        for (int g = 0; g < 16; ++g) o.dx16[g] = o.d[g / 2];
+        for (int i = 0; i < 8; ++i) o.pad[i] = 0.0f;
     }
 }
 

@@ -76,12 +76,12 @@ struct BlockQ8xK {
     int16_t bsums[16];    // sums of qs over each group of 16
     int8_t qs[256];       // natural order (also the Q6_K register order)
     int8_t qs45[256];     // Q4_K/Q5_K nibble order: 0-31, 64-95, 32-63, 96-127, then +128
-    float dxl45[64];      // per-lane scale of each of the 4 Q4_K/Q5_K registers (16 lanes each)
-    float dxl6[64];       // per-lane scale of each of the 4 Q6_K registers
+    float dx16[16];       // d[g / 2]: the scale of each group of 16
     float xs32[8];        // d[s] * (sum of qs over sub-block s of 32)
     float xs16[16];       // d[g / 2] * bsums[g]
+    float pad[8];
 };
-static_assert(sizeof(BlockQ8xK) == 1184, "BlockQ8xK layout");
+static_assert(sizeof(BlockQ8xK) == 768, "BlockQ8xK layout");
 
 static inline ActKind act_kind_for(uint32_t fmt) {
     switch (fmt) {

@@ -1,8 +1,9 @@
 // AVX-512 VNNI kernels for the K-quants. Per 256-element block the weights are
 // unpacked once into four registers of 64 unsigned codes (Q4_K/Q5_K: the nibble
 // order of the file, 0-31|64-95, 32-63|96-127, ...; Q6_K: natural order), their
-// scales expanded once into per-lane float vectors, then every token's int8 block
-// (laid out in the same order by prepare_q8_k) is multiplied with vpdpbusd.
+// scales converted once to float, then every token's int8 block (laid out in the
+// same order by prepare_q8_k) is multiplied with vpdpbusd and its integer sums scaled
+// per lane by (weight scale x activation scale), spread over the lanes by vpermps.
 // Mins (Q4_K/Q5_K) and the -32 offset (Q6_K) use the precomputed activation sums.
 #pragma once
 
@@ -49,13 +50,13 @@ static inline void kq_row_avx512(const uint8_t* row, uint32_t nb, const BlockQ8x
     for (uint32_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + (size_t)b * BB;
         __m512i wq[4];
-        __m512 wsc[4];
+        __m512 wsc;  // weight scales: Q4_K/Q5_K d*sc[8] (lanes 0-7), Q6_K d*sc[16]
         __m512 corr;  // per-lane weight of the activation sums (mins / -32 offset)
         if (FMT == FT_FMT_Q6_K) {
             const float d = _cvtsh_ss(*(const uint16_t*)(blk + 208));
             const __m512 G = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 192)))),
                                            _mm512_set1_ps(d));
-            for (int r = 0; r < 4; ++r) wsc[r] = _mm512_permutexvar_ps(ix.q6[r], G);
+            wsc = G;
             corr = _mm512_mul_ps(G, _mm512_set1_ps(-32.0f));
             const __m512i m3 = _mm512_set1_epi8(0x03);
             for (int n = 0; n < 2; ++n) {
@@ -69,8 +70,7 @@ static inline void kq_row_avx512(const uint8_t* row, uint32_t nb, const BlockQ8x
         } else {
             __m256 S, M;
             kq_scales_q45(blk, &S, &M);
-            const __m512 S5 = _mm512_castps256_ps512(S);
-            for (int r = 0; r < 4; ++r) wsc[r] = _mm512_permutexvar_ps(ix.q45[r], S5);
+            wsc = _mm512_castps256_ps512(S);
             corr = _mm512_castps256_ps512(_mm256_sub_ps(_mm256_setzero_ps(), M));
             const uint8_t* qs = blk + (FMT == FT_FMT_Q4_K ? 16 : 48);
             const __m512i q0 = _mm512_loadu_si512(qs), q1 = _mm512_loadu_si512(qs + 64);
@@ -93,10 +93,13 @@ static inline void kq_row_avx512(const uint8_t* row, uint32_t nb, const BlockQ8x
         for (int j = 0; j < NT; ++j) {
             const BlockQ8xK& xb = x[j][b];
             const int8_t* xq = FMT == FT_FMT_Q6_K ? xb.qs : xb.qs45;
-            const float* dl = FMT == FT_FMT_Q6_K ? xb.dxl6 : xb.dxl45;
+            // token x weight scale per sub-block (Q4/Q5) or group of 16 (Q6), then spread over lanes
+            const __m512 P = FMT == FT_FMT_Q6_K
+                                 ? _mm512_mul_ps(wsc, _mm512_loadu_ps(xb.dx16))
+                                 : _mm512_castps256_ps512(_mm256_mul_ps(_mm512_castps512_ps256(wsc), _mm256_loadu_ps(xb.d)));
             for (int r = 0; r < 4; ++r) {
                 const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[r], _mm512_loadu_si512(xq + 64 * r));
-                const __m512 coef = _mm512_mul_ps(wsc[r], _mm512_loadu_ps(dl + 16 * r));
+                const __m512 coef = _mm512_permutexvar_ps(FMT == FT_FMT_Q6_K ? ix.q6[r] : ix.q45[r], P);
                 acc[j][r % U] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), coef, acc[j][r % U]);
             }
             if (FMT == FT_FMT_Q6_K)
