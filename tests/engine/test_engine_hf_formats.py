@@ -122,19 +122,23 @@ def test_fused_expert_layout(tmp_path):
 
 def test_bfloat16_activations(tmp_path):
     """dtype="bfloat16" runs the whole step in BF16 (KV cache too). BF16 keeps 8
-    mantissa bits (~4e-3 relative per rounding), so most positions stay within a few
-    percent of the FP32 logits; a position whose router sees two experts within that
-    noise may pick another expert and move further, so the check is on the median
-    position and on the argmax agreement, not on every position."""
+    mantissa bits (~4e-3 relative per rounding); through 3 layers the logits stay
+    within ~1-3% of the FP32 reference. The routers are scaled up so that top-k
+    choices are rarely within BF16 noise of each other; single positions can still
+    deviate more (a near-tie in routing or attention), so the bound is on the median
+    position, which a real BF16 bug (a wrong cast, a dropped scale) moves by far more."""
     seed = random.randrange(1 << 30)
-    model = make_hf(str(tmp_path / "m"), seed)
+    model = make_hf(str(tmp_path / "ref"), seed)
+    with torch.no_grad():
+        for L in model.model.layers:
+            L.mlp.gate.weight.mul_(20.0)
+    model.save_pretrained(str(tmp_path / "m"))
     eng = engine_for(str(tmp_path / "m"), dtype="bfloat16")
     rng = random.Random(seed)
     ids = [rng.randrange(160) for _ in range(20)]
     got, ref = eng.prompt_logits(ids), hf_logits(model, ids)
-    scale = float(ref.abs().max())
-    row_err = (got - ref).abs().amax(-1) / scale
-    assert float(row_err.median()) < 0.06, row_err.tolist()  # typically ~0.01; up to ~0.04 after an early flip
+    row_err = (got - ref).abs().amax(-1) / float(ref.abs().max())
+    assert float(row_err.median()) < 0.03, f"seed {seed}: {row_err.tolist()}"
     assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.75
     _ = eng.add_request(ids[:5], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     while eng.has_work():
