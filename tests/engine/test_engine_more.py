@@ -8,7 +8,6 @@ import json
 import os
 import random
 
-import pytest
 import torch
 
 from freetoken import SamplingParams

@@ -17,7 +17,7 @@ import os
 import platform
 import random
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
