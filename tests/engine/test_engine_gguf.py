@@ -17,11 +17,11 @@ from helpers import engine_for, hf_logits, tiny_config
 
 H, HEADS, KVH, HD, I, E, K, V, LAYERS = 256, 4, 2, 64, 256, 4, 2, 300, 2
 
-# Per layer: the format of each matrix (all K-quants, Q8_0, F16 covered).
+# Per layer: the format of each matrix (all K-quants, Q8_0, F16, BF16 covered).
 MIX = [
     {"attn_q": Fmt.Q8_0, "attn_k": Fmt.F16, "attn_v": Fmt.Q6_K, "attn_output": Fmt.Q4_K,
      "ffn_gate_exps": Fmt.Q4_K, "ffn_up_exps": Fmt.Q5_K, "ffn_down_exps": Fmt.Q6_K},
-    {"attn_q": Fmt.Q4_K, "attn_k": Fmt.Q5_K, "attn_v": Fmt.Q8_0, "attn_output": Fmt.Q6_K,
+    {"attn_q": Fmt.Q4_K, "attn_k": Fmt.BF16, "attn_v": Fmt.Q8_0, "attn_output": Fmt.Q6_K,
      "ffn_gate_exps": Fmt.F16, "ffn_up_exps": Fmt.Q6_K, "ffn_down_exps": Fmt.Q8_0},
 ]
 OUTPUT_FMT = Fmt.Q6_K
@@ -33,6 +33,11 @@ def _packed(fmt, shape, rng):
     rows = int(np.prod(shape[:-1]))
     if fmt == Fmt.F16:
         return (rng.standard_normal(shape) * 0.05).astype(np.float16)
+    if fmt == Fmt.BF16:
+        import gguf
+        from gguf.quants import quantize
+
+        return quantize((rng.standard_normal(shape) * 0.05).astype(np.float32), gguf.GGMLQuantizationType.BF16)
     return random_blocks(fmt, rows, shape[-1], rng).reshape(*shape[:-1], -1)
 
 

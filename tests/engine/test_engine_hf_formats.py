@@ -1,4 +1,4 @@
-"""HF checkpoints stored in BF16 and in FP8 (128x128 block scales): the CPU kernels
+"""HF checkpoints stored in BF16, FP16 and FP8 (128x128 block scales): the CPU kernels
 read them as stored; the reference is HF's FP32 model on the same values decoded."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 import os
 import random
 
+import pytest
 import torch
 
 from freetoken import SamplingParams
@@ -27,15 +28,16 @@ def _gen_check(eng, model, prompt):
     torch.testing.assert_close(torch.stack(eng.captured[r.request_id]), ref, **TOL)
 
 
-def test_bf16_checkpoint(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoint(tmp_path, dtype):
     seed = random.randrange(1 << 30)
     model = make_hf(str(tmp_path / "f32"), seed)
-    with torch.no_grad():  # the same bf16 values, computed in FP32 (rope tables stay FP32)
+    with torch.no_grad():  # the same half-precision values, computed in FP32 (rope tables stay FP32)
         for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
+            p.copy_(p.to(dtype).float())
+    copy.deepcopy(model).to(dtype).save_pretrained(str(tmp_path / "half"))
     ref = model
-    eng = engine_for(str(tmp_path / "bf16"))
+    eng = engine_for(str(tmp_path / "half"))
     rng = random.Random(seed)
     ids = [rng.randrange(160) for _ in range(21)]
     torch.testing.assert_close(eng.prompt_logits(ids), hf_logits(ref, ids), **TOL)
