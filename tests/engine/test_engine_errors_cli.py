@@ -140,3 +140,14 @@ def test_kv_budget_beyond_ram_fails_with_numbers(hf_dir):
 
     with pytest.raises(InsufficientMemory, match=r"KV cache [0-9.]+ GiB"):
         engine_for(hf_dir[1], kv_cache_tokens=10**10)
+
+
+def test_truncated_gguf_names_the_file(tmp_path):
+    from test_engine_gguf import write_tiny_gguf
+
+    full = tmp_path / "full.gguf"
+    write_tiny_gguf(str(full), 2)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"cut\.gguf.*truncated"):
+        engine_for(str(cut))

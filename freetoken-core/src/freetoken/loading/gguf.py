@@ -36,7 +36,10 @@ class GGUFCheckpoint:
         try:
             self.reader = GGUFReader(path, "r")
         except Exception as exc:  # gguf-py raises ValueError/struct errors on bad files
-            raise CheckpointError(f"{path}: not a readable GGUF file: {exc}") from exc
+            size = os.path.getsize(path)
+            raise CheckpointError(
+                f"{path}: not a readable GGUF file ({size} bytes; truncated or corrupt download?): {exc}"
+            ) from exc
         self.path = path
         self.metadata: dict[str, Any] = {}
         for key, field in self.reader.fields.items():
