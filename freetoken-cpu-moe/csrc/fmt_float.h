@@ -42,8 +42,8 @@ static inline __m512 load16_fp8_div256(const uint8_t* p) {
 // U independent accumulators per token hide the FMA latency when few tokens share a row.
 #define FT_FLOAT_KERNEL(NAME, LOAD, ESZ)                                                          \
     template <int NT>                                                                             \
-    static inline void NAME##_tile(const uint8_t* row, const float* const* x, uint32_t c0,        \
-                                   uint32_t n, float* res) {                                      \
+    static inline void NAME##_vtile(const uint8_t* row, const float* const* x, uint32_t c0,       \
+                                    uint32_t n, __m512* vres) {                                   \
         constexpr int U = NT == 1 ? 4 : (NT == 2 ? 2 : 1);                                        \
         __m512 acc[NT][U];                                                                        \
         for (int j = 0; j < NT; ++j)                                                              \
@@ -66,8 +66,15 @@ static inline __m512 load16_fp8_div256(const uint8_t* p) {
         }                                                                                         \
         for (int j = 0; j < NT; ++j) {                                                            \
             for (int u = 1; u < U; ++u) acc[j][0] = _mm512_add_ps(acc[j][0], acc[j][u]);          \
-            res[j] = _mm512_reduce_add_ps(acc[j][0]);                                             \
+            vres[j] = acc[j][0];                                                                  \
         }                                                                                         \
+    }                                                                                             \
+    template <int NT>                                                                             \
+    static inline void NAME##_tile(const uint8_t* row, const float* const* x, uint32_t c0,        \
+                                   uint32_t n, float* res) {                                      \
+        __m512 v[NT];                                                                             \
+        NAME##_vtile<NT>(row, x, c0, n, v);                                                       \
+        for (int j = 0; j < NT; ++j) res[j] = _mm512_reduce_add_ps(v[j]);                         \
     }
 static inline __m512 load16_f32_tail(const uint8_t* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline __m512 load16_f16_tail(const uint8_t* p, __mmask16 m) {
@@ -138,12 +145,28 @@ FT_FLOAT_KERNEL(k_fp8, LoadFP8, 0x1p-8f)
 #endif
 
 // Rows [r0, r1) of a float-format weight against NT tokens at a time.
+#if defined(FT_HAVE_AVX512)
+#define FT_VTILE_PARAM , void (*VTILE1)(const uint8_t*, const float* const*, uint32_t, uint32_t, __m512*)
+#else
+#define FT_VTILE_PARAM
+#endif
 template <void (*TILE1)(const uint8_t*, const float* const*, uint32_t, uint32_t, float*),
           void (*TILE2)(const uint8_t*, const float* const*, uint32_t, uint32_t, float*),
-          void (*TILE4)(const uint8_t*, const float* const*, uint32_t, uint32_t, float*)>
+          void (*TILE4)(const uint8_t*, const float* const*, uint32_t, uint32_t, float*) FT_VTILE_PARAM>
 static void dot_rows_float(const uint8_t* base, size_t row_stride, uint32_t cols, uint32_t r0, uint32_t r1,
                            const void* const* xs, uint32_t ntok, float* out, size_t os) {
     const float* const* x = (const float* const*)xs;
+#if defined(FT_HAVE_AVX512)
+    if (ntok == 1) {  // rows in groups of 16, summed together
+        __m512 v[16];
+        for (uint32_t g = r0; g < r1; g += 16) {
+            const uint32_t n = r1 - g < 16 ? r1 - g : 16;
+            for (uint32_t i = 0; i < n; ++i) VTILE1(base + (size_t)(g + i) * row_stride, x, 0, cols, &v[i]);
+            hsum16_avx512(v, (int)n, out + (g - r0));
+        }
+        return;
+    }
+#endif
     for (uint32_t r = r0; r < r1; ++r) {
         const uint8_t* row = base + (size_t)r * row_stride;
         uint32_t j = 0;

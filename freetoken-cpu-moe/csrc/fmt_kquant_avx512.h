@@ -36,9 +36,10 @@ static inline void kq_scales_q45(const uint8_t* blk, __m256* S, __m256* M) {
     *M = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), _mm256_set1_ps(dmin));
 }
 
+// One row against NT tokens; vres[j] holds token j's dot product spread over 16 lanes.
 template <int FMT, int NT>
 static inline void kq_row_avx512(const uint8_t* row, uint32_t nb, const BlockQ8xK* const* x, const KqLaneIdx& ix,
-                                 float* res) {
+                                 __m512* vres) {
     constexpr size_t BB = FMT == FT_FMT_Q4_K ? Q4_K_BYTES : (FMT == FT_FMT_Q5_K ? Q5_K_BYTES : Q6_K_BYTES);
     constexpr int U = NT == 1 ? 4 : (NT == 2 ? 2 : 1);  // accumulators per token (FMA latency)
     __m512 acc[NT][U], cacc[NT];
@@ -110,7 +111,7 @@ static inline void kq_row_avx512(const uint8_t* row, uint32_t nb, const BlockQ8x
     }
     for (int j = 0; j < NT; ++j) {
         for (int u = 0; u < U; ++u) cacc[j] = _mm512_add_ps(cacc[j], acc[j][u]);
-        res[j] = _mm512_reduce_add_ps(cacc[j]);
+        vres[j] = cacc[j];
     }
 }
 
@@ -121,19 +122,30 @@ static void dot_rows_kquant_avx512(const ft_weight_desc& w, uint32_t e, uint32_t
     const uint8_t* base = (const uint8_t*)(uintptr_t)w.data + (size_t)e * w.expert_stride;
     const uint32_t nb = w.cols / QK_K;
     const BlockQ8xK* xv[4];
+    if (ntok == 1) {  // rows in groups of 16, summed together
+        xv[0] = (const BlockQ8xK*)xs[0];
+        __m512 v[16];
+        for (uint32_t g = r0; g < r1; g += 16) {
+            const uint32_t n = r1 - g < 16 ? r1 - g : 16;
+            for (uint32_t i = 0; i < n; ++i)
+                kq_row_avx512<FMT, 1>(base + (size_t)(g + i) * w.row_stride, nb, xv, ix, &v[i]);
+            hsum16_avx512(v, (int)n, out + (g - r0));
+        }
+        return;
+    }
     for (uint32_t j0 = 0; j0 < ntok; j0 += 4) {
         const uint32_t nt = ntok - j0 < 4 ? ntok - j0 : 4;
         for (uint32_t j = 0; j < nt; ++j) xv[j] = (const BlockQ8xK*)xs[j0 + j];
         for (uint32_t r = r0; r < r1; ++r) {
             const uint8_t* row = base + (size_t)r * w.row_stride;
-            float res[4];
+            __m512 v[4];
             switch (nt) {
-                case 4: kq_row_avx512<FMT, 4>(row, nb, xv, ix, res); break;
-                case 3: kq_row_avx512<FMT, 3>(row, nb, xv, ix, res); break;
-                case 2: kq_row_avx512<FMT, 2>(row, nb, xv, ix, res); break;
-                default: kq_row_avx512<FMT, 1>(row, nb, xv, ix, res); break;
+                case 4: kq_row_avx512<FMT, 4>(row, nb, xv, ix, v); break;
+                case 3: kq_row_avx512<FMT, 3>(row, nb, xv, ix, v); break;
+                case 2: kq_row_avx512<FMT, 2>(row, nb, xv, ix, v); break;
+                default: kq_row_avx512<FMT, 1>(row, nb, xv, ix, v); break;
             }
-            for (uint32_t j = 0; j < nt; ++j) out[(j0 + j) * os + (r - r0)] = res[j];
+            for (uint32_t j = 0; j < nt; ++j) out[(j0 + j) * os + (r - r0)] = _mm512_reduce_add_ps(v[j]);
         }
     }
 }

@@ -25,7 +25,7 @@ static inline float q8_0_row_portable(const uint8_t* row, const ActQ8x32View& x,
 // gathered once; per pair of blocks one 512-bit dpbusd on (w + 128) (unsigned)
 // against x, the 128 * sum(x) excess removed through dq = d * sum(qs).
 template <int NT>
-static inline void q8_0_row_avx512(const uint8_t* row, const ActQ8x32View* x, uint32_t nb, float* res) {
+static inline void q8_0_row_avx512(const uint8_t* row, const ActQ8x32View* x, uint32_t nb, __m512* vres) {
     constexpr int U = NT == 1 ? 2 : 1;  // accumulators per token (FMA latency)
     __m512 acc[NT][U], corr[NT];
     for (int j = 0; j < NT; ++j) {
@@ -64,7 +64,7 @@ static inline void q8_0_row_avx512(const uint8_t* row, const ActQ8x32View* x, ui
     }
     for (int j = 0; j < NT; ++j) {
         for (int u = 1; u < U; ++u) acc[j][0] = _mm512_add_ps(acc[j][0], acc[j][u]);
-        res[j] = _mm512_reduce_add_ps(_mm512_fmadd_ps(corr[j], _mm512_set1_ps(-128.0f), acc[j][0]));
+        vres[j] = _mm512_fmadd_ps(corr[j], _mm512_set1_ps(-128.0f), acc[j][0]);
     }
 }
 #endif
@@ -97,6 +97,18 @@ static void dot_rows_q8_0(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint
     const uint8_t* base = (const uint8_t*)(uintptr_t)w.data + (size_t)e * w.expert_stride;
     const uint32_t nb = w.cols / QK8_0;
     ActQ8x32View xv[4];
+#if defined(FT_HAVE_AVX512)
+    if (ntok == 1) {  // rows in groups of 16, summed together
+        xv[0] = q8x32_view(xs[0], w.cols);
+        __m512 v[16];
+        for (uint32_t g = r0; g < r1; g += 16) {
+            const uint32_t n = r1 - g < 16 ? r1 - g : 16;
+            for (uint32_t i = 0; i < n; ++i) q8_0_row_avx512<1>(base + (size_t)(g + i) * w.row_stride, xv, nb, &v[i]);
+            hsum16_avx512(v, (int)n, out + (g - r0));
+        }
+        return;
+    }
+#endif
     for (uint32_t j0 = 0; j0 < ntok; j0 += 4) {
         const uint32_t nt = ntok - j0 < 4 ? ntok - j0 : 4;
         for (uint32_t j = 0; j < nt; ++j) xv[j] = q8x32_view(xs[j0 + j], w.cols);
@@ -104,12 +116,14 @@ static void dot_rows_q8_0(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint
             const uint8_t* row = base + (size_t)r * w.row_stride;
             float res[4];
 #if defined(FT_HAVE_AVX512)
+            __m512 v[4];
             switch (nt) {
-                case 4: q8_0_row_avx512<4>(row, xv, nb, res); break;
-                case 3: q8_0_row_avx512<3>(row, xv, nb, res); break;
-                case 2: q8_0_row_avx512<2>(row, xv, nb, res); break;
-                default: q8_0_row_avx512<1>(row, xv, nb, res); break;
+                case 4: q8_0_row_avx512<4>(row, xv, nb, v); break;
+                case 3: q8_0_row_avx512<3>(row, xv, nb, v); break;
+                case 2: q8_0_row_avx512<2>(row, xv, nb, v); break;
+                default: q8_0_row_avx512<1>(row, xv, nb, v); break;
             }
+            for (uint32_t j = 0; j < nt; ++j) res[j] = _mm512_reduce_add_ps(v[j]);
 #elif defined(FT_HAVE_AVX2)
             switch (nt) {
                 case 4: q8_0_row_avx2<4>(row, xv, nb, res); break;

@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 
 from conftest import cm
-from reference import moe_reference, random_routes, rel_err, round_to
+from reference import moe_reference, random_routes, rel_err, rel_err_allowing, round_to
 
 TIERS = cm.isa_tiers()
 QUANTIZED = {"q8_0", "q4_k", "q5_k", "q6_k"}
-TIGHT = {f: (1e-3 if f in QUANTIZED else 1e-5) for f in cm.FORMATS}
+TIGHT = {f: (1e-4 if f in QUANTIZED else 1e-5) for f in cm.FORMATS}
 LOOSE = {f: (3e-2 if f in QUANTIZED else 1e-5) for f in cm.FORMATS}
 OUT_ROUNDING = {"float32": 0.0, "float16": 1e-3, "bfloat16": 4e-3}
 
@@ -72,10 +72,10 @@ def check_case(case, isa: str, dtype: str, T: int, K: int, rng: np.random.Genera
     unrouted = (ids < 0).all(axis=1)
     assert (y64[unrouted] == 0).all(), "a token with no CPU route must get y = 0"
     fmt = max(case.fmts, key=lambda f: TIGHT[f])
-    tight = moe_reference(*case.raw, x64, ids, w, act=case.activation)
+    tight, allowance = moe_reference(*case.raw, x64, ids, w, act=case.activation, with_allowance=True)
     loose = moe_reference(*case.raw, x64, ids, w, act=case.activation, quantized=False)
     extra = OUT_ROUNDING[dtype]
-    err_t, err_l = rel_err(y64, tight), rel_err(y64, loose)
+    err_t, err_l = rel_err_allowing(y64, tight, allowance), rel_err(y64, loose)
     info = f"{case.fmts} isa={isa} {dtype} T={T} K={K} bank seed={case.seed}: err {err_t:.2e} / {err_l:.2e}"
     assert err_t <= TIGHT[fmt] + extra, info
     assert err_l <= max(LOOSE[f] for f in case.fmts) + extra, info
