@@ -69,6 +69,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         default_name = "freetoken-demo" if config.model is None else loaded.name
         self.model_name = config.served_model_name or default_name
+        self._attach_moe_layers()
         elt = torch.empty((), dtype=act).element_size()
         per_tok = cfg.kv_bytes_per_token(elt)
         ctx = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -106,6 +107,22 @@ class LLMEngine:
             "engine ready: %s, max_model_len %d, KV cache %d tokens (%.2f GiB), backend %s",
             self.model_name, self.max_model_len, self.kv.total_tokens, self.kv.bytes / 2**30, self.backend.name,
         )
+
+    def _attach_moe_layers(self) -> None:
+        """Give a GPU backend each MoE layer so it can install its hybrid experts path
+        (``MoELayer.set_experts``). The CPU backend runs the experts synchronously and
+        needs nothing."""
+        if self.device.type == "cpu":
+            return
+        attach = getattr(self.backend, "attach_moe_layer", None)
+        layers = [L.moe for L in getattr(self.model, "layers", []) if getattr(L, "moe", None) is not None]
+        if attach is None:
+            raise RuntimeError(
+                f"backend {self.backend.name!r} runs the dense part on {self.device} but does not provide "
+                "attach_moe_layer(layer) to run the routed experts (the hybrid MoE layer); use --backend cpu"
+            )
+        for layer in layers:
+            attach(layer)
 
     # ------------------------------------------------------------- requests
 
