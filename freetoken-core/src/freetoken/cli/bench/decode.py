@@ -46,6 +46,21 @@ def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> tuple[float, s
     return best, "torch.sum over 1 GiB (best of 5)"
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy ticks of the whole machine, ticks of this process) from /proc: the
+    difference over a run shows how much CPU other processes took meanwhile."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        busy = sum(vals) - vals[3] - (vals[4] if len(vals) > 4 else 0)  # minus idle and iowait
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        mine = int(fields[11]) + int(fields[12])  # utime + stime of all threads
+        return busy, mine
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+
+
 class _RouteCounter:
     """Counts distinct experts routed per MoE layer and step (for the ceiling)."""
 
@@ -82,6 +97,7 @@ def run_batch(eng: Any, batch: int, prompt_len: int, tokens: int, vocab: int, se
 
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    busy0, mine0 = _cpu_ticks()
     reqs = [eng.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params) for _ in range(batch)]
     t0 = time.perf_counter()
     while any(not r.output_ids for r in reqs):
@@ -92,8 +108,12 @@ def run_batch(eng: Any, batch: int, prompt_len: int, tokens: int, vocab: int, se
         eng.step()
         steps += 1
     t2 = time.perf_counter()
+    busy1, mine1 = _cpu_ticks()
+    hz = os.sysconf("SC_CLK_TCK")
+    others = max(0, (busy1 - busy0) - (mine1 - mine0)) / hz / (t2 - t0) / (os.cpu_count() or 1)
     decoded = sum(len(r.output_ids) - 1 for r in reqs)
     return {
+        "other_processes_cpu": others,
         "prompt_tok_s": batch * prompt_len / (t1 - t0),
         "decode_tok_s": decoded / (t2 - t1),
         "decode_step_ms": 1000 * (t2 - t1) / max(1, steps),
@@ -153,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
                        for i in range(max(1, args.repeats))), key=lambda x: x["decode_tok_s"])
         r = runs[len(runs) // 2]
         r["decode_tok_s_runs"] = [round(x["decode_tok_s"], 2) for x in runs]
+        r["other_processes_cpu_runs"] = [round(x["other_processes_cpu"], 3) for x in runs]
         r["prompt_tok_s_runs"] = [round(x["prompt_tok_s"], 2) for x in runs]
         # decode steps only: prefill routes many tokens at once; count from a decode-only run
         counter.reset()
@@ -180,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"(bandwidth again after the runs: {bw1 / 1e9:.1f} GB/s; the ceiling uses the first)")
     for b, r in results["batches"].items():
         print(f"batch {b}: prompt {r['prompt_tok_s']:.1f} tok/s, decode {r['decode_tok_s']:.1f} tok/s "
-              f"(runs {r['decode_tok_s_runs']}) "
+              f"(runs {r['decode_tok_s_runs']}, other processes' CPU share during each "
+              f"{[f'{100 * v:.0f}%' for v in r['other_processes_cpu_runs']]}) "
               f"({r['decode_step_ms']:.1f} ms/step); ceiling {r['ceiling_tok_s']:.1f} tok/s "
               f"({r['bytes_per_step'] / 1e6:.0f} MB/step, {r['distinct_experts_per_layer']:.1f} experts/layer) -> "
               f"{100 * r['fraction_of_ceiling']:.0f}% of ceiling, {r['effective_GBs']:.1f} GB/s effective")
