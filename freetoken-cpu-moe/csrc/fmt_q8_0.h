@@ -21,6 +21,9 @@ static inline float q8_0_row_portable(const uint8_t* row, const ActQ8x32View& x,
 }
 
 #if defined(FT_HAVE_AVX512)
+#ifndef FT_Q8_PREFETCH
+#define FT_Q8_PREFETCH 2176  // bytes ahead: four groups of 16 blocks
+#endif
 // NT tokens against one row. Per group of 16 blocks: the weights' fp16 scales are
 // gathered once; per pair of blocks one 512-bit dpbusd on (w + 128) (unsigned)
 // against x, the 128 * sum(x) excess removed through dq = d * sum(qs).
@@ -39,6 +42,9 @@ static inline void q8_0_row_avx512(const uint8_t* row, const ActQ8x32View* x, ui
         const uint32_t m = nb - b < 16 ? nb - b : 16;  // blocks in this group
         const __mmask16 mk = (__mmask16)((1u << m) - 1u);
         const uint8_t* g = row + (size_t)b * Q8_0_BYTES;
+        // the gather below would otherwise be the first touch of these lines and wait
+        // for memory with little parallelism: fetch the next group's lines ahead
+        for (int o = 0; o < 16 * (int)Q8_0_BYTES; o += 64) _mm_prefetch((const char*)g + FT_Q8_PREFETCH + o, _MM_HINT_T0);
         const __m512i dh = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mk, gidx, (const void*)g, 1);
         const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh));
         __m512 coef[NT];
