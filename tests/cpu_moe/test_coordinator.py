@@ -149,10 +149,12 @@ def test_idle_coordinator_sleeps(bank_for, rng) -> None:
 def test_start_stop_many_times_without_leaks(bank_for, rng) -> None:
     case = bank_for("f16")
     task = new_task(case.bank, max_tokens=2, top_k=2, act_dtype=torch.float32, out_dtype=torch.float32)
-    cm.default_pool()
-    base = thread_count()
     coord = cm.Coordinator(watchdog_ms=1000)
     coord.add_task(task)
+    coord.start()  # warm-up: the default pool, BLAS/torch thread pools of the reference
+    one_handoff(case, task, rng, T=1)
+    coord.stop()
+    base = thread_count()
     for i in range(30):
         coord.start()
         assert coord.running and thread_count() == base + 2
