@@ -186,3 +186,43 @@ def test_demo_hf_and_gguf_agree(demo):
     # Q8_0 weights + int8 activations: ~1% relative noise on random-weight logits
     assert float((la - lb).abs().max()) < 0.1 * float(la.abs().max())
     assert torch.equal(la.argmax(-1), lb.argmax(-1)) or float((la.argmax(-1) == lb.argmax(-1)).float().mean()) > 0.8
+
+
+def test_async_step_failure_fails_requests_in_flight_then_recovers(demo):
+    from freetoken.engine.async_engine import AsyncEngine, EngineDead, StepFailed
+
+    async def main():
+        eng = AsyncEngine(EngineConfig(model=demo.hf_dir, backend="cpu", kv_cache_tokens=2048, max_model_len=256))
+        await eng.start()
+        try:
+            model = eng.engine.model
+            real = model.forward
+            calls = {"n": 0}
+
+            def flaky(*a, **k):
+                calls["n"] += 1
+                if calls["n"] == 1:
+                    raise RuntimeError("injected fault")
+                return real(*a, **k)
+
+            model.forward = flaky
+            p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            with pytest.raises(StepFailed, match="injected fault"):
+                async for _ in eng.stream([1, 2, 3], p):
+                    pass
+            assert eng.stats().kv_used_tokens == 0
+            out = [d async for d in eng.stream([1, 2, 3], p)]  # the engine goes on
+            assert out[-1].finished and out[-1].completion_tokens == 4
+            model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("broken for good"))
+            for _ in range(AsyncEngine.MAX_CONSECUTIVE_FAILURES):
+                with pytest.raises((StepFailed, EngineDead)):
+                    async for _ in eng.stream([1, 2, 3], p):
+                        pass
+            await asyncio.sleep(0.1)
+            with pytest.raises(EngineDead):
+                async for _ in eng.stream([1, 2, 3], p):
+                    pass
+        finally:
+            await eng.shutdown()
+
+    asyncio.run(main())

@@ -21,7 +21,7 @@ from freetoken.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "QueueFull", "RequestRejected", "EngineStats"]
+__all__ = ["AsyncEngine", "QueueFull", "RequestRejected", "EngineStats", "EngineDead", "StepFailed"]
 
 
 class QueueFull(RuntimeError):
@@ -30,6 +30,10 @@ class QueueFull(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine loop stopped because of an error."""
+
+
+class StepFailed(RuntimeError):
+    """A model step raised; the requests in flight were dropped (the engine goes on)."""
 
 
 class _Stream:
@@ -43,6 +47,9 @@ class _Stream:
 
 class AsyncEngine:
     """Loads the model (blocking) and streams generations asynchronously."""
+
+    #: after this many failing steps in a row the loop stops (EngineDead from then on)
+    MAX_CONSECUTIVE_FAILURES = 3
 
     def __init__(self, config: EngineConfig, backend: Any = None) -> None:
         self.config = config
@@ -167,7 +174,17 @@ class AsyncEngine:
             else:
                 self.engine.abort(arg)
 
+    def _fail_in_flight(self, exc: BaseException) -> None:
+        """A step raised: every request in the engine gets the error and is dropped
+        (its KV pages freed); requests submitted later run normally."""
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+            st = self._streams.get(rid)
+            if st is not None:
+                self._post(st, StepFailed(f"the engine step failed: {type(exc).__name__}: {exc}"))
+
     def _loop(self) -> None:
+        failures = 0
         try:
             while not self._stop:
                 self._drain_inbox()
@@ -175,14 +192,24 @@ class AsyncEngine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                for d in self.engine.step():
+                try:
+                    deltas = self.engine.step()
+                    failures = 0
+                except Exception as exc:
+                    failures += 1
+                    logger.exception("engine step failed (%d in a row); failing the requests in flight", failures)
+                    self._fail_in_flight(exc)
+                    if failures >= self.MAX_CONSECUTIVE_FAILURES:
+                        raise
+                    continue
+                for d in deltas:
                     st = self._streams.get(d.request_id)
                     if st is not None:
                         self._post(st, d)
                     elif not d.finished:
                         self.engine.abort(d.request_id)
-        except BaseException as exc:  # pragma: no cover - reported to every waiter
-            logger.exception("engine loop failed")
+        except BaseException as exc:  # reported to every waiter; later submissions get EngineDead
+            logger.exception("engine loop stopped")
             self._error = exc
             for st in list(self._streams.values()):
                 self._post(st, EngineDead(f"the engine stopped after an error: {exc}"))
