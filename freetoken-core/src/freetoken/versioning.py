@@ -63,7 +63,7 @@ def lockstep_error(distribution: str, version: str, core_version: str = CORE_VER
     return mismatch_message(distribution, version, core_version)
 
 
-def require_core_version(distribution: str, version: str) -> None:
+def require_core_version(distribution: str, version: str, core_version: str | None = None) -> None:
     """Raise :class:`VersionMismatchError` unless ``version`` equals freetoken-core's.
 
     Every FreeToken package calls this at import time with its own name and version::
@@ -72,5 +72,9 @@ def require_core_version(distribution: str, version: str) -> None:
         __version__ = "0.1.0"
         require_core_version("freetoken-cuda", __version__)
     """
-    if version != CORE_VERSION:
-        raise VersionMismatchError(mismatch_message(distribution, version))
+    if core_version is None:
+        import freetoken  # the installed core, read at call time
+
+        core_version = freetoken.__version__
+    if version != core_version:
+        raise VersionMismatchError(mismatch_message(distribution, version, core_version))

@@ -13,14 +13,10 @@ __version__ = "0.1.0"
 
 def _check_core_version() -> None:
     try:
-        from freetoken import __version__ as core_version
+        from freetoken.versioning import require_core_version
     except ImportError as exc:  # pragma: no cover - the dependency is declared
         raise ImportError("freetoken_cuda needs freetoken-core: pip install 'freetoken[cuda]'") from exc
-    if core_version != __version__:
-        raise ImportError(
-            f"freetoken-cuda {__version__} does not match freetoken-core {core_version}: "
-            f"install the same version of both (pip install 'freetoken[cuda]=={core_version}')"
-        )
+    require_core_version("freetoken-cuda", __version__)
 
 
 _check_core_version()
