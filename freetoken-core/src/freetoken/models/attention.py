@@ -83,7 +83,8 @@ def paged_attention(
         flat = meta.block_tables.reshape(-1)
         k = k_cache.index_select(0, flat).view(B, nbk * bs, kvh, D).transpose(1, 2)  # [B, kvh, L, D]
         v = v_cache.index_select(0, flat).view(B, nbk * bs, kvh, D).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.mask, scale=scale, enable_gqa=gqa)
+        # the g query heads sharing a kv head act as g queries of that head: no K/V repeat
+        o = F.scaled_dot_product_attention(q.view(B, kvh, g, D), k, v, attn_mask=meta.mask, scale=scale)
         return o.reshape(B, H * D)
 
     out = q.new_empty(T, H * D)
