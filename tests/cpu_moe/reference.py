@@ -28,14 +28,21 @@ class RawWeights:
     dense: np.ndarray  # float64 [E][rows][cols], the independent dequantization
 
 
+def _gguf() -> Any:
+    """gguf-py, the independent decoder of the GGUF formats (skip the test without it)."""
+    import pytest
+
+    return pytest.importorskip("gguf", reason="gguf (gguf-py) is needed for the GGUF-format references")
+
+
 def _gguf_type(fmt: str) -> Any:
-    from gguf import GGMLQuantizationType as Q
+    Q = _gguf().GGMLQuantizationType
 
     return {"q8_0": Q.Q8_0, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}[fmt]
 
 
 def gguf_dequantize(raw: np.ndarray, fmt: str, E: int, rows: int, cols: int) -> np.ndarray:
-    from gguf import quants
+    quants = _gguf().quants
 
     flat = quants.dequantize(raw.reshape(E * rows, -1), _gguf_type(fmt))
     return np.asarray(flat, dtype=np.float64).reshape(E, rows, cols)
@@ -65,8 +72,7 @@ def make_weights(fmt: str, E: int, rows: int, cols: int, rng: np.random.Generato
         full = np.repeat(np.repeat(scale.astype(np.float64), 128, axis=1), 128, axis=2)[:, :rows, :cols]
         return RawWeights(fmt, codes, scale, vals * full)
     if fmt == "q8_0":
-        from gguf import quants
-
+        quants = _gguf().quants
         f = (rng.standard_normal((E * rows, cols)) * std).astype(np.float32)
         raw = np.ascontiguousarray(quants.quantize(f, _gguf_type(fmt)))
         return RawWeights(fmt, raw, None, gguf_dequantize(raw, fmt, E, rows, cols))
