@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import E, H, cm
-from reference import ACT_QUANT_BLOCK, make_weights, moe_error, moe_reference, quantize_act, random_routes, rel_err
+from cpu_moe_cases import E, H, cm
+from cpu_moe_reference import ACT_QUANT_BLOCK, make_weights, moe_error, moe_reference, quantize_act, random_routes, rel_err
 
 import freetoken
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cm
+from cpu_moe_cases import cm
 from freetoken import handoff
 from freetoken.backends.contract import HandoffError
-from reference import moe_error, random_routes
-from tasks import err_name, fill_inputs, gpu_handoff, new_task
+from cpu_moe_reference import moe_error, random_routes
+from cpu_moe_tasks import err_name, fill_inputs, gpu_handoff, new_task
 
 
 def thread_count() -> int:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import cm
-from reference import moe_reference, random_routes, rel_err, rel_err_allowing, round_to
+from cpu_moe_cases import cm
+from cpu_moe_reference import moe_reference, random_routes, rel_err, rel_err_allowing, round_to
 
 TIERS = cm.isa_tiers()
 QUANTIZED = {"q8_0", "q4_k", "q5_k", "q6_k"}

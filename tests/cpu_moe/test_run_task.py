@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cm
+from cpu_moe_cases import cm
 from freetoken import handoff
-from reference import moe_error, moe_reference, random_routes, rel_err
-from tasks import new_task, fill_inputs
+from cpu_moe_reference import moe_error, moe_reference, random_routes, rel_err
+from cpu_moe_tasks import new_task, fill_inputs
 
 TIERS = cm.isa_tiers()
 
