@@ -191,14 +191,13 @@ void moe_forward(const MoeCall& c, Pool& pool, const KernelTable& k) {
     ws.expert_ids.clear();
     ws.expert_begin.clear();
     std::vector<int32_t> pos(E, 0);
-    uint32_t acc = 0, maxn = 0;
+    uint32_t acc = 0;
     for (uint32_t e = 0; e < E; ++e) {
         if (ws.count[e] == 0) continue;
         ws.expert_ids.push_back((int32_t)e);
         ws.expert_begin.push_back((int32_t)acc);
         pos[e] = (int32_t)acc;
         acc += ws.count[e];
-        maxn = std::max<uint32_t>(maxn, ws.count[e]);
     }
     ws.expert_begin.push_back((int32_t)acc);
     ws.slot_tok.assign(nslots, 0);
@@ -214,7 +213,16 @@ void moe_forward(const MoeCall& c, Pool& pool, const KernelTable& k) {
     const int nth = pool.num_threads();
     const ActKind kg = act_kind_for(b.gate.format), ku = act_kind_for(b.up.format), kd = act_kind_for(b.down.format);
     const size_t bg = act_bytes(kg, H), bu = act_bytes(ku, H), bd = act_bytes(kd, I);
-    const uint32_t chunkA = pick_chunk(I, nth, 4, 16), chunkC = pick_chunk(H, nth, 4, 16);
+    // Work items are long contiguous pieces of one matrix of one expert (the hardware
+    // prefetchers stay locked on), at least ~4 per worker per phase.
+    const uint32_t want = 4u * (uint32_t)nth;
+    const uint32_t nexp_est = std::max<uint32_t>(nexp, 1u);
+    const uint32_t pA = std::max<uint32_t>(1u, (want + 2 * nexp_est - 1) / (2 * nexp_est));
+    const uint32_t pC = std::max<uint32_t>(1u, (want + nexp_est - 1) / nexp_est);
+    const uint32_t chunkA = std::min(I, (((I + pA - 1) / pA) + 15) & ~15u);
+    const uint32_t chunkC = std::min(H, (((H + pC - 1) / pC) + 15) & ~15u);
+    const uint32_t piecesA = (I + chunkA - 1) / chunkA, piecesC = (H + chunkC - 1) / chunkC;
+    const uint32_t chunkD = pick_chunk(H, nth, 4, 16);
     Carve cv;
     const size_t o_xf = cv.take((size_t)T * H * 4);
     const size_t o_xg = kg == ACT_F32 ? 0 : cv.take((size_t)T * bg);
@@ -223,8 +231,7 @@ void moe_forward(const MoeCall& c, Pool& pool, const KernelTable& k) {
     const size_t o_u = cv.take((size_t)nslots * I * 4);
     const size_t o_hq = kd == ACT_F32 ? 0 : cv.take((size_t)nslots * bd);
     const size_t o_y = cv.take((size_t)T * H * 4);
-    const size_t tmp_per = (size_t)std::max<uint32_t>(maxn, 1) * chunkC;
-    const size_t o_tmp = cv.take((size_t)nth * tmp_per * 4);
+    const size_t o_d = cv.take((size_t)nslots * H * 4);
     uint8_t* base = ws.arena.reserve(cv.off);
     float* xf = (float*)(base + o_xf);
     uint8_t* xg = base + o_xg;
@@ -233,7 +240,7 @@ void moe_forward(const MoeCall& c, Pool& pool, const KernelTable& k) {
     float* u = (float*)(base + o_u);
     uint8_t* hq = base + o_hq;
     float* yacc = (float*)(base + o_y);
-    float* tmp = (float*)(base + o_tmp);
+    float* dsl = (float*)(base + o_d);
 
     // ---- prepare the routed tokens' activations ------------------------------
     std::vector<uint8_t> routed(T, 0);
@@ -260,44 +267,47 @@ void moe_forward(const MoeCall& c, Pool& pool, const KernelTable& k) {
     ap.alpha = b.act_alpha;
     ap.limit = b.act_limit;
 
-    // ---- one wake-up, three phases -------------------------------------------
-    // A: gate/up + activation, items = row chunks of I (all experts each)
-    // B: quantize h for the down format, items = (expert, token) slots
-    // C: down + weighted sum into y, items = row chunks of H (disjoint rows of y)
-    const int itemsA = nslots ? (int)((I + chunkA - 1) / chunkA) : 0;
-    const int itemsB = (nslots && kd != ACT_F32) ? (int)nslots : 0;
-    const int itemsC = (int)((H + chunkC - 1) / chunkC);
+    // ---- one wake-up, four phases --------------------------------------------
+    // A: gate or up rows of one expert, items = (expert, matrix, piece of I)
+    // B: h = act(gate, up) and its preparation for the down format, items = slots
+    // C: down rows of one expert, items = (expert, piece of H), into per-slot rows
+    // D: y = sum of w x per-slot rows, items = row chunks of H (disjoint rows of y)
+    const int itemsA = (int)(nexp * 2 * piecesA);
+    const int itemsB = (int)nslots;
+    const int itemsC = (int)(nexp * piecesC);
+    const int itemsD = (int)((H + chunkD - 1) / chunkD);
     const size_t ysz = dtype_size(c.y_fmt);
-    std::vector<Pool::Phase> phases(3);
+    std::vector<Pool::Phase> phases(4);
     phases[0].nitems = itemsA;
     phases[0].fn = [&](int it, int) {
-        const uint32_t r0 = (uint32_t)it * chunkA, r1 = std::min(I, r0 + chunkA);
-        for (uint32_t q = 0; q < nexp; ++q) {
-            const uint32_t e = ws.expert_ids[q], sb = ws.expert_begin[q], n = ws.expert_begin[q + 1] - sb;
-            k.dot_rows(b.gate, e, r0, r1, ws.gptr.data() + sb, n, h + (size_t)sb * I + r0, I);
-            k.dot_rows(b.up, e, r0, r1, ws.uptr.data() + sb, n, u + (size_t)sb * I + r0, I);
-            for (uint32_t j = 0; j < n; ++j) {
-                float* hr = h + (size_t)(sb + j) * I + r0;
-                apply_activation(ap, hr, hr, u + (size_t)(sb + j) * I + r0, r1 - r0);
-            }
-        }
+        const uint32_t q = (uint32_t)it / (2 * piecesA), m = ((uint32_t)it / piecesA) % 2, piece = (uint32_t)it % piecesA;
+        const uint32_t r0 = piece * chunkA, r1 = std::min(I, r0 + chunkA);
+        const uint32_t e = ws.expert_ids[q], sb = ws.expert_begin[q], n = ws.expert_begin[q + 1] - sb;
+        if (m == 0) k.dot_rows(b.gate, e, r0, r1, ws.gptr.data() + sb, n, h + (size_t)sb * I + r0, I);
+        else k.dot_rows(b.up, e, r0, r1, ws.uptr.data() + sb, n, u + (size_t)sb * I + r0, I);
     };
     phases[1].nitems = itemsB;
-    phases[1].fn = [&](int s, int) { k.prepare(kd, h + (size_t)s * I, I, hq + (size_t)s * bd); };
+    phases[1].fn = [&](int s, int) {
+        float* hr = h + (size_t)s * I;
+        apply_activation(ap, hr, hr, u + (size_t)s * I, I);
+        if (kd != ACT_F32) k.prepare(kd, hr, I, hq + (size_t)s * bd);
+    };
     phases[2].nitems = itemsC;
-    phases[2].fn = [&](int it, int tid) {
-        const uint32_t r0 = (uint32_t)it * chunkC, r1 = std::min(H, r0 + chunkC), rl = r1 - r0;
-        float* tb = tmp + (size_t)tid * tmp_per;
+    phases[2].fn = [&](int it, int) {
+        const uint32_t q = (uint32_t)it / piecesC, piece = (uint32_t)it % piecesC;
+        const uint32_t r0 = piece * chunkC, r1 = std::min(H, r0 + chunkC);
+        const uint32_t e = ws.expert_ids[q], sb = ws.expert_begin[q], n = ws.expert_begin[q + 1] - sb;
+        k.dot_rows(b.down, e, r0, r1, ws.dptr.data() + sb, n, dsl + (size_t)sb * H + r0, H);
+    };
+    phases[3].nitems = itemsD;
+    phases[3].fn = [&](int it, int) {
+        const uint32_t r0 = (uint32_t)it * chunkD, r1 = std::min(H, r0 + chunkD), rl = r1 - r0;
         for (uint32_t t = 0; t < T; ++t) std::memset(yacc + (size_t)t * H + r0, 0, (size_t)rl * 4);
-        for (uint32_t q = 0; q < nexp; ++q) {
-            const uint32_t e = ws.expert_ids[q], sb = ws.expert_begin[q], n = ws.expert_begin[q + 1] - sb;
-            k.dot_rows(b.down, e, r0, r1, ws.dptr.data() + sb, n, tb, rl);
-            for (uint32_t j = 0; j < n; ++j) {
-                float* yr = yacc + (size_t)ws.slot_tok[sb + j] * H + r0;
-                const float wt = slot_w[sb + j];
-                const float* tr = tb + (size_t)j * rl;
-                for (uint32_t r = 0; r < rl; ++r) yr[r] += wt * tr[r];
-            }
+        for (uint32_t s = 0; s < nslots; ++s) {
+            float* yr = yacc + (size_t)ws.slot_tok[s] * H + r0;
+            const float wt = slot_w[s];
+            const float* dr = dsl + (size_t)s * H + r0;
+            for (uint32_t r = 0; r < rl; ++r) yr[r] += wt * dr[r];
         }
         for (uint32_t t = 0; t < T; ++t)
             store_row(c.y_fmt, (uint8_t*)c.y + ((size_t)t * H + r0) * ysz, yacc + (size_t)t * H + r0, rl, c.accumulate);
