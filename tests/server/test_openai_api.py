@@ -306,6 +306,26 @@ def test_response_format_json_object_streaming_and_n(client: openai.OpenAI) -> N
         assert isinstance(json.loads(text), dict), text
 
 
+def test_response_format_json_object_makes_one_engine_request_per_choice(
+        server: Any, client: openai.OpenAI, ref_tokenizer: Any) -> None:
+    """The constraint runs inside the engine's sampler: no redraw requests, no re-prefill."""
+    messages = [{"role": "user", "content": "A JSON object with three keys, please."}]
+    prompt_len = chat_prompt_len(ref_tokenizer, messages)
+    before = scrape(server.base_url)
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=1.0, seed=5,
+                                         n=3, response_format={"type": "json_object"})
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                            stream=True, response_format={"type": "json_object"})
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    after = scrape(server.base_url)
+    assert all(isinstance(json.loads(c.message.content), dict) for c in out.choices)
+    assert isinstance(json.loads(streamed), dict)
+    added = metric(after, "freetoken_engine_requests_total") - metric(before, "freetoken_engine_requests_total")
+    prompt = (metric(after, "freetoken_engine_prompt_tokens_total")
+              - metric(before, "freetoken_engine_prompt_tokens_total"))
+    assert (added, prompt) == (4, 4 * prompt_len)
+
+
 def test_any_integer_seed_is_accepted_and_reproducible(client: openai.OpenAI) -> None:
     for seed in (-7, 2**70):
         kw: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "seed"}], max_tokens=6,

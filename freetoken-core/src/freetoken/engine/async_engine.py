@@ -14,6 +14,7 @@ import threading
 from typing import Any, AsyncIterator, Optional
 
 from freetoken.engine.config import EngineConfig
+from freetoken.engine.constraints import TokenConstraint
 from freetoken.engine.engine import EngineStats, LLMEngine, RequestRejected
 from freetoken.engine.outputs import StreamDelta
 from freetoken.engine.request import new_request_id
@@ -103,8 +104,11 @@ class AsyncEngine:
     # --------------------------------------------------------------- stream
 
     async def stream(self, prompt_token_ids: list[int], params: SamplingParams,
-                     request_id: Optional[str] = None) -> AsyncIterator[StreamDelta]:
+                     request_id: Optional[str] = None,
+                     constraint: Optional[TokenConstraint] = None) -> AsyncIterator[StreamDelta]:
         """Generate for one request, yielding deltas; the last has ``finished=True``.
+        ``constraint`` restricts the tokens it may sample (see :mod:`freetoken.engine.constraints`);
+        it is used from the engine thread from then on.
 
         Raises :class:`RequestRejected` or :class:`QueueFull` before yielding anything.
         Closing the iterator early aborts the request and frees its KV pages.
@@ -126,7 +130,7 @@ class AsyncEngine:
         self._streams[rid] = st
         with self._lock:
             self._pending_adds += 1
-        self._inbox.append(("add", (rid, prompt_token_ids, params)))
+        self._inbox.append(("add", (rid, prompt_token_ids, params, constraint)))
         self._wake.set()
         try:
             while True:
@@ -161,14 +165,14 @@ class AsyncEngine:
         while self._inbox:
             kind, arg = self._inbox.popleft()
             if kind == "add":
-                rid, ids, params = arg
+                rid, ids, params, constraint = arg
                 with self._lock:
                     self._pending_adds -= 1
                 st = self._streams.get(rid)
                 if st is None:  # closed before it was admitted
                     continue
                 try:
-                    self.engine.add_request(ids, params, request_id=rid)
+                    self.engine.add_request(ids, params, request_id=rid, constraint=constraint)
                 except Exception as exc:
                     self._post(st, exc)
             else:

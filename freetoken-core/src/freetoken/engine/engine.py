@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from freetoken.engine.config import EngineConfig
+from freetoken.engine.constraints import TokenConstraint
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.outputs import StreamDelta
 from freetoken.engine.request import Request, Status, new_request_id
@@ -38,6 +39,8 @@ class EngineStats:
     kv_total_tokens: int
     kv_used_tokens: int
     num_preemptions: int = 0
+    requests_added: int = 0  # requests ever added to the engine
+    prompt_tokens_added: int = 0  # their prompt tokens
 
 
 def _resolve_backend(name: Optional[str]) -> Any:
@@ -103,6 +106,8 @@ class LLMEngine:
         self._threads = self._prefill_threads
         self.capture_logits = False  # tests: keep every sampled row of logits per request
         self.captured: dict[str, list[torch.Tensor]] = {}
+        self.num_requests_added = 0  # lifetime counters (metrics)
+        self.prompt_tokens_added = 0
         logger.info(
             "engine ready: %s, max_model_len %d, KV cache %d tokens (%.2f GiB), backend %s",
             self.model_name, self.max_model_len, self.kv.total_tokens, self.kv.bytes / 2**30, self.backend.name,
@@ -148,15 +153,19 @@ class LLMEngine:
             raise RequestRejected(f"{self.loaded.path} has no tokenizer, so stop strings cannot be matched; use stop_token_ids")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None,
-                    prompt: Optional[str] = None) -> Request:
+                    prompt: Optional[str] = None, constraint: Optional[TokenConstraint] = None) -> Request:
+        """Queue a request. ``constraint`` (one object per request, it is stateful)
+        restricts which tokens it may sample (:mod:`freetoken.engine.constraints`)."""
         self.validate(prompt_ids, params)
         rid = request_id or new_request_id()
         if rid in self.requests:
             raise RequestRejected(f"request id {rid!r} is already in use")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = Request(rid, prompt_ids, params, self.tokenizer, list(self.model_config.eos_token_ids),
-                      self.max_model_len, gen, prompt)
+                      self.max_model_len, gen, prompt, constraint)
         self.requests[rid] = req
+        self.num_requests_added += 1
+        self.prompt_tokens_added += len(req.prompt_ids)
         self.scheduler.add(req)
         return req
 
@@ -182,6 +191,8 @@ class LLMEngine:
             kv_total_tokens=self.kv.total_tokens,
             kv_used_tokens=used,
             num_preemptions=self.scheduler.num_preemptions,
+            requests_added=self.num_requests_added,
+            prompt_tokens_added=self.prompt_tokens_added,
         )
 
     def backend_info(self) -> dict[str, Any]:
@@ -280,7 +291,11 @@ class LLMEngine:
                 for i, r in enumerate(reqs):
                     self.captured.setdefault(r.request_id, []).append(logits[i].detach().clone())
             for r, (tok, lp) in zip(reqs, sample(logits, reqs, self.generator)):
-                r.append(tok, lp)
+                if tok < 0:  # its constraint allowed no token
+                    logger.error("request %s: its constraint allows no token; finishing it", r.request_id)
+                    r.finish("error")
+                else:
+                    r.append(tok, lp)
                 if r.status != Status.FINISHED and r.num_tokens >= self.max_model_len:
                     r.finish("length")
                 d = r.take_delta()

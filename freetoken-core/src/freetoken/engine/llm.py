@@ -6,6 +6,7 @@ import logging
 from typing import Any, Optional, Sequence, Union
 
 from freetoken.engine.config import EngineConfig
+from freetoken.engine.constraints import TokenConstraint
 from freetoken.engine.engine import LLMEngine
 from freetoken.engine.outputs import RequestOutput
 from freetoken.engine.request import Request
@@ -42,9 +43,11 @@ class LLM:
         return SamplingParams(**kw)
 
     def generate(self, prompts: Prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 constraints: Optional[Sequence[Optional[TokenConstraint]]] = None) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids); outputs in order.
-        ``params`` is one SamplingParams for all prompts or one per prompt."""
+        ``params`` is one SamplingParams for all prompts or one per prompt; ``constraints``
+        one token constraint (or None) per prompt."""
         params = params or self.get_default_sampling_params()
         if isinstance(prompts, str):
             items: list[Any] = [prompts]
@@ -58,14 +61,17 @@ class LLM:
             per = list(params)
             if len(per) != len(items):
                 raise ValueError(f"{len(per)} SamplingParams for {len(items)} prompts")
+        cons = list(constraints) if constraints is not None else [None] * len(items)
+        if len(cons) != len(items):
+            raise ValueError(f"{len(cons)} constraints for {len(items)} prompts")
         reqs: list[Request] = []
         try:
-            for p, sp in zip(items, per):
+            for p, sp, c in zip(items, per, cons):
                 if isinstance(p, str):
                     ids = self.tokenizer.encode(p, add_special_tokens=True)
-                    reqs.append(self.engine.add_request(ids, sp, prompt=p))
+                    reqs.append(self.engine.add_request(ids, sp, prompt=p, constraint=c))
                 else:
-                    reqs.append(self.engine.add_request([int(t) for t in p], sp))
+                    reqs.append(self.engine.add_request([int(t) for t in p], sp, constraint=c))
             while self.engine.has_work():
                 self.engine.step()
         except BaseException:

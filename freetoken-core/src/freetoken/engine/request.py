@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from freetoken.engine.constraints import TokenConstraint
 from freetoken.engine.outputs import StreamDelta, TokenLogprob
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.loading.tokenizer import Tokenizer
@@ -69,6 +70,7 @@ class Request:
         max_model_len: int,
         generator: Optional[torch.Generator],
         prompt: Optional[str] = None,
+        constraint: Optional[TokenConstraint] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -95,6 +97,7 @@ class Request:
         self.pending_logprobs: list[TokenLogprob] = []
         self.out_counts: dict[int, int] = {}
         self.aborted = False
+        self.constraint = constraint  # which tokens may come next (None: any)
 
     # ------------------------------------------------------------ tokens / KV
 
@@ -132,6 +135,8 @@ class Request:
         if logprob is not None:
             self.logprobs.append(logprob)
             self.pending_logprobs.append(logprob)
+        if self.constraint is not None:
+            self.constraint.advance(token)
         if token in self.stop_ids:
             # the text ends before the stop token; flush what the detokenizer held back
             tail = self.detok.flush(self.output_ids[:-1])
@@ -144,6 +149,12 @@ class Request:
             self._add_text(new)
             if self.status == Status.FINISHED:
                 return
+        if self.constraint is not None and self.constraint.is_complete():
+            tail = self.detok.flush(self.output_ids)
+            if tail:
+                self._add_text(tail)
+            self.finish("stop")
+            return
         if len(self.output_ids) >= self.max_new:
             self.finish("length")
 

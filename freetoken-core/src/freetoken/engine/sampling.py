@@ -5,6 +5,13 @@ presence/frequency penalties (output tokens), temperature, top-k, top-p, min-p,
 then a draw from the request's own generator (seeded requests are reproducible
 whatever else runs in the batch). Log-probabilities report the model's
 distribution (log-softmax of the raw logits), independent of the sampling knobs.
+
+A request with a token constraint (:mod:`freetoken.engine.constraints`) has its
+disallowed tokens masked right after the penalties, before temperature and the
+filters. Its log-probabilities are those of the distribution it was actually drawn
+from before the knobs: the model's log-softmax renormalised over the allowed
+tokens (``top_logprobs`` lists allowed tokens only). Unconstrained requests take
+exactly the same path as before.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from freetoken.engine.constraints import NoAllowedToken, TokenConstraint
 from freetoken.engine.outputs import TokenLogprob
 from freetoken.engine.request import Request
 from freetoken.engine.sampling_params import SamplingParams
@@ -68,8 +76,55 @@ def _logprob_entry(lp_row: torch.Tensor, token: int, n_top: int) -> TokenLogprob
     top: list[tuple[int, float]] = []
     if n_top > 0:
         v, i = torch.topk(lp_row, min(n_top, lp_row.shape[0]))
-        top = [(int(a), float(b)) for a, b in zip(i.tolist(), v.tolist())]
+        top = [(int(a), float(b)) for a, b in zip(i.tolist(), v.tolist()) if b != float("-inf")]
     return TokenLogprob(token_id=token, logprob=float(lp_row[token]), top=top)
+
+
+#: constrained greedy requests (no logprobs) test this many top candidates one by one
+#: before asking the constraint for its full mask
+GREEDY_CANDIDATES = 32
+
+
+def _greedy_candidates(row: torch.Tensor, constraint: TokenConstraint, remaining: int) -> Optional[int]:
+    """The best allowed token among the top candidates (ties: lowest id, as argmax), or None."""
+    best = int(torch.argmax(row))
+    if constraint.allows(best, remaining):
+        return best
+    vals, idx = torch.topk(row, min(GREEDY_CANDIDATES, row.shape[0]))
+    cands = sorted(zip(vals.tolist(), idx.tolist()), key=lambda c: (-c[0], c[1]))
+    complete = len(cands) == row.shape[0]
+    for v, t in cands:
+        if v == float("-inf"):
+            return None
+        if constraint.allows(t, remaining):
+            # a value tied with the last candidate may hide a lower id outside the top-k
+            return t if complete or v > cands[-1][0] else None
+    return None
+
+
+def constrained_pick(raw: torch.Tensor, row: torch.Tensor, params: SamplingParams, constraint: TokenConstraint,
+                     remaining: int, gen: torch.Generator) -> tuple[int, Optional[TokenLogprob]]:
+    """One token for a constrained request: ``raw`` is the model's row of logits,
+    ``row`` the penalised one. Raises :class:`NoAllowedToken` if nothing is allowed."""
+    want_lp = params.logprobs or params.top_logprobs > 0
+    if params.greedy and not want_lp:
+        tok = _greedy_candidates(row, constraint, remaining)
+        if tok is not None:
+            return tok, None
+    mask = constraint.allowed_mask(row.shape[0], remaining)
+    if mask is not None:
+        if not bool(mask.any()):
+            raise NoAllowedToken("the request's constraint allows no token")
+        row = row.masked_fill(~mask, float("-inf"))
+    if params.greedy:
+        tok = int(torch.argmax(row))
+    else:
+        tok = int(torch.multinomial(sampling_probs(row, params), 1, generator=gen))
+    lp = None
+    if want_lp:
+        masked_raw = raw if mask is None else raw.masked_fill(~mask, float("-inf"))
+        lp = _logprob_entry(torch.log_softmax(masked_raw, dim=-1), tok, params.top_logprobs)
+    return tok, lp
 
 
 def _trivial(p: SamplingParams) -> bool:
@@ -77,11 +132,13 @@ def _trivial(p: SamplingParams) -> bool:
 
 
 def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Generator) -> list[tuple[int, Optional[TokenLogprob]]]:
-    """One token (and its log-probability if asked) per row of ``logits`` [B, V]."""
+    """One token (and its log-probability if asked) per row of ``logits`` [B, V].
+    A constrained request whose constraint allows nothing gets token -1."""
     logits = logits.float().cpu()
     B = logits.shape[0]
     tokens: list[Optional[int]] = [None] * B
-    fast = [i for i, r in enumerate(requests) if r.params.greedy and _trivial(r.params)]
+    done_lp: dict[int, Optional[TokenLogprob]] = {}  # constrained rows: their own log-probabilities
+    fast = [i for i, r in enumerate(requests) if r.params.greedy and _trivial(r.params) and r.constraint is None]
     if fast:
         if len(fast) == B:
             am = torch.argmax(logits, dim=-1).tolist()
@@ -95,19 +152,26 @@ def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Gen
             continue
         p = r.params
         row = apply_penalties(logits[i], p, r.prompt_ids, r.out_counts)
+        g = r.generator if r.generator is not None else default_gen
+        if r.constraint is not None:
+            try:
+                tokens[i], done_lp[i] = constrained_pick(logits[i], row, p, r.constraint, r.max_new - len(r.output_ids), g)
+            except NoAllowedToken:
+                tokens[i], done_lp[i] = -1, None
+            continue
         if p.greedy:
             tokens[i] = int(torch.argmax(row))
             continue
         probs = sampling_probs(row, p)
-        g = r.generator if r.generator is not None else default_gen
         tokens[i] = int(torch.multinomial(probs, 1, generator=g))
     out: list[tuple[int, Optional[TokenLogprob]]] = []
-    need_lp = [i for i, r in enumerate(requests) if r.params.logprobs or r.params.top_logprobs > 0]
+    need_lp = [i for i, r in enumerate(requests)
+               if (r.params.logprobs or r.params.top_logprobs > 0) and i not in done_lp]
     lps = torch.log_softmax(logits[need_lp], dim=-1) if need_lp else None
     j = 0
     for i, r in enumerate(requests):
         tok = int(tokens[i])  # type: ignore[arg-type]
-        lp = None
+        lp = done_lp.get(i)
         if lps is not None and j < len(need_lp) and need_lp[j] == i:
             lp = _logprob_entry(lps[j], tok, r.params.top_logprobs)
             j += 1

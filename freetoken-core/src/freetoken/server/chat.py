@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -74,7 +75,8 @@ async def create_chat_completion(request: Request) -> Response:
         for i in range(req.n)
     ]
     if json_mode:
-        problem = check_json_support(engine.tokenizer)
+        # the first call decodes the whole vocabulary: off the event loop
+        problem = await asyncio.get_running_loop().run_in_executor(None, check_json_support, engine.tokenizer)
         if problem:
             raise APIError(400, problem, param="response_format", code="unsupported_response_format")
         for job in jobs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -20,7 +20,7 @@ class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], Optional[Any]]) -> None:
         self._stats = stats
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Any]:
         stats = self._stats()
         values = {
             "freetoken_requests_running": ("Requests being generated (in the running batch).", "num_running"),
@@ -34,6 +34,14 @@ class _EngineCollector(Collector):
             value = getattr(stats, attr, None) if stats is not None else None
             family.add_metric([], float(value) if value is not None else 0.0)
             yield family
+        counters = {
+            "freetoken_engine_requests": ("Requests added to the engine (one per choice).", "requests_added"),
+            "freetoken_engine_prompt_tokens": ("Prompt tokens of the requests added to the engine.",
+                                               "prompt_tokens_added"),
+        }
+        for name, (doc, attr) in counters.items():
+            value = getattr(stats, attr, None) if stats is not None else None
+            yield CounterMetricFamily(name, doc, value=float(value) if value is not None else 0.0)
 
 
 class ServerMetrics:
