@@ -4,19 +4,65 @@ Experts are held as stacked BF16 (or FP16/FP32) tensors ``gate/up [E, I, H]`` an
 ``down [E, H, I]`` on the device. :meth:`GpuExperts.forward` computes
 ``y[t] = sum_k w[t,k] * down_e(act(gate_e x_t) * up_e x_t)`` over the routes whose id is
 ``>= 0`` (``-1`` marks routes served by the CPU) with no host synchronisation, so it is
-captured into decode graphs:
+captured into decode graphs. Two implementations, chosen per instance (``impl``):
 
-* few routes (decode): gather the routed experts' weights and run batched GEMVs
-  (reads each routed expert once, like a fused MoE kernel);
-* many routes (prefill): one dense pass per expert over all tokens, masked by routing.
+* ``triton`` (default on NVIDIA GPUs of compute capability >= 8.0 where triton imports):
+  the fused kernels of :mod:`freetoken.moe.triton_moe`, two launches (+ one cast when the
+  activations are not float32), each distinct routed expert's weights read once;
+* ``torch`` (the reference, and the fallback without Triton): few routes (decode) gather
+  the routed experts' weights and run batched GEMVs; many routes (prefill) one dense pass
+  per expert over all tokens, masked by routing.
+
+Triton compiles a kernel variant on its first launch, which must not happen during stream
+capture: run :meth:`GpuExperts.warmup` (or one eager forward with the same shapes) before
+capturing. A capture that meets a variant not yet compiled computes with the torch
+implementation instead (logged once; counted in ``capture_fallbacks``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
+
+log = logging.getLogger(__name__)
 
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+IMPLS = ("triton", "torch")
+
+
+def default_impl(device: Any) -> tuple[str, str]:
+    """(implementation, why) for experts on ``device``: Triton on NVIDIA GPUs of compute
+    capability >= 8.0 where triton imports (and is not the interpreter), else torch."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda" or torch.version.hip:
+        return "torch", f"device {dev} is not an NVIDIA GPU"
+    cap = torch.cuda.get_device_capability(dev)
+    if cap < (8, 0):
+        return "torch", f"compute capability {cap} < (8, 0)"
+    try:
+        from freetoken.moe import triton_moe
+    except ImportError as exc:
+        return "torch", f"triton is not importable: {exc}"
+    if triton_moe.INTERPRETED:
+        return "torch", "TRITON_INTERPRET is set"
+    return "triton", f"triton on compute capability {cap}"
+
+
+def _check_triton(device: Any) -> None:
+    """Raise ValueError when the Triton implementation cannot run on ``device``."""
+    import torch
+
+    try:
+        from freetoken.moe import triton_moe
+    except ImportError as exc:
+        raise ValueError(f"impl='triton' needs triton: {exc}") from exc
+    if torch.device(device).type == "cpu" and not triton_moe.INTERPRETED:
+        raise ValueError(
+            "impl='triton' on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported"
+        )
 
 
 def _act(gate: Any, up: Any, activation: str, alpha: float = 1.702, limit: float = 7.0) -> Any:
@@ -35,7 +81,10 @@ def _act(gate: Any, up: Any, activation: str, alpha: float = 1.702, limit: float
 
 
 class GpuExperts:
-    def __init__(self, gate: Any, up: Any, down: Any, activation: str = "silu") -> None:
+    def __init__(
+        self, gate: Any, up: Any, down: Any, activation: str = "silu", impl: Optional[str] = None,
+        block_config: Any = None,
+    ) -> None:  # fmt: skip
         if gate.shape != up.shape or gate.dim() != 3 or down.shape != (gate.shape[0], gate.shape[2], gate.shape[1]):
             raise ValueError(
                 f"expert shapes: gate/up must be [E, I, H] and down [E, H, I]; got gate {tuple(gate.shape)}, "
@@ -43,13 +92,95 @@ class GpuExperts:
             )
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+        if gate.dtype != up.dtype or gate.dtype != down.dtype:
+            raise ValueError(f"expert dtypes differ: gate {gate.dtype}, up {up.dtype}, down {down.dtype}")
         self.gate, self.up, self.down = gate.contiguous(), up.contiguous(), down.contiguous()
         self.activation = activation
         self.num_experts, self.intermediate, self.hidden = gate.shape
+        self.auto = impl in (None, "auto")
+        if self.auto:
+            impl, why = default_impl(gate.device)
+            log.debug("GPU experts on %s: %s implementation (%s)", gate.device, impl, why)
+        elif impl not in IMPLS:
+            raise ValueError(f"unknown GPU experts implementation {impl!r}; expected one of {IMPLS}")
+        elif impl == "triton":
+            _check_triton(gate.device)
+        self.impl = impl
+        if block_config is not None:
+            block_config.validate()
+        self.block_config = block_config
+        self.capture_fallbacks = 0
+        self.fallback_reason: Optional[str] = None  # why an automatic Triton choice fell back to torch
+        self._compiled: set[tuple[Any, ...]] = set()
 
     def forward(self, x: Any, gpu_ids: Any, w: Any, out: Optional[Any] = None) -> Any:
         """``x [T, H]`` (any float dtype), ``gpu_ids [T, K]`` (-1 = not on the GPU), ``w [T, K]``.
         Returns ``[T, H]`` in ``x.dtype`` (written into ``out`` when given)."""
+        if self.impl == "triton":
+            return self._forward_triton(x, gpu_ids, w, out)
+        return self._forward_torch(x, gpu_ids, w, out)
+
+    def warmup(
+        self, batch_sizes: Iterable[int], top_k: int, x_dtype: Any = None, ids_dtype: Any = None, w_dtype: Any = None
+    ) -> None:
+        """Compile the Triton variants these shapes use (eagerly, on random inputs) so that
+        a later stream capture finds them; defaults: weights' dtype, int32 ids, float32 weights."""
+        import torch
+
+        if self.impl != "triton":
+            return
+        dev = self.gate.device
+        x_dtype = x_dtype or self.gate.dtype
+        for tokens in batch_sizes:
+            x = torch.randn(tokens, self.hidden, device=dev).to(x_dtype)
+            ids = torch.randint(-1, self.num_experts, (tokens, top_k), device=dev).to(ids_dtype or torch.int32)
+            w = torch.rand(tokens, top_k, device=dev).to(w_dtype or torch.float32)
+            self.forward(x, ids, w)
+
+    # ---- Triton --------------------------------------------------------------------------
+    def _forward_triton(self, x: Any, gpu_ids: Any, w: Any, out: Optional[Any]) -> Any:
+        import torch
+
+        from freetoken.moe import triton_moe
+
+        tokens, top_k = gpu_ids.shape
+        x, ids, w = x.contiguous(), gpu_ids.contiguous(), w.contiguous()
+        direct = (
+            out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.device == x.device
+            and tuple(out.shape) == (tokens, self.hidden) and out.data_ptr() != x.data_ptr()
+        )  # fmt: skip
+        dev = self.gate.device
+        y = out if direct else torch.empty(tokens, self.hidden, dtype=torch.float32, device=dev)
+        config = self.block_config or triton_moe.DEFAULT_CONFIG
+        key = triton_moe.variant_key(x, ids, w, y, config)
+        if key not in self._compiled and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            if not self.capture_fallbacks:
+                log.warning(
+                    "GPU experts: Triton variant for %d tokens x %d routes (%s) not compiled before stream capture; "
+                    "this graph uses the torch implementation (call GpuExperts.warmup before capture)",
+                    tokens, top_k, x.dtype,
+                )  # fmt: skip
+            self.capture_fallbacks += 1
+            return self._forward_torch(x, gpu_ids, w, out)
+        h = torch.empty(tokens, top_k, self.intermediate, dtype=self.gate.dtype, device=dev)
+        try:
+            triton_moe.launch(x, ids, w, self.gate, self.up, self.down, y, h, self.activation, config)
+        except Exception as exc:  # noqa: BLE001 - compilation or launch; only an automatic choice falls back
+            if not self.auto:
+                raise
+            self.impl, self.fallback_reason = "torch", f"{type(exc).__name__}: {exc}"
+            log.error("GPU experts: the Triton kernels failed (%s); using torch instead", self.fallback_reason)
+            return self._forward_torch(x, gpu_ids, w, out)
+        self._compiled.add(key)
+        if direct:
+            return out
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    # ---- torch (reference implementation) -----------------------------------------------
+    def _forward_torch(self, x: Any, gpu_ids: Any, w: Any, out: Optional[Any]) -> Any:
         import torch
 
         tokens, top_k = gpu_ids.shape
