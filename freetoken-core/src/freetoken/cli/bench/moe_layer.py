@@ -129,13 +129,14 @@ def print_table(summary: dict[str, Any]) -> None:
     print(f"GPU experts in the layers: {summary['gpu_impl']}")
     for err in summary["triton_errors"]:
         print(f"Triton error: {err}")
-    print(f"{'configuration':<36}{'us/layer':>10}{'cpu alone':>11}{'overhead':>10}")
+    width = max([24] + [len(k) + 2 for k in summary["per_layer_us"]] + [len(k) + 14 for k in summary["hbm_floor_us"]])
+    print(f"{'configuration':<{width}}{'us/layer':>10}{'cpu alone':>11}{'overhead':>10}")
     for k, v in summary["per_layer_us"].items():
         cpu = summary["cpu_alone_interleaved_us"].get(k)
         ov = summary["overhead_per_layer_us"].get(k)
-        print(f"{k:<36}{v:>10.1f}{'' if cpu is None else f'{cpu:>11.1f}'}{'' if ov is None else f'{ov:>10.1f}'}")
+        print(f"{k:<{width}}{v:>10.1f}{'' if cpu is None else f'{cpu:>11.1f}'}{'' if ov is None else f'{ov:>10.1f}'}")
     for k, v in summary["hbm_floor_us"].items():
-        print(f"{k + ' (HBM floor)':<36}{v:>10.1f}")
+        print(f"{k + ' (HBM floor)':<{width}}{v:>10.1f}")
 
 
 # --------------------------------------------------------------------------------------
