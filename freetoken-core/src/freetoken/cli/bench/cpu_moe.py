@@ -33,6 +33,25 @@ import numpy as np
 FORMATS_DEFAULT = ["q4_k", "q6_k", "q8_0", "bf16", "fp8_e4m3_b128", "q5_k"]
 
 
+def fill_float_weights(raw: np.ndarray, fmt: str, rng: np.random.Generator, std: float = 0.02) -> None:
+    """Fill ``raw`` (uint8) with N(0, std) weights encoded as ``fmt``, in 64 MiB pieces."""
+    itemsize = {"f32": 4, "f16": 2, "bf16": 2}[fmt]
+    count = raw.size // itemsize
+    piece = (64 << 20) // itemsize
+    for start in range(0, count, piece):
+        n = min(piece, count - start)
+        values = rng.standard_normal(n, dtype=np.float32) * np.float32(std)
+        if fmt == "f32":
+            encoded = values.view(np.uint8)
+        elif fmt == "f16":
+            encoded = values.astype(np.float16).view(np.uint8)
+        else:  # bf16: round to nearest even on the upper 16 bits
+            bits = values.view(np.uint32)
+            bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            encoded = bits.astype(np.uint16).view(np.uint8)
+        raw[start * itemsize : (start + n) * itemsize] = encoded
+
+
 def random_weights(cm: Any, fmt: str, E: int, rows: int, cols: int, rng: np.random.Generator) -> Any:
     """Random but valid (finite) weights of the format, in its raw layout."""
     info = cm.format_info(fmt)
@@ -40,9 +59,11 @@ def random_weights(cm: Any, fmt: str, E: int, rows: int, cols: int, rng: np.rand
     raw = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
     scale = None
     if fmt in ("f32", "f16", "bf16"):
-        # clear the top exponent bit of every element: |w| < 2, never inf/nan
-        step = info.block_bytes
-        raw[step - 1 :: step] &= 0xBF
+        # Values distributed like trained weights (normal, std 0.02). Random bit patterns
+        # would put most elements at tiny exponents, and the FP32 products of such weights
+        # are subnormal: CPUs that take microcode assists on subnormals (Intel) then run
+        # several times slower than on any real checkpoint.
+        fill_float_weights(raw, fmt, rng)
     elif fmt == "fp8_e4m3_b128":
         raw &= 0xBF
         scale = rng.uniform(1e-3, 2e-3, size=(E, -(-rows // 128), -(-cols // 128))).astype(np.float32)
