@@ -169,19 +169,28 @@ def tiny_gguf(tmp_path_factory):
 
 
 # The reference applies the kernels' int8 activation rounding (above), so what is
-# left is FP32 summation order (~1e-6 relative). That tiny noise occasionally moves
-# an activation across an int8 rounding boundary (~1e5 roundings per forward here),
-# shifting it by one step (1/127 of its block's max): the logits of that position
-# move by up to ~1e-2 of their scale, and a flip inside a cached K/V nudges every
-# later position a little. Most positions agree to ~1e-6. So: every position within
-# 3e-2 of the logit scale, the mean within 6e-3. Errors of the kind a bug makes
-# (a wrong block decode or scale, a wrong activation block size) are 1e-1..1.
+# left is FP32 summation order (~1e-6 relative): positions without a rounding flip agree
+# to 3e-7..5e-6 of the logit scale. That tiny noise occasionally moves an activation
+# across an int8 rounding boundary (100-270 elements per forward sit within 1e-3 of a
+# step from one; about a third of random files flip at least one), shifting it by one
+# step (1/127 of its block's max). Measured over ~70 random files: one flip moves the
+# logits of its position by 1e-3..4e-2 of their scale (largest seen 3.97e-2), and a
+# flip that lands in the cached K/V moves every later position too. A fixed bound
+# between that and a bug's size is the only end-to-end criterion that is not flaky:
+# every position within 8e-2 of the logit scale (2x the largest flip seen), the mean
+# within 3e-2. The errors this test exists to catch -- a wrong tensor, layout or format
+# id in the GGUF path -- move logits by 1e-1..1 of their scale (one attention output
+# matrix with its rows rolled by one: 1.3). It does NOT catch a uniform 5% scale error
+# on one expert matrix (checked: passes), which is why each format's
+# kernel is checked tightly (1e-4, boundary flips forgiven element by element) in
+# tests/cpu_moe; a tight per-layer GGUF comparison, which would stop flips from
+# propagating, is the next step for this file.
 def assert_close_rounding(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert got.shape == ref.shape, what
     scale = max(1.0, float(ref.abs().max()))
     row_err = (got - ref).abs().amax(-1) / scale
-    assert float(row_err.max()) <= 3e-2, f"{what}: max error {float(row_err.max()):.3g} of scale: {row_err.tolist()}"
-    assert float(row_err.mean()) <= 6e-3, f"{what}: mean error {float(row_err.mean()):.3g} of scale: {row_err.tolist()}"
+    assert float(row_err.max()) <= 8e-2, f"{what}: max error {float(row_err.max()):.3g} of scale: {row_err.tolist()}"
+    assert float(row_err.mean()) <= 3e-2, f"{what}: mean error {float(row_err.mean()):.3g} of scale: {row_err.tolist()}"
 
 
 def test_gguf_logits_match_dequantized_hf(tiny_gguf):
