@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Optional, TypeVar
+from typing import Any, Callable, Generic, Iterable, Optional, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -90,14 +90,32 @@ class TokenTexts:
             return tr
 
 
-_CACHE: "weakref.WeakKeyDictionary[Any, TokenTexts]" = weakref.WeakKeyDictionary()
-_CACHE_LOCK = threading.Lock()
+_V = TypeVar("_V")
+
+
+class PerTokenizer(Generic[_V]):
+    """One ``factory(tokenizer)`` result per live tokenizer, built once, thread-safe.
+
+    Entries go away with their tokenizer (weak keys). Used for the token texts here
+    and for derived per-vocabulary tables elsewhere (e.g. JSON mode's masks).
+    """
+
+    def __init__(self, factory: Callable[[Any], _V]) -> None:
+        self._factory = factory
+        self._items: "weakref.WeakKeyDictionary[Any, _V]" = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, tokenizer: Any) -> _V:
+        with self._lock:
+            item = self._items.get(tokenizer)
+            if item is None:
+                item = self._items[tokenizer] = self._factory(tokenizer)
+            return item
+
+
+_TEXTS: PerTokenizer[TokenTexts] = PerTokenizer(TokenTexts)
 
 
 def token_texts(tokenizer: Any) -> TokenTexts:
     """The :class:`TokenTexts` of ``tokenizer`` (built on first use, then cached)."""
-    with _CACHE_LOCK:
-        tt = _CACHE.get(tokenizer)
-        if tt is None:
-            tt = _CACHE[tokenizer] = TokenTexts(tokenizer)
-        return tt
+    return _TEXTS.get(tokenizer)

@@ -37,14 +37,13 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import weakref
 from typing import Any, AsyncIterator, Optional
 
 import torch
 
 from freetoken.engine.outputs import StreamDelta
 from freetoken.engine.sampling_params import SamplingParams
-from freetoken.engine.token_texts import TokenTexts, token_texts
+from freetoken.engine.token_texts import PerTokenizer, TokenTexts, token_texts
 from freetoken.server import json_grammar as g
 
 logger = logging.getLogger(__name__)
@@ -134,16 +133,11 @@ class JsonVocab:
             return entry
 
 
-_VOCABS: "weakref.WeakKeyDictionary[Any, JsonVocab]" = weakref.WeakKeyDictionary()
-_VOCABS_LOCK = threading.Lock()
+_VOCABS: PerTokenizer[JsonVocab] = PerTokenizer(JsonVocab)
 
 
 def vocab_for(tokenizer: Any) -> JsonVocab:
-    with _VOCABS_LOCK:
-        v = _VOCABS.get(tokenizer)
-        if v is None:
-            v = _VOCABS[tokenizer] = JsonVocab(tokenizer)
-        return v
+    return _VOCABS.get(tokenizer)
 
 
 #: masks computed ahead for the states along this text (the commonest ones)
