@@ -56,7 +56,7 @@ class IsaBuildExt(build_ext):
 
 
 SOURCES = [
-    "bindings.cpp", "coordinator.cpp", "dispatch.cpp", "moe.cpp", "pool.cpp", "stream.cpp",
+    "bindings.cpp", "coordinator.cpp", "dispatch.cpp", "host_driver.cpp", "moe.cpp", "pool.cpp", "stream.cpp",
     "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp",
 ]
 

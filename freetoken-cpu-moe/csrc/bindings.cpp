@@ -4,6 +4,7 @@
 
 #include "coordinator.h"
 #include "dispatch.h"
+#include "host_driver.h"
 #include "moe.h"
 #include "pool.h"
 #include "stream.h"
@@ -102,6 +103,16 @@ PYBIND11_MODULE(_core, m) {
         },
         py::arg("addr"), py::arg("nbytes"), py::arg("pool"));
 
+    m.def("drive_handoffs", &ft::drive_handoffs, py::arg("descs"), py::arg("rounds"), py::arg("timeout_ms"),
+          py::call_guard<py::gil_scoped_release>());
+    m.def(
+        "time_run_task",
+        [](const std::vector<uint64_t>& descs, int rounds, std::shared_ptr<Pool> pool) {
+            py::gil_scoped_release nogil;
+            return ft::time_run_task(descs, rounds, *pool);
+        },
+        py::arg("descs"), py::arg("rounds"), py::arg("pool"));
+
     py::class_<ft::Coordinator>(m, "Coordinator")
         .def(py::init<std::shared_ptr<Pool>, double, double>(), py::arg("pool"), py::arg("watchdog_ms"),
              py::arg("spin_us"))
@@ -119,7 +130,16 @@ PYBIND11_MODULE(_core, m) {
                  d["errors"] = s.errors;
                  d["watchdog_fired"] = s.watchdog_fired;
                  d["sleeps"] = s.sleeps;
+                 d["busy_ns"] = s.busy_ns;
                  return d;
+             })
+        .def("trace_start", &ft::Coordinator::trace_start, py::call_guard<py::gil_scoped_release>())
+        .def("trace",
+             [](const ft::Coordinator& c) {
+                 py::list out;
+                 for (const auto& r : c.trace()) out.append(py::make_tuple(r.desc, r.claim_ns, r.run_ns, r.done_ns, r.gpu_publish_start_ns,
+                                                           r.gpu_ready_ns, r.gpu_prev_done_seen_ns, r.gpu_prev_y_read_ns));
+                 return out;
              })
         .def("_inject_stall_ms", &ft::Coordinator::inject_stall_ms)
         .def("_inject_fault", &ft::Coordinator::inject_fault);

@@ -22,6 +22,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+uint64_t now_ns() {
+    return (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
 ft_flag_slot* slot_of(uint64_t desc) {
     return (ft_flag_slot*)(uintptr_t)((const ft_task_desc*)(uintptr_t)desc)->flag_slot;
 }
@@ -100,7 +104,32 @@ CoordinatorStats Coordinator::stats() const {
     s.errors = errors_.load();
     s.watchdog_fired = watchdog_fired_.load();
     s.sleeps = sleeps_.load();
+    s.busy_ns = busy_ns_.load();
     return s;
+}
+
+void Coordinator::trace_start() {
+    trace_on_.store(true);
+    trace_reset_.store(true);
+    while (running_.load() && trace_reset_.load()) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (trace_reset_.exchange(false)) trace_len_.store(0);  // not running: nobody else takes it
+}
+
+std::vector<ServeRecord> Coordinator::trace() const {
+    const size_t n = trace_len_.load(std::memory_order_acquire);
+    std::vector<ServeRecord> out(n);
+    for (size_t i = 0; i < n; ++i) {
+        const std::atomic<uint64_t>* e = &trace_[kTraceWords * i];
+        out[i].desc = e[0].load(std::memory_order_relaxed);
+        out[i].claim_ns = e[1].load(std::memory_order_relaxed);
+        out[i].run_ns = e[2].load(std::memory_order_relaxed);
+        out[i].done_ns = e[3].load(std::memory_order_relaxed);
+        out[i].gpu_publish_start_ns = e[4].load(std::memory_order_relaxed);
+        out[i].gpu_ready_ns = e[5].load(std::memory_order_relaxed);
+        out[i].gpu_prev_done_seen_ns = e[6].load(std::memory_order_relaxed);
+        out[i].gpu_prev_y_read_ns = e[7].load(std::memory_order_relaxed);
+    }
+    return out;
 }
 
 void Coordinator::start() {
@@ -151,6 +180,10 @@ void Coordinator::loop_main() {
             have = version_.load();
         }
         loop_seen_.store(have);
+        if (trace_reset_.load(std::memory_order_relaxed)) {
+            trace_len_.store(0);
+            trace_reset_.store(false);
+        }
         const double stall = stall_ms_.exchange(0.0);
         if (stall > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(stall));
         bool worked = false;
@@ -158,6 +191,11 @@ void Coordinator::loop_main() {
             ft_flag_slot* s = slot_of(desc);
             if (__atomic_load_n(&s->ready, __ATOMIC_ACQUIRE) != 1) continue;
             if (!claim(s)) continue;  // the watchdog got it first
+            const uint64_t t_claim = now_ns();
+            const uint64_t g_start = __atomic_load_n(&s->gpu_publish_start_ns, __ATOMIC_RELAXED);
+            const uint64_t g_ready = __atomic_load_n(&s->gpu_ready_ns, __ATOMIC_RELAXED);
+            const uint64_t g_prev_seen = __atomic_load_n(&s->gpu_done_seen_ns, __ATOMIC_RELAXED);
+            const uint64_t g_prev_y = __atomic_load_n(&s->gpu_y_read_ns, __ATOMIC_RELAXED);
             uint64_t err = FT_ERR_NONE;
             try {
                 if (fault_.exchange(false)) throw std::runtime_error("injected fault");
@@ -167,7 +205,17 @@ void Coordinator::loop_main() {
             } catch (...) {
                 err = FT_ERR_CPU_EXCEPTION;
             }
+            const uint64_t t_run = now_ns();
             complete(s, err);
+            const uint64_t t_done = now_ns();
+            busy_ns_.fetch_add(t_done - t_claim, std::memory_order_relaxed);
+            const size_t n = trace_len_.load(std::memory_order_relaxed);
+            if (trace_on_.load(std::memory_order_relaxed) && n < kTraceCapacity) {
+                std::atomic<uint64_t>* e = &trace_[kTraceWords * n];
+                const uint64_t words[kTraceWords] = {desc, t_claim, t_run, t_done, g_start, g_ready, g_prev_seen, g_prev_y};
+                for (size_t j = 0; j < kTraceWords; ++j) e[j].store(words[j], std::memory_order_relaxed);
+                trace_len_.store(n + 1, std::memory_order_release);
+            }
             served_.fetch_add(1, std::memory_order_relaxed);
             if (err) errors_.fetch_add(1, std::memory_order_relaxed);
             worked = true;
@@ -179,8 +227,9 @@ void Coordinator::loop_main() {
             continue;
         }
         if (std::chrono::duration<double, std::micro>(now - last_work).count() < spin_us_) {
-            for (int i = 0; i < 16; ++i) FT_PAUSE();
-            if ((++idle_sweeps & 7) == 0) std::this_thread::yield();  // share the CPU if oversubscribed
+            // a short pause between sweeps: a raised flag is seen within ~0.1 us
+            for (int i = 0; i < 2; ++i) FT_PAUSE();
+            if ((++idle_sweeps & 63) == 0) std::this_thread::yield();  // share the CPU if oversubscribed
             continue;
         }
         // idle: sleep, growing the interval up to 1 ms (an idle server burns no core)

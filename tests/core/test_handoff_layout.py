@@ -35,7 +35,8 @@ def _python_constants() -> dict[str, int]:
     out["FT_HANDOFF_ABI_VERSION"] = handoff.ABI_VERSION
     out["FT_TASK_ACCUMULATE"] = handoff.TASK_ACCUMULATE
     out["FT_FLAG_SLOT_SIZE"] = ctypes.sizeof(handoff.FlagSlot)
-    for field in ("ready", "done", "err", "seq"):
+    for field in ("ready", "done", "err", "seq", "gpu_ready_ns", "gpu_done_seen_ns", "gpu_y_read_ns",
+                  "gpu_publish_start_ns"):
         out[f"FT_FLAG_{field.upper()}_OFFSET"] = getattr(handoff.FlagSlot, field).offset
     return out
 

@@ -182,3 +182,60 @@ def test_clean_shutdown_at_interpreter_exit() -> None:
     assert out.returncode == 0, out.stderr
     assert "up True 2" in out.stdout
     assert time.monotonic() - t0 < 30
+
+
+def test_native_driver_trace_and_busy_time(bank_for, rng) -> None:
+    """drive_handoffs plays the GPU from a native thread: every hand-off is served with
+    the right result, counted, traced in order with ordered stage times, and its
+    measured round trip covers the coordinator's own claim -> done span."""
+    case = bank_for("q8_0")
+    tasks = [new_task(case.bank, max_tokens=4, top_k=2, act_dtype=torch.bfloat16, out_dtype=torch.float32, layer=l)
+             for l in range(3)]  # fmt: skip
+    inputs = []
+    for task in tasks:
+        x = torch.from_numpy(rng.standard_normal((3, case.H)).astype(np.float32))
+        ids, w = random_routes(rng, 3, 2, case.E)
+        fill_inputs(task, x, ids, w)
+        task.y.fill_(float("nan"))
+        inputs.append((x, ids, w))
+    rounds = 7
+    with cm.Coordinator(watchdog_ms=5000) as coord:
+        for task in tasks:
+            coord.add_task(task)
+        coord.trace_start()
+        before = coord.stats()
+        t0 = time.monotonic_ns()
+        round_trips = cm.drive_handoffs(tasks, rounds)
+        t1 = time.monotonic_ns()
+        after = coord.stats()
+        trace = coord.trace()
+    assert len(round_trips) == rounds * len(tasks) and all(ns > 0 for ns in round_trips)
+    assert after["served"] - before["served"] == rounds * len(tasks)
+    assert after["busy_ns"] > before["busy_ns"]
+    assert [r.desc for r in trace] == [t.desc_buffer.host_ptr for t in tasks] * rounds
+    for rec, rt in zip(trace, round_trips):
+        assert t0 <= rec.claim_ns <= rec.run_ns <= rec.done_ns <= t1
+        assert rec.done_ns - rec.claim_ns <= rt  # the driver's span contains the coordinator's
+    for task, (x, ids, w) in zip(tasks, inputs):
+        assert task.flags.seq == rounds and task.flags.err == 0 and task.flags.done == 0
+        assert moe_error(task.y[:3].double().numpy(), case.raw, x.to(torch.bfloat16).double().numpy(), ids, w) < 1e-3
+
+
+def test_native_driver_times_out_without_a_coordinator(bank_for) -> None:
+    case = bank_for("f16")
+    task = new_task(case.bank, max_tokens=1, top_k=1, act_dtype=torch.float32, out_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="not done after"):
+        cm.drive_handoffs([task], 1, timeout_ms=20)
+    task.flags.ready = 0
+
+
+def test_time_run_task_computes_each_task(bank_for, rng) -> None:
+    case = bank_for("bf16")
+    task = new_task(case.bank, max_tokens=2, top_k=2, act_dtype=torch.float32, out_dtype=torch.float32)
+    x = torch.from_numpy(rng.standard_normal((2, case.H)).astype(np.float32))
+    ids, w = random_routes(rng, 2, 2, case.E)
+    fill_inputs(task, x, ids, w)
+    task.y.fill_(float("nan"))
+    times = cm.time_run_task([task], 4)
+    assert len(times) == 4 and all(ns > 0 for ns in times)
+    assert moe_error(task.y[:2].double().numpy(), case.raw, x.double().numpy(), ids, w) < 1e-3

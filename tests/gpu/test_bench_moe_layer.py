@@ -85,9 +85,49 @@ def test_worker_reports_every_row(fake_cuda):
     assert set(result["overhead_per_layer_us"]) == set(result["cpu_alone_interleaved_us"])
     # one GPU route per token on one token: one distinct expert's bf16 gate/up/down at 4.3 TB/s
     assert result["hbm_floor_us"]["gpu_experts"] == pytest.approx(3 * 64 * 32 * 2 / 4.3e12 * 1e6)
+    stages = result["stages_us"]
+    for key in ("kernel_io_graph", "copy_graph", "floor_kernel_io_graph", "floor_copy_graph"):
+        assert stages[f"{key}_serve"] > 0 and f"{key}_overhead_vs_serve" in stages and f"{key}_step_gap" in stages
+    for prefix in ("", "floor_"):
+        assert stages[f"{prefix}cpu_task_native_loop"] > 0 and stages[f"{prefix}cpu_task_host_driven_handoff"] > 0
     summary = moe_layer.summarize([result, result])
     assert summary["per_layer_us"] == rows and summary["gpu_impl"] == ["triton", "triton"]
+    assert summary["stages_us"] == stages
     moe_layer.print_table(summary)
+
+
+def test_split_trace_parts_add_up_to_the_gap():
+    """A synthetic trace of two steps of three layers, host clock = GPU clock + 1000 ns:
+    the KernelIO parts of each in-step gap add up to it exactly, whatever the offset."""
+    from freetoken_cpu_moe.coordinator import ServeRecord
+
+    offset = 1000
+    recs, t = [], 10_000
+    publish_start, ready, seen, y_read = {}, {}, {}, {}
+    for step in range(2):
+        for layer in range(3):
+            g_start = t - offset - 900  # publish entry (GPU clock)
+            g_ready = g_start + 400
+            claim = g_ready + offset + 700
+            done = claim + 50_000
+            prev_seen = seen.get(layer, 0)
+            prev_y = y_read.get(layer, 0)
+            recs.append(ServeRecord(100 + layer, claim, done - 10, done, g_start, g_ready, prev_seen, prev_y))
+            seen[layer] = done - offset + 1200  # GPU saw done 1.2 us later
+            y_read[layer] = seen[layer] + 2000
+            t = y_read[layer] + offset + 1000 + 900  # boundary 1 us, then the next publish
+        t += 5000  # a step boundary
+    out = moe_layer.split_trace(recs, {100: 0, 101: 1, 102: 2}, step_us=330.0, key="k")
+    assert out["k_serve"] == pytest.approx(50.0)
+    assert out["k_traced_latency"] == pytest.approx(110.0)
+    assert out["k_overhead_vs_serve"] == pytest.approx(60.0)
+    # in-step gap: 1.2 (done seen) + 2.0 (y read) + 1.0 (boundary) + 0.4 (publish) + 0.7 (ready seen)
+    assert out["k_gpu_gap"] == pytest.approx(5.3)
+    assert out["k_combine_read"] == pytest.approx(2.0)
+    assert out["k_kernel_boundary"] == pytest.approx(1.0)
+    assert out["k_publish_body"] == pytest.approx(0.4)
+    assert out["k_signal_latency"] == pytest.approx(1.9)
+    assert out["k_step_gap"] == pytest.approx(10.3)
 
 
 def test_worker_torch_layers_without_diagnostics(fake_cuda):

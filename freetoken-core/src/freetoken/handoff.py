@@ -56,7 +56,10 @@ class FlagSlot(ctypes.Structure):
         ("done", ctypes.c_uint64),
         ("err", ctypes.c_uint64),
         ("seq", ctypes.c_uint64),
-        ("pad", ctypes.c_uint64 * 4),
+        ("gpu_ready_ns", ctypes.c_uint64),  # diagnostic GPU clock stamps (KernelIO)
+        ("gpu_done_seen_ns", ctypes.c_uint64),
+        ("gpu_y_read_ns", ctypes.c_uint64),
+        ("gpu_publish_start_ns", ctypes.c_uint64),
     ]
 
 

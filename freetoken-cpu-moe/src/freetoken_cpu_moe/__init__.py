@@ -37,6 +37,7 @@ except ImportError as exc:  # pragma: no cover - build error
 from freetoken_cpu_moe.bandwidth import measure_bandwidth
 from freetoken_cpu_moe.coordinator import Coordinator, stop_all as _stop_all_coordinators
 from freetoken_cpu_moe.formats import FORMATS, format_info
+from freetoken_cpu_moe.handoff_timing import drive_handoffs, time_run_task
 from freetoken_cpu_moe.ops import active_isa, isa_tiers, linear, moe_forward, run_task, set_isa, _check_env_isa
 from freetoken_cpu_moe.pool import Pool, default_pool, physical_core_cpus, shutdown_default_pool
 from freetoken_cpu_moe.weights import ACTIVATIONS, ExpertBank, Weights
@@ -51,6 +52,7 @@ __all__ = [
     "Weights",
     "active_isa",
     "default_pool",
+    "drive_handoffs",
     "format_info",
     "isa_tiers",
     "linear",
@@ -58,6 +60,7 @@ __all__ = [
     "moe_forward",
     "physical_core_cpus",
     "run_task",
+    "time_run_task",
     "set_isa",
 ]
 

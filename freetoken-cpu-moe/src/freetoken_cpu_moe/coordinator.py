@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from freetoken_cpu_moe import _core
 from freetoken_cpu_moe.pool import Pool, default_pool
@@ -28,6 +28,23 @@ log = logging.getLogger(__name__)
 DEFAULT_SPIN_US = 2000.0
 
 _live: "weakref.WeakSet[Coordinator]" = weakref.WeakSet()
+
+
+class ServeRecord(NamedTuple):
+    """One served hand-off, as the poll thread saw it; times are ``time.monotonic_ns()``."""
+
+    desc: int  #: descriptor address
+    claim_ns: int  #: ready seen and claimed
+    run_ns: int  #: task computed, y written
+    done_ns: int  #: done released
+    #: The slot's diagnostic GPU clock stamps read at claim (the KernelIO kernels write
+    #: them; 0 otherwise): this hand-off's publish kernel entry and its stamp just before
+    #: the fence, and for the previous hand-off on this slot when the GPU saw ``done`` and
+    #: when it had read y. GPU clock: comparable with each other, not with the host times.
+    gpu_publish_start_ns: int = 0
+    gpu_ready_ns: int = 0
+    gpu_prev_done_seen_ns: int = 0
+    gpu_prev_y_read_ns: int = 0
 
 
 class Coordinator:
@@ -72,8 +89,17 @@ class Coordinator:
         return int(self._core.num_tasks)
 
     def stats(self) -> dict[str, int]:
-        """Counters: served (hand-offs completed), errors, watchdog_fired, sleeps."""
+        """Counters: served (hand-offs completed), errors, watchdog_fired, sleeps, and
+        busy_ns (time from claiming a task to releasing ``done``, summed)."""
         return dict(self._core.stats())
+
+    def trace_start(self) -> None:
+        """Record the next served hand-offs (up to 16384; clears the previous record)."""
+        self._core.trace_start()
+
+    def trace(self) -> list["ServeRecord"]:
+        """The hand-offs served since :meth:`trace_start`, in order."""
+        return [ServeRecord(*r) for r in self._core.trace()]
 
     def __enter__(self) -> "Coordinator":
         return self.start()

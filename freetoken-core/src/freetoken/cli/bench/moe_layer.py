@@ -19,6 +19,15 @@ through the coordinator), so its overhead is the GPU-side cost of the hand-off; 
 puts every route on the CPU with tiny experts. ``triton_*`` rows time alternative block
 configurations of the Triton kernels (tuning data).
 
+Stage rows (``--stages``, graph replay, with a CPU route): the coordinator traces one
+block of hand-offs, which gives the CPU task as served (claim -> done), the hand-off
+overhead against it measured in the same block (``overhead_vs_serve``: free of the
+drift between interleaved blocks), and the time from one layer's ``done`` to the next
+layer's claim split into its parts with the KernelIO kernels' GPU clock stamps (see
+``_stage_split``); ``cpu_task_native_loop`` / ``cpu_task_host_driven_handoff`` run the
+CPU tasks from a native loop and through the coordinator driven by a host thread, so
+the coordinator's own cost shows without a GPU.
+
 Each configuration is timed with device events over ``--iters`` steps, ``--repeats``
 times (median); the parent runs ``--processes`` worker processes and reports medians
 across them. Results go to stdout and, with ``--json``, to a file.
@@ -59,6 +68,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
         help="also time the layers with every route on the GPU (empty CPU task: the GPU-side hand-off cost; 0: skip)",
     )  # fmt: skip
     p.add_argument("--triton-sweep", type=int, default=1, help="time alternative Triton block configurations (0: skip)")
+    p.add_argument("--stages", type=int, default=1, help="split the graph hand-offs into stages (0: skip)")
     p.add_argument("--hbm-tbps", type=float, default=4.3, help="HBM bandwidth for the GPU experts' floor (TB/s)")
     p.add_argument("--iters", type=int, default=200, help="steps per timed block")
     p.add_argument("--repeats", type=int, default=7, help="timed blocks per configuration (median)")
@@ -99,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
 WORKER_ARGS = (
     "backend", "hidden", "intermediate", "experts", "top_k", "layers", "batch", "cpu_threads", "cpu_routes_per_token",
-    "paths", "iters", "repeats", "floor_intermediate", "gpu_impl", "empty_cpu", "triton_sweep", "hbm_tbps",
+    "paths", "iters", "repeats", "floor_intermediate", "gpu_impl", "empty_cpu", "triton_sweep", "hbm_tbps", "stages",
 )  # fmt: skip
 
 
@@ -118,6 +128,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "cpu_alone_interleaved_us": med("cpu_alone_interleaved_us"),
         "overhead_per_layer_us": med("overhead_per_layer_us"),
         "hbm_floor_us": med("hbm_floor_us"),
+        "stages_us": med("stages_us"),
         "per_process_overhead_us": [r["overhead_per_layer_us"] for r in runs],
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
@@ -137,6 +148,10 @@ def print_table(summary: dict[str, Any]) -> None:
         print(f"{k:<{width}}{v:>10.1f}{'' if cpu is None else f'{cpu:>11.1f}'}{'' if ov is None else f'{ov:>10.1f}'}")
     for k, v in summary["hbm_floor_us"].items():
         print(f"{k + ' (HBM floor)':<{width}}{v:>10.1f}")
+    if summary["stages_us"]:
+        print("\nhand-off stages (us; medians of per-hand-off values, see the module doc)")
+        for k, v in summary["stages_us"].items():
+            print(f"  {k:<{width}}{v:>10.1f}")
 
 
 # --------------------------------------------------------------------------------------
@@ -234,6 +249,89 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_alone_interleaved_us": bench.cpu_alone,
         "overhead_per_layer_us": bench.overhead,
         "hbm_floor_us": bench.floors,
+        "stages_us": bench.stages,
+    }
+
+
+def _stage_split(coordinator: Any, replay: Any, tasks: list[Any], iters: int, key: str) -> dict[str, float]:
+    """Trace one block of graph replays on the coordinator and split a layer's time.
+
+    ``traced_latency``: us per layer of the traced block; ``serve``: the coordinator's
+    claim -> done (the CPU task with the pool's wake-up); ``overhead_vs_serve``: their
+    difference, the hand-off overhead measured against the CPU work of the same block;
+    ``gpu_gap``: done of layer l -> claim of layer l+1 within a step (done reaching the
+    GPU, combine, the next layer's publish and ``ready`` reaching the CPU: the GPU side
+    of one hand-off); ``step_gap``: the same across a step boundary (graph launch).
+    With the KernelIO kernels' clock stamps the gap splits further, exactly (the offset
+    between the GPU and host clocks cancels in the sum): ``combine_read`` = GPU saw done
+    -> y read and added; ``kernel_boundary`` = -> next layer's publish kernel entry (done
+    reset, fence, launch); ``publish_body`` = -> its stamp before the fence (route split,
+    x/ids/w stores); ``signal_latency`` = the rest (the publish fence and ready reaching
+    the CPU, plus done reaching the GPU).
+    """
+    import torch
+
+    torch.cuda.synchronize()
+    coordinator.trace_start()
+    step_us = _device_block(replay, iters)
+    order = {t.desc_buffer.host_ptr: l for l, t in enumerate(tasks)}
+    return split_trace(coordinator.trace(), order, step_us, key)
+
+
+def split_trace(trace: list[Any], order: dict[int, int], step_us: float, key: str) -> dict[str, float]:
+    """The stage rows of :func:`_stage_split` from a coordinator trace (``ServeRecord``s),
+    ``order`` (descriptor address -> layer index) and the block's us per step."""
+    trace = [r for r in trace if r.desc in order]
+    serve = [(r.done_ns - r.claim_ns) / 1e3 for r in trace]
+    # the combine stamps of record i arrive with the next hand-off on the same slot
+    after: dict[int, Any] = {}
+    last_on_slot: dict[int, int] = {}
+    for i, r in enumerate(trace):
+        if r.desc in last_on_slot and r.gpu_prev_done_seen_ns:
+            after[last_on_slot[r.desc]] = r
+        last_on_slot[r.desc] = i
+    parts: dict[str, list[float]] = {n: [] for n in ("gpu_gap", "step_gap", "combine_read", "kernel_boundary",
+                                                      "publish_body", "signal_latency")}  # fmt: skip
+    for i in range(1, len(trace)):
+        prev, cur = trace[i - 1], trace[i]
+        gap = (cur.claim_ns - prev.done_ns) / 1e3
+        if order[cur.desc] != order[prev.desc] + 1:
+            parts["step_gap"].append(gap)
+            continue
+        parts["gpu_gap"].append(gap)
+        nxt = after.get(i - 1)
+        if nxt is None or not cur.gpu_ready_ns:
+            continue
+        seen, y_read = nxt.gpu_prev_done_seen_ns, nxt.gpu_prev_y_read_ns
+        parts["combine_read"].append((y_read - seen) / 1e3)
+        parts["kernel_boundary"].append((cur.gpu_publish_start_ns - y_read) / 1e3)
+        parts["publish_body"].append((cur.gpu_ready_ns - cur.gpu_publish_start_ns) / 1e3)
+        parts["signal_latency"].append(((cur.claim_ns - cur.gpu_ready_ns) + (seen - prev.done_ns)) / 1e3)
+    layer_us = step_us / len(order)
+    out: dict[str, float] = {f"{key}_traced_latency": layer_us}
+    if serve:
+        out[f"{key}_serve"] = statistics.median(serve)
+        # the layer latency is a mean over the block, so the CPU work it holds is the mean serve
+        out[f"{key}_overhead_vs_serve"] = layer_us - statistics.fmean(serve)
+    out.update({f"{key}_{name}": statistics.median(v) for name, v in parts.items() if v})
+    return out
+
+
+def _host_driven(cm: Any, pool: Any, coordinator: Any, tasks: list[Any], iters: int, prefix: str) -> dict[str, float]:
+    """The same CPU tasks run from a native loop (no Python) and handed off through the
+    coordinator by a native host thread standing in for the GPU: their difference is the
+    coordinator's own cost (seeing ready, waking the pool, releasing done)."""
+    direct = cm.time_run_task(tasks, iters, pool=pool)
+    for task in tasks:
+        coordinator.add_task(task)
+    try:
+        driven = cm.drive_handoffs(tasks, iters)
+    finally:
+        for task in tasks:
+            coordinator.remove_task(task)
+    return {
+        f"{prefix}cpu_task_native_loop": statistics.median(direct) / 1e3,
+        f"{prefix}cpu_task_host_driven_handoff": statistics.median(driven) / 1e3,
     }
 
 
@@ -279,6 +377,7 @@ class _Bench:
         self.cpu_alone: dict[str, float] = {}
         self.overhead: dict[str, float] = {}
         self.floors: dict[str, float] = {}
+        self.stages: dict[str, float] = {}
 
     def _layers(self, intermediate: int, gen: Any) -> list[dict[str, Any]]:
         import torch
@@ -367,6 +466,7 @@ class _Bench:
 
         results: dict[str, float] = {}
         cpu_alone: dict[str, float] = {}
+        graphs: dict[str, Any] = {}
         for path in paths:
             exs = executors[path.value]
             step = make_step(exs)
@@ -375,13 +475,18 @@ class _Bench:
             for ex in exs:
                 ex.check_errors()
             if all(ex.graph_safe for ex in exs):
-                graph = backend.graph_capture().capture(step)
+                graph = graphs[path.value] = backend.graph_capture().capture(step)
                 key = f"{prefix}{path.value}_graph"
                 results[key], cpu_alone[key] = _time_interleaved(graph.replay, cpu_only, args.iters, args.repeats)
                 for ex in exs:
                     ex.check_errors()
         results = {k: v / args.layers for k, v in results.items()}
         cpu_alone = {k: v / args.layers for k, v in cpu_alone.items()}
+        if args.stages and cpu_routes:
+            for name, graph in graphs.items():
+                tasks = [ex.task_for(T) for ex in executors[name]]
+                self.stages.update(_stage_split(coordinator, graph.replay, tasks, args.iters, f"{prefix}{name}_graph"))
+            self.stages.update(_host_driven(cm, pool, coordinator, cpu_tasks, args.iters, prefix))
         for exs in executors.values():
             for ex in exs:
                 ex.close()

@@ -32,7 +32,12 @@ typedef struct ft_flag_slot {
     uint64_t done;    /* offset  8: CPU -> GPU, 1 = y written (or err set)        */
     uint64_t err;     /* offset 16: 0 = ok, else an FT_ERR_* code                 */
     uint64_t seq;     /* offset 24: hand-offs served on this slot (CPU counts)    */
-    uint64_t pad[4];  /* offset 32: keeps neighbouring slots off this line        */
+    /* Diagnostic GPU clock stamps (KernelIO kernels only; CUDA: %globaltimer ns, HIP:
+     * shader clock ticks), read by the coordinator's stage trace; nothing else uses them. */
+    uint64_t gpu_ready_ns;      /* offset 32: publish kernel, just before its fence      */
+    uint64_t gpu_done_seen_ns;  /* offset 40: combine kernel, when it saw done           */
+    uint64_t gpu_y_read_ns;     /* offset 48: combine kernel, y read and added           */
+    uint64_t gpu_publish_start_ns; /* offset 56: publish kernel entry                   */
 } ft_flag_slot;
 
 #define FT_FLAG_SLOT_SIZE 64u
@@ -40,6 +45,10 @@ typedef struct ft_flag_slot {
 #define FT_FLAG_DONE_OFFSET 8u
 #define FT_FLAG_ERR_OFFSET 16u
 #define FT_FLAG_SEQ_OFFSET 24u
+#define FT_FLAG_GPU_READY_NS_OFFSET 32u
+#define FT_FLAG_GPU_DONE_SEEN_NS_OFFSET 40u
+#define FT_FLAG_GPU_Y_READ_NS_OFFSET 48u
+#define FT_FLAG_GPU_PUBLISH_START_NS_OFFSET 56u
 
 /* err codes */
 #define FT_ERR_NONE 0u

@@ -9,8 +9,10 @@
  *                          marks the task skipped (done = FT_DONE_SKIPPED) without waking the CPU
  *   ft_kio_combine_kernel  KernelIO combine: wait done != 0, out += y (mapped), done = 0
  * All flag words live in mapped host memory and are accessed through volatile
- * pointers so every read goes to memory. Waits are bounded: on timeout the kernel
- * writes err = FT_ERR_WATCHDOG, so a stream never hangs forever.
+ * pointers (waits on done: acquire loads) so every read goes to memory. Waits are
+ * bounded: on timeout the kernel writes err = FT_ERR_WATCHDOG, so a stream never hangs
+ * forever. The KernelIO kernels also stamp the slot's diagnostic GPU clock words
+ * (handoff.h), which the coordinator's stage trace reads.
  */
 #ifndef FREETOKEN_GPU_HANDOFF_KERNELS_CUH
 #define FREETOKEN_GPU_HANDOFF_KERNELS_CUH
@@ -79,15 +81,58 @@ __device__ __forceinline__ bool ft_spin_until_eq(const uint64_t* word, uint64_t 
     return true;
 }
 
-/* Spin until *word != 0 or timeout; returns the value seen (0 on timeout). */
+/* A load with acquire semantics at system scope: memory operations after it (of this
+ * thread, and of the block after a barrier) are not satisfied before it. */
+__device__ __forceinline__ uint64_t ft_acquire_load_sys(const uint64_t* p) {
+#ifdef FT_GPU_HIP
+    const uint64_t v = ft_volatile_load(p);
+    __threadfence_system();
+    return v;
+#else
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+#endif
+}
+
+/* Spin until *word != 0 or timeout; returns the value seen (0 on timeout), read with
+ * acquire semantics so what the writer stored before it is visible after. */
 __device__ __forceinline__ uint64_t ft_spin_until_nonzero(const uint64_t* word, uint64_t timeout_ns) {
     const uint64_t start = ft_now_ns();
     uint64_t v;
+#ifdef FT_GPU_HIP
     while ((v = ft_volatile_load(word)) == 0) {
         if (ft_now_ns() - start > timeout_ns) return 0;
         ft_pause();
     }
+    __threadfence_system(); /* acquire: the reads after this see what preceded the flag */
+#else
+    /* every poll is an acquire load (no second read of the flag after it changes) */
+    while ((v = ft_acquire_load_sys(word)) == 0) {
+        if (ft_now_ns() - start > timeout_ns) return 0;
+        ft_pause();
+    }
+#endif
     return v;
+}
+
+/* Four consecutive values of y[i..i+3] (FP32 or BF16, host memory written by the CPU)
+ * as floats, read past every cache (uncached vector load where aligned); past n: 0. */
+__device__ __forceinline__ float4 ft_load_y4(const void* y, int y_is_f32, int i, int n) {
+    float v[4];
+    if (y_is_f32 && i + 4 <= n && (reinterpret_cast<uintptr_t>(y) % 16) == 0) {
+#ifdef FT_GPU_HIP
+        const volatile float* yf = static_cast<const volatile float*>(y) + i;
+        return make_float4(yf[0], yf[1], yf[2], yf[3]);
+#else
+        return __ldcv(reinterpret_cast<const float4*>(static_cast<const float*>(y) + i));
+#endif
+    }
+    const volatile float* yf = static_cast<const volatile float*>(y);
+    const volatile uint16_t* yb = static_cast<const volatile uint16_t*>(y);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = i + j < n ? (y_is_f32 ? yf[i + j] : ft_bf16_to_float(yb[i + j])) : 0.0f;
+    return make_float4(v[0], v[1], v[2], v[3]);
 }
 
 __global__ void ft_flag_write_kernel(uint64_t* word, uint64_t value) {
@@ -138,80 +183,122 @@ __device__ __forceinline__ int32_t ft_cpu_route(const KioRoutes& r, int i) {
     return cpu ? id : -1;
 }
 
-/* One block. x/dst_x: n_x BF16 values; routes as above, written as CPU ids (-1 = GPU). */
+/* One block. x/dst_x: n_x BF16 values; routes as above, written as CPU ids (-1 = GPU).
+ * The stores go out first (posted writes: they cost the GPU nearly nothing, also when
+ * no route turns out to be the CPU's), then one barrier counts the CPU routes; only a
+ * task with CPU routes pays the system fence and raises ready. Each thread issues its
+ * first device loads (16 bytes of x, one route and its weight) before anything waits. */
 __global__ void ft_kio_publish_kernel(const uint16_t* __restrict__ x, int n_x, KioRoutes routes, uint16_t* dst_x,
                                       int32_t* dst_ids, float* dst_w, uint64_t* flags, int fault) {
-    __shared__ int cpu_routes;
-    if (threadIdx.x == 0) cpu_routes = 0;
-    __syncthreads();
+    const uint64_t t_start = ft_now_ns();
+    const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
+    const bool vec = (n_x % 8 == 0) && ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(dst_x)) % 16 == 0);
+    const uint4* src4 = reinterpret_cast<const uint4*>(x);
+    const int n_vec = vec ? n_x / 8 : 0;
+    const uint4 x_first = tid < n_vec ? src4[tid] : make_uint4(0, 0, 0, 0);
     const int n_routes = routes.tokens * routes.top_k;
-    int mine = 0;
-    for (int i = threadIdx.x; i < n_routes; i += blockDim.x) mine += ft_cpu_route(routes, i) >= 0 ? 1 : 0;
-    if (mine) atomicAdd(&cpu_routes, mine);
-    __syncthreads();
+    const int32_t route_first = tid < n_routes ? ft_cpu_route(routes, tid) : -1;
+    const float w_first = tid < n_routes ? routes.w[tid] : 0.0f;
     uint64_t* ready = flags + FT_FLAG_READY_OFFSET / 8;
     uint64_t* done = flags + FT_FLAG_DONE_OFFSET / 8;
-    if (cpu_routes == 0) { /* empty-route skip: nothing for the CPU, do not wake it */
-        if (threadIdx.x == 0) ft_volatile_store(done, FT_DONE_SKIPPED);
-        return;
+    int mine = 0;
+    if (fault == FT_FAULT_NOFENCE) { /* injected: ready goes up before the stores, unfenced */
+        mine = route_first >= 0 ? 1 : 0;
+        for (int i = tid + nthreads; i < n_routes; i += nthreads) mine += ft_cpu_route(routes, i) >= 0 ? 1 : 0;
+        if (__syncthreads_count(mine) == 0) {
+            if (tid == 0) ft_volatile_store(done, FT_DONE_SKIPPED);
+            return;
+        }
+        if (tid == 0) ft_volatile_store(ready, 1ull);
+        mine = 0;
     }
-    if (fault == FT_FAULT_NOFENCE && threadIdx.x == 0) ft_volatile_store(ready, 1ull);
     if (fault != FT_FAULT_STALE) {
-        const bool vec = (n_x % 8 == 0) && ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(dst_x)) % 16 == 0);
         if (vec) {
-            const uint4* src4 = reinterpret_cast<const uint4*>(x);
             uint4* dst4 = reinterpret_cast<uint4*>(dst_x);
-            for (int i = threadIdx.x; i < n_x / 8; i += blockDim.x) dst4[i] = src4[i];
+            for (int i = tid; i < n_vec; i += nthreads) dst4[i] = i == tid ? x_first : src4[i];
         } else {
-            for (int i = threadIdx.x; i < n_x; i += blockDim.x) dst_x[i] = x[i];
+            for (int i = tid; i < n_x; i += nthreads) dst_x[i] = x[i];
         }
     }
-    for (int i = threadIdx.x; i < n_routes; i += blockDim.x) {
-        dst_ids[i] = ft_cpu_route(routes, i);
-        dst_w[i] = routes.w[i];
+    for (int i = tid; i < n_routes; i += nthreads) {
+        const int32_t route = i == tid ? route_first : ft_cpu_route(routes, i);
+        mine += route >= 0 ? 1 : 0;
+        dst_ids[i] = route;
+        dst_w[i] = i == tid ? w_first : routes.w[i];
     }
     if (fault == FT_FAULT_NOFENCE) return;
+    if (__syncthreads_count(mine) == 0) { /* empty-route skip: nothing for the CPU, do not wake it */
+        if (tid == 0) ft_volatile_store(done, FT_DONE_SKIPPED);
+        return;
+    }
+    if (tid == 0) { /* diagnostic stamps */
+        ft_volatile_store(flags + FT_FLAG_GPU_PUBLISH_START_NS_OFFSET / 8, t_start);
+        ft_volatile_store(flags + FT_FLAG_GPU_READY_NS_OFFSET / 8, ft_now_ns());
+    }
     __threadfence_system(); /* this thread's stores reach host memory before ready */
     __syncthreads();
-    if (threadIdx.x == 0) ft_volatile_store(ready, 1ull);
+    if (tid == 0) ft_volatile_store(ready, 1ull);
 }
 
-/* One block. out: n BF16 values on the device; y: n values (BF16 or FP32) in mapped memory. */
+/* One block. out: n BF16 values on the device; y: n values (BF16 or FP32) in mapped memory.
+ * Every read of host memory is a bus round trip (~1.2 us on the H200 machine), and
+ * reads of one address by many warps are served one after another, so: thread 0 alone
+ * reads the flag words; each thread reads four consecutive y values per pass, and the
+ * first pass's y reads are in flight together with thread 0's read of err. */
 __global__ void ft_kio_combine_kernel(uint16_t* __restrict__ out, const void* y, int y_is_f32, int n,
                                       uint64_t* flags, uint64_t timeout_ns) {
-    __shared__ uint64_t seen;
+    __shared__ uint64_t seen, err_seen;
     uint64_t* done = flags + FT_FLAG_DONE_OFFSET / 8;
     uint64_t* err = flags + FT_FLAG_ERR_OFFSET / 8;
+    /* the GPU experts' output of this thread's first pass, loaded before the wait */
+    const int i0 = 4 * static_cast<int>(threadIdx.x);
+    float out_first[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out_first[j] = i0 + j < n ? ft_bf16_to_float(out[i0 + j]) : 0.0f;
     if (threadIdx.x == 0) {
         seen = ft_spin_until_nonzero(done, timeout_ns);
+        ft_volatile_store(flags + FT_FLAG_GPU_DONE_SEEN_NS_OFFSET / 8, ft_now_ns()); /* diagnostic */
         if (seen == 0) ft_volatile_store(err, FT_ERR_WATCHDOG);
     }
     __syncthreads();
-    if (seen == 1ull && ft_volatile_load(err) == 0) {
-        /* Four loads from host memory in flight per thread before any is used: each is a
-         * bus round trip, so issuing them back to back hides most of the latency. */
-        const volatile float* yf = reinterpret_cast<const volatile float*>(y);
-        const volatile uint16_t* yb = reinterpret_cast<const volatile uint16_t*>(y);
-        const int stride = static_cast<int>(blockDim.x);
-        for (int base = threadIdx.x; base < n; base += 4 * stride) {
-            float yv[4];
+    if (seen == 1ull) {
+        const int step = 4 * static_cast<int>(blockDim.x);
+        const float4 first = ft_load_y4(y, y_is_f32, i0, n);
+        if (threadIdx.x == 0) err_seen = ft_volatile_load(err);
+        __syncthreads();
+        if (err_seen == 0) {
+            for (int i = i0; i < n; i += step) {
+                const float4 v = i == i0 ? first : ft_load_y4(y, y_is_f32, i, n);
+                const float add[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int i = base + j * stride;
-                yv[j] = i < n ? (y_is_f32 ? yf[i] : ft_bf16_to_float(yb[i])) : 0.0f;
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int i = base + j * stride;
-                if (i < n) out[i] = ft_float_to_bf16(ft_bf16_to_float(out[i]) + yv[j]);
+                for (int j = 0; j < 4; ++j) {
+                    if (i + j >= n) continue;
+                    const float base = i == i0 ? out_first[j] : ft_bf16_to_float(out[i + j]);
+                    out[i + j] = ft_float_to_bf16(base + add[j]);
+                }
             }
         }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+        ft_volatile_store(flags + FT_FLAG_GPU_Y_READ_NS_OFFSET / 8, ft_now_ns()); /* diagnostic */
         ft_volatile_store(done, 0ull);
         __threadfence_system();
     }
+}
+
+/* Threads for the combine kernel: four values each, whole warps, 64..1024. */
+inline int ft_combine_threads(int n) {
+    const int want = ((n + 3) / 4 + 31) / 32 * 32;
+    return want < 64 ? 64 : (want > 1024 ? 1024 : want);
+}
+
+/* Threads for the publish kernel: eight BF16 values or one route each, whole warps, 64..512. */
+inline int ft_publish_threads(int n_x, int n_routes) {
+    int want = (n_x + 7) / 8;
+    if (n_routes > want) want = n_routes;
+    want = (want + 31) / 32 * 32;
+    return want < 64 ? 64 : (want > 512 ? 512 : want);
 }
 
 }  // namespace freetoken_gpu

@@ -219,7 +219,7 @@ inline void kio_publish(uint64_t stream, uint64_t x, uint64_t ids, bool ids_are_
     r.cpu_mask = reinterpret_cast<const uint8_t*>(cpu_mask);
     r.resident = reinterpret_cast<const uint8_t*>(resident);
     r.cpu_last_n = cpu_last_n;
-    ft_kio_publish_kernel<<<1, 512, 0, as_stream(stream)>>>(
+    ft_kio_publish_kernel<<<1, ft_publish_threads(n_x, tokens * top_k), 0, as_stream(stream)>>>(
         reinterpret_cast<const uint16_t*>(x), n_x, r, reinterpret_cast<uint16_t*>(dst_x),
         reinterpret_cast<int32_t*>(dst_ids), reinterpret_cast<float*>(dst_w), reinterpret_cast<uint64_t*>(flags), fault);
     FT_CHECK_LAUNCH("ft_kio_publish_kernel<<<>>>");
@@ -227,7 +227,7 @@ inline void kio_publish(uint64_t stream, uint64_t x, uint64_t ids, bool ids_are_
 
 inline void kio_combine(uint64_t stream, uint64_t out, uint64_t y, bool y_is_f32, int n, uint64_t flags,
                         uint64_t timeout_ns) {
-    ft_kio_combine_kernel<<<1, 1024, 0, as_stream(stream)>>>(reinterpret_cast<uint16_t*>(out),
+    ft_kio_combine_kernel<<<1, ft_combine_threads(n), 0, as_stream(stream)>>>(reinterpret_cast<uint16_t*>(out),
                                                              reinterpret_cast<const void*>(y), y_is_f32 ? 1 : 0, n,
                                                              reinterpret_cast<uint64_t*>(flags), timeout_ns);
     FT_CHECK_LAUNCH("ft_kio_combine_kernel<<<>>>");

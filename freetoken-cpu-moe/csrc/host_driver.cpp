@@ -1,0 +1,75 @@
+#include "host_driver.h"
+
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "dispatch.h"
+#include "moe.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FT_PAUSE() _mm_pause()
+#else
+#define FT_PAUSE() std::this_thread::yield()
+#endif
+
+namespace ft {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+ft_flag_slot* slot_of(uint64_t desc) {
+    if (!desc) throw std::invalid_argument("drive_handoffs: null descriptor address");
+    const ft_task_desc* d = (const ft_task_desc*)(uintptr_t)desc;
+    if (!d->flag_slot) throw std::invalid_argument("drive_handoffs: descriptor has no flag slot");
+    return (ft_flag_slot*)(uintptr_t)d->flag_slot;
+}
+
+}  // namespace
+
+std::vector<uint64_t> drive_handoffs(const std::vector<uint64_t>& descs, int rounds, double timeout_ms) {
+    std::vector<ft_flag_slot*> slots;
+    for (uint64_t d : descs) slots.push_back(slot_of(d));
+    std::vector<uint64_t> out;
+    out.reserve((size_t)rounds * slots.size());
+    const auto limit = std::chrono::duration<double, std::milli>(timeout_ms);
+    for (int r = 0; r < rounds; ++r) {
+        for (size_t i = 0; i < slots.size(); ++i) {
+            ft_flag_slot* s = slots[i];
+            const auto t0 = Clock::now();
+            __atomic_store_n(&s->ready, 1, __ATOMIC_RELEASE);
+            uint32_t n = 0;
+            while (__atomic_load_n(&s->done, __ATOMIC_ACQUIRE) == 0) {
+                FT_PAUSE();
+                if ((++n & 1023) == 0 && Clock::now() - t0 > limit)
+                    throw std::runtime_error("drive_handoffs: task " + std::to_string(i) + " not done after " +
+                                             std::to_string(timeout_ms) + " ms (is a coordinator serving it?)");
+            }
+            const auto t1 = Clock::now();
+            __atomic_store_n(&s->done, 0, __ATOMIC_RELAXED);
+            const uint64_t err = __atomic_load_n(&s->err, __ATOMIC_ACQUIRE);
+            if (err) throw std::runtime_error("drive_handoffs: task " + std::to_string(i) + " failed with err " +
+                                              std::to_string(err));
+            out.push_back((uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count());
+        }
+    }
+    return out;
+}
+
+std::vector<uint64_t> time_run_task(const std::vector<uint64_t>& descs, int rounds, Pool& pool) {
+    const KernelTable& k = *active_kernels();
+    std::vector<uint64_t> out;
+    out.reserve((size_t)rounds * descs.size());
+    for (int r = 0; r < rounds; ++r) {
+        for (uint64_t d : descs) {
+            const auto t0 = Clock::now();
+            run_task((const ft_task_desc*)(uintptr_t)d, pool, k);
+            out.push_back((uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+        }
+    }
+    return out;
+}
+
+}  // namespace ft
