@@ -6,7 +6,7 @@ the GPU experts run, and adds the CPU result into the GPU result::
 
     KERNEL_IO      publish kernel (x, cpu ids, w -> mapped memory, ready)  | CPU workers
                    GPU experts                                             |  compute y,
-                   combine kernel (wait done, out += y, done = 0)          |  done = 1
+                   combine kernel (wait done, done = 0, out += y)          |  done = 1
     COPY           D2H copies + GpuSync.publish; GPU experts; GpuSync.wait + H2D + add
     HOST_CALLBACK  the copy path with host-callback sync (eager only)
     SYNCHRONOUS    the copy path with the CPU backend's synchronous GpuSync

@@ -15,7 +15,8 @@
  *   GPU:  writes inputs, fences at system scope, writes ready = 1
  *   CPU:  sees ready == 1 (acquire), writes ready = 0, computes, writes y,
  *         release-stores done = 1
- *   GPU:  waits done == 1, reads y, writes done = 0
+ *   GPU:  waits done == 1, reads y, writes done = 0 (in either order: the CPU
+ *         writes y again only after the next ready)
  * The watchdog, on a task not served in time, writes err != 0 and release-stores
  * done = 1, so the GPU side never hangs; the host side then raises.
  */

@@ -7,7 +7,7 @@
  *   ft_kio_publish_kernel  KernelIO publish: BF16 x + CPU routes + weights into mapped host
  *                          memory, __threadfence_system(), ready = 1; with no CPU route it
  *                          marks the task skipped (done = FT_DONE_SKIPPED) without waking the CPU
- *   ft_kio_combine_kernel  KernelIO combine: wait done != 0, out += y (mapped), done = 0
+ *   ft_kio_combine_kernel  KernelIO combine: wait done != 0, done = 0, out += y (mapped)
  * All flag words live in mapped host memory and are accessed through volatile
  * pointers (waits on done: acquire loads) so every read goes to memory. Waits are
  * bounded: on timeout the kernel writes err = FT_ERR_WATCHDOG, so a stream never hangs
@@ -258,6 +258,9 @@ __global__ void ft_kio_combine_kernel(uint16_t* __restrict__ out, const void* y,
     if (threadIdx.x == 0) {
         seen = ft_spin_until_nonzero(done, timeout_ns);
         ft_volatile_store(flags + FT_FLAG_GPU_DONE_SEEN_NS_OFFSET / 8, ft_now_ns()); /* diagnostic */
+        /* reset now: the posted write lands while y is read, so the fence at the end
+         * finds nothing left to wait for (the next ready on this slot comes later) */
+        ft_volatile_store(done, 0ull);
         if (seen == 0) ft_volatile_store(err, FT_ERR_WATCHDOG);
     }
     __syncthreads();
@@ -282,7 +285,6 @@ __global__ void ft_kio_combine_kernel(uint16_t* __restrict__ out, const void* y,
     __syncthreads();
     if (threadIdx.x == 0) {
         ft_volatile_store(flags + FT_FLAG_GPU_Y_READ_NS_OFFSET / 8, ft_now_ns()); /* diagnostic */
-        ft_volatile_store(done, 0ull);
         __threadfence_system();
     }
 }
