@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "activation.h"
+#include "fp_env.h"
 
 namespace ft {
 namespace {
@@ -150,6 +151,7 @@ void validate_bank(const ft_expert_bank& b) {
 }
 
 void moe_forward(const MoeCall& c, Pool& pool, const KernelTable& k) {
+    FlushDenormalsScope ftz;
     if (!c.bank) throw BadTask("moe: null expert bank");
     const ft_expert_bank& b = *c.bank;
     validate_bank(b);
@@ -317,6 +319,7 @@ void moe_forward(const MoeCall& c, Pool& pool, const KernelTable& k) {
 
 void linear_forward(const ft_weight_desc& w, const void* x, uint32_t x_fmt, uint32_t T, void* y, uint32_t y_fmt,
                     bool accumulate, Pool& pool, const KernelTable& k) {
+    FlushDenormalsScope ftz;
     validate_weight(w, "weights");
     if (!is_act_dtype(x_fmt) || !is_act_dtype(y_fmt)) throw BadTask("linear: activations must be f32, f16 or bf16");
     if (T == 0) return;
@@ -354,6 +357,7 @@ void linear_forward(const ft_weight_desc& w, const void* x, uint32_t x_fmt, uint
 }
 
 void run_task(const ft_task_desc* d, Pool& pool, const KernelTable& k) {
+    FlushDenormalsScope ftz;
     if (!d) throw BadTask("task: null descriptor address");
     if (d->abi_version != FT_HANDOFF_ABI_VERSION)
         throw BadTask("task: abi_version " + std::to_string(d->abi_version) + " != " +

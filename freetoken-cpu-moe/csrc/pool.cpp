@@ -1,5 +1,7 @@
 #include "pool.h"
 
+#include "fp_env.h"
+
 #include <pthread.h>
 #include <sched.h>
 
@@ -39,6 +41,7 @@ void Pool::close() {
 }
 
 void Pool::worker_main(int tid) {
+    set_flush_denormals();  // this thread only ever runs the kernels
     if (!cpus_.empty()) {
         cpu_set_t set;
         CPU_ZERO(&set);
