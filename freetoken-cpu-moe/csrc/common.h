@@ -128,8 +128,10 @@ static inline float half_to_float(uint16_t h) {
     float f;
     if (em >= 0x7c00u) {
         f = bits_to_float((em << 13) | 0x7f800000u);  // inf / nan
+    } else if (em >= 0x0400u) {
+        f = bits_to_float((em << 13) + (112u << 23));  // normal: exponent bias 15 -> 127
     } else {
-        f = bits_to_float(em << 13) * 0x1p112f;       // normal and subnormal
+        f = (float)em * 0x1p-24f;  // subnormal or zero, exactly (no float32 subnormal: safe under DAZ)
     }
     return bits_to_float(float_to_bits(f) | sign);
 }
