@@ -165,7 +165,7 @@ def tiny_gguf(tmp_path_factory):
     seed = random.randrange(1 << 30)
     path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
     ref = write_tiny_gguf(path, seed)
-    return path, hf_from_gguf_tensors(ref, model_kernel_rounding=True), hf_from_gguf_tensors(ref), seed
+    return path, hf_from_gguf_tensors(ref, model_kernel_rounding=True), hf_from_gguf_tensors(ref), seed, ref
 
 
 # The reference applies the kernels' int8 activation rounding (above), so what is
@@ -183,8 +183,8 @@ def tiny_gguf(tmp_path_factory):
 # matrix with its rows rolled by one: 1.3). It does NOT catch a uniform 5% scale error
 # on one expert matrix (checked: passes), which is why each format's
 # kernel is checked tightly (1e-4, boundary flips forgiven element by element) in
-# tests/cpu_moe; a tight per-layer GGUF comparison, which would stop flips from
-# propagating, is the next step for this file.
+# tests/cpu_moe, and why test_gguf_tensors_as_the_engine_runs_them below checks every
+# tensor of the file as the engine runs it, layer by layer, so that no flip propagates.
 def assert_close_rounding(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert got.shape == ref.shape, what
     scale = max(1.0, float(ref.abs().max()))
@@ -194,7 +194,7 @@ def assert_close_rounding(got: torch.Tensor, ref: torch.Tensor, what: str) -> No
 
 
 def test_gguf_logits_match_dequantized_hf(tiny_gguf):
-    path, model, _, seed = tiny_gguf
+    path, model, _, seed, _ = tiny_gguf
     rng = random.Random(seed)
     eng = engine_for(path, prefill_chunk=9)
     ids = [rng.randrange(V) for _ in range(30)]
@@ -204,7 +204,7 @@ def test_gguf_logits_match_dequantized_hf(tiny_gguf):
 
 
 def test_gguf_decode_through_cache(tiny_gguf):
-    path, model, _, seed = tiny_gguf
+    path, model, _, seed, _ = tiny_gguf
     rng = random.Random(seed + 1)
     eng = engine_for(path)
     eng.capture_logits = True
@@ -234,3 +234,81 @@ def test_gguf_without_tokenizer_rejects_text(tiny_gguf):
         llm.generate("hello", SamplingParams(max_tokens=2))
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 2 and out[0].text == ""
+
+
+def _cpu_moe_reference():
+    """tests/cpu_moe's quantization-aware float64 MoE reference (gguf-py free: it takes
+    dequantized matrices)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "cpu_moe_reference" in sys.modules:  # tests/cpu_moe ran in this session
+        return sys.modules["cpu_moe_reference"]
+    path = Path(__file__).resolve().parents[1] / "cpu_moe" / "cpu_moe_reference.py"
+    spec = importlib.util.spec_from_file_location("cpu_moe_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cpu_moe_reference"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+_FMT_NAME = {Fmt.Q8_0: "q8_0", Fmt.Q4_K: "q4_k", Fmt.Q5_K: "q5_k", Fmt.Q6_K: "q6_k", Fmt.F16: "f16", Fmt.BF16: "bf16"}
+
+
+def test_gguf_tensors_as_the_engine_runs_them(tiny_gguf):
+    """Every tensor of the file as the engine runs it, layer by layer against gguf-py's
+    dequantization, so no int8 rounding flip carries from one op to the next:
+
+    * each projection (fused q/k/v, o, output head) applied to the identity: a unit row
+      quantizes to int8 exactly, so row j of the result is column j of the matrix the
+      kernels hold, to float32 rounding (1e-5);
+    * each layer's experts on random tokens and routes against the quantization-aware
+      float64 MoE of tests/cpu_moe, boundary cases forgiven element by element (1e-4);
+    * router, norms and embedding rows.
+    A uniform 5% scale error on one expert matrix, which the end-to-end bound above lets
+    through, fails here."""
+    import freetoken_cpu_moe as cm
+
+    path, _, _, seed, ref = tiny_gguf
+    reference = _cpu_moe_reference()
+    rng = np.random.default_rng(seed)
+    model = engine_for(path).model
+
+    def close(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float = 1e-5) -> None:
+        err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+        assert err <= rtol, f"seed {seed}: {what}: max error {err:.3g} of its scale"
+
+    eye = torch.eye(H, dtype=torch.float32)
+    close(model.lm_head(eye), ref["output.weight"].T, "output head")
+    ids = torch.from_numpy(rng.integers(0, V, 12))
+    close(model.embed(ids).float(), ref["token_embd.weight"][ids], "embedding rows")
+    close(model.norm.float(), ref["output_norm.weight"], "output norm", 0.0)
+    for i, L in enumerate(model.layers):
+        g = lambda n: ref[f"blk.{i}.{n}.weight"]  # noqa: E731
+        q, k, v = L.qkv(eye)
+        close(q, g("attn_q").T, f"layer {i} attn_q")
+        close(k, g("attn_k").T, f"layer {i} attn_k")
+        close(v, g("attn_v").T, f"layer {i} attn_v")
+        close(L.o(torch.eye(HEADS * HD, dtype=torch.float32)), g("attn_output").T, f"layer {i} attn_output")
+        close(L.in_norm.float(), g("attn_norm"), f"layer {i} attn_norm", 0.0)
+        close(L.post_norm.float(), g("ffn_norm"), f"layer {i} ffn_norm", 0.0)
+        close(L.q_norm.float(), g("attn_q_norm"), f"layer {i} attn_q_norm", 0.0)
+        close(L.k_norm.float(), g("attn_k_norm"), f"layer {i} attn_k_norm", 0.0)
+        # router: top-k of softmax(x @ router.T), renormalized (norm_topk_prob)
+        x = rng.standard_normal((6, H)).astype(np.float32)
+        got_ids, got_w = L.moe.route(torch.from_numpy(x))
+        probs = torch.softmax(torch.from_numpy(x).double() @ g("ffn_gate_inp").double().T, dim=-1)
+        want_w, want_ids = probs.topk(K, dim=-1)
+        assert torch.equal(got_ids.long(), want_ids), f"seed {seed}: layer {i} routes"
+        close(got_w, want_w / want_w.sum(-1, keepdim=True), f"layer {i} route weights")
+        # experts, fed directly (the same routes as a decode step would give them)
+        mix = MIX[i]
+        raws = [reference.RawWeights(_FMT_NAME[mix[n]], None, None, g(n).double().numpy())
+                for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]  # fmt: skip
+        perm = rng.permutation(E)  # every expert serves some token
+        route_ids = np.array([[perm[(t + j) % E] for j in range(K)] for t in range(6)], dtype=np.int32)
+        route_w = rng.random((6, K)).astype(np.float32)
+        y = cm.moe_forward(L.moe.bank, x, route_ids, route_w)
+        err = reference.moe_error(np.asarray(y, dtype=np.float64), raws, x.astype(np.float64), route_ids, route_w)
+        assert err < 1e-4, f"seed {seed}: layer {i} experts: error {err:.3g}"
