@@ -274,8 +274,8 @@ def _stage_split(coordinator: Any, replay: Any, tasks: list[Any], iters: int, ke
     of one hand-off); ``step_gap``: the same across a step boundary (graph launch).
     With the KernelIO kernels' clock stamps the gap splits further, exactly (the offset
     between the GPU and host clocks cancels in the sum): ``combine_read`` = GPU saw done
-    -> y read and added; ``kernel_boundary`` = -> next layer's publish kernel entry (done
-    reset, fence, launch); ``publish_body`` = -> its stamp before the fence (route split,
+    -> y read and added; ``kernel_boundary`` = -> next layer's publish kernel entry
+    (combine's closing fence, kernel end, launch); ``publish_body`` = -> its stamp before the fence (route split,
     x/ids/w stores); ``signal_latency`` = the rest (the publish fence and ready reaching
     the CPU, plus done reaching the GPU).
     """
