@@ -9,13 +9,7 @@
 
 #include "dispatch.h"
 #include "moe.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define FT_PAUSE() _mm_pause()
-#else
-#define FT_PAUSE() std::this_thread::yield()
-#endif
+#include "spin_pause.h"
 
 namespace ft {
 namespace {
@@ -228,7 +222,7 @@ void Coordinator::loop_main() {
         }
         if (std::chrono::duration<double, std::micro>(now - last_work).count() < spin_us_) {
             // a short pause between sweeps: a raised flag is seen within ~0.1 us
-            for (int i = 0; i < 2; ++i) FT_PAUSE();
+            for (int i = 0; i < 2; ++i) cpu_pause();
             if ((++idle_sweeps & 63) == 0) std::this_thread::yield();  // share the CPU if oversubscribed
             continue;
         }

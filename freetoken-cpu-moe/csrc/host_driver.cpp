@@ -7,13 +7,7 @@
 
 #include "dispatch.h"
 #include "moe.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define FT_PAUSE() _mm_pause()
-#else
-#define FT_PAUSE() std::this_thread::yield()
-#endif
+#include "spin_pause.h"
 
 namespace ft {
 namespace {
@@ -42,7 +36,7 @@ std::vector<uint64_t> drive_handoffs(const std::vector<uint64_t>& descs, int rou
             __atomic_store_n(&s->ready, 1, __ATOMIC_RELEASE);
             uint32_t n = 0;
             while (__atomic_load_n(&s->done, __ATOMIC_ACQUIRE) == 0) {
-                FT_PAUSE();
+                cpu_pause();
                 if ((++n & 1023) == 0 && Clock::now() - t0 > limit)
                     throw std::runtime_error("drive_handoffs: task " + std::to_string(i) + " not done after " +
                                              std::to_string(timeout_ms) + " ms (is a coordinator serving it?)");

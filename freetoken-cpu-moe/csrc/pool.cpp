@@ -1,7 +1,5 @@
 #include "pool.h"
 
-#include "fp_env.h"
-
 #include <pthread.h>
 #include <sched.h>
 
@@ -9,12 +7,8 @@
 #include <memory>
 #include <stdexcept>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define FT_PAUSE() _mm_pause()
-#else
-#define FT_PAUSE() std::this_thread::yield()
-#endif
+#include "fp_env.h"
+#include "spin_pause.h"
 
 namespace ft {
 
@@ -54,7 +48,7 @@ void Pool::worker_main(int tid) {
         auto t0 = Clock::now();
         uint32_t n = 0;
         while (gen_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_relaxed)) {
-            FT_PAUSE();
+            cpu_pause();
             if ((++n & 63) != 0) continue;
             // let another thread on this CPU (the caller, on an oversubscribed machine) run
             std::this_thread::yield();
@@ -101,7 +95,7 @@ void Pool::run(const std::function<void(int)>& fn) {
     }
     uint32_t n = 0;
     while (pending_.load(std::memory_order_acquire) != 0) {
-        FT_PAUSE();
+        cpu_pause();
         if ((++n & 63) == 0) std::this_thread::yield();
     }
     job_ = nullptr;
@@ -167,7 +161,7 @@ void Pool::run_phases(const std::vector<Phase>& phases) {
             arrived[p].fetch_add(1, std::memory_order_acq_rel);
             uint32_t spins = 0;
             while (arrived[p].load(std::memory_order_acquire) < nt) {
-                FT_PAUSE();
+                cpu_pause();
                 if ((++spins & 63) == 0) std::this_thread::yield();
             }
         }
