@@ -1,15 +1,45 @@
 """Fixtures of the GPU tests (run on the H200 machine; skipped without a GPU).
 
-Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors: the switch is
-read when :mod:`freetoken.moe.triton_moe` is imported (by the tests, after this file), so
-it is set here, first, for the whole session.
+Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors: Triton reads
+``TRITON_INTERPRET`` when a kernel is decorated, i.e. when :mod:`freetoken.moe.triton_moe`
+is imported (by the tests, after this file), so it is set here, first, for the whole
+session, together with the interpreter's bfloat16 ``tl.dot`` fix below.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
+
+
+def _widen_bf16_dots_in_interpreter() -> None:
+    """Triton 3.6's interpreter holds bfloat16 values as their raw uint16 bits and its
+    ``tl.dot`` multiplies those bits as integers. Widen bfloat16 operands to float32
+    before the product instead (exact: a bf16 x bf16 product is exact in float32, and the
+    kernels accumulate in float32), which is what the GPU's bf16 MMAs compute."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    create_dot = builder.create_dot
+    if getattr(create_dot, "widens_bf16", False):
+        return
+
+    def widen(t: Any) -> Any:
+        if t.dtype == tl.bfloat16 and t.data.dtype == np.uint16:
+            # a bfloat16 is the top half of the float32 of the same value
+            data = (t.data.astype(np.uint32) << np.uint32(16)).view(np.float32)
+            return interpreter.TensorHandle(data, tl.float32)
+        return t
+
+    def create_dot_widening_bf16(self: Any, a: Any, b: Any, d: Any, *args: Any) -> Any:
+        return create_dot(self, widen(a), widen(b), d, *args)
+
+    create_dot_widening_bf16.widens_bf16 = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot_widening_bf16
 
 
 def _interpret_triton_without_gpu() -> None:
@@ -17,6 +47,12 @@ def _interpret_triton_without_gpu() -> None:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        import triton
+    except ImportError:
+        return
+    if triton.knobs.runtime.interpret:
+        _widen_bf16_dots_in_interpreter()
 
 
 _interpret_triton_without_gpu()

@@ -19,8 +19,9 @@ import torch
 pytest.importorskip("freetoken_cpu_moe")
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+
 from freetoken.cli.bench import moe_layer  # noqa: E402
-from freetoken.moe import triton_moe  # noqa: E402
 
 
 def _fake_backend_class():
@@ -49,7 +50,7 @@ class _HostEvent:
 def fake_cuda(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("CPU smoke test of the benchmark (the GPU runs the real one)")
-    if not triton_moe.INTERPRETED:
+    if not triton.knobs.runtime.interpret:
         pytest.skip("Triton's interpreter is off")
     backend = _fake_backend_class()()
     monkeypatch.setattr("freetoken.backends.registry.get_backend", lambda name=None: backend)

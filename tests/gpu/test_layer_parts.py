@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.moe.gpu_experts import GpuExperts, random_experts, reference_experts
+from expert_reference import random_experts, reference_experts
+
+from freetoken.moe.gpu_experts import GpuExperts
 from freetoken.moe.placement import Placement, split_routes
 
 

@@ -1,13 +1,14 @@
 """The fused MoE kernels (freetoken.moe.triton_moe) behind GpuExperts(impl="triton").
 
 Every result is compared, token row by token row, with the float64 per-route loop
-(:func:`reference_experts`) on fresh random inputs; outputs are poisoned (NaN) first;
-ids hold -1 (routes not on the GPU), duplicates within a token and across tokens, and
-tokens with no GPU route at all (their row must come out exactly zero).
+(:func:`expert_reference.reference_experts`) on fresh random inputs; outputs are poisoned
+(NaN) first; ids hold -1 (routes not on the GPU), duplicates within a token and across
+tokens, and tokens with no GPU route at all (their row must come out exactly zero).
 
 Without a GPU (CPU CI) the kernels run in Triton's interpreter on CPU tensors at small
-sizes (conftest.py sets TRITON_INTERPRET=1); with one, the same tests run compiled on the
-GPU, and the tests marked ``gpu`` add realistic sizes, graph capture and the hybrid layer.
+sizes (conftest.py sets TRITON_INTERPRET=1 and fixes the interpreter's bf16 dots); with
+one, the same tests run compiled on the GPU, and the tests marked ``gpu`` add realistic
+sizes, graph capture and the hybrid layer.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+from expert_reference import random_experts, reference_experts  # noqa: E402
+
 from freetoken.moe import triton_moe  # noqa: E402
-from freetoken.moe.gpu_experts import GpuExperts, default_impl, random_experts, reference_experts  # noqa: E402
+from freetoken.moe.gpu_experts import GpuExperts, default_impl  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and not triton_moe.INTERPRETED:
+if DEV == "cpu" and not triton.knobs.runtime.interpret:
     pytest.skip("no GPU and Triton's interpreter is off (TRITON_INTERPRET unset at import)", allow_module_level=True)
 
 # small shapes for the interpreter: ragged against every block (200 = 128 + 72, 72 = 64 + 8)
@@ -112,15 +116,12 @@ def test_no_gpu_route_gives_zeros_and_return_dtype():
     check_rows(y, reference_experts(x, ids, w, gate, up, down), BF16_TOL)
 
 
-def test_impl_selection(monkeypatch):
+def test_impl_selection():
     gate, up, down = random_experts(4, 32, 16, torch.float32)
     assert default_impl("cpu")[0] == "torch"
     assert GpuExperts(gate, up, down).impl == "torch"
     with pytest.raises(ValueError, match="implementation"):
         GpuExperts(gate, up, down, impl="cutlass")
-    monkeypatch.setattr(triton_moe, "INTERPRETED", False)
-    with pytest.raises(ValueError, match="interpreter"):
-        GpuExperts(gate, up, down, impl="triton")
     with pytest.raises(ValueError, match="dtypes differ"):
         GpuExperts(gate, up, down.double())
     with pytest.raises(ValueError, match="power of two"):

@@ -41,14 +41,13 @@ def compile_pair(block_t: int, block_k: int, wdt: str = "bf16", xdt: str = "bf16
     sig = {"x_ptr": f"*{xdt}", "ids_ptr": f"*{idt}", "gate_ptr": f"*{wdt}", "up_ptr": f"*{wdt}", "h_ptr": f"*{wdt}",
            "y_ptr": "*fp32", "T": "i32", "K": "i32"}  # fmt: skip
     consts = dict(H=hidden, I=inter, ZERO_COLS=zero_cols, ACT=act, ALPHA=1.702, LIMIT=7.0, PRECISION=precision,
-                  DOT_UPCAST=False, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_I=cfg.block_i,
-                  BLOCK_H=cfg.block_h)  # fmt: skip
+                  BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h)  # fmt: skip
     sig.update({k: "constexpr" for k in consts})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}
     gate_up = triton.compile(ASTSource(tm._gate_up_kernel, sig, consts, aligned), target=target, options=options)
     sig = {"h_ptr": f"*{wdt}", "ids_ptr": f"*{idt}", "w_ptr": f"*{rwdt}", "down_ptr": f"*{wdt}", "y_ptr": "*fp32",
            "T": "i32", "K": "i32"}  # fmt: skip
-    consts = dict(H=hidden, I=inter, PRECISION=precision, DOT_UPCAST=False, BLOCK_T=block_t, BLOCK_K=block_k,
+    consts = dict(H=hidden, I=inter, PRECISION=precision, BLOCK_T=block_t, BLOCK_K=block_k,
                   BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r)  # fmt: skip
     sig.update({k: "constexpr" for k in consts})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(5)}
@@ -69,7 +68,7 @@ def describe(kernel: Any) -> dict[str, Any]:
 
 
 def main() -> int:
-    if tm.INTERPRETED:
+    if triton.knobs.runtime.interpret:
         print("TRITON_INTERPRET is set: nothing to compile", file=sys.stderr)
         return 2
     report = {}

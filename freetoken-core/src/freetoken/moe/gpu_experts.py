@@ -22,7 +22,6 @@ implementation instead (logged once; counted in ``capture_fallbacks``).
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Iterable, Optional
 
 log = logging.getLogger(__name__)
@@ -33,7 +32,7 @@ IMPLS = ("triton", "torch")
 
 def default_impl(device: Any) -> tuple[str, str]:
     """(implementation, why) for experts on ``device``: Triton on NVIDIA GPUs of compute
-    capability >= 8.0 where triton imports (and is not the interpreter), else torch."""
+    capability >= 8.0 where triton imports, else torch."""
     import torch
 
     dev = torch.device(device)
@@ -43,26 +42,18 @@ def default_impl(device: Any) -> tuple[str, str]:
     if cap < (8, 0):
         return "torch", f"compute capability {cap} < (8, 0)"
     try:
-        from freetoken.moe import triton_moe
+        from freetoken.moe import triton_moe  # noqa: F401
     except ImportError as exc:
         return "torch", f"triton is not importable: {exc}"
-    if triton_moe.INTERPRETED:
-        return "torch", "TRITON_INTERPRET is set"
     return "triton", f"triton on compute capability {cap}"
 
 
-def _check_triton(device: Any) -> None:
-    """Raise ValueError when the Triton implementation cannot run on ``device``."""
-    import torch
-
+def _check_triton() -> None:
+    """Raise ValueError when triton (the Triton implementation) does not import."""
     try:
-        from freetoken.moe import triton_moe
+        from freetoken.moe import triton_moe  # noqa: F401
     except ImportError as exc:
         raise ValueError(f"impl='triton' needs triton: {exc}") from exc
-    if torch.device(device).type == "cpu" and not triton_moe.INTERPRETED:
-        raise ValueError(
-            "impl='triton' on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported"
-        )
 
 
 def _act(gate: Any, up: Any, activation: str, alpha: float = 1.702, limit: float = 7.0) -> Any:
@@ -104,7 +95,7 @@ class GpuExperts:
         elif impl not in IMPLS:
             raise ValueError(f"unknown GPU experts implementation {impl!r}; expected one of {IMPLS}")
         elif impl == "triton":
-            _check_triton(gate.device)
+            _check_triton()
         self.impl = impl
         if block_config is not None:
             block_config.validate()
@@ -209,36 +200,3 @@ class GpuExperts:
         out.copy_(y)
         return out
 
-
-def reference_experts(x: Any, ids: Any, w: Any, gate: Any, up: Any, down: Any, activation: str = "silu") -> Any:
-    """Float64 per-route loop on the CPU (the independent reference for tests/qualification)."""
-    import torch
-
-    x64 = x.detach().cpu().double()
-    g64, u64, d64 = (t.detach().cpu().double() for t in (gate, up, down))
-    ids_c, w_c = ids.detach().cpu(), w.detach().cpu().double()
-    y = torch.zeros(x64.shape[0], d64.shape[1], dtype=torch.float64)
-    for t in range(x64.shape[0]):
-        for k in range(ids_c.shape[1]):
-            e = int(ids_c[t, k])
-            if e < 0:
-                continue
-            h = _act(g64[e] @ x64[t], u64[e] @ x64[t], activation)
-            y[t] += w_c[t, k] * (d64[e] @ h)
-    return y
-
-
-def random_experts(
-    num_experts: int, hidden: int, intermediate: int, dtype: Any, device: Any = "cpu", generator: Any = None
-) -> tuple[Any, Any, Any]:
-    """Random expert weights scaled so activations stay O(1) (tests, qualification)."""
-    import torch
-
-    def mk(*shape: int, fan_in: int) -> Any:
-        return (torch.randn(*shape, generator=generator) / math.sqrt(fan_in)).to(dtype).to(device)
-
-    return (
-        mk(num_experts, intermediate, hidden, fan_in=hidden),
-        mk(num_experts, intermediate, hidden, fan_in=hidden),
-        mk(num_experts, hidden, intermediate, fan_in=intermediate),
-    )

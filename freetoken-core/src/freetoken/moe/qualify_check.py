@@ -3,11 +3,12 @@ inputs and routes, eager steps or graph replays, compared with the oracle.
 
 Oracle: the CPU routes through ``freetoken_cpu_moe.moe_forward`` (synchronous CPU
 execution of the same BF16 expert bank) plus the GPU routes through a float64 torch
-loop (:func:`freetoken.moe.gpu_experts.reference_experts`). Never the path itself.
+loop (:func:`_oracle_gpu_routes`). Never the path itself.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Optional
 
@@ -26,6 +27,41 @@ class CheckFailure(AssertionError):
         self.record = record
 
 
+def _random_layer(num_experts: int, hidden: int, intermediate: int, generator: Any) -> tuple[Any, Any, Any]:
+    """The check's random BF16 experts on the CPU: ``gate/up [E, I, H]``, ``down [E, H, I]``,
+    scaled by 1/sqrt(fan-in) so activations stay O(1)."""
+    import torch
+
+    def mk(*shape: int, fan_in: int) -> Any:
+        return (torch.randn(*shape, generator=generator) / math.sqrt(fan_in)).to(torch.bfloat16)
+
+    return (
+        mk(num_experts, intermediate, hidden, fan_in=hidden),
+        mk(num_experts, intermediate, hidden, fan_in=hidden),
+        mk(num_experts, hidden, intermediate, fan_in=intermediate),
+    )
+
+
+def _oracle_gpu_routes(x: Any, gpu_ids: Any, w: Any, gate: Any, up: Any, down: Any) -> Any:
+    """The oracle of the GPU routes: ``sum_k w[t,k] * down_e(silu(gate_e x_t) * up_e x_t)``
+    over routes with id >= 0, in float64 on the CPU, one route at a time; ``[T, H]``."""
+    import torch
+    import torch.nn.functional as F
+
+    x64 = x.detach().cpu().double()
+    g64, u64, d64 = (t.detach().cpu().double() for t in (gate, up, down))
+    ids_c, w_c = gpu_ids.detach().cpu(), w.detach().cpu().double()
+    y = torch.zeros(x64.shape[0], d64.shape[1], dtype=torch.float64)
+    for t in range(x64.shape[0]):
+        for k in range(ids_c.shape[1]):
+            e = int(ids_c[t, k])
+            if e < 0:
+                continue
+            h = F.silu(g64[e] @ x64[t]) * (u64[e] @ x64[t])
+            y[t] += w_c[t, k] * (d64[e] @ h)
+    return y
+
+
 def _cpu_moe() -> Any:
     try:
         import freetoken_cpu_moe
@@ -40,7 +76,7 @@ class QualLayer:
     def __init__(self, backend: Backend, act_dtype: Any, config: Any) -> None:
         import torch
 
-        from freetoken.moe.gpu_experts import GpuExperts, random_experts
+        from freetoken.moe.gpu_experts import GpuExperts
 
         cm = _cpu_moe()
         self.cm = cm
@@ -50,12 +86,12 @@ class QualLayer:
         seed = config.seed if config.seed is not None else time.time_ns() % (2**31)
         self.gen = torch.Generator().manual_seed(seed)
         e, h, i = config.num_experts, config.hidden, config.intermediate
-        self.gate, self.up, self.down = random_experts(e, h, i, torch.bfloat16, "cpu", self.gen)
+        self.gate, self.up, self.down = _random_layer(e, h, i, self.gen)
         self.bank = cm.ExpertBank(
             cm.Weights(self.gate, "bf16", e, i, h), cm.Weights(self.up, "bf16", e, i, h), cm.Weights(self.down, "bf16", e, h, i)
         )
         dev = backend.device()
-        self.experts = GpuExperts(self.gate.to(dev), self.up.to(dev), self.down.to(dev))
+        self.experts = GpuExperts(self.gate.to(dev), self.up.to(dev), self.down.to(dev), "silu")  # the oracle's
         self.pool = cm.Pool(config.cpu_threads)
         self.coordinator = cm.Coordinator(pool=self.pool, watchdog_ms=config.watchdog_ms)
         self.coordinator.start()
@@ -109,11 +145,10 @@ class QualLayer:
     def oracle(self, x: Any, ids: Any, w: Any, mask: Any) -> Any:
         import torch
 
-        from freetoken.moe.gpu_experts import reference_experts
         from freetoken.moe.placement import split_routes
 
         gpu_ids, cpu_ids = split_routes(ids, mask)
-        ref = reference_experts(x, gpu_ids, w, self.gate, self.up, self.down)
+        ref = _oracle_gpu_routes(x, gpu_ids, w, self.gate, self.up, self.down)
         if bool(mask.any()):
             y_cpu = self.cm.moe_forward(self.bank, x.contiguous(), cpu_ids.contiguous(), w.contiguous(), out_dtype="float32")
             ref = ref + torch.as_tensor(y_cpu).double()

@@ -17,10 +17,8 @@ of the distinct routed experts, each once per token tile::
 gets one ``h`` and the sum of both weights, which is the same sum. Tokens are padded to a
 block of at least 16 rows (``tl.dot`` needs M, N, K >= 16) and masked.
 
-Which Triton runs the kernels is decided when this module is imported: with
-``TRITON_INTERPRET=1`` set before triton is imported they are interpreted on CPU tensors
-(tests in CPU CI), otherwise compiled for the GPU. Import it lazily (only when the Triton
-implementation is selected) so the choice is the caller's.
+triton is optional: import this module lazily, only when the Triton implementation is
+selected.
 """
 
 from __future__ import annotations
@@ -33,8 +31,6 @@ import triton
 import triton.language as tl
 
 log = logging.getLogger(__name__)
-
-INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +70,7 @@ def _gate_up_kernel(
     x_ptr, ids_ptr, gate_ptr, up_ptr, h_ptr, y_ptr,
     T, K,
     H: tl.constexpr, I: tl.constexpr, ZERO_COLS: tl.constexpr,
-    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     pid_e = tl.program_id(0)
@@ -110,8 +106,6 @@ def _gate_up_kernel(
             u = tl.load(up_ptr + w_off, mask=w_mask, other=0.0)
             xt = tl.load(x_ptr + offs_t[:, None] * H + offs_h[None, :], mask=tok[:, None] & h_ok[None, :], other=0.0)
             xt = xt.to(g.dtype)
-            if DOT_UPCAST:
-                xt, g, u = xt.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
             acc_g = tl.dot(xt, tl.trans(g), acc_g, input_precision=PRECISION)
             acc_u = tl.dot(xt, tl.trans(u), acc_u, input_precision=PRECISION)
         if ACT == 0:  # silu
@@ -131,7 +125,7 @@ def _down_kernel(
     h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr,
     T, K,
     H: tl.constexpr, I: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     pid_e = tl.program_id(0)
@@ -161,8 +155,6 @@ def _down_kernel(
                         other=0.0)  # fmt: skip
             hv = tl.load(h_ptr + h_row[:, None] + offs_r[None, :], mask=tok[:, None] & r_ok[None, :], other=0.0)
             hv = hv.to(d.dtype)
-            if DOT_UPCAST:
-                hv, d = hv.to(tl.float32), d.to(tl.float32)
             acc = tl.dot(hv, tl.trans(d), acc, input_precision=PRECISION)
         acc = acc * coef[:, None]
         y_off = offs_t[:, None] * H + offs_n[None, :]
@@ -203,19 +195,14 @@ def launch(
     i_tiles = triton.cdiv(inter, config.block_i)
     zero_cols = triton.cdiv(triton.cdiv(hidden, i_tiles), config.block_h) * config.block_h
     precision = "ieee" if gate.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
-    # Triton 3.6's interpreter multiplies bfloat16 dot operands as their raw bits: widen them to
-    # float32 there (exact: a bf16 x bf16 product is exact in float32, accumulation is float32 anyway)
-    upcast = INTERPRETED and gate.dtype == torch.bfloat16
-    if upcast:
-        precision = "ieee"
     opts = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     _gate_up_kernel[(num_experts, i_tiles, t_tiles)](
         x, ids, gate, up, h, y, tokens, top_k, H=hidden, I=inter, ZERO_COLS=zero_cols,
-        ACT=ACT_CODES[activation], ALPHA=float(alpha), LIMIT=float(limit), PRECISION=precision, DOT_UPCAST=upcast,
+        ACT=ACT_CODES[activation], ALPHA=float(alpha), LIMIT=float(limit), PRECISION=precision,
         BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_I=config.block_i, BLOCK_H=config.block_h, **opts,
     )  # fmt: skip
     _down_kernel[(num_experts, triton.cdiv(hidden, config.block_n), t_tiles)](
         h, ids, w, down, y, tokens, top_k, H=hidden, I=inter,
-        PRECISION=precision, DOT_UPCAST=upcast,
+        PRECISION=precision,
         BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_N=config.block_n, BLOCK_R=config.block_r, **opts,
     )  # fmt: skip

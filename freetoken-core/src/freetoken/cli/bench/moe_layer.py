@@ -328,15 +328,17 @@ def split_trace(trace: list[Any], order: dict[int, int], step_us: float, key: st
     return out
 
 
-def _host_driven(cm: Any, pool: Any, coordinator: Any, tasks: list[Any], iters: int, prefix: str) -> dict[str, float]:
+def _host_driven(pool: Any, coordinator: Any, tasks: list[Any], iters: int, prefix: str) -> dict[str, float]:
     """The same CPU tasks run from a native loop (no Python) and handed off through the
     coordinator by a native host thread standing in for the GPU: their difference is the
     coordinator's own cost (seeing ready, waking the pool, releasing done)."""
-    direct = cm.time_run_task(tasks, iters, pool=pool)
+    from freetoken_cpu_moe.timing import drive_handoffs, time_run_task
+
+    direct = time_run_task(tasks, iters, pool=pool)
     for task in tasks:
         coordinator.add_task(task)
     try:
-        driven = cm.drive_handoffs(tasks, iters)
+        driven = drive_handoffs(tasks, iters)
     finally:
         for task in tasks:
             coordinator.remove_task(task)
@@ -351,13 +353,15 @@ def _gpu_impls(device: Any) -> tuple[list[str], str]:
     kernels compile and run on a small smoke input) and why Triton is missing, if it is."""
     import torch
 
-    from freetoken.moe.gpu_experts import GpuExperts, default_impl, random_experts
+    from freetoken.moe.gpu_experts import GpuExperts, default_impl
 
     impl, why = default_impl(device)
     if impl != "triton":
         return ["torch"], why
     try:
-        experts = GpuExperts(*(t.to(device) for t in random_experts(4, 256, 128, torch.bfloat16)), impl="triton")
+        gate, up = (torch.randn(4, 128, 256, device=device).to(torch.bfloat16) / 16 for _ in range(2))
+        down = torch.randn(4, 256, 128, device=device).to(torch.bfloat16) / 11
+        experts = GpuExperts(gate, up, down, impl="triton")
         ids = torch.tensor([[0, 3], [-1, 3]], dtype=torch.int32, device=device)
         experts.forward(torch.randn(2, 256, device=device).to(torch.bfloat16), ids, torch.rand(2, 2, device=device))
         torch.cuda.synchronize()
@@ -494,7 +498,7 @@ class _Bench:
             for name, graph in graphs.items():
                 tasks = [ex.task_for(T) for ex in executors[name]]
                 self.stages.update(_stage_split(coordinator, graph.replay, tasks, args.iters, f"{prefix}{name}_graph"))
-            self.stages.update(_host_driven(cm, pool, coordinator, cpu_tasks, args.iters, prefix))
+            self.stages.update(_host_driven(pool, coordinator, cpu_tasks, args.iters, prefix))
         for exs in executors.values():
             for ex in exs:
                 ex.close()

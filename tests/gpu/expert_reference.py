@@ -1,0 +1,58 @@
+"""Independent reference for the GPU expert tests: random expert weights and a float64
+per-route loop on the CPU that the implementations of ``GpuExperts`` are compared with."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def _activate(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0) -> Any:
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    if activation == "swiglu_oai":
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return gate * torch.sigmoid(alpha * gate) * (up + 1)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def reference_experts(
+    x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:  # fmt: skip
+    """``sum_k w[t,k] * down_e(act(gate_e x_t) * up_e x_t)`` over routes with id >= 0, in
+    float64 on the CPU, one route at a time; ``[T, H]`` float64."""
+    x64 = x.detach().cpu().double()
+    g64, u64, d64 = (t.detach().cpu().double() for t in (gate, up, down))
+    ids_c, w_c = ids.detach().cpu(), w.detach().cpu().double()
+    y = torch.zeros(x64.shape[0], d64.shape[1], dtype=torch.float64)
+    for t in range(x64.shape[0]):
+        for k in range(ids_c.shape[1]):
+            e = int(ids_c[t, k])
+            if e < 0:
+                continue
+            h = _activate(g64[e] @ x64[t], u64[e] @ x64[t], activation)
+            y[t] += w_c[t, k] * (d64[e] @ h)
+    return y
+
+
+def random_experts(
+    num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device: Any = "cpu",
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Random ``gate/up [E, I, H]`` and ``down [E, H, I]`` scaled so activations stay O(1)."""
+
+    def mk(*shape: int, fan_in: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) / math.sqrt(fan_in)).to(dtype).to(device)
+
+    return (
+        mk(num_experts, intermediate, hidden, fan_in=hidden),
+        mk(num_experts, intermediate, hidden, fan_in=hidden),
+        mk(num_experts, hidden, intermediate, fan_in=intermediate),
+    )
