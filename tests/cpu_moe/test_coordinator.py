@@ -18,6 +18,7 @@ from freetoken import handoff
 from freetoken.backends.contract import HandoffError
 from cpu_moe_reference import moe_error, random_routes
 from cpu_moe_tasks import err_name, fill_inputs, gpu_handoff, new_task
+from freetoken_cpu_moe.timing import drive_handoffs, time_run_task
 
 
 def thread_count() -> int:
@@ -205,7 +206,7 @@ def test_native_driver_trace_and_busy_time(bank_for, rng) -> None:
         coord.trace_start()
         before = coord.stats()
         t0 = time.monotonic_ns()
-        round_trips = cm.drive_handoffs(tasks, rounds)
+        round_trips = drive_handoffs(tasks, rounds)
         t1 = time.monotonic_ns()
         after = coord.stats()
         trace = coord.trace()
@@ -225,7 +226,7 @@ def test_native_driver_times_out_without_a_coordinator(bank_for) -> None:
     case = bank_for("f16")
     task = new_task(case.bank, max_tokens=1, top_k=1, act_dtype=torch.float32, out_dtype=torch.float32)
     with pytest.raises(RuntimeError, match="not done after"):
-        cm.drive_handoffs([task], 1, timeout_ms=20)
+        drive_handoffs([task], 1, timeout_ms=20)
     task.flags.ready = 0
 
 
@@ -236,6 +237,6 @@ def test_time_run_task_computes_each_task(bank_for, rng) -> None:
     ids, w = random_routes(rng, 2, 2, case.E)
     fill_inputs(task, x, ids, w)
     task.y.fill_(float("nan"))
-    times = cm.time_run_task([task], 4)
+    times = time_run_task([task], 4)
     assert len(times) == 4 and all(ns > 0 for ns in times)
     assert moe_error(task.y[:2].double().numpy(), case.raw, x.double().numpy(), ids, w) < 1e-3

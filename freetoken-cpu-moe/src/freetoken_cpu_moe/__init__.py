@@ -4,6 +4,7 @@ Expert weights are read in the checkpoint's own layout (F32/F16/BF16, FP8 E4M3
 with 128x128 block scales, GGUF Q8_0/Q4_K/Q5_K/Q6_K) by kernels picked at run
 time for this CPU (AVX-512, AVX2, scalar), on a persistent worker pool. The
 :class:`Coordinator` serves GPU/CPU hand-off tasks (``freetoken/handoff.h``).
+The benchmarks' timing harnesses are in :mod:`freetoken_cpu_moe.timing`.
 See docs/cpu-moe.md.
 """
 
@@ -34,10 +35,8 @@ except ImportError as exc:  # pragma: no cover - build error
         "`pip install --no-deps --no-build-isolation -e ./freetoken-cpu-moe`"
     ) from exc
 
-from freetoken_cpu_moe.bandwidth import measure_bandwidth
 from freetoken_cpu_moe.coordinator import Coordinator, stop_all as _stop_all_coordinators
 from freetoken_cpu_moe.formats import FORMATS, format_info
-from freetoken_cpu_moe.handoff_timing import drive_handoffs, time_run_task
 from freetoken_cpu_moe.ops import active_isa, isa_tiers, linear, moe_forward, run_task, set_isa, _check_env_isa
 from freetoken_cpu_moe.pool import Pool, default_pool, physical_core_cpus, shutdown_default_pool
 from freetoken_cpu_moe.weights import ACTIVATIONS, ExpertBank, Weights
@@ -52,15 +51,12 @@ __all__ = [
     "Weights",
     "active_isa",
     "default_pool",
-    "drive_handoffs",
     "format_info",
     "isa_tiers",
     "linear",
-    "measure_bandwidth",
     "moe_forward",
     "physical_core_cpus",
     "run_task",
-    "time_run_task",
     "set_isa",
 ]
 

@@ -14,7 +14,7 @@ activations), the path of the CPU backend and of the coordinator.
 Bytes read per call = distinct experts routed x (gate + up + down bytes of one
 expert). The ceiling is a multi-threaded streaming read of a 512 MiB buffer with
 the same worker pool (every worker reads its contiguous share with the kernels'
-widest loads; best of 8 passes; ``freetoken_cpu_moe.measure_bandwidth``), taken
+widest loads; best of 8 passes; ``freetoken_cpu_moe.timing.measure_bandwidth``), taken
 just before and just after each row, so that a row is compared with the machine
 as it was while the row ran.
 """
@@ -172,6 +172,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
 
 def run(args: argparse.Namespace) -> int:
     import freetoken_cpu_moe as cm
+    from freetoken_cpu_moe.timing import measure_bandwidth
 
     if args.isa:
         cm.set_isa(args.isa)
@@ -179,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
 
     def ceiling() -> float:  # 512 MiB (16x the L3 here), best of 8 passes
-        return cm.measure_bandwidth(512 << 20, 8, pool=pool)
+        return measure_bandwidth(512 << 20, 8, pool=pool)
 
     E, H, I, K = args.experts, args.hidden, args.intermediate, args.top_k
     print(f"machine: {platform.processor() or platform.machine()}, {pool.num_threads} worker threads, tier {cm.active_isa()}")

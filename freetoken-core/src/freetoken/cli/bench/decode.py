@@ -29,13 +29,12 @@ def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> tuple[float, s
     than the caches) and how it was measured: freetoken_cpu_moe's streaming read on
     its worker pool when available, else a torch sum."""
     try:
-        import freetoken_cpu_moe as cm
-
-        fn = getattr(cm, "measure_bandwidth", None)
-        if callable(fn):
-            return float(fn(nbytes, repeats)), "freetoken_cpu_moe.measure_bandwidth (1 GiB, best of 5)"
+        from freetoken_cpu_moe.timing import measure_bandwidth as cpu_moe_bandwidth
     except ImportError:
         pass
+    else:
+        how = "freetoken_cpu_moe.timing.measure_bandwidth (1 GiB, best of 5)"
+        return float(cpu_moe_bandwidth(nbytes, repeats)), how
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
     best = 0.0
     for _ in range(repeats):
