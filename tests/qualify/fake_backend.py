@@ -3,7 +3,7 @@ plain host memory, and the CPU side is the real freetoken_cpu_moe Coordinator se
 the flag slots. Its KernelIO/GpuSync implement the ready/done protocol from Python and
 consult the same fault-injection switch as the native backends; its "graph" re-runs the
 recorded function on replay with capture semantics (so ``@graph`` faults apply there).
-Independent of the Foundation helper's fake plugin package.
+Independent of the fake plugin package (tests/plugins/freetoken-fakegpu).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ go away mid-request cancel their engine requests and free their KV cache, so aft
 a few hundred such disconnects nothing is left running, queued or allocated.
 
 CI keeps the disconnect count modest (DISCONNECTS streaming + NONSTREAM_DISCONNECTS
-non-streaming); the issue's "thousands" is a matter of the same loop run longer
+non-streaming); thousands of disconnects are the same loop run longer
 (FREETOKEN_TEST_DISCONNECTS=3000)."""
 
 from __future__ import annotations

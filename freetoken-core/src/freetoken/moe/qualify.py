@@ -4,7 +4,7 @@ Before serving, run a small hybrid MoE layer through the backend's IO paths with
 activations and routes, eagerly and under graph replay (several replays with new inputs
 and routes, empty CPU routes, all-CPU and split routes), in the model's activation dtype,
 and compare with the oracle: synchronous CPU execution (``freetoken_cpu_moe.moe_forward``)
-of the CPU routes plus a float64 torch reference of the GPU routes. Policy (DESIGN.md):
+of the CPU routes plus a float64 torch reference of the GPU routes. Policy:
 
 1. Prefer KernelIO when its probe passes and activations are BF16; FP16/FP32 use copies.
 2. A numerical failure of BF16 KernelIO retries the copy path and checks again.

@@ -3,7 +3,7 @@
  *
  * freetoken-cuda (nvcc) and freetoken-rocm (hipcc, HIP_PLATFORM=amd) both include this
  * header and the shared device/host code next to it (handoff_kernels.cuh,
- * runtime_module.cuh); neither package carries a copy of that code. Define
+ * runtime_host.cuh, module_bindings.cuh); neither package carries a copy of that code. Define
  * FT_GPU_HIP (freetoken-rocm's build does) to select HIP, else CUDA is used.
  *
  * Besides plain renames (ftStream_t, ftMemcpyAsync, ...), two things differ in kind:
