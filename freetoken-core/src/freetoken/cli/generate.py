@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any, Optional
 
+from freetoken.cli.engine_options import add_engine_arguments, any_int, engine_config_from_args
+from freetoken.engine.config import EngineConfig
 from freetoken.engine.sampling_params import SamplingParams
 
 
@@ -17,29 +20,38 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
         description="Generate from a prompt, token ids or an interactive chat. Without --model the built-in demo "
         "model (random weights, created on first use) is used.",
     )
-    p.add_argument("--model", help="HF model directory or .gguf file (default: the built-in demo model)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (with --chat: the user message)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--chat", action="store_true",
                    help="chat mode: apply the model's chat template; without --prompt read user turns from stdin")
     p.add_argument("--system", help="system message for --chat")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's generation config)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the model's generation config)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling (default: the model's generation config)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the K likeliest tokens (default: the model's "
+                   "generation config)")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below this share of the likeliest one's "
+                   "probability (default: the model's generation config)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="penalty for tokens already seen (default: the model's generation config)")
+    p.add_argument("--seed", type=any_int, default=None, metavar="N",
+                   help="sampling seed of the request, also the engine's seed (default: none; the engine seeds with 0)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="report the chosen tokens' log-probabilities and N alternatives (with --json)")
-    p.add_argument("--backend", help="backend name (default: automatic; FREETOKEN_BACKEND)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    # --seed above is the request's (and the engine's) seed; one request runs at a time
+    add_engine_arguments(p, defaults={"max_running_requests": 1}, exclude=("seed",))
     p.set_defaults(func=run)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine options; ``--seed`` seeds the engine as well as the request."""
+    return engine_config_from_args(args, seed=0 if args.seed is None else args.seed)
 
 
 def _params(args: argparse.Namespace, defaults: SamplingParams) -> SamplingParams:
@@ -102,11 +114,9 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_ids is not None and args.chat:
         print("freetoken generate: --chat takes text (--prompt or stdin), not --prompt-ids", file=sys.stderr)
         return 2
+    config = engine_config(args)
     try:
-        kw: dict[str, Any] = {"dtype": args.dtype}
-        if args.max_model_len:
-            kw["max_model_len"] = args.max_model_len
-        llm = LLM(model=args.model, backend=args.backend, max_running_requests=1, **kw)
+        llm = LLM(**dataclasses.asdict(config))
         params = _params(args, llm.get_default_sampling_params())
         tok = llm.tokenizer
         if args.prompt_ids is not None:

@@ -6,7 +6,12 @@ import argparse
 import logging
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from freetoken.cli.engine_options import add_engine_arguments, engine_config_from_args, non_negative_int, positive_int
+
+if TYPE_CHECKING:
+    from freetoken.engine.config import EngineConfig
 
 logger = logging.getLogger("freetoken.serve")
 
@@ -18,30 +23,28 @@ def add_parser(subparsers: Any) -> None:
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                     "/v1/models, /health, /metrics). Without --model the built-in demo model is served.",
     )
-    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: the built-in demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; the log says which)")
+    p.add_argument("--port", type=non_negative_int, default=8000,
+                   help="port (0 picks a free one; the log says which) (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("FREETOKEN_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $FREETOKEN_API_KEY, else open)")
     p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="model name(s) clients use (repeatable; default: the model's own name)")
-    p.add_argument("--backend", default=None, help="backend plugin to use (default: detected)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--max-running-requests", type=int, default=16,
-                   help="requests decoded together in one batch (default 16)")
-    p.add_argument("--max-queued-requests", type=int, default=256,
-                   help="requests waiting for a batch slot before new ones get HTTP 429 (default 256)")
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens (default: engine's)")
-    p.add_argument("--max-body-bytes", type=int, default=None,
-                   help="largest accepted request body; larger ones get HTTP 413 (default 8 MiB)")
-    p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    p.add_argument("--max-queued-requests", type=positive_int, default=256, metavar="N",
+                   help="requests waiting for a batch slot before new ones get HTTP 429 (default: 256)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=None, metavar="N",
+                   help="largest accepted request body; larger ones get HTTP 413 (default: 8 MiB)")
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request (uvicorn.access)")
+    add_engine_arguments(p)
     p.set_defaults(func=run)
 
 
-def _positive(name: str, value: Any) -> None:
-    if value is not None and value < 1:
-        raise SystemExit(f"freetoken serve: {name} must be >= 1, got {value}")
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine options, with the queue limit and the first served model name."""
+    served = args.served_model_name or []
+    return engine_config_from_args(
+        args, max_queued_requests=args.max_queued_requests, served_model_name=served[0] if served else None,
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -98,25 +101,12 @@ def _server_class() -> Any:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from freetoken.engine.config import EngineConfig
     from freetoken.server.app import create_app
     from freetoken.server.faults import enabled_by_env
     from freetoken.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
-    for name in ("max_model_len", "max_running_requests", "max_queued_requests", "kv_cache_tokens",
-                 "max_body_bytes"):
-        _positive("--" + name.replace("_", "-"), getattr(args, name))
     served = args.served_model_name or []
-    config = EngineConfig(
-        model=args.model,
-        backend=args.backend,
-        max_model_len=args.max_model_len,
-        max_running_requests=args.max_running_requests,
-        max_queued_requests=args.max_queued_requests,
-        kv_cache_tokens=args.kv_cache_tokens,
-        served_model_name=served[0] if served else None,
-        seed=args.seed,
-    )
+    config = engine_config(args)
     settings = ServerSettings(
         api_key=args.api_key or None,
         served_model_names=served,

@@ -1,6 +1,16 @@
 """``freetoken bench decode``: prompt and decode tokens/s of the whole engine, with
 the memory-bandwidth ceiling measured in the same run.
 
+Greedy decoding from random prompt token ids (fixed seed): one short request warms
+up, then for every batch size ``--batch`` (default 1 and 8 concurrent requests) each
+run times the ``engine.step()`` loops with ``time.perf_counter``: prompt tokens/s up to
+every request's first token, decode tokens/s after it. Beside the speed it reports the
+GPU memory torch's allocator used (peak allocated, reserved) when the engine runs on a
+CUDA/HIP device, and what the backend's report (``engine.backend_info()``) says about
+the decode steps: ``cpu_wait_share`` (the share of step time spent waiting for the
+CPU experts) and ``step_breakdown`` (microseconds per part), "-" when it does not
+report them.
+
 Decode is bandwidth bound: each step reads the dense weights (attention, router,
 output head) once and every expert that some token in the batch routes to. The
 ceiling is ``measured read bandwidth / weight bytes read per step`` (times the batch
@@ -11,17 +21,43 @@ and step in the run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import platform
 import random
+import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+from freetoken.cli.engine_options import (
+    add_engine_arguments,
+    byte_size,
+    engine_config_from_args,
+    engine_options_given,
+    int_at_least,
+    positive_int,
+    usage_error,
+)
+
+if TYPE_CHECKING:
+    from freetoken.engine.config import EngineConfig
+
 logger = logging.getLogger(__name__)
+
+#: Keys of the backend report this benchmark shows (when the backend reports them).
+CPU_WAIT_KEY = "cpu_wait_share"
+BREAKDOWN_KEY = "step_breakdown"
+
+
+def _size_text(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
 
 
 def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> tuple[float, str]:
@@ -33,16 +69,16 @@ def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> tuple[float, s
     except ImportError:
         pass
     else:
-        how = "freetoken_cpu_moe.timing.measure_bandwidth (1 GiB, best of 5)"
+        how = f"freetoken_cpu_moe.timing.measure_bandwidth ({_size_text(nbytes)}, best of {repeats})"
         return float(cpu_moe_bandwidth(nbytes, repeats)), how
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     best = 0.0
     for _ in range(repeats):
         t0 = time.perf_counter()
         float(buf.sum())
         dt = time.perf_counter() - t0
-        best = max(best, nbytes / dt)
-    return best, "torch.sum over 1 GiB (best of 5)"
+        best = max(best, buf.numel() * 4 / dt)
+    return best, f"torch.sum over {_size_text(nbytes)} (best of {repeats})"
 
 
 def _cpu_ticks() -> tuple[int, int]:
@@ -61,7 +97,9 @@ def _cpu_ticks() -> tuple[int, int]:
 
 
 class _RouteCounter:
-    """Counts distinct experts routed per MoE layer and step (for the ceiling)."""
+    """Counts distinct experts routed per MoE layer and step (for the ceiling). Steps
+    replayed from a decode graph do not call the router from Python and are not
+    counted."""
 
     def __init__(self, model: Any) -> None:
         self.layers = [L.moe for L in model.layers if L.moe is not None]
@@ -72,7 +110,7 @@ class _RouteCounter:
             orig = moe.route
             self._orig.append(orig)
 
-            def route(x: torch.Tensor, _orig=orig) -> Any:
+            def route(x: torch.Tensor, _orig: Any = orig) -> Any:
                 ids, w = _orig(x)
                 self.unique += int(torch.unique(ids).numel())
                 self.calls += 1
@@ -83,29 +121,52 @@ class _RouteCounter:
     def reset(self) -> None:
         self.unique = self.calls = 0
 
-    def mean_unique(self) -> float:
-        return self.unique / max(1, self.calls)
+    def mean_unique(self) -> Optional[float]:
+        return self.unique / self.calls if self.calls else None
 
     def remove(self) -> None:
         for moe, orig in zip(self.layers, self._orig):
             moe.route = orig
 
 
-def run_batch(eng: Any, batch: int, prompt_len: int, tokens: int, vocab: int, seed: int) -> dict[str, float]:
+def _cuda_device(eng: Any) -> Optional[torch.device]:
+    """The engine's device when it is a CUDA (or HIP) device torch can query, else None."""
+    try:
+        dev = torch.device(eng.device)
+    except (TypeError, RuntimeError):
+        return None
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return dev
+
+
+def _sync(dev: Optional[torch.device]) -> None:
+    if dev is not None:
+        torch.cuda.synchronize(dev)
+
+
+def run_batch(eng: Any, batch: int, prompt_len: int, tokens: int, vocab: int, seed: int,
+              dev: Optional[torch.device] = None) -> dict[str, float]:
+    """``batch`` concurrent greedy requests of ``prompt_len`` random token ids, ``tokens``
+    generated each: prompt tokens/s up to every request's first token, decode tokens/s
+    after it."""
     from freetoken.engine.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    _sync(dev)
     busy0, mine0 = _cpu_ticks()
     reqs = [eng.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params) for _ in range(batch)]
     t0 = time.perf_counter()
     while any(not r.output_ids for r in reqs):
         eng.step()
+    _sync(dev)
     t1 = time.perf_counter()
     steps = 0
     while eng.has_work():
         eng.step()
         steps += 1
+    _sync(dev)
     t2 = time.perf_counter()
     busy1, mine1 = _cpu_ticks()
     hz = os.sysconf("SC_CLK_TCK")
@@ -114,51 +175,132 @@ def run_batch(eng: Any, batch: int, prompt_len: int, tokens: int, vocab: int, se
     return {
         "other_processes_cpu": others,
         "prompt_tok_s": batch * prompt_len / (t1 - t0),
-        "decode_tok_s": decoded / (t2 - t1),
+        "decode_tok_s": decoded / (t2 - t1) if steps else 0.0,
         "decode_step_ms": 1000 * (t2 - t1) / max(1, steps),
         "decode_steps": steps,
     }
 
 
+def backend_step_report(info: dict[str, Any]) -> tuple[Optional[float], Optional[dict[str, float]]]:
+    """``cpu_wait_share`` and ``step_breakdown`` (name -> microseconds) as the backend's
+    report gives them; None where it does not (or not as a number / a dict of numbers)."""
+    share = info.get(CPU_WAIT_KEY)
+    share = float(share) if isinstance(share, (int, float)) and not isinstance(share, bool) else None
+    parts = info.get(BREAKDOWN_KEY)
+    breakdown: Optional[dict[str, float]] = None
+    if isinstance(parts, dict):
+        breakdown = {str(k): float(v) for k, v in parts.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return share, breakdown
+
+
 def add_parser(subparsers: "argparse._SubParsersAction") -> None:
-    p = subparsers.add_parser("decode", help="engine prompt/decode tokens/s at batch 1 and 8, with the bandwidth ceiling")
-    p.add_argument("--model", default=None, help=".gguf or HF directory (default: the demo model)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
-    p.add_argument("--backend", default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3, help="runs per batch size; the median run is reported")
+    p = subparsers.add_parser(
+        "decode",
+        help="engine prompt/decode tokens/s at batch 1 and 8, GPU memory, CPU-expert wait, bandwidth ceiling",
+        description="Prompt and decode tokens/s of the whole engine at batch 1 and 8 (greedy, random prompt ids), "
+        "the GPU memory it used, the share of decode step time spent waiting for the CPU experts (as the backend "
+        "reports it) and the memory-bandwidth ceiling, as one table (or --json).",
+    )
+    p.add_argument("--batch", type=positive_int, nargs="+", default=[1, 8], metavar="B",
+                   help="batch sizes to measure, each as that many concurrent requests (default: 1 8)")
+    p.add_argument("--prompt-len", type=positive_int, default=512, metavar="N",
+                   help="prompt tokens per request (default: 512)")
+    p.add_argument("--gen-len", "--tokens", dest="gen_len", type=int_at_least(2), default=64, metavar="N",
+                   help="tokens generated per request (default: 64; --tokens is the same option)")
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="torch threads (dense layers, prefill on the CPU) (default: torch's)")
+    p.add_argument("--repeats", type=positive_int, default=3, metavar="N",
+                   help="runs per batch size; the median run is reported (default: 3)")
+    p.add_argument("--bandwidth-bytes", type=byte_size, default=1 << 30, metavar="SIZE",
+                   help="buffer read to measure the memory bandwidth, far larger than the caches (default: 1GiB)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    add_engine_arguments(
+        p,
+        defaults={"max_running_requests": None, "prefill_chunk": None},
+        default_text={
+            "max_running_requests": "the largest --batch",
+            "prefill_chunk": "the largest --batch times --prompt-len: a batch's prompts in one step",
+            "max_model_len": "--prompt-len + --gen-len + 1",
+            "kv_cache_tokens": "enough for the largest --batch at --max-model-len",
+            "seed": "0; also seeds the random prompts",
+        },
+    )
     p.set_defaults(func=run)
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine options, with this benchmark's sizes where the flags leave them open."""
+    given = engine_options_given(args)
+    maxb = max(args.batch)
+    ctx = args.prompt_len + args.gen_len + 1
+    if given.get("max_running_requests") is not None and given["max_running_requests"] < maxb:
+        usage_error(args, f"--max-running-requests {given['max_running_requests']} is below the largest --batch "
+                    f"{maxb}: the batch would not run concurrently")
+    if given.get("max_model_len") is not None and given["max_model_len"] < ctx:
+        usage_error(args, f"--max-model-len {given['max_model_len']} is below --prompt-len + --gen-len + 1 = {ctx}")
+    length = given.get("max_model_len") or ctx
+    auto = {
+        "max_running_requests": maxb,
+        "prefill_chunk": maxb * args.prompt_len,
+        "max_model_len": ctx,
+        "kv_cache_tokens": maxb * (length + 16) + 64,
+    }
+    return engine_config_from_args(args, **{k: v for k, v in auto.items() if given.get(k) is None})
+
+
+def _gpu_memory(dev: Optional[torch.device]) -> dict[str, Optional[int]]:
+    if dev is None:
+        return {"gpu_max_allocated_bytes": None, "gpu_reserved_bytes": None}
+    return {"gpu_max_allocated_bytes": int(torch.cuda.max_memory_allocated(dev)),
+            "gpu_reserved_bytes": int(torch.cuda.memory_reserved(dev))}
+
+
 def run(args: argparse.Namespace) -> int:
-    from freetoken.engine.config import EngineConfig
+    from freetoken.backends.contract import BackendError
     from freetoken.engine.engine import LLMEngine
+    from freetoken.moe.qualify import QualificationError
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    maxb = max(args.batch)
-    ctx = args.prompt_len + args.tokens + 1
-    eng = LLMEngine(EngineConfig(
-        model=args.model, backend=args.backend, max_running_requests=maxb,
-        kv_cache_tokens=maxb * (ctx + 16) + 64, prefill_chunk=maxb * args.prompt_len, max_model_len=ctx,
-    ))
+    config = engine_config(args)
+    try:
+        eng = LLMEngine(config)
+    except (ValueError, MemoryError, BackendError, QualificationError) as exc:
+        print(f"freetoken bench decode: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return _bench(args, eng, config)
+    finally:
+        eng.close()
+
+
+def _bench(args: argparse.Namespace, eng: Any, config: EngineConfig) -> int:
+    torch_threads = torch.get_num_threads()
     model = eng.model
     vocab = eng.model_config.vocab_size
     bpt = model.bytes_per_token()
+    dev = _cuda_device(eng)
     counter = _RouteCounter(model)
-    # warm-up: page the weights in, first-call costs
-    run_batch(eng, 1, min(16, args.prompt_len), 4, vocab, args.seed + 99)
-    bw, bw_how = measure_bandwidth()
+    # warm-up: one short request pages the weights in and pays first-call costs
+    run_batch(eng, 1, min(16, args.prompt_len), 4, vocab, args.seed + 99, dev)
+    gpu_peak = _gpu_memory(dev)["gpu_max_allocated_bytes"]
+    bw, bw_how = measure_bandwidth(args.bandwidth_bytes)
+    info = eng.backend_info()
     results: dict[str, Any] = {
         "model": eng.model_name,
         "path": eng.loaded.path,
+        "backend": info.get("backend"),
+        "device": str(eng.device),
+        "dtype": str(eng.kv.layers[0][0].dtype).removeprefix("torch.") if eng.kv.layers else config.dtype,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or ''}".strip(", "),
-        "torch_threads": eng._prefill_threads,
+        "torch_threads": torch_threads,
+        "cpu_threads": info.get("cpu_threads"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "repeats": args.repeats,
+        "engine_config": dataclasses.asdict(config),
         "bandwidth_GBs": bw / 1e9,
         "bandwidth_method": bw_how,
         "dense_bytes_per_step": bpt["dense"],
@@ -168,41 +310,118 @@ def run(args: argparse.Namespace) -> int:
 
     per_expert = bpt["experts"] / max(1, model.config.top_k * len(counter.layers))
     for b in args.batch:
-        runs = sorted((run_batch(eng, b, args.prompt_len, args.tokens, vocab, args.seed + 7 * i + b)
-                       for i in range(max(1, args.repeats))), key=lambda x: x["decode_tok_s"])
-        r = runs[len(runs) // 2]
+        if dev is not None:
+            torch.cuda.reset_peak_memory_stats(dev)
+        runs = sorted((run_batch(eng, b, args.prompt_len, args.gen_len, vocab, args.seed + 7 * i + b, dev)
+                       for i in range(args.repeats)), key=lambda x: x["decode_tok_s"])
+        r: dict[str, Any] = dict(runs[len(runs) // 2])
         r["decode_tok_s_runs"] = [round(x["decode_tok_s"], 2) for x in runs]
         r["other_processes_cpu_runs"] = [round(x["other_processes_cpu"], 3) for x in runs]
         r["prompt_tok_s_runs"] = [round(x["prompt_tok_s"], 2) for x in runs]
+        r.update(_gpu_memory(dev))
+        if r["gpu_max_allocated_bytes"] is not None:
+            gpu_peak = max(gpu_peak or 0, r["gpu_max_allocated_bytes"])
+        r[CPU_WAIT_KEY], r[BREAKDOWN_KEY] = backend_step_report(eng.backend_info())
         # decode steps only: prefill routes many tokens at once; count from a decode-only run
         counter.reset()
-        r2 = run_batch(eng, b, 1, min(args.tokens, 16), vocab, args.seed + 1000 + b)
+        run_batch(eng, b, 1, min(args.gen_len, 16), vocab, args.seed + 1000 + b, dev)
         uniq = counter.mean_unique()
-        step_bytes = bpt["dense"] + uniq * per_expert * len(counter.layers)
         r["distinct_experts_per_layer"] = uniq
-        r["bytes_per_step"] = step_bytes
-        r["ceiling_tok_s"] = b * bw / step_bytes
-        r["fraction_of_ceiling"] = r["decode_tok_s"] / r["ceiling_tok_s"]
-        r["effective_GBs"] = r["decode_tok_s"] / b * step_bytes / 1e9
-        del r2
+        if uniq is None:  # no router call seen (graph replay): no ceiling
+            r["bytes_per_step"] = r["ceiling_tok_s"] = r["fraction_of_ceiling"] = r["effective_GBs"] = None
+        else:
+            step_bytes = bpt["dense"] + uniq * per_expert * len(counter.layers)
+            r["bytes_per_step"] = step_bytes
+            r["ceiling_tok_s"] = b * bw / step_bytes
+            r["fraction_of_ceiling"] = r["decode_tok_s"] / r["ceiling_tok_s"]
+            r["effective_GBs"] = r["decode_tok_s"] / b * step_bytes / 1e9
         results["batches"][str(b)] = r
     counter.remove()
-    bw1, _ = measure_bandwidth()
+    bw1, _ = measure_bandwidth(args.bandwidth_bytes)
     results["bandwidth_GBs_after"] = bw1 / 1e9
+    final = _gpu_memory(dev)
+    results["gpu_max_allocated_bytes"] = gpu_peak
+    results["gpu_reserved_bytes"] = final["gpu_reserved_bytes"]
+    results["gpu_total_bytes"] = int(torch.cuda.get_device_properties(dev).total_memory) if dev is not None else None
+    results["decode_tok_s"] = {k: v["decode_tok_s"] for k, v in results["batches"].items()}
+    results["prompt_tok_s"] = {k: v["prompt_tok_s"] for k, v in results["batches"].items()}
+    results["backend_report"] = eng.backend_info()
     if args.json:
-        print(json.dumps(results, indent=2))
-        return 0
-    print(f"model {results['model']} ({results['path']})")
-    print(f"machine {results['machine']}, torch threads {results['torch_threads']} (1 in decode steps), "
-          f"{results['date']}")
-    print(f"measured read bandwidth {results['bandwidth_GBs']:.1f} GB/s ({bw_how}); dense {bpt['dense'] / 1e6:.1f} MB/step, "
-          f"experts {bpt['experts'] / 1e6:.1f} MB/token at batch 1")
-    print(f"(bandwidth again after the runs: {bw1 / 1e9:.1f} GB/s; the ceiling uses the first)")
-    for b, r in results["batches"].items():
-        print(f"batch {b}: prompt {r['prompt_tok_s']:.1f} tok/s, decode {r['decode_tok_s']:.1f} tok/s "
-              f"(runs {r['decode_tok_s_runs']}, other processes' CPU share during each "
-              f"{[f'{100 * v:.0f}%' for v in r['other_processes_cpu_runs']]}) "
-              f"({r['decode_step_ms']:.1f} ms/step); ceiling {r['ceiling_tok_s']:.1f} tok/s "
-              f"({r['bytes_per_step'] / 1e6:.0f} MB/step, {r['distinct_experts_per_layer']:.1f} experts/layer) -> "
-              f"{100 * r['fraction_of_ceiling']:.0f}% of ceiling, {r['effective_GBs']:.1f} GB/s effective")
+        print(json.dumps(results, indent=2, default=str))
+    else:
+        print(format_table(results))
     return 0
+
+
+# ---------------------------------------------------------------- the table
+
+
+def _num(value: Optional[float], fmt: str = "{:.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _gib(value: Optional[int], unit: bool = True) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}{' GiB' if unit else ''}"
+
+
+def _pct(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    line = "  ".join(h.rjust(w) for h, w in zip(header, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return out
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """The results as text a person reads: the setting, one row per batch size, notes."""
+    rep = results.get("backend_report") or {}
+    graphs = rep.get("graphs")
+    lines = [
+        f"model {results['model']} ({results['path']})",
+        f"backend {results['backend'] or '-'} on {results['device']} ({results['dtype']}; io path "
+        f"{rep.get('io_path', '-')}, sync {rep.get('sync_mode', '-')}, graphs "
+        f"{'-' if graphs is None else ('on' if graphs else 'off')}, CPU expert threads "
+        f"{results['cpu_threads'] if results['cpu_threads'] is not None else '-'}, torch threads "
+        f"{results['torch_threads']})",
+        f"machine {results['machine']}; {results['date']}",
+        f"prompt {results['prompt_len']} random token ids, {results['gen_len']} tokens generated per request "
+        f"(greedy); median of {results['repeats']} run(s) per batch size",
+        f"read bandwidth {results['bandwidth_GBs']:.1f} GB/s ({results['bandwidth_method']}; "
+        f"{results['bandwidth_GBs_after']:.1f} GB/s after the runs, the ceiling uses the first); weights read: "
+        f"dense {results['dense_bytes_per_step'] / 1e6:.1f} MB/step, experts "
+        f"{results['expert_bytes_per_token_b1'] / 1e6:.1f} MB/token at batch 1",
+        "",
+    ]
+    header = ("batch", "prompt tok/s", "decode tok/s", "ms/step", "CPU wait", "GPU peak GiB", "GPU resv GiB",
+              "ceiling tok/s", "% ceiling", "experts/layer", "other CPU")
+    rows = []
+    for b, r in results["batches"].items():
+        rows.append((
+            b, _num(r["prompt_tok_s"]), _num(r["decode_tok_s"]), _num(r["decode_step_ms"], "{:.2f}"),
+            _pct(r[CPU_WAIT_KEY]), _gib(r["gpu_max_allocated_bytes"], False), _gib(r["gpu_reserved_bytes"], False),
+            _num(r["ceiling_tok_s"]), _pct(r["fraction_of_ceiling"]), _num(r["distinct_experts_per_layer"]),
+            _pct(max(r["other_processes_cpu_runs"])),
+        ))
+    lines += _columns(header, rows)
+    lines.append("")
+    runs = ", ".join(f"batch {b} {r['decode_tok_s_runs']}" for b, r in results["batches"].items())
+    lines.append(f"decode tok/s of each run: {runs}")
+    if results["gpu_total_bytes"] is None:
+        lines.append("GPU memory: - (no CUDA/HIP device in use)")
+    else:
+        lines.append(f"GPU memory (torch's allocator): peak allocated {_gib(results['gpu_max_allocated_bytes'])}, "
+                     f"reserved {_gib(results['gpu_reserved_bytes'])} of {_gib(results['gpu_total_bytes'])}")
+    breakdowns = [(b, r[BREAKDOWN_KEY]) for b, r in results["batches"].items() if r[BREAKDOWN_KEY]]
+    if not breakdowns:
+        lines.append(f"decode step breakdown: - (the backend reports no {BREAKDOWN_KEY})")
+    for b, parts in breakdowns:
+        text = ", ".join(f"{name} {us:.0f} us" for name, us in parts.items())
+        lines.append(f"decode step breakdown at batch {b} (backend's report): {text}")
+    lines.append("CPU wait: share of decode step time spent waiting for the CPU experts, as the backend reports "
+                 "it ('-': not reported); GPU peak/resv: torch's max_memory_allocated and memory_reserved during the "
+                 "batch's runs; other CPU: the busiest run's CPU share taken by other processes")
+    return "\n".join(lines)

@@ -1,0 +1,289 @@
+"""The engine options shared by ``freetoken serve``, ``generate`` and ``bench decode``.
+
+:func:`add_engine_arguments` registers the flags (one argument group, the same names,
+checks and help everywhere); :func:`engine_config_from_args` turns the parsed namespace
+into an :class:`~freetoken.engine.config.EngineConfig`. A bad value ends the command
+with one error line that names the flag and the accepted forms, and exit status 2
+(argparse's usage error), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
+
+from freetoken.cli.backend_option import backend_help
+
+if TYPE_CHECKING:
+    from freetoken.engine.config import EngineConfig
+
+#: --dtype values (canonical name first) and the aliases the loader also accepts.
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mi": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gi": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "ti": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$")
+SIZE_FORMS = ("a number of bytes or a size like 16GiB, 24G, 1.5GiB, 512MiB "
+              "(K/M/G/T and KiB/MiB/GiB/TiB: powers of 1024; KB/MB/GB/TB: powers of 1000)")
+
+
+# ---------------------------------------------------------------- value parsers
+
+
+def parse_size(text: str) -> int:
+    """Bytes of ``text``: a whole number of bytes, or a number with a unit (``16GiB``,
+    ``24G``, ``1.5GiB``, ``500MB``). Raises ValueError naming the accepted forms."""
+    m = _SIZE_RE.match(str(text).lower())
+    if m is None or m.group(2) not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {text!r}: expected {SIZE_FORMS}")
+    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    if value < 1:
+        raise ValueError(f"invalid size {text!r}: must be at least 1 byte")
+    return value
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(str(text).strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a whole number >= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be >= {minimum}")
+        return value
+
+    parse.__name__ = f"int>={minimum}"
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def any_int(text: str) -> int:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a whole number") from None
+
+
+def dtype_name(text: str) -> str:
+    name = str(text).strip().lower()
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}: expected one of {', '.join(DTYPES)} "
+            f"(aliases: {', '.join(sorted(DTYPE_ALIASES))})"
+        )
+    return name
+
+
+def layer_spec(text: str) -> str:
+    from freetoken.moe.placement import parse_layer_spec
+
+    try:
+        parse_layer_spec(text)
+    except ValueError as exc:
+        msg = str(exc)
+        prefix = f"--moe-cpu-layers {text!r}: "
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}: {msg[len(prefix):] if msg.startswith(prefix) else msg}"
+        ) from None
+    return str(text).strip()
+
+
+def batch_sizes(text: str) -> list[int]:
+    forms = "expected comma-separated batch sizes >= 1, like 1,2,4,8"
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: {forms}")
+    sizes = []
+    for part in parts:
+        if not part.isdigit() or int(part) < 1:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: bad item {part!r}; {forms}")
+        sizes.append(int(part))
+    return sorted(set(sizes))
+
+
+def fraction(text: str) -> float:
+    forms = "expected a fraction of the GPU's total memory in (0, 1], like 0.9"
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: {forms}") from None
+    if not 0 < value <= 1:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: {forms}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# ---------------------------------------------------------------- the options
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    field: str  # the EngineConfig field (also the argparse dest)
+    flag: str
+    help: str  # "{default}" is replaced by the default's description
+    type: Optional[Callable[[str], Any]] = None
+    metavar: Optional[str] = None
+    flag_only: bool = False  # store_true
+
+
+_OPTIONS: tuple[_Option, ...] = (
+    _Option("model", "--model", "HF model directory or .gguf file (default: {default})", str, "PATH"),
+    _Option("backend", "--backend", "", str, "NAME"),  # help from backend_option
+    _Option("dtype", "--dtype",
+            "activation and dense-weight dtype: auto, bfloat16, float16 or float32 "
+            "(default: {default}; auto is the backend's choice)", dtype_name, "DTYPE"),
+    _Option("max_model_len", "--max-model-len",
+            "longest sequence (prompt + generated tokens) a request may reach (default: {default})",
+            int_at_least(2), "N"),
+    _Option("max_running_requests", "--max-running-requests",
+            "requests decoded together in one batch (default: {default})", positive_int, "N"),
+    _Option("kv_cache_tokens", "--kv-cache-tokens",
+            "KV cache size in tokens, shared by all running requests (default: {default})", positive_int, "N"),
+    _Option("prefill_chunk", "--prefill-chunk",
+            "most prompt tokens one step computes, so a long prompt does not stall running decodes "
+            "(default: {default})", positive_int, "N"),
+    _Option("seed", "--seed", "engine random seed, used by requests without their own seed (default: {default})",
+            any_int, "N"),
+    _Option("moe_cpu_layers", "--moe-cpu-layers",
+            "MoE layers whose routed experts run on the CPU: 'all', a count N (the first N MoE layers) or "
+            "layer indices and ranges like 0-11,40 (one index: 7,) (default: {default})", layer_spec, "SPEC"),
+    _Option("cpu_threads", "--cpu-threads",
+            "CPU expert worker threads (default: {default})", positive_int, "N"),
+    _Option("enforce_eager", "--enforce-eager",
+            "run decode steps eagerly, without capturing CUDA/HIP graphs (default: graphs where the backend "
+            "supports them)", flag_only=True),
+    _Option("cuda_graph_max_bs", "--cuda-graph-max-bs",
+            "largest decode batch captured as a graph; bigger batches run eagerly (default: {default})",
+            positive_int, "N"),
+    _Option("cuda_graph_bs", "--cuda-graph-bs",
+            "decode batch sizes to capture graphs for, comma-separated like 1,2,4,8 (default: {default})",
+            batch_sizes, "B,B,..."),
+    _Option("gpu_memory_utilization", "--gpu-memory-utilization",
+            "most of the GPU's total memory this process may use, as a fraction in (0, 1] "
+            "(default: {default}; with --gpu-memory-limit the smaller wins)", fraction, "FRACTION"),
+    _Option("gpu_memory_limit", "--gpu-memory-limit",
+            "most GPU memory this process may use: bytes or a size like 16GiB, 24G, 1.5GiB "
+            "(K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000) (default: {default})",
+            byte_size, "SIZE"),
+)
+
+#: Flag of each EngineConfig field the shared options set.
+FLAGS: dict[str, str] = {o.field: o.flag for o in _OPTIONS}
+
+_DEFAULT_TEXT: dict[str, str] = {
+    "model": "the built-in demo model, created on first use",
+    "max_model_len": "the model's context, capped by the KV cache",
+    "kv_cache_tokens": "--max-running-requests full-length sequences, capped by the memory left after the weights",
+    "moe_cpu_layers": "the backend's choice: a GPU backend keeps as many layers on the GPU as its memory allows",
+    "cpu_threads": "$FREETOKEN_CPU_MOE_THREADS, else the backend's choice",
+    "cuda_graph_bs": "powers of two and multiples of 8 up to --cuda-graph-max-bs",
+    "gpu_memory_utilization": "no limit",
+    "gpu_memory_limit": "no limit",
+}
+
+_ENGINE_DESTS = "_engine_option_fields"
+_ENGINE_PARSER = "_engine_option_parser"
+
+
+def add_engine_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    defaults: Optional[Mapping[str, Any]] = None,
+    default_text: Optional[Mapping[str, str]] = None,
+    exclude: Iterable[str] = (),
+) -> argparse._ArgumentGroup:
+    """Register the engine options on ``parser`` (in a group "engine options").
+
+    ``defaults`` changes a field's default for this command (``generate`` decodes one
+    request: ``{"max_running_requests": 1}``); ``default_text`` says in the help what a
+    default of None means there; ``exclude`` leaves flags out (the command defines its own
+    flag of that name). The fields added are remembered on the namespace, so
+    :func:`engine_config_from_args` reads exactly those."""
+    base = {f.name: f.default for f in dataclasses.fields(_engine_config_class())}
+    base.update(defaults or {})
+    texts = {**_DEFAULT_TEXT, **(default_text or {})}
+    skipped = set(exclude)
+    unknown = skipped.union(defaults or {}).union(default_text or {}) - set(FLAGS)
+    if unknown:
+        raise ValueError(f"not engine options: {sorted(unknown)}")
+    group = parser.add_argument_group("engine options")
+    added: list[str] = []
+    for opt in _OPTIONS:
+        if opt.field in skipped:
+            continue
+        default = base[opt.field]
+        if opt.field == "backend":
+            help_text = backend_help()
+        else:
+            shown = texts.get(opt.field) if (default is None or opt.field in (default_text or {})) else None
+            if shown is None:
+                shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+            help_text = opt.help.replace("{default}", shown)
+        if opt.flag_only:
+            group.add_argument(opt.flag, dest=opt.field, action="store_true", default=bool(default), help=help_text)
+        else:
+            group.add_argument(opt.flag, dest=opt.field, type=opt.type, default=default, metavar=opt.metavar,
+                               help=help_text)
+        added.append(opt.field)
+    parser.set_defaults(**{_ENGINE_DESTS: tuple(added), _ENGINE_PARSER: parser})
+    return group
+
+
+def _engine_config_class() -> type[EngineConfig]:
+    from freetoken.engine.config import EngineConfig
+
+    return EngineConfig
+
+
+def engine_options_given(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine fields ``args`` holds (those :func:`add_engine_arguments` registered)."""
+    return {name: getattr(args, name) for name in getattr(args, _ENGINE_DESTS, ())}
+
+
+def usage_error(args: argparse.Namespace, message: str) -> None:
+    """End the command with ``message`` as the parser's usage error (exit status 2), for
+    option checks that need several values; raises ValueError on a namespace that did not
+    come from a parser with the engine options."""
+    parser = getattr(args, _ENGINE_PARSER, None)
+    if parser is None:
+        raise ValueError(message)
+    parser.error(message)
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """An :class:`~freetoken.engine.config.EngineConfig` from the engine options in
+    ``args``; ``overrides`` (EngineConfig fields) replace or add values. A field left None
+    whose EngineConfig default is not None takes that default. A value EngineConfig
+    refuses ends the command like a bad flag: the parser's usage error (exit status 2)."""
+    cls = _engine_config_class()
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    values = engine_options_given(args)
+    values.update(overrides)
+    kwargs = {k: v for k, v in values.items() if not (v is None and defaults.get(k) is not None)}
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        message = str(exc)
+        for field, flag in FLAGS.items():
+            if "_" in field:  # one-word fields (model, seed) are also ordinary words in messages
+                message = re.sub(rf"\b{field}\b", flag, message)
+        usage_error(args, message)
+        raise  # usage_error exits
