@@ -1,0 +1,281 @@
+"""Decode attention over the paged KV cache that CUDA graphs can capture.
+
+:func:`paged_decode_attention` computes one query token per sequence against the
+sequence's cached context (which already holds the token's own K/V) from static device
+tensors only: the block tables and context lengths are read on the device, every shape
+follows from the arguments' shapes, and nothing waits for the host. A captured decode
+step therefore replays correctly when ``q``, ``block_tables`` and ``ctx_lens`` change
+between replays.
+
+Two implementations:
+
+* ``triton`` (:mod:`freetoken.models.decode_attention_triton`): split-K flash decoding.
+  The context of every sequence is cut into ``P`` partitions processed by parallel
+  programs (one per sequence, kv head and partition; each takes all the query heads of
+  its kv head as the M dimension of its ``tl.dot``), then a small kernel merges the
+  partitions' softmax statistics. ``P`` comes from shapes only (:func:`num_partitions`:
+  enough programs to fill the GPU, never more partitions than the longest possible
+  context can use); the partition length follows the actual context length inside the
+  kernels, so a short context is spread over the programs as well.
+* ``torch``: the same online softmax in plain torch ops, fp32, over the block tables
+  gathered in chunks of fixed shape (bounded memory), masked by ``arange < ctx_lens``
+  built on the device (ROCm, no Triton, and a reference of a different construction).
+
+``impl="auto"`` takes Triton on NVIDIA GPUs of compute capability >= 8.0 where triton
+imports (never Triton's interpreter), torch otherwise.
+
+Conventions:
+
+* A batch row with ``ctx_lens == 0`` (a padded row) produces zeros. Cache slots at or past
+  a sequence's context and block-table entries past its last block are never read into
+  the result (any valid block id, e.g. a scratch block, may pad a table); context lengths
+  are clamped to ``[0, max_blocks * block_size]``. Block ids are not range-checked (that
+  would need a host synchronisation): they must index ``k_cache``.
+* Writing the step's K/V needs nothing new: ``freetoken.models.attention.write_kv``
+  (``index_copy_``) is capturable, and a padded row's slot points into a scratch block no
+  sequence owns (what ``freetoken.engine.graphs.DecodeGraphRunner`` does), so padding
+  never touches a real block.
+* Triton compiles a kernel variant on its first launch, which must not happen during
+  stream capture: one eager call with the same shapes, strides and dtypes (:func:`warmup`
+  is that call) must precede the capture. A capture that meets a variant not compiled in
+  this process computes with the torch implementation instead (logged once; counted in
+  :data:`capture_fallbacks`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+IMPLS = ("auto", "triton", "torch")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: programs of the Triton partial kernel aimed for per streaming multiprocessor
+PROGRAMS_PER_SM = 4
+MAX_PARTITIONS = 256
+#: the torch implementation gathers K and V (as fp32) in chunks of at most this many bytes
+TORCH_CHUNK_BYTES = 256 << 20
+
+#: captures that met a Triton variant not compiled before and ran the torch implementation
+capture_fallbacks = 0
+_compiled: set[tuple[Any, ...]] = set()
+
+
+@functools.lru_cache(maxsize=None)
+def _default_impl(device: torch.device) -> tuple[str, str]:
+    if device.type != "cuda" or torch.version.hip:
+        return "torch", f"device {device} is not an NVIDIA GPU"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 0):
+        return "torch", f"compute capability {cap} < (8, 0)"
+    try:
+        import triton
+    except ImportError as exc:
+        return "torch", f"triton is not importable: {exc}"
+    if triton.knobs.runtime.interpret:
+        return "torch", "Triton's interpreter is on (TRITON_INTERPRET)"
+    return "triton", f"triton on compute capability {cap}"
+
+
+def default_impl(device: Any) -> tuple[str, str]:
+    """(implementation, why) for tensors on ``device`` under ``impl="auto"``."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return _default_impl(dev)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # Triton's interpreter on the CPU: a few partitions, to exercise the split
+
+
+def num_partitions(batch: int, kv_heads: int, max_blocks: int, block_size: int, device: Any,
+                   min_part_tokens: int = 128) -> int:  # fmt: skip
+    """Partitions per sequence of the Triton implementation, from shapes only: about
+    :data:`PROGRAMS_PER_SM` programs per SM over ``batch * kv_heads * P`` programs, at
+    most one partition per ``min_part_tokens`` of the longest context the block tables
+    can hold, at most :data:`MAX_PARTITIONS`."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    useful = -(-max_blocks * block_size // min_part_tokens)
+    wanted = -(-PROGRAMS_PER_SM * _sm_count(dev) // max(1, batch * kv_heads))
+    return max(1, min(useful, wanted, MAX_PARTITIONS))
+
+
+def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+              ctx_lens: torch.Tensor, out: Optional[torch.Tensor]) -> None:  # fmt: skip
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {tuple(q.shape)}")
+    B, Hq, D = q.shape
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    nb, bs, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"head_dim differs: q has {D}, the cache {Dk}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q_heads={Hq} must be a multiple of kv_heads={Hkv}")
+    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"q, k_cache and v_cache must share one dtype of {[str(d) for d in DTYPES]}, got "
+            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must have unit stride in head_dim")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != B:
+        raise ValueError(
+            f"block_tables must be int32 [batch={B}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    if block_tables.shape[1] == 0:
+        raise ValueError("block_tables has no column (max_blocks must be >= 1)")
+    if ctx_lens.dtype != torch.int32 or tuple(ctx_lens.shape) != (B,):
+        raise ValueError(f"ctx_lens must be int32 [batch={B}], got {ctx_lens.dtype} {tuple(ctx_lens.shape)}")
+    tensors = [("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("ctx_lens", ctx_lens)]
+    if out is not None:
+        if tuple(out.shape) != (B, Hq * D) or out.dtype not in DTYPES or out.stride(-1) != 1:
+            raise ValueError(
+                f"out must be [batch={B}, q_heads*head_dim={Hq * D}] of a float dtype with unit last stride, "
+                f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
+            )
+        tensors.append(("out", out))
+    for name, t in tensors:
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    out: Optional[torch.Tensor] = None,
+    impl: str = "auto",
+    *,
+    partitions: Optional[int] = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    ``q [B, Hq, D]`` (bf16/fp16/fp32); ``k_cache``/``v_cache``
+    ``[num_blocks, block_size, Hkv, D]`` in q's dtype, ``Hq`` a multiple of ``Hkv``;
+    ``block_tables`` int32 ``[B, max_blocks]``; ``ctx_lens`` int32 ``[B]`` (context length
+    including the current token; 0 = padded row -> zeros). Returns ``[B, Hq*D]`` in
+    ``q.dtype``, or ``out`` (written in its own dtype) when given. ``partitions``
+    overrides :func:`num_partitions` (Triton only). Capturable: see the module docstring.
+    """
+    global capture_fallbacks
+    if impl not in IMPLS:
+        raise ValueError(f"unknown decode attention implementation {impl!r}; expected one of {IMPLS}")
+    _validate(q, k_cache, v_cache, block_tables, ctx_lens, out)
+    B, Hq, D = q.shape
+    if impl == "auto":
+        impl = default_impl(q.device)[0]
+    if out is None:
+        out = torch.empty(B, Hq * D, dtype=q.dtype, device=q.device)
+    if impl == "torch":
+        return _torch_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, out)
+
+    try:
+        import triton
+
+        from freetoken.models import decode_attention_triton as dat
+    except ImportError as exc:
+        raise ValueError(f"impl='triton' needs triton: {exc}") from exc
+    if not q.is_cuda and not triton.knobs.runtime.interpret:
+        raise ValueError(f"impl='triton' on {q.device} needs a GPU (or Triton's interpreter: TRITON_INTERPRET=1)")
+    if D < 16 or D > 256:
+        raise ValueError(f"impl='triton' supports head_dim 16..256, got {D}")
+    _, bs, Hkv, _ = k_cache.shape
+    max_blocks = block_tables.shape[1]
+    config = dat.DEFAULT_CONFIG
+    P = num_partitions(B, Hkv, max_blocks, bs, q.device, config.min_part) if partitions is None else partitions
+    if P < 1:
+        raise ValueError(f"partitions={P}: must be >= 1")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    ctx_lens = ctx_lens.contiguous()
+    key = dat.variant_key(q, k_cache, v_cache, block_tables, ctx_lens, out, P, config)
+    if key not in _compiled and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        if not capture_fallbacks:
+            log.warning(
+                "decode attention: Triton variant for batch %d, %d/%d heads, head_dim %d, %s not compiled before "
+                "stream capture; this graph uses the torch implementation (run one eager call, e.g. "
+                "freetoken.models.decode_attention.warmup, with the same shapes first)",
+                B, Hq, Hkv, D, q.dtype,
+            )  # fmt: skip
+        capture_fallbacks += 1
+        return _torch_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, out)
+    dat.launch(q, k_cache, v_cache, block_tables, ctx_lens, scale, out, P, config)
+    _compiled.add(key)
+    return out
+
+
+def warmup(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    out: Optional[torch.Tensor] = None,
+    impl: str = "auto",
+    *,
+    partitions: Optional[int] = None,
+) -> torch.Tensor:
+    """One eager :func:`paged_decode_attention` call (compiles the Triton variants these
+    arguments select), to run before capturing a graph that makes the same call. The
+    arguments should be the very buffers the graph will read (their strides and
+    alignment select the variant too); their values do not matter."""
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("decode attention warmup must run before stream capture, not during it")
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, scale, out, impl,
+                                  partitions=partitions)  # fmt: skip
+
+
+def _torch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  ctx_lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Online softmax over fixed-shape chunks of the gathered blocks, all in fp32."""
+    B, Hq, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
+    max_blocks = block_tables.shape[1]
+    dev = q.device
+    if B == 0:
+        return out
+    per_block = B * bs * Hkv * D * 4 * 2  # fp32 K and V of one block column
+    chunk = max(1, min(max_blocks, TORCH_CHUNK_BYTES // per_block))
+    qf = q.float().view(B, Hkv, G, D) * scale
+    ctx = ctx_lens.to(torch.int64).clamp(0, max_blocks * bs).view(B, 1)
+    m = torch.full((B, Hkv, G), float("-inf"), dtype=torch.float32, device=dev)
+    l = torch.zeros(B, Hkv, G, dtype=torch.float32, device=dev)
+    acc = torch.zeros(B, Hkv, G, D, dtype=torch.float32, device=dev)
+    for c0 in range(0, max_blocks, chunk):
+        ids = block_tables[:, c0 : c0 + chunk].to(torch.int64)
+        L = ids.shape[1] * bs
+        valid = torch.arange(c0 * bs, c0 * bs + L, device=dev).view(1, L) < ctx  # [B, L]
+        k = k_cache.index_select(0, ids.reshape(-1)).view(B, L, Hkv, D).float()
+        v = v_cache.index_select(0, ids.reshape(-1)).view(B, L, Hkv, D).float()
+        s = torch.einsum("bhgd,blhd->bhgl", qf, k)
+        s = torch.where(valid.view(B, 1, 1, L), s, float("-inf"))  # also drops NaN of unused slots
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        m_ref = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing valid yet stays at zero
+        alpha = torch.exp(m - m_ref)
+        p = torch.exp(s - m_ref.unsqueeze(-1))
+        v = torch.where(valid.view(B, L, 1, 1), v, 0.0)  # p = 0 there, but 0 * NaN is NaN
+        l = l * alpha + p.sum(dim=-1)
+        acc = acc * alpha.unsqueeze(-1) + torch.einsum("bhgl,blhd->bhgd", p, v)
+        m = m_new
+    o = acc / torch.where(l > 0, l, 1.0).unsqueeze(-1)
+    out.copy_(o.view(B, Hq * D))
+    return out

@@ -1,0 +1,252 @@
+"""Triton kernels of :func:`freetoken.models.decode_attention.paged_decode_attention`.
+
+Split-K (flash-decoding) over the paged KV cache, two launches::
+
+    partial  grid (B, Hkv, P)   program (b, h, p): partition p of sequence b's context,
+                                all G = Hq/Hkv query heads of kv head h at once
+    reduce   grid (B, Hq)       program (b, hq): merges the active partitions of (b, hq)
+
+The partition count ``P`` is fixed by shapes (batch, kv heads, ``max_blocks``), never by
+values. The partition *length* is computed in the kernels from the sequence's context
+length ``L`` (a device value): ``part = max(MIN_PART, ceil(ceil(L / P) / BLOCK_N) * BLOCK_N)``,
+so a short context still spreads over several programs, every program reads at most
+``ceil(max_blocks * block_size / P)`` tokens (rounded up to ``BLOCK_N``), and the
+``ceil(L / part) <= P`` active partitions are the first ones. Both kernels derive the
+same ``part`` from the same ``L``.
+
+A partial program walks its tokens ``BLOCK_N`` at a time: each token's cache block comes
+from the block table (any block size, blocks in any order), K and V rows are gathered
+with masked loads (tokens at or past ``L`` are never read, so garbage there cannot leak),
+``S = Q K^T`` is one ``tl.dot`` with the G query heads as its M dimension (padded to 16),
+followed by an online softmax in base 2 and ``acc += P V`` (fp32 accumulation; P is cast
+to the cache dtype for the MMA, as flash attention does). It stores the unnormalised
+``acc`` and the running max ``m`` and sum ``l``. The reduce program combines them as
+``sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p``; a row without context (``L = 0``,
+a padded batch row) has no active partition and gets zeros.
+
+With ``P == 1`` (``SPLIT`` off) the partial program normalises and writes the output
+itself and no reduce is launched.
+
+triton is optional: import this module lazily, only when the Triton implementation runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch options of the partial kernel."""
+
+    block_n: int = 64  # tokens per step of a partial program (a power of two >= 16)
+    min_part_blocks: int = 2  # a partition spans at least this many steps (bounds the reduce's work)
+    block_p: int = 16  # partitions merged per step of the reduce program
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def validate(self) -> None:
+        for name in ("block_n", "block_p"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name}={v}: must be a power of two >= 16")
+        if self.min_part_blocks < 1:
+            raise ValueError(f"min_part_blocks={self.min_part_blocks}: must be >= 1")
+
+    @property
+    def min_part(self) -> int:
+        return self.block_n * self.min_part_blocks
+
+
+DEFAULT_CONFIG = KernelConfig()
+
+
+@triton.jit
+def _partition(ctx, P, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr):
+    """Tokens per partition of a context of ``ctx`` tokens split ``P`` ways."""
+    part = tl.cdiv(tl.cdiv(ctx, P), BLOCK_N) * BLOCK_N
+    return tl.maximum(part, MIN_PART)
+
+
+@triton.jit(do_not_specialize=["P", "max_tokens", "scale_log2"])
+def _partial_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr,
+    scale_log2, P, max_tokens,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
+    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    p = tl.program_id(2)
+    hq_count = tl.num_programs(1) * G
+    ctx = tl.load(ctx_ptr + b)
+    ctx = tl.minimum(tl.maximum(ctx, 0), max_tokens)
+    part = _partition(ctx, P, BLOCK_N, MIN_PART)
+    lo = p * part
+    hi = tl.minimum(lo + part, ctx)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    heads = h * G + offs_g  # the query heads of kv head h
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt_row = bt_ptr + b * stride_btb
+    for start in range(lo, hi, BLOCK_N):  # every step holds at least one token < hi
+        t = start + offs_n
+        t_ok = t < hi
+        blk = tl.load(bt_row + t // BS, mask=t_ok, other=0).to(tl.int64)
+        row = t % BS
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k_off = blk * stride_kb + row * stride_kt + h * stride_kh
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the step has a valid token
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        v_off = blk * stride_vb + row * stride_vt + h * stride_vh
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        active = lo < hi
+        part_row = (b * hq_count + heads) * P + p  # [BLOCK_G] rows of the [B, Hq, P] partials
+        tl.store(acc_ptr + part_row[:, None] * D + offs_d[None, :], acc,
+                 mask=active & g_ok[:, None] & d_ok[None, :])  # fmt: skip
+        tl.store(ml_ptr + part_row * 2, m_i, mask=active & g_ok)
+        tl.store(ml_ptr + part_row * 2 + 1, l_i, mask=active & g_ok)
+    else:  # the only partition: normalise here (no context: acc = 0, l = 0 -> zeros)
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["P", "max_tokens"])
+def _reduce_kernel(
+    acc_ptr, ml_ptr, ctx_ptr, out_ptr,
+    P, max_tokens, stride_ob,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1)
+    hq_count = tl.num_programs(1)
+    ctx = tl.load(ctx_ptr + b)
+    ctx = tl.minimum(tl.maximum(ctx, 0), max_tokens)
+    part = _partition(ctx, P, BLOCK_N, MIN_PART)
+    n_active = tl.cdiv(ctx, part)
+    base = (b * hq_count + hq) * P
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+
+    m_max = tl.max(tl.full([BLOCK_P], float("-inf"), dtype=tl.float32), axis=0)
+    for p0 in range(0, n_active, BLOCK_P):
+        pp = p0 + offs_p
+        m = tl.load(ml_ptr + (base + pp) * 2, mask=pp < n_active, other=float("-inf"))
+        m_max = tl.maximum(m_max, tl.max(m, axis=0))
+    den = tl.sum(tl.zeros([BLOCK_P], dtype=tl.float32), axis=0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for p0 in range(0, n_active, BLOCK_P):
+        pp = p0 + offs_p
+        ok = pp < n_active
+        m = tl.load(ml_ptr + (base + pp) * 2, mask=ok, other=0.0)
+        l = tl.load(ml_ptr + (base + pp) * 2 + 1, mask=ok, other=0.0)
+        w = tl.where(ok, tl.exp2(m - m_max), 0.0)
+        a = tl.load(acc_ptr + (base + pp)[:, None] * D + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.sum(a * w[:, None], axis=0)
+        den += tl.sum(w * l, axis=0)
+    o = acc / tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + b * stride_ob + hq * D + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _spec(value: Any) -> Any:
+    """What of one launch argument selects a compiled variant: a tensor's dtype and
+    16-byte alignment, an integer's being 1 or a multiple of 16."""
+    if hasattr(value, "data_ptr"):
+        return (str(value.dtype), value.data_ptr() % 16 == 0)
+    return (value == 1, value % 16 == 0)
+
+
+def _constants(q: Any, k_cache: Any, num_partitions: int, config: KernelConfig) -> dict[str, Any]:
+    import torch
+
+    _, Hq, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
+    return dict(
+        G=G, D=D, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_N=config.block_n, MIN_PART=config.min_part, SPLIT=num_partitions > 1,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
+    )  # fmt: skip
+
+
+def _strides(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, out: Any) -> tuple[int, ...]:
+    return (
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0),
+    )  # fmt: skip
+
+
+def variant_key(
+    q: Any, k_cache: Any, v_cache: Any, block_tables: Any, ctx_lens: Any, out: Any, num_partitions: int,
+    config: KernelConfig = DEFAULT_CONFIG,
+) -> tuple[Any, ...]:  # fmt: skip
+    """What selects the compiled variants of a :func:`launch` (constants, dtypes, pointer
+    alignment, strides' divisibility; not the values of the partition count, the context
+    bound or the scale): equal keys, no new compilation."""
+    consts = _constants(q, k_cache, num_partitions, config)
+    tensors = (q, k_cache, v_cache, block_tables, ctx_lens, out)
+    strides = _strides(q, k_cache, v_cache, block_tables, out)
+    return (config, str(q.device), tuple(sorted(consts.items())), *map(_spec, tensors), *map(_spec, strides))
+
+
+def launch(
+    q: Any, k_cache: Any, v_cache: Any, block_tables: Any, ctx_lens: Any, scale: float, out: Any,
+    num_partitions: int, config: KernelConfig = DEFAULT_CONFIG,
+) -> None:  # fmt: skip
+    """Run the kernels (arguments already validated by the caller: ``q [B, Hq, D]``,
+    caches ``[num_blocks, block_size, Hkv, D]``, int32 ``block_tables [B, max_blocks]``
+    and ``ctx_lens [B]`` (contiguous), ``out [B, Hq*D]``; unit stride in every last
+    dimension). The ``P > 1`` partials are fresh ``torch.empty`` buffers of fixed shape
+    (under stream capture: from the graph's pool)."""
+    import torch
+
+    B, Hq, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    P = int(num_partitions)
+    if B == 0:
+        return
+    consts = _constants(q, k_cache, P, config)
+    max_tokens = block_tables.shape[1] * bs
+    if P > 1:
+        acc = torch.empty(B, Hq, P, D, dtype=torch.float32, device=q.device)
+        ml = torch.empty(B, Hq, P, 2, dtype=torch.float32, device=q.device)
+    else:
+        acc = ml = out  # not used: SPLIT off stores the output directly
+    _partial_kernel[(B, Hkv, P)](
+        q, k_cache, v_cache, block_tables, ctx_lens, out, acc, ml, float(scale) * LOG2E, P, max_tokens,
+        *_strides(q, k_cache, v_cache, block_tables, out), **consts,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if P > 1:
+        _reduce_kernel[(B, Hq)](
+            acc, ml, ctx_lens, out, P, max_tokens, out.stride(0), D=D, BLOCK_D=consts["BLOCK_D"],
+            BLOCK_P=config.block_p, BLOCK_N=config.block_n, MIN_PART=config.min_part, num_warps=4,
+        )  # fmt: skip
