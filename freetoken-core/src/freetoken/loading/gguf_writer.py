@@ -2,7 +2,9 @@
 
 Also makes random but *valid* K-quant/Q8_0 blocks straight from bytes: quantized
 values uniformly random, block scales set to small finite fp16 values. That is how
-synthetic checkpoints of real shapes are produced quickly without quantizing floats.
+synthetic checkpoints of real shapes are produced quickly without quantizing floats;
+:class:`RandomBlockPool` repeats one such pool at memory-copy speed for files of
+tens of GB.
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ def write_qwen3moe_metadata(w: Any, cfg: ModelConfig, name: str) -> None:
     w.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
     w.add_uint32(f"{a}.expert_count", cfg.num_experts)
     w.add_uint32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size)
+
+
+def write_ids_only_vocab(w: Any, vocab_size: int) -> None:
+    """A vocabulary without text: ``tokenizer.ggml.model = "none"`` and ``{arch}.vocab_size``.
+
+    llama.cpp (src/llama-vocab.cpp) maps "none" to LLAMA_VOCAB_TYPE_NONE, reads no token
+    arrays and no BOS/EOS ids, and makes ``vocab_size`` dummy tokens: that count must equal
+    the rows of ``token_embd``, and llama-bench draws its random token ids from it. Without
+    any ``tokenizer.ggml.model`` llama.cpp refuses the file. FreeToken reads "none" as an
+    ids-only tokenizer (loading/tokenizer.py)."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    w.add_string("tokenizer.ggml.model", "none")
+    w.add_uint32(f"{w.arch}.vocab_size", vocab_size)
 
 
 def write_tokenizer(w: Any, tokenizer_json: str, chat_template: Optional[str], eos_token: Optional[str],
@@ -91,3 +107,58 @@ def random_blocks(fmt: int, rows: int, cols: int, rng: np.random.Generator, scal
     else:
         raise ValueError(f"no random blocks for format {fmt}")
     return raw.reshape(rows, (cols // per) * nb)
+
+
+class RandomBlockPool:
+    """Random valid packed blocks for files of real size, at memory-copy speed.
+
+    Drawing every block with :func:`random_blocks` runs at about 0.25 GB/s, minutes for a
+    30B model. Here one pool of ``pool_blocks`` blocks per format is drawn once with
+    :func:`random_blocks` (random bits, per-block fp16 scales spread over [0.5, 1.5] x
+    ``scale``, so dequantized weights vary block to block), and each tensor is that pool
+    repeated from a random starting block. The default pool length is prime, so rows,
+    experts and tensors start at different pool positions; the same block sequence comes
+    back only every ``pool_blocks`` blocks. Meant for speed measurements, whose cost does
+    not depend on the values; tests of numerics use :func:`random_blocks`."""
+
+    POOL_BLOCKS = 65521  # prime; ~9 MiB of Q4_K, ~13 MiB of Q6_K
+
+    def __init__(self, rng: np.random.Generator, scale: float = 2e-4, pool_blocks: int = POOL_BLOCKS) -> None:
+        if pool_blocks < 1:
+            raise ValueError(f"pool_blocks must be positive, got {pool_blocks}")
+        self._rng = rng
+        self._scale = scale
+        self._n = pool_blocks
+        self._pools: dict[int, np.ndarray] = {}
+
+    def pool(self, fmt: int) -> np.ndarray:
+        """The pool of ``fmt`` as uint8 ``[pool_blocks, block_bytes]``."""
+        fmt = int(fmt)
+        p = self._pools.get(fmt)
+        if p is None:
+            per, nb = BLOCK_SIZES[fmt]
+            p = random_blocks(fmt, 1, self._n * per, self._rng, self._scale).reshape(self._n, nb)
+            self._pools[fmt] = p
+        return p
+
+    def segments(self, fmt: int, rows: int, cols: int) -> list[np.ndarray]:
+        """The bytes of ``rows`` packed rows as consecutive views into the pool (no copy):
+        written one after the other they are the tensor :meth:`blocks` returns."""
+        per, nb = BLOCK_SIZES[int(fmt)]
+        if cols % per:
+            raise ValueError(f"{Fmt(fmt).name} needs cols multiple of {per}, got {cols}")
+        pool = self.pool(fmt)
+        nblk = rows * (cols // per)
+        start = int(self._rng.integers(self._n))
+        out: list[np.ndarray] = []
+        while nblk > 0:
+            k = min(self._n - start, nblk)
+            out.append(pool[start:start + k])
+            nblk -= k
+            start = 0
+        return out
+
+    def blocks(self, fmt: int, rows: int, cols: int) -> np.ndarray:
+        """``rows`` packed rows of ``cols`` values in ``fmt`` as uint8 ``[rows, row_bytes]``."""
+        segs = self.segments(fmt, rows, cols)
+        return np.concatenate(segs).reshape(rows, -1)

@@ -29,6 +29,10 @@ _LLAMA3_REGEX = (
 _PRE_REGEX = {"qwen2": _QWEN2_REGEX, "llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX}
 
 
+#: ``tokenizer.ggml.model`` values llama.cpp reads as a vocabulary without text.
+_NO_TEXT_MODELS = ("none", "no_vocab")
+
+
 class NoTokenizerError(ValueError):
     """Text was given to a model that has no tokenizer (token ids only)."""
 
@@ -220,6 +224,11 @@ def load_gguf_tokenizer(ckpt: Any, vocab_size: int) -> Tokenizer:
     meta = ckpt.metadata
     eos_ids = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if meta.get(k) is not None]
     model = meta.get("tokenizer.ggml.model")
+    if model in _NO_TEXT_MODELS:
+        # llama.cpp's vocabulary without text (LLAMA_VOCAB_TYPE_NONE): ids only, even if
+        # token strings were stored; its size is {arch}.vocab_size, read with the config.
+        logger.info("%s: tokenizer model %r, token ids only", ckpt.path, model)
+        return IdsOnlyTokenizer(eos_ids, vocab_size, ckpt.path)
     tokens = ckpt.field("tokenizer.ggml.tokens") if model else None
     if not model or not tokens:
         logger.info("%s has no tokenizer: token ids only", ckpt.path)

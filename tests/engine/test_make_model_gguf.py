@@ -1,0 +1,233 @@
+"""``freetoken bench make-model`` files: the metadata, tensor set and Q4_K_M mix that
+llama.cpp's qwen3moe loader needs (read back with gguf-py), valid blocks, and FreeToken
+loading the same file and generating from token ids."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+
+import numpy as np
+import pytest
+
+from freetoken import SamplingParams
+from freetoken.handoff import Fmt
+from freetoken.loading.tensors import BLOCK_SIZES
+from helpers import engine_for
+
+# The keys llama.cpp reads for qwen3moe without a default (src/llama-model.cpp load_hparams,
+# src/models/qwen3moe.cpp) plus the ones whose defaults would be wrong for Qwen3 (head size
+# 128 != hidden / heads, rope base 1e6, expert sizes).
+ARCH_KEYS = (
+    "block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+    "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "attention.key_length",
+    "attention.value_length", "rope.freq_base", "expert_count", "expert_used_count", "expert_feed_forward_length",
+)
+
+
+def _field(reader, key: str):
+    f = reader.fields.get(key)
+    assert f is not None, f"{key} missing"
+    return f.contents()
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    from freetoken.cli.main import main
+
+    path = str(tmp_path_factory.mktemp("make_model") / "tiny.gguf")
+    assert main(["bench", "make-model", "--preset", "qwen3-moe-tiny", "--seed", "3", "--out", path]) == 0
+    return path
+
+
+def test_llamacpp_metadata(tiny_file):
+    import gguf
+
+    from freetoken.cli.bench.make_model import PRESETS
+
+    cfg = PRESETS["qwen3-moe-tiny"]
+    r = gguf.GGUFReader(tiny_file)
+    assert _field(r, "general.architecture") == "qwen3moe"
+    # llama.cpp refuses a file without tokenizer.ggml.model; "none" = no text, vocab_size dummy tokens
+    assert _field(r, "tokenizer.ggml.model") == "none"
+    assert _field(r, "qwen3moe.vocab_size") == cfg.vocab_size
+    for k in ARCH_KEYS:
+        _field(r, f"qwen3moe.{k}")
+    assert _field(r, "qwen3moe.block_count") == cfg.num_layers
+    assert _field(r, "qwen3moe.attention.key_length") == cfg.head_dim
+    assert _field(r, "qwen3moe.expert_count") == cfg.num_experts
+    assert _field(r, "qwen3moe.expert_feed_forward_length") == cfg.moe_intermediate_size
+    assert _field(r, "general.file_type") == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+
+    # every tensor llama.cpp's qwen3moe loader creates, in ggml's dimension order (ne0 first)
+    H, D, E, I, V = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.vocab_size
+    want = {"token_embd.weight": (H, V), "output_norm.weight": (H,), "output.weight": (H, V)}
+    for i in range(cfg.num_layers):
+        b = f"blk.{i}."
+        want.update({
+            b + "attn_norm.weight": (H,), b + "attn_q.weight": (H, cfg.num_heads * D),
+            b + "attn_k.weight": (H, cfg.num_kv_heads * D), b + "attn_v.weight": (H, cfg.num_kv_heads * D),
+            b + "attn_output.weight": (cfg.num_heads * D, H), b + "attn_q_norm.weight": (D,),
+            b + "attn_k_norm.weight": (D,), b + "ffn_norm.weight": (H,), b + "ffn_gate_inp.weight": (H, E),
+            b + "ffn_gate_exps.weight": (H, I, E), b + "ffn_up_exps.weight": (H, I, E),
+            b + "ffn_down_exps.weight": (I, H, E),
+        })
+    got = {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
+    assert got == want
+    # the data section ends where the file does: nothing truncated
+    last = max(r.tensors, key=lambda t: t.data_offset)
+    assert last.data_offset + last.n_bytes == os.path.getsize(tiny_file)
+
+    # Q4_K_M (llama.cpp llama_tensor_get_type, 4 layers: use_more_bits holds for layers 2 and 3)
+    types_ = {t.name: t.tensor_type.name for t in r.tensors}
+    assert types_["output.weight"] == "Q6_K" and types_["token_embd.weight"] == "Q4_K"
+    for i in range(cfg.num_layers):
+        more = "Q6_K" if i in (2, 3) else "Q4_K"
+        assert types_[f"blk.{i}.attn_v.weight"] == more, i
+        assert types_[f"blk.{i}.ffn_down_exps.weight"] == more, i
+        for n in ("attn_q", "attn_k", "attn_output", "ffn_gate_exps", "ffn_up_exps"):
+            assert types_[f"blk.{i}.{n}.weight"] == "Q4_K", (i, n)
+        for n in ("attn_norm", "attn_q_norm", "attn_k_norm", "ffn_norm", "ffn_gate_inp"):
+            assert types_[f"blk.{i}.{n}.weight"] == "F32", (i, n)
+
+
+def test_blocks_dequantize_to_varied_finite_weights(tiny_file):
+    import gguf
+    from gguf.quants import dequantize
+
+    r = gguf.GGUFReader(tiny_file)
+    by = {t.name: t for t in r.tensors}
+    for name in ("blk.0.ffn_gate_exps.weight", "blk.3.ffn_down_exps.weight", "output.weight", "blk.1.attn_q.weight"):
+        t = by[name]
+        w = dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64)
+        rows = w.reshape(-1, w.shape[-1])
+        assert np.isfinite(rows).all(), name
+        assert 1e-4 < float(np.abs(rows).max()) < 1.0, name  # O(0.01) weights
+        assert float(rows.std()) > 1e-4, name
+        # rows are not copies of each other (the block pool repeats only every POOL_BLOCKS blocks)
+        assert len({rows[i].tobytes() for i in range(min(64, len(rows)))}) == min(64, len(rows)), name
+    # experts of one tensor differ, and so do two tensors of one format
+    g = dequantize(np.asarray(by["blk.0.ffn_gate_exps.weight"].data), by["blk.0.ffn_gate_exps.weight"].tensor_type)
+    assert not np.array_equal(g[0], g[1])
+    u = dequantize(np.asarray(by["blk.0.ffn_up_exps.weight"].data), by["blk.0.ffn_up_exps.weight"].tensor_type)
+    assert not np.array_equal(g, u)
+
+
+def test_freetoken_generates_from_token_ids(tiny_file):
+    from freetoken.engine.llm import LLM
+    from freetoken.loading.tokenizer import NoTokenizerError
+
+    eng = engine_for(tiny_file)
+    assert eng.tokenizer.has_text is False
+    assert eng.tokenizer.vocab_size == 32768
+    with pytest.raises(NoTokenizerError, match="token ids only"):
+        eng.tokenizer.encode("hello")
+    llm = LLM.__new__(LLM)
+    llm.engine, llm.tokenizer = eng, eng.tokenizer
+    out = llm.generate([[1, 2, 3, 4, 5], [7, 9]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    for o in out:
+        assert len(o.token_ids) == 6 and o.text == ""
+        assert all(0 <= t < 32768 for t in o.token_ids)
+    # the logits carry the weights: two different prompts do not give the same distribution
+    a, b = eng.prompt_logits([1, 2, 3]), eng.prompt_logits([30000, 2, 3])
+    assert np.isfinite(a.float().numpy()).all()
+    assert float((a[-1] - b[-1]).abs().max()) > 0
+
+
+def test_full_size_plan_follows_q4_k_m():
+    """The 48-layer Qwen3-30B-A3B plan without writing it: llama.cpp's Q4_K_M puts Q6_K in
+    attn_v and ffn_down_exps of 24 layers (0-5, 42-47, and every third from 8 to 41)."""
+    from freetoken.cli.bench.make_model import PRESETS, plan
+
+    cfg = PRESETS["qwen3-30b-a3b"]
+    ts = {t.name: t for t in plan(cfg, "q4_k_m")}
+    more = [i for i in range(48) if ts[f"blk.{i}.ffn_down_exps.weight"].fmt == Fmt.Q6_K]
+    assert more == [0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41, 42, 43, 44, 45, 46, 47]
+    assert more == [i for i in range(48) if ts[f"blk.{i}.attn_v.weight"].fmt == Fmt.Q6_K]
+    assert ts["output.weight"].fmt == Fmt.Q6_K and ts["token_embd.weight"].fmt == Fmt.Q4_K
+    # bytes per value: Q4_K 144 per 256, Q6_K 210 per 256, F32 4
+    q4, q6 = 144 / 256, 210 / 256
+    want = 151936 * 2048 * (q4 + q6) + 2048 * 4
+    for i in range(48):
+        m = q6 if i in more else q4
+        want += 2 * 128 * 768 * 2048 * q4 + 128 * 2048 * 768 * m  # experts
+        want += (4096 * 2048 + 512 * 2048 + 2048 * 4096) * q4 + 512 * 2048 * m  # attention
+        want += (128 * 2048 + 2 * 2048 + 2 * 128) * 4  # router, norms
+    assert sum(t.nbytes for t in ts.values()) == want == 18_550_716_416
+
+
+def test_layers_option_cuts_the_file(tmp_path):
+    import gguf
+
+    from freetoken.cli.main import main
+
+    p = str(tmp_path / "two.gguf")
+    assert main(["bench", "make-model", "--preset", "qwen3-moe-tiny", "--layers", "2", "--out", p]) == 0
+    r = gguf.GGUFReader(p)
+    assert _field(r, "qwen3moe.block_count") == 2
+    assert {t.name.split(".")[1] for t in r.tensors if t.name.startswith("blk.")} == {"0", "1"}
+    assert main(["bench", "make-model", "--preset", "qwen3-moe-tiny", "--layers", "0", "--out", p]) == 2
+
+
+def test_block_pool_tiles_valid_blocks():
+    from freetoken.loading.gguf_writer import RandomBlockPool
+
+    pool = RandomBlockPool(np.random.default_rng(5), pool_blocks=7)
+    per, nb = BLOCK_SIZES[int(Fmt.Q4_K)]
+    a = pool.blocks(Fmt.Q4_K, 5, 3 * per)  # 15 blocks over a pool of 7: wraps twice
+    assert a.shape == (5, 3 * nb)
+    blocks = a.reshape(15, nb)
+    p = pool.pool(Fmt.Q4_K)
+    start = next(s for s in range(7) if np.array_equal(blocks[0], p[s]))
+    for j in range(15):
+        assert np.array_equal(blocks[j], p[(start + j) % 7]), j
+    d = p[:, 0:2].copy().view(np.float16).astype(np.float32).ravel()
+    assert np.isfinite(d).all() and (d > 0).all() and len(set(d.tolist())) > 1
+    with pytest.raises(ValueError, match="multiple of 256"):
+        pool.blocks(Fmt.Q4_K, 1, 100)
+
+
+@pytest.mark.parametrize("stored_tokens", [False, True])
+def test_none_tokenizer_is_ids_only(stored_tokens):
+    """``tokenizer.ggml.model = "none"`` is ids only even when token strings are stored."""
+    from freetoken.loading.tokenizer import IdsOnlyTokenizer, load_gguf_tokenizer
+
+    fields = {"tokenizer.ggml.tokens": ["a", "b", "c"]} if stored_tokens else {}
+    ck = types.SimpleNamespace(metadata={"tokenizer.ggml.model": "none"}, path="x.gguf", field=fields.get)
+    tok = load_gguf_tokenizer(ck, 3)
+    assert isinstance(tok, IdsOnlyTokenizer) and tok.vocab_size == 3 and tok.eos_token_ids == []
+
+
+def test_make_model_preset_shapes_fit_block_sizes():
+    """Every packed row of every preset is a whole number of K-quant blocks."""
+    from freetoken.cli.bench.make_model import PRESETS, plan
+
+    for name, cfg in PRESETS.items():
+        for t in plan(dataclasses.replace(cfg, num_layers=1), "q4_k_m"):
+            if t.fmt not in (Fmt.F32, Fmt.F16):
+                assert t.shape[-1] % BLOCK_SIZES[int(t.fmt)][0] == 0, (name, t.name)
+
+
+def test_parallel_writer_lays_out_the_planned_tensors(tmp_path):
+    """The threaded pwrite path puts every tensor's bytes where gguf-py's tensor infos say,
+    the same bytes ``Planned.make`` gives for the seed, whatever the thread count."""
+    import gguf
+
+    from freetoken.cli.bench.make_model import PRESETS, plan, write
+    from freetoken.loading.gguf_writer import RandomBlockPool
+
+    cfg = dataclasses.replace(PRESETS["qwen3-moe-tiny"], num_layers=2)
+    paths = [str(tmp_path / f"t{n}.gguf") for n in (1, 3)]
+    for p, n in zip(paths, (1, 3)):
+        write(p, cfg, "q4_k_m", seed=11, progress=False, threads=n)
+    a, b = (open(p, "rb").read() for p in paths)
+    assert a == b
+    rng = np.random.default_rng(11)
+    pool = RandomBlockPool(rng)
+    ref = {t.name: t.make(rng, pool) for t in plan(cfg, "q4_k_m")}
+    r = gguf.GGUFReader(paths[1])
+    assert [t.name for t in r.tensors] == list(ref)
+    for t in r.tensors:
+        got = np.asarray(t.data).reshape(-1).view(np.uint8)
+        assert np.array_equal(got, ref[t.name].reshape(-1).view(np.uint8)), t.name
