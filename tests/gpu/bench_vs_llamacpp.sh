@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: decode speed of llama.cpp and FreeToken on the same synthetic
+# Qwen3-30B-A3B-shaped Q4_K_M GGUF (`freetoken bench make-model`: random weights, ids-only
+# vocabulary that both load).
+#
+#   1. install the carried wheels (.whl: gguf, fastapi, ...) and freetoken-core (editable, no build)
+#   2. in the background: build llama-bench (CUDA, sm_90) from the carried .bench/llama.cpp
+#   3. meanwhile: write the GGUF into $MODEL_DIR (default /tmp/ft-bench; kept and reused while
+#      the machine stays warm), then build freetoken-cpu-moe and freetoken-cuda
+#   4. llama-bench: all routed experts on the CPU (-ot exps=CPU), the experts of the first
+#      $NCMOE layers on the CPU (-ncmoe), everything on the GPU; -t $THREADS -p 512 -n 64 -r 2
+#   5. run_freetoken_bench (below): the FreeToken side
+#
+# Every stage runs under `timeout`, cut to what is left of $BUDGET_S seconds (default 530).
+# Logs go to $OUT (at most 8 files: summary.txt, system.txt, setup.log, llamacpp-build.log,
+# make-model.log, llama-bench.log, llama-bench.md, freetoken-bench.log); what is printed is
+# also summary.txt.
+#
+# Usage (repository root; .bench/llama.cpp and .whl carried):
+#   bash tests/gpu/bench_vs_llamacpp.sh [--layers N] [--preset NAME] [--cpu-only] [--no-freetoken-build]
+# --layers N: cut the model to its first N layers when time is short (48 = full, ~17.3 GiB).
+# --cpu-only: build llama.cpp without CUDA (a smoke test of this script on a machine without a GPU).
+# Environment: OUT, MODEL_DIR, THREADS (16), NCMOE (24), BUDGET_S (530), LLAMACPP_SRC
+# (.bench/llama.cpp), LLAMACPP_BUILD (/tmp/llamacpp-build: an existing llama-bench there is
+# reused), SKIP_SETUP=1 (install and build nothing of ours: python3 already has it all).
+set -uo pipefail
+
+LAYERS=48
+PRESET=qwen3-30b-a3b
+CPU_ONLY=0
+FT_BUILD=1
+while [ $# -gt 0 ]; do
+  case $1 in
+    --layers) LAYERS=$2; shift 2 ;;
+    --preset) PRESET=$2; shift 2 ;;
+    --cpu-only) CPU_ONLY=1; shift ;;
+    --no-freetoken-build) FT_BUILD=0; shift ;;
+    *) echo "unknown argument: $1 (see the header of $0)" >&2; exit 2 ;;
+  esac
+done
+
+OUT=${OUT:-/tmp/ft-out}
+MODEL_DIR=${MODEL_DIR:-/tmp/ft-bench}
+THREADS=${THREADS:-16}
+NCMOE=${NCMOE:-24}
+BUDGET_S=${BUDGET_S:-530}
+SRC=${LLAMACPP_SRC:-.bench/llama.cpp}
+B=${LLAMACPP_BUILD:-/tmp/llamacpp-build}
+MODEL=$MODEL_DIR/$PRESET-q4_k_m-L$LAYERS.gguf
+mkdir -p "$OUT" "$MODEL_DIR"
+SUM=$OUT/summary.txt
+: > "$SUM"
+export PYTHONUNBUFFERED=1 FREETOKEN_CUDA_ARCH=${FREETOKEN_CUDA_ARCH:-90}
+export B SRC CPU_ONLY OUT MODEL THREADS NCMOE
+unset TRITON_INTERPRET  # compiled Triton kernels on the GPU
+T0=$(date +%s)
+elapsed() { echo $(( $(date +%s) - T0 )); }
+say() { echo "[$(elapsed) s] $*" | tee -a "$SUM"; }
+# left LIMIT: LIMIT seconds, or what is left of the budget if less (at least 1)
+left() { local l=$(( BUDGET_S - $(elapsed) )); [ "$l" -lt "$1" ] || l=$1; [ "$l" -ge 1 ] || l=1; echo "$l"; }
+
+# ---------------------------------------------------------------- system
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1
+  echo "cores: $(nproc)"; grep -m1 'model name' /proc/cpuinfo
+  grep -o -w -E 'avx512f|avx512_vnni|avx512_bf16|amx_int8|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+  free -g; df -h /tmp "$MODEL_DIR" | sort -u
+  python3 -c "import sys, numpy, torch; print('python', sys.version.split()[0], 'numpy', numpy.__version__, 'torch', torch.__version__)" 2>&1
+  cmake --version | head -1; nvcc --version 2>&1 | tail -1; command -v ninja || echo "no ninja"
+} > "$OUT/system.txt" 2>&1
+say "$(head -2 "$OUT/system.txt" | tail -1) | $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) | $(nproc) cores"
+
+# ---------------------------------------------------------------- 1. wheels + freetoken-core
+SETUP=$OUT/setup.log
+if [ "${SKIP_SETUP:-0}" = 1 ]; then
+  say "SKIP_SETUP=1: using the python3 environment as it is"
+elif [ -d .whl ]; then
+  # --no-index: only the carried wheels; what the machine has and satisfies the requirements stays
+  timeout "$(left 120)" python3 -m pip install --no-index --find-links .whl gguf fastapi uvicorn pydantic openai >> "$SETUP" 2>&1
+  say "wheels rc=$?"
+else
+  say "no .whl folder: carry .whl (tests/gpu/wheels.txt says how to make it); gguf may be missing"
+fi
+if [ "${SKIP_SETUP:-0}" != 1 ]; then
+  timeout "$(left 120)" python3 -m pip install --no-deps --no-build-isolation -e ./freetoken-core >> "$SETUP" 2>&1
+  say "freetoken-core install rc=$?"
+fi
+
+# ---------------------------------------------------------------- 2. llama-bench build (background)
+build_llamacpp() {
+  if [ -x "$B/bin/llama-bench" ]; then echo "reusing $B/bin/llama-bench"; return 0; fi
+  [ -f "$SRC/CMakeLists.txt" ] || { echo "no llama.cpp source in $SRC: carry .bench/llama.cpp"; return 1; }
+  local gen=() cuda=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90) noamx=""
+  command -v ninja > /dev/null && gen=(-G Ninja)
+  [ "$CPU_ONLY" = 1 ] && cuda=(-DGGML_CUDA=OFF)
+  # ggml's AMX matmul (built when -march=native finds AMX) segfaulted in ggml_backend_amx_mul_mat
+  # on a Xeon with AMX under the same kind of VM, with make-model files of the tiny and the real
+  # shapes: leave AMX out; the AVX-512 paths and the CPU repack stay on.
+  grep -q -w amx_int8 /proc/cpuinfo && noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  echo "configure: ${gen[*]} ${cuda[*]} C/CXX flags: '${noamx}'"
+  cmake -B "$B" -S "$SRC" "${gen[@]}" "${cuda[@]}" -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    "-DCMAKE_C_FLAGS=$noamx" "-DCMAKE_CXX_FLAGS=$noamx" \
+    && cmake --build "$B" -j "$(nproc)" --target llama-bench
+}
+( timeout "$(left 420)" bash -c "$(declare -f build_llamacpp); build_llamacpp" \
+    > "$OUT/llamacpp-build.log" 2>&1; echo "rc=$?" >> "$OUT/llamacpp-build.log" ) &
+BUILD_PID=$!
+say "llama-bench build started (pid $BUILD_PID, log llamacpp-build.log)"
+
+# ---------------------------------------------------------------- 3. the model file
+MM=$OUT/make-model.log
+if [ -f "$MODEL.ok" ]; then
+  say "reusing $MODEL ($(du -h "$MODEL" | cut -f1))"
+else
+  rm -f "$MODEL"
+  t=$(date +%s)
+  timeout "$(left 300)" python3 -m freetoken.cli.main bench make-model --preset "$PRESET" --layers "$LAYERS" \
+    --out "$MODEL" > "$MM" 2>&1
+  rc=$?; dt=$(( $(date +%s) - t ))
+  if [ $rc = 0 ]; then
+    touch "$MODEL.ok"
+    say "make-model: $(tail -1 "$MM") ($(python3 -c "import os; print(f'{os.path.getsize(\"$MODEL\") / 1e9 / max($dt, 1):.2f}')") GB/s wall)"
+  else
+    say "make-model FAILED rc=$rc after ${dt}s:"; tail -5 "$MM" | tee -a "$SUM"
+  fi
+fi
+
+if [ "$FT_BUILD" = 1 ] && [ "$CPU_ONLY" = 0 ] && [ "${SKIP_SETUP:-0}" != 1 ]; then
+  # before llama-bench runs, so that no compiler competes with its CPU threads
+  t=$(date +%s)
+  timeout "$(left 240)" python3 -m pip install --no-deps --no-build-isolation -e ./freetoken-cpu-moe -e ./freetoken-cuda \
+    >> "$SETUP" 2>&1
+  say "freetoken-cpu-moe + freetoken-cuda build rc=$? in $(( $(date +%s) - t ))s"
+fi
+
+wait "$BUILD_PID"
+say "llama-bench build: $(tail -1 "$OUT/llamacpp-build.log")"
+grep -E -i "error|CMAKE_CXX_FLAGS|AMX" "$OUT/llamacpp-build.log" | head -5 | tee -a "$SUM"
+
+# ---------------------------------------------------------------- 4. llama-bench
+LB=$OUT/llama-bench.log
+MD=$OUT/llama-bench.md
+TMPB=/tmp/llama-bench-run.txt  # scratch, outside $OUT
+: > "$MD"
+bench() {  # bench "TITLE" LIMIT_S ARGS...
+  local title=$1 limit=$2; shift 2
+  if [ "$(left "$limit")" -lt 20 ]; then say "skip llama-bench ($title): out of time"; return; fi
+  echo "# $title" | tee -a "$MD" >> "$LB"
+  local t=$(date +%s)
+  timeout "$(left "$limit")" "$B/bin/llama-bench" -m "$MODEL" -t "$THREADS" -p 512 -n 64 -r 2 -o md "$@" > "$TMPB" 2>&1
+  local rc=$?
+  cat "$TMPB" >> "$LB"
+  grep -E '^\|' "$TMPB" >> "$MD"  # its table (the columns differ between configurations)
+  rm -f "$TMPB"
+  say "llama-bench ($title) rc=$rc in $(( $(date +%s) - t ))s"
+}
+if [ -x "$B/bin/llama-bench" ] && [ -f "$MODEL.ok" ]; then
+  bench "all routed experts on the CPU, the rest on the GPU" 150 -ngl 99 -ot exps=CPU
+  bench "experts of the first $NCMOE layers on the CPU" 120 -ngl 99 -ncmoe "$NCMOE"
+  bench "everything on the GPU" 90 -ngl 99
+  tee -a "$SUM" < "$MD"
+else
+  say "llama-bench not run: binary $( [ -x "$B/bin/llama-bench" ] && echo ok || echo missing ), model $( [ -f "$MODEL.ok" ] && echo ok || echo missing )"
+fi
+
+# ---------------------------------------------------------------- 5. FreeToken
+# Fill with `freetoken bench decode ...` lines on "$MODEL" (exported, like OUT, THREADS and
+# NCMOE), e.g. python3 -m freetoken.cli.main bench decode --model "$MODEL" --batch 1 8 ...
+# Its output goes to freetoken-bench.log; lines starting with "SUMMARY " also into summary.txt.
+run_freetoken_bench() {
+  python3 -m freetoken.cli.main bench decode --help
+}
+if [ "$(left 60)" -ge 20 ]; then
+  t=$(date +%s)
+  timeout "$(left 600)" bash -c "$(declare -f run_freetoken_bench); run_freetoken_bench" \
+    > "$OUT/freetoken-bench.log" 2>&1
+  rc=$?
+  grep '^SUMMARY ' "$OUT/freetoken-bench.log" | tee -a "$SUM"
+  say "run_freetoken_bench rc=$rc in $(( $(date +%s) - t ))s"
+else
+  say "run_freetoken_bench skipped: out of time"
+fi
+say "done (this output is also $OUT/summary.txt)"
