@@ -1,7 +1,12 @@
 # FreeToken developer entry points.
 #   make test   set up everything on a fresh machine (venv, torch, all packages, native
-#               builds, the ROCm compiler when root) and run the test suite
+#               builds, the ROCm compiler when root), run the test suite, then build the
+#               wheels and check them in fresh venvs (what make wheel-check does)
 #   make run    set up, then serve the built-in demo model on http://127.0.0.1:8000
+#   make wheels       the five distributions as sdists and wheels in dist/ (each wheel built
+#                     from its sdist; unchanged ones reused)
+#   make wheel-check  make wheels, then install them into fresh venvs (freetoken,
+#                     freetoken[cuda], freetoken[rocm], freetoken-core alone) and run them
 SHELL := /bin/bash
 PY ?= python3
 VENV ?= .venv
@@ -11,10 +16,15 @@ PIP := $(VPY) -m pip
 PKGS := -e ./freetoken-core -e ./freetoken-cpu-moe -e ./freetoken-cuda -e ./freetoken-rocm -e ./tests/plugins/freetoken-fakegpu
 PYTEST_ARGS ?=
 
-.PHONY: test run setup venv toolchain install clean
+.PHONY: test run setup venv toolchain install wheels wheel-check clean
+
+BUILD_WHEELS := $(VPY) tests/packaging/build_wheels.py
+CHECK_WHEELS := $(VPY) tests/packaging/check_wheels.py
 
 test: setup
 	$(VPY) -m pytest $(PYTEST_ARGS)
+	$(BUILD_WHEELS)
+	$(CHECK_WHEELS)
 
 run: setup
 	$(VENV)/bin/freetoken serve
@@ -41,6 +51,14 @@ install: $(VPY)
 	$(PIP) install -q --no-deps --no-build-isolation $(PKGS)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 
+# The wheels are built with .venv's build tools and freetoken-core: set it up first if needed.
+wheels:
+	@$(VPY) -c 'import freetoken, pybind11, setuptools' 2>/dev/null || $(MAKE) --no-print-directory setup
+	$(BUILD_WHEELS)
+
+wheel-check: wheels
+	$(CHECK_WHEELS)
+
 clean:
-	rm -rf $(VENV) build */build */src/*.egg-info
+	rm -rf $(VENV) build dist */build */src/*.egg-info *.egg-info
 	find . -name '*.so' -path '*/src/*' -delete

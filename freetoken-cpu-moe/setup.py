@@ -3,15 +3,21 @@
 The distributable build never uses -march=native: each ISA tier is its own
 translation unit (csrc/isa_<tier>.cpp) compiled with that tier's flags, and the
 tier is picked at run time from the CPU's features (csrc/dispatch.cpp).
+
+The headers (csrc/*.h, csrc/*.inc) are the extension's ``depends``: setuptools
+then ships them in the sdist, and rebuilds the extension when any of them (or
+freetoken-core's shared headers) changes. Translation units compile in parallel
+(one job per core; ``FREETOKEN_BUILD_JOBS`` sets the number).
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 from typing import Any
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,7 +32,10 @@ def freetoken_include() -> str:
     except ImportError:
         path = os.path.join(HERE, "..", "freetoken-core", "src", "freetoken", "include")
         if not os.path.isfile(os.path.join(path, "freetoken", "handoff.h")):
-            sys.exit("freetoken-cpu-moe: cannot find freetoken/handoff.h; install freetoken-core first")
+            sys.exit(
+                "freetoken-cpu-moe: cannot find freetoken/handoff.h; install freetoken-core first and build "
+                "without build isolation (pip install --no-build-isolation ...)"
+            )
         return path
 
 
@@ -60,13 +69,22 @@ SOURCES = [
     "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp",
 ]
 
+CORE_INCLUDE = freetoken_include()
+# Relative paths (inside this project) go into the sdist; all of them decide rebuilds.
+HEADERS = sorted(
+    os.path.relpath(h, HERE) for pattern in ("*.h", "*.inc") for h in glob.glob(os.path.join(HERE, "csrc", pattern))
+)
+CORE_HEADERS = sorted(glob.glob(os.path.join(CORE_INCLUDE, "freetoken", "*.h")))
+
 ext = Pybind11Extension(
     "freetoken_cpu_moe._core",
     [os.path.join("csrc", s) for s in SOURCES],
-    include_dirs=[freetoken_include(), os.path.join(HERE, "csrc")],
+    include_dirs=[CORE_INCLUDE, os.path.join(HERE, "csrc")],
+    depends=HEADERS + CORE_HEADERS,
     cxx_std=17,
     extra_compile_args=["-O3", "-fno-math-errno", "-Wall", "-Wno-unused-function"],
     extra_link_args=["-pthread"],
 )
 
+ParallelCompile("FREETOKEN_BUILD_JOBS").install()
 setup(ext_modules=[ext], cmdclass={"build_ext": IsaBuildExt})

@@ -56,12 +56,19 @@ def hip_env() -> dict[str, str]:
 
 
 def core_include() -> str:
+    """The shared headers: from the installed freetoken-core, else the sibling checkout."""
     try:
         import freetoken
 
         return freetoken.get_include()
     except ImportError:
-        return str(HERE.parent / "freetoken-core" / "src" / "freetoken" / "include")
+        path = HERE.parent / "freetoken-core" / "src" / "freetoken" / "include"
+        if not (path / "freetoken" / "gpu" / "module_bindings.cuh").is_file():
+            raise SystemExit(
+                "freetoken-rocm: cannot find freetoken/gpu/module_bindings.cuh; install freetoken-core first and "
+                "build without build isolation (pip install --no-build-isolation ...)"
+            )
+        return str(path)
 
 
 def supported_targets(hipcc: str) -> list[str]:
