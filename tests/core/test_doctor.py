@@ -62,7 +62,7 @@ def test_report_has_every_section(report):
 
 def test_every_plugin_is_listed_with_distribution_version_status_and_error(report):
     plugins = _plugins(report)
-    expected = [("cpu", "freetoken-core"), ("fakegpu", "freetoken-fakegpu")]
+    expected = [("cpu", "freetoken-cpu-moe"), ("fakegpu", "freetoken-fakegpu")]
     # The GPU plugins are listed wherever their distributions are installed (`make test` installs both).
     expected += [(name, dist) for name, dist in [("cuda", "freetoken-cuda"), ("rocm", "freetoken-rocm")]
                  if report["freetoken"]["packages"][dist]]

@@ -11,7 +11,7 @@ import torch
 
 from freetoken import handoff
 from freetoken.backends.contract import HandoffTask, HostBuffer, Staging
-from freetoken.moe.task import allocate_task
+from freetoken.backends.handoff_task import allocate_task
 
 
 class HostStaging(Staging):

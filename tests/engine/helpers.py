@@ -68,3 +68,31 @@ def engine_for(path: str, **kw: Any) -> Any:
 
     kw.setdefault("kv_cache_tokens", 4096)
     return LLMEngine(EngineConfig(model=path, backend="cpu", **kw))
+
+
+class LogitsRecorder:
+    """Every sampled row of logits per request id, through the engine's public
+    ``add_logits_observer`` hook (``with LogitsRecorder(eng) as rec: ... rec[rid]``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.rows: dict[str, list[torch.Tensor]] = {}
+        self._remove = engine.add_logits_observer(self._observe)
+
+    def _observe(self, request_ids: list[str], logits: torch.Tensor) -> None:
+        for i, rid in enumerate(request_ids):
+            self.rows.setdefault(rid, []).append(logits[i].detach().float().cpu().clone())
+
+    def __getitem__(self, request_id: str) -> list[torch.Tensor]:
+        return self.rows[request_id]
+
+    def close(self) -> None:
+        if self._remove is not None:
+            self._remove()
+            self._remove = None
+
+    def __enter__(self) -> "LogitsRecorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

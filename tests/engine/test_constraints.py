@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 import pytest
 import torch
-from helpers import engine_for, hf_logits, make_hf
+from helpers import LogitsRecorder, engine_for, hf_logits, make_hf
 
 from freetoken.engine.constraints import TokenConstraint
 from freetoken.engine.engine import LLMEngine
@@ -125,17 +125,16 @@ def test_greedy_lazy_path_equals_mask_path_and_logprobs(eng) -> None:
     subset = random_subset(rng, 12)
     lazy = SubsetConstraint(subset)
     masked = SubsetConstraint(subset)
-    eng.capture_logits = True
-    eng.captured.clear()
+    rec = LogitsRecorder(eng)
     try:
         a, b = run(eng, [
             (PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), lazy),
             (PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True,
                                         top_logprobs=5), masked),
         ])
-        rows = eng.captured[b.request_id]
+        rows = rec[b.request_id]
     finally:
-        eng.capture_logits = False
+        rec.close()
     assert a.output_ids == b.output_ids
     assert masked.mask_calls == 10
     allowed = sorted(subset)

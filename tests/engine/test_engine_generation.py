@@ -160,10 +160,10 @@ def test_demo_model_is_deterministic(demo, tmp_path):
 
 
 def test_demo_gguf_tokenizer_and_template_match_hf(demo):
-    from freetoken.loading.loader import load
+    from freetoken.loading.loader import load_tokenizer
 
-    hf = load(demo.hf_dir).tokenizer
-    gg = load(demo.gguf_path).tokenizer
+    hf = load_tokenizer(demo.hf_dir)
+    gg = load_tokenizer(demo.gguf_path)
     texts = ["Hello, world! Return the value.\n\n  indented\tcode()", "naïve café — 日本語", "<|im_start|>user\nhi<|im_end|>"]
     for t in texts:
         assert gg.encode(t) == hf.encode(t)

@@ -13,7 +13,7 @@ from freetoken import SamplingParams
 from freetoken.handoff import Fmt
 from freetoken.loading.gguf_writer import random_blocks, write_qwen3moe_metadata
 from freetoken.models.config import ModelConfig
-from helpers import engine_for, hf_logits, tiny_config
+from helpers import LogitsRecorder, engine_for, hf_logits, tiny_config
 
 H, HEADS, KVH, HD, I, E, K, V, LAYERS = 256, 4, 2, 64, 256, 4, 2, 300, 2
 
@@ -207,7 +207,7 @@ def test_gguf_decode_through_cache(tiny_gguf):
     path, model, _, seed, _ = tiny_gguf
     rng = random.Random(seed + 1)
     eng = engine_for(path)
-    eng.capture_logits = True
+    rec = LogitsRecorder(eng)
     prompts = [[rng.randrange(V) for _ in range(n)] for n in (7, 19)]
     reqs = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)) for p in prompts]
     while eng.has_work():
@@ -215,7 +215,7 @@ def test_gguf_decode_through_cache(tiny_gguf):
     for p, r in zip(prompts, reqs):
         full = p + r.output_ids
         ref = hf_logits(model, full)[len(p) - 1 : -1]
-        assert_close_rounding(torch.stack(eng.captured[r.request_id]), ref, f"seed {seed}")
+        assert_close_rounding(torch.stack(rec[r.request_id]), ref, f"seed {seed}")
 
 
 def test_gguf_without_tokenizer_rejects_text(tiny_gguf):
@@ -269,6 +269,7 @@ def test_gguf_tensors_as_the_engine_runs_them(tiny_gguf):
     A uniform 5% scale error on one expert matrix, which the end-to-end bound above lets
     through, fails here."""
     import freetoken_cpu_moe as cm
+    from freetoken_cpu_moe.host_experts import HostExperts
 
     path, _, _, seed, ref = tiny_gguf
     reference = _cpu_moe_reference()
@@ -309,6 +310,6 @@ def test_gguf_tensors_as_the_engine_runs_them(tiny_gguf):
         perm = rng.permutation(E)  # every expert serves some token
         route_ids = np.array([[perm[(t + j) % E] for j in range(K)] for t in range(6)], dtype=np.int32)
         route_w = rng.random((6, K)).astype(np.float32)
-        y = cm.moe_forward(L.moe.bank, x, route_ids, route_w)
+        y = cm.moe_forward(HostExperts().bank(L.moe.experts, L.moe.activation), x, route_ids, route_w)
         err = reference.moe_error(np.asarray(y, dtype=np.float64), raws, x.astype(np.float64), route_ids, route_w)
         assert err < 1e-4, f"seed {seed}: layer {i} experts: error {err:.3g}"

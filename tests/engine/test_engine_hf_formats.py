@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from freetoken import SamplingParams
-from helpers import engine_for, hf_logits, make_hf
+from helpers import LogitsRecorder, engine_for, hf_logits, make_hf
 
 # Decoding the stored values exactly leaves FP32 summation order as the only
 # difference (as in test_engine_hf_logits), unless the kernels round activations.
@@ -20,12 +20,12 @@ TOL = dict(atol=2e-4, rtol=1e-4)
 
 
 def _gen_check(eng, model, prompt):
-    eng.capture_logits = True
+    rec = LogitsRecorder(eng)
     r = eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while eng.has_work():
         eng.step()
     ref = hf_logits(model, prompt + r.output_ids)[len(prompt) - 1 : -1]
-    torch.testing.assert_close(torch.stack(eng.captured[r.request_id]), ref, **TOL)
+    torch.testing.assert_close(torch.stack(rec[r.request_id]), ref, **TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

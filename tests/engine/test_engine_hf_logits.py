@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from freetoken import SamplingParams
-from helpers import assert_close, engine_for, hf_logits, make_hf
+from helpers import LogitsRecorder, assert_close, engine_for, hf_logits, make_hf
 
 CONFIGS = {
     "base": dict(),
@@ -47,14 +47,14 @@ def test_chunked_prefill_matches_full_forward(checkpoint):
 
 
 def _check_generation(model, eng, prompts, params, seed):
-    eng.capture_logits = True
-    reqs = [eng.add_request(p, params) for p in prompts]
-    while eng.has_work():
-        eng.step()
+    with LogitsRecorder(eng) as rec:
+        reqs = [eng.add_request(p, params) for p in prompts]
+        while eng.has_work():
+            eng.step()
     for p, r in zip(prompts, reqs):
         full = p + r.output_ids
         ref = hf_logits(model, full)[len(p) - 1 : len(full) - 1]
-        got = torch.stack(eng.captured[r.request_id])
+        got = torch.stack(rec[r.request_id])
         assert got.shape == ref.shape
         assert_close(got, ref, f"seed {seed} prompt len {len(p)}")
         # greedy: every chosen token is the argmax of the HF logits

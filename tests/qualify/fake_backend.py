@@ -178,3 +178,13 @@ class FakeGpuBackend(Backend):
 
     def stream_capturing(self, stream: int) -> bool:
         return self.capturing
+
+    def cpu_experts(self) -> Any:
+        from freetoken_cpu_moe.host_experts import HostExperts
+
+        return HostExperts()
+
+    def open_model(self, options: Any) -> Any:
+        from freetoken.moe.gpu_session import GpuModelSession
+
+        return GpuModelSession(self, options, self.cpu_experts())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 from typing import ClassVar
 
+from freetoken.backends.contract import CpuExperts
 from freetoken.moe.native_backend import NativeGpuBackend
 
 
@@ -27,3 +28,8 @@ class CudaBackend(NativeGpuBackend):
         except OSError:
             return "no NVIDIA driver on this machine (libcuda.so.1 cannot be loaded)"
         return ""
+
+    def cpu_experts(self) -> CpuExperts:
+        from freetoken_cpu_moe.host_experts import HostExperts
+
+        return HostExperts()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from freetoken.backends.contract import CpuExperts
 from freetoken.moe.native_backend import NativeGpuBackend
 
 
@@ -19,3 +20,8 @@ class RocmBackend(NativeGpuBackend):
         "reinstall with hipcc available: ROCM_PATH=/opt/rocm pip install --force-reinstall 'freetoken[rocm]' "
         "(FREETOKEN_ROCM_ARCH=gfx1100 to pick the GPU target)"
     )
+
+    def cpu_experts(self) -> CpuExperts:
+        from freetoken_cpu_moe.host_experts import HostExperts
+
+        return HostExperts()

@@ -68,6 +68,9 @@ def backend_source(
             def staging(self):
                 raise NotImplementedError
 
+            def open_model(self, options):
+                raise NotImplementedError
+
         @hookimpl
         def freetoken_backend():
             return PluginBackend

@@ -53,7 +53,7 @@ def test_unavailable_hardware_keeps_the_reason(plugin_factory):
         (
             "from freetoken.backends.contract import Backend\nfrom freetoken.backends.hookspecs import hookimpl\n"
             "class Half(Backend):\n    name = 'half'\n@hookimpl\ndef freetoken_backend():\n    return Half\n",
-            "Half does not implement: capabilities, device, gpu_sync, probe, staging",
+            "Half does not implement: capabilities, device, gpu_sync, open_model, probe, staging",
         ),
         ("VALUE = 1\n", "has no @hookimpl freetoken_backend()"),
         (

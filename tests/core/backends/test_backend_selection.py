@@ -74,7 +74,7 @@ def test_auto_without_gpu_selects_cpu(plugin_factory, cpu_entry_point, platform)
     eps = [cpu_entry_point, plugin_factory.make("cuda", hardware="cuda")]
     chosen = select(environ={}, eps=eps, platform=platform)
     assert chosen.name == "cpu"
-    assert chosen.record.distribution == "freetoken-core"
+    assert chosen.record.distribution == "freetoken-cpu-moe"
 
 
 @pytest.mark.parametrize(
@@ -204,7 +204,7 @@ def test_this_machine_selects_the_builtin_cpu_backend():
     if detect_platform().hardware != "cpu":
         pytest.skip("this machine has a GPU build of torch with a GPU")
     chosen = select(environ={})
-    assert chosen.name == "cpu" and chosen.record.distribution == "freetoken-core"
+    assert chosen.name == "cpu" and chosen.record.distribution == "freetoken-cpu-moe"
 
 
 def test_fake_third_party_plugin_is_installed_and_selected_by_name():

@@ -10,7 +10,7 @@ import torch
 
 from freetoken import handoff
 from freetoken.backends.contract import HandoffError, SyncMode
-from freetoken.backends.cpu import CpuBackend, SynchronousSync
+from freetoken_cpu_moe.backend import CpuBackend, SynchronousSync
 
 from toy_expert_worker import Worker, random_inputs, reference_output, serve_once
 

@@ -10,6 +10,15 @@ expert workers of ``freetoken-cpu-moe``. It provides one object per capability:
 * :class:`Backend`      -- name, API version, priority, ``probe()``, capabilities
   and the factories for the four objects above.
 
+The engine seam: the engine runs a model only through :meth:`Backend.open_model`, which
+returns a :class:`ModelSession` -- the :class:`WeightPolicy` (how dense weights are held
+and run), the routed-experts function of each MoE layer (:meth:`ModelSession.routed_experts`),
+the model-start hook (qualification, decode graphs), the step (eager or graph replay) and
+the report shown in ``/health`` and ``freetoken doctor``. The engine never branches on the
+device type and never looks for methods this module does not declare. Backends whose MoE
+layers run routed experts on the CPU get that half from ``freetoken-cpu-moe`` through
+:class:`CpuExperts`.
+
 The hand-off itself happens on a :class:`HandoffTask`: one per (layer, batch-size
 slot), with stable host buffers and a flag slot whose C layout lives in
 ``include/freetoken/handoff.h`` (mirrored by :mod:`freetoken.handoff`). The
@@ -35,9 +44,10 @@ import abc
 import ctypes
 import dataclasses
 import enum
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, Protocol
 
 from freetoken import handoff
+from freetoken.backends.handoff_task import HandoffError, HandoffTask, HostBuffer, allocate_task
 
 #: Version of this contract. A backend declares the version it implements in
 #: ``Backend.api_version``; the registry refuses a backend whose value differs.
@@ -100,81 +110,6 @@ class Capabilities:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class HostBuffer:
-    """Host memory that a backend allocated (pinned, and mapped when asked).
-
-    ``tensor`` is a CPU torch view of the memory (uint8, ``nbytes`` long) and keeps
-    it alive; ``device_ptr`` is the address the GPU uses (mapped memory) or 0.
-    ``owner`` is whatever object frees the memory when garbage-collected.
-    """
-
-    tensor: Any
-    host_ptr: int
-    device_ptr: int
-    nbytes: int
-    mapped: bool
-    owner: Any = None
-
-
-@dataclasses.dataclass
-class HandoffTask:
-    """One (layer, batch-size slot) hand-off with stable buffers.
-
-    All buffers are host tensors allocated through :class:`Staging` and live as long
-    as the task; graphs captured over the task keep using the same addresses on
-    every replay. ``desc`` is the ``ft_task_desc`` the CPU coordinator reads;
-    ``flags`` the ``ft_flag_slot``. ``device_ptrs`` maps buffer names ("x", "ids",
-    "w", "y", "flags") to the GPU-visible address of mapped memory (empty when the
-    backend has no mapped memory).
-    """
-
-    layer: int
-    slot: int
-    max_tokens: int
-    top_k: int
-    hidden: int
-    act_dtype: Any  # torch.dtype of x
-    out_dtype: Any  # torch.dtype of y
-    x: Any
-    ids: Any
-    w: Any
-    y: Any
-    flag_buffer: HostBuffer
-    desc_buffer: HostBuffer
-    device_ptrs: dict[str, int] = dataclasses.field(default_factory=dict)
-    keepalive: list[Any] = dataclasses.field(default_factory=list)
-
-    @property
-    def flags(self) -> handoff.FlagSlot:
-        return handoff.FlagSlot.from_address(self.flag_buffer.host_ptr)
-
-    @property
-    def desc(self) -> handoff.TaskDesc:
-        return handoff.TaskDesc.from_address(self.desc_buffer.host_ptr)
-
-    @property
-    def flag_addr(self) -> int:
-        return self.flag_buffer.host_ptr
-
-    def check_error(self) -> None:
-        """Raise if the CPU side reported an error on this slot (and clear it)."""
-        err = self.flags.err
-        if err:
-            self.flags.err = 0
-            try:
-                what = handoff.Err(err).name
-            except ValueError:
-                what = f"code {err}"
-            raise HandoffError(
-                f"CPU side of MoE hand-off failed for layer {self.layer} slot {self.slot}: {what}"
-            )
-
-
-class HandoffError(RuntimeError):
-    """The CPU side of a hand-off reported an error (watchdog, bad task, exception)."""
 
 
 class BackendError(RuntimeError):
@@ -283,8 +218,6 @@ class Staging(abc.ABC):
         mapped: bool = True,
     ) -> HandoffTask:
         """Allocate the stable buffers and descriptors of one hand-off task."""
-        from freetoken.moe.task import allocate_task
-
         return allocate_task(
             self, layer, slot, max_tokens, top_k, hidden, act_dtype, out_dtype, bank_addr, mapped
         )
@@ -313,6 +246,188 @@ class GraphCapture(abc.ABC):
     def memops_captured_natively(self) -> Optional[bool]:
         """Whether stream capture records memops as graph nodes (None: unknown)."""
         return None
+
+
+# --------------------------------------------------------------------------------------
+# The engine seam: what the engine needs from a backend to run a model
+# --------------------------------------------------------------------------------------
+
+#: ``experts(x [T, H], ids [T, K] int32, weights [T, K] float32) -> y [T, H]`` in x's dtype:
+#: the routed experts of one MoE layer (the weighted sum over each token's top-k routes).
+ExpertsFn = Callable[[Any, Any, Any], Any]
+
+
+class Linear(Protocol):
+    """A runnable projection ``y = x @ W.T`` (what :meth:`WeightPolicy.linear` returns)."""
+
+    out_features: int
+    in_features: int
+    nbytes: int  # bytes of weight one call reads
+
+    def __call__(self, x: Any) -> Any: ...
+
+
+class WeightPolicy(abc.ABC):
+    """How a backend holds and runs a model's dense weights (everything but the routed
+    experts): which checkpoint formats stay packed, which are dequantized, on which
+    device, and the linear that runs them. Model code turns every
+    :class:`~freetoken.loading.tensors.RawTensor` into something runnable through it.
+
+    Ordering: the returned tensors and linears live on :attr:`device`; calling a linear
+    enqueues work on that device's current stream (or runs it, on the CPU) like any torch op.
+    """
+
+    device: Any  # torch.device of the dense part
+    dtype: Any  # activation dtype
+
+    @abc.abstractmethod
+    def tensor(self, raw: Any) -> Any:
+        """A small float tensor in :attr:`dtype` on :attr:`device` (norm weights, biases)."""
+
+    @abc.abstractmethod
+    def linear(self, raw: Any) -> Linear:
+        """A projection over the 2-D ``raw`` (``[out, in]``), input and output in :attr:`dtype`."""
+
+    @abc.abstractmethod
+    def router(self, raw: Any) -> Linear:
+        """The router projection of a MoE layer: output logits in float32."""
+
+    @abc.abstractmethod
+    def embedding(self, raw: Any) -> Callable[[Any], Any]:
+        """Token embedding lookup: int64 ids ``[T]`` -> ``[T, hidden]`` in :attr:`dtype`."""
+
+    def describe(self) -> dict[str, Any]:
+        """What this policy does with each format (shown in the startup log and /health)."""
+        return {}
+
+
+@dataclasses.dataclass
+class MoELayerSpec:
+    """One MoE layer's routed experts, as a backend gets them to build the layer's
+    :data:`ExpertsFn`. ``experts`` is a :class:`freetoken.moe.layer.ExpertWeights`
+    (gate/up ``[E, I, H]``, down ``[E, H, I]`` in their checkpoint format, host memory)."""
+
+    layer: int
+    experts: Any
+    top_k: int
+    activation: str  # "silu", "gelu_tanh" or "swiglu_oai"
+
+
+@dataclasses.dataclass
+class ModelShape:
+    """What a backend needs to plan memory before any weight is loaded."""
+
+    num_layers: int
+    moe_layers: list[int]  # indices of the layers with routed experts
+    hidden: int
+    num_experts: int
+    moe_intermediate: int
+    top_k: int
+    dense_bytes: int  # the dense part (attention, norms, routers, embedding, head) at the activation dtype
+    kv_bytes_per_token: int
+
+
+@dataclasses.dataclass
+class EngineOptions:
+    """The engine settings a backend acts on (from ``freetoken serve``/``generate``/``bench``).
+
+    ``moe_cpu_layers``: which layers' routed experts run on the CPU workers: a count (the
+    first N MoE layers), a list/range of layer indices (``"0-11,40"``) or ``"all"``
+    (:func:`freetoken.moe.placement.cpu_layers`); None is the backend's default (a GPU
+    backend: as many layers on the GPU as the memory allows).
+    ``cpu_threads``: CPU expert workers (None: the backend's default).
+    ``graphs``: decode-graph settings; ``graph_batch_sizes`` an explicit list of buckets,
+    else powers of two (and multiples of 8) up to ``graph_max_batch_size``.
+    ``gpu_memory_limit`` (bytes) and ``gpu_memory_utilization`` (fraction of the device's
+    total): the most this process may use on the device; the smaller wins.
+    """
+
+    act_dtype: Any = None
+    moe_cpu_layers: Optional[str] = None
+    cpu_threads: Optional[int] = None
+    graphs: bool = True
+    graph_batch_sizes: Optional[list[int]] = None
+    graph_max_batch_size: int = 16
+    gpu_memory_limit: Optional[int] = None
+    gpu_memory_utilization: Optional[float] = None
+    max_running_requests: int = 16
+    max_model_len: int = 4096
+    kv_block_size: int = 16
+
+
+class ModelSession(abc.ABC):
+    """Everything one loaded model needs from a backend; the engine talks to nothing else.
+
+    The engine calls, in this order: :meth:`plan` (before loading: may refuse with the
+    sizes and the flag to change), :attr:`weight_policy` while the model loads,
+    :meth:`routed_experts` once per MoE layer, :meth:`kv_cache_budget` to size the KV
+    cache, :meth:`start` once with the loaded model and its KV cache (qualification,
+    decode-graph preparation), then :meth:`forward` once per step from one thread, and
+    :meth:`close` at the end. :meth:`report` may be called at any time after
+    :meth:`start` (``/health``, ``/metrics``, ``freetoken doctor``).
+    """
+
+    weight_policy: WeightPolicy
+
+    def plan(self, shape: ModelShape) -> None:
+        """Check the model fits this backend's memory with the options; raise
+        :class:`MemoryPlanError` naming the sizes and the flag to change if not."""
+
+    @abc.abstractmethod
+    def routed_experts(self, spec: MoELayerSpec) -> ExpertsFn:
+        """The experts function of one MoE layer. Ordering: its result is ready for the
+        next operation on the dense device's stream (no host wait needed)."""
+
+    def kv_cache_budget(self) -> Optional[int]:
+        """Bytes the KV cache may take on the dense device, or None (the engine decides)."""
+        return None
+
+    @abc.abstractmethod
+    def start(self, model: Any, kv: Any) -> None:
+        """The model is loaded and its KV cache allocated (``kv``:
+        :class:`freetoken.engine.kv_cache.KVCache`; a session may take blocks from it for
+        its own use, e.g. a scratch block for padded graph rows): qualify the hand-off,
+        prepare decode graphs. Raises (with the reason) when the model must not be served."""
+
+    @abc.abstractmethod
+    def forward(self, input_ids: Any, positions: Any, meta: Any) -> Any:
+        """One step: the model's final hidden states for ``input_ids`` at ``positions``
+        (``meta``: :class:`freetoken.models.attention.AttentionMetadata`). Eager or by
+        graph replay; the result is valid until the next call."""
+
+    @abc.abstractmethod
+    def report(self) -> dict[str, Any]:
+        """The backend's decisions for this model: at least ``backend``, ``io_path``,
+        ``sync_mode``, ``graphs`` (bool) and ``reason``; shown in ``/health`` and doctor."""
+
+    def close(self) -> None:
+        """Release workers, tasks and graphs."""
+
+
+class CpuExperts(abc.ABC):
+    """The CPU half of MoE layers: expert banks over checkpoint bytes in host memory, the
+    synchronous kernels, and the coordinator that serves hand-off tasks from a GPU stream.
+    ``freetoken-cpu-moe`` implements it (``freetoken_cpu_moe.host_experts``)."""
+
+    @abc.abstractmethod
+    def bank(self, experts: Any, activation: str) -> Any:
+        """A bank over ``experts`` (:class:`freetoken.moe.layer.ExpertWeights`) without
+        copying them; its ``address`` goes into hand-off task descriptors and it keeps
+        the weights alive."""
+
+    @abc.abstractmethod
+    def run(self, bank: Any, x: Any, ids: Any, weights: Any, out_dtype: Any = None) -> Any:
+        """Synchronously: ``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` over routes with
+        ``ids >= 0`` (host tensors; result in ``out_dtype``, default x's dtype)."""
+
+    @abc.abstractmethod
+    def coordinator(self, threads: Optional[int] = None, watchdog_ms: float = 2000.0) -> Any:
+        """A started coordinator with ``add_task(desc_addr)``, ``remove_task(desc_addr)`` and
+        ``stop()``: it serves the tasks' hand-offs on ``threads`` CPU workers."""
+
+
+class MemoryPlanError(ValueError):
+    """The model's part on the device does not fit; the message names sizes and flags."""
 
 
 # --------------------------------------------------------------------------------------
@@ -373,6 +488,23 @@ class Backend(abc.ABC):
 
     def synchronize(self) -> None:
         """Block the host until all work on the device is complete."""
+
+    #: The activation dtype ``--dtype auto`` means on this backend.
+    default_dtype: ClassVar[str] = "bfloat16"
+
+    @abc.abstractmethod
+    def open_model(self, options: EngineOptions) -> ModelSession:
+        """A :class:`ModelSession` for one model with these options (the engine seam)."""
+
+    def cpu_experts(self) -> Optional["CpuExperts"]:
+        """The CPU half of hybrid MoE layers, for backends that hand routes to the CPU
+        workers (None: this backend never does)."""
+        return None
+
+    def device_memory(self) -> Optional[tuple[int, int]]:
+        """``(free, total)`` bytes of the dense device's memory, or None when it has no
+        memory of its own to plan (the host)."""
+        return None
 
     def stream_capturing(self, stream: int) -> bool:
         """Whether ``stream`` is being captured into a graph now (False without graphs).

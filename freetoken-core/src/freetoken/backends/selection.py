@@ -38,7 +38,8 @@ BUILTIN_PRIORITY = 100
 INSTALL_HINTS = {
     CUDA: "pip install 'freetoken[cuda]'",
     ROCM: "pip install 'freetoken[rocm]'",
-    CPU: "pip install freetoken-core",
+    CPU: "pip install freetoken-cpu-moe (it provides the cpu backend; from a source checkout: "
+    "pip install --no-deps ./freetoken-cpu-moe; see docs/install.md)",
 }
 
 _CPU_ESCAPE = f"(to run on the CPU anyway, choose it explicitly: --backend cpu or {ENV_VAR}=cpu)"

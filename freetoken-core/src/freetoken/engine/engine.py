@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -21,7 +21,6 @@ from freetoken.engine.request import Request, Status, new_request_id
 from freetoken.engine.sampling import sample
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.engine.scheduler import Scheduled, Scheduler
-from freetoken.loading.memory import available_ram
 from freetoken.models.attention import AttentionMetadata, SeqSlice
 
 logger = logging.getLogger(__name__)
@@ -49,45 +48,76 @@ def _resolve_backend(name: Optional[str]) -> Any:
     return get_backend(name)
 
 
+#: ``observer(request_ids, logits)``: called after each step that samples, with the
+#: requests sampled and their float32 logits ``[len(request_ids), vocab]`` (before any
+#: penalty or constraint). See :meth:`LLMEngine.add_logits_observer`.
+LogitsObserver = Callable[[list[str], torch.Tensor], None]
+
+
 class LLMEngine:
-    """Loads the model and runs continuous-batching steps."""
+    """Loads the model and runs continuous-batching steps.
+
+    Everything that depends on the backend goes through one
+    :class:`~freetoken.backends.contract.ModelSession` (``self.session``): the weight
+    policy the model loads with, each MoE layer's experts function, the KV budget, the
+    start hook and the step itself.
+    """
 
     def __init__(self, config: EngineConfig, backend: Any = None) -> None:
         from freetoken.loading.loader import load, resolve_dtype
 
         self.config = config
         self.backend = backend if backend is not None else _resolve_backend(config.backend)
-        self.device = torch.device(self.backend.device())
         path = config.model
         if path is None:
             from freetoken.models.demo import ensure_demo_model
 
             path = ensure_demo_model().hf_dir
-        act = resolve_dtype(config.dtype, self.device)
-        kv_tokens_hint = config.kv_cache_tokens
-        loaded = load(path, self.device, config.dtype, kv_tokens=config.kv_cache_tokens or 0)
+        act = resolve_dtype(config.dtype, self.backend.default_dtype)
+        self.session = self.backend.open_model(config.backend_options(act))
+        try:
+            self._load(path, act, load)
+        except BaseException:
+            self.session.close()
+            raise
+        logger.info(
+            "engine ready: %s, max_model_len %d, KV cache %d tokens (%.2f GiB), backend %s",
+            self.model_name, self.max_model_len, self.kv.total_tokens, self.kv.bytes / 2**30, self.backend.name,
+        )
+
+    def _load(self, path: str, act: torch.dtype, load: Any) -> None:
+        config = self.config
+        loaded = load(path, self.session)
         self.loaded = loaded
         self.model = loaded.model
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.device = self.session.weight_policy.device
         default_name = "freetoken-demo" if config.model is None else loaded.name
         self.model_name = config.served_model_name or default_name
-        self._attach_moe_layers()
-        elt = torch.empty((), dtype=act).element_size()
-        per_tok = cfg.kv_bytes_per_token(elt)
+        for layer in self.model.layers:
+            if getattr(layer, "moe", None) is not None:
+                layer.moe.set_experts(self.session.routed_experts(layer.moe.spec()))
+        per_tok = cfg.kv_bytes_per_token(torch.empty((), dtype=act).element_size())
         ctx = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's context {cfg.max_position_embeddings}"
             )
-        if kv_tokens_hint is None:
-            want = ctx * config.max_running_requests
-            avail = available_ram() if self.device.type == "cpu" else None
-            if avail is not None:
-                want = min(want, max(ctx if config.max_model_len else 4096, int(avail * 0.25) // per_tok))
-            kv_tokens_hint = want
-        bs = config.kv_block_size
-        self.kv = KVCache(cfg, kv_tokens_hint, bs, act, self.device)
+        kv_tokens = config.kv_cache_tokens
+        budget = self.session.kv_cache_budget()
+        if kv_tokens is None:
+            kv_tokens = ctx * config.max_running_requests
+            if budget is not None:
+                kv_tokens = min(kv_tokens, max(ctx if config.max_model_len else 4096, budget // per_tok))
+        elif budget is not None and kv_tokens * per_tok > budget:
+            from freetoken.loading.memory import InsufficientMemory, gib
+
+            raise InsufficientMemory(
+                f"{kv_tokens} tokens do not fit: KV cache {gib(kv_tokens * per_tok)}, but the {self.backend.name} backend leaves "
+                f"{gib(budget)} for it after the weights; lower --kv-cache-tokens to at most {budget // per_tok}"
+            )
+        self.kv = KVCache(cfg, kv_tokens, config.kv_block_size, act, self.device)
         if config.max_model_len and config.max_model_len > self.kv.total_tokens:
             raise ValueError(
                 f"max_model_len {config.max_model_len} does not fit the KV cache ({self.kv.total_tokens} tokens); "
@@ -97,37 +127,21 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_running_requests, config.prefill_chunk)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
-        # CPU: torch's OpenMP threads and the expert kernels' worker pool share the
-        # cores. Decode steps run only small torch ops (norms, rope, attention over
-        # one query): one torch thread, so idle OpenMP threads never spin against the
-        # pool; prefill steps (large attention) get torch's full thread count back.
-        self._cpu = self.device.type == "cpu"
-        self._prefill_threads = torch.get_num_threads()
-        self._threads = self._prefill_threads
-        self.capture_logits = False  # tests: keep every sampled row of logits per request
-        self.captured: dict[str, list[torch.Tensor]] = {}
+        self._logits_observers: list[LogitsObserver] = []
         self.num_requests_added = 0  # lifetime counters (metrics)
         self.prompt_tokens_added = 0
-        logger.info(
-            "engine ready: %s, max_model_len %d, KV cache %d tokens (%.2f GiB), backend %s",
-            self.model_name, self.max_model_len, self.kv.total_tokens, self.kv.bytes / 2**30, self.backend.name,
-        )
+        self.session.start(self.model, self.kv)
 
-    def _attach_moe_layers(self) -> None:
-        """Give a GPU backend each MoE layer so it can install its hybrid experts path
-        (``MoELayer.set_experts``). The CPU backend runs the experts synchronously and
-        needs nothing."""
-        if self.device.type == "cpu":
-            return
-        attach = getattr(self.backend, "attach_moe_layer", None)
-        layers = [L.moe for L in getattr(self.model, "layers", []) if getattr(L, "moe", None) is not None]
-        if attach is None:
-            raise RuntimeError(
-                f"backend {self.backend.name!r} runs the dense part on {self.device} but does not provide "
-                "attach_moe_layer(layer) to run the routed experts (the hybrid MoE layer); use --backend cpu"
-            )
-        for layer in layers:
-            attach(layer)
+    def add_logits_observer(self, observer: LogitsObserver) -> Callable[[], None]:
+        """Call ``observer(request_ids, logits)`` after every sampling step (logit-level
+        evaluation, debugging); returns a function that removes it. Observers run on the
+        engine's thread and must not keep ``logits`` without copying it."""
+        self._logits_observers.append(observer)
+        return lambda: self._logits_observers.remove(observer)
+
+    def close(self) -> None:
+        """Release the backend's workers, hand-off tasks and graphs."""
+        self.session.close()
 
     # ------------------------------------------------------------- requests
 
@@ -196,15 +210,8 @@ class LLMEngine:
         )
 
     def backend_info(self) -> dict[str, Any]:
-        info = getattr(self.backend, "engine_info", None)
-        if callable(info):
-            return dict(info())
-        return {
-            "backend": self.backend.name,
-            "io_path": "synchronous",
-            "graphs": False,
-            "reason": "CPU backend: routed experts run synchronously in freetoken_cpu_moe",
-        }
+        """The backend's decisions for this model (IO path, graphs, placement, why)."""
+        return dict(self.session.report())
 
     # ------------------------------------------------------------------ step
 
@@ -221,7 +228,7 @@ class LLMEngine:
             start = r.num_computed
             end = start + s.num_tokens
             toks = r.all_ids[start:end] if s.num_tokens > 1 else [r.all_ids[start]]
-            seqs.append(SeqSlice(len(ids), s.num_tokens, end, r.block_table(dev)))
+            seqs.append(SeqSlice(len(ids), s.num_tokens, end, r.block_table(dev), list(r.blocks)))
             ids.extend(toks)
             blocks = r.blocks
             for p in range(start, end):
@@ -229,7 +236,8 @@ class LLMEngine:
                 slots.append(blocks[p // bs] * bs + p % bs)
             if s.num_tokens != 1:
                 decode = False
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), seqs, bs, decode)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), seqs, bs, decode,
+                                 host_ids=ids, host_positions=pos, host_slots=slots)
         if decode and len(seqs) > 1:
             maxb = max(len(s.request.blocks) for s in batch)
             table = torch.zeros(len(batch), maxb, dtype=torch.int64)
@@ -258,7 +266,7 @@ class LLMEngine:
                 req.blocks.extend(self.kv.allocate(need))
                 batch = [Scheduled(req, n, False)]
                 ids, pos, meta = self._metadata(batch)
-                hidden = self.model.forward(ids, pos, meta, self.kv.layers)
+                hidden = self.session.forward(ids, pos, meta)
                 out.append(self.model.compute_logits(hidden))
                 req.num_computed += n
         finally:
@@ -272,12 +280,7 @@ class LLMEngine:
         if not batch:
             return []
         ids, pos, meta = self._metadata(batch)
-        if self._cpu:
-            want = 1 if meta.decode else self._prefill_threads
-            if want != self._threads:
-                torch.set_num_threads(want)
-                self._threads = want
-        hidden = self.model.forward(ids, pos, meta, self.kv.layers)
+        hidden = self.session.forward(ids, pos, meta)
         samplers = [s for s in batch if s.sample]
         for s in batch:
             s.request.num_computed += s.num_tokens
@@ -287,9 +290,8 @@ class LLMEngine:
             h = hidden if len(rows) == hidden.shape[0] else hidden[rows]
             logits = self.model.compute_logits(h)
             reqs = [s.request for s in samplers]
-            if self.capture_logits:
-                for i, r in enumerate(reqs):
-                    self.captured.setdefault(r.request_id, []).append(logits[i].detach().clone())
+            for observer in self._logits_observers:
+                observer([r.request_id for r in reqs], logits)
             for r, (tok, lp) in zip(reqs, sample(logits, reqs, self.generator)):
                 if tok < 0:  # its constraint allowed no token
                     logger.error("request %s: its constraint allows no token; finishing it", r.request_id)

@@ -10,11 +10,11 @@ from typing import Any, Optional
 
 import torch
 
+from freetoken.backends.contract import ModelSession, ModelShape
 from freetoken.loading.hf import CheckpointError, HFCheckpoint, hf_architecture
 from freetoken.loading.memory import check_fits
 from freetoken.loading.tokenizer import IdsOnlyTokenizer, Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 from freetoken.models.config import ModelConfig
-from freetoken.models.layers import WeightPolicy
 from freetoken.models.registry import family_for_gguf, family_for_hf
 
 logger = logging.getLogger(__name__)
@@ -43,34 +43,51 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return bar, lambda i: bar.update(1)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, default: str = "bfloat16") -> torch.dtype:
+    """The torch dtype of ``--dtype`` (``auto``: the backend's default)."""
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        dtype = default
     try:
         return table[dtype]
     except KeyError:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {dtype!r}") from None
 
 
-def load(path: str, device: Any = "cpu", dtype: str = "auto", kv_tokens: int = 0, show_progress: Optional[bool] = None) -> LoadedModel:
-    """Load ``path`` (an HF directory or a ``.gguf`` file) onto ``device``."""
-    device = torch.device(device)
-    act = resolve_dtype(dtype, device)
+def model_shape(cfg: ModelConfig, act: torch.dtype) -> ModelShape:
+    """The sizes a backend plans memory with, from the config alone (before loading)."""
+    elt = torch.empty((), dtype=act).element_size()
+    H = cfg.hidden_size
+    attn = H * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * H + 2 * cfg.head_dim
+    moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    dense_mlp = 3 * H * cfg.intermediate_size * (cfg.num_layers - len(moe_layers))
+    router = cfg.num_experts * H * len(moe_layers)  # float32
+    emb = cfg.vocab_size * H * (1 if cfg.tie_word_embeddings else 2)
+    dense = (attn * cfg.num_layers + dense_mlp + emb + H) * elt + router * 4
+    return ModelShape(
+        num_layers=cfg.num_layers, moe_layers=moe_layers, hidden=H, num_experts=cfg.num_experts,
+        moe_intermediate=cfg.moe_intermediate_size, top_k=cfg.top_k, dense_bytes=dense,
+        kv_bytes_per_token=cfg.kv_bytes_per_token(elt),
+    )
+
+
+def load(path: str, session: ModelSession, show_progress: Optional[bool] = None) -> LoadedModel:
+    """Load ``path`` (an HF directory or a ``.gguf`` file) with the weight policy of
+    ``session``, after ``session.plan`` accepted the model's sizes."""
     path = os.path.expanduser(path)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory (give an HF model directory or a .gguf file)")
     if os.path.isdir(path):
-        return _load_hf(path, device, act, kv_tokens, show_progress)
+        return _load_hf(path, session, show_progress)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
-        return _load_gguf(path, device, act, kv_tokens, show_progress)
+        return _load_gguf(path, session, show_progress)
     raise CheckpointError(f"{path}: not an HF model directory and not a GGUF file (magic {magic!r})")
 
 
-def _load_hf(path: str, device: torch.device, act: torch.dtype, kv_tokens: int, show: Optional[bool]) -> LoadedModel:
+def _load_hf(path: str, session: ModelSession, show: Optional[bool]) -> LoadedModel:
     ck = HFCheckpoint(path)
     arch = hf_architecture(ck.config)
     fam = family_for_hf(arch, os.path.join(path, "config.json"))
@@ -79,12 +96,13 @@ def _load_hf(path: str, device: torch.device, act: torch.dtype, kv_tokens: int, 
     total = ck.total_bytes()
     # Per-expert HF tensors are stacked into one buffer per layer: one copy of them.
     expert_bytes = int(total * _expert_fraction(cfg))
-    kv_bytes = kv_tokens * cfg.kv_bytes_per_token(torch.empty((), dtype=act).element_size())
-    check_fits(path, weights=total, copies=expert_bytes, kv=kv_bytes)
+    check_fits(path, weights=total, copies=expert_bytes)
+    policy = session.weight_policy
+    session.plan(model_shape(cfg, policy.dtype))
     t0 = time.time()
     show = total > (1 << 30) if show is None else show
     bar, prog = _progress(cfg.num_layers, "loading", show)
-    model = getattr(mod, fam.model_class)(cfg, ck, mod.HF_NAMES, WeightPolicy(device, act), progress=prog)
+    model = getattr(mod, fam.model_class)(cfg, ck, mod.HF_NAMES, policy, progress=prog)
     if bar is not None:
         bar.close()
     if os.path.exists(os.path.join(path, "tokenizer.json")):
@@ -107,7 +125,7 @@ def _expert_fraction(cfg: ModelConfig) -> float:
     return e / max(1, e + attn + emb)
 
 
-def _load_gguf(path: str, device: torch.device, act: torch.dtype, kv_tokens: int, show: Optional[bool]) -> LoadedModel:
+def _load_gguf(path: str, session: ModelSession, show: Optional[bool]) -> LoadedModel:
     from freetoken.loading.gguf import GGUFCheckpoint
 
     ck = GGUFCheckpoint(path)
@@ -117,13 +135,14 @@ def _load_gguf(path: str, device: torch.device, act: torch.dtype, kv_tokens: int
     if cfg.vocab_size <= 0 and ck.has(mod.GGUF_NAMES.embed):
         cfg.vocab_size = int(ck.get(mod.GGUF_NAMES.embed).shape[0])
     total = ck.total_bytes()
-    copies = 0 if device.type == "cpu" else total
-    kv_bytes = kv_tokens * cfg.kv_bytes_per_token(torch.empty((), dtype=act).element_size())
-    check_fits(path, weights=total if device.type == "cpu" else 0, copies=copies, kv=kv_bytes if device.type == "cpu" else 0)
+    # the file is memory-mapped and read in place (the routed experts always are)
+    check_fits(path, weights=total)
+    policy = session.weight_policy
+    session.plan(model_shape(cfg, policy.dtype))
     t0 = time.time()
     show = total > (1 << 30) if show is None else show
     bar, prog = _progress(cfg.num_layers, "loading", show)
-    model = getattr(mod, fam.model_class)(cfg, ck, mod.GGUF_NAMES, WeightPolicy(device, act), progress=prog)
+    model = getattr(mod, fam.model_class)(cfg, ck, mod.GGUF_NAMES, policy, progress=prog)
     if bar is not None:
         bar.close()
     tok = load_gguf_tokenizer(ck, cfg.vocab_size)
@@ -132,3 +151,21 @@ def _load_gguf(path: str, device: torch.device, act: torch.dtype, kv_tokens: int
     logger.info("loaded %s (%s, %d layers) in %.1fs", path, ck.architecture, cfg.num_layers, time.time() - t0)
     name = str(ck.metadata.get("general.name") or os.path.splitext(os.path.basename(path))[0])
     return LoadedModel(model, cfg, tok, {}, path, name, "gguf", ck)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of a checkpoint alone (no weights are loaded)."""
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        ck = HFCheckpoint(path)
+        cfg = family_for_hf(hf_architecture(ck.config), path).load().config_from_hf(ck.config, ck.generation_config)
+        if os.path.exists(os.path.join(path, "tokenizer.json")):
+            return load_hf_tokenizer(path, cfg.eos_token_ids)
+        return IdsOnlyTokenizer(cfg.eos_token_ids, cfg.vocab_size, path)
+    from freetoken.loading.gguf import GGUFCheckpoint
+
+    ck = GGUFCheckpoint(path)
+    mod = family_for_gguf(ck.architecture, path).load()
+    cfg = mod.config_from_gguf(ck.metadata, has_output=ck.has(mod.GGUF_NAMES.lm_head))
+    vocab = cfg.vocab_size if cfg.vocab_size > 0 else int(ck.get(mod.GGUF_NAMES.embed).shape[0])
+    return load_gguf_tokenizer(ck, vocab)

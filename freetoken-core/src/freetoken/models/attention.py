@@ -23,6 +23,7 @@ class SeqSlice:
     q_len: int  # tokens computed this step
     ctx_len: int  # context length after this step (cached + new)
     block_table: torch.Tensor  # int64 [num_blocks] on the dense device
+    blocks: Optional[list[int]] = None  # the same block ids on the host
 
 
 @dataclasses.dataclass
@@ -42,6 +43,16 @@ class AttentionMetadata:
     block_tables: Optional[torch.Tensor] = None
     ctx_lens: Optional[torch.Tensor] = None
     mask: Optional[torch.Tensor] = None
+    #: Set by a session that replays decode graphs: ``block_tables`` (int32
+    #: ``[B, max_blocks]``) and ``ctx_lens`` (int32 ``[B]``) are static device buffers
+    #: and attention runs :func:`freetoken.models.decode_attention.paged_decode_attention`
+    #: with this implementation ("triton" or "torch"); no host-side shape depends on them.
+    static_decode: Optional[str] = None
+    #: The step's inputs on the host (token ids, positions, cache slots), for sessions that
+    #: stage them into their own buffers.
+    host_ids: Optional[list[int]] = None
+    host_positions: Optional[list[int]] = None
+    host_slots: Optional[list[int]] = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -66,6 +77,11 @@ def paged_attention(
     T, H, D = q.shape
     nb, bs, kvh, _ = k_cache.shape
     gqa = H != kvh
+    if meta.static_decode is not None:
+        from freetoken.models.decode_attention import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.ctx_lens, scale,
+                                      impl=meta.static_decode)
     if meta.decode:
         # One query per sequence: plain matmuls over the gathered blocks (cheaper
         # than SDPA's dispatch for a single query); GQA as [kv_heads, group] views.

@@ -1,14 +1,7 @@
 """Building blocks shared by the model families: linears, norms, rotary embeddings,
-and the policy that decides how each checkpoint tensor is held in memory.
-
-Weight policy (see the engine issue): on the CPU backend a projection whose
-checkpoint format is not the activation dtype (GGUF blocks, BF16/FP16/FP8 in an FP32
-run) stays in its file format and runs through ``freetoken_cpu_moe.linear`` -- a
-dense projection is a one-expert layer -- because decode reads every byte of it per
-token and a dequantized copy would multiply those bytes. Small tensors (norms, the
-router, biases) are turned into float tensors. On a GPU device the dense part is
-dequantized onto the device.
-"""
+and :class:`DeviceWeightPolicy`, the weight policy that dequantizes the dense part onto
+a device (backends whose dense weights stay packed bring their own policy through
+:meth:`freetoken.backends.contract.ModelSession.weight_policy`)."""
 
 from __future__ import annotations
 
@@ -19,44 +12,10 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from freetoken.handoff import Fmt
+from freetoken.backends.contract import WeightPolicy
 from freetoken.loading.tensors import RawTensor, is_packed
 
 logger = logging.getLogger(__name__)
-
-_FMT_NAMES = {
-    int(Fmt.F32): "f32",
-    int(Fmt.F16): "f16",
-    int(Fmt.BF16): "bf16",
-    int(Fmt.FP8_E4M3_B128): "fp8_e4m3_b128",
-    int(Fmt.Q8_0): "q8_0",
-    int(Fmt.Q4_K): "q4_k",
-    int(Fmt.Q5_K): "q5_k",
-    int(Fmt.Q6_K): "q6_k",
-}
-
-
-def cpu_moe() -> Any:
-    """Import ``freetoken_cpu_moe`` or fail with the install command."""
-    try:
-        import freetoken_cpu_moe as cm
-    except ImportError as exc:  # pragma: no cover - the meta package depends on it
-        raise RuntimeError(
-            "freetoken_cpu_moe is not installed; it runs the routed experts. Install it with "
-            "`pip install -e ./freetoken-cpu-moe` (or `pip install freetoken`)."
-        ) from exc
-    if not hasattr(cm, "moe_forward"):
-        raise RuntimeError("freetoken_cpu_moe is a placeholder build without kernels; rebuild freetoken-cpu-moe")
-    return cm
-
-
-def cm_weights(raw: RawTensor, num_experts: int, rows: int, cols: int, data: Any = None) -> Any:
-    """A ``freetoken_cpu_moe.Weights`` over the tensor's own bytes (no copy)."""
-    cm = cpu_moe()
-    buf = raw.raw_torch() if data is None else data
-    scale = raw.scale
-    return cm.Weights(buf, _FMT_NAMES[int(raw.fmt)], num_experts, rows, cols, scale=scale)
-
 
 class TorchLinear:
     """``y = x @ W.T`` with a float weight on the dense device."""
@@ -72,52 +31,12 @@ class TorchLinear:
         return F.linear(x, self.weight)
 
 
-class DualLinear:
-    """An FP32 projection on the CPU backend: few rows (decode) through the CPU
-    kernels' worker pool, many rows (prefill) through torch's GEMM; both read the same
-    memory-mapped weight, no copy."""
-
-    packed = True
-
-    def __init__(self, raw: RawTensor, max_kernel_rows: int = 16) -> None:
-        self.torch = TorchLinear(raw.to_float(torch.float32))
-        self.packed_lin = PackedLinear(raw)
-        self.out_features, self.in_features = self.torch.out_features, self.torch.in_features
-        self.nbytes = self.torch.nbytes
-        self.max_kernel_rows = max_kernel_rows
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_kernel_rows:
-            return self.packed_lin(x)
-        return self.torch(x)
-
-
-class PackedLinear:
-    """A projection kept in its checkpoint format, run by the CPU kernels."""
-
-    packed = True
-
-    def __init__(self, raw: RawTensor) -> None:
-        rows, cols = raw.shape
-        self.out_features, self.in_features = rows, cols
-        self.fmt = int(raw.fmt)
-        self.nbytes = raw.nbytes
-        self._raw = raw  # keeps the mapping alive
-        self.weights = cm_weights(raw, 1, rows, cols)
-        cm = cpu_moe()
-        self._linear = cm.linear
-        self._pool = cm.default_pool()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(self.weights, x, x.dtype, self._pool)
-
-
 class FusedLinears:
     """Several projections of the same input (q/k/v) run as few calls as possible:
     consecutive matrices with the same format are concatenated along their rows once
     at load time (one copy of those bytes) and split after the matmul."""
 
-    def __init__(self, raws: list[RawTensor], policy: "WeightPolicy") -> None:
+    def __init__(self, raws: list[RawTensor], policy: WeightPolicy) -> None:
         self.groups: list[tuple[Any, list[int]]] = []
         i = 0
         while i < len(raws):
@@ -181,32 +100,55 @@ class Embedding:
         return out
 
 
-class WeightPolicy:
-    """Turns :class:`RawTensor` objects into runnable weights for one device/dtype."""
+class DeviceWeightPolicy(WeightPolicy):
+    """Every dense weight dequantized once, at load, to the activation dtype on the dense
+    device, and run by torch (``F.linear``). The policy of GPU backends: a GPU reads a
+    dequantized matrix at HBM bandwidth, and the dense part is a small share of a MoE
+    model (for Qwen3-30B-A3B about 3.1 GB in BF16 against 1.0 GB as Q4_K). An
+    embedding table whose file format is packed stays packed in host memory when
+    ``packed_embedding`` is set (rows are dequantized as tokens need them)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, device: Any, dtype: torch.dtype, packed_embedding: bool = False) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
-        self.on_cpu = self.device.type == "cpu"
+        self.packed_embedding = packed_embedding
 
     def tensor(self, raw: RawTensor) -> torch.Tensor:
-        """A float tensor (norm weights, routers, biases)."""
-        t = raw.to_float(self.dtype)
-        return t.to(self.device) if not self.on_cpu else t
+        return raw.to_float(self.dtype).to(self.device)
 
-    def linear(self, raw: RawTensor) -> Any:
-        if len(raw.shape) != 2:
-            raise ValueError(f"{raw.source}: {raw.name} should be a matrix, has shape {raw.shape}")
-        fmt = int(raw.fmt)
-        if self.on_cpu:
-            if fmt == Fmt.F32 and self.dtype == torch.float32:
-                return DualLinear(raw)
-            if fmt in _FMT_NAMES:
-                return PackedLinear(raw)
+    def linear(self, raw: RawTensor) -> TorchLinear:
+        _check_matrix(raw)
         return TorchLinear(raw.to_float(self.dtype).to(self.device))
 
+    def router(self, raw: RawTensor) -> "RouterLinear":
+        _check_matrix(raw)
+        return RouterLinear(raw.to_float(torch.float32).to(self.device))
+
     def embedding(self, raw: RawTensor) -> Embedding:
-        return Embedding(raw, self.device, self.dtype, keep_packed=self.on_cpu)
+        return Embedding(raw, self.device, self.dtype, keep_packed=self.packed_embedding)
+
+    def describe(self) -> dict[str, Any]:
+        return {"dense": f"dequantized to {str(self.dtype).replace('torch.', '')} on {self.device} at load",
+                "embedding": "packed rows in host memory" if self.packed_embedding else "table on the device"}
+
+
+class RouterLinear:
+    """A float32 router: logits in float32 whatever the activation dtype."""
+
+    packed = False
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.nbytes = weight.numel() * weight.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
+
+
+def _check_matrix(raw: RawTensor) -> None:
+    if len(raw.shape) != 2:
+        raise ValueError(f"{raw.source}: {raw.name} should be a matrix, has shape {raw.shape}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,7 +17,8 @@ from freetoken.loading.hf import CheckpointError
 from freetoken.loading.tensors import RawTensor, TensorSource
 from freetoken.models.attention import AttentionMetadata, paged_attention, write_kv
 from freetoken.models.config import ModelConfig
-from freetoken.models.layers import FusedLinears, Rotary, WeightPolicy, rms_norm, rms_norm_heads
+from freetoken.backends.contract import WeightPolicy
+from freetoken.models.layers import FusedLinears, Rotary, rms_norm, rms_norm_heads
 from freetoken.moe.layer import ExpertWeights, MoELayer, stack_experts
 
 logger = logging.getLogger(__name__)
@@ -229,7 +230,7 @@ class Qwen3MoeModel:
             L.mlp = None
             if c.is_moe_layer(i):
                 experts = self._experts(i, source, names)
-                L.moe = MoELayer(i, policy.tensor(n("router")), experts, c.top_k, c.norm_topk_prob, self.device)
+                L.moe = MoELayer(i, policy.router(n("router")), experts, c.top_k, c.norm_topk_prob)
             else:
                 L.mlp = tuple(policy.linear(n(r)) for r in ("mlp_gate", "mlp_up", "mlp_down"))
             self.layers.append(L)
@@ -306,7 +307,7 @@ class Qwen3MoeModel:
         for L in self.layers:
             dense += L.qkv.nbytes + L.o.nbytes
             if L.moe is not None:
-                dense += L.moe.router.numel() * L.moe.router.element_size()
+                dense += L.moe.router.nbytes
                 experts += self.config.top_k * L.moe.experts.bytes_per_expert
             else:
                 dense += sum(p.nbytes for p in L.mlp)

@@ -35,7 +35,7 @@ class HybridMoEExecutor:
         self,
         backend: Backend,
         layer: int,
-        gpu_experts: GpuExperts,
+        gpu_experts: Optional[GpuExperts],
         cpu_bank_address: int,
         top_k: int,
         io_path: IOPath,
@@ -44,18 +44,24 @@ class HybridMoEExecutor:
         coordinator: Any = None,
         sync_mode: Optional[SyncMode] = None,
         y_dtype: Any = None,
+        hidden: Optional[int] = None,
     ) -> None:
         import torch
+
+        if gpu_experts is None and hidden is None:
+            raise ValueError("a layer without GPU experts needs its hidden size")
 
         self.backend = backend
         self.layer = layer
         self.experts = gpu_experts
         self.bank_address = cpu_bank_address
         self.top_k = top_k
-        self.hidden = gpu_experts.hidden
+        self.hidden = gpu_experts.hidden if gpu_experts is not None else int(hidden)  # type: ignore[arg-type]
         self.io_path = IOPath(io_path)
         self.act_dtype = act_dtype
         self.y_dtype = torch.float32 if y_dtype is None else y_dtype
+        if gpu_experts is None:  # every route of this layer runs on the CPU
+            placement = Placement(torch.zeros(1, dtype=torch.bool), cpu_routes_per_token=top_k)
         self.placement = placement
         self.coordinator = coordinator
         self.staging = backend.staging()
@@ -154,11 +160,11 @@ class HybridMoEExecutor:
         gpu_ids, cpu_ids = split_routes(ids, cpu_mask)
         if self.kio is not None:
             self.kio.publish(stream, task, x.contiguous(), cpu_ids.contiguous(), w32)
-            out = self.experts.forward(x, gpu_ids, w).contiguous()
+            out = torch.zeros_like(x) if self.experts is None else self.experts.forward(x, gpu_ids, w).contiguous()
             self.kio.combine(stream, task, out)
             return out
         self._publish_copies(stream, task, x, cpu_ids, w32)
-        out = self.experts.forward(x, gpu_ids, w)
+        out = torch.zeros_like(x) if self.experts is None else self.experts.forward(x, gpu_ids, w)
         self.sync.wait(stream, task)
         y = self.scratch[tokens]
         y.copy_(task.y[:tokens], non_blocking=True)

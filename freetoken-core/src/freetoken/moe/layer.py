@@ -1,33 +1,24 @@
 """The MoE layer as the model sees it: router -> top-k -> routed experts.
 
-The router and the top-k selection are torch ops on the dense part's device. The
-routed experts run through the backend contract:
-
-* CPU backend (``IOPath.SYNCHRONOUS``, ``SyncMode.SYNCHRONOUS``): the activations
-  already live in host memory, so the layer calls the CPU kernels directly
-  (``freetoken_cpu_moe.moe_forward`` on the layer's :class:`ExpertBank`); there is
-  no hand-off to order against a stream.
-* GPU backends: the hybrid layer (``freetoken.moe.hybrid``) splits the routes
-  between GPU-resident experts and the CPU and hands the CPU part over through
-  GpuSync/KernelIO. A backend plugs in by giving :meth:`MoELayer.set_experts` a
-  callable with the same signature as :meth:`MoELayer.run_experts`.
-"""
+The router and the top-k selection run on the dense part's device through the weight
+policy's router linear. The routed experts run through an experts function that the
+backend's model session builds per layer (:meth:`ModelSession.routed_experts`): the CPU
+backend calls the CPU kernels synchronously, a GPU backend splits the routes between
+GPU-resident experts and the CPU workers and hands the CPU part over through
+GpuSync/KernelIO (:mod:`freetoken.moe.hybrid`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from freetoken.backends.contract import ExpertsFn, Linear, MoELayerSpec
 from freetoken.loading.tensors import RawTensor
-from freetoken.models.layers import cm_weights, cpu_moe
 
 logger = logging.getLogger(__name__)
-
-ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 @dataclasses.dataclass
 class ExpertWeights:
@@ -68,60 +59,41 @@ def stack_experts(parts: Sequence[RawTensor], name: str) -> RawTensor:
 
 
 class MoELayer:
-    """Router + top-k softmax routing + routed SwiGLU experts of one decoder layer."""
+    """Router + top-k softmax routing + routed SwiGLU experts of one decoder layer.
+
+    ``router`` is the policy's router linear (float32 logits); the routed experts run
+    through the function the backend's :class:`~freetoken.backends.contract.ModelSession`
+    built for this layer (:meth:`set_experts`), so this class never knows where they run.
+    """
 
     def __init__(
         self,
         layer: int,
-        router: torch.Tensor,
+        router: Linear,
         experts: ExpertWeights,
         top_k: int,
         norm_topk_prob: bool,
-        device: torch.device,
         activation: str = "silu",
     ) -> None:
         self.layer = layer
-        self.router = router  # [E, H] float on the dense device
+        self.router = router
         self.experts = experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.device = torch.device(device)
         self.activation = activation
-        self.bank: Any = None
-        self._router_w: Any = None
         self._experts_fn: Optional[ExpertsFn] = None
-        # The routed experts stay in host memory in their checkpoint format on every
-        # backend: the CPU workers read them through this bank (its ``address`` is what
-        # a GPU backend's hand-off tasks point at).
-        self._build_cpu_bank()
-        if self.device.type == "cpu":
-            self._experts_fn = self._run_cpu_synchronous
 
-    def _build_cpu_bank(self) -> None:
-        cm = cpu_moe()
-        e = self.experts
-        gate = cm_weights(e.gate, e.num_experts, e.intermediate, e.hidden)
-        up = cm_weights(e.up, e.num_experts, e.intermediate, e.hidden)
-        down = cm_weights(e.down, e.num_experts, e.hidden, e.intermediate)
-        self.bank = cm.ExpertBank(gate, up, down, activation=self.activation)
-        self._moe_forward = cm.moe_forward
-        self._pool = cm.default_pool()
-        if self.device.type == "cpu":
-            # the router is a small dense projection: run it on the same worker pool
-            self.router = self.router.float().contiguous()
-            self._router_w = cm.Weights(self.router, "f32", 1, int(self.router.shape[0]), int(self.router.shape[1]))
-            self._router_linear = cm.linear
+    def spec(self) -> MoELayerSpec:
+        """What a backend gets to build this layer's experts function."""
+        return MoELayerSpec(self.layer, self.experts, self.top_k, self.activation)
 
     def set_experts(self, fn: ExpertsFn) -> None:
-        """Install the routed-experts implementation of a (GPU) backend."""
+        """Install the routed-experts function (the engine does, from the model session)."""
         self._experts_fn = fn
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids (int32 [T, K]) and weights (float32 [T, K]) for ``x``."""
-        if self._router_w is not None:
-            logits = self._router_linear(self._router_w, x, torch.float32, self._pool)
-        else:
-            logits = torch.nn.functional.linear(x, self.router)
+        logits = self.router(x)
         if self.norm_topk_prob:
             # softmax over all experts then renormalised over the top-k == softmax of the top-k logits
             top, ids = torch.topk(logits, self.top_k, dim=-1)
@@ -139,11 +111,7 @@ class MoELayer:
     def run_experts(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self._experts_fn is None:
             raise RuntimeError(
-                f"MoE layer {self.layer}: no routed-experts path for device {self.device}; the backend must "
-                "install one (freetoken.moe.hybrid) before the model runs"
+                f"MoE layer {self.layer}: no routed-experts function; the engine installs one from the "
+                "backend's model session (ModelSession.routed_experts) before the model runs"
             )
         return self._experts_fn(x, ids, w)
-
-    def _run_cpu_synchronous(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # IOPath.SYNCHRONOUS: activations are host memory already; run the CPU kernels now.
-        return self._moe_forward(self.bank, x.contiguous(), ids.contiguous(), w.contiguous(), x.dtype, self._pool)

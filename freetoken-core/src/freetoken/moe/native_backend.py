@@ -21,11 +21,14 @@ from freetoken.backends.contract import (
     BackendError,
     Capabilities,
     CapturedGraph,
+    CpuExperts,
+    EngineOptions,
     GpuSync,
     GraphCapture,
     HandoffTask,
     HostBuffer,
     KernelIO,
+    ModelSession,
     ProbeResult,
     Staging,
     SyncMode,
@@ -386,6 +389,25 @@ class NativeGpuBackend(Backend):
 
     def stream_capturing(self, stream: int) -> bool:
         return bool(self.native().stream_is_capturing(stream))
+
+    def device_memory(self) -> Optional[tuple[int, int]]:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(self.device_index)
+        return int(free), int(total)
+
+    # ---- the engine seam ---------------------------------------------------------------
+    def cpu_experts(self) -> CpuExperts:
+        """The CPU half of hybrid layers; the cuda/rocm packages bind freetoken-cpu-moe's."""
+        raise BackendError(
+            f"backend {self.name} runs routed experts on the CPU through freetoken-cpu-moe, which this "
+            "backend package does not provide: install freetoken-cpu-moe (see docs/install.md)"
+        )
+
+    def open_model(self, options: EngineOptions) -> ModelSession:
+        from freetoken.moe.gpu_session import GpuModelSession
+
+        return GpuModelSession(self, options, self.cpu_experts())
 
     # ---- capabilities ---------------------------------------------------------------
     def device_info(self) -> dict[str, Any]:

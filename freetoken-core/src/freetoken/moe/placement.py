@@ -66,3 +66,57 @@ def split_routes(ids: Any, cpu_mask: Any) -> tuple[Any, Any]:
     gpu_ids = torch.where(cpu_mask, minus_one, ids32)
     cpu_ids = torch.where(cpu_mask, ids32, minus_one)
     return gpu_ids, cpu_ids
+
+
+LayerSpec = tuple[str, Any]
+
+
+def parse_layer_spec(spec: str) -> LayerSpec:
+    """Parse ``--moe-cpu-layers``: ``all``, a count ``N`` (the first N MoE layers), or layer
+    indices and ranges (``0-11,40``; one index alone: ``7,``). Raises ValueError with the
+    accepted forms."""
+    text = str(spec).strip().lower()
+    forms = "expected 'all', a count like '24', or layer indices like '0-11,40' (a single index: '7,')"
+    if text == "all":
+        return ("all", None)
+    if text.isdigit():
+        return ("count", int(text))
+    layers: set[int] = set()
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) < 2 and "-" not in text:
+        raise ValueError(f"--moe-cpu-layers {spec!r}: {forms}")
+    for part in parts:
+        if not part:
+            continue
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"--moe-cpu-layers {spec!r}: bad item {part!r}; {forms}")
+        a, b = int(lo), int(hi) if dash else int(lo)
+        if b < a:
+            raise ValueError(f"--moe-cpu-layers {spec!r}: range {part!r} runs backwards")
+        layers.update(range(a, b + 1))
+    return ("layers", sorted(layers))
+
+
+def cpu_layers(spec: Optional[str], moe_layers: list[int], default_count: int) -> list[int]:
+    """The MoE layers whose routed experts run on the CPU: ``spec`` resolved against the
+    model's MoE layer indices (None: the first ``default_count`` of them)."""
+    if spec is None:
+        kind, value = "count", default_count
+    else:
+        kind, value = parse_layer_spec(spec)
+    if kind == "all":
+        return list(moe_layers)
+    if kind == "count":
+        if value > len(moe_layers):
+            raise ValueError(
+                f"--moe-cpu-layers {value}: the model has only {len(moe_layers)} MoE layers (use 'all' or a smaller count)"
+            )
+        return list(moe_layers[:value])
+    unknown = [i for i in value if i not in moe_layers]
+    if unknown:
+        raise ValueError(
+            f"--moe-cpu-layers: layers {unknown} are not MoE layers of this model "
+            f"(MoE layers: {moe_layers[0]}..{moe_layers[-1]})" if moe_layers else "--moe-cpu-layers: the model has no MoE layers"
+        )
+    return list(value)

@@ -3,7 +3,7 @@
 Before serving, run a small hybrid MoE layer through the backend's IO paths with random
 activations and routes, eagerly and under graph replay (several replays with new inputs
 and routes, empty CPU routes, all-CPU and split routes), in the model's activation dtype,
-and compare with the oracle: synchronous CPU execution (``freetoken_cpu_moe.moe_forward``)
+and compare with the oracle: synchronous CPU execution (:meth:`CpuExperts.run`)
 of the CPU routes plus a float64 torch reference of the GPU routes. Policy:
 
 1. Prefer KernelIO when its probe passes and activations are BF16; FP16/FP32 use copies.
@@ -22,7 +22,7 @@ import dataclasses
 import logging
 from typing import Any, Optional, Protocol
 
-from freetoken.backends.contract import Backend, IOPath
+from freetoken.backends.contract import Backend, CpuExperts, IOPath
 from freetoken.moe.qualify_check import CheckFailure, QualLayer
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ def qualify(
     graph_settings: Optional[GraphSettings] = None,
     group: Optional[RankGroup] = None,
     config: Optional[QualifyConfig] = None,
+    cpu_experts: Optional[CpuExperts] = None,
 ) -> QualificationResult:
     """Choose and verify the hand-off path; may turn graphs off; raises QualificationError."""
     group = group or SingleRankGroup()
@@ -154,7 +155,10 @@ def qualify(
     chosen: Optional[IOPath] = None
     failure: Optional[str] = None
     try:
-        layer = QualLayer(backend, act_dtype, config)
+        cpu = cpu_experts if cpu_experts is not None else backend.cpu_experts()
+        if cpu is None:
+            raise RuntimeError(f"backend {backend.name!r} provides no CPU experts (Backend.cpu_experts) to hand off to")
+        layer = QualLayer(backend, act_dtype, config, cpu)
         for path in candidates:
             try:
                 checks.append(layer.check(path, graph=False))

@@ -1,8 +1,8 @@
 """The numerical check behind startup qualification: one small hybrid layer, random
 inputs and routes, eager steps or graph replays, compared with the oracle.
 
-Oracle: the CPU routes through ``freetoken_cpu_moe.moe_forward`` (synchronous CPU
-execution of the same BF16 expert bank) plus the GPU routes through a float64 torch
+Oracle: the CPU routes through :meth:`CpuExperts.run` (synchronous CPU execution of the
+same BF16 expert bank) plus the GPU routes through a float64 torch
 loop (:func:`_oracle_gpu_routes`). Never the path itself.
 """
 
@@ -12,7 +12,7 @@ import math
 import time
 from typing import Any, Optional
 
-from freetoken.backends.contract import Backend, IOPath
+from freetoken.backends.contract import Backend, CpuExperts, IOPath
 
 #: Route patterns cycled over steps/replays: mixed splits, no CPU route (the empty-route
 #: skip), every route on the CPU.
@@ -62,24 +62,18 @@ def _oracle_gpu_routes(x: Any, gpu_ids: Any, w: Any, gate: Any, up: Any, down: A
     return y
 
 
-def _cpu_moe() -> Any:
-    try:
-        import freetoken_cpu_moe
-    except ImportError as exc:
-        raise RuntimeError(f"qualification needs freetoken-cpu-moe (the CPU experts): {exc}") from exc
-    return freetoken_cpu_moe
-
-
 class QualLayer:
     """Weights, CPU bank, GPU experts and a running coordinator for the checks."""
 
-    def __init__(self, backend: Backend, act_dtype: Any, config: Any) -> None:
+    def __init__(self, backend: Backend, act_dtype: Any, config: Any, cpu_experts: CpuExperts) -> None:
         import torch
 
+        from freetoken.handoff import Fmt
+        from freetoken.loading.tensors import RawTensor
         from freetoken.moe.gpu_experts import GpuExperts
+        from freetoken.moe.layer import ExpertWeights
 
-        cm = _cpu_moe()
-        self.cm = cm
+        self.cpu = cpu_experts
         self.backend = backend
         self.act_dtype = act_dtype
         self.config = config
@@ -87,14 +81,12 @@ class QualLayer:
         self.gen = torch.Generator().manual_seed(seed)
         e, h, i = config.num_experts, config.hidden, config.intermediate
         self.gate, self.up, self.down = _random_layer(e, h, i, self.gen)
-        self.bank = cm.ExpertBank(
-            cm.Weights(self.gate, "bf16", e, i, h), cm.Weights(self.up, "bf16", e, i, h), cm.Weights(self.down, "bf16", e, h, i)
-        )
+        raw = [RawTensor(name, tuple(t.shape), Fmt.BF16, t, "qualification")
+               for name, t in (("gate", self.gate), ("up", self.up), ("down", self.down))]
+        self.bank = cpu_experts.bank(ExpertWeights(*raw, e, h, i), "silu")
         dev = backend.device()
         self.experts = GpuExperts(self.gate.to(dev), self.up.to(dev), self.down.to(dev), "silu")  # the oracle's
-        self.pool = cm.Pool(config.cpu_threads)
-        self.coordinator = cm.Coordinator(pool=self.pool, watchdog_ms=config.watchdog_ms)
-        self.coordinator.start()
+        self.coordinator = cpu_experts.coordinator(config.cpu_threads, config.watchdog_ms)
         self.executors: dict[IOPath, Any] = {}
 
     def close(self) -> None:
@@ -150,7 +142,7 @@ class QualLayer:
         gpu_ids, cpu_ids = split_routes(ids, mask)
         ref = _oracle_gpu_routes(x, gpu_ids, w, self.gate, self.up, self.down)
         if bool(mask.any()):
-            y_cpu = self.cm.moe_forward(self.bank, x.contiguous(), cpu_ids.contiguous(), w.contiguous(), out_dtype="float32")
+            y_cpu = self.cpu.run(self.bank, x, cpu_ids, w, torch.float32)
             ref = ref + torch.as_tensor(y_cpu).double()
         return ref
 

@@ -11,10 +11,12 @@ import torch
 from freetoken.backends.contract import (
     Backend,
     Capabilities,
+    EngineOptions,
     GpuSync,
     HandoffError,
     HandoffTask,
     HostBuffer,
+    ModelSession,
     ProbeResult,
     Staging,
     SyncMode,
@@ -60,7 +62,11 @@ class FakeStreamSync(GpuSync):
                 time.sleep(0)
             flags.done = 0
 
-        stream_for(stream).enqueue(wait_done)
+        fake = stream_for(stream)
+        fake.enqueue(wait_done)
+        # The fake device's "kernels" are host torch ops that run at once: work after a wait
+        # must not start before it, so the host waits here for the stream to drain.
+        fake.synchronize()
 
 
 class FakeStaging(Staging):
@@ -126,3 +132,14 @@ class FakeGpuBackend(Backend):
 
     def synchronize(self) -> None:
         self._stream.synchronize()
+
+    # ---- the engine seam: the generic GPU model session over these primitives ----
+    def cpu_experts(self) -> Any:
+        from freetoken_cpu_moe.host_experts import HostExperts
+
+        return HostExperts()
+
+    def open_model(self, options: EngineOptions) -> ModelSession:
+        from freetoken.moe.gpu_session import GpuModelSession
+
+        return GpuModelSession(self, options, self.cpu_experts())

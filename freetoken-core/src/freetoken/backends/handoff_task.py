@@ -1,16 +1,98 @@
-"""Allocation of a hand-off task's stable buffers (used by every Staging)."""
+"""Hand-off tasks: the stable host buffers and flag slot of one (layer, batch-size slot).
+
+A task's C layout (the flag slot and the task descriptor the CPU coordinator reads)
+lives in ``include/freetoken/handoff.h``, mirrored by :mod:`freetoken.handoff`. Every
+:class:`~freetoken.backends.contract.Staging` allocates tasks through
+:func:`allocate_task`, which carves the buffers out of memory that Staging provides.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from freetoken import handoff
 
 if TYPE_CHECKING:
-    from freetoken.backends.contract import HandoffTask, Staging
+    from freetoken.backends.contract import Staging
 
 _ALIGN = 128
+
+
+@dataclasses.dataclass
+class HostBuffer:
+    """Host memory that a backend allocated (pinned, and mapped when asked).
+
+    ``tensor`` is a CPU torch view of the memory (uint8, ``nbytes`` long) and keeps
+    it alive; ``device_ptr`` is the address the GPU uses (mapped memory) or 0.
+    ``owner`` is whatever object frees the memory when garbage-collected.
+    """
+
+    tensor: Any
+    host_ptr: int
+    device_ptr: int
+    nbytes: int
+    mapped: bool
+    owner: Any = None
+
+
+@dataclasses.dataclass
+class HandoffTask:
+    """One (layer, batch-size slot) hand-off with stable buffers.
+
+    All buffers are host tensors allocated through :class:`Staging` and live as long
+    as the task; graphs captured over the task keep using the same addresses on
+    every replay. ``desc`` is the ``ft_task_desc`` the CPU coordinator reads;
+    ``flags`` the ``ft_flag_slot``. ``device_ptrs`` maps buffer names ("x", "ids",
+    "w", "y", "flags") to the GPU-visible address of mapped memory (empty when the
+    backend has no mapped memory).
+    """
+
+    layer: int
+    slot: int
+    max_tokens: int
+    top_k: int
+    hidden: int
+    act_dtype: Any  # torch.dtype of x
+    out_dtype: Any  # torch.dtype of y
+    x: Any
+    ids: Any
+    w: Any
+    y: Any
+    flag_buffer: HostBuffer
+    desc_buffer: HostBuffer
+    device_ptrs: dict[str, int] = dataclasses.field(default_factory=dict)
+    keepalive: list[Any] = dataclasses.field(default_factory=list)
+
+    @property
+    def flags(self) -> handoff.FlagSlot:
+        return handoff.FlagSlot.from_address(self.flag_buffer.host_ptr)
+
+    @property
+    def desc(self) -> handoff.TaskDesc:
+        return handoff.TaskDesc.from_address(self.desc_buffer.host_ptr)
+
+    @property
+    def flag_addr(self) -> int:
+        return self.flag_buffer.host_ptr
+
+    def check_error(self) -> None:
+        """Raise if the CPU side reported an error on this slot (and clear it)."""
+        err = self.flags.err
+        if err:
+            self.flags.err = 0
+            try:
+                what = handoff.Err(err).name
+            except ValueError:
+                what = f"code {err}"
+            raise HandoffError(
+                f"CPU side of MoE hand-off failed for layer {self.layer} slot {self.slot}: {what}"
+            )
+
+
+class HandoffError(RuntimeError):
+    """The CPU side of a hand-off reported an error (watchdog, bad task, exception)."""
 
 
 def _dtype_fmt(dtype: Any) -> int:
@@ -38,7 +120,7 @@ def allocate_task(
     out_dtype: Any,
     bank_addr: int = 0,
     mapped: bool = True,
-) -> "HandoffTask":
+) -> HandoffTask:
     """Carve x/ids/w/y, the flag slot and the descriptor out of host buffers.
 
     x/ids/w/y share one buffer (one registration, one mapping); the flag slot and
@@ -46,8 +128,6 @@ def allocate_task(
     data the GPU streams into.
     """
     import torch
-
-    from freetoken.backends.contract import HandoffTask
 
     if max_tokens < 1 or top_k < 1 or hidden < 1:
         raise ValueError(f"bad task shape: max_tokens={max_tokens} top_k={top_k} hidden={hidden}")

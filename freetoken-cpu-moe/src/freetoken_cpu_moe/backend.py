@@ -1,4 +1,9 @@
-"""The built-in ``cpu`` backend: the contract on a machine without a GPU.
+"""The ``cpu`` backend: the contract on a machine without a GPU (entry point ``cpu`` of
+``freetoken.backends``, registered by freetoken-cpu-moe).
+
+The model runs on the host: dense projections in their checkpoint format through the
+CPU kernels (:mod:`freetoken_cpu_moe.dense`), routed experts synchronously on the worker
+pool (:class:`CpuModelSession`).
 
 There is no stream to order against, so the hand-off is synchronous: the "stream"
 is the calling thread. :class:`SynchronousSync` raises ``ready`` and (when it was
@@ -20,10 +25,15 @@ from freetoken import handoff
 from freetoken.backends.contract import (
     Backend,
     Capabilities,
+    EngineOptions,
+    ExpertsFn,
     GpuSync,
     HandoffError,
     HandoffTask,
     HostBuffer,
+    IOPath,
+    ModelSession,
+    MoELayerSpec,
     ProbeResult,
     Staging,
     SyncMode,
@@ -146,12 +156,95 @@ class CpuStaging(Staging):
         dst.copy_(src)
 
 
+class CpuModelSession(ModelSession):
+    """A model on the host: packed dense weights, synchronous CPU experts.
+
+    torch's OpenMP threads and the expert kernels' worker pool share the cores. Decode
+    steps run only small torch ops (norms, rope, attention over one query): one torch
+    thread, so idle OpenMP threads never spin against the pool; prefill steps (large
+    attention) get torch's full thread count back.
+    """
+
+    def __init__(self, options: EngineOptions) -> None:
+        import torch
+
+        from freetoken_cpu_moe.dense import CpuWeightPolicy
+        from freetoken_cpu_moe.host_experts import HostExperts
+        from freetoken_cpu_moe.pool import Pool, default_pool
+
+        self.options = options
+        pool = default_pool()
+        self._own_pool = None
+        if options.cpu_threads is not None and options.cpu_threads != pool.num_threads:
+            pool = self._own_pool = Pool(options.cpu_threads)
+        self.pool = pool
+        self.weight_policy = CpuWeightPolicy(options.act_dtype or torch.float32, pool)
+        self.host = HostExperts(pool)
+        self.model: Any = None
+        self.kv_caches: list[Any] = []
+        self._prefill_threads = torch.get_num_threads()
+        self._threads = self._prefill_threads
+
+    def routed_experts(self, spec: MoELayerSpec) -> ExpertsFn:
+        bank = self.host.bank(spec.experts, spec.activation)
+        run = self.host.run
+
+        def experts(x: Any, ids: Any, w: Any) -> Any:
+            # IOPath.SYNCHRONOUS: the activations are host memory already
+            return run(bank, x, ids, w)
+
+        experts.bank = bank  # type: ignore[attr-defined]  # keeps the bank alive with the function
+        return experts
+
+    def kv_cache_budget(self) -> Optional[int]:
+        from freetoken.loading.memory import available_ram
+
+        avail = available_ram()
+        return None if avail is None else int(avail * 0.5)
+
+    def start(self, model: Any, kv: Any) -> None:
+        self.model = model
+        self.kv_caches = kv.layers
+
+    def forward(self, input_ids: Any, positions: Any, meta: Any) -> Any:
+        import torch
+
+        want = 1 if meta.decode else self._prefill_threads
+        if want != self._threads:
+            torch.set_num_threads(want)
+            self._threads = want
+        return self.model.forward(input_ids, positions, meta, self.kv_caches)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "backend": "cpu",
+            "io_path": IOPath.SYNCHRONOUS.value,
+            "sync_mode": SyncMode.SYNCHRONOUS.value,
+            "graphs": False,
+            "reason": "CPU backend: routed experts run synchronously on the CPU workers",
+            "cpu_threads": self.pool.num_threads,
+            "moe_cpu_layers": "all",
+            "weights": self.weight_policy.describe(),
+        }
+
+    def close(self) -> None:
+        if self._threads != self._prefill_threads:
+            import torch
+
+            torch.set_num_threads(self._prefill_threads)
+            self._threads = self._prefill_threads
+        if self._own_pool is not None:
+            self._own_pool.close()
+            self._own_pool = None
+
+
 class CpuBackend(Backend):
     """Runs everything on the host; the hybrid MoE layer calls the CPU kernels directly."""
 
     name = "cpu"
     priority = BUILTIN_PRIORITY
     hardware = "cpu"
+    default_dtype = "float32"
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -184,6 +277,16 @@ class CpuBackend(Backend):
 
     def staging(self) -> Staging:
         return CpuStaging()
+
+    def open_model(self, options: EngineOptions) -> ModelSession:
+        if options.moe_cpu_layers is not None:
+            from freetoken.moe.placement import parse_layer_spec
+
+            kind, _ = parse_layer_spec(options.moe_cpu_layers)
+            if kind != "all":
+                log.info("cpu backend: every layer's experts run on the CPU (--moe-cpu-layers %s has no effect)",
+                         options.moe_cpu_layers)
+        return CpuModelSession(options)
 
 
 @hookimpl

@@ -1,0 +1,163 @@
+"""Decode graphs: one captured decode step per batch-size bucket, replayed with new inputs.
+
+A decode step (every sequence computes one token) runs the same kernels whatever the
+tokens, positions and contexts, so it is captured once per bucket of batch sizes and
+replayed: the step's inputs are copied into static device buffers the graph reads
+(token ids, positions, cache slots, block tables, context lengths) and the graph writes
+the final hidden states into a static output. A batch of B sequences replays the
+smallest bucket >= B; rows B..bucket-1 repeat row 0 (same token, position and context,
+so the same experts are routed and no extra expert weights are read) and write their
+K/V into a scratch cache slot that no sequence owns.
+
+Prefill steps, mixed steps and batches above the largest bucket run eagerly. Everything
+a graph uses (hand-off tasks, the scratch block, compiled kernel variants) must exist
+before it is captured; the runner keeps the graphs, and the graphs keep what they use,
+until :meth:`DecodeGraphRunner.close`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from freetoken.backends.contract import GraphCapture
+from freetoken.models.attention import AttentionMetadata, SeqSlice
+
+log = logging.getLogger(__name__)
+
+
+def graph_buckets(max_batch: int, explicit: Optional[list[int]] = None) -> list[int]:
+    """Batch-size buckets: ``explicit`` (sorted, deduplicated), else 1, 2, 4, 8 and then
+    multiples of 8 up to ``max_batch``."""
+    if explicit:
+        return sorted({int(b) for b in explicit})
+    out = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    out += list(range(16, max_batch + 1, 8))
+    if max_batch not in out:
+        out.append(max_batch)
+    return sorted(set(out))
+
+
+class DecodeGraphRunner:
+    """Captures ``forward(ids, positions, meta) -> hidden`` per bucket and replays it."""
+
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        capture: GraphCapture,
+        buckets: list[int],
+        device: torch.device,
+        block_size: int,
+        max_blocks: int,
+        scratch_block: int,
+        attention_impl: str,
+        before_capture: Optional[Callable[[int], None]] = None,
+    ) -> None:
+        self.forward_fn = forward
+        self.capture_api = capture
+        self.buckets = sorted(buckets)
+        self.device = device
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.scratch_block = scratch_block
+        self.scratch_slot = scratch_block * block_size
+        self.attention_impl = attention_impl
+        self.before_capture = before_capture
+        n = self.buckets[-1]
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.slots = torch.full((n,), self.scratch_slot, **i64)
+        self.block_tables = torch.full((n, max_blocks), scratch_block, **i32)
+        self.ctx_lens = torch.ones(n, **i32)
+        pin = device.type == "cuda"
+        # host staging: one row of int64 per input, copied to the device in one go per buffer
+        self._host_vec = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)
+        self._host_tables = torch.zeros(n, max_blocks + 1, dtype=torch.int32, pin_memory=pin)
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, batch: int) -> Optional[int]:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        return None
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        dummy = [SeqSlice(i, 1, 1, self.block_tables[i]) for i in range(b)]
+        return AttentionMetadata(self.slots[:b], dummy, self.block_size, decode=True,
+                                 block_tables=self.block_tables[:b], ctx_lens=self.ctx_lens[:b],
+                                 static_decode=self.attention_impl)
+
+    def capture_all(self) -> None:
+        """Capture every bucket (largest first), after two eager warm-up runs each."""
+        t0 = time.monotonic()
+        for b in sorted(self.buckets, reverse=True):
+            if self.before_capture is not None:
+                self.before_capture(b)
+            meta = self._meta(b)
+
+            def step(b: int = b, meta: AttentionMetadata = meta) -> torch.Tensor:
+                return self.forward_fn(self.ids[:b], self.positions[:b], meta)
+
+            for _ in range(2):  # compiles kernel variants, creates lazily allocated state
+                step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            out: dict[str, torch.Tensor] = {}
+
+            def captured(step: Callable[[], torch.Tensor] = step, out: dict[str, torch.Tensor] = out) -> torch.Tensor:
+                out["hidden"] = step()
+                return out["hidden"]
+
+            self.graphs[b] = self.capture_api.capture(captured)
+            self.outputs[b] = out["hidden"]
+        self.capture_seconds = time.monotonic() - t0
+        log.info("captured decode graphs for batch sizes %s in %.1f s", self.buckets, self.capture_seconds)
+
+    def run(self, meta: AttentionMetadata) -> torch.Tensor:
+        """Replay the bucket for this decode step; returns ``[B, hidden]`` (valid until the
+        next replay)."""
+        seqs = meta.seqs
+        B = len(seqs)
+        b = self.bucket_for(B)
+        if b is None or meta.host_ids is None or meta.host_positions is None or meta.host_slots is None:
+            raise ValueError(f"no decode graph for this step (batch {B}, buckets {self.buckets})")
+        vec = self._host_vec
+        tables = self._host_tables
+        ids, pos, slots = meta.host_ids, meta.host_positions, meta.host_slots
+        for i in range(b):
+            j = i if i < B else 0
+            s = seqs[j]
+            blocks = s.blocks if s.blocks is not None else s.block_table.tolist()
+            if len(blocks) > self.max_blocks:
+                raise ValueError(f"sequence of {s.ctx_len} tokens exceeds the graph's {self.max_blocks} blocks")
+            vec[0, i] = ids[j]
+            vec[1, i] = pos[j]
+            vec[2, i] = slots[j] if i < B else self.scratch_slot
+            row = tables[i]
+            row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            row[self.max_blocks] = s.ctx_len
+        self.ids[:b].copy_(vec[0, :b], non_blocking=True)
+        self.positions[:b].copy_(vec[1, :b], non_blocking=True)
+        self.slots[:b].copy_(vec[2, :b], non_blocking=True)
+        staged = tables[:b].to(self.device, non_blocking=True)
+        self.block_tables[:b].copy_(staged[:, : self.max_blocks])
+        self.ctx_lens[:b].copy_(staged[:, self.max_blocks])
+        self.graphs[b].replay()
+        self.replays += 1
+        return self.outputs[b][:B]
+
+    def close(self) -> None:
+        self.graphs.clear()
+        self.outputs.clear()

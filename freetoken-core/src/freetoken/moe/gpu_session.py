@@ -1,0 +1,368 @@
+"""A whole model on a GPU backend: the dense part on the device, each MoE layer's routed
+experts either resident on the device or computed by the CPU workers in the same step.
+
+:class:`GpuModelSession` is the :class:`~freetoken.backends.contract.ModelSession` of every
+backend built from the contract's GPU capabilities (the native CUDA/ROCm backends, and any
+plugin that provides GpuSync/Staging/KernelIO/GraphCapture). Its parts, in engine order:
+
+* **plan** -- the memory budget (``--gpu-memory-limit``/``--gpu-memory-utilization``, else
+  the device's total), the dense part, a minimum KV cache and a reserve for the CUDA context
+  and workspaces; which layers' experts fit on the device (``--moe-cpu-layers``, default:
+  as many as fit, the first layers going to the CPU as with llama.cpp's ``-ncmoe``). A plan
+  that does not fit fails here, before any weight is read, naming the sizes and the flags.
+  On CUDA devices the budget is also set as the allocator's hard per-process limit.
+* **routed_experts** -- device-resident layers get their experts dequantized once into the
+  activation dtype (:class:`~freetoken.moe.gpu_experts.GpuExperts`, no hand-off at all);
+  CPU layers get a CPU expert bank over the checkpoint bytes and, at start, a
+  :class:`~freetoken.moe.hybrid.HybridMoEExecutor` on the qualified IO path.
+* **start** -- startup qualification of the hand-off (:func:`freetoken.moe.qualify.qualify`)
+  in the model's shapes and activation dtype, when any layer hands off; the CPU
+  coordinator; decode graphs per batch-size bucket (:mod:`freetoken.engine.graphs`).
+* **forward** -- decode steps that fit a bucket replay a graph; others run eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+
+from freetoken.backends.contract import (
+    Backend,
+    CpuExperts,
+    EngineOptions,
+    ExpertsFn,
+    IOPath,
+    MemoryPlanError,
+    ModelSession,
+    ModelShape,
+    MoELayerSpec,
+)
+from freetoken.models.layers import DeviceWeightPolicy
+from freetoken.moe.placement import cpu_layers
+
+log = logging.getLogger(__name__)
+
+GIB = float(1 << 30)
+
+#: Device memory kept out of the plan for the CUDA context, cuBLAS/Triton workspaces,
+#: activations and graph pools.
+RESERVE_BYTES = 1 << 30
+
+#: The KV cache the plan guarantees at least (tokens), when max_model_len is larger.
+MIN_KV_TOKENS = 4096
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    budget: Optional[int]  # bytes this process may use on the device (None: not planned)
+    dense: int
+    expert_layer_bytes: int  # one layer's routed experts at the activation dtype
+    gpu_layers: list[int]
+    cpu_layers: list[int]
+    kv_budget: Optional[int]
+    reserve: int
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["gpu_layers"] = len(self.gpu_layers)
+        out["cpu_layers"] = _ranges(self.cpu_layers)
+        return out
+
+
+def _ranges(layers: list[int]) -> str:
+    if not layers:
+        return "none"
+    parts: list[str] = []
+    start = prev = layers[0]
+    for i in layers[1:] + [None]:  # type: ignore[list-item]
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(f"{start}-{prev}" if prev != start else str(start))
+        if i is not None:
+            start = prev = i
+    return ",".join(parts)
+
+
+class GpuModelSession(ModelSession):
+    def __init__(self, backend: Backend, options: EngineOptions, cpu_experts: CpuExperts) -> None:
+        self.backend = backend
+        self.options = options
+        self.cpu = cpu_experts
+        self.act_dtype = options.act_dtype or torch.bfloat16
+        self.device = torch.device(backend.device())
+        self.weight_policy = DeviceWeightPolicy(self.device, self.act_dtype)
+        self.plan_result: Optional[MemoryPlan] = None
+        self.shape: Optional[ModelShape] = None
+        self.layer_fns: dict[int, ExpertsFn] = {}
+        self.banks: dict[int, Any] = {}
+        self.gpu_experts: dict[int, Any] = {}
+        self.executors: dict[int, Any] = {}
+        self.coordinator: Any = None
+        self.model: Any = None
+        self.kv: Any = None
+        self.runner: Any = None
+        self.qualification: Any = None
+        self.graphs = False
+        self.reason = ""
+        self.warnings: list[str] = []
+        self.attention_impl = "torch"
+        self._busy_ns = 0
+        self._decode_ns = 0
+        self._decode_steps = 0
+        self._last: Optional[tuple[int, int, bool]] = None  # (time, coordinator busy, decode) of the last step
+
+    # ---- plan -----------------------------------------------------------------------------
+    def plan(self, shape: ModelShape) -> None:
+        self.shape = shape
+        o = self.options
+        elt = torch.empty((), dtype=self.act_dtype).element_size()
+        per_layer = 3 * shape.num_experts * shape.hidden * shape.moe_intermediate * elt
+        n = len(shape.moe_layers)
+        mem = self.backend.device_memory()
+        total = mem[1] if mem else None
+        caps = [c for c in (o.gpu_memory_limit,
+                            int(o.gpu_memory_utilization * total) if (o.gpu_memory_utilization and total) else None,
+                            total) if c]
+        budget = min(caps) if caps else None
+        ctx = o.max_model_len or MIN_KV_TOKENS
+        kv_min = min(ctx, MIN_KV_TOKENS) * shape.kv_bytes_per_token
+        reserve = RESERVE_BYTES if budget is not None else 0
+        if budget is None:
+            default_cpu = n  # nothing to plan against: keep the experts on the host
+        else:
+            room = budget - reserve - shape.dense_bytes - kv_min
+            default_cpu = n - max(0, min(n, room // per_layer if per_layer else n))
+        try:
+            cpu = cpu_layers(o.moe_cpu_layers, shape.moe_layers, default_cpu)
+        except ValueError as exc:
+            raise MemoryPlanError(str(exc)) from None
+        cpu_set = set(cpu)
+        gpu = [i for i in shape.moe_layers if i not in cpu_set]
+        kv_budget = None
+        if budget is not None:
+            need = shape.dense_bytes + reserve + kv_min + per_layer * len(gpu)
+            if need > budget:
+                fit = max(0, (budget - reserve - shape.dense_bytes - kv_min) // per_layer) if per_layer else 0
+                raise MemoryPlanError(
+                    f"the model's GPU part does not fit: {_gib(need)} needed (dense weights {_gib(shape.dense_bytes)}, "
+                    f"routed experts of {len(gpu)} layers x {_gib(per_layer)}, KV cache for {min(ctx, MIN_KV_TOKENS)} "
+                    f"tokens {_gib(kv_min)}, reserve {_gib(reserve)}) but the budget is {_gib(budget)}"
+                    f"{' (--gpu-memory-limit/--gpu-memory-utilization)' if len(caps) > 1 else ' (the device total)'}. "
+                    + (f"Keep at most {fit} layers' experts on the GPU: --moe-cpu-layers {n - min(fit, n)} "
+                       f"(or 'all'), or raise the GPU memory limit."
+                       if shape.dense_bytes + reserve + kv_min <= budget else
+                       "Even the dense part does not fit: raise --gpu-memory-limit/--gpu-memory-utilization or "
+                       "lower --max-model-len.")
+                )
+            kv_budget = budget - reserve - shape.dense_bytes - per_layer * len(gpu)
+            if self.device.type == "cuda" and total:
+                torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
+        self.plan_result = MemoryPlan(budget, shape.dense_bytes, per_layer, gpu, cpu, kv_budget, reserve)
+        log.info("GPU memory plan: budget %s, dense %s, experts of %d layers on the GPU (%s each), CPU layers %s",
+                 _gib(budget) if budget else "-", _gib(shape.dense_bytes), len(gpu), _gib(per_layer), _ranges(cpu))
+
+    def kv_cache_budget(self) -> Optional[int]:
+        return self.plan_result.kv_budget if self.plan_result else None
+
+    # ---- experts ------------------------------------------------------------------------
+    def routed_experts(self, spec: MoELayerSpec) -> ExpertsFn:
+        from freetoken.moe.gpu_experts import GpuExperts
+
+        layer = spec.layer
+        on_cpu = self.plan_result is None or layer in set(self.plan_result.cpu_layers)
+        if on_cpu:
+            self.banks[layer] = self.cpu.bank(spec.experts, spec.activation)
+        else:
+            e = spec.experts
+            gate, up, down = (self._to_device(t) for t in (e.gate, e.up, e.down))
+            experts = GpuExperts(gate, up, down, activation=spec.activation)
+            self.gpu_experts[layer] = experts
+            self.layer_fns[layer] = experts.forward
+        fns = self.layer_fns
+
+        def experts_fn(x: Any, ids: Any, w: Any) -> Any:
+            return fns[layer](x, ids, w)
+
+        return experts_fn
+
+    def _to_device(self, raw: Any) -> torch.Tensor:
+        try:
+            from freetoken.loading.dequant import to_device_float
+        except ImportError:  # pragma: no cover - the module ships with freetoken-core
+            return raw.to_float(self.act_dtype).to(self.device)
+        return to_device_float(raw, self.device, self.act_dtype)
+
+    # ---- start ------------------------------------------------------------------------------
+    def start(self, model: Any, kv: Any) -> None:
+        from freetoken.moe.qualify import GraphSettings, QualifyConfig, qualify
+
+        self.model = model
+        self.kv = kv
+        o = self.options
+        capture = self.backend.graph_capture()
+        settings = GraphSettings(enabled=o.graphs and capture is not None)
+        if not o.graphs:
+            reasons = ["decode graphs off (--enforce-eager)"]
+        elif capture is None:
+            reasons = [f"backend {self.backend.name} cannot capture graphs: eager only"]
+        else:
+            reasons = []
+        io_path = None
+        sync_mode = None
+        if self.banks:
+            s = self.shape
+            assert s is not None
+            config = QualifyConfig(hidden=s.hidden, intermediate=s.moe_intermediate,
+                                   num_experts=min(s.num_experts, 16), top_k=min(s.top_k, s.num_experts),
+                                   cpu_threads=2)
+            self.qualification = qualify(self.backend, self.act_dtype, settings, config=config,
+                                         cpu_experts=self.cpu)
+            io_path = IOPath(self.qualification.io_path)
+            sync_mode = self.qualification.sync_mode
+            reasons.append(self.qualification.reason)
+            self.warnings.extend(self.qualification.warnings)
+            self._start_cpu_layers(io_path, sync_mode)
+        else:
+            reasons.append("every layer's experts are on the GPU: no hand-off")
+        self.io_path = io_path.value if io_path else "none"
+        self.sync_mode = sync_mode
+        if settings.enabled:
+            self._capture_graphs()
+        self.graphs = self.runner is not None
+        self.reason = "; ".join(r for r in reasons if r)
+
+    def _start_cpu_layers(self, io_path: IOPath, sync_mode: Optional[str]) -> None:
+        from freetoken.backends.contract import SyncMode
+        from freetoken.moe.hybrid import HybridMoEExecutor
+
+        self.coordinator = self.cpu.coordinator(self.options.cpu_threads)
+        mode = SyncMode(sync_mode) if sync_mode and io_path != IOPath.KERNEL_IO else None
+        s = self.shape
+        assert s is not None
+        for layer, bank in self.banks.items():
+            ex = HybridMoEExecutor(self.backend, layer, None, bank.address, s.top_k, io_path, self.act_dtype,
+                                   coordinator=self.coordinator, sync_mode=mode, hidden=s.hidden)
+            self.executors[layer] = ex
+            self.layer_fns[layer] = ex.forward
+
+    def _capture_graphs(self) -> None:
+        from freetoken.engine.graphs import DecodeGraphRunner, graph_buckets
+
+        o = self.options
+        buckets = [b for b in graph_buckets(o.graph_max_batch_size, o.graph_batch_sizes)
+                   if b <= max(o.max_running_requests, 1) or o.graph_batch_sizes]
+        if not buckets:
+            return
+        self.attention_impl = _attention_impl(self.device)
+        kv = self.kv
+        max_len = min(o.max_model_len or kv.total_tokens, kv.total_tokens)
+        max_blocks = (max_len + kv.block_size - 1) // kv.block_size
+        scratch = kv.allocate(1)[0]
+        for ex in self.executors.values():
+            ex.prepare(buckets)
+        for experts in self.gpu_experts.values():
+            experts.warmup(buckets, self.shape.top_k if self.shape else 1, self.act_dtype)
+        capture = self.backend.graph_capture()
+        assert capture is not None
+        runner = DecodeGraphRunner(self._eager, capture, buckets, self.device, kv.block_size, max_blocks, scratch,
+                                   self.attention_impl)
+        try:
+            runner.capture_all()
+        except Exception:
+            runner.close()
+            kv.free([scratch])
+            raise
+        self.runner = runner
+
+    # ---- steps ----------------------------------------------------------------------------
+    def _eager(self, input_ids: Any, positions: Any, meta: Any) -> Any:
+        return self.model.forward(input_ids, positions, meta, self.kv.layers)
+
+    def forward(self, input_ids: Any, positions: Any, meta: Any) -> Any:
+        self._account(meta.decode)
+        for ex in self.executors.values():
+            ex.check_errors()
+        runner = self.runner
+        if runner is not None and meta.decode and len(meta.seqs) <= runner.max_batch:
+            return runner.run(meta)
+        return self._eager(input_ids, positions, meta)
+
+    def _account(self, decode: bool) -> None:
+        """Time between successive step starts and the CPU workers' busy time in it, for
+        the share of decode time spent on CPU experts."""
+        if self.coordinator is None:
+            return
+        now = time.perf_counter_ns()
+        busy = int(self.coordinator.stats().get("busy_ns", 0))
+        last = self._last
+        if last is not None and last[2]:
+            self._decode_ns += now - last[0]
+            self._busy_ns += busy - last[1]
+            self._decode_steps += 1
+        self._last = (now, busy, decode)
+
+    # ---- report ---------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        plan = self.plan_result
+        out: dict[str, Any] = {
+            "backend": self.backend.name,
+            "io_path": getattr(self, "io_path", None),
+            "sync_mode": getattr(self, "sync_mode", None),
+            "graphs": self.graphs,
+            "reason": self.reason,
+            "warnings": list(self.warnings),
+            "act_dtype": str(self.act_dtype).replace("torch.", ""),
+            "moe_cpu_layers": _ranges(plan.cpu_layers) if plan else None,
+            "moe_gpu_layers": len(plan.gpu_layers) if plan else None,
+            "memory_plan": plan.as_dict() if plan else None,
+            "weights": self.weight_policy.describe(),
+            "attention": self.attention_impl if self.runner is not None else "torch (eager)",
+        }
+        if self.runner is not None:
+            out["graph_batch_sizes"] = list(self.runner.buckets)
+            out["graph_capture_seconds"] = round(self.runner.capture_seconds, 2)
+        if self.coordinator is not None:
+            out["cpu_threads"] = self.coordinator.pool.num_threads
+            if self._decode_ns:
+                out["cpu_wait_share"] = self._busy_ns / self._decode_ns
+                out["step_breakdown"] = {
+                    "decode_step_us": self._decode_ns / 1e3 / max(1, self._decode_steps),
+                    "cpu_experts_us": self._busy_ns / 1e3 / max(1, self._decode_steps),
+                }
+        if self.device.type == "cuda":
+            out["gpu_memory"] = {"allocated": torch.cuda.memory_allocated(self.device),
+                                 "max_allocated": torch.cuda.max_memory_allocated(self.device),
+                                 "reserved": torch.cuda.memory_reserved(self.device)}
+        return out
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+        for ex in self.executors.values():
+            ex.close()
+        self.executors.clear()
+        if self.coordinator is not None:
+            self.coordinator.stop()
+            self.coordinator = None
+
+
+def _attention_impl(device: torch.device) -> str:
+    """The capturable decode attention for ``device``: Triton on NVIDIA GPUs where it
+    imports, else the torch implementation."""
+    if device.type != "cuda" or torch.version.hip:
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"

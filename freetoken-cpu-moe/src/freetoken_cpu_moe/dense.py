@@ -1,0 +1,116 @@
+"""The CPU backend's weight policy: dense projections read in their checkpoint format.
+
+A projection whose checkpoint format is not the activation dtype (GGUF blocks, BF16/FP16/FP8
+in an FP32 run) stays in its file format and runs through :func:`freetoken_cpu_moe.linear`
+-- a dense projection is a one-expert layer -- because decode reads every byte of it per
+token and a dequantized copy would multiply those bytes. Small tensors (norms, biases) become
+float tensors; the router runs on the worker pool as an F32 projection; a packed embedding
+table stays packed (rows are dequantized as tokens need them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from freetoken.backends.contract import WeightPolicy
+from freetoken.handoff import Fmt
+from freetoken.loading.tensors import RawTensor
+from freetoken.models.layers import Embedding, TorchLinear
+from freetoken_cpu_moe.ops import linear as _linear
+from freetoken_cpu_moe.pool import Pool, default_pool
+from freetoken_cpu_moe.weights import Weights
+
+FORMAT_NAMES = {
+    int(Fmt.F32): "f32",
+    int(Fmt.F16): "f16",
+    int(Fmt.BF16): "bf16",
+    int(Fmt.FP8_E4M3_B128): "fp8_e4m3_b128",
+    int(Fmt.Q8_0): "q8_0",
+    int(Fmt.Q4_K): "q4_k",
+    int(Fmt.Q5_K): "q5_k",
+    int(Fmt.Q6_K): "q6_k",
+}
+
+
+def weights_of(raw: RawTensor, num_experts: int, rows: int, cols: int) -> Weights:
+    """A :class:`Weights` over the tensor's own bytes (no copy)."""
+    try:
+        fmt = FORMAT_NAMES[int(raw.fmt)]
+    except KeyError:
+        raise ValueError(f"{raw.source}: {raw.name} has a format the CPU kernels do not read ({raw.fmt})") from None
+    return Weights(raw.raw_torch(), fmt, num_experts, rows, cols, scale=raw.scale)
+
+
+class PackedLinear:
+    """A projection kept in its checkpoint format, run by the CPU kernels."""
+
+    packed = True
+
+    def __init__(self, raw: RawTensor, pool: Pool, out_dtype: Optional[torch.dtype] = None) -> None:
+        rows, cols = raw.shape
+        self.out_features, self.in_features = rows, cols
+        self.fmt = int(raw.fmt)
+        self.nbytes = raw.nbytes
+        self._raw = raw  # keeps the mapping alive
+        self.weights = weights_of(raw, 1, rows, cols)
+        self._pool = pool
+        self._out_dtype = out_dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(self.weights, x, self._out_dtype or x.dtype, self._pool)
+
+
+class DualLinear:
+    """An FP32 projection: few rows (decode) through the CPU kernels' worker pool, many
+    rows (prefill) through torch's GEMM; both read the same memory-mapped weight, no copy."""
+
+    packed = True
+
+    def __init__(self, raw: RawTensor, pool: Pool, max_kernel_rows: int = 16) -> None:
+        self.torch = TorchLinear(raw.to_float(torch.float32))
+        self.packed_lin = PackedLinear(raw, pool)
+        self.out_features, self.in_features = self.torch.out_features, self.torch.in_features
+        self.nbytes = self.torch.nbytes
+        self.max_kernel_rows = max_kernel_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.max_kernel_rows:
+            return self.packed_lin(x)
+        return self.torch(x)
+
+
+class CpuWeightPolicy(WeightPolicy):
+    """Dense weights in host memory, packed where the file is packed (see the module doc)."""
+
+    def __init__(self, dtype: torch.dtype, pool: Optional[Pool] = None) -> None:
+        self.device = torch.device("cpu")
+        self.dtype = dtype
+        self.pool = pool or default_pool()
+
+    def tensor(self, raw: RawTensor) -> torch.Tensor:
+        return raw.to_float(self.dtype)
+
+    def linear(self, raw: RawTensor) -> Any:
+        if len(raw.shape) != 2:
+            raise ValueError(f"{raw.source}: {raw.name} should be a matrix, has shape {raw.shape}")
+        fmt = int(raw.fmt)
+        if fmt == Fmt.F32 and self.dtype == torch.float32:
+            return DualLinear(raw, self.pool)
+        if fmt in FORMAT_NAMES:
+            return PackedLinear(raw, self.pool)
+        return TorchLinear(raw.to_float(self.dtype))
+
+    def router(self, raw: RawTensor) -> Any:
+        # a small dense projection: an F32 copy run on the same worker pool, float32 logits
+        rows, cols = raw.shape
+        f32 = raw.to_float(torch.float32).contiguous()
+        return PackedLinear(RawTensor(raw.name, (rows, cols), Fmt.F32, f32, raw.source), self.pool, torch.float32)
+
+    def embedding(self, raw: RawTensor) -> Embedding:
+        return Embedding(raw, self.device, self.dtype, keep_packed=True)
+
+    def describe(self) -> dict[str, Any]:
+        return {"dense": "packed formats read in place by freetoken_cpu_moe kernels; float formats as stored",
+                "embedding": "packed rows dequantized on demand"}

@@ -1,0 +1,35 @@
+"""The CPU half of MoE layers for every backend (:class:`freetoken.backends.contract.CpuExperts`):
+expert banks over the checkpoint's bytes, the synchronous kernels, and hand-off coordinators."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from freetoken.backends.contract import CpuExperts
+from freetoken_cpu_moe.coordinator import Coordinator
+from freetoken_cpu_moe.dense import weights_of
+from freetoken_cpu_moe.ops import moe_forward
+from freetoken_cpu_moe.pool import Pool, default_pool
+from freetoken_cpu_moe.weights import ExpertBank
+
+
+class HostExperts(CpuExperts):
+    """Banks and coordinators on one worker pool (``pool``; default: the process-wide pool)."""
+
+    def __init__(self, pool: Optional[Pool] = None) -> None:
+        self.pool = pool or default_pool()
+
+    def bank(self, experts: Any, activation: str) -> ExpertBank:
+        e = experts
+        gate = weights_of(e.gate, e.num_experts, e.intermediate, e.hidden)
+        up = weights_of(e.up, e.num_experts, e.intermediate, e.hidden)
+        down = weights_of(e.down, e.num_experts, e.hidden, e.intermediate)
+        return ExpertBank(gate, up, down, activation=activation)
+
+    def run(self, bank: Any, x: Any, ids: Any, weights: Any, out_dtype: Any = None) -> Any:
+        return moe_forward(bank, x.contiguous(), ids.contiguous(), weights.contiguous(), out_dtype or x.dtype,
+                           self.pool)
+
+    def coordinator(self, threads: Optional[int] = None, watchdog_ms: float = 2000.0) -> Coordinator:
+        pool = self.pool if threads is None or threads == self.pool.num_threads else Pool(threads)
+        return Coordinator(pool=pool, watchdog_ms=watchdog_ms).start()
