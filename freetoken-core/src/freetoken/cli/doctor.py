@@ -13,6 +13,7 @@ import argparse
 import importlib
 import importlib.metadata
 import json
+import os
 import sys
 from typing import Any, Optional
 
@@ -179,7 +180,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, default=str))
     else:
         print(format_report(report))
-    return 0 if report["selection"]["backend"] else 1
+    # An explicitly requested backend that cannot be used is a failure; without a request the
+    # report itself is the result (an install with no usable backend is a finding shown above).
+    explicit = bool(args.backend or os.environ.get("FREETOKEN_BACKEND"))
+    return 1 if explicit and not report["selection"]["backend"] else 0
 
 
 def add_parser(subparsers: "argparse._SubParsersAction") -> None:

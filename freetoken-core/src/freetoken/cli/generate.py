@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from freetoken.cli.engine_options import add_engine_arguments, any_int, engine_config_from_args
 from freetoken.engine.config import EngineConfig
+from freetoken.backends.contract import BackendError
 from freetoken.engine.sampling_params import SamplingParams
 
 
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
                     print(json.dumps(result, ensure_ascii=False))
             if turns is None:
                 return 0
-    except (CheckpointError, RequestRejected, NoTokenizerError, MemoryError, ValueError) as exc:
+    except (CheckpointError, RequestRejected, NoTokenizerError, MemoryError, ValueError, BackendError) as exc:
         print(f"freetoken generate: {exc}", file=sys.stderr)
         return 1
     if args.json:
