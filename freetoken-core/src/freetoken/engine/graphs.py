@@ -79,7 +79,7 @@ class DecodeGraphRunner:
         self._host_vec = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)
         self._host_tables = torch.zeros(n, max_blocks + 1, dtype=torch.int32, pin_memory=pin)
         self.graphs: dict[int, Any] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, dict[str, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.replays = 0
 
@@ -121,7 +121,7 @@ class DecodeGraphRunner:
                 return out["hidden"]
 
             self.graphs[b] = self.capture_api.capture(captured)
-            self.outputs[b] = out["hidden"]
+            self.outputs[b] = out  # "hidden": the graph's static output (set when the work is recorded)
         self.capture_seconds = time.monotonic() - t0
         log.info("captured decode graphs for batch sizes %s in %.1f s", self.buckets, self.capture_seconds)
 
@@ -156,7 +156,7 @@ class DecodeGraphRunner:
         self.ctx_lens[:b].copy_(staged[:, self.max_blocks])
         self.graphs[b].replay()
         self.replays += 1
-        return self.outputs[b][:B]
+        return self.outputs[b]["hidden"][:B]
 
     def close(self) -> None:
         self.graphs.clear()
