@@ -169,7 +169,16 @@ fi
 # NCMOE), e.g. python3 -m freetoken.cli.main bench decode --model "$MODEL" --batch 1 8 ...
 # Its output goes to freetoken-bench.log; lines starting with "SUMMARY " also into summary.txt.
 run_freetoken_bench() {
-  python3 -m freetoken.cli.main bench decode --help
+  local spec
+  for spec in all "$NCMOE"; do
+    echo "# freetoken bench decode --moe-cpu-layers $spec"
+    python3 -m freetoken.cli.main bench decode --model "$MODEL" --backend cuda --moe-cpu-layers "$spec" \
+      --cpu-threads "$((THREADS - 1))" --batch 1 8 --prompt-len 512 --gen-len 64 --repeats 1 --max-model-len 1024 \
+      --json > "/tmp/ft-bench/decode-$spec.json" || continue
+    python3 -c "import json; d=json.load(open('/tmp/ft-bench/decode-$spec.json'))
+for b, v in d['batches'].items():
+    print('SUMMARY freetoken moe-cpu-layers=$spec batch', b, 'prompt %.1f tok/s decode %.1f tok/s' % (v['prompt_tok_s'], v['decode_tok_s']))"
+  done
 }
 if [ "$(left 60)" -ge 20 ]; then
   t=$(date +%s)
