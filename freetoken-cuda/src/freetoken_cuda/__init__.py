@@ -15,7 +15,7 @@ def _check_core_version() -> None:
     try:
         from freetoken.versioning import require_core_version
     except ImportError as exc:  # pragma: no cover - the dependency is declared
-        raise ImportError("freetoken_cuda needs freetoken-core: pip install 'freetoken[cuda]'") from exc
+        raise ImportError("freetoken_cuda needs freetoken-core: install freetoken-core of the same version (docs/install.md)") from exc
     require_core_version("freetoken-cuda", __version__)
 
 

@@ -1,6 +1,6 @@
 """What the installed torch says about this machine: the input to automatic selection.
 
-The automatic rule (DESIGN.md, "Discovery"):
+The automatic rule:
 
 * ``torch.version.hip`` is set               -> ``rocm`` (a HIP build of torch drives AMD GPUs)
 * ``torch.version.cuda`` is set and a GPU is

@@ -36,8 +36,8 @@ BUILTIN_PRIORITY = 100
 
 #: How to install the plugin of each built-in hardware family.
 INSTALL_HINTS = {
-    CUDA: "pip install 'freetoken[cuda]'",
-    ROCM: "pip install 'freetoken[rocm]'",
+    CUDA: "pip install 'freetoken[cuda]' (from built wheels or the repository, not the package index: see docs/install.md)",
+    ROCM: "pip install 'freetoken[rocm]' (from built wheels or the repository, not the package index: see docs/install.md)",
     CPU: "pip install freetoken-cpu-moe (it provides the cpu backend; from a source checkout: "
     "pip install --no-deps ./freetoken-cpu-moe; see docs/install.md)",
 }
