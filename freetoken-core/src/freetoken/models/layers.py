@@ -132,15 +132,8 @@ class DeviceWeightPolicy(WeightPolicy):
                 "embedding": "packed rows in host memory" if self.packed_embedding else "table on the device"}
 
 
-class RouterLinear:
+class RouterLinear(TorchLinear):
     """A float32 router: logits in float32 whatever the activation dtype."""
-
-    packed = False
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
-        self.out_features, self.in_features = weight.shape
-        self.nbytes = weight.numel() * weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)
