@@ -195,10 +195,8 @@ class GpuModelSession(ModelSession):
         return experts_fn
 
     def _to_device(self, raw: Any) -> torch.Tensor:
-        try:
-            from freetoken.loading.dequant import to_device_float
-        except ImportError:  # pragma: no cover - the module ships with freetoken-core
-            return raw.to_float(self.act_dtype).to(self.device)
+        from freetoken.loading.dequant import to_device_float
+
         return to_device_float(raw, self.device, self.act_dtype)
 
     # ---- start ------------------------------------------------------------------------------
