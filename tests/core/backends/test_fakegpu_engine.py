@@ -74,3 +74,22 @@ def test_generate_cli_backend_fakegpu(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         outs[name] = json.loads(r.stdout.strip().splitlines()[-1])["token_ids"]
     assert outs["fakegpu"] == outs["cpu"] and len(outs["cpu"]) == 5
+
+
+def test_cpu_side_failure_surfaces_on_the_next_step(fresh_registry):
+    """A hand-off the CPU workers fail (exception in the task) is raised by the engine's
+    next step, naming the layer, instead of decoding on with a wrong layer output."""
+    from freetoken.backends.handoff_task import HandoffError
+
+    eng = LLMEngine(EngineConfig(backend="fakegpu", dtype="float32", max_model_len=128, kv_cache_tokens=1024,
+                                 moe_cpu_layers="all"))
+    try:
+        eng.add_request(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        eng.step()
+        eng.step()  # healthy steps
+        eng.session.coordinator._core._inject_fault()
+        with pytest.raises(HandoffError, match="failed for layer .*CPU_EXCEPTION"):
+            for _ in range(3):
+                eng.step()
+    finally:
+        eng.close()

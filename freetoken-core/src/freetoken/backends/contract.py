@@ -296,6 +296,12 @@ class WeightPolicy(abc.ABC):
     def embedding(self, raw: Any) -> Callable[[Any], Any]:
         """Token embedding lookup: int64 ids ``[T]`` -> ``[T, hidden]`` in :attr:`dtype`."""
 
+    def stacked_linear(self, raws: list[Any]) -> Optional[Linear]:
+        """One projection over several matrices of the same input width stacked along their
+        rows (q/k/v of a layer), whatever their formats, or None when this policy only
+        stacks matrices of one format (the caller then groups by format)."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """What this policy does with each format (shown in the startup log and /health)."""
         return {}
@@ -399,6 +405,17 @@ class ModelSession(abc.ABC):
     def report(self) -> dict[str, Any]:
         """The backend's decisions for this model: at least ``backend``, ``io_path``,
         ``sync_mode``, ``graphs`` (bool) and ``reason``; shown in ``/health`` and doctor."""
+
+    def start_stage_trace(self) -> bool:
+        """Start recording where batch-1 decode steps spend their time (a diagnostic for
+        ``freetoken bench decode --stages``); False when this session records nothing."""
+        return False
+
+    def stage_split(self) -> Optional[dict[str, float]]:
+        """Medians in microseconds of the stages of the decode steps since
+        :meth:`start_stage_trace` (names as :func:`freetoken.moe.stage_trace.split_trace`),
+        or None when nothing was recorded."""
+        return None
 
     def close(self) -> None:
         """Release workers, tasks and graphs."""

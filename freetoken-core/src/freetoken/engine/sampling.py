@@ -132,10 +132,16 @@ def _trivial(p: SamplingParams) -> bool:
 
 
 def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Generator) -> list[tuple[int, Optional[TokenLogprob]]]:
-    """One token (and its log-probability if asked) per row of ``logits`` [B, V].
-    A constrained request whose constraint allows nothing gets token -1."""
-    logits = logits.float().cpu()
+    """One token (and its log-probability if asked) per row of ``logits`` [B, V] (on any
+    device). A constrained request whose constraint allows nothing gets token -1.
+
+    A batch of plain greedy requests is decided where the logits are (only the token ids
+    travel); anything else is sampled on the host."""
     B = logits.shape[0]
+    if all(r.params.greedy and _trivial(r.params) and r.constraint is None and not r.params.logprobs
+           and r.params.top_logprobs == 0 for r in requests):
+        return [(int(t), None) for t in torch.argmax(logits, dim=-1).tolist()]
+    logits = logits.float().cpu()
     tokens: list[Optional[int]] = [None] * B
     done_lp: dict[int, Optional[TokenLogprob]] = {}  # constrained rows: their own log-probabilities
     fast = [i for i, r in enumerate(requests) if r.params.greedy and _trivial(r.params) and r.constraint is None]

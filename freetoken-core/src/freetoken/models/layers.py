@@ -32,12 +32,19 @@ class TorchLinear:
 
 
 class FusedLinears:
-    """Several projections of the same input (q/k/v) run as few calls as possible:
-    consecutive matrices with the same format are concatenated along their rows once
-    at load time (one copy of those bytes) and split after the matmul."""
+    """Several projections of the same input (q/k/v) run as few calls as possible: all
+    of them as one matrix when the policy stacks any formats (:meth:`WeightPolicy.stacked_linear`,
+    e.g. dequantized at load), else consecutive matrices with the same format concatenated
+    along their rows once at load time (one copy of those bytes); split after the matmul."""
 
     def __init__(self, raws: list[RawTensor], policy: WeightPolicy) -> None:
         self.groups: list[tuple[Any, list[int]]] = []
+        if len(raws) > 1 and len({r.shape[1:] for r in raws}) == 1:
+            stacked = policy.stacked_linear(raws)
+            if stacked is not None:  # e.g. dequantized at load: one matmul whatever the file formats
+                self.groups.append((stacked, [r.shape[0] for r in raws]))
+                self.nbytes = stacked.nbytes
+                return
         i = 0
         while i < len(raws):
             j = i + 1
@@ -123,6 +130,11 @@ class DeviceWeightPolicy(WeightPolicy):
     def router(self, raw: RawTensor) -> "RouterLinear":
         _check_matrix(raw)
         return RouterLinear(raw.to_float(torch.float32).to(self.device))
+
+    def stacked_linear(self, raws: list[RawTensor]) -> TorchLinear:
+        for raw in raws:
+            _check_matrix(raw)
+        return TorchLinear(torch.cat([raw.to_float(self.dtype).to(self.device) for raw in raws]))
 
     def embedding(self, raw: RawTensor) -> Embedding:
         return Embedding(raw, self.device, self.dtype, keep_packed=self.packed_embedding)

@@ -15,10 +15,11 @@ import torch
 
 from freetoken.loading.hf import CheckpointError
 from freetoken.loading.tensors import RawTensor, TensorSource
-from freetoken.models.attention import AttentionMetadata, paged_attention, write_kv
+from freetoken.models.attention import AttentionMetadata, paged_attention
 from freetoken.models.config import ModelConfig
 from freetoken.backends.contract import WeightPolicy
-from freetoken.models.layers import FusedLinears, Rotary, rms_norm, rms_norm_heads
+from freetoken.models.dense_ops import dense_ops_for
+from freetoken.models.layers import FusedLinears, Rotary
 from freetoken.moe.layer import ExpertWeights, MoELayer, stack_experts
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,7 @@ class Qwen3MoeModel:
         else:
             self.lm_head = policy.linear(get(names.embed))
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.max_position_embeddings, self.device)
+        self.ops = dense_ops_for(self.device)
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
             L = _Layer()
@@ -231,6 +233,7 @@ class Qwen3MoeModel:
             if c.is_moe_layer(i):
                 experts = self._experts(i, source, names)
                 L.moe = MoELayer(i, policy.router(n("router")), experts, c.top_k, c.norm_topk_prob)
+                L.moe.ops = self.ops
             else:
                 L.mlp = tuple(policy.linear(n(r)) for r in ("mlp_gate", "mlp_up", "mlp_down"))
             self.layers.append(L)
@@ -264,36 +267,23 @@ class Qwen3MoeModel:
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` of the step's tokens."""
         c = self.config
-        T = input_ids.shape[0]
         eps = c.rms_norm_eps
+        ops = self.ops
         h = self.embed(input_ids)
-        cos, sin = self.rotary.tables(positions, h.dtype)
-        rope = self.rotary.apply
         slots = meta.slot_mapping
-        Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        delta: Optional[torch.Tensor] = None  # what the previous block adds to h
         for L, (kc, vc) in zip(self.layers, kv_caches):
-            x = rms_norm(h, L.in_norm, eps)
-            if L.qk_norm is not None:
-                outs = [lin(x) for lin, _ in L.qkv.groups]
-                first = outs[0]
-                qk = first[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D)
-                v = (first[:, (Hq + Hkv) * D :] if len(outs) == 1 else outs[1]).reshape(T, Hkv, D)
-                qk = rope(rms_norm_heads(qk, L.qk_norm, eps), cos, sin)
-                q, k = qk[:, :Hq], qk[:, Hq:]
-            else:
-                q, k, v = L.qkv(x)
-                q = rope(rms_norm(q.reshape(T, Hq, D), L.q_norm, eps), cos, sin)
-                k = rope(rms_norm(k.reshape(T, Hkv, D), L.k_norm, eps), cos, sin)
-                v = v.reshape(T, Hkv, D)
-            write_kv(kc, vc, k, v, slots)
-            h = h + L.o(paged_attention(q, kc, vc, meta, self.scale))
-            x = rms_norm(h, L.post_norm, eps)
+            h, x = ops.add_rms_norm(h, delta, L.in_norm, eps)
+            q, k, v = L.qkv(x)
+            q = ops.qk_norm_rope_store(q, k, v, L.q_norm, L.k_norm, L.qk_norm, self.rotary, positions, kc, vc,
+                                       slots, eps)  # fmt: skip
+            h, x = ops.add_rms_norm(h, L.o(paged_attention(q, kc, vc, meta, self.scale)), L.post_norm, eps)
             if L.moe is not None:
-                h = h + L.moe(x)
+                delta = L.moe(x)
             else:
                 g, u, d = L.mlp
-                h = h + d(torch.nn.functional.silu(g(x)) * u(x))
-        return rms_norm(h, self.norm, eps)
+                delta = d(torch.nn.functional.silu(g(x)) * u(x))
+        return ops.add_rms_norm(h, delta, self.norm, eps)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -23,8 +23,11 @@ plugin that provides GpuSync/Staging/KernelIO/GraphCapture). Its parts, in engin
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import os
+import statistics
 import time
 from typing import Any, Optional
 
@@ -115,9 +118,8 @@ class GpuModelSession(ModelSession):
         self.reason = ""
         self.warnings: list[str] = []
         self.attention_impl = "torch"
-        self._busy_ns = 0
-        self._decode_ns = 0
-        self._decode_steps = 0
+        self._decode_samples: collections.deque[tuple[int, int]] = collections.deque(maxlen=1024)
+        self._failures = 0  # the coordinator's failed hand-offs seen so far
         self._last: Optional[tuple[int, int, bool]] = None  # (time, coordinator busy, decode) of the last step
 
     # ---- plan -----------------------------------------------------------------------------
@@ -243,6 +245,14 @@ class GpuModelSession(ModelSession):
         from freetoken.moe.hybrid import HybridMoEExecutor
 
         self.coordinator = self.cpu.coordinator(self.options.cpu_threads)
+        # the cores belong to the expert workers: torch's own host work (sampling that
+        # is not greedy, tokenisation) gets what they leave instead of competing with them
+        workers, cores = int(self.coordinator.pool.num_threads), os.cpu_count() or 1
+        free = cores - workers
+        if 0 < free < torch.get_num_threads():
+            log.info("torch host threads %d -> %d (the CPU expert workers take %d cores)",
+                     torch.get_num_threads(), free, workers)
+            torch.set_num_threads(free)
         mode = SyncMode(sync_mode) if sync_mode and io_path != IOPath.KERNEL_IO else None
         s = self.shape
         assert s is not None
@@ -287,26 +297,60 @@ class GpuModelSession(ModelSession):
 
     def forward(self, input_ids: Any, positions: Any, meta: Any) -> Any:
         self._account(meta.decode)
-        for ex in self.executors.values():
-            ex.check_errors()
         runner = self.runner
         if runner is not None and meta.decode and len(meta.seqs) <= runner.max_batch:
             return runner.run(meta)
         return self._eager(input_ids, positions, meta)
 
     def _account(self, decode: bool) -> None:
-        """Time between successive step starts and the CPU workers' busy time in it, for
-        the share of decode time spent on CPU experts."""
+        """Raise the error of a failed hand-off (the coordinator counts them; the flags of
+        the failed task say which layer). Time from each decode step's start to the next step's start and the CPU
+        workers' busy time in it (the last 1024 decode steps), for the share of decode
+        time spent on CPU experts."""
         if self.coordinator is None:
             return
         now = time.perf_counter_ns()
-        busy = int(self.coordinator.stats().get("busy_ns", 0))
+        stats = self.coordinator.stats()
+        busy = int(stats.get("busy_ns", 0))
+        failures = int(stats.get("errors", 0)) + int(stats.get("watchdog_fired", 0))
+        if failures != self._failures:  # a hand-off failed since the last step: raise its error
+            self._failures = failures
+            for ex in self.executors.values():
+                ex.check_errors()
         last = self._last
         if last is not None and last[2]:
-            self._decode_ns += now - last[0]
-            self._busy_ns += busy - last[1]
-            self._decode_steps += 1
+            self._decode_samples.append((now - last[0], busy - last[1]))
         self._last = (now, busy, decode)
+
+    # ---- diagnostics ----------------------------------------------------------------------
+    def start_stage_trace(self) -> bool:
+        if self.coordinator is None:
+            return False
+        self.coordinator.trace_start()
+        return True
+
+    def stage_split(self) -> Optional[dict[str, float]]:
+        """The hand-off stages of the batch-1 steps traced since :meth:`start_stage_trace`
+        (tasks of other batch sizes, e.g. prefill chunks, are left out)."""
+        from freetoken.moe.stage_trace import split_trace
+
+        if self.coordinator is None:
+            return None
+        order: dict[int, int] = {}
+        for rank, layer in enumerate(sorted(self.executors)):
+            task = self.executors[layer].tasks.get(1)
+            if task is not None:
+                order[task.desc_buffer.host_ptr] = rank
+        trace = [r for r in self.coordinator.trace() if r.desc in order]
+        first = [r.claim_ns for r in trace if order[r.desc] == 0]
+        periods = [(b - a) / 1e3 for a, b in zip(first, first[1:])]
+        if not periods:
+            return None
+        out = split_trace(trace, order, statistics.median(periods), "layer")
+        out["step_us"] = statistics.median(periods)
+        out["steps"] = float(len(first))
+        out["cpu_layers"] = float(len(order))
+        return out
 
     # ---- report ---------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
@@ -330,12 +374,14 @@ class GpuModelSession(ModelSession):
             out["graph_capture_seconds"] = round(self.runner.capture_seconds, 2)
         if self.coordinator is not None:
             out["cpu_threads"] = self.coordinator.pool.num_threads
-            if self._decode_ns:
-                out["cpu_wait_share"] = self._busy_ns / self._decode_ns
-                out["step_breakdown"] = {
-                    "decode_step_us": self._decode_ns / 1e3 / max(1, self._decode_steps),
-                    "cpu_experts_us": self._busy_ns / 1e3 / max(1, self._decode_steps),
-                }
+            samples = list(self._decode_samples)
+            if samples:
+                # medians over the recent decode steps: a pause between two steps (an idle
+                # server, a benchmark between runs) is one outlier, not a longer step
+                step = statistics.median(s[0] for s in samples)
+                busy = statistics.median(s[1] for s in samples)
+                out["cpu_wait_share"] = busy / step if step else None
+                out["step_breakdown"] = {"decode_step_us": step / 1e3, "cpu_experts_us": busy / 1e3}
         if self.device.type == "cuda":
             out["gpu_memory"] = {"allocated": torch.cuda.memory_allocated(self.device),
                                  "max_allocated": torch.cuda.max_memory_allocated(self.device),

@@ -17,6 +17,7 @@ import torch
 
 from freetoken.backends.contract import ExpertsFn, Linear, MoELayerSpec
 from freetoken.loading.tensors import RawTensor
+from freetoken.models.dense_ops import TORCH_OPS, DenseOps
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class MoELayer:
         self.norm_topk_prob = norm_topk_prob
         self.activation = activation
         self._experts_fn: Optional[ExpertsFn] = None
+        #: the implementation of the top-k selection (the model sets it for its device)
+        self.ops: DenseOps = TORCH_OPS
 
     def spec(self) -> MoELayerSpec:
         """What a backend gets to build this layer's experts function."""
@@ -93,14 +96,7 @@ class MoELayer:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids (int32 [T, K]) and weights (float32 [T, K]) for ``x``."""
-        logits = self.router(x)
-        if self.norm_topk_prob:
-            # softmax over all experts then renormalised over the top-k == softmax of the top-k logits
-            top, ids = torch.topk(logits, self.top_k, dim=-1)
-            return ids.to(torch.int32), torch.softmax(top, dim=-1, dtype=torch.float32)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        w, ids = torch.topk(probs, self.top_k, dim=-1)
-        return ids.to(torch.int32), w
+        return self.ops.router_top_k(self.router(x), self.top_k, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.route(x)

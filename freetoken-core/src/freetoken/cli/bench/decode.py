@@ -214,6 +214,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
                    help="runs per batch size; the median run is reported (default: 3)")
     p.add_argument("--bandwidth-bytes", type=byte_size, default=1 << 30, metavar="SIZE",
                    help="buffer read to measure the memory bandwidth, far larger than the caches (default: 1GiB)")
+    p.add_argument("--stages", action="store_true",
+                   help="also trace one batch-1 run's hand-offs and report where a layer's time goes "
+                        "(CPU experts, GPU side per layer, per-step gap; backends with CPU layers only)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     add_engine_arguments(
         p,
@@ -337,6 +340,7 @@ def _bench(args: argparse.Namespace, eng: Any, config: EngineConfig) -> int:
             r["effective_GBs"] = r["decode_tok_s"] / b * step_bytes / 1e9
         results["batches"][str(b)] = r
     counter.remove()
+    results["stages_b1_us"] = _stages(eng, args, vocab, dev) if args.stages else None
     bw1, _ = measure_bandwidth(args.bandwidth_bytes)
     results["bandwidth_GBs_after"] = bw1 / 1e9
     final = _gpu_memory(dev)
@@ -351,6 +355,14 @@ def _bench(args: argparse.Namespace, eng: Any, config: EngineConfig) -> int:
     else:
         print(format_table(results))
     return 0
+
+
+def _stages(eng: Any, args: argparse.Namespace, vocab: int, dev: Optional[torch.device]) -> Optional[dict[str, float]]:
+    """One batch-1 run (short prompt, ``--gen-len`` tokens) with the session's stage trace."""
+    if not eng.session.start_stage_trace():
+        return None
+    run_batch(eng, 1, min(16, args.prompt_len), args.gen_len, vocab, args.seed + 2000, dev)
+    return eng.session.stage_split()
 
 
 # ---------------------------------------------------------------- the table
@@ -421,6 +433,12 @@ def format_table(results: dict[str, Any]) -> str:
     for b, parts in breakdowns:
         text = ", ".join(f"{name} {us:.0f} us" for name, us in parts.items())
         lines.append(f"decode step breakdown at batch {b} (backend's report): {text}")
+    stages = results.get("stages_b1_us")
+    if stages:
+        text = ", ".join(f"{name.removeprefix('layer_')} {us:.1f}" for name, us in stages.items())
+        lines.append(f"hand-off stages at batch 1 (us; medians per layer, step_us per step): {text}")
+    elif "stages_b1_us" in results and results["stages_b1_us"] is None:
+        lines.append("hand-off stages: - (no CPU layers, or the backend records no trace)")
     lines.append("CPU wait: share of decode step time spent waiting for the CPU experts, as the backend reports "
                  "it ('-': not reported); GPU peak/resv: torch's max_memory_allocated and memory_reserved during the "
                  "batch's runs; other CPU: the busiest run's CPU share taken by other processes")

@@ -286,46 +286,9 @@ def _stage_split(coordinator: Any, replay: Any, tasks: list[Any], iters: int, ke
     step_us = _device_block(replay, iters)
     order = {t.desc_buffer.host_ptr: l for l, t in enumerate(tasks)}
     # the block's untimed warm-up steps come first in the trace
+    from freetoken.moe.stage_trace import split_trace
+
     return split_trace(coordinator.trace()[WARMUP_STEPS * len(tasks) :], order, step_us, key)
-
-
-def split_trace(trace: list[Any], order: dict[int, int], step_us: float, key: str) -> dict[str, float]:
-    """The stage rows of :func:`_stage_split` from a coordinator trace (``ServeRecord``s),
-    ``order`` (descriptor address -> layer index) and the block's us per step."""
-    trace = [r for r in trace if r.desc in order]
-    serve = [(r.done_ns - r.claim_ns) / 1e3 for r in trace]
-    # the combine stamps of record i arrive with the next hand-off on the same slot
-    after: dict[int, Any] = {}
-    last_on_slot: dict[int, int] = {}
-    for i, r in enumerate(trace):
-        if r.desc in last_on_slot and r.gpu_prev_done_seen_ns:
-            after[last_on_slot[r.desc]] = r
-        last_on_slot[r.desc] = i
-    parts: dict[str, list[float]] = {n: [] for n in ("gpu_gap", "step_gap", "combine_read", "kernel_boundary",
-                                                      "publish_body", "signal_latency")}  # fmt: skip
-    for i in range(1, len(trace)):
-        prev, cur = trace[i - 1], trace[i]
-        gap = (cur.claim_ns - prev.done_ns) / 1e3
-        if order[cur.desc] != order[prev.desc] + 1:
-            parts["step_gap"].append(gap)
-            continue
-        parts["gpu_gap"].append(gap)
-        nxt = after.get(i - 1)
-        if nxt is None or not cur.gpu_ready_ns:
-            continue
-        seen, y_read = nxt.gpu_prev_done_seen_ns, nxt.gpu_prev_y_read_ns
-        parts["combine_read"].append((y_read - seen) / 1e3)
-        parts["kernel_boundary"].append((cur.gpu_publish_start_ns - y_read) / 1e3)
-        parts["publish_body"].append((cur.gpu_ready_ns - cur.gpu_publish_start_ns) / 1e3)
-        parts["signal_latency"].append(((cur.claim_ns - cur.gpu_ready_ns) + (seen - prev.done_ns)) / 1e3)
-    layer_us = step_us / len(order)
-    out: dict[str, float] = {f"{key}_traced_latency": layer_us}
-    if serve:
-        out[f"{key}_serve"] = statistics.median(serve)
-        # the layer latency is a mean over the block, so the CPU work it holds is the mean serve
-        out[f"{key}_overhead_vs_serve"] = layer_us - statistics.fmean(serve)
-    out.update({f"{key}_{name}": statistics.median(v) for name, v in parts.items() if v})
-    return out
 
 
 def _host_driven(pool: Any, coordinator: Any, tasks: list[Any], iters: int, prefix: str) -> dict[str, float]:

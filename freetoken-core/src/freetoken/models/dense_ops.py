@@ -1,0 +1,169 @@
+"""The per-token operations of a decoder layer around its matmuls, in two implementations.
+
+A decode step at batch 1 is dominated on a GPU by how many kernels it launches, not by
+their work: in plain torch ops, an RMSNorm in bfloat16 is seven kernels, q/k norm with
+RoPE and the K/V cache write a dozen, the router's top-k and softmax five. The model calls
+these operations through a :class:`DenseOps`:
+
+* :class:`TorchDenseOps` -- plain torch ops (any device; the CPU backend's path and the
+  reference the other is tested against);
+* :class:`TritonDenseOps` -- one Triton kernel per operation
+  (:mod:`freetoken.models.dense_ops_triton`), on NVIDIA GPUs of compute capability >= 8.0.
+
+Both compute in float32 and round to the activation dtype at the same points. Everything
+they launch is capturable in a CUDA graph (shapes come from the arguments, values are read
+on the device). :func:`dense_ops_for` picks one for a device (``FREETOKEN_DENSE_OPS``
+= ``torch`` forces the plain ops everywhere).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from freetoken.models.layers import rms_norm, rms_norm_heads
+
+log = logging.getLogger(__name__)
+
+ENV = "FREETOKEN_DENSE_OPS"
+
+
+class DenseOps:
+    name = "base"
+
+    def add_rms_norm(self, h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``h + delta`` (``h`` when ``delta`` is None) and its RMSNorm times ``weight``;
+        ``[T, N]`` tensors in the activation dtype."""
+        raise NotImplementedError
+
+    def qk_norm_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                           k_weight: torch.Tensor, qk_weight: Optional[torch.Tensor], rotary: "object",
+                           positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slots: torch.Tensor, eps: float) -> torch.Tensor:  # fmt: skip
+        """Per-head RMSNorm (weights ``[D]``) and NeoX RoPE at ``positions`` of ``q``
+        (``[T, Hq*D]``) and ``k`` (``[T, Hkv*D]``); k and ``v`` are stored into their
+        cache ``slots``. Returns q as ``[T, Hq, D]``. ``qk_weight`` (``[Hq+Hkv, D]``, or
+        None) is the two weights stacked, for implementations that normalise q and k of one
+        matmul output together."""
+        raise NotImplementedError
+
+    def router_top_k(self, logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-``k`` expert ids (int32 ``[T, k]``, descending logits) and their float32
+        weights: the softmax over the top-k logits when ``norm``, else their probabilities
+        under the softmax over every expert."""
+        raise NotImplementedError
+
+
+class TorchDenseOps(DenseOps):
+    name = "torch"
+
+    def add_rms_norm(self, h, delta, weight, eps):
+        if delta is not None:
+            h = h + delta
+        return h, rms_norm(h, weight, eps)
+
+    def qk_norm_rope_store(self, q, k, v, q_weight, k_weight, qk_weight, rotary, positions, k_cache, v_cache,
+                           slots, eps):  # fmt: skip
+        from freetoken.models.attention import write_kv
+
+        T = q.shape[0]
+        _, _, Hkv, D = k_cache.shape
+        Hq = q.shape[1] // D
+        cos, sin = rotary.tables(positions, q.dtype)
+        adjacent = (qk_weight is not None and k.storage_offset() == q.storage_offset() + Hq * D
+                    and q.stride() == k.stride() and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr())
+        if adjacent:  # q and k side by side in one matmul output: one norm and one rotation
+            qk = q.as_strided((T, Hq + Hkv, D), (q.stride(0), D, 1))
+            qk = rotary.apply(rms_norm_heads(qk, qk_weight, eps), cos, sin)
+            qh, kh = qk[:, :Hq], qk[:, Hq:]
+        else:
+            qh = rotary.apply(rms_norm(q.reshape(T, Hq, D), q_weight, eps), cos, sin)
+            kh = rotary.apply(rms_norm(k.reshape(T, Hkv, D), k_weight, eps), cos, sin)
+        write_kv(k_cache, v_cache, kh, v.reshape(T, Hkv, D), slots)
+        return qh
+
+    def router_top_k(self, logits, k, norm):
+        if norm:
+            # softmax over all experts then renormalised over the top-k == softmax of the top-k logits
+            top, ids = torch.topk(logits, k, dim=-1)
+            return ids.to(torch.int32), torch.softmax(top, dim=-1, dtype=torch.float32)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        w, ids = torch.topk(probs, k, dim=-1)
+        return ids.to(torch.int32), w
+
+
+class TritonDenseOps(DenseOps):
+    name = "triton"
+
+    def __init__(self) -> None:
+        from freetoken.models import dense_ops_triton
+
+        self.k = dense_ops_triton
+
+    def add_rms_norm(self, h, delta, weight, eps):
+        h = h.contiguous()
+        x = torch.empty_like(h)
+        if delta is None:
+            self.k.add_rms_norm(h, None, weight, eps, h, x)
+            return h, x
+        h_new = torch.empty_like(h)
+        self.k.add_rms_norm(h, delta.contiguous(), weight, eps, h_new, x)
+        return h_new, x
+
+    def qk_norm_rope_store(self, q, k, v, q_weight, k_weight, qk_weight, rotary, positions, k_cache, v_cache,
+                           slots, eps):  # fmt: skip
+        T = q.shape[0]
+        D = k_cache.shape[3]
+        Hq = q.shape[1] // D
+        for t in (q, k, v):
+            if t.stride(-1) != 1:
+                raise ValueError("q, k and v need unit stride in their last dimension")
+        q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+        self.k.qk_norm_rope(q, k, v, q_weight, k_weight, rotary.cos, rotary.sin_signed, positions, slots,
+                            k_cache, v_cache, eps, q_out)  # fmt: skip
+        return q_out
+
+    def router_top_k(self, logits, k, norm):
+        T = logits.shape[0]
+        ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
+        w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+        self.k.router_top_k(logits.contiguous(), k, norm, ids, w)
+        return ids, w
+
+
+TORCH_OPS = TorchDenseOps()
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ops_for(device: torch.device) -> tuple[Optional[DenseOps], str]:
+    if device.type != "cuda" or torch.version.hip:
+        return None, f"device {device} is not an NVIDIA GPU"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 0):
+        return None, f"compute capability {cap} < (8, 0)"
+    try:
+        import triton
+    except ImportError as exc:
+        return None, f"triton is not importable: {exc}"
+    if triton.knobs.runtime.interpret:
+        return None, "Triton's interpreter is on (TRITON_INTERPRET)"
+    return TritonDenseOps(), f"triton on compute capability {cap}"
+
+
+def dense_ops_for(device: torch.device) -> DenseOps:
+    """Fused Triton kernels on NVIDIA GPUs that run them, plain torch ops elsewhere."""
+    device = torch.device(device)
+    if os.environ.get(ENV, "").strip().lower() == "torch":
+        return TORCH_OPS
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    ops, why = _triton_ops_for(device)
+    if ops is None:
+        log.debug("dense ops on %s: torch (%s)", device, why)
+        return TORCH_OPS
+    return ops

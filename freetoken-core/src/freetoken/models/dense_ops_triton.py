@@ -1,0 +1,133 @@
+"""Triton kernels of :mod:`freetoken.models.dense_ops`: the small per-token operations of a
+decoder layer fused so that a decode step launches a few kernels per layer, not dozens.
+
+* ``add_rms_norm``   grid (T,): ``h += delta`` (optional), ``x = w * rmsnorm(h)``
+* ``qk_norm_rope``   grid (T, Hq + Hkv): per head RMSNorm with its weight, NeoX rotary
+                     embedding at the token's position; q heads go to a contiguous
+                     ``[T, Hq, D]`` output, k heads (and the matching v head) straight into
+                     their paged cache slot
+* ``router_top_k``   grid (T,): the top-k of the router logits (descending) and their
+                     softmax weights (over the top-k, or over every expert)
+
+Each kernel rounds to the activation dtype at the points where the torch implementation
+(:class:`freetoken.models.dense_ops.TorchDenseOps`) stores a tensor in that dtype and
+computes in float32 in between, so both agree to the rounding of one operation.
+
+triton is optional: import this module lazily, only when the Triton implementation runs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out_ptr, x_out_ptr, N, eps,
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    h = tl.load(h_ptr + row * N + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(d_ptr + row * N + offs, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + d.to(tl.float32)).to(h_out_ptr.dtype.element_ty)
+        tl.store(h_out_ptr + row * N + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    r = tl.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
+    n = (hf * r).to(x_out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_out_ptr + row * N + offs, (w * n).to(x_out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(h, delta, weight, eps: float, h_out, x_out) -> None:
+    T, N = h.shape
+    if T == 0:
+        return
+    block = triton.next_power_of_2(N)
+    _add_rms_norm_kernel[(T,)](h, delta if delta is not None else h, weight, h_out, x_out, N, eps,
+                               HAS_DELTA=delta is not None, BLOCK=block,
+                               num_warps=8 if block >= 2048 else 4)  # fmt: skip
+
+
+@triton.jit
+def _norm_rope_head(src, w_ptr, cos, sin, offs, rolled, eps, D: tl.constexpr, dtype: tl.constexpr):
+    """One head: ``rope(w * rmsnorm(x))`` in ``dtype`` (rounded where torch rounds)."""
+    x = tl.load(src + offs).to(tl.float32)
+    xr = tl.load(src + rolled).to(tl.float32)  # the rotate-half partner of each element
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    n = (tl.load(w_ptr + offs).to(tl.float32) * (x * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    nr = (tl.load(w_ptr + rolled).to(tl.float32) * (xr * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    a = (n * cos).to(dtype).to(tl.float32)
+    return (a + nr * sin).to(dtype)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, q_stride, k_ptr, k_stride, v_ptr, v_stride, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
+                         pos_ptr, slot_ptr, q_out_ptr, kc_ptr, vc_ptr, eps,
+                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    dtype = q_out_ptr.dtype.element_ty
+    offs = tl.arange(0, D)
+    rolled = (offs + D // 2) % D
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    # the tables are float32; torch's path casts them to the activation dtype first
+    cos = tl.load(cos_ptr + pos * D + offs).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * D + offs).to(dtype).to(tl.float32)
+    if h < HQ:
+        out = _norm_rope_head(q_ptr + t * q_stride + h * D, qw_ptr, cos, sin, offs, rolled, eps, D, dtype)
+        tl.store(q_out_ptr + (t * HQ + h) * D + offs, out)
+    else:
+        kh = h - HQ
+        out = _norm_rope_head(k_ptr + t * k_stride + kh * D, kw_ptr, cos, sin, offs, rolled, eps, D, dtype)
+        dst = tl.load(slot_ptr + t).to(tl.int64) * (HKV * D) + kh * D
+        tl.store(kc_ptr + dst + offs, out.to(kc_ptr.dtype.element_ty))
+        v = tl.load(v_ptr + t * v_stride + kh * D + offs)
+        tl.store(vc_ptr + dst + offs, v.to(vc_ptr.dtype.element_ty))
+
+
+def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, slots, k_cache, v_cache, eps: float,
+                 q_out) -> None:  # fmt: skip
+    T = q.shape[0]
+    Hq = q_out.shape[1]
+    Hkv, D = k_cache.shape[2], k_cache.shape[3]
+    if T == 0:
+        return
+    _qk_norm_rope_kernel[(T, Hq + Hkv)](q, q.stride(0), k, k.stride(0), v, v.stride(0), q_weight, k_weight, cos, sin,
+                                        positions, slots, q_out, k_cache, v_cache, eps,
+                                        HQ=Hq, HKV=Hkv, D=D, num_warps=1 if D <= 128 else 2)  # fmt: skip
+
+
+@triton.jit
+def _router_top_k_kernel(logits_ptr, ids_ptr, w_ptr, E, K: tl.constexpr, KP: tl.constexpr,
+                         NORM: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    vals = tl.load(logits_ptr + row * E + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    kk = tl.arange(0, KP)
+    top = tl.full((KP,), float("-inf"), tl.float32)
+    ids = tl.zeros((KP,), tl.int32)
+    rest = vals
+    for j in tl.static_range(K):
+        m = tl.max(rest, axis=0)
+        i = tl.min(tl.where(rest == m, offs, BLOCK), axis=0)  # the lowest index among equal values
+        top = tl.where(kk == j, m, top)
+        ids = tl.where(kk == j, i, ids)
+        rest = tl.where(offs == i, float("-inf"), rest)
+    if NORM:  # softmax of the top-k logits
+        p = tl.exp(top - tl.max(top, axis=0))
+        w = p / tl.sum(p, axis=0)
+    else:  # their probabilities under the softmax over every expert
+        mx = tl.max(vals, axis=0)
+        w = tl.exp(top - mx) / tl.sum(tl.exp(vals - mx), axis=0)
+    tl.store(ids_ptr + row * K + kk, ids, mask=kk < K)
+    tl.store(w_ptr + row * K + kk, w, mask=kk < K)
+
+
+def router_top_k(logits, k: int, norm: bool, ids_out, w_out) -> None:
+    T, E = logits.shape
+    if T == 0:
+        return
+    _router_top_k_kernel[(T,)](logits, ids_out, w_out, E, K=k, KP=triton.next_power_of_2(k), NORM=norm,
+                               BLOCK=triton.next_power_of_2(E), num_warps=1 if E <= 256 else 4)  # fmt: skip

@@ -1,0 +1,131 @@
+"""The fused Triton dense ops against float64 references, and the plain torch ops too.
+
+Runs on the GPU machine (CUDA tensors), and here in Triton's interpreter on CPU tensors
+(tests/gpu/conftest.py turns it on without a GPU). Inputs are fresh random values, outputs
+and cache slots start poisoned (NaN), and the references are computed in float64 from the
+same inputs (the ops round to the activation dtype where stated, so the bound is a few
+units of that dtype's precision).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from freetoken.models.dense_ops import TorchDenseOps, TritonDenseOps  # noqa: E402
+from freetoken.models.layers import Rotary  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# relative bounds: a few roundings to the activation dtype
+TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
+OPS = [TorchDenseOps(), TritonDenseOps()]
+
+
+def _tol(ops, dtype) -> float:
+    """Triton's interpreter (no GPU) truncates float32 -> bfloat16 casts where the GPU rounds
+    to nearest: twice the error per rounding there."""
+    import triton
+
+    interpreted = ops.name == "triton" and triton.knobs.runtime.interpret and dtype == torch.bfloat16
+    return TOL[dtype] * (2 if interpreted else 1)
+
+
+def _ids(ops):
+    return ops.name
+
+
+def _rms64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+    assert not torch.isnan(got).any(), f"{what}: NaN left in the output"
+    err = float((got.double() - ref).abs().max() / ref.abs().max())
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("ops", OPS, ids=_ids)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,N", [(1, 2048), (5, 2048), (3, 96)])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(ops, dtype, T, N, with_delta):
+    g = torch.Generator().manual_seed(T * 1000 + N)
+    h = torch.randn(T, N, generator=g).to(dtype).to(DEV)
+    delta = torch.randn(T, N, generator=g).to(dtype).to(DEV) if with_delta else None
+    w = (1 + 0.5 * torch.randn(N, generator=g)).to(dtype).to(DEV)
+    eps = 1e-6
+    h_new, x = ops.add_rms_norm(h, delta, w, eps)
+    h_ref = h.double() + (delta.double() if delta is not None else 0)
+    _close(h_new, h_ref, _tol(ops, dtype) / 2, "h + delta")
+    assert h_new.dtype == dtype and x.dtype == dtype
+    _close(x, _rms64(h_ref, w, eps), _tol(ops, dtype), "rms norm")
+
+
+def _rope64(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """NeoX rotary embedding in float64, from its definition."""
+    D = x.shape[-1]
+    half = D // 2
+    inv = 1.0 / theta ** (torch.arange(0, half, dtype=torch.float64) * 2 / D)
+    ang = pos.double().cpu()[:, None] * inv[None, :]  # [T, half]
+    cos, sin = ang.cos()[:, None, :].to(x.device), ang.sin()[:, None, :].to(x.device)
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+@pytest.mark.parametrize("ops", OPS, ids=_ids)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,fused_qkv", [(1, True), (4, True), (3, False)])
+def test_qk_norm_rope_store(ops, dtype, T, fused_qkv):
+    Hq, Hkv, D, bs, nb, theta, eps = 8, 2, 64, 4, 6, 10000.0, 1e-6
+    g = torch.Generator().manual_seed(7 * T + fused_qkv)
+    if fused_qkv:  # one matmul output [T, (Hq + 2 Hkv) D], split into views
+        y = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype).to(DEV)
+        q, k, v = y.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    else:
+        q = torch.randn(T, Hq * D, generator=g).to(dtype).to(DEV)
+        kv = torch.randn(T, 2 * Hkv * D, generator=g).to(dtype).to(DEV)
+        k, v = kv.split([Hkv * D, Hkv * D], dim=-1)
+    qw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEV)
+    kw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEV)
+    qkw = torch.cat([qw.expand(Hq, D), kw.expand(Hkv, D)]).contiguous() if fused_qkv else None
+    positions = torch.randint(0, 500, (T,), generator=g).to(DEV)
+    slots = torch.randperm(nb * bs, generator=g)[:T].to(DEV)
+    kc = torch.full((nb, bs, Hkv, D), float("nan"), dtype=dtype, device=DEV)
+    vc = torch.full_like(kc, float("nan"))
+    rotary = Rotary(D, theta, 512, torch.device(DEV))
+    out = ops.qk_norm_rope_store(q, k, v, qw, kw, qkw, rotary, positions, kc, vc, slots, eps)
+    assert out.shape == (T, Hq, D) and out.dtype == dtype
+    q_ref = _rope64(_rms64(q.reshape(T, Hq, D), qw, eps), positions, theta)
+    k_ref = _rope64(_rms64(k.reshape(T, Hkv, D), kw, eps), positions, theta)
+    _close(out, q_ref, _tol(ops, dtype), "q")
+    flat_k, flat_v = kc.view(nb * bs, Hkv, D), vc.view(nb * bs, Hkv, D)
+    _close(flat_k[slots], k_ref, _tol(ops, dtype), "k in the cache")
+    assert torch.equal(flat_v[slots], v.reshape(T, Hkv, D)), "v in the cache"
+    others = torch.ones(nb * bs, dtype=torch.bool, device=DEV)
+    others[slots] = False
+    assert torch.isnan(flat_k[others]).all() and torch.isnan(flat_v[others]).all(), "a slot outside `slots` was written"
+
+
+@pytest.mark.parametrize("ops", OPS, ids=_ids)
+@pytest.mark.parametrize("T,E,K", [(1, 128, 8), (6, 128, 8), (2, 60, 4), (3, 8, 2)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_top_k(ops, T, E, K, norm):
+    g = torch.Generator().manual_seed(E * 10 + T)
+    logits = (torch.randn(T, E, generator=g, dtype=torch.float64) * 3).float().to(DEV)
+    ids, w = ops.router_top_k(logits, K, norm)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == (T, K) == w.shape
+    lg = logits.double().cpu()
+    order = torch.argsort(lg, dim=-1, descending=True)[:, :K]
+    assert torch.equal(ids.cpu().long(), order), "top-k ids (descending)"
+    top = torch.gather(lg, 1, order)
+    if norm:
+        ref = torch.softmax(top, dim=-1)
+    else:
+        ref = torch.gather(torch.softmax(lg, dim=-1), 1, order)
+    assert float((w.cpu().double() - ref).abs().max()) <= 1e-6
+    assert math.isclose(float(w.sum(-1).max()), 1.0, rel_tol=1e-5) or not norm
