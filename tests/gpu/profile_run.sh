@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, write a Qwen3-30B-A3B-shaped Q4_K_M file of LAYERS
 # layers, then tests/gpu/profile_decode.py for each placement and `bench cpu-moe` (T=1)
-# at a few thread counts: where a decode step's time goes.
+# at a few thread counts: where a decode step's time goes. TESTS (GPU test files) run first.
 # Usage (repository root, .whl carried): bash tests/gpu/profile_run.sh [LAYERS] [PLACEMENTS...]
 set -uo pipefail
 LAYERS=${1:-24}; shift || true
@@ -17,6 +17,12 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e ./freetoken-core -e ./freetoken-cpu-moe -e ./freetoken-cuda \
   >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 stamp "build done"
+if [ -n "${TESTS:-}" ]; then  # GPU test files to run first, e.g. TESTS="tests/gpu/test_dense_ops.py"
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -q -rs -m "gpu or not gpu" $TESTS -o addopts="" \
+    > "$OUT/pytest.log" 2>&1
+  stamp "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -15
+  grep -E "^E " "$OUT/pytest.log" | head -20
+fi
 M=/tmp/ft-bench/q4km-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
 [ -f "$M" ] || timeout 200 python3 -m freetoken.cli.main bench make-model --preset qwen3-30b-a3b --layers "$LAYERS" \
   --quant q4_k_m --threads 16 --out "$M" > "$OUT/make-model.log" 2>&1
