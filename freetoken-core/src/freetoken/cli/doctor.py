@@ -5,16 +5,24 @@ backend plugin with its distribution, version, status and error, the selected
 backend with the rule that chose it, and that backend's capability probes.
 ``--json`` prints the same as one JSON object (the fields are a stable interface;
 tests check them). Exit status 0 when a backend was selected, 1 otherwise.
+
+``--model PATH`` (with the engine options of ``serve``: ``--dtype``, ``--moe-cpu-layers``,
+``--gpu-memory-limit`` ...) also loads that model on the selected backend as ``serve``
+would and reports the startup decision (IO path, sync mode, decode graphs, why,
+warnings), the memory plan and the weights policy, under the key ``model``; a model
+that cannot start is reported with its error and exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.metadata
 import json
 import os
 import sys
+import time
 from typing import Any, Optional
 
 from freetoken import handoff
@@ -23,6 +31,13 @@ from freetoken.backends import registry
 from freetoken.backends.contract import BackendError
 from freetoken.backends.platform import detect_platform
 from freetoken.cli.backend_option import add_backend_option
+from freetoken.cli.engine_options import (
+    FLAGS,
+    add_engine_arguments,
+    engine_config_from_args,
+    engine_options_given,
+    usage_error,
+)
 from freetoken.cpu_isa import detect_cpu
 from freetoken.versioning import LOCKSTEP_DISTRIBUTIONS
 
@@ -30,6 +45,12 @@ from freetoken.versioning import LOCKSTEP_DISTRIBUTIONS
 REPORT_KEYS = (
     "freetoken", "python", "torch", "cpu", "cpu_moe", "plugins", "selection", "capabilities", "qualification",
 )
+#: The key ``--model`` adds after them.
+MODEL_KEY = "model"
+
+#: Engine options doctor does not take: ``--backend`` is its own flag, and the seed and the
+#: prefill chunk change nothing at startup.
+DOCTOR_EXCLUDED_OPTIONS = ("backend", "seed", "prefill_chunk")
 
 
 def _installed_versions() -> dict[str, Optional[str]]:
@@ -174,12 +195,105 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def model_report(config: Any) -> dict[str, Any]:
+    """Load ``config.model`` as ``freetoken serve`` would (an :class:`LLMEngine` on the
+    selected backend) and return its startup decision; a model that cannot start gives
+    ``ok: False`` and the error message instead of raising."""
+    out: dict[str, Any] = {"path": config.model, "ok": False, "error": None, "error_type": None}
+    start = time.monotonic()
+    try:
+        from freetoken.engine.engine import LLMEngine
+
+        engine = LLMEngine(config)
+    except Exception as exc:  # noqa: BLE001 - doctor reports, never raises
+        out["error"] = str(exc) or type(exc).__name__
+        out["error_type"] = type(exc).__name__
+        return out
+    try:
+        out.update({
+            "ok": True,
+            "name": engine.model_name,
+            "load_seconds": round(time.monotonic() - start, 2),
+            "max_model_len": engine.max_model_len,
+            "kv_cache_tokens": engine.kv.total_tokens,
+            "kv_cache_bytes": engine.kv.bytes,
+            "backend_info": engine.backend_info(),
+        })
+    finally:
+        engine.close()
+    return out
+
+
+def _gib(n: Any) -> str:
+    return f"{n / 2**30:.2f} GiB" if isinstance(n, (int, float)) else "-"
+
+
+def format_model(m: dict[str, Any]) -> list[str]:
+    """The human-readable form of :func:`model_report`."""
+    if not m["ok"]:
+        return [f"Model {m['path']}: FAILED to start", f"  {m['error']}"]
+    info = m["backend_info"]
+    lines = [f"Model {m['path']} ({m['name']}): loaded in {m['load_seconds']:.1f} s on backend {info.get('backend')}"]
+    graphs = "on" if info.get("graphs") else "off"
+    if info.get("graphs") and info.get("graph_batch_sizes"):
+        graphs += f" (batch sizes {','.join(map(str, info['graph_batch_sizes']))})"
+    lines.append(f"  startup decision: IO path {info.get('io_path')}, sync mode {info.get('sync_mode') or 'none'}, "
+                 f"decode graphs {graphs}")
+    lines.append(f"  why: {info.get('reason') or '-'}")
+    for warning in info.get("warnings") or []:
+        lines.append(f"  warning: {warning}")
+    if "act_dtype" in info:
+        lines.append(f"  activations: {info['act_dtype']}")
+    placement = f"  MoE experts: CPU layers {info.get('moe_cpu_layers', '-')}"
+    if info.get("moe_gpu_layers") is not None:
+        placement += f", {info['moe_gpu_layers']} layers on the GPU"
+    if info.get("cpu_threads") is not None:
+        placement += f"; {info['cpu_threads']} CPU expert threads"
+    lines.append(placement)
+    plan = info.get("memory_plan")
+    if plan:
+        lines.append(f"  memory plan: budget {_gib(plan.get('budget'))}, dense {_gib(plan.get('dense'))}, "
+                     f"routed experts {_gib(plan.get('expert_layer_bytes'))} per layer "
+                     f"({plan.get('gpu_layers')} layers on the GPU, CPU layers {plan.get('cpu_layers')}), "
+                     f"KV budget {_gib(plan.get('kv_budget'))}, reserve {_gib(plan.get('reserve'))}")
+    else:
+        lines.append("  memory plan: none (the backend plans no device memory)")
+    lines.append(f"  KV cache: {m['kv_cache_tokens']} tokens ({_gib(m['kv_cache_bytes'])}), "
+                 f"context {m['max_model_len']} tokens")
+    weights = info.get("weights")
+    if isinstance(weights, dict):
+        lines.append("  weights: " + "; ".join(f"{k}: {v}" for k, v in weights.items()))
+    elif weights:
+        lines.append(f"  weights: {weights}")
+    if info.get("attention"):
+        lines.append(f"  attention: {info['attention']}")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
+    config = None
+    if getattr(args, "model", None):
+        config = engine_config_from_args(args, backend=args.backend)
+    else:
+        from freetoken.engine.config import EngineConfig
+
+        defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+        changed = [FLAGS[f] for f, v in engine_options_given(args).items() if f != "model" and v != defaults[f]]
+        if changed:
+            usage_error(args, f"{', '.join(changed)} {'applies' if len(changed) == 1 else 'apply'} to a model: "
+                              "give --model PATH")
     report = build_report(args.backend)
+    if config is not None:
+        report[MODEL_KEY] = model_report(config)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
-        print(format_report(report))
+        text = format_report(report)
+        if MODEL_KEY in report:
+            text += "\n" + "\n".join(format_model(report[MODEL_KEY]))
+        print(text)
+    if MODEL_KEY in report and not report[MODEL_KEY]["ok"]:
+        return 1
     # An explicitly requested backend that cannot be used is a failure; without a request the
     # report itself is the result (an install with no usable backend is a finding shown above).
     explicit = bool(args.backend or os.environ.get("FREETOKEN_BACKEND"))
@@ -187,7 +301,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: "argparse._SubParsersAction") -> None:
-    parser = subparsers.add_parser("doctor", help="show the installation, the backends and which one is selected")
+    parser = subparsers.add_parser(
+        "doctor", help="show the installation, the backends and which one is selected",
+        description="Show the installation, the backend plugins and which one is selected. With --model, also "
+                    "load that model on the selected backend as 'freetoken serve' would and show the startup "
+                    "decision (IO path, sync mode, decode graphs, why), the memory plan and the weights policy.",
+    )
     add_backend_option(parser)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_engine_arguments(parser, exclude=DOCTOR_EXCLUDED_OPTIONS,
+                         default_text={"model": "none: report the installation only"})
     parser.set_defaults(func=run)

@@ -24,6 +24,12 @@ logger = logging.getLogger(__name__)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
+#: Keys of the backend report that /health passes on when the report has them (a CPU
+#: backend's report has fewer than a GPU session's); backend, io_path, graphs and reason
+#: are always in the answer.
+HEALTH_DECISION_KEYS = ("sync_mode", "warnings", "act_dtype", "moe_cpu_layers", "moe_gpu_layers",
+                        "graph_batch_sizes")
+
 
 async def list_models(request: Request) -> Response:
     holder: EngineHolder = request.app.state.holder
@@ -53,7 +59,7 @@ async def health(request: Request) -> Response:
     if not getattr(engine, "running", True):
         return JSONResponse({"status": "error", "error": "the engine loop is not running (see the server log)",
                              "model": engine.model_name}, status_code=503)
-    return JSONResponse({
+    body: dict[str, Any] = {
         "status": "ok",
         "model": engine.model_name,
         "served_model_names": holder.model_names(),
@@ -62,8 +68,10 @@ async def health(request: Request) -> Response:
         "io_path": info.get("io_path"),
         "graphs": info.get("graphs"),
         "reason": info.get("reason"),
-        "version": __version__,
-    })
+    }
+    body.update({key: info[key] for key in HEALTH_DECISION_KEYS if key in info})
+    body["version"] = __version__
+    return JSONResponse(body)
 
 
 async def metrics(request: Request) -> Response:

@@ -1,7 +1,13 @@
-"""Prometheus metrics of the HTTP server (one registry per app, text format at /metrics)."""
+"""Prometheus metrics of the HTTP server (one registry per app, text format at /metrics).
+
+Besides the request and token series, the scrape reads two things live: the engine's
+queue and KV cache (:class:`EngineStats`), and the backend's startup decision and step
+timings (the session's ``report()``, see :func:`backend_families`).
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -44,10 +50,103 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=float(value) if value is not None else 0.0)
 
 
-class ServerMetrics:
-    """All series the server exports; ``engine_stats`` returns EngineStats or None while loading."""
+#: Labels of ``freetoken_backend_info``, in order: the report keys they come from.
+BACKEND_INFO_LABELS = ("backend", "io_path", "sync_mode", "graphs", "act_dtype", "moe_cpu_layers")
 
-    def __init__(self, engine_stats: Callable[[], Optional[Any]]) -> None:
+#: Unit suffixes of the report's ``step_breakdown`` keys, and the factor to seconds.
+_TIME_UNITS = {"_ns": 1e-9, "_us": 1e-6, "_ms": 1e-3, "_s": 1.0}
+
+
+def _label(report: dict[str, Any], key: str) -> str:
+    """A stable string label: "" where the report lacks the key, "none" where it holds None,
+    "true"/"false" for booleans."""
+    if key not in report:
+        return ""
+    value = report[key]
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _number(value: Any) -> Optional[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _metric_part(key: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_").lower()
+
+
+def backend_families(report: dict[str, Any]) -> Iterable[Any]:
+    """The series of a backend report (``LLMEngine.backend_info()``); only what it holds.
+
+    * ``freetoken_backend_info{backend, io_path, sync_mode, graphs, act_dtype, moe_cpu_layers} 1``:
+      the startup decision (the reason and warnings are text: see /health and the log);
+    * ``freetoken_moe_gpu_layers``: MoE layers whose routed experts are on the GPU;
+    * ``freetoken_cpu_wait_share``: share of a decode step the CPU expert workers are busy;
+    * ``freetoken_step_breakdown_<part>_seconds``: the report's ``step_breakdown`` (medians
+      over recent decode steps), e.g. ``decode_step`` and ``cpu_experts``;
+    * ``freetoken_gpu_memory_<kind>_bytes``: the report's ``gpu_memory`` (allocated,
+      max_allocated, reserved) and ``freetoken_gpu_memory_budget_bytes``: the memory plan's budget.
+    """
+    if not report:
+        return
+    info = GaugeMetricFamily("freetoken_backend_info",
+                             "The backend's startup decision for the served model (value 1).",
+                             labels=list(BACKEND_INFO_LABELS))
+    info.add_metric([_label(report, k) for k in BACKEND_INFO_LABELS], 1.0)
+    yield info
+    gauges: list[tuple[str, str, Optional[float]]] = [
+        ("freetoken_moe_gpu_layers", "MoE layers whose routed experts are resident on the GPU.",
+         _number(report.get("moe_gpu_layers"))),
+        ("freetoken_cpu_wait_share", "Share of a decode step the CPU expert workers are busy (0..1, median of "
+         "recent decode steps).", _number(report.get("cpu_wait_share"))),
+    ]
+    breakdown = report.get("step_breakdown")
+    if isinstance(breakdown, dict):
+        for key, value in breakdown.items():
+            number = _number(value)
+            unit = next((u for u in _TIME_UNITS if key.endswith(u)), None)
+            if number is None or unit is None:
+                continue
+            part = _metric_part(key[: -len(unit)])
+            gauges.append((f"freetoken_step_breakdown_{part}_seconds",
+                           f"Decode step breakdown: {part.replace('_', ' ')} (median of recent decode steps).",
+                           number * _TIME_UNITS[unit]))
+    memory = report.get("gpu_memory")
+    if isinstance(memory, dict):
+        for key, value in memory.items():
+            part = _metric_part(str(key))
+            gauges.append((f"freetoken_gpu_memory_{part}_bytes", f"GPU memory {part.replace('_', ' ')} by this "
+                           "process (torch allocator).", _number(value)))
+    plan = report.get("memory_plan")
+    if isinstance(plan, dict):
+        gauges.append(("freetoken_gpu_memory_budget_bytes", "GPU memory this process may use (the memory plan's "
+                       "budget).", _number(plan.get("budget"))))
+    for name, doc, value in gauges:
+        if value is not None:
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class _BackendCollector(Collector):
+    """Reads the backend report at scrape time (nothing while the model loads)."""
+
+    def __init__(self, backend_info: Callable[[], dict[str, Any]]) -> None:
+        self._backend_info = backend_info
+
+    def collect(self) -> Iterable[Any]:
+        yield from backend_families(self._backend_info())
+
+
+class ServerMetrics:
+    """All series the server exports; ``engine_stats`` returns EngineStats or None while loading,
+    ``backend_info`` the backend report ({} while loading)."""
+
+    def __init__(self, engine_stats: Callable[[], Optional[Any]],
+                 backend_info: Optional[Callable[[], dict[str, Any]]] = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -76,6 +175,8 @@ class ServerMetrics:
             buckets=_E2E_BUCKETS, registry=r,
         )
         r.register(_EngineCollector(engine_stats))
+        if backend_info is not None:
+            r.register(_BackendCollector(backend_info))
 
     def observe_status(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

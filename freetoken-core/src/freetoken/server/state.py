@@ -44,7 +44,7 @@ class EngineHolder:
         self.load_seconds: Optional[float] = None
         self._ready = asyncio.Event()
         self._thread: Optional[threading.Thread] = None
-        self.metrics = ServerMetrics(self.stats)
+        self.metrics = ServerMetrics(self.stats, self.backend_info)
         #: requests being generated (ChoiceStreams), so a shutdown can end them cleanly
         self.active: set[Any] = set()
         self.draining = False
@@ -92,12 +92,11 @@ class EngineHolder:
         self.engine = engine
         self._ready.set()
         info = self.backend_info()
-        logger.info(
-            "loaded model %r in %.1f s: backend %s, IO path %s, decode graphs %s, context %d tokens, "
-            "serving it as %s",
-            engine.model_name, self.load_seconds, info.get("backend"), info.get("io_path"),
-            "on" if info.get("graphs") else "off", engine.max_model_len, ", ".join(self.model_names()),
-        )
+        logger.info("loaded model %r in %.1f s: %s, context %d tokens, serving it as %s; why: %s",
+                    engine.model_name, self.load_seconds, describe_decision(info), engine.max_model_len,
+                    ", ".join(self.model_names()), info.get("reason") or "-")
+        for warning in info.get("warnings") or ():
+            logger.warning("startup check: %s", warning)
 
     def drain(self) -> None:
         """Server shutdown begins: refuse new requests and end the ones in flight with a 503
@@ -165,6 +164,29 @@ class EngineHolder:
     def system_fingerprint(self) -> str:
         info = self.backend_info()
         return f"fp_freetoken-{__version__}-{info.get('backend', 'unknown')}"
+
+
+def describe_decision(info: dict[str, Any]) -> str:
+    """The backend's startup decision, short: backend, IO path, sync mode, decode graphs
+    (with their batch sizes), activation dtype and expert placement (only what the report
+    holds; the reason is separate)."""
+    parts = [f"backend {info.get('backend', 'unknown')}"]
+    if "io_path" in info:
+        parts.append(f"IO path {info['io_path']}")
+    if "sync_mode" in info:
+        parts.append(f"sync mode {info['sync_mode'] or 'none'}")
+    if "graphs" in info:
+        graphs = "on" if info["graphs"] else "off"
+        sizes = info.get("graph_batch_sizes")
+        if info["graphs"] and sizes:
+            graphs += f" (batch sizes {','.join(map(str, sizes))})"
+        parts.append(f"decode graphs {graphs}")
+    if "act_dtype" in info:
+        parts.append(f"activations {info['act_dtype']}")
+    if "moe_cpu_layers" in info:
+        gpu = info.get("moe_gpu_layers")
+        parts.append(f"MoE CPU layers {info['moe_cpu_layers']}" + (f" ({gpu} on the GPU)" if gpu is not None else ""))
+    return ", ".join(parts)
 
 
 def _set_result(future: "asyncio.Future[Any]", value: Any) -> None:
