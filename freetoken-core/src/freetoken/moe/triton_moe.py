@@ -13,6 +13,18 @@ of the distinct routed experts, each once per token tile::
              y[t, n] += (sum_k w[t, k] [ids[t, k] == e]) * (h[t, slot_e(t), :] . down_e[n, :])
              (fp32 atomic adds; the routing weight multiply and the top-k reduction)
 
+For the smallest batches (``T * K <= route_kernels_max_routes``) most of those programs
+would find no token of theirs: two per-route kernels run instead, with no idle program and
+no atomics::
+
+    gate_up_routes  grid (T*K, cdiv(I, ROUTE_BLOCK_I)): route r = (t, k) of expert ids[t, k]:
+                    h[t, k, i] = act(x_t . gate_e[i, :], x_t . up_e[i, :])
+    down_routes     grid (T, cdiv(H, ROUTE_BLOCK_N)):
+                    y[t, n] = sum_k w[t, k] * (h[t, k, :] . down_{ids[t, k]}[n, :])
+
+(a route whose id is ``-1`` is skipped; weights are read once per route, which equals once
+per distinct expert when the batch's tokens share none, the common case at small ``T``).
+
 ``slot_e(t)`` is the first k with ``ids[t, k] == e``: a token routing twice to one expert
 gets one ``h`` and the sum of both weights, which is the same sum. Tokens are padded to a
 block of at least 16 rows (``tl.dot`` needs M, N, K >= 16) and masked.
@@ -44,6 +56,15 @@ class BlockConfig:
     block_t: Optional[int] = None
     num_warps: int = 4
     num_stages: int = 3
+    #: batches of at most this many routes (T * K) run the per-route kernels (0: never)
+    route_kernels_max_routes: int = 32
+    route_block_i: int = 8  # gate_up_routes: intermediate rows per program
+    route_block_h: int = 256  # gate_up_routes: reduction step over hidden
+    route_block_n: int = 8  # down_routes: hidden rows per program
+    route_block_r: int = 256  # down_routes: reduction step over intermediate
+
+    def per_route(self, tokens: int, top_k: int) -> bool:
+        return tokens * top_k <= self.route_kernels_max_routes
 
     def tokens_block(self, tokens: int) -> int:
         if self.block_t is not None:
@@ -161,6 +182,75 @@ def _down_kernel(
         tl.atomic_add(y_ptr + y_off, acc, mask=tok[:, None] & n_ok[None, :], sem="relaxed")
 
 
+@triton.jit(do_not_specialize=["T"])
+def _gate_up_routes_kernel(
+    x_ptr, ids_ptr, gate_ptr, up_ptr, h_ptr,
+    T, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    pid_i = tl.program_id(1)
+    e = tl.load(ids_ptr + r).to(tl.int64)
+    if e >= 0:
+        t = r // K
+        offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+        i_ok = offs_i < I
+        w_base = e * I * H
+        acc_g = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            h_ok = offs_h < H
+            w_off = w_base + offs_i[:, None] * H + offs_h[None, :]
+            w_mask = i_ok[:, None] & h_ok[None, :]
+            xt = tl.load(x_ptr + t * H + offs_h, mask=h_ok, other=0.0)
+            # the activation in the weights' dtype, as the MMA kernels multiply it
+            xt = xt.to(gate_ptr.dtype.element_ty).to(tl.float32)
+            g = tl.load(gate_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
+            u = tl.load(up_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
+            acc_g += g * xt[None, :]
+            acc_u += u * xt[None, :]
+        gs = tl.sum(acc_g, axis=1)
+        us = tl.sum(acc_u, axis=1)
+        if ACT == 0:  # silu
+            act = gs * tl.sigmoid(gs) * us
+        elif ACT == 1:  # gelu (tanh approximation)
+            act = gs * tl.sigmoid(GELU_2C * (gs + 0.044715 * gs * gs * gs)) * us
+        else:  # swiglu_oai: clamped gate and up, up + 1
+            gc = tl.minimum(gs, LIMIT)
+            uc = tl.minimum(tl.maximum(us, -LIMIT), LIMIT)
+            act = gc * tl.sigmoid(ALPHA * gc) * (uc + 1.0)
+        tl.store(h_ptr + r.to(tl.int64) * I + offs_i, act.to(h_ptr.dtype.element_ty), mask=i_ok)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _down_routes_kernel(
+    h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr,
+    T, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    acc = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.float32)
+    for k in range(K):
+        e = tl.load(ids_ptr + t * K + k).to(tl.int64)
+        if e >= 0:
+            wk = tl.load(w_ptr + t * K + k).to(tl.float32)
+            d_base = e * H * I
+            h_row = (t * K + k) * I
+            for r0 in range(0, I, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_ok = offs_r < I
+                d = tl.load(down_ptr + d_base + offs_n[:, None] * I + offs_r[None, :],
+                            mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                hv = tl.load(h_ptr + h_row + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+                acc += d * (hv * wk)[None, :]
+    tl.store(y_ptr + t * H + offs_n, tl.sum(acc, axis=1), mask=n_ok)
+
+
 def _tokens_and_routes_blocks(tokens: int, top_k: int, config: BlockConfig) -> tuple[int, int]:
     return config.tokens_block(tokens), max(2, triton.next_power_of_2(top_k))
 
@@ -170,7 +260,9 @@ def variant_key(x: Any, ids: Any, w: Any, y: Any, config: BlockConfig = DEFAULT_
     dtype: constexpr blocks, argument dtypes and 16-byte pointer alignment (the token and
     route counts themselves are not specialised). Equal keys: no new compilation."""
     blocks = _tokens_and_routes_blocks(ids.shape[0], ids.shape[1], config)
-    return (config, *blocks, x.dtype, ids.dtype, w.dtype, tuple(t.data_ptr() % 16 == 0 for t in (x, ids, w, y)))
+    per_route = config.per_route(ids.shape[0], ids.shape[1])
+    return (config, *blocks, per_route, ids.shape[1] if per_route else None, x.dtype, ids.dtype, w.dtype,
+            tuple(t.data_ptr() % 16 == 0 for t in (x, ids, w, y)))
 
 
 def launch(
@@ -189,6 +281,20 @@ def launch(
     if y.dtype != torch.float32 or not y.is_contiguous() or tuple(y.shape) != (tokens, hidden):
         raise ValueError(f"y must be a contiguous float32 [{tokens}, {hidden}] tensor, got {y.dtype} {tuple(y.shape)}")
     if tokens == 0:
+        return
+    if config.per_route(tokens, top_k):
+        if not (ids.is_contiguous() and w.is_contiguous() and x.is_contiguous()):
+            raise ValueError("x, ids and w must be contiguous")
+        opts = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        _gate_up_routes_kernel[(tokens * top_k, triton.cdiv(inter, config.route_block_i))](
+            x, ids, gate, up, h, tokens, K=top_k, H=hidden, I=inter,
+            ACT=ACT_CODES[activation], ALPHA=float(alpha), LIMIT=float(limit),
+            BLOCK_I=config.route_block_i, BLOCK_H=config.route_block_h, **opts,
+        )  # fmt: skip
+        _down_routes_kernel[(tokens, triton.cdiv(hidden, config.route_block_n))](
+            h, ids, w, down, y, tokens, K=top_k, H=hidden, I=inter,
+            BLOCK_N=config.route_block_n, BLOCK_R=config.route_block_r, **opts,
+        )  # fmt: skip
         return
     block_t, block_k = _tokens_and_routes_blocks(tokens, top_k, config)
     t_tiles = triton.cdiv(tokens, block_t)
