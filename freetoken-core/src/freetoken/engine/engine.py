@@ -236,8 +236,9 @@ class LLMEngine:
                 slots.append(blocks[p // bs] * bs + p % bs)
             if s.num_tokens != 1:
                 decode = False
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), seqs, bs, decode,
-                                 host_ids=ids, host_positions=pos, host_slots=slots)
+        # ids, positions and slots reach the device in one copy
+        packed = torch.tensor([ids, pos, slots], dtype=torch.int64).to(dev)
+        meta = AttentionMetadata(packed[2], seqs, bs, decode, host_ids=ids, host_positions=pos, host_slots=slots)
         if decode and len(seqs) > 1:
             maxb = max(len(s.request.blocks) for s in batch)
             table = torch.zeros(len(batch), maxb, dtype=torch.int64)
@@ -247,7 +248,7 @@ class LLMEngine:
             meta.block_tables = table.to(dev)
             meta.ctx_lens = ctx.to(dev)
             meta.mask = (torch.arange(maxb * bs)[None, :] < ctx[:, None]).view(len(batch), 1, 1, maxb * bs).to(dev)
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), meta)
+        return packed[0], packed[1], meta
 
     @torch.inference_mode()
     def prompt_logits(self, prompt_ids: list[int], chunk: Optional[int] = None) -> torch.Tensor:
