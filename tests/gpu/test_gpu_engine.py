@@ -125,3 +125,71 @@ def test_qualification_eager_error_refuses_start(backend, monkeypatch):
     monkeypatch.setenv("FREETOKEN_FAULT_INJECT", "kernel_io:error,copy:error")
     with pytest.raises(QualificationError):
         _engine(backend, dtype="bfloat16", moe_cpu_layers="all")
+
+
+# ---------------------------------------------------------------- GGUF K-quants
+
+
+def _gguf_helpers():
+    """tests/engine/test_engine_gguf.py: the tiny K-quant file writer and its HF reference."""
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.join(os.path.dirname(__file__), "..", "engine")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    spec = importlib.util.spec_from_file_location("ft_gpu_tiny_gguf", os.path.join(here, "test_engine_gguf.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    tg = _gguf_helpers()
+    path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    return tg, path, tg.write_tiny_gguf(path, seed=11)
+
+
+@pytest.mark.parametrize("placement,cpu_layers", [("all", {0, 1}), ("1", {0}), ("0", set())],
+                         ids=["all-cpu", "mixed", "all-gpu"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_cuda_engine_gguf_kquants_match_float64_reference(backend, tiny_gguf, placement, cpu_layers, eager):
+    """FP32, a GGUF with Q4_K/Q5_K/Q6_K/Q8_0/F16/BF16 tensors: the GPU engine's logits at
+    every generated position equal a float64 forward (tests/gpu/qwen3_reference.py) over
+    the tensors as gguf-py dequantizes them, run on the engine's own tokens (teacher
+    forcing). Experts of CPU layers run the CPU kernels, which round activations to int8 per
+    32 values: the reference applies that rounding to those layers' expert inputs (the
+    scheme of tests/engine/test_engine_gguf.py), and the bound is that file's documented one
+    for rounding-boundary flips. GPU-resident layers dequantize everything: float32
+    summation order only (1e-3 of the logits' scale, the bound of the FP32 demo-model test)."""
+    import qwen3_reference
+
+    tg, path, tensors = tiny_gguf
+
+    def expert_input(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        if layer not in cpu_layers:
+            return x
+        fmt = tg.MIX[layer][f"ffn_{name}_exps"]
+        return tg.quantize_activations(x.float(), fmt).double()
+
+    eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
+                                 moe_cpu_layers=placement, enforce_eager=eager, cuda_graph_max_bs=8),
+                    backend=backend)  # fmt: skip
+    try:
+        info = eng.backend_info()
+        assert info["graphs"] is (not eager), info
+        prompts = [[(7 * i + 3 * j) % (tg.V - 10) + 5 for j in range(n)] for i, n in enumerate((5, 23, 9, 40))]
+        got = _run(eng, prompts)
+    finally:
+        eng.close()
+    for prompt, (out, logits) in zip(prompts, got):
+        ids = prompt + out
+        want = qwen3_reference.logits(tensors, ids, tg.LAYERS, tg.HEADS, tg.KVH, tg.HD, tg.K, theta=1e6,
+                                      expert_input=expert_input)[len(prompt) - 1 : len(ids) - 1].float()  # fmt: skip
+        if cpu_layers:
+            tg.assert_close_rounding(logits, want, f"placement {placement}")
+        else:
+            err = float((logits - want).abs().max() / want.abs().max())
+            assert err <= 1e-3, f"all experts on the GPU: logits differ by {err:.3g} of their scale"
