@@ -97,6 +97,21 @@ def test_concurrent_equals_alone(backend):
         assert float((la - lb).abs().max() / lb.abs().max()) < 5e-2
 
 
+def test_recapture_on_demand(backend):
+    """Graphs captured again between steps (tasks and scratch block kept) decode the same."""
+    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="0-1", cuda_graph_max_bs=8)
+    try:
+        first = _run(eng, PROMPTS)
+        free = eng.kv.free_blocks
+        eng.session.recapture_graphs()
+        second = _run(eng, PROMPTS)
+        assert eng.kv.free_blocks == free
+    finally:
+        eng.close()
+    for (a, la), (b, lb) in zip(first, second):
+        assert a == b and torch.equal(la, lb)
+
+
 def test_memory_limit_refuses_with_sizes(backend):
     from freetoken.backends.contract import MemoryPlanError
 

@@ -262,7 +262,18 @@ class GpuModelSession(ModelSession):
             self.executors[layer] = ex
             self.layer_fns[layer] = ex.forward
 
-    def _capture_graphs(self) -> None:
+    def recapture_graphs(self) -> None:
+        """Capture the decode graphs again (e.g. after a kernel's variant changed): the old
+        graphs are dropped, the hand-off tasks and the scratch cache block they used are
+        kept and reused. Call between steps, from the engine's thread."""
+        old = self.runner
+        if old is None:
+            raise RuntimeError("this session replays no decode graphs (eager only): nothing to recapture")
+        self.runner = None
+        old.close()
+        self._capture_graphs(scratch=old.scratch_block)
+
+    def _capture_graphs(self, scratch: Optional[int] = None) -> None:
         from freetoken.engine.graphs import DecodeGraphRunner, graph_buckets
 
         o = self.options
@@ -274,7 +285,8 @@ class GpuModelSession(ModelSession):
         kv = self.kv
         max_len = min(o.max_model_len or kv.total_tokens, kv.total_tokens)
         max_blocks = (max_len + kv.block_size - 1) // kv.block_size
-        scratch = kv.allocate(1)[0]
+        if scratch is None:
+            scratch = kv.allocate(1)[0]
         for ex in self.executors.values():
             ex.prepare(buckets)
         for experts in self.gpu_experts.values():
