@@ -108,8 +108,9 @@ def test_recapture_on_demand(backend):
         assert eng.kv.free_blocks == free
     finally:
         eng.close()
-    for (a, la), (b, lb) in zip(first, second):
-        assert a == b and torch.equal(la, lb)
+    for (a, la), (b, lb) in zip(first, second):  # the GPU experts' atomic adds may sum in another order
+        assert a == b
+        assert float((la - lb).abs().max() / lb.abs().max()) < 1e-2
 
 
 def test_memory_limit_refuses_with_sizes(backend):
