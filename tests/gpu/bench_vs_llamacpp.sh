@@ -20,7 +20,8 @@
 #   bash tests/gpu/bench_vs_llamacpp.sh [--layers N] [--preset NAME] [--cpu-only] [--no-freetoken-build]
 # --layers N: cut the model to its first N layers when time is short (48 = full, ~17.3 GiB).
 # --cpu-only: build llama.cpp without CUDA (a smoke test of this script on a machine without a GPU).
-# Environment: OUT, MODEL_DIR, THREADS (16), NCMOE (24), BUDGET_S (530), LLAMACPP_SRC
+# Environment: OUT, MODEL_DIR, THREADS (16), NCMOE (24), BUDGET_S (530), FT_PLACEMENTS (FreeToken's
+# --moe-cpu-layers values, or limit:SIZE; default "all $NCMOE 0"), FT_BATCHES ("1 8"), LLAMACPP_SRC
 # (.bench/llama.cpp), LLAMACPP_BUILD (/tmp/llamacpp-build: an existing llama-bench there is
 # reused), SKIP_SETUP=1 (install and build nothing of ours: python3 already has it all).
 set -uo pipefail
@@ -169,15 +170,24 @@ fi
 # NCMOE), e.g. python3 -m freetoken.cli.main bench decode --model "$MODEL" --batch 1 8 ...
 # Its output goes to freetoken-bench.log; lines starting with "SUMMARY " also into summary.txt.
 run_freetoken_bench() {
-  local spec
-  for spec in all "$NCMOE"; do
-    echo "# freetoken bench decode --moe-cpu-layers $spec"
-    python3 -m freetoken.cli.main bench decode --model "$MODEL" --backend cuda --moe-cpu-layers "$spec" \
-      --cpu-threads "$((THREADS - 1))" --batch 1 8 --prompt-len 512 --gen-len 64 --repeats 1 --max-model-len 1024 \
-      --json > "/tmp/ft-bench/decode-$spec.json" || continue
-    python3 -c "import json; d=json.load(open('/tmp/ft-bench/decode-$spec.json'))
+  local spec args tag
+  for spec in ${FT_PLACEMENTS:-all $NCMOE 0}; do
+    case $spec in  # limit:SIZE = the default placement under --gpu-memory-limit SIZE (a smaller card)
+      limit:*) args=(--gpu-memory-limit "${spec#limit:}"); tag=${spec/:/-} ;;
+      *) args=(--moe-cpu-layers "$spec"); tag=$spec ;;
+    esac
+    echo "# freetoken bench decode ${args[*]}"
+    python3 -m freetoken.cli.main bench decode --model "$MODEL" --backend cuda "${args[@]}" --stages \
+      --cpu-threads "$((THREADS - 1))" --batch ${FT_BATCHES:-1 8} --prompt-len 512 --gen-len 64 --repeats 1 \
+      --max-model-len 1024 --json > "/tmp/ft-bench/decode-$tag.json" || continue
+    python3 -c "import json; d=json.load(open('/tmp/ft-bench/decode-$tag.json'))
+rep = d['backend_report']; plan = rep.get('memory_plan') or {}
 for b, v in d['batches'].items():
-    print('SUMMARY freetoken moe-cpu-layers=$spec batch', b, 'prompt %.1f tok/s decode %.1f tok/s' % (v['prompt_tok_s'], v['decode_tok_s']))"
+    print('SUMMARY freetoken $tag batch', b, 'prompt %.1f tok/s decode %.1f tok/s' % (v['prompt_tok_s'], v['decode_tok_s']),
+          'gpu_max_alloc %.2f GiB' % ((v.get('gpu_max_allocated_bytes') or 0) / 2**30), 'cpu_layers', rep.get('moe_cpu_layers'),
+          'dense %.2f GiB' % ((plan.get('dense') or 0) / 2**30))
+st = d.get('stages_b1_us')
+if st: print('SUMMARY freetoken $tag stages_b1_us', json.dumps({k: round(v, 1) for k, v in st.items()}))"
   done
 }
 if [ "$(left 60)" -ge 20 ]; then
