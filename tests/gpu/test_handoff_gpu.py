@@ -33,7 +33,7 @@ def layer_factory(backend):
     made = []
 
     def make(dtype):
-        layer = QualLayer(backend, dtype, CONFIG)
+        layer = QualLayer(backend, dtype, CONFIG, backend.cpu_experts())
         made.append(layer)
         return layer
 
@@ -197,7 +197,8 @@ def test_coordinator_watchdog_releases_memop_wait(backend):
     watchdog, which sets err and done. The memop waits are released and the host raises."""
     pool = cm.Pool(1)
     coord = cm.Coordinator(pool=pool, watchdog_ms=50.0)
-    layer = QualLayer(backend, torch.bfloat16, QualifyConfig(hidden=512, intermediate=256, cpu_threads=1))
+    layer = QualLayer(backend, torch.bfloat16, QualifyConfig(hidden=512, intermediate=256, cpu_threads=1),
+                      backend.cpu_experts())
     tokens = 4096
     try:
         tasks = []

@@ -199,7 +199,8 @@ def test_gpu_hybrid_layer_with_impl(backend, impl):
     from freetoken.moe.qualify_check import QualLayer
 
     layer = QualLayer(backend, torch.bfloat16, QualifyConfig(hidden=512, intermediate=256, batch_sizes=(1, 4, 16),
-                                                            eager_steps=4, replays=5))  # fmt: skip
+                                                            eager_steps=4, replays=5),
+                       backend.cpu_experts())  # fmt: skip
     try:
         ex = layer.experts
         layer.experts = GpuExperts(ex.gate, ex.up, ex.down, ex.activation, impl=impl)

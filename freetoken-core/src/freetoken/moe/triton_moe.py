@@ -235,19 +235,21 @@ def _down_routes_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     acc = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.float32)
-    for k in range(K):
+    # every route's loads are independent (no branch per route: a skipped route's loads are
+    # masked off, its weight is 0), so they can all be in flight at once
+    for k in tl.static_range(K):
         e = tl.load(ids_ptr + t * K + k).to(tl.int64)
-        if e >= 0:
-            wk = tl.load(w_ptr + t * K + k).to(tl.float32)
-            d_base = e * H * I
-            h_row = (t * K + k) * I
-            for r0 in range(0, I, BLOCK_R):
-                offs_r = r0 + tl.arange(0, BLOCK_R)
-                r_ok = offs_r < I
-                d = tl.load(down_ptr + d_base + offs_n[:, None] * I + offs_r[None, :],
-                            mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-                hv = tl.load(h_ptr + h_row + offs_r, mask=r_ok, other=0.0).to(tl.float32)
-                acc += d * (hv * wk)[None, :]
+        ok = e >= 0
+        wk = tl.where(ok, tl.load(w_ptr + t * K + k).to(tl.float32), 0.0)
+        d_base = tl.maximum(e, 0) * H * I
+        h_row = (t * K + k) * I
+        for r0 in tl.static_range(0, I, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = (offs_r < I) & ok
+            d = tl.load(down_ptr + d_base + offs_n[:, None] * I + offs_r[None, :],
+                        mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            hv = tl.load(h_ptr + h_row + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+            acc += d * (hv * wk)[None, :]
     tl.store(y_ptr + t * H + offs_n, tl.sum(acc, axis=1), mask=n_ok)
 
 
