@@ -1,6 +1,7 @@
 // Preparation of float32 activations for the quantized dot products: symmetric
 // int8 with a float scale per 32 elements (Q8_0 blocks; K-quant super-blocks of
-// 256 also carry sums per 16 for the mins / the Q6_K offset).
+// 256 also carry sums per 16 for the mins / the Q6_K offset, and the int8 values
+// again in the AVX-512 kernels' register order).
 // Included inside an ISA namespace by isa_*.cpp.
 #pragma once
 
@@ -44,7 +45,6 @@ static void prepare_q8_32(const float* x, uint32_t n, void* out) {
 }
 
 static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
-    static const int kOrder45[8] = {0, 2, 1, 3, 4, 6, 5, 7};  // sub-block in each 32-byte slot of qs45
     for (uint32_t b = 0; b < n / 256; ++b) {
         BlockQ8xK& o = out[b];
         for (int s = 0; s < 8; ++s) {
@@ -59,12 +59,19 @@ static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
             for (int i = 0; i < 16; ++i) sum += o.qs[g * 16 + i];
             o.bsums[g] = (int16_t)sum;
             o.xs16[g] = o.d[g / 2] * (float)sum;
+            o.dx16[g] = o.d[g / 2];
         }
         for (int s = 0; s < 8; ++s) {
             o.xs32[s] = o.d[s] * (float)((int)o.bsums[2 * s] + (int)o.bsums[2 * s + 1]);
-            std::memcpy(o.qs45 + 32 * s, o.qs + 32 * kOrder45[s], 32);
+            // odd sub-blocks are the high nibbles, which the kernels multiply as 16x
+            // (Q4_K) or 8x (Q5_K) the code: exact powers of two, undone here
+            o.xdm4[2 * s] = (s & 1) ? o.d[s] * 0.0625f : o.d[s];
+            o.xdm5[2 * s] = (s & 1) ? o.d[s] * 0.125f : o.d[s];
+            o.xdm4[2 * s + 1] = o.xdm5[2 * s + 1] = -o.xs32[s];
         }
-        for (int g = 0; g < 16; ++g) o.dx16[g] = o.d[g / 2];
+        for (uint32_t i = 0; i < 256; ++i) o.qs4k[i] = o.qs[kq45_act_index(i)];
+        for (int l = 0; l < 64; ++l)
+            o.nq6[l] = -32 * ((int32_t)o.qs[4 * l] + o.qs[4 * l + 1] + o.qs[4 * l + 2] + o.qs[4 * l + 3]);
         for (int i = 0; i < 8; ++i) o.pad[i] = 0.0f;
     }
 }

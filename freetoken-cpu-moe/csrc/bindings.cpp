@@ -113,6 +113,17 @@ PYBIND11_MODULE(_core, m) {
         },
         py::arg("descs"), py::arg("rounds"), py::arg("pool"));
 
+    m.def(
+        "time_dot_rows",
+        [](uint64_t wdesc, uint64_t x, uint32_t T, int rounds, const std::string& isa) {
+            check_isa(isa);
+            if (!wdesc) throw std::invalid_argument("time_dot_rows: null weight descriptor");
+            const ft::KernelTable& k = kernels_for(isa);
+            py::gil_scoped_release nogil;
+            return ft::time_dot_rows(*(const ft_weight_desc*)(uintptr_t)wdesc, (const float*)(uintptr_t)x, T, rounds, k);
+        },
+        py::arg("wdesc"), py::arg("x"), py::arg("T"), py::arg("rounds"), py::arg("isa") = "");
+
     py::class_<ft::Coordinator>(m, "Coordinator")
         .def(py::init<std::shared_ptr<Pool>, double, double>(), py::arg("pool"), py::arg("watchdog_ms"),
              py::arg("spin_us"))

@@ -69,19 +69,36 @@ static inline ActQ8x32View q8x32_view(const void* p, uint32_t n) {
 }
 
 // ACT_Q8_K (for Q4_K/Q5_K/Q6_K weights): one block per 256 elements. The portable
-// kernels read d/bsums/qs; the AVX-512 kernels read the copies laid out the way
-// their registers hold the weights (see fmt_kquant_avx512.h).
+// and AVX2 kernels read d/bsums/qs/xs16/xs32; the AVX-512 kernels read the copies
+// laid out the way their registers hold the weights (see fmt_kquant_avx512.h).
 struct BlockQ8xK {
     float d[8];           // x ~= d[i / 32] * qs[i] (a scale per 32: h is heavy-tailed)
     int16_t bsums[16];    // sums of qs over each group of 16
     int8_t qs[256];       // natural order (also the Q6_K register order)
-    int8_t qs45[256];     // Q4_K/Q5_K nibble order: 0-31, 64-95, 32-63, 96-127, then +128
+    int8_t qs4k[256];     // Q4_K/Q5_K register order (kq45_act_index)
+    int32_t nq6[64];      // Q6_K: -32 x (sum of the 4 qs of each dword lane), natural order
+    float xdm4[16];       // Q4_K: [d[s] (odd s: / 16), -xs32[s]] interleaved over s
+    float xdm5[16];       // Q5_K: [d[s] (odd s: / 8), -xs32[s]] interleaved over s
     float dx16[16];       // d[g / 2]: the scale of each group of 16
-    float xs32[8];        // d[s] * (sum of qs over sub-block s of 32)
     float xs16[16];       // d[g / 2] * bsums[g]
+    float xs32[8];        // d[s] * (sum of qs over sub-block s of 32)
     float pad[8];
 };
-static_assert(sizeof(BlockQ8xK) == 768, "BlockQ8xK layout");
+static_assert(sizeof(BlockQ8xK) == 1152, "BlockQ8xK layout");
+
+// Element of the 256-block that byte i (0..255) of BlockQ8xK::qs4k multiplies. The
+// AVX-512 Q4_K/Q5_K kernels hold a block in four registers of 64 bytes: A0, B0 from
+// qs bytes 0-63 (chunks 0, 1), A1, B1 from bytes 64-127 (chunks 2, 3). Chunk c byte j
+// holds element 64c + j in its low nibble and 64c + 32 + j in its high nibble. A keeps
+// the low nibbles in even dword lanes and the high nibbles in odd ones; B does the
+// same after swapping each pair of dwords (byte p reads byte p ^ 4). Both then map
+// dword lane l of a 64-byte half to sub-block 2c + (l & 1), c = the chunk of l / 8.
+static inline uint32_t kq45_act_index(uint32_t i) {
+    const uint32_t reg = i / 64, p = i % 64;
+    const uint32_t src = (reg & 1) ? (p ^ 4) : p;  // byte of the 64-byte half of qs
+    const uint32_t c = 2 * (reg / 2) + src / 32;
+    return 64 * c + (src % 32) + (((p / 4) & 1) ? 32 : 0);
+}
 
 static inline ActKind act_kind_for(uint32_t fmt) {
     switch (fmt) {

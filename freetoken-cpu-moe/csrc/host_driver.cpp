@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "dispatch.h"
+#include "fp_env.h"
 #include "moe.h"
 #include "spin_pause.h"
 
@@ -62,6 +63,30 @@ std::vector<uint64_t> time_run_task(const std::vector<uint64_t>& descs, int roun
             run_task((const ft_task_desc*)(uintptr_t)d, pool, k);
             out.push_back((uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
         }
+    }
+    return out;
+}
+
+std::vector<uint64_t> time_dot_rows(const ft_weight_desc& w, const float* x, uint32_t T, int rounds,
+                                    const KernelTable& k) {
+    FlushDenormalsScope ftz;
+    validate_weight(w, "time_dot_rows");
+    const ActKind kind = act_kind_for(w.format);
+    const size_t xb = act_bytes(kind, w.cols);
+    std::vector<uint8_t> xq((size_t)T * xb + 64);
+    uint8_t* xa = (uint8_t*)(((uintptr_t)xq.data() + 63) & ~(uintptr_t)63);
+    std::vector<const void*> xs(T);
+    for (uint32_t t = 0; t < T; ++t) {
+        k.prepare(kind, x + (size_t)t * w.cols, w.cols, xa + (size_t)t * xb);
+        xs[t] = xa + (size_t)t * xb;
+    }
+    std::vector<float> y((size_t)T * w.rows);
+    std::vector<uint64_t> out;
+    out.reserve((size_t)rounds);
+    for (int r = 0; r < rounds; ++r) {
+        const auto t0 = Clock::now();
+        for (uint32_t e = 0; e < w.num_experts; ++e) k.dot_rows(w, e, 0, w.rows, xs.data(), T, y.data(), w.rows);
+        out.push_back((uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
     }
     return out;
 }

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common.h"
 #include "pool.h"
 
 namespace ft {
@@ -16,5 +17,11 @@ std::vector<uint64_t> drive_handoffs(const std::vector<uint64_t>& descs, int rou
 
 // run_task on each descriptor in order, rounds times, from this thread; ns per call.
 std::vector<uint64_t> time_run_task(const std::vector<uint64_t>& descs, int rounds, Pool& pool);
+
+// One kernel, this thread only: for each round, dot_rows over every row of every
+// expert of w against T activations x (float32 [T][w.cols], prepared once) with the
+// tier's kernels. Returns the ns per round.
+std::vector<uint64_t> time_dot_rows(const ft_weight_desc& w, const float* x, uint32_t T, int rounds,
+                                    const KernelTable& k);
 
 }  // namespace ft

@@ -14,6 +14,10 @@ synchronously from a native loop. The difference between the two is what the
 coordinator adds (seeing ``ready``, waking the pool, releasing ``done``), free of
 Python's call overhead; ``freetoken bench moe-layer`` reports both next to the GPU
 hand-off.
+
+:func:`time_dot_rows` times one weight kernel on the calling thread alone (no pool,
+no activation preparation): the per-core compute rate when the weights fit in L2,
+the single-core streaming rate when they do not.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from freetoken_cpu_moe import _core
 from freetoken_cpu_moe.coordinator import _addr
 from freetoken_cpu_moe.pool import Pool, default_pool
 
-__all__ = ["drive_handoffs", "measure_bandwidth", "time_run_task"]
+__all__ = ["drive_handoffs", "measure_bandwidth", "time_dot_rows", "time_run_task"]
 
 
 def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, pool: Optional[Pool] = None) -> float:
@@ -66,3 +70,17 @@ def time_run_task(tasks: Sequence[Any], rounds: int, pool: Optional[Pool] = None
         raise ValueError(f"time_run_task: rounds must be >= 0, got {rounds}")
     pool = pool or default_pool()
     return list(_core.time_run_task([_addr(t) for t in tasks], int(rounds), pool._core))
+
+
+def time_dot_rows(weights: Any, x: Any, rounds: int, isa: Optional[str] = None) -> list[int]:
+    """One kernel on the calling thread alone: every row of every expert of ``weights``
+    against the float32 activations ``x`` [T, cols] (prepared once, outside the timing),
+    ``rounds`` times; ns per round. A bank that fits in L2 measures the kernel's compute
+    rate, one far larger than the caches its single-thread streaming rate.
+    """
+    if rounds < 0:
+        raise ValueError(f"time_dot_rows: rounds must be >= 0, got {rounds}")
+    xa = np.ascontiguousarray(x, dtype=np.float32)
+    if xa.ndim != 2 or xa.shape[1] != weights.cols:
+        raise ValueError(f"time_dot_rows: x must be [T, {weights.cols}] float32, got {tuple(xa.shape)}")
+    return list(_core.time_dot_rows(weights.address, xa.ctypes.data, xa.shape[0], int(rounds), isa or ""))

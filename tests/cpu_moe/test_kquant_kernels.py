@@ -1,0 +1,53 @@
+"""The K-quant kernels on every tier against gguf-py's dequantization, on blocks
+the model-like generator of cpu_moe_reference never makes (every bit of the 6-bit
+scales and mins set at random, int8 Q6_K scales over their whole range), on row /
+column / token counts that leave partial groups (16 rows summed together at T=1,
+tokens in fours), and the single-thread timing harness."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cpu_moe_cases import cm
+from cpu_moe_reference import BLOCK_BYTES, FP16_FIELDS, gguf_dequantize, quantize_act, rel_err
+from freetoken_cpu_moe.timing import time_dot_rows
+
+KQUANTS = ["q4_k", "q5_k", "q6_k"]
+
+
+def random_blocks(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Raw blocks with every byte random except the fp16 super-block scales; and their float64 values."""
+    nb = rows * cols // 256
+    raw = rng.integers(0, 256, size=(nb, BLOCK_BYTES[fmt]), dtype=np.uint8)
+    for off in FP16_FIELDS[fmt]:
+        v = rng.uniform(0.5e-3, 1e-3, size=nb).astype(np.float16)
+        raw[:, off : off + 2] = v.view(np.uint8).reshape(nb, 2)
+    return raw, gguf_dequantize(raw, fmt, 1, rows, cols)[0]
+
+
+@pytest.mark.parametrize("isa", cm.isa_tiers())
+@pytest.mark.parametrize("fmt", KQUANTS)
+@pytest.mark.parametrize("rows,cols", [(1, 256), (15, 768), (17, 512), (33, 2048)])
+def test_kquant_full_range_and_tails(fmt: str, rows: int, cols: int, isa: str, rng) -> None:
+    raw, dense = random_blocks(fmt, rows, cols, rng)
+    wts = cm.Weights(raw, fmt, 1, rows, cols)
+    for T in (1, 2, 3, 4, 5, 8):
+        x = rng.standard_normal((T, cols)).astype(np.float32)
+        x[0, : cols // 2] *= 50.0  # sub-blocks of very different activation scales in one block
+        out = np.full((T, rows), np.nan, np.float32)
+        cm.linear(wts, x, out=out, isa=isa)
+        tight = quantize_act(x.astype(np.float64), 32) @ dense.T
+        # float32 accumulation of products that do not cancel (uncentred mins): 1e-5 relative
+        assert rel_err(out, tight) < 1e-5, f"{fmt} {isa} rows={rows} cols={cols} T={T}"
+
+
+@pytest.mark.parametrize("fmt", KQUANTS)
+def test_time_dot_rows(fmt: str, rng) -> None:
+    raw, _ = random_blocks(fmt, 64, 512, rng)
+    wts = cm.Weights(raw, fmt, 1, 64, 512)
+    for isa in cm.isa_tiers():
+        times = time_dot_rows(wts, rng.standard_normal((2, 512)).astype(np.float32), 3, isa=isa)
+        assert len(times) == 3 and all(ns > 0 for ns in times)
+    with pytest.raises(ValueError, match="must be"):
+        time_dot_rows(wts, np.zeros((1, 256), np.float32), 1)
