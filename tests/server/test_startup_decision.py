@@ -244,3 +244,48 @@ def test_cpu_backend_report_has_fewer_keys(serve_in_process: Any, caplog: pytest
     loaded, warned = _startup_records(caplog)
     assert len(loaded) == 1 and "backend cpu, IO path synchronous, sync mode synchronous" in loaded[0].getMessage()
     assert warned == []
+
+
+# ------------------------------------------------------------------ the series of one report
+
+
+def test_backend_series_of_a_gpu_report() -> None:
+    """What a CUDA session reports becomes gauges in base units; text stays out of labels."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.registry import Collector
+
+    from freetoken.server.metrics import backend_families
+
+    report = {
+        "backend": "cuda", "io_path": "kernel_io", "sync_mode": "kernel_io", "graphs": True,
+        "reason": "KernelIO probe passed and activations are BF16; graph replay verified",
+        "warnings": ["something, with \"quotes\""], "act_dtype": "bfloat16", "moe_cpu_layers": "0-11,40",
+        "moe_gpu_layers": 36, "memory_plan": {"budget": 24 << 30, "dense": 1}, "graph_batch_sizes": [1, 2],
+        "cpu_wait_share": 0.25, "step_breakdown": {"decode_step_us": 12000.0, "cpu_experts_us": 3000.0},
+        "gpu_memory": {"allocated": 5 << 30, "max_allocated": 6 << 30, "reserved": 7 << 30},
+    }
+
+    class One(Collector):
+        def collect(self) -> Any:
+            return backend_families(report)
+
+    registry = CollectorRegistry()
+    registry.register(One())
+    text = generate_latest(registry).decode()
+    got = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            got[sample.name] = (dict(sample.labels), sample.value)
+    assert got["freetoken_backend_info"] == ({"backend": "cuda", "io_path": "kernel_io", "sync_mode": "kernel_io",
+                                              "graphs": "true", "act_dtype": "bfloat16",
+                                              "moe_cpu_layers": "0-11,40"}, 1.0)
+    assert got["freetoken_moe_gpu_layers"] == ({}, 36.0)
+    assert got["freetoken_cpu_wait_share"] == ({}, 0.25)
+    assert got["freetoken_step_breakdown_decode_step_seconds"] == ({}, pytest.approx(0.012))
+    assert got["freetoken_step_breakdown_cpu_experts_seconds"] == ({}, pytest.approx(0.003))
+    assert got["freetoken_gpu_memory_allocated_bytes"] == ({}, float(5 << 30))
+    assert got["freetoken_gpu_memory_max_allocated_bytes"] == ({}, float(6 << 30))
+    assert got["freetoken_gpu_memory_reserved_bytes"] == ({}, float(7 << 30))
+    assert got["freetoken_gpu_memory_budget_bytes"] == ({}, float(24 << 30))
+    assert "graph replay verified" not in text and "quotes" not in text
+    assert list(backend_families({})) == []  # while loading: nothing

@@ -126,8 +126,10 @@ def backend_families(report: dict[str, Any]) -> Iterable[Any]:
     if isinstance(plan, dict):
         gauges.append(("freetoken_gpu_memory_budget_bytes", "GPU memory this process may use (the memory plan's "
                        "budget).", _number(plan.get("budget"))))
+    seen: set[str] = set()
     for name, doc, value in gauges:
-        if value is not None:
+        if value is not None and name not in seen:  # one family per name, whatever the report's keys
+            seen.add(name)
             yield GaugeMetricFamily(name, doc, value=value)
 
 
