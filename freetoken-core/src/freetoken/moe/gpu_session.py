@@ -60,7 +60,7 @@ MIN_KV_TOKENS = 4096
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 8 else f"{n / (1 << 20):.1f} MiB"
 
 
 @dataclasses.dataclass
@@ -131,10 +131,13 @@ class GpuModelSession(ModelSession):
         n = len(shape.moe_layers)
         mem = self.backend.device_memory()
         total = mem[1] if mem else None
-        caps = [c for c in (o.gpu_memory_limit,
-                            int(o.gpu_memory_utilization * total) if (o.gpu_memory_utilization and total) else None,
-                            total) if c]
-        budget = min(caps) if caps else None
+        caps = {name: c for name, c in (
+            ("--gpu-memory-limit", o.gpu_memory_limit),
+            ("--gpu-memory-utilization", int(o.gpu_memory_utilization * total)
+             if (o.gpu_memory_utilization and total) else None),
+            ("the device total", total)) if c}  # fmt: skip
+        budget = min(caps.values()) if caps else None
+        budget_from = min(caps, key=lambda k: caps[k]) if caps else None
         ctx = o.max_model_len or MIN_KV_TOKENS
         kv_min = min(ctx, MIN_KV_TOKENS) * shape.kv_bytes_per_token
         reserve = RESERVE_BYTES if budget is not None else 0
@@ -158,7 +161,7 @@ class GpuModelSession(ModelSession):
                     f"the model's GPU part does not fit: {_gib(need)} needed (dense weights {_gib(shape.dense_bytes)}, "
                     f"routed experts of {len(gpu)} layers x {_gib(per_layer)}, KV cache for {min(ctx, MIN_KV_TOKENS)} "
                     f"tokens {_gib(kv_min)}, reserve {_gib(reserve)}) but the budget is {_gib(budget)}"
-                    f"{' (--gpu-memory-limit/--gpu-memory-utilization)' if len(caps) > 1 else ' (the device total)'}. "
+                    f" ({budget_from}). "
                     + (f"Keep at most {fit} layers' experts on the GPU: --moe-cpu-layers {n - min(fit, n)} "
                        f"(or 'all'), or raise the GPU memory limit."
                        if shape.dense_bytes + reserve + kv_min <= budget else
