@@ -99,3 +99,24 @@ def test_engine_options_without_model_are_a_usage_error() -> None:
     r = _doctor("--moe-cpu-layers", "all", "--enforce-eager")
     assert r.returncode == 2
     assert "--moe-cpu-layers, --enforce-eager apply to a model: give --model PATH" in r.stderr
+
+
+def test_plan_error_names_the_flag_that_set_the_budget():
+    """The budget came from --gpu-memory-limit: the message says so, in readable units."""
+    from freetoken.backends.contract import EngineOptions, ModelShape
+    from freetoken.moe.gpu_session import GpuModelSession, MemoryPlanError
+
+    class NoMemoryBackend:
+        name = "no-memory"
+
+        def device(self):
+            return "cpu"
+
+        def device_memory(self):
+            return None
+
+    session = GpuModelSession(NoMemoryBackend(), EngineOptions(gpu_memory_limit=1 << 20, moe_cpu_layers="0"), None)
+    shape = ModelShape(num_layers=2, hidden=64, moe_intermediate=32, num_experts=4, top_k=2, moe_layers=[0, 1],
+                       dense_bytes=10 << 20, kv_bytes_per_token=1024)
+    with pytest.raises(MemoryPlanError, match=r"the budget is 1\.0 MiB \(--gpu-memory-limit\)"):
+        session.plan(shape)
