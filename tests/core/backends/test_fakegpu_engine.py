@@ -93,3 +93,23 @@ def test_cpu_side_failure_surfaces_on_the_next_step(fresh_registry):
                 eng.step()
     finally:
         eng.close()
+
+
+def test_bench_decode_stages_through_the_gpu_session(fresh_registry, capsys):
+    """`bench decode --stages` on the fake GPU: the coordinator's trace of a batch-1 run
+    splits into the CPU task per layer, the GPU side between layers and the prefill chunk."""
+    from freetoken.cli.main import main
+
+    rc = main(["--log-level", "WARNING", "bench", "decode", "--backend", "fakegpu", "--moe-cpu-layers", "all",
+               "--batch", "1", "--prompt-len", "12", "--gen-len", "5", "--repeats", "1", "--bandwidth-bytes", "4MiB",
+               "--stages", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    st = out["stages_b1_us"]
+    layers = out["backend_report"]["memory_plan"]["cpu_layers"]
+    assert st["cpu_layers"] == 4 and layers == "0-3"
+    assert st["steps"] >= 3 and st["prefill_tokens"] == 12
+    for key in ("layer_serve", "layer_gpu_gap", "layer_step_gap", "prefill_serve", "prefill_gpu_gap"):
+        assert st[key] > 0, key
+    # a step holds every layer's CPU task and the gaps between them
+    assert st["step_us"] >= st["cpu_layers"] * st["layer_serve"] + (st["cpu_layers"] - 1) * st["layer_gpu_gap"] * 0.5

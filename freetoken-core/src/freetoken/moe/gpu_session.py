@@ -345,27 +345,47 @@ class GpuModelSession(ModelSession):
         return True
 
     def stage_split(self) -> Optional[dict[str, float]]:
-        """The hand-off stages of the batch-1 steps traced since :meth:`start_stage_trace`
-        (tasks of other batch sizes, e.g. prefill chunks, are left out)."""
+        """The hand-off stages traced since :meth:`start_stage_trace`: ``layer_*`` for the
+        batch-1 decode steps, ``prefill_*`` for the largest prefill chunk traced (its CPU
+        experts per layer, ``prefill_serve``, against the GPU side between two layers,
+        ``prefill_gpu_gap``; ``prefill_tokens`` is the chunk's size)."""
         from freetoken.moe.stage_trace import split_trace
 
         if self.coordinator is None:
             return None
-        order: dict[int, int] = {}
-        for rank, layer in enumerate(sorted(self.executors)):
-            task = self.executors[layer].tasks.get(1)
-            if task is not None:
-                order[task.desc_buffer.host_ptr] = rank
-        trace = [r for r in self.coordinator.trace() if r.desc in order]
+        records = self.coordinator.trace()
+        out: dict[str, float] = {}
+        order = self._task_order(1)
+        trace = [r for r in records if r.desc in order]
         first = [r.claim_ns for r in trace if order[r.desc] == 0]
         periods = [(b - a) / 1e3 for a, b in zip(first, first[1:])]
-        if not periods:
-            return None
-        out = split_trace(trace, order, statistics.median(periods), "layer")
-        out["step_us"] = statistics.median(periods)
-        out["steps"] = float(len(first))
-        out["cpu_layers"] = float(len(order))
-        return out
+        if periods:
+            out.update(split_trace(trace, order, statistics.median(periods), "layer"))
+            out["step_us"] = statistics.median(periods)
+            out["steps"] = float(len(first))
+            out["cpu_layers"] = float(len(order))
+        served = {r.desc for r in records}
+        sizes = [t for ex in self.executors.values() for t, task in ex.tasks.items()
+                 if t > 1 and task.desc_buffer.host_ptr in served]
+        if sizes:
+            chunk = max(sizes)
+            order = self._task_order(chunk)
+            trace = [r for r in records if r.desc in order]
+            span = (trace[-1].done_ns - trace[0].claim_ns) / 1e3
+            part = split_trace(trace, order, span, "prefill")
+            out.update({k: v for k, v in part.items() if k in ("prefill_serve", "prefill_gpu_gap")})
+            out["prefill_tokens"] = float(chunk)
+        return out or None
+
+    def _task_order(self, tokens: int) -> dict[int, int]:
+        """Descriptor address -> position of its layer among the CPU layers, for the tasks
+        of one batch size."""
+        order: dict[int, int] = {}
+        for rank, layer in enumerate(sorted(self.executors)):
+            task = self.executors[layer].tasks.get(tokens)
+            if task is not None:
+                order[task.desc_buffer.host_ptr] = rank
+        return order
 
     # ---- report ---------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:

@@ -358,10 +358,10 @@ def _bench(args: argparse.Namespace, eng: Any, config: EngineConfig) -> int:
 
 
 def _stages(eng: Any, args: argparse.Namespace, vocab: int, dev: Optional[torch.device]) -> Optional[dict[str, float]]:
-    """One batch-1 run (short prompt, ``--gen-len`` tokens) with the session's stage trace."""
+    """One batch-1 run (``--prompt-len``, ``--gen-len`` tokens) with the session's stage trace."""
     if not eng.session.start_stage_trace():
         return None
-    run_batch(eng, 1, min(16, args.prompt_len), args.gen_len, vocab, args.seed + 2000, dev)
+    run_batch(eng, 1, args.prompt_len, args.gen_len, vocab, args.seed + 2000, dev)
     return eng.session.stage_split()
 
 
