@@ -59,7 +59,7 @@ static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
             for (int i = 0; i < 16; ++i) sum += o.qs[g * 16 + i];
             o.bsums[g] = (int16_t)sum;
             o.xs16[g] = o.d[g / 2] * (float)sum;
-            o.dx16[g] = o.d[g / 2];
+            o.dx16[g] = g % 8 >= 6 ? o.d[g / 2] * 0.25f : o.d[g / 2];
         }
         for (int s = 0; s < 8; ++s) {
             o.xs32[s] = o.d[s] * (float)((int)o.bsums[2 * s] + (int)o.bsums[2 * s + 1]);
@@ -71,7 +71,7 @@ static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
         }
         for (uint32_t i = 0; i < 256; ++i) o.qs4k[i] = o.qs[kq45_act_index(i)];
         for (int l = 0; l < 64; ++l)
-            o.nq6[l] = -32 * ((int32_t)o.qs[4 * l] + o.qs[4 * l + 1] + o.qs[4 * l + 2] + o.qs[4 * l + 3]);
+            o.nq6[l] = -32 * ((int32_t)o.qs[4 * l] + o.qs[4 * l + 1] + o.qs[4 * l + 2] + o.qs[4 * l + 3]) * ((l / 8) % 4 == 3 ? 4 : 1);
         for (int i = 0; i < 8; ++i) o.pad[i] = 0.0f;
     }
 }

@@ -13,7 +13,8 @@
 // 128-bit lane, into [sc0, m0, sc1, m1, ...]; one multiply by [d, dmin, ...] and one
 // by the token's [scale, -sum] pairs give the lane coefficients (even lanes) and the
 // min terms (odd lanes, accumulated as they are).
-// Q6_K: natural order, 16 scales per block; the -32 offset is folded into the int32
+// Q6_K: natural order, 16 scales per block, elements 96-127 of each 128 held as
+// 4 x code (no shift of their high bits); the -32 offset is folded into the int32
 // accumulator, which starts from the token's -32 x sums of each dword lane.
 // Scalar code and moves between general and vector registers are avoided in the
 // block loop: both cost more here than the vector instructions they replace.
@@ -102,17 +103,22 @@ static inline void kq45_weights(const uint8_t* blk, __m512i* w) {
     }
 }
 
-// Q6_K block -> four registers of codes 0..63 in natural order, and d x sc[16].
+// Q6_K block -> four registers of codes in natural order (see above), and d x sc[16].
 static inline __m512 kq6_weights(const uint8_t* blk, __m512i* w) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    constexpr long long k0F = 0x0F0F0F0F0F0F0F0Fll, k30 = 0x3030303030303030ll, k3C = 0x3C3C3C3C3C3C3C3Cll,
+                        kC0 = (long long)0xC0C0C0C0C0C0C0C0ull;
     for (int n = 0; n < 2; ++n) {
         const __m512i l = _mm512_loadu_si512(blk + 64 * n);
         const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * n)));
-        // bits 4-5 of each byte: qh bits 0-1 / 2-3 (low nibbles), 4-5 / 6-7 (high nibbles)
+        // low nibbles: qh bits 0-1 (bytes 0-31) / 2-3 (bytes 32-63) moved to bits 4-5
         const __m512i hl = _mm512_and_si512(_mm512_sllv_epi64(h, _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4)), m30);
-        const __m512i hh = _mm512_and_si512(_mm512_srlv_epi64(h, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0)), m30);
         w[2 * n] = _mm512_ternarylogic_epi32(l, hl, m4, 0xEC);
-        w[2 * n + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), hh, m4, 0xEC);
+        // high nibbles: code (bytes 0-31: nibble at 0-3, qh bits 4-5 in place) or 4 x code
+        // (bytes 32-63: nibble at 2-5, qh bits 6-7 in place)
+        const __m512i hh = _mm512_and_si512(h, _mm512_set_epi64(kC0, kC0, kC0, kC0, k30, k30, k30, k30));
+        w[2 * n + 1] = _mm512_ternarylogic_epi32(_mm512_srlv_epi64(l, _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4)), hh,
+                                                 _mm512_set_epi64(k3C, k3C, k3C, k3C, k0F, k0F, k0F, k0F), 0xEC);
     }
     // d (the last 2 bytes of the block) as the second half of the dword before it
     const __m128 dv = _mm_cvtph_ps(_mm_loadu_si32(blk + 206));

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cpu_moe_cases import cm
-from cpu_moe_reference import BLOCK_BYTES, FP16_FIELDS, gguf_dequantize, quantize_act, rel_err
+from cpu_moe_reference import BLOCK_BYTES, FP16_FIELDS, gguf_dequantize, quantize_act
 from freetoken_cpu_moe.timing import time_dot_rows
 
 KQUANTS = ["q4_k", "q5_k", "q6_k"]
@@ -37,9 +37,13 @@ def test_kquant_full_range_and_tails(fmt: str, rows: int, cols: int, isa: str, r
         x[0, : cols // 2] *= 50.0  # sub-blocks of very different activation scales in one block
         out = np.full((T, rows), np.nan, np.float32)
         cm.linear(wts, x, out=out, isa=isa)
-        tight = quantize_act(x.astype(np.float64), 32) @ dense.T
-        # float32 accumulation of products that do not cancel (uncentred mins): 1e-5 relative
-        assert rel_err(out, tight) < 1e-5, f"{fmt} {isa} rows={rows} cols={cols} T={T}"
+        xq = quantize_act(x.astype(np.float64), 32)
+        tight = xq @ dense.T
+        # float32 accumulation: each output within 1e-5 of the sum of its products' magnitudes
+        # (measured: below 1e-7; a dot product can cancel, so no bound relative to the result)
+        scale = np.abs(xq) @ np.abs(dense).T
+        worst = float(np.max(np.abs(out - tight) / scale))
+        assert worst < 1e-5, f"{fmt} {isa} rows={rows} cols={cols} T={T}: {worst:.2e}"
 
 
 @pytest.mark.parametrize("fmt", KQUANTS)
