@@ -70,8 +70,6 @@ static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
             o.xdm4[2 * s + 1] = o.xdm5[2 * s + 1] = -o.xs32[s];
         }
         for (uint32_t i = 0; i < 256; ++i) o.qs4k[i] = o.qs[kq45_act_index(i)];
-        for (int l = 0; l < 64; ++l)
-            o.nq6[l] = -32 * ((int32_t)o.qs[4 * l] + o.qs[4 * l + 1] + o.qs[4 * l + 2] + o.qs[4 * l + 3]) * ((l / 8) % 4 == 3 ? 4 : 1);
         for (int i = 0; i < 8; ++i) o.pad[i] = 0.0f;
     }
 }

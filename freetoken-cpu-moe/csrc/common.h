@@ -76,7 +76,6 @@ struct BlockQ8xK {
     int16_t bsums[16];    // sums of qs over each group of 16
     int8_t qs[256];       // natural order (also the Q6_K register order)
     int8_t qs4k[256];     // Q4_K/Q5_K register order (kq45_act_index)
-    int32_t nq6[64];      // Q6_K: -32 k x (sum of the 4 qs of each dword lane), natural order (k: see dx16)
     float xdm4[16];       // Q4_K: [d[s] (odd s: / 16), -xs32[s]] interleaved over s
     float xdm5[16];       // Q5_K: [d[s] (odd s: / 8), -xs32[s]] interleaved over s
     float dx16[16];       // Q6_K: d[g / 2] / k, k = 4 for groups 6, 7 of each 128 (4 x code there), else 1
@@ -84,7 +83,7 @@ struct BlockQ8xK {
     float xs32[8];        // d[s] * (sum of qs over sub-block s of 32)
     float pad[8];
 };
-static_assert(sizeof(BlockQ8xK) == 1152, "BlockQ8xK layout");
+static_assert(sizeof(BlockQ8xK) == 896, "BlockQ8xK layout");
 
 // Element of the 256-block that byte i (0..255) of BlockQ8xK::qs4k multiplies. The
 // AVX-512 Q4_K/Q5_K kernels hold a block in four registers of 64 bytes: A0, B0 from
