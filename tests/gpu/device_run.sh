@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build core + cpu-moe + cuda for its python, run the GPU
-# tests (incl. the fused MoE kernels: tests/gpu/test_triton_moe*.py), the qualification
-# tests, doctor, and the moe-layer benchmark; logs under $OUT. Stage time limits add up to
-# about 7 minutes with the build (pytest 180 s, doctor 50 s, bench 180 s).
+# tests (all of tests/gpu: kernels, hand-off, the engine against references, the HTTP server
+# through the openai client), the qualification tests, the GPU dequantization tests, doctor,
+# and the moe-layer benchmark; logs under $OUT. Carried wheels in .whl are installed first.
+# Stage time limits: pytest $PYTEST_TIMEOUT (420 s), doctor 50 s, bench 180 s.
 # Usage (from the repository root): bash tests/gpu/device_run.sh [tests|bench|all]
 set -uo pipefail
 WHAT=${1:-all}
@@ -16,12 +17,16 @@ T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee "$OUT/versions.txt"
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (gguf, fastapi, uvicorn, openai: tests/gpu/wheels.txt)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$OUT/build.log" 2>&1 && export PYTHONPATH=/tmp/site
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e ./freetoken-core -e ./freetoken-cpu-moe -e ./freetoken-cuda \
-  > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 stamp "build done"
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
-  timeout 180 python3 -m pytest -p no:cacheprovider -v -rs -m "gpu or not gpu" tests/gpu tests/qualify \
-    -o addopts="" --timeout 120 --durations=15 -o log_cli=false 2>&1 > "$OUT/pytest.log"
+  timeout ${PYTEST_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -v -rs -m "gpu or not gpu" tests/gpu tests/qualify \
+    tests/engine/test_dequant.py -o addopts="" --timeout 240 --durations=15 -o log_cli=false 2>&1 > "$OUT/pytest.log"
   stamp "pytest rc=$?"
   grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/pytest.log" | grep -v test_triton_moe | sed 's/ *\[.*%\]//' | tail -45
   echo "-- fused MoE kernels (tests/gpu/test_triton_moe*.py):"
