@@ -44,21 +44,66 @@ static void prepare_q8_32(const float* x, uint32_t n, void* out) {
     }
 }
 
+#if defined(FT_HAVE_AVX512)
+// int8 codes of 16 floats: v * id rounded half away from zero, clamped to +-127
+// (quant_round, lane by lane: the same float operations give the same codes).
+static inline __m512i quant16_avx512(__m512 v, __m512 id) {
+    const __m512 t = _mm512_mul_ps(v, id);
+    const __m512 half = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+        _mm512_castps_si512(t), _mm512_set1_epi32(0x80000000), _mm512_set1_epi32(0x3f000000), 0xEA));  // +-0.5
+    const __m512i q = _mm512_cvttps_epi32(_mm512_add_ps(t, half));
+    return _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+}
+#endif
+
+// Codes, scales and group sums of one 256-block (qs, d, bsums).
+static inline void quant_block_q8_k(const float* xb, BlockQ8xK& o) {
+#if defined(FT_HAVE_AVX512)
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int s = 0; s < 8; ++s) {
+        const __m512 v0 = _mm512_loadu_ps(xb + 32 * s), v1 = _mm512_loadu_ps(xb + 32 * s + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+        const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i q0 = quant16_avx512(v0, id), q1 = quant16_avx512(v1, id);
+        _mm_storeu_si128((__m128i*)(o.qs + 32 * s), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(o.qs + 32 * s + 16), _mm512_cvtsepi32_epi8(q1));
+        o.bsums[2 * s] = (int16_t)_mm512_reduce_add_epi32(q0);
+        o.bsums[2 * s + 1] = (int16_t)_mm512_reduce_add_epi32(q1);
+        o.d[s] = amax / 127.0f;
+    }
+#else
+    for (int s = 0; s < 8; ++s) {
+        const float* xs = xb + 32 * s;
+        const float amax = absmax_span(xs, 32);
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int i = 0; i < 32; ++i) o.qs[32 * s + i] = quant_round(xs[i] * id);
+        o.d[s] = amax / 127.0f;
+    }
+    for (int g = 0; g < 16; ++g) {
+        int sum = 0;
+        for (int i = 0; i < 16; ++i) sum += o.qs[g * 16 + i];
+        o.bsums[g] = (int16_t)sum;
+    }
+#endif
+}
+
 static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
+#if defined(FT_HAVE_AVX512)
+    // qs4k as a permutation of the dwords of qs (kq45_act_index moves whole dwords):
+    // output register r takes dword 16 (l / 8) + (l' % 8) + 8 (l & 1) of its 128-byte
+    // half, l' = l for A (r even), l ^ 1 for B (r odd)
+    alignas(64) int32_t ia[16], ib[16];
+    for (int l = 0; l < 16; ++l) {
+        ia[l] = 16 * (l / 8) + (l % 8) + 8 * (l & 1);
+        ib[l] = 16 * (l / 8) + ((l ^ 1) % 8) + 8 * (l & 1);
+    }
+    const __m512i idx_a = _mm512_load_si512(ia), idx_b = _mm512_load_si512(ib);
+#endif
     for (uint32_t b = 0; b < n / 256; ++b) {
         BlockQ8xK& o = out[b];
-        for (int s = 0; s < 8; ++s) {
-            const float* xs = x + (size_t)b * 256 + 32 * s;
-            const float amax = absmax_span(xs, 32);
-            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int i = 0; i < 32; ++i) o.qs[32 * s + i] = quant_round(xs[i] * id);
-            o.d[s] = amax / 127.0f;
-        }
+        quant_block_q8_k(x + (size_t)b * 256, o);
         for (int g = 0; g < 16; ++g) {
-            int sum = 0;
-            for (int i = 0; i < 16; ++i) sum += o.qs[g * 16 + i];
-            o.bsums[g] = (int16_t)sum;
-            o.xs16[g] = o.d[g / 2] * (float)sum;
+            o.xs16[g] = o.d[g / 2] * (float)o.bsums[g];
             o.dx16[g] = g % 8 >= 6 ? o.d[g / 2] * 0.25f : o.d[g / 2];
         }
         for (int s = 0; s < 8; ++s) {
@@ -69,7 +114,15 @@ static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
             o.xdm5[2 * s] = (s & 1) ? o.d[s] * 0.125f : o.d[s];
             o.xdm4[2 * s + 1] = o.xdm5[2 * s + 1] = -o.xs32[s];
         }
+#if defined(FT_HAVE_AVX512)
+        for (int h = 0; h < 2; ++h) {
+            const __m512i n0 = _mm512_loadu_si512(o.qs + 128 * h), n1 = _mm512_loadu_si512(o.qs + 128 * h + 64);
+            _mm512_storeu_si512(o.qs4k + 128 * h, _mm512_permutex2var_epi32(n0, idx_a, n1));
+            _mm512_storeu_si512(o.qs4k + 128 * h + 64, _mm512_permutex2var_epi32(n0, idx_b, n1));
+        }
+#else
         for (uint32_t i = 0; i < 256; ++i) o.qs4k[i] = o.qs[kq45_act_index(i)];
+#endif
         for (int i = 0; i < 8; ++i) o.pad[i] = 0.0f;
     }
 }

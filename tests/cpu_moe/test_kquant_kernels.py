@@ -55,3 +55,35 @@ def test_time_dot_rows(fmt: str, rng) -> None:
         assert len(times) == 3 and all(ns > 0 for ns in times)
     with pytest.raises(ValueError, match="must be"):
         time_dot_rows(wts, np.zeros((1, 256), np.float32), 1)
+
+
+@pytest.mark.parametrize("isa", cm.isa_tiers())
+def test_activation_codes_on_every_tier(isa: str, rng) -> None:
+    """Q6_K rows that each pick one element (code 33 there, 32 = zero elsewhere, scales 1,
+    d = 1) return the int8-quantized activations themselves: every tier must round like
+    the reference (half away from zero, ties included) and scale by absmax / 127."""
+    n = 512
+    nb = n // 256
+    raw = np.zeros((n, nb, 210), dtype=np.uint8)
+    codes = np.full((n, n), 32, dtype=np.int64)
+    codes[np.arange(n), np.arange(n)] = 33
+    c = codes.reshape(n, nb, 2, 128)  # [row][block][half][element of the half]
+    lo = (c & 0xF).astype(np.uint8)
+    hi = (c >> 4).astype(np.uint8)
+    raw[:, :, 0:128] = (lo[..., 0:64] | (lo[..., 64:128] << 4)).reshape(n, nb, 128)
+    qh = hi[..., 0:32] | (hi[..., 32:64] << 2) | (hi[..., 64:96] << 4) | (hi[..., 96:128] << 6)
+    raw[:, :, 128:192] = qh.reshape(n, nb, 64)
+    raw[:, :, 192:208] = 1
+    raw[:, :, 208:210] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    wts = cm.Weights(raw.reshape(-1), "q6_k", 1, n, n)
+    x = rng.standard_normal((3, n)).astype(np.float32)
+    x[1, :32] = np.arange(-16, 16) + 0.5  # amax 15.5, scale 127/15.5: no exact ties
+    x[2, :32] = np.concatenate([[127.0], np.arange(-15, 16) + 0.5])  # id = 1: ties at every k + 0.5
+    x[2, 32:64] = -0.0
+    y = cm.linear(wts, x, isa=isa)
+    xq = quantize_act(x.astype(np.float64), 32)
+    step = np.repeat(np.abs(x).reshape(3, -1, 32).max(axis=2) / 127.0, 32, axis=1)
+    # the zero codes (32) cancel against the -32 offset only up to float32 rounding of the
+    # block's partial sums; one code off is a whole step, far above both allowances
+    noise = np.repeat(32.0 * np.abs(xq).reshape(3, -1, 256).sum(axis=2), 256, axis=1) * 1e-6
+    assert (np.abs(y - xq) <= 0.05 * step + noise).all()
