@@ -87,3 +87,12 @@ def test_activation_codes_on_every_tier(isa: str, rng) -> None:
     # block's partial sums; one code off is a whole step, far above both allowances
     noise = np.repeat(32.0 * np.abs(xq).reshape(3, -1, 256).sum(axis=2), 256, axis=1) * 1e-6
     assert (np.abs(y - xq) <= 0.05 * step + noise).all()
+
+
+def test_bench_compute_rate(rng) -> None:
+    """``freetoken bench cpu-moe --compute``: one kernel on one thread, weights in L2."""
+    from freetoken.cli.bench.cpu_moe import time_compute
+
+    r = time_compute(cm, "q4_k", 2, 512, rng, seconds=0.01)
+    assert r["format"] == "q4_k" and r["T"] == 2 and r["KB"] == 256 * 2 * 144 / 1024
+    assert r["ns_per_block"] > 0 and r["GBs"] > 0

@@ -17,6 +17,11 @@ the same worker pool (every worker reads its contiguous share with the kernels'
 widest loads; best of 8 passes; ``freetoken_cpu_moe.timing.measure_bandwidth``), taken
 just before and just after each row, so that a row is compared with the machine
 as it was while the row ran.
+
+``--compute`` first prints each format's kernel alone on one thread with its weights
+resident in L2 (a 256-row matrix read again and again, ``timing.time_dot_rows``): the
+per-core compute rate, which the streaming rows can only approach when it is well
+above a core's share of the memory bandwidth.
 """
 
 from __future__ import annotations
@@ -154,6 +159,20 @@ def time_format(cm: Any, banks: list, T: int, K: int, E: int, seconds: float, rn
     }
 
 
+def time_compute(cm: Any, fmt: str, T: int, cols: int, rng: np.random.Generator, seconds: float = 0.3) -> dict:
+    """One thread, weights resident in L2: a 256-row matrix read ``rounds`` times by ``time_dot_rows``."""
+    from freetoken_cpu_moe.timing import time_dot_rows
+
+    rows = 256
+    w = random_weights(cm, fmt, 1, rows, cols, rng)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    once = min(time_dot_rows(w, x, 3))
+    rounds = max(10, int(seconds * 1e9 / max(once, 1)))
+    ns = statistics.median(time_dot_rows(w, x, rounds))
+    blocks = rows * cols / cm.format_info(fmt).block_elems
+    return {"format": fmt, "T": T, "ns_per_block": ns / blocks, "GBs": w.nbytes / ns, "KB": w.nbytes / 1024}
+
+
 def add_parser(subparsers: "argparse._SubParsersAction") -> None:
     p = subparsers.add_parser("cpu-moe", help="CPU expert kernels vs this machine's measured memory bandwidth")
     p.add_argument("--formats", nargs="+", default=FORMATS_DEFAULT, help="weight formats (freetoken_cpu_moe.FORMATS)")
@@ -166,6 +185,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--threads", type=int, default=None, help="worker threads (default: one per physical core)")
     p.add_argument("--seconds", type=float, default=2.0, help="timing per (format, T)")
     p.add_argument("--isa", default=None, help="kernel tier (default: the best this CPU has)")
+    p.add_argument("--compute", action="store_true", help="also time each kernel on one thread with its weights in L2")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
     p.set_defaults(func=run)
 
@@ -184,6 +204,15 @@ def run(args: argparse.Namespace) -> int:
 
     E, H, I, K = args.experts, args.hidden, args.intermediate, args.top_k
     print(f"machine: {platform.processor() or platform.machine()}, {pool.num_threads} worker threads, tier {cm.active_isa()}")
+    compute = []
+    if args.compute:
+        print(f"compute: one thread, weights in L2 (256 x {H} matrix read again and again), ns per block of the format")
+        print(f"{'format':<15}{'T':>4}{'ns/block':>10}{'GB/s':>8}{'KB':>7}")
+        for fmt in args.formats:
+            for T in args.tokens:
+                c = time_compute(cm, fmt, T, H, rng)
+                compute.append(c)
+                print(f"{fmt:<15}{T:>4}{c['ns_per_block']:>10.2f}{c['GBs']:>8.1f}{c['KB']:>7.0f}", flush=True)
     print(f"shapes: H={H} I={I} E={E} top-{K}; {args.layers} banks per format, routes rotated (no cache reuse)")
     print("ceiling: streaming read of a 512 MiB buffer by the same pool (best of 8 passes), measured just before")
     print("and just after each row; the row is compared with the higher of the two (other tenants of a shared")
@@ -210,5 +239,5 @@ def run(args: argparse.Namespace) -> int:
             )
         del banks
     if args.json:
-        print(json.dumps({"threads": pool.num_threads, "isa": cm.active_isa(), "results": results}))
+        print(json.dumps({"threads": pool.num_threads, "isa": cm.active_isa(), "results": results, "compute": compute}))
     return 0
