@@ -121,7 +121,9 @@ static inline __m512 kq6_weights(const uint8_t* blk, __m512i* w) {
                                                  _mm512_set_epi64(k3C, k3C, k3C, k3C, k0F, k0F, k0F, k0F), 0xEC);
     }
     // d (the last 2 bytes of the block) as the second half of the dword before it
-    const __m128 dv = _mm_cvtph_ps(_mm_loadu_si32(blk + 206));
+    uint32_t dw;
+    std::memcpy(&dw, blk + 206, 4);
+    const __m128 dv = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dw));
     const __m512 d = _mm512_permutexvar_ps(_mm512_set1_epi32(1), _mm512_castps128_ps512(dv));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 192)))), d);
 }
