@@ -1,12 +1,17 @@
 #include "moe.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
+#include <memory>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "activation.h"
 #include "fp_env.h"
+#include "spin_pause.h"
 
 namespace ft {
 namespace {
@@ -269,40 +274,63 @@ void moe_forward(const MoeCall& c, Pool& pool, const KernelTable& k) {
     ap.alpha = b.act_alpha;
     ap.limit = b.act_limit;
 
-    // ---- one wake-up, four phases --------------------------------------------
-    // A: gate or up rows of one expert, items = (expert, matrix, piece of I)
-    // B: h = act(gate, up) and its preparation for the down format, items = slots
-    // C: down rows of one expert, items = (expert, piece of H), into per-slot rows
-    // D: y = sum of w x per-slot rows, items = row chunks of H (disjoint rows of y)
+    // ---- one wake-up, two phases ---------------------------------------------
+    // 1: items [0, itemsA): gate or up rows of one expert, (expert, matrix, piece of I),
+    //    in expert order. The worker that finishes an expert's last gate/up item computes
+    //    h = act(gate, up) for its slots and prepares it for the down format (B).
+    //    Items [itemsA, itemsA + itemsC): down rows of one expert, (expert, piece of H),
+    //    into per-slot rows (C); each waits for its expert's h. They are handed out after
+    //    every gate/up item, so the experts finished early are computed while the last
+    //    gate/up items run, and no worker waits at a barrier for the slowest one.
+    // 2: y = sum of w x per-slot rows, items = row chunks of H (disjoint rows of y) (D)
     const int itemsA = (int)(nexp * 2 * piecesA);
-    const int itemsB = (int)nslots;
     const int itemsC = (int)(nexp * piecesC);
     const int itemsD = (int)((H + chunkD - 1) / chunkD);
     const size_t ysz = dtype_size(c.y_fmt);
-    std::vector<Pool::Phase> phases(4);
-    phases[0].nitems = itemsA;
+    // per expert: gate/up items still to finish; h state (0 pending, 1 ready, 2 failed)
+    std::unique_ptr<std::atomic<uint32_t>[]> pend_a(new std::atomic<uint32_t>[nexp]);
+    std::unique_ptr<std::atomic<uint32_t>[]> h_state(new std::atomic<uint32_t>[nexp]);
+    for (uint32_t q = 0; q < nexp; ++q) {
+        pend_a[q].store(2 * piecesA, std::memory_order_relaxed);
+        h_state[q].store(0, std::memory_order_relaxed);
+    }
+    std::vector<Pool::Phase> phases(2);
+    phases[0].nitems = itemsA + itemsC;
     phases[0].fn = [&](int it, int) {
-        const uint32_t q = (uint32_t)it / (2 * piecesA), m = ((uint32_t)it / piecesA) % 2, piece = (uint32_t)it % piecesA;
-        const uint32_t r0 = piece * chunkA, r1 = std::min(I, r0 + chunkA);
-        const uint32_t e = ws.expert_ids[q], sb = ws.expert_begin[q], n = ws.expert_begin[q + 1] - sb;
-        if (m == 0) k.dot_rows(b.gate, e, r0, r1, ws.gptr.data() + sb, n, h + (size_t)sb * I + r0, I);
-        else k.dot_rows(b.up, e, r0, r1, ws.uptr.data() + sb, n, u + (size_t)sb * I + r0, I);
-    };
-    phases[1].nitems = itemsB;
-    phases[1].fn = [&](int s, int) {
-        float* hr = h + (size_t)s * I;
-        apply_activation(ap, hr, hr, u + (size_t)s * I, I);
-        if (kd != ACT_F32) k.prepare(kd, hr, I, hq + (size_t)s * bd);
-    };
-    phases[2].nitems = itemsC;
-    phases[2].fn = [&](int it, int) {
-        const uint32_t q = (uint32_t)it / piecesC, piece = (uint32_t)it % piecesC;
+        if (it < itemsA) {
+            const uint32_t q = (uint32_t)it / (2 * piecesA), m = ((uint32_t)it / piecesA) % 2, piece = (uint32_t)it % piecesA;
+            const uint32_t r0 = piece * chunkA, r1 = std::min(I, r0 + chunkA);
+            const uint32_t e = ws.expert_ids[q], sb = ws.expert_begin[q], n = ws.expert_begin[q + 1] - sb;
+            try {
+                if (m == 0) k.dot_rows(b.gate, e, r0, r1, ws.gptr.data() + sb, n, h + (size_t)sb * I + r0, I);
+                else k.dot_rows(b.up, e, r0, r1, ws.uptr.data() + sb, n, u + (size_t)sb * I + r0, I);
+                if (pend_a[q].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+                for (uint32_t s = sb; s < sb + n; ++s) {
+                    float* hr = h + (size_t)s * I;
+                    apply_activation(ap, hr, hr, u + (size_t)s * I, I);
+                    if (kd != ACT_F32) k.prepare(kd, hr, I, hq + (size_t)s * bd);
+                }
+            } catch (...) {
+                h_state[q].store(2, std::memory_order_release);  // the down items of q give up
+                throw;
+            }
+            h_state[q].store(1, std::memory_order_release);
+            return;
+        }
+        const uint32_t ic = (uint32_t)(it - itemsA);
+        const uint32_t q = ic / piecesC, piece = ic % piecesC;
+        uint32_t st, spins = 0;
+        while ((st = h_state[q].load(std::memory_order_acquire)) == 0) {
+            cpu_pause();
+            if ((++spins & 63) == 0) std::this_thread::yield();
+        }
+        if (st != 1) throw std::runtime_error("moe: the gate/up pass of an expert failed");
         const uint32_t r0 = piece * chunkC, r1 = std::min(H, r0 + chunkC);
         const uint32_t e = ws.expert_ids[q], sb = ws.expert_begin[q], n = ws.expert_begin[q + 1] - sb;
         k.dot_rows(b.down, e, r0, r1, ws.dptr.data() + sb, n, dsl + (size_t)sb * H + r0, H);
     };
-    phases[3].nitems = itemsD;
-    phases[3].fn = [&](int it, int) {
+    phases[1].nitems = itemsD;
+    phases[1].fn = [&](int it, int) {
         const uint32_t r0 = (uint32_t)it * chunkD, r1 = std::min(H, r0 + chunkD), rl = r1 - r0;
         for (uint32_t t = 0; t < T; ++t) std::memset(yacc + (size_t)t * H + r0, 0, (size_t)rl * 4);
         for (uint32_t s = 0; s < nslots; ++s) {

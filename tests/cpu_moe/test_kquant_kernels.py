@@ -96,3 +96,20 @@ def test_bench_compute_rate(rng) -> None:
     r = time_compute(cm, "q4_k", 2, 512, rng, seconds=0.01)
     assert r["format"] == "q4_k" and r["T"] == 2 and r["KB"] == 256 * 2 * 144 / 1024
     assert r["ns_per_block"] > 0 and r["GBs"] > 0
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "bf16"])
+def test_moe_same_result_on_any_pool(bank_for, rng, fmt: str) -> None:
+    """Every output row is computed by one work item, whatever the split: the down items
+    that wait for their expert's gate/up items (moe_forward) give bit-identical results
+    on 1 worker and on more workers than cores."""
+    from cpu_moe_reference import random_routes
+
+    case = bank_for(fmt)
+    with cm.Pool(1, pin=False) as one, cm.Pool(5, pin=False) as five:
+        for T, K in [(1, 8), (3, 2), (16, 8)]:
+            x = rng.standard_normal((T, case.H)).astype(np.float32)
+            ids, w = random_routes(rng, T, K, case.E)
+            y1 = cm.moe_forward(case.bank, x, ids, w, pool=one)
+            y5 = cm.moe_forward(case.bank, x, ids, w, pool=five)
+            assert np.array_equal(y1, y5), f"T={T} K={K}"
