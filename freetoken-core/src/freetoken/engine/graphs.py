@@ -67,17 +67,24 @@ class DecodeGraphRunner:
         self.attention_impl = attention_impl
         self.before_capture = before_capture
         n = self.buckets[-1]
-        i64 = dict(dtype=torch.int64, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
-        self.ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slots = torch.full((n,), self.scratch_slot, **i64)
-        self.block_tables = torch.full((n, max_blocks), scratch_block, **i32)
-        self.ctx_lens = torch.ones(n, **i32)
+        # every input of a step in one device buffer, staged from one pinned host buffer of
+        # the same layout and copied in one go: [ids | positions | slots] as int64 (3 n),
+        # then [block table row | context length] as int32 (n rows of max_blocks + 1)
+        words = 3 * n * 2 + n * (max_blocks + 1)  # in int32 words
         pin = device.type == "cuda"
-        # host staging: one row of int64 per input, copied to the device in one go per buffer
-        self._host_vec = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)
-        self._host_tables = torch.zeros(n, max_blocks + 1, dtype=torch.int32, pin_memory=pin)
+        self._host = torch.zeros(words, dtype=torch.int32, pin_memory=pin)
+        self._dev = torch.zeros(words, dtype=torch.int32, device=device)
+        dev64 = self._dev[: 6 * n].view(torch.int64).view(3, n)
+        dev_tables = self._dev[6 * n :].view(n, max_blocks + 1)
+        self.ids, self.positions, self.slots = dev64[0], dev64[1], dev64[2]
+        self.block_tables = dev_tables[:, :max_blocks]
+        self.ctx_lens = dev_tables[:, max_blocks]
+        self._host_vec = self._host[: 6 * n].view(torch.int64).view(3, n)
+        self._host_tables = self._host[6 * n :].view(n, max_blocks + 1)
+        self.slots.fill_(self.scratch_slot)
+        self.block_tables.fill_(scratch_block)
+        self.ctx_lens.fill_(1)
+        self._host.copy_(self._dev.cpu())
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, dict[str, torch.Tensor]] = {}
         self.capture_seconds = 0.0
@@ -148,12 +155,8 @@ class DecodeGraphRunner:
             row = tables[i]
             row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             row[self.max_blocks] = s.ctx_len
-        self.ids[:b].copy_(vec[0, :b], non_blocking=True)
-        self.positions[:b].copy_(vec[1, :b], non_blocking=True)
-        self.slots[:b].copy_(vec[2, :b], non_blocking=True)
-        staged = tables[:b].to(self.device, non_blocking=True)
-        self.block_tables[:b].copy_(staged[:, : self.max_blocks])
-        self.ctx_lens[:b].copy_(staged[:, self.max_blocks])
+        used = 6 * self.buckets[-1] + b * (self.max_blocks + 1)  # the int64 inputs and b table rows
+        self._dev[:used].copy_(self._host[:used], non_blocking=True)
         self.graphs[b].replay()
         self.replays += 1
         return self.outputs[b]["hidden"][:B]
