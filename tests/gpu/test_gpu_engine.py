@@ -120,8 +120,15 @@ def test_memory_limit_refuses_with_sizes(backend):
         _engine(backend, dtype="bfloat16", moe_cpu_layers="0", gpu_memory_limit=1 << 20)
 
 
-@pytest.mark.parametrize("fault,graphs_expected", [("kernel_io@graph:stale", False)])
-def test_qualification_fault_turns_graphs_off(backend, monkeypatch, fault, graphs_expected):
+@pytest.mark.parametrize("fault,io_path,graphs_expected", [
+    ("kernel_io@graph:stale", "kernel_io", False),  # replay wrong only: graphs off, KernelIO kept
+    ("kernel_io:stale", "copy", True),  # KernelIO wrong eagerly: the copy path, graphs on
+    ("kernel_io:stale,copy@graph:stale", "copy", False),  # the copy path's replay wrong too: graphs off
+])
+def test_qualification_fault_decides_path_and_graphs(backend, reference, monkeypatch, fault, io_path,
+                                                     graphs_expected):
+    """Each injected fault through the real engine start: the path and graphs the policy
+    picks, a warning saying why, and a model that still decodes like the CPU backend."""
     monkeypatch.setenv("FREETOKEN_FAULT_INJECT", fault)
     from freetoken.moe import qualify
 
@@ -129,16 +136,21 @@ def test_qualification_fault_turns_graphs_off(backend, monkeypatch, fault, graph
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all")
     try:
         info = eng.backend_info()
-        assert info["graphs"] is graphs_expected, info
+        assert info["io_path"] == io_path and info["graphs"] is graphs_expected, info
         assert info["warnings"], info
+        # the fault stays injected while serving: the chosen path must avoid it
+        got = _run(eng, PROMPTS[:3])
     finally:
         eng.close()
+    _check(got, reference[:3], 5e-2)
 
 
-def test_qualification_eager_error_refuses_start(backend, monkeypatch):
+@pytest.mark.parametrize("fault", ["kernel_io:error", "kernel_io:stale,copy:stale", "kernel_io:error,copy:error"])
+def test_qualification_eager_error_refuses_start(backend, monkeypatch, fault):
+    """An API error, or every path wrong eagerly: the engine refuses to start."""
     from freetoken.moe.qualify import QualificationError
 
-    monkeypatch.setenv("FREETOKEN_FAULT_INJECT", "kernel_io:error,copy:error")
+    monkeypatch.setenv("FREETOKEN_FAULT_INJECT", fault)
     with pytest.raises(QualificationError):
         _engine(backend, dtype="bfloat16", moe_cpu_layers="all")
 
