@@ -148,9 +148,11 @@ def test_qualification_fault_decides_path_and_graphs(backend, reference, monkeyp
 @pytest.mark.parametrize("fault", ["kernel_io:error", "kernel_io:stale,copy:stale", "kernel_io:error,copy:error"])
 def test_qualification_eager_error_refuses_start(backend, monkeypatch, fault):
     """An API error, or every path wrong eagerly: the engine refuses to start."""
+    from freetoken.moe import qualify
     from freetoken.moe.qualify import QualificationError
 
     monkeypatch.setenv("FREETOKEN_FAULT_INJECT", fault)
+    qualify.LAST_RESULTS.clear()
     with pytest.raises(QualificationError):
         _engine(backend, dtype="bfloat16", moe_cpu_layers="all")
 
