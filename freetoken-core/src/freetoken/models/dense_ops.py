@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from freetoken.models.layers import rms_norm, rms_norm_heads
+from freetoken.models.layers import Rotary, rms_norm, rms_norm_heads
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class DenseOps:
         raise NotImplementedError
 
     def qk_norm_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
-                           k_weight: torch.Tensor, qk_weight: Optional[torch.Tensor], rotary: "object",
+                           k_weight: torch.Tensor, qk_weight: Optional[torch.Tensor], rotary: Rotary,
                            positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slots: torch.Tensor, eps: float) -> torch.Tensor:  # fmt: skip
         """Per-head RMSNorm (weights ``[D]``) and NeoX RoPE at ``positions`` of ``q``
