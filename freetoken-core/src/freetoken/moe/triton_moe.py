@@ -86,6 +86,19 @@ ACT_CODES = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 GELU_2C = tl.constexpr(2.0 * 0.7978845608028654)
 
 
+@triton.jit
+def activate(g, u, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """The gated activation of gate ``g`` and up ``u`` (float32), by :data:`ACT_CODES`."""
+    if ACT == 0:  # silu
+        return g * tl.sigmoid(g) * u
+    elif ACT == 1:  # gelu (tanh approximation)
+        return g * tl.sigmoid(GELU_2C * (g + 0.044715 * g * g * g)) * u
+    else:  # swiglu_oai: clamped gate and up, up + 1
+        gc = tl.minimum(g, LIMIT)
+        uc = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        return gc * tl.sigmoid(ALPHA * gc) * (uc + 1.0)
+
+
 @triton.jit(do_not_specialize=["T", "K"])
 def _gate_up_kernel(
     x_ptr, ids_ptr, gate_ptr, up_ptr, h_ptr, y_ptr,
@@ -129,14 +142,7 @@ def _gate_up_kernel(
             xt = xt.to(g.dtype)
             acc_g = tl.dot(xt, tl.trans(g), acc_g, input_precision=PRECISION)
             acc_u = tl.dot(xt, tl.trans(u), acc_u, input_precision=PRECISION)
-        if ACT == 0:  # silu
-            act = acc_g * tl.sigmoid(acc_g) * acc_u
-        elif ACT == 1:  # gelu (tanh approximation)
-            act = acc_g * tl.sigmoid(GELU_2C * (acc_g + 0.044715 * acc_g * acc_g * acc_g)) * acc_u
-        else:  # swiglu_oai: clamped gate and up, up + 1
-            gc = tl.minimum(acc_g, LIMIT)
-            uc = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
-            act = gc * tl.sigmoid(ALPHA * gc) * (uc + 1.0)
+        act = activate(acc_g, acc_u, ACT, ALPHA, LIMIT)
         h_off = (offs_t * K + slot)[:, None] * I + offs_i[None, :]
         tl.store(h_ptr + h_off, act.to(h_ptr.dtype.element_ty), mask=tok[:, None] & i_ok[None, :])
 
@@ -213,14 +219,7 @@ def _gate_up_routes_kernel(
             acc_u += u * xt[None, :]
         gs = tl.sum(acc_g, axis=1)
         us = tl.sum(acc_u, axis=1)
-        if ACT == 0:  # silu
-            act = gs * tl.sigmoid(gs) * us
-        elif ACT == 1:  # gelu (tanh approximation)
-            act = gs * tl.sigmoid(GELU_2C * (gs + 0.044715 * gs * gs * gs)) * us
-        else:  # swiglu_oai: clamped gate and up, up + 1
-            gc = tl.minimum(gs, LIMIT)
-            uc = tl.minimum(tl.maximum(us, -LIMIT), LIMIT)
-            act = gc * tl.sigmoid(ALPHA * gc) * (uc + 1.0)
+        act = activate(gs, us, ACT, ALPHA, LIMIT)
         tl.store(h_ptr + r.to(tl.int64) * I + offs_i, act.to(h_ptr.dtype.element_ty), mask=i_ok)
 
 
