@@ -7,23 +7,9 @@
 # Usage (from the repository root): bash tests/gpu/device_run.sh [tests|bench|all]
 set -uo pipefail
 WHAT=${1:-all}
-OUT=${OUT:-/tmp/ft-out}
-mkdir -p "$OUT"
-unset TRITON_INTERPRET  # compiled Triton kernels on the GPU (the interpreter is for CPU CI)
-export PYTHONUNBUFFERED=1 FREETOKEN_CUDA_ARCH=${FREETOKEN_CUDA_ARCH:-90}
-# one Triton cache for pytest, doctor and the bench processes: each kernel variant compiles once
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/ft-triton-cache}
-T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+source tests/gpu/device_setup.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee "$OUT/versions.txt"
-if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (gguf, fastapi, uvicorn, openai: tests/gpu/wheels.txt)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$OUT/build.log" 2>&1 && export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e ./freetoken-core -e ./freetoken-cpu-moe -e ./freetoken-cuda \
-  >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-stamp "build done"
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   timeout ${PYTEST_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -v -rs -m "gpu or not gpu" tests/gpu tests/qualify \
     tests/engine/test_dequant.py -o addopts="" --timeout 240 --durations=15 -o log_cli=false 2>&1 > "$OUT/pytest.log"

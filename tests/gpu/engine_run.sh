@@ -6,17 +6,7 @@
 # Usage (repository root, .whl carried): bash tests/gpu/engine_run.sh [tests|bench|all] [LAYERS]
 set -uo pipefail
 WHAT=${1:-all}; LAYERS=${2:-48}
-OUT=${OUT:-/tmp/ft-out}; mkdir -p "$OUT"
-unset TRITON_INTERPRET
-export PYTHONUNBUFFERED=1 FREETOKEN_CUDA_ARCH=${FREETOKEN_CUDA_ARCH:-90} TRITON_CACHE_DIR=/tmp/ft-triton-cache
-T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$OUT/build.log" 2>&1 && export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e ./freetoken-core -e ./freetoken-cpu-moe -e ./freetoken-cuda \
-  >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-stamp "build done"
+source tests/gpu/device_setup.sh || exit 1
 if [ "$WHAT" != bench ]; then
   timeout 330 python3 -m pytest -p no:cacheprovider -q -rs -m "gpu or not gpu" tests/gpu/test_gpu_engine.py \
     tests/gpu/test_decode_attention.py tests/engine/test_dequant.py -o addopts="" --timeout 240 -x \

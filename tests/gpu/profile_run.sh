@@ -6,17 +6,7 @@
 set -uo pipefail
 LAYERS=${1:-24}; shift || true
 PLACEMENTS=${*:-all 0}
-OUT=${OUT:-/tmp/ft-out}; mkdir -p "$OUT"
-unset TRITON_INTERPRET
-export PYTHONUNBUFFERED=1 FREETOKEN_CUDA_ARCH=${FREETOKEN_CUDA_ARCH:-90} TRITON_CACHE_DIR=/tmp/ft-triton-cache
-T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$OUT/build.log" 2>&1 && export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e ./freetoken-core -e ./freetoken-cpu-moe -e ./freetoken-cuda \
-  >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-stamp "build done"
+source tests/gpu/device_setup.sh || exit 1
 if [ -n "${TESTS:-}" ]; then  # GPU test files to run first, e.g. TESTS="tests/gpu/test_dense_ops.py"
   timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -q -rs -m "gpu or not gpu" $TESTS -o addopts="" \
     > "$OUT/pytest.log" 2>&1
