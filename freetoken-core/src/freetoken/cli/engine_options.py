@@ -142,6 +142,7 @@ class _Option:
     type: Optional[Callable[[str], Any]] = None
     metavar: Optional[str] = None
     flag_only: bool = False  # store_true
+    turns_off: bool = False  # with flag_only: store_false (the field is on by default)
 
 
 _OPTIONS: tuple[_Option, ...] = (
@@ -183,6 +184,9 @@ _OPTIONS: tuple[_Option, ...] = (
             "most GPU memory this process may use: bytes or a size like 16GiB, 24G, 1.5GiB "
             "(K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000) (default: {default})",
             byte_size, "SIZE"),
+    _Option("enable_prefix_cache", "--no-prefix-cache",
+            "compute every prompt in full instead of reusing the KV blocks of a prefix an earlier request "
+            "computed (default: prefix caching on)", flag_only=True, turns_off=True),
 )
 
 #: Flag of each EngineConfig field the shared options set.
@@ -238,7 +242,8 @@ def add_engine_arguments(
                 shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
             help_text = opt.help.replace("{default}", shown)
         if opt.flag_only:
-            group.add_argument(opt.flag, dest=opt.field, action="store_true", default=bool(default), help=help_text)
+            action = "store_false" if opt.turns_off else "store_true"
+            group.add_argument(opt.flag, dest=opt.field, action=action, default=bool(default), help=help_text)
         else:
             group.add_argument(opt.flag, dest=opt.field, type=opt.type, default=default, metavar=opt.metavar,
                                help=help_text)

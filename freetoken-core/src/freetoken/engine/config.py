@@ -19,6 +19,8 @@ class EngineConfig:
     for ``max_running_requests`` full-length sequences, capped by a quarter of the
     RAM left after the weights). ``prefill_chunk`` is the most prompt tokens one step
     computes, so a long prompt does not stall running decodes.
+    ``enable_prefix_cache`` shares the full KV blocks of equal token prefixes between
+    requests (:mod:`freetoken.engine.prefix_cache`).
     """
 
     model: Optional[str] = None
@@ -39,6 +41,7 @@ class EngineConfig:
     cuda_graph_bs: Optional[list[int]] = None
     gpu_memory_utilization: Optional[float] = None
     gpu_memory_limit: Optional[int] = None
+    enable_prefix_cache: bool = True
 
     def backend_options(self, act_dtype: Any) -> EngineOptions:
         """What the backend's model session acts on."""

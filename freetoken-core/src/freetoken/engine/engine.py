@@ -17,6 +17,7 @@ from freetoken.engine.config import EngineConfig
 from freetoken.engine.constraints import TokenConstraint
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.outputs import StreamDelta
+from freetoken.engine.prefix_cache import PrefixCache
 from freetoken.engine.request import Request, Status, new_request_id
 from freetoken.engine.sampling import sample
 from freetoken.engine.sampling_params import SamplingParams
@@ -40,6 +41,10 @@ class EngineStats:
     num_preemptions: int = 0
     requests_added: int = 0  # requests ever added to the engine
     prompt_tokens_added: int = 0  # their prompt tokens
+    prompt_tokens_computed: int = 0  # prompt positions run through the model (recomputation included)
+    prefix_cache_queries: int = 0  # prompt tokens of admitted requests, looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found in the cache (not computed)
+    kv_cached_tokens: int = 0  # KV tokens in cached blocks no request uses (reusable)
 
 
 def _resolve_backend(name: Optional[str]) -> Any:
@@ -124,12 +129,14 @@ class LLMEngine:
                 "raise kv_cache_tokens"
             )
         self.max_model_len = min(ctx, self.kv.total_tokens)
-        self.scheduler = Scheduler(self.kv, config.max_running_requests, config.prefill_chunk)
+        self.prefix_cache = PrefixCache(self.kv, enabled=config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.prefix_cache, config.max_running_requests, config.prefill_chunk)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._logits_observers: list[LogitsObserver] = []
         self.num_requests_added = 0  # lifetime counters (metrics)
         self.prompt_tokens_added = 0
+        self.prompt_tokens_computed = 0
         self.session.start(self.model, self.kv)
 
     def add_logits_observer(self, observer: LogitsObserver) -> Callable[[], None]:
@@ -197,7 +204,8 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
-        used = self.kv.used_blocks * self.kv.block_size
+        cached = self.prefix_cache.num_cached_free * self.kv.block_size
+        used = self.kv.used_blocks * self.kv.block_size - cached
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -207,6 +215,10 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             requests_added=self.num_requests_added,
             prompt_tokens_added=self.prompt_tokens_added,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            prefix_cache_queries=self.scheduler.prefix_queries,
+            prefix_cache_hits=self.scheduler.prefix_hits,
+            kv_cached_tokens=cached,
         )
 
     def backend_info(self) -> dict[str, Any]:
@@ -264,14 +276,14 @@ class LLMEngine:
             while req.num_computed < len(prompt_ids):
                 n = min(chunk, len(prompt_ids) - req.num_computed)
                 need = self.kv.blocks_for(req.num_computed + n) - len(req.blocks)
-                req.blocks.extend(self.kv.allocate(need))
+                req.blocks.extend(self.prefix_cache.allocate(need))
                 batch = [Scheduled(req, n, False)]
                 ids, pos, meta = self._metadata(batch)
                 hidden = self.session.forward(ids, pos, meta)
                 out.append(self.model.compute_logits(hidden))
                 req.num_computed += n
         finally:
-            self.kv.free(req.reset_blocks())
+            self.prefix_cache.release(req.reset_blocks())
         return torch.cat(out)
 
     @torch.inference_mode()
@@ -284,7 +296,10 @@ class LLMEngine:
         hidden = self.session.forward(ids, pos, meta)
         samplers = [s for s in batch if s.sample]
         for s in batch:
-            s.request.num_computed += s.num_tokens
+            r = s.request
+            self.prompt_tokens_computed += max(0, min(s.num_tokens, len(r.prompt_ids) - r.num_computed))
+            r.num_computed += s.num_tokens
+        self.scheduler.computed(batch)
         deltas: list[StreamDelta] = []
         if samplers:
             rows = [seq.q_start + seq.q_len - 1 for seq, s in zip(meta.seqs, batch) if s.sample]

@@ -22,7 +22,8 @@ class StreamDelta:
     ``text`` is the newly *finalised* text (held back while it may still be the
     prefix of a stop string or an incomplete UTF-8 sequence). ``finish_reason`` is
     set on the last delta: "stop" (EOS, stop string or stop token), "length"
-    (max_tokens or context), "abort" (cancelled) or "error".
+    (max_tokens or context), "abort" (cancelled) or "error". ``cached_tokens``: prompt
+    tokens whose K/V came from the prefix cache instead of being computed.
     """
 
     request_id: str
@@ -33,6 +34,7 @@ class StreamDelta:
     finish_reason: Optional[str] = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass

@@ -82,6 +82,9 @@ class Request:
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.blocks: list[int] = []
         self._table: Optional[torch.Tensor] = None
+        self.block_keys: list[bytes] = []  # prefix-cache keys of its full blocks (engine/prefix_cache.py)
+        self.num_registered = 0  # leading blocks registered in (or attached from) the prefix cache
+        self.cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache at first admission
         self.generator = generator
         limit = max_model_len - len(self.prompt_ids)
         self.max_new = limit if params.max_tokens is None else min(params.max_tokens, limit)
@@ -120,9 +123,10 @@ class Request:
         return self._table
 
     def reset_blocks(self) -> list[int]:
-        """Drop the KV state (preemption): everything will be recomputed."""
+        """Drop the KV state (preemption, finish): the caller releases the blocks."""
         blocks, self.blocks, self._table = self.blocks, [], None
         self.num_computed = 0
+        self.num_registered = 0
         return blocks
 
     # --------------------------------------------------------------- outputs
@@ -215,6 +219,7 @@ class Request:
             finish_reason=self.finish_reason if finished else None,
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
+            cached_tokens=self.cached_tokens or 0,
         )
         self.pending_ids = []
         self.pending_logprobs = []

@@ -5,7 +5,13 @@ Each step: every running request that is decoding computes one token; prompts
 so a long prompt is spread over several steps instead of stalling the decodes.
 Requests join (from the waiting queue) and leave (finished/aborted) between steps.
 When the cache runs out of blocks, the most recently admitted request is preempted:
-its blocks are freed and it is recomputed later from its tokens.
+its blocks are released and it is recomputed later from its tokens.
+
+Blocks come from the :class:`~freetoken.engine.prefix_cache.PrefixCache`. At admission a
+request attaches the longest cached prefix of its tokens and computes only the rest;
+after each step the full blocks it has computed are registered for later requests.
+Releasing a request's blocks (finish, abort, preemption) drops its references: a block
+another request still uses is never freed.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import dataclasses
 import logging
 from typing import Optional
 
-from freetoken.engine.kv_cache import KVCache
+from freetoken.engine.prefix_cache import PrefixCache
 from freetoken.engine.request import Request, Status
 
 logger = logging.getLogger(__name__)
@@ -29,13 +35,16 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_running: int, prefill_chunk: int) -> None:
-        self.kv = kv
+    def __init__(self, cache: PrefixCache, max_running: int, prefill_chunk: int) -> None:
+        self.cache = cache
+        self.block_size = cache.block_size
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens of first admissions (looked up in the prefix cache)
+        self.prefix_hits = 0  # of those, tokens found cached
 
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
@@ -54,25 +63,49 @@ class Scheduler:
         return None
 
     def remove(self, req: Request) -> None:
-        """Take a finished or aborted request out and free its blocks."""
+        """Take a finished or aborted request out and release its blocks."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req.reset_blocks())
+        self.cache.release(req.reset_blocks())
+
+    def computed(self, batch: list[Scheduled]) -> None:
+        """After a step (``num_computed`` advanced): register the full blocks it completed."""
+        for s in batch:
+            self.cache.register(s.request)
 
     def _grow(self, req: Request, tokens: int) -> bool:
-        need = self.kv.blocks_for(tokens) - len(req.blocks)
+        need = (tokens + self.block_size - 1) // self.block_size - len(req.blocks)
         if need <= 0:
             return True
-        if need > self.kv.free_blocks:
+        if need > self.cache.num_available:
             return False
-        req.blocks.extend(self.kv.allocate(need))
+        req.blocks.extend(self.cache.allocate(need))
         return True
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Attach the request's cached prefix and allocate blocks for its next chunk;
+        returns the chunk's tokens, 0 (nothing attached) if the blocks are not there."""
+        if not req.blocks:
+            hit = self.cache.match(req)
+            self.cache.attach(hit)
+            req.blocks = hit
+            req.num_computed = len(hit) * self.block_size
+            req.num_registered = len(hit)
+        n = min(req.remaining, budget)
+        if not self._grow(req, req.num_computed + n):
+            self.cache.release(req.reset_blocks())
+            return 0
+        if req.cached_tokens is None:
+            req.cached_tokens = req.num_computed
+            self.prefix_queries += len(req.prompt_ids)
+            self.prefix_hits += req.num_computed
+        return n
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
-        self.kv.free(victim.reset_blocks())
+        self.cache.release(victim.reset_blocks())
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
@@ -107,8 +140,8 @@ class Scheduler:
         # 3. admit waiting requests
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             r = self.waiting[0]
-            n = min(r.remaining, budget)
-            if not self._grow(r, r.num_computed + n):
+            n = self._admit(r, budget)
+            if n == 0:
                 break
             self.waiting.popleft()
             r.status = Status.RUNNING
