@@ -18,6 +18,7 @@ from freetoken.server.generation import (
     ChoiceStreams,
     ClientDisconnected,
     build_params,
+    cached_prompt_tokens,
     choice_seed,
     collect,
     resolve_max_tokens,
@@ -111,8 +112,8 @@ async def create_chat_completion(request: Request) -> Response:
     completion_tokens = sum(len(r.token_ids) for r in results.values())
     response = ChatCompletionResponse(
         id=request_id, model=model, system_fingerprint=common["fingerprint"], choices=choices,
-        usage=UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens,
-                        total_tokens=len(prompt_ids) + completion_tokens),
+        usage=UsageInfo.of(len(prompt_ids), completion_tokens,
+                           cached_prompt_tokens({i: r.cached_tokens for i, r in results.items()}, lambda i: 0)),
     )
     return JSONResponse(response.model_dump(mode="json"))
 
@@ -123,7 +124,7 @@ async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams
     created = int(time.time())
     top_n = req.top_logprobs or 0
 
-    def chunk(choices: list[dict[str, Any]], usage: Optional[dict[str, int]] = None) -> str:
+    def chunk(choices: list[dict[str, Any]], usage: Optional[dict[str, Any]] = None) -> str:
         payload: dict[str, Any] = {
             "id": common["id"], "object": "chat.completion.chunk", "created": created, "model": common["model"],
             "system_fingerprint": common["fingerprint"], "choices": choices,
@@ -136,9 +137,11 @@ async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
     completion_tokens = 0
+    cached: dict[int, int] = {}
     sent = 0
     async for index, delta in streams:
         completion_tokens += len(delta.token_ids)
+        cached[index] = delta.cached_tokens
         if delta.text or (req.logprobs and delta.logprobs):
             logprobs = {"content": chat_logprobs(delta.logprobs, text_of, top_n)} if req.logprobs else None
             yield chunk([{"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
@@ -151,6 +154,6 @@ async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams
                 raise RuntimeError(f"engine reported an error for choice {index}")
             yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}])
     if include_usage:
-        yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                         "total_tokens": prompt_tokens + completion_tokens})
+        usage = UsageInfo.of(prompt_tokens, completion_tokens, cached_prompt_tokens(cached, lambda i: 0))
+        yield chunk([], usage.model_dump(mode="json"))
     yield DONE

@@ -18,6 +18,7 @@ from freetoken.server.generation import (
     ChoiceStreams,
     ClientDisconnected,
     build_params,
+    cached_prompt_tokens,
     choice_seed,
     collect,
     resolve_max_tokens,
@@ -148,8 +149,8 @@ async def create_completion(request: Request) -> Response:
     completion_tokens = sum(len(r.token_ids) for r in results.values())
     response = CompletionResponse(
         id=request_id, model=model, system_fingerprint=fingerprint, choices=choices,
-        usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                        total_tokens=prompt_tokens + completion_tokens),
+        usage=UsageInfo.of(prompt_tokens, completion_tokens, cached_prompt_tokens(
+            {i: r.cached_tokens for i, r in results.items()}, lambda i: i // req.n)),
     )
     return JSONResponse(response.model_dump(mode="json"))
 
@@ -160,7 +161,7 @@ async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams
     created = int(time.time())
     builders = {i: builder(i) for i in range(n_choices)}
 
-    def chunk(choices: list[dict[str, Any]], usage: Optional[dict[str, int]] = None) -> str:
+    def chunk(choices: list[dict[str, Any]], usage: Optional[dict[str, Any]] = None) -> str:
         payload: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
                                    "model": model, "system_fingerprint": fingerprint, "choices": choices}
         if include_usage:
@@ -173,9 +174,11 @@ async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams
             yield chunk([{"index": i, "text": _prompt_text(prompt_of[i], tokenizer),
                           "logprobs": b.take() if b is not None else None, "finish_reason": None}])
     completion_tokens = 0
+    cached: dict[int, int] = {}
     sent = 0
     async for index, delta in streams:
         completion_tokens += len(delta.token_ids)
+        cached[index] = delta.cached_tokens
         b = builders[index]
         if b is not None:
             b.add(delta.logprobs)
@@ -188,6 +191,6 @@ async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams
             if sent == 1:
                 maybe_fail(request, holder, "stream")
     if include_usage:
-        yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                         "total_tokens": prompt_tokens + completion_tokens})
+        usage = UsageInfo.of(prompt_tokens, completion_tokens, cached_prompt_tokens(cached, lambda i: i // req.n))
+        yield chunk([], usage.model_dump(mode="json"))
     yield DONE

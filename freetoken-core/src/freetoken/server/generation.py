@@ -55,8 +55,10 @@ class ChoiceResult:
     text: str = ""
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     finish_reason: Optional[str] = None
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
     def add(self, delta: StreamDelta) -> None:
+        self.cached_tokens = delta.cached_tokens
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
         self.logprobs.extend(delta.logprobs)
@@ -267,6 +269,17 @@ class ChoiceStreams:
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
+
+
+def cached_prompt_tokens(cached: dict[int, int], prompt_of_choice: Callable[[int], int]) -> int:
+    """``usage.prompt_tokens_details.cached_tokens``: prompt tokens are counted once per
+    prompt, so per prompt the fewest cached tokens among its choices (``cached``: per
+    choice index; ``prompt_of_choice``: choice index -> prompt index)."""
+    per_prompt: dict[int, int] = {}
+    for index, n in cached.items():
+        p = prompt_of_choice(index)
+        per_prompt[p] = min(n, per_prompt.get(p, n))
+    return sum(per_prompt.values())
 
 
 async def collect(streams: ChoiceStreams, results: dict[int, ChoiceResult]) -> None:

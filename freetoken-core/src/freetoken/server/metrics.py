@@ -34,6 +34,8 @@ class _EngineCollector(Collector):
             "freetoken_kv_cache_usage_ratio": ("Fraction of KV cache tokens in use (0..1).", "kv_cache_usage"),
             "freetoken_kv_cache_used_tokens": ("KV cache tokens in use.", "kv_used_tokens"),
             "freetoken_kv_cache_total_tokens": ("KV cache capacity in tokens.", "kv_total_tokens"),
+            "freetoken_prefix_cache_cached_tokens": ("KV cache tokens held only by the prefix cache (no request "
+                                                     "uses them; reused or evicted).", "kv_cached_tokens"),
         }
         for name, (doc, attr) in values.items():
             family = GaugeMetricFamily(name, doc)
@@ -44,6 +46,10 @@ class _EngineCollector(Collector):
             "freetoken_engine_requests": ("Requests added to the engine (one per choice).", "requests_added"),
             "freetoken_engine_prompt_tokens": ("Prompt tokens of the requests added to the engine.",
                                                "prompt_tokens_added"),
+            "freetoken_prefix_cache_queries": ("Prompt tokens of admitted requests looked up in the prefix cache "
+                                               "(hit rate: hits / queries).", "prefix_cache_queries"),
+            "freetoken_prefix_cache_hits": ("Prompt tokens found in the prefix cache (not computed).",
+                                            "prefix_cache_hits"),
         }
         for name, (doc, attr) in counters.items():
             value = getattr(stats, attr, None) if stats is not None else None
