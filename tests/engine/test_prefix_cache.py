@@ -266,7 +266,8 @@ def test_no_leaks_with_aborts_and_preemption(checkpoint):
     live: list[str] = []
     for i in range(60):
         if rng.random() < 0.6:
-            ids = rng.choice(prefixes)[: rng.randrange(1, 21)] + [rng.randrange(160) for _ in range(rng.randrange(0, 12))]
+            tail = [rng.randrange(160) for _ in range(rng.randrange(0, 12))]
+            ids = rng.choice(prefixes)[: rng.randrange(1, 21)] + tail
             params = SamplingParams(max_tokens=rng.randrange(1, 16), temperature=0.0, ignore_eos=True)
             live.append(eng.add_request(ids, params).request_id)
         if live and rng.random() < 0.2:

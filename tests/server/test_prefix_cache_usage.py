@@ -27,7 +27,8 @@ def http(server: Any) -> httpx.Client:
 
 
 def _chat(http: httpx.Client, messages: list[dict[str, str]], **kw: Any) -> Any:
-    body = {"model": "freetoken-demo", "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **kw}
+    body = {"model": "freetoken-demo", "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            **kw}
     resp = http.post("/v1/chat/completions", json=body)
     assert resp.status_code == 200, resp.text
     return resp
