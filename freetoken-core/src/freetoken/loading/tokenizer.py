@@ -58,6 +58,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.source = source
         self._template: Any = None
+        self._renders_tools: Optional[bool] = None
 
     has_text = True
 
@@ -79,7 +80,26 @@ class Tokenizer:
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template reads the ``tools`` variable (tool definitions reach the model)."""
+        if not self.chat_template:
+            return False
+        if self._renders_tools is None:
+            import jinja2.meta
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            try:
+                ast = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(self.chat_template)
+                self._renders_tools = "tools" in jinja2.meta.find_undeclared_variables(ast)
+            except Exception:  # a template that does not parse fails later, when rendered
+                self._renders_tools = False
+        return self._renders_tools
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict[str, Any]]] = None) -> str:
+        """Render ``messages`` with the chat template. ``tools``: OpenAI-style tool definitions
+        (``{"type": "function", "function": {...}}``), passed to the template as transformers does."""
         msgs = validate_messages(messages)
         if not self.chat_template:
             raise ValueError(f"{self.source or 'this model'} has no chat template; send a plain prompt instead")
@@ -93,7 +113,7 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
-                tools=None,
+                tools=tools or None,
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template error: {exc}") from exc
@@ -127,7 +147,8 @@ class IdsOnlyTokenizer(Tokenizer):
     def token_to_id(self, token: str) -> Optional[int]:
         return None
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict[str, Any]]] = None) -> str:
         raise self._refuse()
 
 

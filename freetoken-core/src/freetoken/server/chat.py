@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from freetoken.server.chat_tools import ChatTools, StreamedCalls, finish_reason_with_calls, template_messages
 from freetoken.server.errors import APIError, parse_body
 from freetoken.server.faults import maybe_fail
 from freetoken.server.generation import (
@@ -40,16 +41,17 @@ from freetoken.server.state import EngineHolder
 CLIENT_CLOSED = 499
 
 
-def render_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
-    """Messages -> prompt token ids through the model's chat template."""
+def render_prompt(req: ChatCompletionRequest, tokenizer: Any, tools: Optional[ChatTools] = None) -> list[int]:
+    """Messages (and tool definitions) -> prompt token ids through the model's chat template."""
     if not getattr(tokenizer, "has_text", True):
         raise APIError(400, "This model has no text tokenizer; use /v1/completions with token-id prompts.",
                        param="messages", code="no_tokenizer")
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
-    ]
+    messages = template_messages(req)
     try:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if tools is not None:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools.definitions)
+        else:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except ValueError as exc:
         raise APIError(400, f"messages cannot be rendered with the model's chat template: {exc}",
                        param="messages", code="invalid_messages") from None
@@ -63,7 +65,8 @@ async def create_chat_completion(request: Request) -> Response:
     engine = holder.require_engine()
     model = holder.check_model(req.model)
     json_mode = req.response_format is not None and req.response_format.type == "json_object"
-    prompt_ids = render_prompt(req, engine.tokenizer)
+    tools = ChatTools(req, engine.tokenizer) if req.tool_choice_mode() != "none" else None
+    prompt_ids = render_prompt(req, engine.tokenizer, tools)
     max_tokens = resolve_max_tokens(req.requested_max_tokens(), len(prompt_ids), engine.max_model_len, "messages")
     top_n = req.top_logprobs or 0
     jobs = [
@@ -71,7 +74,8 @@ async def create_chat_completion(request: Request) -> Response:
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             min_p=req.min_p, seed=choice_seed(req.seed, i), presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-            stop=req.stop_list(), ignore_eos=req.ignore_eos, logprobs=req.logprobs, top_logprobs=top_n,
+            stop=req.stop_list() + (tools.stop_strings() if tools else []), ignore_eos=req.ignore_eos,
+            logprobs=req.logprobs, top_logprobs=top_n,
         ))
         for i in range(req.n)
     ]
@@ -82,6 +86,13 @@ async def create_chat_completion(request: Request) -> Response:
             raise APIError(400, problem, param="response_format", code="unsupported_response_format")
         for job in jobs:
             job.json_object = True
+    if tools is not None and tools.constraint() is not None:
+        problem = await asyncio.get_running_loop().run_in_executor(None, check_json_support, engine.tokenizer)
+        if problem:
+            raise APIError(400, problem.replace("response_format json_object", "a forced tool call"),
+                           param="tool_choice", code="unsupported_tool_choice")
+        for job in jobs:
+            job.constraint = tools.constraint()
     maybe_fail(request, holder, "before")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = ChoiceStreams(engine, jobs, request_id, holder.metrics, arrival, holder.active)
@@ -93,7 +104,7 @@ async def create_chat_completion(request: Request) -> Response:
     text_of = TokenText(engine.tokenizer)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = _stream(request, holder, streams, req, common, len(prompt_ids), text_of, include_usage)
+        chunks = _stream(request, holder, streams, req, common, len(prompt_ids), text_of, include_usage, tools)
         return sse_response(chunks, request_id)
 
     results = {i: ChoiceResult(i, len(prompt_ids)) for i in range(req.n)}
@@ -105,10 +116,9 @@ async def create_chat_completion(request: Request) -> Response:
     for i in range(req.n):
         res = results[i]
         logprobs = ChatChoiceLogprobs(content=chat_logprobs(res.logprobs, text_of, top_n)) if req.logprobs else None
-        choices.append(ChatCompletionChoice(
-            index=i, message=ChatResponseMessage(content=res.text), logprobs=logprobs,
-            finish_reason=res.finish_reason,
-        ))
+        message, finish_reason = (tools.message(res.text, res.finish_reason) if tools
+                                  else (ChatResponseMessage(content=res.text), res.finish_reason))
+        choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=finish_reason))
     completion_tokens = sum(len(r.token_ids) for r in results.values())
     response = ChatCompletionResponse(
         id=request_id, model=model, system_fingerprint=common["fingerprint"], choices=choices,
@@ -120,7 +130,7 @@ async def create_chat_completion(request: Request) -> Response:
 
 async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams, req: ChatCompletionRequest,
                   common: dict[str, Any], prompt_tokens: int, text_of: TokenText,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, tools: Optional[ChatTools] = None) -> AsyncIterator[str]:
     created = int(time.time())
     top_n = req.top_logprobs or 0
 
@@ -136,23 +146,31 @@ async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams
     for i in range(req.n):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
+    calls = {i: StreamedCalls(tools.parser()) for i in range(req.n)} if tools else {}
     completion_tokens = 0
     cached: dict[int, int] = {}
     sent = 0
     async for index, delta in streams:
         completion_tokens += len(delta.token_ids)
         cached[index] = delta.cached_tokens
-        if delta.text or (req.logprobs and delta.logprobs):
-            logprobs = {"content": chat_logprobs(delta.logprobs, text_of, top_n)} if req.logprobs else None
-            yield chunk([{"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
-                          "finish_reason": None}])
+        deltas = calls[index].deltas(delta.text, delta.finished) if tools else (
+            [{"content": delta.text}] if delta.text else [])
+        if req.logprobs and delta.logprobs and not any("content" in d for d in deltas):
+            deltas.insert(0, {"content": ""})  # log-probabilities of held-back text ride on an empty content delta
+        lp_pending = req.logprobs
+        for d in deltas:
+            logprobs = None
+            if lp_pending and "content" in d:  # the step's log-probabilities go with its first content delta
+                logprobs, lp_pending = {"content": chat_logprobs(delta.logprobs, text_of, top_n)}, False
+            yield chunk([{"index": index, "delta": d, "logprobs": logprobs, "finish_reason": None}])
             sent += 1
             if sent == 1:
                 maybe_fail(request, holder, "stream")
         if delta.finished:
             if delta.finish_reason == "error":
                 raise RuntimeError(f"engine reported an error for choice {index}")
-            yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}])
+            finish_reason = finish_reason_with_calls(delta.finish_reason, bool(tools) and calls[index].calls > 0)
+            yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
     if include_usage:
         usage = UsageInfo.of(prompt_tokens, completion_tokens, cached_prompt_tokens(cached, lambda i: 0))
         yield chunk([], usage.model_dump(mode="json"))

@@ -43,6 +43,8 @@ class ChoiceJob:
     params: SamplingParams
     #: response_format json_object: constrained decoding (see json_mode)
     json_object: bool = False
+    #: builds this choice's token constraint (e.g. a forced tool call); None: unconstrained
+    constraint: Optional[Callable[[], Any]] = None
 
 
 @dataclasses.dataclass
@@ -184,6 +186,8 @@ class ChoiceStreams:
         rid = f"{self._request_id}-{job.index}"
         if job.json_object:
             stream = json_object_stream(self._engine, job.prompt_ids, job.params, request_id=rid)
+        elif job.constraint is not None:
+            stream = self._engine.stream(job.prompt_ids, job.params, request_id=rid, constraint=job.constraint())
         else:
             stream = self._engine.stream(job.prompt_ids, job.params, request_id=rid)
         finished = False

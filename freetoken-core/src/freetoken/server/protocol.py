@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 #: Maximum number of choices per request (``n``) and per-token alternatives.
 MAX_N = 16
@@ -19,7 +19,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 
 #: Request fields we recognise but do not implement: sending them is a 400.
-UNSUPPORTED_FIELDS = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "suffix", "best_of", "audio")
+UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias", "suffix", "best_of", "audio")
 
 
 class FieldError(ValueError):
@@ -43,8 +43,6 @@ class _Request(BaseModel):
                 continue
             if name == "best_of" and value == 1:
                 continue
-            if name == "tool_choice" and value == "none":
-                continue
             raise FieldError(name, f"'{name}' is not supported by this server")
 
 
@@ -63,11 +61,54 @@ class TextContentPart(BaseModel):
     text: str
 
 
+#: OpenAI's rule for function names
+FUNCTION_NAME_RE = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=FUNCTION_NAME_RE)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """A call in an assistant message of the conversation (as the API returned it)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = None
+    tool_call_id: Optional[str] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -124,11 +165,50 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
+        self._check_tools()
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise FieldError("tools", "tools: function names must be unique")
+        if self.tool_choice is not None and self.tool_choice != "none" and not names:
+            raise FieldError("tool_choice", "tool_choice is only allowed when tools are given")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise FieldError("tool_choice", f"tool_choice names function {self.tool_choice.function.name!r}, "
+                                            "which is not in tools")
+        if self.tool_choice not in (None, "auto", "none") and self.response_format is not None \
+                and self.response_format.type == "json_object":
+            raise FieldError("response_format", "response_format json_object cannot be combined with tool_choice "
+                                                "'required' or a named function")
+        call_ids: set[str] = set()
+        for i, m in enumerate(self.messages):
+            if m.tool_calls and m.role != "assistant":
+                raise FieldError(f"messages.{i}.tool_calls", "only assistant messages may carry tool_calls")
+            for call in m.tool_calls or []:
+                call_ids.add(call.id)
+            if m.role == "tool":
+                if not m.tool_call_id:
+                    raise FieldError(f"messages.{i}.tool_call_id", "messages with role 'tool' need a tool_call_id")
+                if m.tool_call_id not in call_ids:
+                    raise FieldError(f"messages.{i}.tool_call_id",
+                                     f"tool_call_id {m.tool_call_id!r} answers no tool call of an earlier "
+                                     "assistant message")
+
+    def tool_choice_mode(self) -> str:
+        """``none``, ``auto``, ``required`` or ``named`` (the default is ``auto`` with tools)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -191,9 +271,23 @@ class ChatChoiceLogprobs(BaseModel):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ResponseToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler: Any) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatCompletionChoice(BaseModel):

@@ -1,0 +1,142 @@
+"""Tools in /v1/chat/completions: what the template sees, what constrains decoding, and
+how generated calls become ``message.tool_calls`` (whole) or ``delta.tool_calls`` (streamed).
+
+``tool_choice``:
+
+* ``auto`` (the default with tools): the tool definitions go to the chat template
+  (``tools=``, as transformers passes them) and the output is parsed for calls
+  (:mod:`freetoken.server.tool_calls`);
+* ``required`` / ``{"type": "function", "function": {"name": ...}}``: the same, and
+  each choice is constrained to one call to an offered / the named function
+  (:mod:`freetoken.server.tool_constraint`);
+* ``none``: the model is not to call tools, so the definitions are not rendered and
+  the output is not parsed (all of it is content).
+
+``parallel_tool_calls: false`` keeps at most one call: generation stops at the end of
+the first call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Callable, Optional
+
+from freetoken.server.errors import APIError
+from freetoken.server.protocol import (
+    CalledFunction,
+    ChatCompletionRequest,
+    ChatResponseMessage,
+    NamedToolChoice,
+    ResponseToolCall,
+)
+from freetoken.server.tool_calls import Event, ToolCall, ToolCallParser, format_for, parse_tool_calls
+from freetoken.server.tool_constraint import tool_call_constraint
+
+
+def _template_arguments(arguments: str) -> Any:
+    """A call's arguments for the template: the object when they are a JSON object
+    (templates such as Qwen3's write a dict with ``tojson``), else the string as given."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's messages as the chat template reads them (transformers' layout)."""
+    out = []
+    for m in req.messages:
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _template_arguments(c.function.arguments)}}
+                for c in m.tool_calls
+            ]
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+class ChatTools:
+    """The tool handling of one chat request (only built when calls are to be parsed)."""
+
+    def __init__(self, req: ChatCompletionRequest, tokenizer: Any) -> None:
+        assert req.tools
+        self.mode = req.tool_choice_mode()
+        if not getattr(tokenizer, "template_renders_tools", False):
+            raise APIError(400, "This model's chat template does not render tool definitions, so the model cannot "
+                                "see the tools; send the request without tools (or with tool_choice 'none').",
+                           param="tools", code="tools_not_supported")
+        self.tokenizer = tokenizer
+        self.definitions = [t.model_dump(mode="json", exclude_none=True) for t in req.tools]
+        self.names = [t.function.name for t in req.tools]
+        self.fmt = format_for(tokenizer)
+        self.single = req.parallel_tool_calls is False
+        choice = req.tool_choice
+        self.forced: Optional[list[str]] = (
+            [choice.function.name] if isinstance(choice, NamedToolChoice)
+            else list(self.names) if self.mode == "required" else None
+        )
+
+    def stop_strings(self) -> list[str]:
+        """Extra stop strings: the end of the first call when only one call is wanted."""
+        return [self.fmt.end_tag] if self.single and self.forced is None else []
+
+    def constraint(self) -> Optional[Callable[[], Any]]:
+        """A factory of per-choice constraints when a call is forced, else None."""
+        if self.forced is None:
+            return None
+        return functools.partial(tool_call_constraint, self.tokenizer, self.fmt, self.forced)
+
+    def parser(self) -> ToolCallParser:
+        return ToolCallParser(self.fmt, set(self.names), 1 if self.single else None)
+
+    def message(self, text: str, finish_reason: Optional[str]) -> tuple[ChatResponseMessage, Optional[str]]:
+        """The whole answer: content and calls, and the finish reason to report."""
+        content, calls = parse_tool_calls(text, self.fmt, set(self.names), 1 if self.single else None)
+        if not calls:
+            return ChatResponseMessage(content=content), finish_reason
+        return (ChatResponseMessage(content=content or None, tool_calls=[response_call(c) for c in calls]),
+                finish_reason_with_calls(finish_reason, True))
+
+
+def response_call(call: ToolCall) -> ResponseToolCall:
+    return ResponseToolCall(id=call.id, function=CalledFunction(name=call.name, arguments=call.arguments))
+
+
+def finish_reason_with_calls(finish_reason: Optional[str], called: bool) -> Optional[str]:
+    """``tool_calls`` when the model stopped after making calls (a cut-off answer stays ``length``)."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+class StreamedCalls:
+    """One choice's stream: text deltas in, ``delta`` objects out (content and tool_calls)."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self.parser = parser
+        self.calls = 0
+
+    def deltas(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        events: list[Event] = self.parser.feed(text) if text else []
+        if finished:
+            events += self.parser.finish()
+        out: list[dict[str, Any]] = []
+        for e in events:
+            if isinstance(e, str):
+                if out and "content" in out[-1]:
+                    out[-1]["content"] += e
+                else:
+                    out.append({"content": e})
+                continue
+            index = self.calls
+            self.calls += 1
+            out.append({"tool_calls": [{"index": index, "id": e.id, "type": "function",
+                                        "function": {"name": e.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": index, "function": {"arguments": e.arguments}}]})
+        return out

@@ -1,0 +1,135 @@
+"""Tool-call parsing (Hermes / Qwen3 ``<tool_call>`` markup), whole and streamed, and
+the forced-call token constraint driven token by token over the demo vocabulary."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from freetoken.server.tool_calls import HermesFormat, ToolCall, ToolCallParser, parse_tool_calls
+from freetoken.server.tool_constraint import tool_call_constraint
+
+FMT = HermesFormat()
+NAMES = {"get_weather", "add"}
+
+
+def call(name: str, args: Any) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+
+
+def streamed(text: str, cuts: list[int], names: Any = NAMES, max_calls: Any = None) -> tuple[str, list[ToolCall]]:
+    parser = ToolCallParser(FMT, names, max_calls)
+    events = []
+    prev = 0
+    for cut in [*cuts, len(text)]:
+        events += parser.feed(text[prev:cut])
+        prev = cut
+    events += parser.finish()
+    return "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ToolCall)]
+
+
+CASES = [
+    ("plain text, no call", "Hello <b>world</b> < tool", "Hello <b>world</b> < tool", []),
+    ("one call", call("get_weather", {"city": "Paris"}), "", [("get_weather", {"city": "Paris"})]),
+    ("text around calls", "Let me check.\n" + call("get_weather", {"city": "Oslo"}) + "\n"
+     + call("add", {"a": 1, "b": [2, {"c": None}]}) + "\nDone.",
+     "Let me check.Done.", [("get_weather", {"city": "Oslo"}), ("add", {"a": 1, "b": [2, {"c": None}]})]),
+    ("malformed JSON stays content", "x <tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": }\n</tool_call>",
+     "x <tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": }\n</tool_call>", []),
+    ("unknown function stays content", call("rm_rf", {}), call("rm_rf", {}), []),
+    ("arguments as a JSON string", '<tool_call>{"name": "add", "arguments": "{\\"a\\": 2}"}</tool_call>', "",
+     [("add", {"a": 2})]),
+    ("unclosed last call", "ok " + call("add", {"a": 1})[: -len("</tool_call>")], "ok", [("add", {"a": 1})]),
+    ("unclosed garbage", "ok <tool_call>{\"na", "ok <tool_call>{\"na", []),
+    ("partial tag at the end", "value <tool_c", "value <tool_c", []),
+    ("unicode", "é " + call("get_weather", {"city": "Zürich ✓"}), "é", [("get_weather", {"city": "Zürich ✓"})]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_parse_whole_and_streamed_at_every_split(case: tuple[str, str, str, list[Any]]) -> None:
+    _, text, want_content, want_calls = case
+    content, calls = parse_tool_calls(text, FMT, NAMES)
+    assert content == want_content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == want_calls
+    assert all(c.id.startswith("call_") and len(c.id) > 10 for c in calls)
+    assert len({c.id for c in calls}) == len(calls)
+    for cut in range(len(text) + 1):  # one split at every character boundary
+        assert streamed(text, [cut])[0] == content
+        assert [(c.name, c.arguments) for c in streamed(text, [cut])[1]] == [(c.name, c.arguments) for c in calls]
+    # one character at a time
+    c1, k1 = streamed(text, list(range(1, len(text))))
+    assert c1 == content and [(c.name, c.arguments) for c in k1] == [(c.name, c.arguments) for c in calls]
+
+
+def test_streamed_content_never_shows_markup() -> None:
+    text = "Sure." + call("add", {"a": 1}) + "bye"
+    parser = ToolCallParser(FMT, NAMES)
+    pieces = []
+    for ch in text:
+        pieces += [e for e in parser.feed(ch) if isinstance(e, str)]
+    pieces += [e for e in parser.finish() if isinstance(e, str)]
+    assert all("<" not in p and "tool" not in p for p in pieces), pieces
+    assert "".join(pieces) == "Sure.bye"
+
+
+def test_max_calls_keeps_the_first() -> None:
+    text = call("add", {"a": 1}) + call("add", {"a": 2})
+    content, calls = parse_tool_calls(text, FMT, NAMES, max_calls=1)
+    assert [json.loads(c.arguments) for c in calls] == [{"a": 1}]
+    assert content == call("add", {"a": 2})
+
+
+# ------------------------------------------------------------------ the forced-call constraint
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from freetoken.loading.tokenizer import load_hf_tokenizer
+    from freetoken.models.demo import ensure_demo_model
+
+    return load_hf_tokenizer(ensure_demo_model().hf_dir)
+
+
+def drive(constraint: Any, vocab_size: int, budget: int, rng: random.Random, use_allows: bool) -> list[int]:
+    """Sample uniformly among the allowed tokens (random 'logits'), as the sampler would."""
+    out: list[int] = []
+    while not constraint.is_complete() and len(out) < budget:
+        remaining = budget - len(out)
+        mask = constraint.allowed_mask(vocab_size, remaining)
+        allowed = mask.nonzero().flatten().tolist()
+        assert allowed, "the constraint allowed nothing"
+        tid = rng.choice(allowed)
+        if use_allows:  # allows() agrees with the mask
+            assert constraint.allows(tid, remaining)
+            blocked = [t for t in rng.sample(range(vocab_size), 50) if not bool(mask[t])]
+            assert not any(constraint.allows(t, remaining) for t in blocked)
+        constraint.advance(tid)
+        out.append(tid)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_constraint_always_yields_a_parseable_call(tokenizer: Any, seed: int) -> None:
+    rng = random.Random(seed)
+    names = ["get_weather", "add"] if seed % 2 else ["add"]
+    budget = 60 + 20 * (seed % 3)
+    c = tool_call_constraint(tokenizer, FMT, names)
+    ids = drive(c, tokenizer.vocab_size, budget, rng, use_allows=seed < 2)
+    assert c.is_complete() and len(ids) <= budget
+    text = tokenizer.decode(ids)
+    content, calls = parse_tool_calls(text, FMT, set(names))
+    assert content == "" and len(calls) == 1, text
+    assert calls[0].name in names
+    assert isinstance(json.loads(calls[0].arguments), dict)
+
+
+def test_constraint_mask_is_padded_to_the_model_vocabulary(tokenizer: Any) -> None:
+    c = tool_call_constraint(tokenizer, FMT, ["add"])
+    mask = c.allowed_mask(tokenizer.vocab_size + 8, 50)
+    assert mask.shape == (tokenizer.vocab_size + 8,) and not bool(mask[-8:].any())
+    assert mask.dtype == torch.bool
