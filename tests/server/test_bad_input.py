@@ -95,7 +95,8 @@ CHAT_CASES = [
     ("stream_options without stream", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("unsupported response_format", {"response_format": {"type": "json_schema", "json_schema": {}}},
      "response_format.type"),
-    ("tools unsupported", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("tools with a template that does not render them", {"tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
     ("seed wrong type", {"seed": "abc"}, "seed"),
 ]
 
