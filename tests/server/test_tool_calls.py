@@ -133,3 +133,39 @@ def test_constraint_mask_is_padded_to_the_model_vocabulary(tokenizer: Any) -> No
     mask = c.allowed_mask(tokenizer.vocab_size + 8, 50)
     assert mask.shape == (tokenizer.vocab_size + 8,) and not bool(mask[-8:].any())
     assert mask.dtype == torch.bool
+
+
+def test_streamed_deltas_keep_order_and_number_the_calls() -> None:
+    from freetoken.server.chat_tools import StreamedCalls
+
+    text = "a" + call("add", {"a": 1}) + "b" + call("get_weather", {"city": "X"}) + "c"
+    s = StreamedCalls(ToolCallParser(FMT, NAMES))
+    deltas = [d for ch in text for d in s.deltas(ch, False)] + s.deltas("", True)
+    kinds = [("content", d["content"]) if "content" in d else ("call", d["tool_calls"][0]["index"]) for d in deltas]
+    assert kinds == [("content", "a"), ("call", 0), ("call", 0), ("content", "b"), ("call", 1), ("call", 1),
+                     ("content", "c")]
+    first, second = deltas[1]["tool_calls"][0], deltas[2]["tool_calls"][0]
+    assert first["function"] == {"name": "add", "arguments": ""} and first["type"] == "function"
+    assert json.loads(second["function"]["arguments"]) == {"a": 1}
+
+
+def test_parallel_tool_calls_false_stops_after_the_first_call(tmp_path: Any) -> None:
+    from tool_model import tool_model_dir
+
+    from freetoken.loading.tokenizer import load_hf_tokenizer
+    from freetoken.server.chat_tools import ChatTools
+    from freetoken.server.protocol import ChatCompletionRequest
+
+    tok = load_hf_tokenizer(tool_model_dir(str(tmp_path)))
+    tools = [{"type": "function", "function": {"name": n}} for n in sorted(NAMES)]
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools}
+    single = ChatTools(ChatCompletionRequest.model_validate({**body, "parallel_tool_calls": False}), tok)
+    assert single.stop_strings() == ["</tool_call>"] and single.constraint() is None
+    # the stop string cuts the closing tag: the call still parses, and it is the only one
+    text = "hm " + call("add", {"a": 1})[: -len("</tool_call>")]
+    message, reason = single.message(text, "stop")
+    assert reason == "tool_calls" and message.content == "hm" and len(message.tool_calls) == 1
+    many = ChatTools(ChatCompletionRequest.model_validate(body), tok)
+    assert many.stop_strings() == []
+    forced = ChatTools(ChatCompletionRequest.model_validate({**body, "tool_choice": "required"}), tok)
+    assert forced.constraint() is not None
