@@ -86,7 +86,8 @@ def test_cuda_engine_matches_cpu(backend, reference, placement, eager, dtype, to
 
 
 def test_concurrent_equals_alone(backend):
-    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="0-1", cuda_graph_max_bs=8)
+    # no prefix cache: the requests alone compute their prompts again, as they did together
+    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="0-1", cuda_graph_max_bs=8, enable_prefix_cache=False)
     try:
         together = _run(eng, PROMPTS)
         alone = [_run(eng, [p])[0] for p in PROMPTS]
@@ -99,7 +100,7 @@ def test_concurrent_equals_alone(backend):
 
 def test_recapture_on_demand(backend):
     """Graphs captured again between steps (tasks and scratch block kept) decode the same."""
-    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="0-1", cuda_graph_max_bs=8)
+    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="0-1", cuda_graph_max_bs=8, enable_prefix_cache=False)
     try:
         first = _run(eng, PROMPTS)
         free = eng.kv.free_blocks + eng.prefix_cache.num_cached_free  # blocks no request holds
@@ -111,6 +112,23 @@ def test_recapture_on_demand(backend):
     for (a, la), (b, lb) in zip(first, second):  # the GPU experts' atomic adds may sum in another order
         assert a == b
         assert float((la - lb).abs().max() / lb.abs().max()) < 1e-2
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_prefix_cache_hits_decode_like_a_fresh_prompt(backend, eager):
+    """The same requests again: their prompts' full blocks come from the prefix cache (read
+    by the paged attention and the decode graphs), and they decode as the first time did."""
+    eng = _engine(backend, dtype="float32", moe_cpu_layers="0-1", cuda_graph_max_bs=8, enforce_eager=eager)
+    try:
+        first = _run(eng, PROMPTS)
+        hits_before = eng.stats().prefix_cache_hits
+        second = _run(eng, PROMPTS)
+        hits = eng.stats().prefix_cache_hits - hits_before
+    finally:
+        eng.close()
+    # every prompt of 17 tokens or more has a full 16-token block to reuse
+    assert hits >= 16 * sum(1 for p in PROMPTS if len(p) > 16), hits
+    _check(second, first, 1e-3)
 
 
 def test_memory_limit_refuses_with_sizes(backend):
