@@ -1,0 +1,216 @@
+"""Routed experts resident on the GPU in their GGUF block formats (Q4_K, Q5_K, Q6_K, Q8_0).
+
+:class:`PackedGpuExperts` has :class:`freetoken.moe.gpu_experts.GpuExperts`' interface
+(``forward(x, gpu_ids, w, out=None)``, ``warmup(batch_sizes, top_k, x_dtype)``) but keeps
+the experts as the file's bytes on the device: for Qwen3-30B-A3B at Q4_K_M about 0.3 GiB
+per layer instead of 1.12 GiB in BF16. Two paths, by the batch's route count ``T * K``:
+
+* ``<= config.max_routes`` (decode): the packed kernels of
+  :mod:`freetoken.moe.triton_moe_packed`, which dequantize each weight tile in registers
+  (two launches, float32 arithmetic, weights read once per route);
+* above (prefill): every expert of the layer is dequantized to BF16 into a scratch
+  (:class:`DequantScratch`, one layer's worth, shareable by all layers) with
+  :func:`freetoken.loading.dequant.dequantize`, then the BF16 kernels of
+  :func:`freetoken.moe.triton_moe.launch` run on it. Dequantizing all experts, not only the
+  routed ones, needs no host synchronisation (it can be captured) and costs little more
+  when many routes hit most experts; the scratch is rewritten on every such call.
+
+Capture safety as in GpuExperts: Triton compiles a kernel variant on its first launch,
+which must not happen during stream capture. Run :meth:`PackedGpuExperts.warmup` (or one
+eager forward with the same shapes) first; a capture that meets a variant not yet compiled
+dequantizes the experts into the scratch and computes with GpuExperts' torch
+implementation instead (logged once, counted in ``capture_fallbacks``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+from freetoken.moe.gpu_experts import ACTIVATIONS, GpuExperts
+
+if TYPE_CHECKING:
+    from freetoken.loading.tensors import RawTensor
+    from freetoken.moe.layer import ExpertWeights
+
+log = logging.getLogger(__name__)
+
+#: Values per chunk of the BF16 dequantization (bounds its float32 temporaries: ~32 MiB)
+DEQUANT_CHUNK_VALUES = 8 << 20
+
+
+class DequantScratch:
+    """BF16 buffers the large-batch path dequantizes a layer's experts into. One instance
+    may serve every layer of a model (layers run one after another on one stream); its
+    buffers grow to the largest layer and are allocated on first use."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, Any] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
+        import math
+
+        import torch
+
+        n = math.prod(shape)
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
+            self._bufs.pop(name, None)
+            buf = torch.empty(n, dtype=dtype, device=device)
+            self._bufs[name] = buf
+        return buf[:n].view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+
+def _stack_to_device(raw: "RawTensor", device: Any) -> Any:
+    """The raw tensor's bytes (``[E, rows, row_bytes]``) on ``device``, copied once."""
+    import torch
+
+    from freetoken.moe import triton_moe_packed as tp
+
+    if len(raw.shape) != 3:
+        raise ValueError(f"{raw.source}: expert stack {raw.name} must be [E, rows, cols], got {list(raw.shape)}")
+    e, rows, cols = (int(s) for s in raw.shape)
+    data = raw.raw_torch()
+    if data.dtype == torch.int8:
+        data = data.view(torch.uint8)
+    if int(raw.fmt) not in tp.FORMATS:
+        raise ValueError(
+            f"{raw.source}: expert stack {raw.name} is ggml type {int(raw.fmt)}; packed GPU experts hold "
+            f"{', '.join(tp.FORMAT_NAMES.values())} (dequantize other formats with GpuExperts)"
+        )
+    return tp.PackedStack.from_bytes(data.reshape(-1).to(device), raw.fmt, e, rows, cols)
+
+
+class PackedGpuExperts:
+    def __init__(
+        self, gate: "RawTensor", up: "RawTensor", down: "RawTensor", device: Any, activation: str = "silu",
+        config: Any = None, scratch: Optional[DequantScratch] = None, bf16_config: Any = None,
+    ) -> None:  # fmt: skip
+        import torch
+
+        from freetoken.moe import triton_moe_packed as tp
+
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+        g_shape, u_shape, d_shape = (tuple(int(s) for s in t.shape) for t in (gate, up, down))
+        if g_shape != u_shape or len(g_shape) != 3 or d_shape != (g_shape[0], g_shape[2], g_shape[1]):
+            raise ValueError(
+                f"expert shapes: gate/up must be [E, I, H] and down [E, H, I]; got gate {list(g_shape)}, "
+                f"up {list(u_shape)}, down {list(d_shape)}"
+            )
+        self.device = torch.device(device)
+        self.num_experts, self.intermediate, self.hidden = g_shape
+        self.gate, self.up, self.down = (_stack_to_device(t, self.device) for t in (gate, up, down))
+        self.file_bytes = int(gate.nbytes + up.nbytes + down.nbytes)
+        self.activation = activation
+        self.config = config or tp.DEFAULT_CONFIG
+        self.config.validate()
+        self.bf16_config = bf16_config
+        self.scratch = scratch if scratch is not None else DequantScratch()
+        self.capture_fallbacks = 0
+        self._compiled: set[tuple[Any, ...]] = set()
+        self._warm_dequant()
+
+    @classmethod
+    def from_expert_weights(cls, experts: "ExpertWeights", device: Any, **kwargs: Any) -> "PackedGpuExperts":
+        return cls(experts.gate, experts.up, experts.down, device, **kwargs)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes the expert stacks take on the device (the file's bytes; scratch excluded)."""
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+    @property
+    def formats(self) -> tuple[str, str, str]:
+        from freetoken.moe.triton_moe_packed import FORMAT_NAMES
+
+        return tuple(FORMAT_NAMES[s.fmt] for s in (self.gate, self.up, self.down))  # type: ignore[return-value]
+
+    def forward(self, x: Any, gpu_ids: Any, w: Any, out: Optional[Any] = None) -> Any:
+        """``x [T, H]`` (any float dtype), ``gpu_ids [T, K]`` (-1 = not on the GPU), ``w [T, K]``.
+        Returns ``[T, H]`` in ``x.dtype`` (written into ``out`` when given)."""
+        import torch
+
+        from freetoken.moe import triton_moe, triton_moe_packed
+
+        tokens, top_k = gpu_ids.shape
+        x, ids, w = x.contiguous(), gpu_ids.contiguous(), w.contiguous()
+        direct = (
+            out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.device == x.device
+            and tuple(out.shape) == (tokens, self.hidden) and out.data_ptr() != x.data_ptr()
+        )  # fmt: skip
+        y = out if direct else torch.empty(tokens, self.hidden, dtype=torch.float32, device=self.device)
+        packed = tokens * top_k <= self.config.max_routes
+        bf16_config = self.bf16_config or triton_moe.DEFAULT_CONFIG
+        if packed:
+            key: tuple[Any, ...] = ("packed", *triton_moe_packed.variant_key(x, ids, w, y, self.config))
+        else:
+            key = ("bf16", *triton_moe.variant_key(x, ids, w, y, bf16_config))
+        if key not in self._compiled and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            if not self.capture_fallbacks:
+                log.warning(
+                    "packed GPU experts: Triton variant for %d tokens x %d routes (%s) not compiled before stream "
+                    "capture; this graph dequantizes the experts and uses the torch implementation (call "
+                    "PackedGpuExperts.warmup before capture)",
+                    tokens, top_k, x.dtype,
+                )  # fmt: skip
+            self.capture_fallbacks += 1
+            g, u, d = self._dequantized()
+            return GpuExperts(g, u, d, self.activation, impl="torch")._forward_torch(x, gpu_ids, w, out)
+        if packed:
+            h = torch.empty(tokens, top_k, self.intermediate, dtype=torch.float32, device=self.device)
+            triton_moe_packed.launch(x, ids, w, self.gate, self.up, self.down, y, h, self.activation, self.config)
+        else:
+            g, u, d = self._dequantized()
+            h = torch.empty(tokens, top_k, self.intermediate, dtype=g.dtype, device=self.device)
+            triton_moe.launch(x, ids, w, g, u, d, y, h, self.activation, bf16_config)
+        self._compiled.add(key)
+        if direct:
+            return out
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def warmup(
+        self, batch_sizes: Iterable[int], top_k: int, x_dtype: Any = None, ids_dtype: Any = None, w_dtype: Any = None
+    ) -> None:
+        """Compile the Triton variants these shapes use (eagerly, on random inputs) so that
+        a later stream capture finds them; defaults: bfloat16 x, int32 ids, float32 weights."""
+        import torch
+
+        dev = self.device
+        for tokens in batch_sizes:
+            x = torch.randn(tokens, self.hidden, device=dev).to(x_dtype or torch.bfloat16)
+            ids = torch.randint(-1, self.num_experts, (tokens, top_k), device=dev).to(ids_dtype or torch.int32)
+            w = torch.rand(tokens, top_k, device=dev).to(w_dtype or torch.float32)
+            self.forward(x, ids, w)
+
+    # ---- the large-batch path -----------------------------------------------------------
+    def _dequantized(self) -> tuple[Any, Any, Any]:
+        """All experts as BF16 ``gate/up [E, I, H]``, ``down [E, H, I]`` in the scratch."""
+        import torch
+
+        from freetoken.loading.dequant import dequantize
+
+        out = []
+        for name, s in (("gate", self.gate), ("up", self.up), ("down", self.down)):
+            shape = (self.num_experts, s.rows, s.cols)
+            buf = self.scratch.get(name, shape, torch.bfloat16, self.device)
+            dequantize(s.data, s.fmt, shape, torch.bfloat16, out=buf, chunk_values=DEQUANT_CHUNK_VALUES)
+            out.append(buf)
+        return out[0], out[1], out[2]
+
+    def _warm_dequant(self) -> None:
+        """Dequantize one row of each stack: creates the dequantization's device constants
+        now, so that a fallback during stream capture makes no host-to-device copy."""
+        import torch
+
+        from freetoken.loading.dequant import dequantize
+
+        for s in (self.gate, self.up, self.down):
+            dequantize(s.data[0, :1], s.fmt, (1, s.cols), torch.bfloat16)

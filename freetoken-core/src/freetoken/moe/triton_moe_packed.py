@@ -1,0 +1,328 @@
+"""Fused MoE over routed experts kept on the GPU in their GGUF block formats.
+
+The expert stacks are the file's bytes, moved to the device unchanged: ``gate/up
+[E, I, row_bytes(H)]`` and ``down [E, H, row_bytes(I)]`` uint8, each in one of Q4_K,
+Q5_K, Q6_K or Q8_0 (the three may differ: Q4_K_M files mix Q4_K and Q6_K). Each program
+dequantizes its weight tile in registers and multiplies it with the activation in
+float32; nothing is written back but the activations ``h`` and the output ``y``. Two
+per-route kernels, the design of :mod:`freetoken.moe.triton_moe`'s
+``_gate_up_routes_kernel`` / ``_down_routes_kernel`` (no idle program, no atomics, ids
+``-1`` skipped)::
+
+    gate_up  grid (T*K, cdiv(I, BLOCK_I)): route r = (t, k) of expert e = ids[t, k]:
+             h[t, k, i] = act(x_t . gate_e[i, :], x_t . up_e[i, :])      (float32)
+    down     grid (T, cdiv(H, BLOCK_N)):
+             y[t, n] = sum_k w[t, k] * (h[t, k, :] . down_{ids[t, k]}[n, :])
+
+Weights are read once per route (once per distinct expert when a batch's routes share
+no expert, the common case at small ``T``).
+
+Tiles. A step of ``BLOCK_C`` columns of ``R`` rows is held as ``[R, BLOCK_C / G, G]``,
+``G`` the values sharing one scale: 32 in Q4_K/Q5_K (a sub-block: 6-bit scale and min),
+Q8_0 (a block: f16 scale), 16 in Q6_K (int8 scale). Scales and mins are decoded once per
+group (``[R, BLOCK_C / G]``) and broadcast over its ``G`` codes. The arithmetic is that
+of gguf-py's dequantization and :mod:`freetoken.loading.dequant` (``(d*sc) * q - dmin*m``,
+``(d*sc) * (q - 32)``, ``q * d``), so the weight values equal theirs bit for bit; products
+and sums are float32. Byte layouts (offsets in a block):
+
+* Q8_0 (32 values, 34 B): f16 ``d`` at 0, int8 codes at 2.
+* Q4_K (256 values, 144 B): f16 ``d`` at 0, f16 ``dmin`` at 2, 12 bytes of 6-bit scales
+  and mins at 4, nibbles at 16 (byte ``16 + 32*(s//2) + l``, low nibble for even
+  sub-block ``s``, high for odd).
+* Q5_K (256 values, 176 B): as Q4_K with the fifth bits at 16 (bit ``s`` of byte
+  ``16 + l``) and the nibbles at 48.
+* Q6_K (256 values, 210 B): low nibbles at 0, 2-bit high parts at 128, int8 scales at
+  192 (one per 16 values), f16 ``d`` at 208. Value ``j = 128*n + 32*k + l``: low bits in
+  byte ``64*n + 32*(k%2) + l`` (high nibble when ``k >= 2``), high bits ``2k..2k+1`` of
+  byte ``128 + 32*n + l``.
+
+Every field is read through one of three views of the same bytes (uint8, int8, and
+float16: every f16 field lies at an even offset, as every block size is even).
+
+Batches above ``PackedConfig.max_routes`` routes are not served here:
+:class:`freetoken.moe.gpu_packed_experts.PackedGpuExperts` dequantizes the experts to
+BF16 and runs :func:`freetoken.moe.triton_moe.launch` for them.
+
+triton is optional: import this module lazily, only when the Triton implementation is
+selected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from freetoken.moe.triton_moe import ACT_CODES, activate
+
+FMT_Q8_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = 8, 12, 13, 14  # ggml type ids (freetoken.handoff.Fmt)
+
+#: Per block format: (values per block, bytes per block, values per scale group ``G``).
+FORMATS: dict[int, tuple[int, int, int]] = {
+    FMT_Q8_0: (32, 34, 32),
+    FMT_Q4_K: (256, 144, 32),
+    FMT_Q5_K: (256, 176, 32),
+    FMT_Q6_K: (256, 210, 16),
+}
+FORMAT_NAMES = {FMT_Q8_0: "Q8_0", FMT_Q4_K: "Q4_K", FMT_Q5_K: "Q5_K", FMT_Q6_K: "Q6_K"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedConfig:
+    """Tile sizes of the packed kernels and the batch size they serve."""
+
+    block_i: int = 16  # gate_up: intermediate rows per program
+    block_h: int = 256  # gate_up: hidden columns per step
+    block_n: int = 16  # down: hidden rows per program
+    block_r: int = 256  # down: intermediate columns per step
+    num_warps: int = 4
+    num_stages: int = 2
+    #: batches of at most this many routes (T * K) run the packed kernels; larger ones
+    #: are dequantized to BF16 (see PackedGpuExperts)
+    max_routes: int = 256
+
+    def validate(self) -> None:
+        for name in ("block_i", "block_n"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v}: must be a power of two")
+        for name in ("block_h", "block_r"):
+            v = getattr(self, name)
+            if v < 32 or v & (v - 1):
+                raise ValueError(f"{name}={v}: must be a power of two >= 32 (a whole scale group)")
+        if self.max_routes < 0:
+            raise ValueError(f"max_routes={self.max_routes}: must be >= 0")
+
+
+DEFAULT_CONFIG = PackedConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedStack:
+    """One expert stack on the device as its file bytes: ``data [E, rows, row_bytes]``
+    uint8 holding ``rows x cols`` values per expert in block format ``fmt``."""
+
+    data: Any
+    fmt: int
+    rows: int
+    cols: int
+
+    @classmethod
+    def from_bytes(cls, data: Any, fmt: int, num_experts: int, rows: int, cols: int) -> "PackedStack":
+        import torch
+
+        fmt = int(fmt)
+        if fmt not in FORMATS:
+            raise ValueError(f"packed experts: ggml type {fmt} is not one of {sorted(FORMAT_NAMES.values())}")
+        per, nbytes, _ = FORMATS[fmt]
+        if cols % per:
+            raise ValueError(f"packed experts: {FORMAT_NAMES[fmt]} rows need a multiple of {per} values, got {cols}")
+        if data.dtype == torch.int8:
+            data = data.view(torch.uint8)
+        if data.dtype != torch.uint8:
+            raise TypeError(f"packed experts: expected uint8 bytes, got {data.dtype}")
+        rb = cols // per * nbytes
+        if data.numel() != num_experts * rows * rb:
+            raise ValueError(
+                f"packed experts: {data.numel()} bytes do not hold {num_experts} x [{rows}, {cols}] "
+                f"{FORMAT_NAMES[fmt]} ({num_experts * rows * rb} bytes)"
+            )
+        return cls(data.reshape(num_experts, rows, rb).contiguous(), fmt, rows, cols)
+
+    @property
+    def row_bytes(self) -> int:
+        per, nbytes, _ = FORMATS[self.fmt]
+        return self.cols // per * nbytes
+
+    @property
+    def group(self) -> int:
+        return FORMATS[self.fmt][2]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    def views(self) -> tuple[Any, Any, Any]:
+        """The bytes as uint8, int8 and float16 (flat)."""
+        import torch
+
+        flat = self.data.view(-1)
+        return flat, flat.view(torch.int8), flat.view(torch.float16)
+
+
+@triton.jit
+def _dequant_tile(
+    u8_ptr, i8_ptr, f16_ptr, row_off, row_ok, c0,
+    NCOLS: tl.constexpr, FMT: tl.constexpr, BLOCK_C: tl.constexpr, G: tl.constexpr,
+):  # fmt: skip
+    """``[R, BLOCK_C // G, G]`` float32: columns ``c0 .. c0 + BLOCK_C`` of the rows at byte
+    offsets ``row_off [R]`` (int64); masked rows and columns past ``NCOLS`` are zero."""
+    offs_l = tl.arange(0, G)
+    cs = c0 + tl.arange(0, BLOCK_C // G) * G  # [S]: first column of each group
+    m2 = row_ok[:, None] & (cs < NCOLS)[None, :]  # [R, S] (groups are whole: NCOLS % G == 0)
+    m3 = m2[:, :, None]
+    ro = row_off[:, None]
+    if FMT == 8:  # Q8_0: q * d
+        blk = ro + (cs // 32 * 34)[None, :]  # [R, S] byte offset of the group's block
+        d = tl.load(f16_ptr + blk // 2, mask=m2, other=0.0).to(tl.float32)
+        q = tl.load(i8_ptr + (blk + 2)[:, :, None] + offs_l[None, None, :], mask=m3, other=0).to(tl.float32)
+        w = q * d[:, :, None]
+    elif FMT == 14:  # Q6_K: (d * sc) * (q - 32), 16 values per scale
+        blk = ro + (cs // 256 * 210)[None, :]
+        j = cs % 256
+        n = j // 128
+        k = (j % 128) // 32
+        l0 = j % 32  # 0 or 16
+        ql_off = blk + (n * 64 + (k % 2) * 32 + l0)[None, :]
+        qh_off = blk + (128 + n * 32 + l0)[None, :]
+        ql = tl.load(u8_ptr + ql_off[:, :, None] + offs_l[None, None, :], mask=m3, other=0).to(tl.int32)
+        qh = tl.load(u8_ptr + qh_off[:, :, None] + offs_l[None, None, :], mask=m3, other=0).to(tl.int32)
+        q = ((ql >> (4 * (k // 2))[None, :, None]) & 15) | (((qh >> (2 * k)[None, :, None]) & 3) << 4)
+        sc = tl.load(i8_ptr + blk + (192 + j // 16)[None, :], mask=m2, other=0).to(tl.float32)
+        d = tl.load(f16_ptr + (blk + 208) // 2, mask=m2, other=0.0).to(tl.float32)
+        w = (d * sc)[:, :, None] * (q - 32).to(tl.float32)
+    else:  # Q4_K / Q5_K: (d * sc) * q - dmin * m, 32 values per scale
+        blk = ro + (cs // 256 * (144 + 32 * (FMT - 12)))[None, :]  # 144 (Q4_K) or 176 (Q5_K) bytes
+        s = (cs % 256) // 32  # sub-block 0..7
+        # 12 scale bytes at 4: a = bytes 4..7, b = 8..11, c = 12..15; sub-block s < 4:
+        # sc = a[s] & 63, m = b[s] & 63; s >= 4: low 4 bits in c[s-4], top 2 in a/b[s-4]
+        s4 = (s % 4)[None, :]
+        a = tl.load(u8_ptr + blk + 4 + s4, mask=m2, other=0).to(tl.int32)
+        b = tl.load(u8_ptr + blk + 8 + s4, mask=m2, other=0).to(tl.int32)
+        c = tl.load(u8_ptr + blk + 12 + s4, mask=m2, other=0).to(tl.int32)
+        hi = (s >= 4)[None, :]
+        sc = tl.where(hi, (c & 15) | ((a >> 6) << 4), a & 63)
+        mn = tl.where(hi, (c >> 4) | ((b >> 6) << 4), b & 63)
+        d = tl.load(f16_ptr + blk // 2, mask=m2, other=0.0).to(tl.float32)
+        dmin = tl.load(f16_ptr + blk // 2 + 1, mask=m2, other=0.0).to(tl.float32)
+        q_off = blk + (16 + 32 * (FMT - 12) + (s // 2) * 32)[None, :]  # nibbles at 16 (Q4_K) or 48 (Q5_K)
+        qb = tl.load(u8_ptr + q_off[:, :, None] + offs_l[None, None, :], mask=m3, other=0).to(tl.int32)
+        q = (qb >> ((s % 2) * 4)[None, :, None]) & 15
+        if FMT == 13:  # fifth bit: bit s of byte 16 + l
+            qh = tl.load(u8_ptr + (blk + 16)[:, :, None] + offs_l[None, None, :], mask=m3, other=0).to(tl.int32)
+            q = q | (((qh >> s[None, :, None]) & 1) << 4)
+        w = (d * sc.to(tl.float32))[:, :, None] * q.to(tl.float32) - (dmin * mn.to(tl.float32))[:, :, None]
+    return w
+
+
+@triton.jit
+def _load_groups(ptr, c0, NCOLS: tl.constexpr, BLOCK_C: tl.constexpr, G: tl.constexpr, ok):
+    """``[BLOCK_C // G, G]`` float32: ``ptr[c0 .. c0 + BLOCK_C]`` (zero past ``NCOLS`` or when not ``ok``)."""
+    offs = c0 + tl.arange(0, BLOCK_C // G)[:, None] * G + tl.arange(0, G)[None, :]
+    return tl.load(ptr + offs, mask=(offs < NCOLS) & ok, other=0.0).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gate_up_packed_kernel(
+    x_ptr, ids_ptr,
+    g_u8, g_i8, g_f16, u_u8, u_i8, u_f16,
+    h_ptr,
+    T, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    GATE_FMT: tl.constexpr, GATE_RB: tl.constexpr, GATE_G: tl.constexpr,
+    UP_FMT: tl.constexpr, UP_RB: tl.constexpr, UP_G: tl.constexpr,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    pid_i = tl.program_id(1)
+    e = tl.load(ids_ptr + r).to(tl.int64)
+    if e >= 0:
+        t = r // K
+        offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+        i_ok = offs_i < I
+        rows = e * I + offs_i.to(tl.int64)
+        g_rows = rows * GATE_RB
+        u_rows = rows * UP_RB
+        acc_g = tl.zeros([BLOCK_I, BLOCK_H // GATE_G, GATE_G], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_I, BLOCK_H // UP_G, UP_G], dtype=tl.float32)
+        x_row = x_ptr + t * H
+        for h0 in range(0, H, BLOCK_H):
+            xg = _load_groups(x_row, h0, H, BLOCK_H, GATE_G, True)
+            g = _dequant_tile(g_u8, g_i8, g_f16, g_rows, i_ok, h0, H, GATE_FMT, BLOCK_H, GATE_G)
+            acc_g += g * xg[None, :, :]
+            xu = _load_groups(x_row, h0, H, BLOCK_H, UP_G, True)
+            u = _dequant_tile(u_u8, u_i8, u_f16, u_rows, i_ok, h0, H, UP_FMT, BLOCK_H, UP_G)
+            acc_u += u * xu[None, :, :]
+        gs = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+        us = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+        act = activate(gs, us, ACT, ALPHA, LIMIT)
+        tl.store(h_ptr + r.to(tl.int64) * I + offs_i, act, mask=i_ok)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _down_packed_kernel(
+    h_ptr, ids_ptr, w_ptr,
+    d_u8, d_i8, d_f16,
+    y_ptr,
+    T, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    DOWN_FMT: tl.constexpr, DOWN_RB: tl.constexpr, DOWN_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    acc = tl.zeros([BLOCK_N, BLOCK_R // DOWN_G, DOWN_G], dtype=tl.float32)
+    # no branch per route: a skipped route's loads are masked off and its weight is 0
+    for k in tl.static_range(K):
+        e = tl.load(ids_ptr + t * K + k).to(tl.int64)
+        ok = e >= 0
+        wk = tl.where(ok, tl.load(w_ptr + t * K + k).to(tl.float32), 0.0)
+        rows = (tl.maximum(e, 0) * H + offs_n.to(tl.int64)) * DOWN_RB
+        h_row = h_ptr + (t * K + k) * I
+        for r0 in range(0, I, BLOCK_R):
+            hv = _load_groups(h_row, r0, I, BLOCK_R, DOWN_G, ok)
+            d = _dequant_tile(d_u8, d_i8, d_f16, rows, n_ok & ok, r0, I, DOWN_FMT, BLOCK_R, DOWN_G)
+            acc += d * (hv * wk)[None, :, :]
+    tl.store(y_ptr + t * H + offs_n, tl.sum(tl.sum(acc, axis=2), axis=1), mask=n_ok)
+
+
+def variant_key(x: Any, ids: Any, w: Any, y: Any, config: PackedConfig = DEFAULT_CONFIG) -> tuple[Any, ...]:
+    """What selects the compiled variant of a launch beyond the stacks' fixed formats and
+    shapes: the config, the route count K, argument dtypes and 16-byte pointer alignment
+    (the token count is not specialised). Equal keys: no new compilation."""
+    return (config, ids.shape[1], x.dtype, ids.dtype, w.dtype, tuple(t.data_ptr() % 16 == 0 for t in (x, ids, w, y)))
+
+
+def launch(
+    x: Any, ids: Any, w: Any, gate: PackedStack, up: PackedStack, down: PackedStack, y: Any, h: Any,
+    activation: str, config: PackedConfig = DEFAULT_CONFIG, alpha: float = 1.702, limit: float = 7.0,
+) -> None:  # fmt: skip
+    """``y [T, H]`` float32 (contiguous, overwritten) = the routed experts' output.
+
+    ``x [T, H]`` (any float dtype), ``ids [T, K]`` (int32/int64, -1 = skip), ``w [T, K]``,
+    all contiguous; ``gate/up`` stacks of ``[E, I, H]``, ``down`` of ``[E, H, I]``; ``h
+    [T, K, I]`` float32 scratch (contents need not be initialised). Any batch size runs;
+    the weights are read once per route, so large batches are better served dequantized."""
+    import torch
+
+    tokens, top_k = ids.shape
+    inter, hidden = gate.rows, gate.cols
+    if (up.rows, up.cols) != (inter, hidden) or (down.rows, down.cols) != (hidden, inter):
+        raise ValueError(
+            f"packed stacks: gate [{gate.rows}, {gate.cols}], up [{up.rows}, {up.cols}], "
+            f"down [{down.rows}, {down.cols}]: expected [I, H], [I, H], [H, I]"
+        )
+    if y.dtype != torch.float32 or not y.is_contiguous() or tuple(y.shape) != (tokens, hidden):
+        raise ValueError(f"y must be a contiguous float32 [{tokens}, {hidden}] tensor, got {y.dtype} {tuple(y.shape)}")
+    if h.dtype != torch.float32 or not h.is_contiguous() or h.numel() < tokens * top_k * inter:
+        raise ValueError(f"h must be a contiguous float32 tensor of >= {tokens * top_k * inter} values")
+    if not (ids.is_contiguous() and w.is_contiguous() and x.is_contiguous()):
+        raise ValueError("x, ids and w must be contiguous")
+    if tokens == 0:
+        return
+    opts = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    _gate_up_packed_kernel[(tokens * top_k, triton.cdiv(inter, config.block_i))](
+        x, ids, *gate.views(), *up.views(), h, tokens, K=top_k, H=hidden, I=inter,
+        GATE_FMT=gate.fmt, GATE_RB=gate.row_bytes, GATE_G=gate.group,
+        UP_FMT=up.fmt, UP_RB=up.row_bytes, UP_G=up.group,
+        ACT=ACT_CODES[activation], ALPHA=float(alpha), LIMIT=float(limit),
+        BLOCK_I=config.block_i, BLOCK_H=config.block_h, **opts,
+    )  # fmt: skip
+    _down_packed_kernel[(tokens, triton.cdiv(hidden, config.block_n))](
+        h, ids, w, *down.views(), y, tokens, K=top_k, H=hidden, I=inter,
+        DOWN_FMT=down.fmt, DOWN_RB=down.row_bytes, DOWN_G=down.group,
+        BLOCK_N=config.block_n, BLOCK_R=config.block_r, **opts,
+    )  # fmt: skip

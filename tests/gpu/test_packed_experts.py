@@ -1,0 +1,347 @@
+"""Routed experts in their GGUF block formats (freetoken.moe.triton_moe_packed behind
+freetoken.moe.gpu_packed_experts.PackedGpuExperts).
+
+Every result is compared, token row by token row, with the float64 per-route loop
+(:func:`expert_reference.reference_experts`) over the weights gguf-py dequantizes from the
+same random blocks (gguf.quants.dequantize); outputs are poisoned (NaN) first; ids hold
+-1 (routes not on the GPU), duplicates, and tokens with no GPU route (their row must come
+out exactly zero). Formats: Q4_K, Q5_K, Q6_K, Q8_0, and mixes of them across gate, up and
+down (Q4_K_M files keep some down projections in Q6_K).
+
+Without a GPU the kernels run in Triton's interpreter (conftest.py) at small sizes with
+large tiles (the interpreter's cost is per program); the same tests run compiled on a GPU,
+where the ``gpu``-marked ones add Qwen3-30B-A3B sizes, graph capture and a timing against
+the BF16 kernels (``pytest tests/gpu/test_packed_experts.py -m gpu -k timing -s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("gguf")
+
+import triton  # noqa: E402
+from expert_reference import reference_experts  # noqa: E402
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+
+from freetoken.handoff import Fmt  # noqa: E402
+from freetoken.loading.gguf_writer import random_blocks  # noqa: E402
+from freetoken.loading.tensors import RawTensor  # noqa: E402
+from freetoken.moe import triton_moe, triton_moe_packed  # noqa: E402
+from freetoken.moe.gpu_packed_experts import DequantScratch, PackedGpuExperts  # noqa: E402
+from freetoken.moe.layer import ExpertWeights  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRET = DEV == "cpu"
+if INTERPRET and not triton.knobs.runtime.interpret:
+    pytest.skip("no GPU and Triton's interpreter is off (TRITON_INTERPRET unset at import)", allow_module_level=True)
+
+E, H, I = 6, 512, 256
+Q4, Q5, Q6, Q8 = int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K), int(Fmt.Q8_0)
+#: one program per route / token in the interpreter; the GPU's default tiles elsewhere
+WIDE = triton_moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256)
+#: several programs and steps, steps smaller than a 256-value block (offsets inside blocks)
+NARROW = triton_moe_packed.PackedConfig(block_i=128, block_h=128, block_n=256, block_r=64)
+FP32_TOL, BF16_TOL = 1e-5, 1e-2
+#: the large-batch path multiplies BF16 weights and BF16 activations (as GpuExperts does)
+DEQUANT_TOL = 2e-2
+#: scale of the random fp16 block scales, per format, so that weights are O(0.01 .. 0.1)
+SCALES = {Q4: 2e-4, Q5: 1e-4, Q6: 1e-4, Q8: 2e-4}
+
+
+def packed_stack(fmt: int, rows: int, cols: int, rng: np.random.Generator, name: str) -> tuple[RawTensor, torch.Tensor]:
+    """Random blocks of ``E`` experts as a RawTensor, and gguf-py's float64 dequantization."""
+    b = random_blocks(fmt, E * rows, cols, rng, scale=SCALES[fmt])
+    ref = gguf_dequantize(b, GGMLQuantizationType(fmt)).astype(np.float64).reshape(E, rows, cols)
+    raw = RawTensor(name=name, shape=(E, rows, cols), fmt=fmt, data=b.reshape(E, rows, -1), source="random")
+    return raw, torch.from_numpy(ref)
+
+
+def random_layer(fmts: tuple[int, int, int], seed: int):
+    rng = np.random.default_rng(seed)
+    gate, g64 = packed_stack(fmts[0], I, H, rng, "ffn_gate_exps")
+    up, u64 = packed_stack(fmts[1], I, H, rng, "ffn_up_exps")
+    down, d64 = packed_stack(fmts[2], H, I, rng, "ffn_down_exps")
+    return (gate, up, down), (g64, u64, d64)
+
+
+def routes(tokens: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """Random ids with -1s, a duplicate within token 0, and (from 3 tokens) a token with no route."""
+    ids = torch.randint(0, E, (tokens, top_k), generator=gen)
+    ids[torch.rand(tokens, top_k, generator=gen) < 0.3] = -1
+    if top_k >= 2:
+        ids[0, 0] = ids[0, top_k - 1] = int(torch.randint(0, E, (1,), generator=gen))
+    if tokens >= 3:
+        ids[1] = -1
+    return ids.to(torch.int32)
+
+
+def check_rows(out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
+    got = out.detach().cpu().double()
+    assert torch.isfinite(got).all(), "non-finite output (poison left or NaN computed)"
+    empty = ref.abs().amax(dim=1) == 0
+    assert (got[empty] == 0).all(), "a token without GPU routes got a non-zero row"
+    if (~empty).any():
+        err = (got[~empty] - ref[~empty]).norm(dim=1) / ref[~empty].norm(dim=1)
+        assert float(err.max()) < tol, f"worst token row relative error {float(err.max()):.3g} >= {tol}"
+        return float(err.max())
+    return 0.0
+
+
+def run_case(
+    fmts: tuple[int, int, int], tokens: int, top_k: int, seed: int, xdtype: torch.dtype = torch.float32,
+    outdtype: torch.dtype = torch.float32, config: triton_moe_packed.PackedConfig = WIDE, tol: float = FP32_TOL,
+    **kwargs,
+) -> PackedGpuExperts:  # fmt: skip
+    (gate, up, down), (g64, u64, d64) = random_layer(fmts, seed)
+    experts = PackedGpuExperts(gate, up, down, DEV, config=config, **kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=gen).to(xdtype)
+    ids = routes(tokens, top_k, gen)
+    w = torch.rand(tokens, top_k, generator=gen) + 0.1
+    out = torch.full((tokens, H), float("nan"), dtype=outdtype, device=DEV)
+    assert experts.forward(x.to(DEV), ids.to(DEV), w.to(DEV), out=out) is out
+    check_rows(out, reference_experts(x, ids, w, g64, u64, d64), tol)
+    return experts
+
+
+MIXES = {
+    "q4k_q4k_q6k": (Q4, Q4, Q6),
+    "q5k": (Q5, Q5, Q5),
+    "q8_0": (Q8, Q8, Q8),
+    "q6k_q5k_q4k": (Q6, Q5, Q4),
+}
+
+
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (3, 8)])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_packed_matches_gguf_reference(mix, tokens, top_k):
+    run_case(MIXES[mix], tokens, top_k, seed=list(MIXES).index(mix) * 10 + tokens)
+
+
+@pytest.mark.parametrize("mix", ["q4k_q4k_q6k", "q5k", "q8_0"])
+def test_narrow_tiles(mix):
+    """Several programs per route and several steps per row, steps inside 256-value blocks."""
+    run_case(MIXES[mix], 2, 4, seed=len(mix), config=NARROW)
+
+
+def test_bf16_activations_and_output_small_top_k():
+    run_case((Q4, Q8, Q6), 1, 1, seed=3, xdtype=torch.bfloat16, outdtype=torch.bfloat16, tol=BF16_TOL)
+    experts = run_case((Q4, Q4, Q6), 3, 2, seed=4, xdtype=torch.bfloat16, tol=FP32_TOL)
+    # a return value in x's dtype, no route at all: zeros
+    x = torch.randn(2, H, device=DEV).to(torch.bfloat16)
+    y = experts.forward(x, torch.full((2, 2), -1, dtype=torch.int32, device=DEV), torch.ones(2, 2, device=DEV))
+    assert y.dtype == torch.bfloat16 and bool((y == 0).all())
+
+
+def test_large_batches_dequantize_to_bf16():
+    """Above max_routes: the experts are dequantized into the shared scratch and the BF16
+    kernels run (here both the per-route and the tiled BF16 kernels)."""
+    scratch = DequantScratch()
+    per_route = triton_moe.BlockConfig(block_i=64, block_h=128, block_n=128, block_r=128)
+    tiled = triton_moe.BlockConfig(block_i=64, block_h=128, block_n=128, block_r=128, route_kernels_max_routes=0)
+    small = triton_moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256, max_routes=2)
+    for bf16_config in (per_route, tiled):
+        experts = run_case((Q4, Q4, Q6), 3, 4, seed=5, config=small, tol=DEQUANT_TOL, scratch=scratch,
+                           bf16_config=bf16_config)  # fmt: skip
+        assert any(k[0] == "bf16" for k in experts._compiled)
+    assert scratch.nbytes == 3 * E * H * I * 2
+
+
+def test_device_bytes_construction_and_warmup():
+    (gate, up, down), _ = random_layer((Q4, Q4, Q6), seed=6)
+    layer = ExpertWeights(gate=gate, up=up, down=down, num_experts=E, hidden=H, intermediate=I)
+    experts = PackedGpuExperts.from_expert_weights(layer, DEV, config=WIDE)
+    assert experts.file_bytes == layer.nbytes
+    assert experts.device_bytes <= 1.05 * layer.nbytes
+    assert experts.device_bytes == E * I * (H // 256) * 144 * 2 + E * H * (I // 256) * 210
+    assert experts.formats == ("Q4_K", "Q4_K", "Q6_K")
+    experts.warmup([1], 8)
+    keys = set(experts._compiled)
+    assert len(keys) == 1
+    experts.warmup([1], 8)
+    assert experts._compiled == keys
+
+
+def test_refuses_other_formats_and_shapes():
+    (gate, up, down), _ = random_layer((Q4, Q4, Q6), seed=7)
+    f32 = RawTensor(name="g", shape=(E, I, H), fmt=int(Fmt.F32), data=np.zeros((E, I, H), np.float32), source="t")
+    with pytest.raises(ValueError, match="packed GPU experts hold"):
+        PackedGpuExperts(f32, up, down, DEV)
+    with pytest.raises(ValueError, match="expert shapes"):
+        PackedGpuExperts(gate, up, gate, DEV)
+    with pytest.raises(ValueError, match="block_h"):
+        PackedGpuExperts(gate, up, down, DEV, config=triton_moe_packed.PackedConfig(block_h=16))
+
+
+_COMPILE_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from freetoken.moe import triton_moe_packed as tp
+
+def rb(f, cols):
+    per, nb, _ = tp.FORMATS[f]
+    return cols // per * nb
+
+report = {}
+for gf, uf, df in [(12, 12, 14), (13, 8, 13)]:
+    cfg, H, I = tp.DEFAULT_CONFIG, 2048, 768
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    sig = {"x_ptr": "*bf16", "ids_ptr": "*i32", "g_u8": "*u8", "g_i8": "*i8", "g_f16": "*fp16", "u_u8": "*u8",
+           "u_i8": "*i8", "u_f16": "*fp16", "h_ptr": "*fp32", "T": "i32"}
+    consts = dict(K=8, H=H, I=I, GATE_FMT=gf, GATE_RB=rb(gf, H), GATE_G=tp.FORMATS[gf][2], UP_FMT=uf,
+                  UP_RB=rb(uf, H), UP_G=tp.FORMATS[uf][2], ACT=0, ALPHA=1.702, LIMIT=7.0,
+                  BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h)
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
+    gu = triton.compile(ASTSource(tp._gate_up_packed_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                        options=opts)
+    sig = {"h_ptr": "*fp32", "ids_ptr": "*i32", "w_ptr": "*fp32", "d_u8": "*u8", "d_i8": "*i8", "d_f16": "*fp16",
+           "y_ptr": "*fp32", "T": "i32"}
+    consts = dict(K=8, H=H, I=I, DOWN_FMT=df, DOWN_RB=rb(df, I), DOWN_G=tp.FORMATS[df][2], BLOCK_N=cfg.block_n,
+                  BLOCK_R=cfg.block_r)
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
+    dn = triton.compile(ASTSource(tp._down_packed_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                        options=opts)
+    report[f"{gf}_{uf}_{df}"] = [bool(k.asm.get("cubin")) for k in (gu, dn)]
+print(json.dumps(report))
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """The packed kernels compile for the H200 (sm_90) with Triton's bundled ptxas, no GPU
+    needed (a subprocess without TRITON_INTERPRET): catches what the interpreter accepts
+    and the compiler does not."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"12_12_14": [True, True], "13_8_13": [True, True]}
+
+
+# --------------------------------------------------------------------------------------
+# on the GPU: Qwen3-30B-A3B sizes, graph capture, timing against the BF16 kernels
+# --------------------------------------------------------------------------------------
+
+
+def _qwen3_layer(num_experts: int, fmts: tuple[int, int, int], seed: int, reference: bool):
+    """Random blocks of ``num_experts`` experts of H=2048, I=768 (and their float64 values)."""
+    hid, inter = 2048, 768
+    rng = np.random.default_rng(seed)
+    raws, refs = [], []
+    for fmt, rows, cols, name in ((fmts[0], inter, hid, "g"), (fmts[1], inter, hid, "u"), (fmts[2], hid, inter, "d")):
+        b = random_blocks(fmt, num_experts * rows, cols, rng, scale=SCALES[fmt])
+        data = b.reshape(num_experts, rows, -1)
+        raws.append(RawTensor(name=name, shape=(num_experts, rows, cols), fmt=fmt, data=data))
+        if reference:
+            v = gguf_dequantize(b, GGMLQuantizationType(fmt)).astype(np.float64)
+            refs.append(torch.from_numpy(v).reshape(num_experts, rows, cols))
+    return raws, refs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (4, 8), (16, 8), (64, 8)])
+def test_gpu_qwen3_sizes(tokens, top_k):
+    """Default tiles at H=2048, I=768 (16, 4 tokens: packed kernels; 64: dequantized BF16)."""
+    (gate, up, down), (g64, u64, d64) = _qwen3_layer(16, (Q4, Q4, Q6), seed=tokens, reference=True)
+    experts = PackedGpuExperts(gate, up, down, "cuda")
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 2048, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(-1, 16, (tokens, top_k), generator=gen).to(torch.int32)
+    w = torch.rand(tokens, top_k, generator=gen) + 0.1
+    out = torch.full((tokens, 2048), float("nan"), device="cuda")
+    experts.forward(x.cuda(), ids.cuda(), w.cuda(), out=out)
+    tol = FP32_TOL * 10 if tokens * top_k <= experts.config.max_routes else DEQUANT_TOL
+    check_rows(out, reference_experts(x, ids, w, g64, u64, d64), tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warm", [True, False])
+def test_gpu_graph_capture_and_replay(warm, caplog):
+    (gate, up, down), (g64, u64, d64) = random_layer((Q4, Q4, Q6), seed=23 + warm)
+    experts = PackedGpuExperts(gate, up, down, "cuda")
+    tokens, top_k = 4, 4
+    if warm:
+        experts.warmup([tokens], top_k)
+    gen = torch.Generator().manual_seed(warm)
+    sx = torch.zeros(tokens, H, dtype=torch.bfloat16, device="cuda")
+    sids = torch.zeros(tokens, top_k, dtype=torch.int32, device="cuda")
+    sw = torch.zeros(tokens, top_k, device="cuda")
+    sout = torch.empty(tokens, H, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sout.copy_(experts.forward(sx, sids, sw))
+    assert experts.capture_fallbacks == (0 if warm else 1)
+    if not warm:
+        assert "not compiled before stream capture" in caplog.text
+    for _ in range(3):
+        x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
+        ids, w = routes(tokens, top_k, gen), torch.rand(tokens, top_k, generator=gen) + 0.1
+        sx.copy_(x.cuda()), sids.copy_(ids.cuda()), sw.copy_(w.cuda())
+        sout.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_rows(sout, reference_experts(x, ids, w, g64, u64, d64), BF16_TOL if warm else DEQUANT_TOL)
+
+
+def _graph_time_us(fn, iters: int = 200) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (iters * 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_gpu_timing_against_bf16(tokens):
+    """Graph-replay time of one layer (128 experts, H=2048, I=768, Q4_K/Q4_K/Q6_K as in
+    Qwen3-30B-A3B Q4_K_M), 8 routes per token all on the GPU, against GpuExperts on the same
+    weights dequantized to BF16, with the HBM floors (printed; run with -s)."""
+    from freetoken.moe.gpu_experts import GpuExperts
+
+    ne, top_k = 128, 8
+    (gate, up, down), _ = _qwen3_layer(ne, (Q4, Q4, Q6), seed=1, reference=False)
+    packed = PackedGpuExperts(gate, up, down, "cuda")
+    bf16 = GpuExperts(*packed._dequantized(), impl="triton")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, 2048, generator=gen).to(torch.bfloat16).cuda()
+    ids = torch.stack([torch.randperm(ne, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32).cuda()
+    w = torch.rand(tokens, top_k, generator=gen).cuda()
+    got, want = packed.forward(x, ids, w).float(), bf16.forward(x, ids, w).float()
+    assert float((got - want).norm() / want.norm()) < DEQUANT_TOL
+    distinct = len(set(ids.flatten().tolist()))
+    t_packed = _graph_time_us(lambda: packed.forward(x, ids, w))
+    t_bf16 = _graph_time_us(lambda: bf16.forward(x, ids, w))
+    per_expert_packed = packed.device_bytes / ne
+    per_expert_bf16 = 3 * 2048 * 768 * 2
+    bw = 4.3e12  # measured HBM bandwidth of the H200 (docs/gpu.md)
+    print(
+        f"\nT={tokens} K={top_k} ({distinct} distinct experts): packed {t_packed:.1f} us "
+        f"(floor {distinct * per_expert_packed / bw * 1e6:.1f} us), BF16 {t_bf16:.1f} us "
+        f"(floor {distinct * per_expert_bf16 / bw * 1e6:.1f} us); device bytes {packed.device_bytes / 2**30:.3f} GiB "
+        f"packed vs {ne * per_expert_bf16 / 2**30:.3f} GiB BF16"
+    )
+    print(json.dumps({"tokens": tokens, "packed_us": t_packed, "bf16_us": t_bf16, "distinct": distinct}))
