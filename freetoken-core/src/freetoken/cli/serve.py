@@ -27,7 +27,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--port", type=non_negative_int, default=8000,
                    help="port (0 picks a free one; the log says which) (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("FREETOKEN_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $FREETOKEN_API_KEY, else open)")
+                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/* "
+                        "(default: $FREETOKEN_API_KEY, else open)")
     p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="model name(s) clients use (repeatable; default: the model's own name)")
     p.add_argument("--max-queued-requests", type=positive_int, default=256, metavar="N",

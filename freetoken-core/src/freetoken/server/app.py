@@ -13,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from freetoken._version import __version__
-from freetoken.server import chat, completions
+from freetoken.server import anthropic_messages, chat, completions
+from freetoken.server.anthropic_protocol import response_for
 from freetoken.server.errors import APIError
 from freetoken.server.metrics import CONTENT_TYPE
 from freetoken.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, ErrorAndMetricsMiddleware
@@ -22,7 +23,8 @@ from freetoken.server.state import EngineHolder, ServerSettings
 
 logger = logging.getLogger(__name__)
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
+             "/health", "/metrics")
 
 #: Keys of the backend report that /health passes on when the report has them (a CPU
 #: backend's report has fewer than a GPU session's); backend, io_path, graphs and reason
@@ -81,7 +83,7 @@ async def metrics(request: Request) -> Response:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return response_for(request.url.path, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -93,7 +95,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                          code="method_not_allowed")
     else:
         error = APIError(exc.status_code, str(exc.detail))
-    return error.response(headers=dict(exc.headers) if exc.headers else None)
+    return response_for(request.url.path, error, headers=dict(exc.headers) if exc.headers else None)
 
 
 def create_app(engine_config: Any, settings: Optional[ServerSettings] = None,
@@ -120,6 +122,8 @@ def create_app(engine_config: Any, settings: Optional[ServerSettings] = None,
     app.state.holder = holder
     app.add_api_route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"])
     app.add_api_route("/v1/completions", completions.create_completion, methods=["POST"])
+    app.add_api_route("/v1/messages", anthropic_messages.create_message, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", anthropic_messages.count_tokens, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", retrieve_model, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])

@@ -10,6 +10,7 @@ import hmac
 import logging
 from typing import Any, Awaitable, Callable, Iterable, Optional
 
+from freetoken.server.anthropic_protocol import response_for
 from freetoken.server.errors import APIError
 from freetoken.server.metrics import ServerMetrics
 
@@ -26,8 +27,10 @@ class BodyTooLarge(Exception):
     pass
 
 
-async def _send_error(send: Send, error: APIError, headers: Optional[list[tuple[bytes, bytes]]] = None) -> None:
-    response = error.response()
+async def _send_error(scope: Scope, send: Send, error: APIError,
+                      headers: Optional[list[tuple[bytes, bytes]]] = None) -> None:
+    """The error in the shape of the requested endpoint's API (OpenAI, or Anthropic on /v1/messages)."""
+    response = response_for(scope.get("path", ""), error)
     await send({
         "type": "http.response.start",
         "status": response.status_code,
@@ -76,12 +79,12 @@ class ErrorAndMetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         except BodyTooLarge as exc:
             if status["code"] is None:
-                await _send_error(send_wrapper, APIError(413, str(exc), code="request_too_large"))
+                await _send_error(scope, send_wrapper, APIError(413, str(exc), code="request_too_large"))
         except Exception:  # noqa: BLE001 - one request fails, the server keeps serving
             logger.exception("internal error while serving %s %s", scope.get("method"), path)
             if status["code"] is None:
                 await _send_error(
-                    send_wrapper,
+                    scope, send_wrapper,
                     APIError(500, "The server had an internal error while processing the request "
                                   "(details are in the server log).", code="internal_error"),
                 )
@@ -91,8 +94,9 @@ class ErrorAndMetricsMiddleware:
 
 
 class APIKeyMiddleware:
-    """With a key configured, /v1/* needs ``Authorization: Bearer KEY`` (else 401).
-    /health and /metrics stay open for load balancers and scrapers."""
+    """With a key configured, /v1/* needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY``
+    (Anthropic's header), else 401. /health and /metrics stay open for load balancers
+    and scrapers."""
 
     def __init__(self, app: ASGIApp, api_key: Optional[str], protected_prefix: str = "/v1") -> None:
         self.app = app
@@ -100,11 +104,14 @@ class APIKeyMiddleware:
         self.prefix = protected_prefix
 
     def _authorized(self, scope: Scope) -> bool:
+        key = self.api_key.encode()
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key):
                     return True
+            elif name == b"x-api-key" and hmac.compare_digest(value.strip(), key):
+                return True
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -116,8 +123,8 @@ class APIKeyMiddleware:
             and not self._authorized(scope)
         ):
             await _send_error(
-                send,
-                APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                scope, send,
+                APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
                          code="invalid_api_key", type="invalid_request_error"),
                 headers=[(b"www-authenticate", b"Bearer")],
             )
@@ -144,11 +151,11 @@ class BodyLimitMiddleware:
                 try:
                     length = int(value)
                 except ValueError:
-                    await _send_error(send, APIError(400, "invalid Content-Length header"))
+                    await _send_error(scope, send, APIError(400, "invalid Content-Length header"))
                     return
                 if length > limit:
                     await _drain(receive, length)
-                    await _send_error(send, APIError(413, message, code="request_too_large"))
+                    await _send_error(scope, send, APIError(413, message, code="request_too_large"))
                     return
         seen = 0
 

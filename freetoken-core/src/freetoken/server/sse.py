@@ -1,10 +1,11 @@
-"""Server-sent events framing: ``data: {json}\\n\\n`` per chunk and a final ``data: [DONE]``."""
+"""Server-sent events framing: ``data: {json}\\n\\n`` per chunk and a final ``data: [DONE]``
+(OpenAI's framing; the error events of another framing are a parameter)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
 
@@ -19,28 +20,39 @@ def event(payload: dict[str, Any]) -> str:
     return f"data: {json_dumps(payload)}\n\n"
 
 
-async def guarded(chunks: AsyncIterator[str], what: str) -> AsyncIterator[str]:
-    """Pass chunks through; an internal error after the headers went out becomes an
-    error event (then ``[DONE]``) and a logged traceback. A client disconnect
-    (cancellation) propagates, which closes the engine streams."""
+def openai_error_events(error: APIError) -> list[str]:
+    """How an OpenAI stream ends on an error: the error object, then ``[DONE]``."""
+    return [event(error.body()), DONE]
+
+
+ErrorEvents = Callable[[APIError], list[str]]
+
+
+async def guarded(chunks: AsyncIterator[str], what: str,
+                  error_events: ErrorEvents = openai_error_events) -> AsyncIterator[str]:
+    """Pass chunks through; an internal error after the headers went out becomes the
+    stream's error events and a logged traceback. A client disconnect (cancellation)
+    propagates, which closes the engine streams."""
     try:
         async for chunk in chunks:
             yield chunk
     except asyncio.CancelledError:
         raise
     except APIError as exc:
-        yield event(exc.body())
-        yield DONE
+        for chunk in error_events(exc):
+            yield chunk
     except Exception:  # noqa: BLE001
         logger.exception("internal error while streaming %s", what)
-        yield event(APIError(500, "The server had an internal error while streaming the response "
-                                  "(details are in the server log).", code="internal_error").body())
-        yield DONE
+        error = APIError(500, "The server had an internal error while streaming the response "
+                              "(details are in the server log).", code="internal_error")
+        for chunk in error_events(error):
+            yield chunk
 
 
-def sse_response(chunks: AsyncIterator[str], what: str) -> StreamingResponse:
+def sse_response(chunks: AsyncIterator[str], what: str,
+                 error_events: ErrorEvents = openai_error_events) -> StreamingResponse:
     return StreamingResponse(
-        guarded(chunks, what),
+        guarded(chunks, what, error_events),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
