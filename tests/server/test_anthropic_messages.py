@@ -165,10 +165,10 @@ def test_api_key_headers(server: Any, client: anthropic.Anthropic) -> None:
         {"type": "text", "text": "What is this?"},
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
      "'image'"),
-    ("tool_result block", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t1", "content": "42"}]}]}, "not supported yet"),
+    ("tool_result answering nothing", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "42"}]}]}, "messages.0.content.0.tool_use_id"),
     ("tools", {"model": MODEL, "max_tokens": 4, "messages": USER, "tools": [{"name": "f", "input_schema": {}}]},
-     "tools"),
+     "tools.0.input_schema"),
     ("bad role", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": "hi"}]},
      "messages.0.role"),
     ("string max_tokens", {"model": MODEL, "max_tokens": "4", "messages": USER}, "max_tokens"),

@@ -1,8 +1,11 @@
 """Pydantic models of Anthropic's Messages API wire protocol, and its error bodies.
 
 Requests are validated as strictly as the OpenAI ones (see protocol.py): a bad field
-is a 400 naming it. Content blocks other than ``text`` are recognised by their
-``type`` and refused with a message naming the block type.
+is a 400 naming it. Content blocks are ``text``, ``tool_use`` (assistant messages) and
+``tool_result`` (user messages); the other types are recognised by their ``type`` and
+refused with a message naming the block type. Tools are client tools (name,
+description, ``input_schema``); :mod:`freetoken.server.anthropic_tools` turns a request
+into the chat-completions form the chat template and the tool-call code read.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.responses import JSONResponse
 
 from freetoken.server.errors import APIError
-from freetoken.server.protocol import MAX_STOP_SEQUENCES, FieldError
+from freetoken.server.protocol import FUNCTION_NAME_RE, MAX_STOP_SEQUENCES, FieldError
 
 #: Paths whose errors have Anthropic's shape instead of OpenAI's.
 PATH_PREFIX = "/v1/messages"
@@ -23,16 +26,14 @@ _UNSUPPORTED_BLOCKS = {
     "image": "not supported by this server (text only)",
     "document": "not supported by this server (text only)",
     "search_result": "not supported by this server (text only)",
-    "tool_use": "not supported yet",
-    "tool_result": "not supported yet",
-    "server_tool_use": "not supported yet",
+    "server_tool_use": "not supported by this server (client tools only)",
+    "web_search_tool_result": "not supported by this server (client tools only)",
     "thinking": "not supported yet",
     "redacted_thinking": "not supported yet",
 }
 
 #: Request fields of the Messages API that are refused when set.
-_UNSUPPORTED_FIELDS = {"tools": "not supported yet", "tool_choice": "not supported yet",
-                       "mcp_servers": "not supported by this server", "container": "not supported by this server"}
+_UNSUPPORTED_FIELDS = {"mcp_servers": "not supported by this server", "container": "not supported by this server"}
 
 #: HTTP status -> Anthropic error ``type``.
 _ERROR_TYPES = {
@@ -71,11 +72,25 @@ def response_for(path: str, error: APIError, headers: Optional[dict[str, str]] =
 
 
 class ContentBlock(BaseModel):
-    """One content block; only ``text`` blocks are accepted (see :meth:`MessagesBase.check`)."""
+    """One content block: ``text`` (``text``), ``tool_use`` (``id``, ``name``, ``input``) or
+    ``tool_result`` (``tool_use_id``, ``content``, ``is_error``); which fields a type
+    needs, and where it may appear, is checked by :meth:`MessagesBase.check`."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: Optional[str] = None
+    id: Optional[str] = None
+    name: Optional[str] = None
+    input: Optional[dict[str, Any]] = None
+    tool_use_id: Optional[str] = None
+    content: Union[str, list["ContentBlock"], None] = None
+    is_error: Optional[bool] = None
+
+    def result_text(self) -> str:
+        """A tool_result's content as one string (text blocks joined)."""
+        if isinstance(self.content, list):
+            return "".join(block.text or "" for block in self.content)
+        return self.content or ""
 
 
 class MessageParam(BaseModel):
@@ -84,9 +99,30 @@ class MessageParam(BaseModel):
     content: Union[str, list[ContentBlock]]
 
     def text(self) -> str:
+        """The text blocks, joined."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(block.text or "" for block in self.content)
+        return "".join(block.text or "" for block in self.content if block.type == "text")
+
+    def blocks(self, kind: str) -> list[ContentBlock]:
+        return [] if isinstance(self.content, str) else [b for b in self.content if b.type == kind]
+
+
+class ToolParam(BaseModel):
+    """A client tool: the model is shown its name, description and input schema."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(pattern=FUNCTION_NAME_RE)
+    description: Optional[str] = None
+    input_schema: Optional[dict[str, Any]] = None
+    type: Optional[str] = None
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None
 
 
 class MessagesBase(BaseModel):
@@ -96,18 +132,66 @@ class MessagesBase(BaseModel):
     model: str
     messages: list[MessageParam] = Field(min_length=1)
     system: Union[str, list[ContentBlock], None] = None
+    tools: Optional[list[ToolParam]] = None
+    tool_choice: Optional[ToolChoice] = None
 
     def check(self) -> None:
-        """Refuse what is recognised but not implemented (called after validation)."""
+        """Refuse what is recognised but not implemented, and what is inconsistent
+        (called after validation)."""
         extra = self.model_extra or {}
         for name, why in _UNSUPPORTED_FIELDS.items():
             if extra.get(name) not in (None, [], {}):
                 raise FieldError(name, f"'{name}' is {why}")
         if isinstance(self.system, list):
-            _check_blocks(self.system, "system")
+            _check_blocks(self.system, "system", ())
+        self._check_tools()
+        tool_use_ids: set[str] = set()
+        last = len(self.messages) - 1
         for i, message in enumerate(self.messages):
-            if isinstance(message.content, list):
-                _check_blocks(message.content, f"messages.{i}.content")
+            if isinstance(message.content, str):
+                continue
+            where = f"messages.{i}.content"
+            _check_blocks(message.content, where, ("tool_use",) if message.role == "assistant" else ("tool_result",))
+            for j, block in enumerate(message.content):
+                if block.type == "tool_use":
+                    if block.id in tool_use_ids:
+                        raise FieldError(f"{where}.{j}.id", f"{where}.{j}.id: tool_use id {block.id!r} is used twice")
+                    tool_use_ids.add(str(block.id))
+                    if i == last:
+                        raise FieldError(f"{where}.{j}", f"{where}.{j}: a final assistant message cannot hold "
+                                                         "tool_use blocks; send their results in a user message")
+                elif block.type == "tool_result" and block.tool_use_id not in tool_use_ids:
+                    raise FieldError(f"{where}.{j}.tool_use_id",
+                                     f"{where}.{j}.tool_use_id: {block.tool_use_id!r} answers no tool_use block "
+                                     "of an earlier assistant message")
+
+    def _check_tools(self) -> None:
+        names = []
+        for i, tool in enumerate(self.tools or []):
+            if tool.type not in (None, "custom"):
+                raise FieldError(f"tools.{i}.type", f"tools.{i}.type: '{tool.type}' tools are not supported by this "
+                                                    "server (client tools with an input_schema only)")
+            if tool.input_schema is None:
+                raise FieldError(f"tools.{i}.input_schema", f"tools.{i}.input_schema: field required")
+            if tool.input_schema.get("type") != "object":
+                raise FieldError(f"tools.{i}.input_schema.type",
+                                 f"tools.{i}.input_schema.type: must be 'object' (the input is a JSON object)")
+            names.append(tool.name)
+        if len(set(names)) != len(names):
+            raise FieldError("tools", "tools: tool names must be unique")
+        choice = self.tool_choice
+        if choice is None:
+            return
+        if choice.type != "none" and not names:
+            raise FieldError("tool_choice", "tool_choice is only allowed when tools are given")
+        if choice.type == "tool":
+            if choice.name is None:
+                raise FieldError("tool_choice.name", "tool_choice.name: field required for type 'tool'")
+            if choice.name not in names:
+                raise FieldError("tool_choice.name", f"tool_choice names tool {choice.name!r}, which is not in tools")
+        elif choice.name is not None:
+            raise FieldError("tool_choice.name", f"tool_choice.name is only allowed with type 'tool', "
+                                                 f"not '{choice.type}'")
 
     def system_text(self) -> str:
         if self.system is None:
@@ -117,13 +201,27 @@ class MessagesBase(BaseModel):
         return "\n".join(block.text or "" for block in self.system)
 
 
-def _check_blocks(blocks: list[ContentBlock], where: str) -> None:
+#: fields each accepted block type requires
+_REQUIRED = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
+
+
+def _check_blocks(blocks: list[ContentBlock], where: str, tool_blocks: tuple[str, ...]) -> None:
+    """Text blocks, plus the tool block types allowed here (``tool_use`` in assistant
+    messages, ``tool_result`` in user messages)."""
     for j, block in enumerate(blocks):
         param = f"{where}.{j}"
-        if block.type == "text":
-            if block.text is None:
-                raise FieldError(f"{param}.text", f"{param}.text: field required")
+        if block.type in ("text", *tool_blocks):
+            for field in _REQUIRED[block.type]:
+                if getattr(block, field) is None:
+                    raise FieldError(f"{param}.{field}", f"{param}.{field}: field required")
+            if block.type == "tool_use" and not block.id:
+                raise FieldError(f"{param}.id", f"{param}.id: must not be empty")
+            if block.type == "tool_result" and isinstance(block.content, list):
+                _check_blocks(block.content, f"{param}.content", ())
             continue
+        if block.type in ("tool_use", "tool_result"):
+            allowed = "assistant" if block.type == "tool_use" else "user"
+            raise FieldError(f"{param}.type", f"{param}: '{block.type}' blocks are only allowed in {allowed} messages")
         why = _UNSUPPORTED_BLOCKS.get(block.type)
         if why is None:
             raise FieldError(f"{param}.type", f"{param}: unknown content block type '{block.type}'")
@@ -165,6 +263,13 @@ class TextBlock(BaseModel):
     text: str
 
 
+class ToolUseBlock(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
 class Usage(BaseModel):
     """``input_tokens`` are the prompt tokens computed for this request; with a prefix
     cache hit, ``cache_read_input_tokens`` are the ones taken from the cache (their sum
@@ -180,7 +285,7 @@ class Usage(BaseModel):
                    cache_read_input_tokens=cached_tokens)
 
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 class MessageResponse(BaseModel):
@@ -188,7 +293,7 @@ class MessageResponse(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextBlock]
+    content: list[Union[TextBlock, ToolUseBlock]]
     stop_reason: Optional[StopReason] = None
     stop_sequence: Optional[str] = None
     usage: Usage

@@ -18,11 +18,13 @@ the first call.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from typing import Any, Callable, Optional
 
 from freetoken.server.errors import APIError
+from freetoken.server.json_mode import check_supported as check_json_support
 from freetoken.server.protocol import (
     CalledFunction,
     ChatCompletionRequest,
@@ -94,12 +96,28 @@ class ChatTools:
             return None
         return functools.partial(tool_call_constraint, self.tokenizer, self.fmt, self.forced)
 
+    async def checked_constraint(self) -> Optional[Callable[[], Any]]:
+        """:meth:`constraint`, after checking that the tokenizer can run it (a 400 if not;
+        the first check decodes the whole vocabulary, so it runs off the event loop)."""
+        factory = self.constraint()
+        if factory is None:
+            return None
+        problem = await asyncio.get_running_loop().run_in_executor(None, check_json_support, self.tokenizer)
+        if problem:
+            raise APIError(400, problem.replace("response_format json_object", "a forced tool call"),
+                           param="tool_choice", code="unsupported_tool_choice")
+        return factory
+
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.fmt, set(self.names), 1 if self.single else None)
 
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of a whole answer."""
+        return parse_tool_calls(text, self.fmt, set(self.names), 1 if self.single else None)
+
     def message(self, text: str, finish_reason: Optional[str]) -> tuple[ChatResponseMessage, Optional[str]]:
         """The whole answer: content and calls, and the finish reason to report."""
-        content, calls = parse_tool_calls(text, self.fmt, set(self.names), 1 if self.single else None)
+        content, calls = self.parse(text)
         if not calls:
             return ChatResponseMessage(content=content), finish_reason
         return (ChatResponseMessage(content=content or None, tool_calls=[response_call(c) for c in calls]),
