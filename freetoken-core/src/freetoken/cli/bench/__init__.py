@@ -14,6 +14,7 @@ BENCH_MODULES = (
     "freetoken.cli.bench.make_model",
     "freetoken.cli.bench.decode",
     "freetoken.cli.bench.moe_layer",
+    "freetoken.cli.bench.serve",
 )
 
 
