@@ -19,9 +19,11 @@ pytestmark = pytest.mark.timeout(300)
 MODEL = "demo-tools"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"],
+                   "additionalProperties": False}}}
 ADD = {"type": "function", "function": {
-    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "number", "maximum": 999}, "b": {"type": "number", "maximum": 999}},
+                   "additionalProperties": False}}}
 TOOLS = [WEATHER, ADD]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -64,7 +66,7 @@ def ref_prompt(tok: Any, messages: list[dict[str, Any]], tools: Any = None) -> t
 
 
 def check_arguments(name: str, arguments: str) -> dict[str, Any]:
-    """The forced call's arguments: always a JSON object (the schema's keys and types are not enforced)."""
+    """The forced call's arguments: a JSON object (test_json_schema.py checks them against the schemas)."""
     args = json.loads(arguments)
     assert isinstance(args, dict), arguments
     assert name in {"get_weather", "add"}
@@ -75,7 +77,7 @@ def check_arguments(name: str, arguments: str) -> dict[str, Any]:
                          ids=["required", "named"])
 def test_forced_call_non_streaming(client: openai.OpenAI, ref_tok: Any, choice: Any) -> None:
     out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, n=3,
-                                         max_tokens=80, temperature=1.0, seed=7)
+                                         max_tokens=300, temperature=1.0, seed=7)
     _, prompt_tokens = ref_prompt(ref_tok, ASK, TOOLS)
     assert out.usage.prompt_tokens == prompt_tokens  # the tools were rendered into the prompt
     ids = set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -35,6 +36,8 @@ from freetoken.server.protocol import (
     ChatResponseMessage,
     UsageInfo,
 )
+from freetoken.server.schema_constraint import SchemaError, compile_schema, schema_constraint
+from freetoken.server.schema_constraint import check_supported as check_schema_support
 from freetoken.server.sse import DONE, event, sse_response
 from freetoken.server.state import EngineHolder
 
@@ -56,6 +59,20 @@ def render_prompt(req: ChatCompletionRequest, tokenizer: Any, tools: Optional[Ch
         raise APIError(400, f"messages cannot be rendered with the model's chat template: {exc}",
                        param="messages", code="invalid_messages") from None
     return list(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def _compile_response_schema(tokenizer: Any, schema: Optional[dict[str, Any]]) -> str:
+    """The grammar of a json_schema response format (blocking); 400 for what cannot be enforced.
+    A format without ``schema`` accepts any JSON value."""
+    problem = check_schema_support(tokenizer)
+    if problem:
+        raise APIError(400, f"response_format json_schema {problem}", param="response_format",
+                       code="unsupported_response_format")
+    try:
+        return compile_schema(tokenizer, schema if schema is not None else {})
+    except SchemaError as exc:
+        raise APIError(400, f"response_format json_schema: the schema cannot be enforced: {exc}",
+                       param="response_format.json_schema.schema", code="unsupported_schema") from None
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -86,11 +103,19 @@ async def create_chat_completion(request: Request) -> Response:
             raise APIError(400, problem, param="response_format", code="unsupported_response_format")
         for job in jobs:
             job.json_object = True
+    if req.response_format is not None and req.response_format.type == "json_schema":
+        assert req.response_format.json_schema is not None  # checked by the request model
+        grammar = await asyncio.get_running_loop().run_in_executor(
+            None, _compile_response_schema, engine.tokenizer, req.response_format.json_schema.schema_)
+        for job in jobs:
+            job.constraint = functools.partial(schema_constraint, engine.tokenizer, grammar)
     if tools is not None and tools.constraint() is not None:
         problem = await asyncio.get_running_loop().run_in_executor(None, check_json_support, engine.tokenizer)
         if problem:
             raise APIError(400, problem.replace("response_format json_object", "a forced tool call"),
                            param="tool_choice", code="unsupported_tool_choice")
+        # the function schemas compile (and the first call maps the vocabulary) off the event loop
+        await asyncio.get_running_loop().run_in_executor(None, tools.compile)
         for job in jobs:
             job.constraint = tools.constraint()
     maybe_fail(request, holder, "before")

@@ -7,7 +7,8 @@ how generated calls become ``message.tool_calls`` (whole) or ``delta.tool_calls`
   (``tools=``, as transformers passes them) and the output is parsed for calls
   (:mod:`freetoken.server.tool_calls`);
 * ``required`` / ``{"type": "function", "function": {"name": ...}}``: the same, and
-  each choice is constrained to one call to an offered / the named function
+  each choice is constrained to one call to an offered / the named function, its
+  arguments following the function's ``parameters`` schema
   (:mod:`freetoken.server.tool_constraint`);
 * ``none``: the model is not to call tools, so the definitions are not rendered and
   the output is not parsed (all of it is content).
@@ -33,7 +34,8 @@ from freetoken.server.protocol import (
     ResponseToolCall,
 )
 from freetoken.server.tool_calls import Event, ToolCall, ToolCallParser, format_for, parse_tool_calls
-from freetoken.server.tool_constraint import tool_call_constraint
+from freetoken.server.schema_constraint import SchemaError, grammar_vocab
+from freetoken.server.tool_constraint import call_grammar, tool_call_constraint
 
 
 def _template_arguments(arguments: str) -> Any:
@@ -78,8 +80,10 @@ class ChatTools:
         self.tokenizer = tokenizer
         self.definitions = [t.model_dump(mode="json", exclude_none=True) for t in req.tools]
         self.names = [t.function.name for t in req.tools]
+        self.schemas = {t.function.name: t.function.parameters for t in req.tools}
         self.fmt = format_for(tokenizer)
         self.single = req.parallel_tool_calls is False
+        self.grammar: Optional[str] = None  # the forced call's llguidance grammar (compile())
         choice = req.tool_choice
         self.forced: Optional[list[str]] = (
             [choice.function.name] if isinstance(choice, NamedToolChoice)
@@ -90,11 +94,23 @@ class ChatTools:
         """Extra stop strings: the end of the first call when only one call is wanted."""
         return [self.fmt.end_tag] if self.single and self.forced is None else []
 
+    def compile(self) -> None:
+        """Compile the grammar of the forced call when the functions have parameter schemas
+        (blocking: run off the event loop). A schema llguidance cannot enforce is a 400."""
+        if self.forced is None or all(self.schemas[n] is None for n in self.forced):
+            return
+        try:
+            self.grammar = call_grammar(self.fmt, {n: self.schemas[n] for n in self.forced})
+            grammar_vocab(self.tokenizer)
+        except SchemaError as exc:
+            raise APIError(400, f"a function's parameters schema cannot be enforced: {exc}",
+                           param="tools", code="unsupported_schema") from None
+
     def constraint(self) -> Optional[Callable[[], Any]]:
         """A factory of per-choice constraints when a call is forced, else None."""
         if self.forced is None:
             return None
-        return functools.partial(tool_call_constraint, self.tokenizer, self.fmt, self.forced)
+        return functools.partial(tool_call_constraint, self.tokenizer, self.fmt, self.forced, self.grammar)
 
     async def checked_constraint(self) -> Optional[Callable[[], Any]]:
         """:meth:`constraint`, after checking that the tokenizer can run it (a 400 if not;

@@ -51,18 +51,28 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+#: OpenAI's rule for function names
+FUNCTION_NAME_RE = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = Field(pattern=FUNCTION_NAME_RE)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: Literal["text", "json_object"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
 
 
 class TextContentPart(BaseModel):
     type: Literal["text"]
     text: str
 
-
-#: OpenAI's rule for function names
-FUNCTION_NAME_RE = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class FunctionDefinition(BaseModel):
@@ -173,6 +183,10 @@ class ChatCompletionRequest(_SamplingFields):
         super().check()
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.response_format is not None and self.response_format.type == "json_schema" \
+                and self.response_format.json_schema is None:
+            raise FieldError("response_format.json_schema", "response_format json_schema needs a 'json_schema' "
+                                                            "object with 'name' and 'schema'")
         self._check_tools()
 
     def _check_tools(self) -> None:
@@ -185,9 +199,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise FieldError("tool_choice", f"tool_choice names function {self.tool_choice.function.name!r}, "
                                             "which is not in tools")
         if self.tool_choice not in (None, "auto", "none") and self.response_format is not None \
-                and self.response_format.type == "json_object":
-            raise FieldError("response_format", "response_format json_object cannot be combined with tool_choice "
-                                                "'required' or a named function")
+                and self.response_format.type != "text":
+            raise FieldError("response_format", f"response_format {self.response_format.type} cannot be combined "
+                                                "with tool_choice 'required' or a named function")
         call_ids: set[str] = set()
         for i, m in enumerate(self.messages):
             if m.tool_calls and m.role != "assistant":

@@ -19,17 +19,23 @@ over a character automaton with three phases:
   exactly at its closing brace;
 * the text after the object, then the request stops.
 
-What is enforced: the markup, the function name, and that the arguments are one JSON
-object (with JSON mode's restrictions: no whitespace before ``{``, no two whitespace
-characters in a row, depth 24). The function's ``parameters`` schema is *not*
-enforced: property names, required properties and value types are up to the model.
-While the arguments are written, a token is allowed only if the shortest closing
-text of the object plus the text after it still fits in ``max_tokens``, as in JSON mode.
+Functions without a ``parameters`` schema: the markup, the function name, and that the
+arguments are one JSON object (with JSON mode's restrictions: no whitespace before ``{``,
+no two whitespace characters in a row, depth 24); while the arguments are written, a
+token is allowed only if the shortest closing text of the object plus the text after it
+still fits in ``max_tokens``, as in JSON mode.
+
+When any allowed function has a ``parameters`` schema, the whole call is instead one
+llguidance grammar (:func:`call_grammar`: a Lark rule per function, its arguments a
+``%json`` rule of its schema, :mod:`freetoken.server.schema_constraint`), so the arguments
+follow the schema (property names, required properties, types, enums, ...); that path
+does not keep the call closable within ``max_tokens``.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import threading
 from typing import Any, Optional, Union
 
@@ -38,6 +44,7 @@ import torch
 from freetoken.engine.token_texts import PerTokenizer
 from freetoken.server import json_grammar as g
 from freetoken.server.json_mode import JsonVocab, vocab_for
+from freetoken.server.schema_constraint import SchemaConstraint, lark_grammar, schema_constraint, schema_for_lark
 from freetoken.server.tool_calls import ToolCallFormat
 
 #: phases of the automaton: ("pre", text so far), ("json", JSON state), ("post", characters written)
@@ -174,6 +181,23 @@ class ToolCallConstraint:
         return self.grammar.is_done(self.state)
 
 
-def tool_call_constraint(tokenizer: Any, fmt: ToolCallFormat, names: list[str]) -> ToolCallConstraint:
-    """A fresh constraint for one choice: one call to any of ``names``."""
+def call_grammar(fmt: ToolCallFormat, schemas: dict[str, Optional[dict[str, Any]]]) -> str:
+    """The llguidance grammar of one call to any function of ``schemas`` (name -> parameters
+    schema; None: any object). Raises SchemaError naming what the schemas use that
+    llguidance does not support."""
+    rules = []
+    for i, (name, schema) in enumerate(sorted(schemas.items())):
+        before, after = fmt.constrained_call(name)
+        rules.append(f"call_{i}: {json.dumps(before)} args_{i} {json.dumps(after)}\n"
+                     f"args_{i}: %json {schema_for_lark(schema if schema is not None else {'type': 'object'})}\n")
+    start = "start: " + " | ".join(f"call_{i}" for i in range(len(rules))) + "\n"
+    return lark_grammar(start + "".join(rules))
+
+
+def tool_call_constraint(tokenizer: Any, fmt: ToolCallFormat, names: list[str],
+                         grammar: Optional[str] = None) -> Union[ToolCallConstraint, SchemaConstraint]:
+    """A fresh constraint for one choice: one call to any of ``names``; with ``grammar``
+    (from :func:`call_grammar`), the call follows that grammar instead."""
+    if grammar is not None:
+        return schema_constraint(tokenizer, grammar)
     return ToolCallConstraint(vocab_for(tokenizer), _GRAMMARS.get(tokenizer).get(fmt, names))
