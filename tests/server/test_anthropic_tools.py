@@ -10,6 +10,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
 import pytest
 from tool_model import tool_model_dir
 
@@ -20,10 +21,12 @@ from freetoken.server.tool_calls import HermesFormat, ToolCallParser
 pytestmark = pytest.mark.timeout(300)
 
 MODEL = "demo-tools"
+# bounded schemas: forced inputs follow them, so random weights write short ones
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-ADD = {"name": "add", "input_schema": {"type": "object", "properties": {"a": {"type": "number"},
-                                                                        "b": {"type": "number"}}}}
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+                            "required": ["city"], "additionalProperties": False}}
+ADD = {"name": "add", "input_schema": {"type": "object", "properties": {
+    "a": {"type": "number", "maximum": 999}, "b": {"type": "number", "maximum": 999}}, "additionalProperties": False}}
 TOOLS = [WEATHER, ADD]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # recent clients have no sampling arguments: extra_body
@@ -58,6 +61,7 @@ def the_call(message: Any) -> Any:
     block = message.content[0]
     assert block.id.startswith("toolu_") and len(block.id) > len("toolu_")
     assert block.name in {"get_weather", "add"} and isinstance(block.input, dict)
+    jsonschema.validate(block.input, {t["name"]: t for t in TOOLS}[block.name]["input_schema"])
     return block
 
 
@@ -69,7 +73,7 @@ def count(client: anthropic.Anthropic, messages: Any, **kw: Any) -> int:
                                     {"type": "any", "disable_parallel_tool_use": True}],
                          ids=["any", "named", "any-single"])
 def test_forced_call(client: anthropic.Anthropic, choice: Any) -> None:
-    out = client.messages.create(messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=80, **SAMPLE)
+    out = client.messages.create(messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=300, **SAMPLE)
     block = the_call(out)
     if choice["type"] == "tool":
         assert block.name == "add"
@@ -80,7 +84,7 @@ def test_forced_call(client: anthropic.Anthropic, choice: Any) -> None:
 
 def test_forced_call_streamed_with_the_client_helper(client: anthropic.Anthropic) -> None:
     with client.messages.stream(messages=ASK, tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather"},
-                                max_tokens=80, **SAMPLE) as stream:
+                                max_tokens=300, **SAMPLE) as stream:
         events = list(stream)
         final = stream.get_final_message()
     block = the_call(final)
@@ -96,7 +100,7 @@ def test_forced_call_streamed_with_the_client_helper(client: anthropic.Anthropic
 
 
 def test_raw_stream_events(http: httpx.Client) -> None:
-    body = {"model": MODEL, "max_tokens": 80, "messages": ASK, "tools": TOOLS, "stream": True,
+    body = {"model": MODEL, "max_tokens": 300, "messages": ASK, "tools": TOOLS, "stream": True,
             "tool_choice": {"type": "any"}}
     frames = http.post("/v1/messages", json=body).text.split("\n\n")[:-1]
     events = []
@@ -113,7 +117,7 @@ def test_raw_stream_events(http: httpx.Client) -> None:
 
 
 def test_tool_result_round_trip(client: anthropic.Anthropic, model_dir: str) -> None:
-    first = client.messages.create(messages=ASK, tools=TOOLS, tool_choice={"type": "any"}, max_tokens=80, **SAMPLE)
+    first = client.messages.create(messages=ASK, tools=TOOLS, tool_choice={"type": "any"}, max_tokens=300, **SAMPLE)
     block = the_call(first)
     asked = [*ASK, {"role": "assistant", "content": [b.model_dump() for b in first.content]}]
     answered = [*asked, {"role": "user", "content": [
@@ -229,6 +233,6 @@ def test_bad_tool_input_is_400_and_the_server_keeps_serving(http: httpx.Client, 
         error = resp.json()
         assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", (case, error)
         assert needle in error["error"]["message"], (case, error)
-    ok = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 80, "messages": ASK, "tools": TOOLS,
+    ok = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 300, "messages": ASK, "tools": TOOLS,
                                          "tool_choice": {"type": "any"}})
     assert ok.status_code == 200 and ok.json()["stop_reason"] == "tool_use"

@@ -113,16 +113,18 @@ class ChatTools:
         return functools.partial(tool_call_constraint, self.tokenizer, self.fmt, self.forced, self.grammar)
 
     async def checked_constraint(self) -> Optional[Callable[[], Any]]:
-        """:meth:`constraint`, after checking that the tokenizer can run it (a 400 if not;
-        the first check decodes the whole vocabulary, so it runs off the event loop)."""
-        factory = self.constraint()
-        if factory is None:
+        """:meth:`constraint`, after checking that the tokenizer can run it and compiling
+        the functions' schemas (:meth:`compile`); a 400 if either fails. Both block (the
+        first check decodes the whole vocabulary), so they run off the event loop."""
+        if self.forced is None:
             return None
-        problem = await asyncio.get_running_loop().run_in_executor(None, check_json_support, self.tokenizer)
+        loop = asyncio.get_running_loop()
+        problem = await loop.run_in_executor(None, check_json_support, self.tokenizer)
         if problem:
             raise APIError(400, problem.replace("response_format json_object", "a forced tool call"),
                            param="tool_choice", code="unsupported_tool_choice")
-        return factory
+        await loop.run_in_executor(None, self.compile)
+        return self.constraint()
 
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.fmt, set(self.names), 1 if self.single else None)
