@@ -62,6 +62,16 @@ class ServerProcess:
         with self._lock:
             return "\n".join(self.lines)
 
+    def wait_log(self, *needles: str, timeout: float = 10.0) -> str:
+        """The log once it contains every one of ``needles`` (a reader thread collects the
+        server's output, so a line written just now may not be there yet)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log()
+            if all(n in text for n in needles) or time.monotonic() > deadline:
+                return text
+            time.sleep(0.05)
+
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         if not self._port_found.wait(timeout) or self.port is None:
@@ -121,7 +131,7 @@ def server_factory() -> Iterator[object]:
     codes = [(srv.stop(), srv) for srv in started]
     for code, srv in codes:  # Ctrl-C (SIGINT) is a clean shutdown
         assert code == 0, f"server exited with {code} on SIGINT; log tail:\n{srv.log()[-3000:]}"
-        assert "server stopped" in srv.log()
+        assert "server stopped" in srv.wait_log("server stopped")
 
 
 @pytest.fixture(scope="session")

@@ -216,7 +216,8 @@ def test_internal_error_fails_one_request_only(server: Any, http: httpx.Client) 
         resp = http.post(path, json=body, headers={"x-freetoken-fault": "before"})
         err = assert_error(resp, 500)
         assert err["type"] == "internal_server_error"
-    assert "Traceback" in server.log() and "InjectedFault" in server.log()
+    log = server.wait_log("Traceback", "InjectedFault")
+    assert "Traceback" in log and "InjectedFault" in log
     after = scrape(server.base_url)
     assert metric(after, "freetoken_http_requests_total", endpoint=CHAT, status="500") == \
         metric(before, "freetoken_http_requests_total", endpoint=CHAT, status="500") + 1

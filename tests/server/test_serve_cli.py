@@ -131,6 +131,6 @@ def test_sigterm_shuts_down_cleanly_with_a_stream_in_flight(server: Any) -> None
     events = [ln for ln in lines if ln]
     assert events[-1] == "data: [DONE]", events[-3:]
     assert "server_shutting_down" in events[-2], events[-3:]
-    log = server.log()
+    log = server.wait_log("received SIGTERM", "engine stopped", "server stopped")
     assert "received SIGTERM" in log and "engine stopped" in log and "server stopped" in log
     assert "Traceback" not in log, log[-3000:]
