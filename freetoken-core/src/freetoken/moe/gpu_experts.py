@@ -71,6 +71,31 @@ def _act(gate: Any, up: Any, activation: str, alpha: float = 1.702, limit: float
     raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
 
 
+def float32_output(out: Optional[Any], x: Any, tokens: int, hidden: int, device: Any) -> tuple[Any, bool]:
+    """The float32 ``[tokens, hidden]`` buffer the kernels accumulate into: ``out`` itself
+    when it qualifies (contiguous float32 of that shape on x's device, not aliasing x),
+    else a new tensor; and whether it is ``out``."""
+    import torch
+
+    direct = (
+        out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.device == x.device
+        and tuple(out.shape) == (tokens, hidden) and out.data_ptr() != x.data_ptr()
+    )  # fmt: skip
+    return (out if direct else torch.empty(tokens, hidden, dtype=torch.float32, device=device)), direct
+
+
+def finish_output(y: Any, out: Optional[Any], direct: bool, x_dtype: Any) -> Any:
+    """The experts' result from the float32 buffer ``y``: in ``out`` when given, else in ``x_dtype``."""
+    import torch
+
+    if direct:
+        return out
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y if x_dtype == torch.float32 else y.to(x_dtype)
+
+
 class GpuExperts:
     def __init__(
         self, gate: Any, up: Any, down: Any, activation: str = "silu", impl: Optional[str] = None,
@@ -136,12 +161,8 @@ class GpuExperts:
 
         tokens, top_k = gpu_ids.shape
         x, ids, w = x.contiguous(), gpu_ids.contiguous(), w.contiguous()
-        direct = (
-            out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.device == x.device
-            and tuple(out.shape) == (tokens, self.hidden) and out.data_ptr() != x.data_ptr()
-        )  # fmt: skip
         dev = self.gate.device
-        y = out if direct else torch.empty(tokens, self.hidden, dtype=torch.float32, device=dev)
+        y, direct = float32_output(out, x, tokens, self.hidden, dev)
         config = self.block_config or triton_moe.DEFAULT_CONFIG
         key = triton_moe.variant_key(x, ids, w, y, config)
         if key not in self._compiled and x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -163,12 +184,7 @@ class GpuExperts:
             log.error("GPU experts: the Triton kernels failed (%s); using torch instead", self.fallback_reason)
             return self._forward_torch(x, gpu_ids, w, out)
         self._compiled.add(key)
-        if direct:
-            return out
-        if out is not None:
-            out.copy_(y)
-            return out
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return finish_output(y, out, direct, x.dtype)
 
     # ---- torch (reference implementation) -----------------------------------------------
     def _forward_torch(self, x: Any, gpu_ids: Any, w: Any, out: Optional[Any]) -> Any:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from freetoken.moe.gpu_experts import ACTIVATIONS, GpuExperts
+from freetoken.moe.gpu_experts import ACTIVATIONS, GpuExperts, finish_output, float32_output
 
 if TYPE_CHECKING:
     from freetoken.loading.tensors import RawTensor
@@ -139,11 +139,7 @@ class PackedGpuExperts:
 
         tokens, top_k = gpu_ids.shape
         x, ids, w = x.contiguous(), gpu_ids.contiguous(), w.contiguous()
-        direct = (
-            out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.device == x.device
-            and tuple(out.shape) == (tokens, self.hidden) and out.data_ptr() != x.data_ptr()
-        )  # fmt: skip
-        y = out if direct else torch.empty(tokens, self.hidden, dtype=torch.float32, device=self.device)
+        y, direct = float32_output(out, x, tokens, self.hidden, self.device)
         packed = tokens * top_k <= self.config.max_routes
         bf16_config = self.bf16_config or triton_moe.DEFAULT_CONFIG
         if packed:
@@ -169,12 +165,7 @@ class PackedGpuExperts:
             h = torch.empty(tokens, top_k, self.intermediate, dtype=g.dtype, device=self.device)
             triton_moe.launch(x, ids, w, g, u, d, y, h, self.activation, bf16_config)
         self._compiled.add(key)
-        if direct:
-            return out
-        if out is not None:
-            out.copy_(y)
-            return out
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return finish_output(y, out, direct, x.dtype)
 
     def warmup(
         self, batch_sizes: Iterable[int], top_k: int, x_dtype: Any = None, ids_dtype: Any = None, w_dtype: Any = None
