@@ -109,15 +109,10 @@ async def create_chat_completion(request: Request) -> Response:
             None, _compile_response_schema, engine.tokenizer, req.response_format.json_schema.schema_)
         for job in jobs:
             job.constraint = functools.partial(schema_constraint, engine.tokenizer, grammar)
-    if tools is not None and tools.constraint() is not None:
-        problem = await asyncio.get_running_loop().run_in_executor(None, check_json_support, engine.tokenizer)
-        if problem:
-            raise APIError(400, problem.replace("response_format json_object", "a forced tool call"),
-                           param="tool_choice", code="unsupported_tool_choice")
-        # the function schemas compile (and the first call maps the vocabulary) off the event loop
-        await asyncio.get_running_loop().run_in_executor(None, tools.compile)
+    forced = await tools.checked_constraint() if tools is not None else None
+    if forced is not None:
         for job in jobs:
-            job.constraint = tools.constraint()
+            job.constraint = forced
     maybe_fail(request, holder, "before")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = ChoiceStreams(engine, jobs, request_id, holder.metrics, arrival, holder.active)
