@@ -53,6 +53,9 @@ class AttentionMetadata:
     host_ids: Optional[list[int]] = None
     host_positions: Optional[list[int]] = None
     host_slots: Optional[list[int]] = None
+    #: Models with recurrent layers: each sequence's recurrent-state slot
+    #: (:class:`freetoken.engine.recurrent_state.RecurrentStatePool`), in ``seqs`` order.
+    state_slots: Optional[list[int]] = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
