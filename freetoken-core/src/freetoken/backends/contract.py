@@ -331,6 +331,38 @@ class ModelShape:
     top_k: int
     dense_bytes: int  # the dense part (attention, norms, routers, embedding, head) at the activation dtype
     kv_bytes_per_token: int
+    #: per MoE layer: its routed experts' bytes in the checkpoint, and the ggml types of
+    #: (gate, up, down) when the checkpoint is a GGUF file (None: unknown, e.g. HF files)
+    expert_file_bytes: Optional[dict[int, int]] = None
+    expert_formats: Optional[dict[int, tuple[int, int, int]]] = None
+
+
+@dataclasses.dataclass
+class MoEOptions:
+    """How a GPU backend keeps and moves routed experts (``freetoken serve --moe-*``).
+
+    ``gpu_experts``: the form of GPU-resident experts: ``auto`` keeps GGUF block formats
+    the GPU kernels read (Q4_K, Q5_K, Q6_K, Q8_0) packed, as in the file, and dequantizes
+    the others to the activation dtype; ``dequantized`` always dequantizes.
+    ``cache_bytes`` / ``cache_fraction``: the global expert cache for the CPU layers' experts
+    (bytes, or a fraction of the memory budget; 0: none). ``hybrid_max_fetch``: missed
+    experts per layer and step copied into the cache for later steps.
+    ``stream_prefill``: ``auto`` (prefill chunks of at least ``stream_min_tokens`` tokens
+    compute the CPU layers' experts on the GPU, their bytes streamed over PCIe; None: the
+    threshold from a measured profile), ``on``, ``off``. ``lock_host``: register (page-lock)
+    the host expert banks with the driver (``auto``: when streaming or fetching uses them).
+    ``collect_stats`` with the log summary every ``stats_interval_s`` seconds.
+    """
+
+    gpu_experts: str = "auto"
+    cache_bytes: int = 0
+    cache_fraction: float = 0.0
+    hybrid_max_fetch: int = 0
+    stream_prefill: str = "auto"
+    stream_min_tokens: Optional[int] = None
+    lock_host: str = "auto"
+    collect_stats: bool = False
+    stats_interval_s: float = 60.0
 
 
 @dataclasses.dataclass
@@ -359,6 +391,7 @@ class EngineOptions:
     max_running_requests: int = 16
     max_model_len: int = 4096
     kv_block_size: int = 16
+    moe: MoEOptions = dataclasses.field(default_factory=lambda: MoEOptions())
 
 
 class ModelSession(abc.ABC):

@@ -85,6 +85,11 @@ class GGUFCheckpoint:
             data = data.view("uint16").reshape(shape) if data.dtype.itemsize == 2 else data.view("uint16").reshape(shape)
         return RawTensor(name=name, shape=shape, fmt=ttype, data=data, source=self.path)
 
+    def tensor_layout(self, name: str) -> Optional[tuple[int, int]]:
+        """(ggml type, bytes) of a tensor, without checking that we run its type; None if absent."""
+        t = self._tensors.get(name)
+        return None if t is None else (int(t.tensor_type), int(t.n_bytes))
+
     def total_bytes(self) -> int:
         return os.path.getsize(self.path)
 

@@ -138,7 +138,9 @@ def _load_gguf(path: str, session: ModelSession, show: Optional[bool]) -> Loaded
     # the file is memory-mapped and read in place (the routed experts always are)
     check_fits(path, weights=total)
     policy = session.weight_policy
-    session.plan(model_shape(cfg, policy.dtype))
+    shape = model_shape(cfg, policy.dtype)
+    _gguf_expert_layout(ck, mod.GGUF_NAMES, shape)
+    session.plan(shape)
     t0 = time.time()
     show = total > (1 << 30) if show is None else show
     bar, prog = _progress(cfg.num_layers, "loading", show)
@@ -151,6 +153,23 @@ def _load_gguf(path: str, session: ModelSession, show: Optional[bool]) -> Loaded
     logger.info("loaded %s (%s, %d layers) in %.1fs", path, ck.architecture, cfg.num_layers, time.time() - t0)
     name = str(ck.metadata.get("general.name") or os.path.splitext(os.path.basename(path))[0])
     return LoadedModel(model, cfg, tok, {}, path, name, "gguf", ck)
+
+
+def _gguf_expert_layout(ck: Any, names: Any, shape: ModelShape) -> None:
+    """Fill ``shape.expert_file_bytes``/``expert_formats`` from the file's expert stacks
+    (``gate_exps``/``up_exps``/``down_exps`` of each MoE layer), when it has them all."""
+    sizes: dict[int, int] = {}
+    formats: dict[int, tuple[int, int, int]] = {}
+    for i in shape.moe_layers:
+        try:
+            parts = [ck.tensor_layout(names.layer(i, r)) for r in ("gate_exps", "up_exps", "down_exps")]
+        except (KeyError, AttributeError):  # a family whose names have no separate stacks
+            return
+        if any(p is None for p in parts):
+            return
+        sizes[i] = sum(p[1] for p in parts)
+        formats[i] = (parts[0][0], parts[1][0], parts[2][0])
+    shape.expert_file_bytes, shape.expert_formats = sizes, formats
 
 
 def load_tokenizer(path: str) -> Tokenizer:

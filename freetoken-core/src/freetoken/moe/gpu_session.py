@@ -45,6 +45,7 @@ from freetoken.backends.contract import (
     MoELayerSpec,
 )
 from freetoken.models.layers import DeviceWeightPolicy
+from freetoken.moe.gpu_packed_experts import DequantScratch
 from freetoken.moe.placement import cpu_layers
 
 log = logging.getLogger(__name__)
@@ -67,15 +68,20 @@ def _gib(n: float) -> str:
 class MemoryPlan:
     budget: Optional[int]  # bytes this process may use on the device (None: not planned)
     dense: int
-    expert_layer_bytes: int  # one layer's routed experts at the activation dtype
+    expert_layer_bytes: int  # the largest layer's routed experts on the device
     gpu_layers: list[int]
     cpu_layers: list[int]
     kv_budget: Optional[int]
     reserve: int
+    packed_layers: list[int] = dataclasses.field(default_factory=list)  # GPU layers kept in the file's blocks
+    expert_bytes: int = 0  # all GPU layers' experts on the device
+    cache: int = 0  # the global expert cache
+    scratch: int = 0  # one layer's experts dequantized (prefill of packed or streamed experts)
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["gpu_layers"] = len(self.gpu_layers)
+        out["packed_layers"] = len(self.packed_layers)
         out["cpu_layers"] = _ranges(self.cpu_layers)
         return out
 
@@ -109,6 +115,7 @@ class GpuModelSession(ModelSession):
         self.banks: dict[int, Any] = {}
         self.gpu_experts: dict[int, Any] = {}
         self.executors: dict[int, Any] = {}
+        self.dequant_scratch = DequantScratch()  # one layer's experts dequantized, shared by every layer
         self.coordinator: Any = None
         self.model: Any = None
         self.kv: Any = None
@@ -127,7 +134,10 @@ class GpuModelSession(ModelSession):
         self.shape = shape
         o = self.options
         elt = torch.empty((), dtype=self.act_dtype).element_size()
-        per_layer = 3 * shape.num_experts * shape.hidden * shape.moe_intermediate * elt
+        dequantized = 3 * shape.num_experts * shape.hidden * shape.moe_intermediate * elt
+        packed = self._packed_layers(shape)
+        per_layer = {i: (shape.expert_file_bytes or {}).get(i, dequantized) if i in packed else dequantized
+                     for i in shape.moe_layers}
         n = len(shape.moe_layers)
         mem = self.backend.device_memory()
         total = mem[1] if mem else None
@@ -141,39 +151,81 @@ class GpuModelSession(ModelSession):
         ctx = o.max_model_len or MIN_KV_TOKENS
         kv_min = min(ctx, MIN_KV_TOKENS) * shape.kv_bytes_per_token
         reserve = RESERVE_BYTES if budget is not None else 0
+        cache = o.moe.cache_bytes or (int(o.moe.cache_fraction * budget) if budget else 0)
+        # the prefill of packed (or streamed) experts dequantizes one layer at a time
+        scratch = dequantized if (packed or o.moe.stream_prefill != "off") and n else 0
+        fixed = reserve + shape.dense_bytes + kv_min + cache + scratch
         if budget is None:
             default_cpu = n  # nothing to plan against: keep the experts on the host
         else:
-            room = budget - reserve - shape.dense_bytes - kv_min
-            default_cpu = n - max(0, min(n, room // per_layer if per_layer else n))
+            room, default_cpu = budget - fixed, n
+            for i in reversed(shape.moe_layers):  # the last layers go to the GPU first (as llama.cpp's -ncmoe)
+                if per_layer[i] > room:
+                    break
+                room -= per_layer[i]
+                default_cpu -= 1
         try:
             cpu = cpu_layers(o.moe_cpu_layers, shape.moe_layers, default_cpu)
         except ValueError as exc:
             raise MemoryPlanError(str(exc)) from None
         cpu_set = set(cpu)
         gpu = [i for i in shape.moe_layers if i not in cpu_set]
+        if not cpu:
+            cache = 0  # nothing to cache
+        if not cpu and not packed:
+            scratch = 0
+        experts = sum(per_layer[i] for i in gpu)
         kv_budget = None
         if budget is not None:
-            need = shape.dense_bytes + reserve + kv_min + per_layer * len(gpu)
+            fixed = reserve + shape.dense_bytes + kv_min + cache + scratch
+            need = fixed + experts
             if need > budget:
-                fit = max(0, (budget - reserve - shape.dense_bytes - kv_min) // per_layer) if per_layer else 0
-                raise MemoryPlanError(
-                    f"the model's GPU part does not fit: {_gib(need)} needed (dense weights {_gib(shape.dense_bytes)}, "
-                    f"routed experts of {len(gpu)} layers x {_gib(per_layer)}, KV cache for {min(ctx, MIN_KV_TOKENS)} "
-                    f"tokens {_gib(kv_min)}, reserve {_gib(reserve)}) but the budget is {_gib(budget)}"
-                    f" ({budget_from}). "
-                    + (f"Keep at most {fit} layers' experts on the GPU: --moe-cpu-layers {n - min(fit, n)} "
-                       f"(or 'all'), or raise the GPU memory limit."
-                       if shape.dense_bytes + reserve + kv_min <= budget else
-                       "Even the dense part does not fit: raise --gpu-memory-limit/--gpu-memory-utilization or "
-                       "lower --max-model-len.")
-                )
-            kv_budget = budget - reserve - shape.dense_bytes - per_layer * len(gpu)
+                self._refuse(shape, per_layer, gpu, need, budget, budget_from, fixed, cache, scratch, kv_min, reserve)
+            kv_budget = budget - reserve - shape.dense_bytes - experts - cache - scratch
             if self.device.type == "cuda" and total:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
-        self.plan_result = MemoryPlan(budget, shape.dense_bytes, per_layer, gpu, cpu, kv_budget, reserve)
-        log.info("GPU memory plan: budget %s, dense %s, experts of %d layers on the GPU (%s each), CPU layers %s",
-                 _gib(budget) if budget else "-", _gib(shape.dense_bytes), len(gpu), _gib(per_layer), _ranges(cpu))
+        self.plan_result = MemoryPlan(budget, shape.dense_bytes, max(per_layer.values(), default=0), gpu, cpu,
+                                      kv_budget, reserve, sorted(set(gpu) & packed), experts, cache, scratch)
+        log.info("GPU memory plan: budget %s, dense %s, experts of %d layers on the GPU (%s, %d packed), "
+                 "expert cache %s, CPU layers %s", _gib(budget) if budget else "-", _gib(shape.dense_bytes),
+                 len(gpu), _gib(experts), len(self.plan_result.packed_layers), _gib(cache), _ranges(cpu))
+
+    def _packed_layers(self, shape: ModelShape) -> set[int]:
+        """The MoE layers whose experts can stay in the file's block formats on this device."""
+        from freetoken.moe.gpu_experts import default_impl
+        from freetoken.moe.gpu_packed_experts import PACKED_FORMATS
+
+        mode = self.options.moe.gpu_experts
+        if mode not in ("auto", "dequantized"):
+            raise MemoryPlanError(f"--moe-gpu-experts {mode!r}: expected 'auto' or 'dequantized'")
+        if mode == "dequantized" or not shape.expert_formats or default_impl(self.device)[0] != "triton":
+            return set()
+        return {i for i, f in shape.expert_formats.items() if all(x in PACKED_FORMATS for x in f)}
+
+    def _refuse(self, shape: ModelShape, per_layer: dict[int, int], gpu: list[int], need: int, budget: int,
+                budget_from: Optional[str], fixed: int, cache: int, scratch: int, kv_min: int,
+                reserve: int) -> None:  # fmt: skip
+        n = len(shape.moe_layers)
+        fit, room = 0, budget - fixed
+        for i in sorted(gpu, reverse=True):
+            if per_layer[i] > room:
+                break
+            room -= per_layer[i]
+            fit += 1
+        ctx_tokens = kv_min // shape.kv_bytes_per_token if shape.kv_bytes_per_token else 0
+        parts = [f"dense weights {_gib(shape.dense_bytes)}",
+                 f"routed experts of {len(gpu)} layers {_gib(sum(per_layer[i] for i in gpu))}",
+                 f"KV cache for {ctx_tokens} tokens {_gib(kv_min)}", f"reserve {_gib(reserve)}"]
+        if cache:
+            parts.append(f"expert cache {_gib(cache)} (--moe-cache-size)")
+        if scratch:
+            parts.append(f"prefill scratch {_gib(scratch)}")
+        advice = (f"Keep at most {fit} layers' experts on the GPU: --moe-cpu-layers {n - min(fit, n)} (or 'all'), "
+                  "or raise the GPU memory limit." if fixed <= budget else
+                  "Even the dense part does not fit: raise --gpu-memory-limit/--gpu-memory-utilization, lower "
+                  "--max-model-len" + (" or --moe-cache-size." if cache else "."))
+        raise MemoryPlanError(f"the model's GPU part does not fit: {_gib(need)} needed ({', '.join(parts)}) but the "
+                              f"budget is {_gib(budget)} ({budget_from}). {advice}")
 
     def kv_cache_budget(self) -> Optional[int]:
         return self.plan_result.kv_budget if self.plan_result else None
@@ -183,11 +235,19 @@ class GpuModelSession(ModelSession):
         from freetoken.moe.gpu_experts import GpuExperts
 
         layer = spec.layer
-        on_cpu = self.plan_result is None or layer in set(self.plan_result.cpu_layers)
+        plan = self.plan_result
+        on_cpu = plan is None or layer in set(plan.cpu_layers)
+        e = spec.experts
         if on_cpu:
-            self.banks[layer] = self.cpu.bank(spec.experts, spec.activation)
+            self.banks[layer] = self.cpu.bank(e, spec.activation)
+        elif layer in plan.packed_layers:
+            from freetoken.moe.gpu_packed_experts import PackedGpuExperts
+
+            experts = PackedGpuExperts.from_expert_weights(e, self.device, activation=spec.activation,
+                                                           scratch=self.dequant_scratch)
+            self.gpu_experts[layer] = experts
+            self.layer_fns[layer] = experts.forward
         else:
-            e = spec.experts
             gate, up, down = (self._to_device(t) for t in (e.gate, e.up, e.down))
             experts = GpuExperts(gate, up, down, activation=spec.activation)
             self.gpu_experts[layer] = experts
