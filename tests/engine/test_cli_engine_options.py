@@ -33,14 +33,18 @@ EVERY_FLAG = [
     "--max-running-requests", "8", "--kv-cache-tokens", "65536", "--prefill-chunk", "1024", "--seed", "7",
     "--moe-cpu-layers", "0-11,40", "--cpu-threads", "12", "--enforce-eager", "--cuda-graph-max-bs", "32",
     "--cuda-graph-bs", "8,1,4,4", "--gpu-memory-utilization", "0.85", "--gpu-memory-limit", "1.5GiB",
-    "--no-prefix-cache",
+    "--no-prefix-cache", "--moe-gpu-experts", "dequantized", "--moe-cache-size", "6", "--moe-hybrid-max-fetch", "2",
+    "--moe-stream-prefill", "on", "--moe-stream-min-tokens", "96", "--moe-lock-host", "off", "--moe-collect-stats",
+    "--moe-stats-interval", "2.5",
 ]  # fmt: skip
 EXPECTED = {
     "model": "/models/x.gguf", "backend": "cpu", "dtype": "bfloat16", "max_model_len": 4096,
     "max_running_requests": 8, "kv_cache_tokens": 65536, "prefill_chunk": 1024, "seed": 7,
     "moe_cpu_layers": "0-11,40", "cpu_threads": 12, "enforce_eager": True, "cuda_graph_max_bs": 32,
     "cuda_graph_bs": [1, 4, 8], "gpu_memory_utilization": 0.85, "gpu_memory_limit": 3 * 2**29,
-    "enable_prefix_cache": False,
+    "enable_prefix_cache": False, "moe_gpu_experts": "dequantized", "moe_cache_size": 6 * 2**30,
+    "moe_hybrid_max_fetch": 2, "moe_stream_prefill": "on", "moe_stream_min_tokens": 96, "moe_lock_host": "off",
+    "moe_collect_stats": True, "moe_stats_interval": 2.5,
 }  # fmt: skip
 
 
@@ -71,6 +75,25 @@ def test_defaults_are_engine_config_defaults():
     gen = _config(["generate", "--prompt", "hi"])
     assert gen.max_running_requests == 1 and gen.seed == 0 and gen.dtype == "auto"
     assert _config(["generate", "--prompt", "hi", "--seed", "5"]).seed == 5
+
+
+@pytest.mark.parametrize("text, expected", [("0", 0.0), ("0.25", 0.25), ("4", 4 * 2**30), ("512MiB", 2**29),
+                                            ("1.5GiB", 1.5 * 2**30)])
+def test_moe_cache_size_is_gib_size_or_fraction(text, expected):
+    config = _config(["serve", "--moe-cache-size", text])
+    assert config.moe_cache_size == expected
+    options = config.backend_options(None).moe
+    assert (options.cache_bytes, options.cache_fraction) == ((int(expected), 0.0) if expected >= 1 else (0, expected))
+
+
+@pytest.mark.parametrize("argv", [["--moe-cache-size", "-1"], ["--moe-cache-size", "lots"],
+                                  ["--moe-gpu-experts", "fp4"], ["--moe-stream-prefill", "maybe"],
+                                  ["--moe-hybrid-max-fetch", "-2"], ["--moe-stats-interval", "0"]])
+def test_bad_moe_flags_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", *argv])
+    assert exc.value.code == 2
+    assert "invalid value" in capsys.readouterr().err
 
 
 def test_serve_keeps_its_own_options():

@@ -131,6 +131,48 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def cache_size(text: str) -> float:
+    """``--moe-cache-size``: GiB as a bare number (``8``), a size with a unit (``6GiB``,
+    ``512MiB``), or a fraction of the GPU memory budget below 1 (``0.25``); ``0``: no cache.
+    Returns bytes, or the fraction when below 1."""
+    t = str(text).strip().lower()
+    forms = "expected GiB like 8, a size like 6GiB or 512MiB, a fraction of the GPU memory budget like 0.25, or 0"
+    try:
+        value = float(t)
+    except ValueError:
+        try:
+            return float(parse_size(t))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: {forms}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: {forms}")
+    return value if value < 1 else value * (1 << 30)
+
+
+def choice(*values: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        t = str(text).strip().lower()
+        if t not in values:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected one of {', '.join(values)}")
+        return t
+
+    return parse
+
+
+def non_negative_int(text: str) -> int:
+    return int_at_least(0)(text)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a number > 0") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a number > 0")
+    return value
+
+
 # ---------------------------------------------------------------- the options
 
 
@@ -184,6 +226,34 @@ _OPTIONS: tuple[_Option, ...] = (
             "most GPU memory this process may use: bytes or a size like 16GiB, 24G, 1.5GiB "
             "(K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000) (default: {default})",
             byte_size, "SIZE"),
+    _Option("moe_gpu_experts", "--moe-gpu-experts",
+            "form of GPU-resident experts: auto (GGUF Q4_K/Q5_K/Q6_K/Q8_0 stay packed as in the file, other "
+            "formats are dequantized to the activation dtype) or dequantized (default: {default})",
+            choice("auto", "dequantized"), "MODE"),
+    _Option("moe_cache_size", "--moe-cache-size",
+            "GPU cache for experts of the CPU layers, from any layer: GiB like 4, a size like 512MiB, or a "
+            "fraction of the GPU memory budget like 0.25; routes to cached experts run on the GPU "
+            "(default: {default})", cache_size, "SIZE"),
+    _Option("moe_hybrid_max_fetch", "--moe-hybrid-max-fetch",
+            "missed experts per layer and decode step copied into the expert cache for later steps, without "
+            "stalling the current one (default: {default})", non_negative_int, "N"),
+    _Option("moe_stream_prefill", "--moe-stream-prefill",
+            "prefill chunks compute the CPU layers' experts on the GPU, streaming their bytes over PCIe: auto "
+            "(chunks of at least --moe-stream-min-tokens), on, off (default: {default})",
+            choice("auto", "on", "off"), "MODE"),
+    _Option("moe_stream_min_tokens", "--moe-stream-min-tokens",
+            "smallest prefill chunk that streams experts to the GPU with --moe-stream-prefill auto "
+            "(default: {default})", positive_int, "N"),
+    _Option("moe_lock_host", "--moe-lock-host",
+            "page-lock the host expert banks and register them with the GPU driver, for copies at full PCIe "
+            "speed: auto (when streaming or fetching uses them), on, off (default: {default})",
+            choice("auto", "on", "off"), "MODE"),
+    _Option("moe_collect_stats", "--moe-collect-stats",
+            "collect MoE statistics (active experts, cache hits and misses per layer, fetched bytes, CPU expert "
+            "time) for /metrics and a periodic log line (default: off)", flag_only=True),
+    _Option("moe_stats_interval", "--moe-stats-interval",
+            "seconds between MoE statistics log lines with --moe-collect-stats (default: {default})",
+            positive_float, "SECONDS"),
     _Option("enable_prefix_cache", "--no-prefix-cache",
             "compute every prompt in full instead of reusing the KV blocks of a prefix an earlier request "
             "computed (default: prefix caching on)", flag_only=True, turns_off=True),
@@ -201,6 +271,8 @@ _DEFAULT_TEXT: dict[str, str] = {
     "cuda_graph_bs": "powers of two and multiples of 8 up to --cuda-graph-max-bs",
     "gpu_memory_utilization": "no limit",
     "gpu_memory_limit": "no limit",
+    "moe_cache_size": "0, no cache",
+    "moe_stream_min_tokens": "measured at startup from PCIe and CPU expert speed",
 }
 
 _ENGINE_DESTS = "_engine_option_fields"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from freetoken.backends.contract import EngineOptions
+from freetoken.backends.contract import EngineOptions, MoEOptions
 from freetoken.moe.placement import parse_layer_spec
 
 
@@ -42,6 +42,15 @@ class EngineConfig:
     gpu_memory_utilization: Optional[float] = None
     gpu_memory_limit: Optional[int] = None
     enable_prefix_cache: bool = True
+    moe_gpu_experts: str = "auto"
+    #: bytes when >= 1, a fraction of the GPU memory budget when below 1
+    moe_cache_size: float = 0.0
+    moe_hybrid_max_fetch: int = 0
+    moe_stream_prefill: str = "auto"
+    moe_stream_min_tokens: Optional[int] = None
+    moe_lock_host: str = "auto"
+    moe_collect_stats: bool = False
+    moe_stats_interval: float = 60.0
 
     def backend_options(self, act_dtype: Any) -> EngineOptions:
         """What the backend's model session acts on."""
@@ -51,6 +60,14 @@ class EngineConfig:
             graph_max_batch_size=self.cuda_graph_max_bs, gpu_memory_limit=self.gpu_memory_limit,
             gpu_memory_utilization=self.gpu_memory_utilization, max_running_requests=self.max_running_requests,
             max_model_len=self.max_model_len or 0, kv_block_size=self.kv_block_size,
+            moe=MoEOptions(
+                gpu_experts=self.moe_gpu_experts,
+                cache_bytes=int(self.moe_cache_size) if self.moe_cache_size >= 1 else 0,
+                cache_fraction=self.moe_cache_size if self.moe_cache_size < 1 else 0.0,
+                hybrid_max_fetch=self.moe_hybrid_max_fetch, stream_prefill=self.moe_stream_prefill,
+                stream_min_tokens=self.moe_stream_min_tokens, lock_host=self.moe_lock_host,
+                collect_stats=self.moe_collect_stats, stats_interval_s=self.moe_stats_interval,
+            ),
         )
 
     def __post_init__(self) -> None:
@@ -74,5 +91,18 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_bs must hold batch sizes >= 1, got {self.cuda_graph_bs}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name, value, allowed in (("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
+                                     ("moe_stream_prefill", self.moe_stream_prefill, ("auto", "on", "off")),
+                                     ("moe_lock_host", self.moe_lock_host, ("auto", "on", "off"))):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if not self.moe_cache_size >= 0:
+            raise ValueError(f"moe_cache_size must be >= 0 (bytes, or a fraction below 1), got {self.moe_cache_size}")
+        if self.moe_hybrid_max_fetch < 0:
+            raise ValueError(f"moe_hybrid_max_fetch must be >= 0, got {self.moe_hybrid_max_fetch}")
+        if self.moe_stream_min_tokens is not None and self.moe_stream_min_tokens < 1:
+            raise ValueError(f"moe_stream_min_tokens must be >= 1, got {self.moe_stream_min_tokens}")
+        if not self.moe_stats_interval > 0:
+            raise ValueError(f"moe_stats_interval must be > 0, got {self.moe_stats_interval}")
         if self.gpu_memory_limit is not None and self.gpu_memory_limit < 1:
             raise ValueError(f"gpu_memory_limit must be a positive number of bytes, got {self.gpu_memory_limit}")
