@@ -3,10 +3,15 @@
 hipcc is found through ROCM_PATH (or HIP_PATH) or PATH and always run with
 HIP_PLATFORM=amd (a machine that also has nvcc would otherwise compile for NVIDIA).
 FREETOKEN_ROCM_ARCH lists the gfx targets ("gfx1030;gfx1100"); by default every
-RDNA2/RDNA3/RDNA3.5/CDNA target in CANDIDATES that the found compiler can actually
-build for (each checked by compiling a small kernel, not assumed). Without hipcc the
-pure-Python package still installs and the backend's probe reports the extension as
-absent. Never links libtorch; nothing is downloaded.
+RDNA2/RDNA3/RDNA3.5/RDNA4/CDNA target in CANDIDATES that the found compiler can actually
+build for (each checked by compiling a small kernel, not assumed).
+
+The event-ordered copy path needs hipEventRecordWithFlags, which older HIP (5.2 among
+them) lacks: the build compiles a call to it and defines FT_HIP_EVENT_RECORD_WITH_FLAGS
+to 1 when that works, else to 0 (the backend then reports the path unavailable).
+FREETOKEN_ROCM_EVENT_API=0 forces it off, =1 forces it on (the build fails where the
+headers lack the function). Without hipcc the pure-Python package still installs and the
+backend's probe reports the extension as absent. Never links libtorch; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -32,12 +37,19 @@ CANDIDATES = (
     "gfx1100", "gfx1101", "gfx1102", "gfx1103",
     # RDNA3.5
     "gfx1150", "gfx1151", "gfx1152",
-    # CDNA1/2/3
-    "gfx908", "gfx90a", "gfx940", "gfx941", "gfx942",
+    # RDNA4
+    "gfx1200", "gfx1201",
+    # CDNA1/2/3/4
+    "gfx908", "gfx90a", "gfx940", "gfx941", "gfx942", "gfx950",
 )  # fmt: skip
 PROBE_SOURCE = """
 #include <hip/hip_runtime.h>
 __global__ void ft_probe(unsigned long long* p) { atomicAdd(p, 1ull); __threadfence_system(); }
+"""
+
+EVENT_API_SOURCE = """
+#include <hip/hip_runtime.h>
+hipError_t ft_record(hipEvent_t e, hipStream_t s) { return hipEventRecordWithFlags(e, s, hipEventRecordExternal); }
 """
 
 
@@ -87,6 +99,26 @@ def supported_targets(hipcc: str) -> list[str]:
     return [a for a, good in zip(CANDIDATES, ok) if good]
 
 
+def has_event_record_with_flags(hipcc: str) -> bool:
+    """Whether the compiler's HIP declares hipEventRecordWithFlags and hipEventRecordExternal."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "event_api.hip"
+        src.write_text(EVENT_API_SOURCE)
+        cmd = [hipcc, "--offload-arch=gfx1030", "--cuda-host-only", "-c", str(src), "-o", f"{tmp}/event_api.o"]
+        return subprocess.run(cmd, env=hip_env(), capture_output=True, text=True).returncode == 0
+
+
+def event_api_define(hipcc: str) -> str:
+    """-DFT_HIP_EVENT_RECORD_WITH_FLAGS=0|1 from FREETOKEN_ROCM_EVENT_API (auto|0|1)."""
+    spec = os.environ.get("FREETOKEN_ROCM_EVENT_API", "auto").strip().lower() or "auto"
+    if spec not in ("auto", "0", "1"):
+        raise SystemExit(f"FREETOKEN_ROCM_EVENT_API must be auto, 0 or 1, not {spec!r}")
+    on = has_event_record_with_flags(hipcc) if spec == "auto" else spec == "1"
+    print(f"freetoken-rocm: event-ordered copy path {'compiled in' if on else 'compiled out'} "
+          f"(FREETOKEN_ROCM_EVENT_API={spec})", file=sys.stderr)  # fmt: skip
+    return f"-DFT_HIP_EVENT_RECORD_WITH_FLAGS={1 if on else 0}"
+
+
 class HipccBuildExt(build_ext):
     def build_extension(self, ext: Extension) -> None:
         hipcc = find_hipcc()
@@ -107,6 +139,7 @@ class HipccBuildExt(build_ext):
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = [
             hipcc, "-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-DFT_GPU_HIP=1",
+            event_api_define(hipcc),
             *[f"--offload-arch={t}" for t in targets],
             "-I" + core_include(), "-I" + pybind11.get_include(), "-I" + sysconfig.get_paths()["include"],
             str(HERE / SOURCE), "-o", str(out),

@@ -3,7 +3,8 @@
  *
  * Kernels on the flag slot of include/freetoken/handoff.h (ready@0, done@8, err@16):
  *   ft_flag_write_kernel   system-scope fence, then store a value (publish without memops)
- *   ft_flag_wait_kernel    spin until a word equals a value, then reset it (wait without memops)
+ *   ft_flag_wait_kernel    spin until a word equals a value, then reset it (wait without memops;
+ *                          on timeout err = FT_ERR_WATCHDOG unless err is null)
  *   ft_kio_publish_kernel  KernelIO publish: BF16 x + CPU routes + weights into mapped host
  *                          memory, __threadfence_system(), ready = 1; with no CPU route it
  *                          marks the task skipped (done = FT_DONE_SKIPPED) without waking the CPU
@@ -146,7 +147,7 @@ __global__ void ft_flag_write_kernel(uint64_t* word, uint64_t value) {
 __global__ void ft_flag_wait_kernel(uint64_t* word, uint64_t value, uint64_t reset, uint64_t* err,
                                     uint64_t timeout_ns) {
     if (threadIdx.x == 0 && blockIdx.x == 0) {
-        if (!ft_spin_until_eq(word, value, timeout_ns)) {
+        if (!ft_spin_until_eq(word, value, timeout_ns) && err) {
             ft_volatile_store(err, FT_ERR_WATCHDOG);
         }
         ft_volatile_store(word, reset);

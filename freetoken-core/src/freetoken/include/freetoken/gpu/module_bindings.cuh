@@ -23,7 +23,9 @@ inline py::dict device_info_dict(int device) {
     py::dict r;
     r["name"] = d.name;
     r["arch"] = d.arch;
-    r["capability"] = py::make_tuple(d.major, d.minor);
+#ifndef FT_GPU_HIP
+    r["capability"] = py::make_tuple(d.major, d.minor); /* an AMD gfx target is no compute capability */
+#endif
     r["total_memory"] = d.total_memory;
     r["multiprocessors"] = d.multiprocessors;
     r["can_map_host_memory"] = static_cast<bool>(d.can_map_host_memory);
@@ -50,6 +52,20 @@ inline py::dict graph_memop_probe_dict(uint64_t host_addr, uint64_t dev_addr) {
     r["native"] = p.native;
     r["explicit_ok"] = p.explicit_ok;
     r["error"] = p.error;
+    r["explicit_error"] = p.explicit_error;
+    return r;
+}
+
+inline py::dict event_support_dict() {
+    EventSupport e;
+    {
+        py::gil_scoped_release release;
+        e = event_support();
+    }
+    py::dict r;
+    r["compiled"] = e.compiled;
+    r["available"] = e.available;
+    r["reason"] = e.reason;
     return r;
 }
 
@@ -61,6 +77,12 @@ inline void bind_module(py::module_& m) {
     m.attr("FAULT_NONE") = FT_FAULT_NONE;
     m.attr("FAULT_STALE") = FT_FAULT_STALE;
     m.attr("FAULT_NOFENCE") = FT_FAULT_NOFENCE;
+    m.attr("RUNTIME_VERSION_COMPILED") = static_cast<int>(FT_RUNTIME_VERSION_COMPILED);
+#ifdef FT_GPU_HIP
+    m.attr("EVENT_RECORD_WITH_FLAGS") = static_cast<bool>(FT_HIP_EVENT_RECORD_WITH_FLAGS);
+#else
+    m.attr("EVENT_RECORD_WITH_FLAGS") = false;
+#endif
     m.def("device_count", &device_count, "number of visible devices (raises with the runtime's error)");
     m.def("device_info", &device_info_dict, py::arg("device"));
     m.def("runtime_version", &runtime_version);
@@ -80,7 +102,15 @@ inline void bind_module(py::module_& m) {
     m.def("memop_write", &memop_write, py::arg("stream"), py::arg("dev_addr"), py::arg("value"),
           py::arg("explicit_node") = false);
     m.def("memop_wait", &memop_wait, py::arg("stream"), py::arg("dev_addr"), py::arg("value"),
-          py::arg("explicit_node") = false);
+          py::arg("explicit_node") = false, py::arg("err_addr") = 0);
+    m.def("event_support", &event_support_dict,
+          "can this build and runtime record a system-release event as a captured graph node?");
+    m.def("release_event_create", &release_event_create, "an event with a system-scope release (HIP)");
+    m.def("release_event_destroy", &release_event_destroy, py::arg("event"));
+    m.def("release_event_record", &release_event_record, py::arg("stream"), py::arg("event"),
+          "record the release event (under capture: as an external event-record node)");
+    m.def("host_callback_probe", &host_callback_probe,
+          "run a host function on a private stream: '' when it ran, else the error");
     m.def("flag_write_kernel", &launch_flag_write, py::arg("stream"), py::arg("dev_addr"), py::arg("value"));
     m.def("flag_wait_kernel", &launch_flag_wait, py::arg("stream"), py::arg("dev_addr"), py::arg("value"),
           py::arg("reset"), py::arg("err_addr"), py::arg("timeout_ns"));

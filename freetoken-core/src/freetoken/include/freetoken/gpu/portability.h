@@ -6,11 +6,17 @@
  * runtime_host.cuh, module_bindings.cuh); neither package carries a copy of that code. Define
  * FT_GPU_HIP (freetoken-rocm's build does) to select HIP, else CUDA is used.
  *
- * Besides plain renames (ftStream_t, ftMemcpyAsync, ...), two things differ in kind:
+ * Besides plain renames (ftStream_t, ftMemcpyAsync, ...), three things differ in kind:
  *  - stream memory operations: CUDA has them only in the driver API, so they are
  *    resolved at run time (cudaGetDriverEntryPointByVersion; no link to libcuda);
  *    HIP has them in its runtime (hipStreamWriteValue64 / hipStreamWaitValue64).
  *  - the capability attributes that say whether memops work on this device.
+ *  - HIP's stream write does not promise CUDA's system fence before the write, so the
+ *    HIP copy path records a system-release event between its copies and the ready
+ *    write. Recording it as a node of a captured graph needs hipEventRecordWithFlags
+ *    (hipEventRecordExternal), which older HIP runtimes (5.2 among them) lack: the
+ *    build defines FT_HIP_EVENT_RECORD_WITH_FLAGS to 1 where the compiler's HIP has it,
+ *    else the event path is compiled out and reported unavailable.
  * Errors: FT_CHECK(call) throws std::runtime_error naming the call and the error.
  */
 #ifndef FREETOKEN_GPU_PORTABILITY_H
@@ -80,6 +86,13 @@ typedef hipDeviceProp_t ftDeviceProp;
 #define ftGraphExecDestroy hipGraphExecDestroy
 #define ftGraphLaunch hipGraphLaunch
 #define ftGraphInstantiateNoFlags(exec, graph) hipGraphInstantiate((exec), (graph), nullptr, nullptr, 0)
+typedef hipEvent_t ftEvent_t;
+#define ftEventDestroy hipEventDestroy
+#define ftEventRecord hipEventRecord
+#ifndef FT_HIP_EVENT_RECORD_WITH_FLAGS
+#define FT_HIP_EVENT_RECORD_WITH_FLAGS 0
+#endif
+#define FT_RUNTIME_VERSION_COMPILED HIP_VERSION
 #else
 #include <cuda.h> /* driver types and enums only: libcuda is resolved at run time */
 #include <cuda_runtime.h>
@@ -140,6 +153,7 @@ typedef cudaDeviceProp ftDeviceProp;
 #define ftGraphExecDestroy cudaGraphExecDestroy
 #define ftGraphLaunch cudaGraphLaunch
 #define ftGraphInstantiateNoFlags(exec, graph) cudaGraphInstantiate((exec), (graph), 0)
+#define FT_RUNTIME_VERSION_COMPILED CUDART_VERSION
 #endif
 
 namespace freetoken_gpu {

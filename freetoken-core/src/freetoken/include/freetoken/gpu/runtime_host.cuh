@@ -129,11 +129,26 @@ inline bool stream_is_capturing(uint64_t stream) {
     return st == ftStreamCaptureStatusActive;
 }
 
+/* ---- flag kernels (publish/wait without memops; HIP's explicit graph nodes) ---- */
+inline void launch_flag_write(uint64_t stream, uint64_t dev_addr, uint64_t value) {
+    ft_flag_write_kernel<<<1, 1, 0, as_stream(stream)>>>(reinterpret_cast<uint64_t*>(dev_addr), value);
+    FT_CHECK_LAUNCH("ft_flag_write_kernel<<<>>>");
+}
+
+inline void launch_flag_wait(uint64_t stream, uint64_t dev_addr, uint64_t value, uint64_t reset, uint64_t err_addr,
+                             uint64_t timeout_ns) {
+    ft_flag_wait_kernel<<<1, 1, 0, as_stream(stream)>>>(reinterpret_cast<uint64_t*>(dev_addr), value, reset,
+                                                        reinterpret_cast<uint64_t*>(err_addr), timeout_ns);
+    FT_CHECK_LAUNCH("ft_flag_wait_kernel<<<>>>");
+}
+
 /* ---- memops: natively on the stream, or as an explicit node of the capture graph ---- */
+/* Bound on the wait of an explicit flag-kernel node (the CPU watchdog fires long before). */
+#define FT_EXPLICIT_WAIT_TIMEOUT_NS 10000000000ull
 #ifndef FT_GPU_HIP
 /* Append one batch-memop node to the graph the stream is capturing into, after the
  * stream's current capture dependencies, and make it the new dependency. */
-inline void capture_memop_node(uint64_t stream, uint64_t dev_addr, uint64_t value, bool is_wait) {
+inline void capture_memop_node(uint64_t stream, uint64_t dev_addr, uint64_t value, bool is_wait, uint64_t) {
     const DriverApi& api = driver_api();
     if (!api.add_memop_node || !api.ctx_get_current)
         throw std::runtime_error("explicit memop graph nodes need cuGraphAddBatchMemOpNode/cuCtxGetCurrent: " +
@@ -178,35 +193,134 @@ inline void capture_memop_node(uint64_t stream, uint64_t dev_addr, uint64_t valu
 #endif
 }
 #else
-inline void capture_memop_node(uint64_t, uint64_t, uint64_t, bool) {
-    throw std::runtime_error("explicit memop graph nodes are not available with HIP " FT_GPU_API_NAME);
+/* HIP has no memop graph node: the explicit node is a one-thread flag kernel, which stream
+ * capture records as a kernel node like any launch. A write is a system fence and a store
+ * (ft_flag_write_kernel); a wait spins until the word equals the value and leaves it as it
+ * is (the caller's next write resets it), bounded, with err = FT_ERR_WATCHDOG on timeout
+ * when err_addr is given. */
+inline void capture_memop_node(uint64_t stream, uint64_t dev_addr, uint64_t value, bool is_wait, uint64_t err_addr) {
+    if (!stream_is_capturing(stream)) throw std::runtime_error("capture_memop_node: stream is not capturing");
+    if (is_wait)
+        launch_flag_wait(stream, dev_addr, value, value, err_addr, FT_EXPLICIT_WAIT_TIMEOUT_NS);
+    else
+        launch_flag_write(stream, dev_addr, value);
 }
 #endif
 
 /* explicit: add the memop as an explicit graph node when the stream is capturing. */
 inline void memop_write(uint64_t stream, uint64_t dev_addr, uint64_t value, bool explicit_node) {
-    if (explicit_node && stream_is_capturing(stream)) return capture_memop_node(stream, dev_addr, value, false);
+    if (explicit_node && stream_is_capturing(stream)) return capture_memop_node(stream, dev_addr, value, false, 0);
     stream_write_value64(as_stream(stream), dev_addr, value);
 }
 
-inline void memop_wait(uint64_t stream, uint64_t dev_addr, uint64_t value, bool explicit_node) {
-    if (explicit_node && stream_is_capturing(stream)) return capture_memop_node(stream, dev_addr, value, true);
+/* err_addr (optional, 0: none) is the slot's err word an explicit HIP wait node reports a timeout in. */
+inline void memop_wait(uint64_t stream, uint64_t dev_addr, uint64_t value, bool explicit_node, uint64_t err_addr = 0) {
+    if (explicit_node && stream_is_capturing(stream))
+        return capture_memop_node(stream, dev_addr, value, true, err_addr);
     stream_wait_value64_eq(as_stream(stream), dev_addr, value);
 }
 
+/* ---- release events: the HIP copy path's barrier between D2H copies and ready ----- */
+struct EventSupport {
+    bool compiled = false;  /* this build can record events as graph nodes */
+    bool available = false; /* ... and the runtime did it: eager record, captured node, replay */
+    std::string reason;     /* why not, when not */
+};
+
+#ifdef FT_GPU_HIP
+inline uint64_t release_event_create() {
+    hipEvent_t e = nullptr;
+    FT_CHECK(hipEventCreateWithFlags(&e, hipEventDisableTiming | hipEventReleaseToSystem));
+    return reinterpret_cast<uint64_t>(e);
+}
+
+inline void release_event_destroy(uint64_t event) { FT_CHECK(ftEventDestroy(reinterpret_cast<ftEvent_t>(event))); }
+
+/* Eagerly a plain record (the event's own flag makes its release system-wide); under
+ * capture with hipEventRecordExternal, so the graph keeps it as an event-record node that
+ * every replay runs between the copies before it and the ready write after it. */
+inline void release_event_record(uint64_t stream, uint64_t event) {
+#if FT_HIP_EVENT_RECORD_WITH_FLAGS
+    hipEvent_t e = reinterpret_cast<hipEvent_t>(event);
+    if (stream_is_capturing(stream))
+        FT_CHECK(hipEventRecordWithFlags(e, as_stream(stream), hipEventRecordExternal));
+    else
+        FT_CHECK(ftEventRecord(e, as_stream(stream)));
+#else
+    (void)stream;
+    (void)event;
+    throw std::runtime_error("freetoken_rocm was built without hipEventRecordWithFlags (HIP " +
+                             std::to_string(HIP_VERSION_MAJOR) + "." + std::to_string(HIP_VERSION_MINOR) +
+                             "): the event-ordered copy path is unavailable");
+#endif
+}
+
+/* Record the event eagerly, then capture one external record on a private stream and
+ * check the graph holds an event-record node and replays. Throws nothing. */
+inline EventSupport event_support() {
+    EventSupport r;
+#if FT_HIP_EVENT_RECORD_WITH_FLAGS
+    r.compiled = true;
+    ftStream_t s = nullptr;
+    uint64_t ev = 0;
+    ftGraph_t g = nullptr;
+    ftGraphExec_t ge = nullptr;
+    try {
+        FT_CHECK(ftStreamCreateWithFlags(&s, ftStreamNonBlocking));
+        ev = release_event_create();
+        release_event_record(reinterpret_cast<uint64_t>(s), ev);
+        FT_CHECK(ftStreamSynchronize(s));
+        FT_CHECK(ftStreamBeginCapture(s, ftStreamCaptureModeThreadLocal));
+        ftError_t rec = hipEventRecordWithFlags(reinterpret_cast<hipEvent_t>(ev), s, hipEventRecordExternal);
+        FT_CHECK(ftStreamEndCapture(s, &g));
+        FT_CHECK(rec);
+        size_t n = 0;
+        FT_CHECK(ftGraphGetNodes(g, nullptr, &n));
+        std::vector<ftGraphNode_t> nodes(n);
+        if (n) FT_CHECK(ftGraphGetNodes(g, nodes.data(), &n));
+        int records = 0;
+        for (size_t i = 0; i < n; ++i) {
+            ftGraphNodeType t;
+            FT_CHECK(ftGraphNodeGetType(nodes[i], &t));
+            if (t == hipGraphNodeTypeEventRecord) ++records;
+        }
+        if (records < 1) throw std::runtime_error("the captured graph has no event-record node");
+        FT_CHECK(ftGraphInstantiateNoFlags(&ge, g));
+        FT_CHECK(ftGraphLaunch(ge, s));
+        FT_CHECK(ftStreamSynchronize(s));
+        r.available = true;
+    } catch (const std::exception& e) {
+        r.reason = std::string("release event check failed: ") + e.what();
+    }
+    if (ge) (void)ftGraphExecDestroy(ge);
+    if (g) (void)ftGraphDestroy(g);
+    if (ev) (void)ftEventDestroy(reinterpret_cast<ftEvent_t>(ev));
+    if (s) (void)ftStreamDestroy(s);
+#else
+    r.reason = "built without hipEventRecordWithFlags (HIP " + std::to_string(HIP_VERSION_MAJOR) + "." +
+               std::to_string(HIP_VERSION_MINOR) + " headers): rebuild freetoken-rocm against a ROCm that has it";
+#endif
+    return r;
+}
+#else
+/* CUDA: the stream write of the copy path is ordered after earlier copies by the driver. */
+inline uint64_t release_event_create() {
+    throw std::runtime_error("release events are the HIP copy path's; CUDA does not use them");
+}
+inline void release_event_destroy(uint64_t) {
+    throw std::runtime_error("release events are the HIP copy path's; CUDA does not use them");
+}
+inline void release_event_record(uint64_t, uint64_t) {
+    throw std::runtime_error("release events are the HIP copy path's; CUDA does not use them");
+}
+inline EventSupport event_support() {
+    EventSupport r;
+    r.reason = "not used with CUDA: its stream write is ordered after earlier copies";
+    return r;
+}
+#endif
+
 /* ---- kernels ---------------------------------------------------------------- */
-inline void launch_flag_write(uint64_t stream, uint64_t dev_addr, uint64_t value) {
-    ft_flag_write_kernel<<<1, 1, 0, as_stream(stream)>>>(reinterpret_cast<uint64_t*>(dev_addr), value);
-    FT_CHECK_LAUNCH("ft_flag_write_kernel<<<>>>");
-}
-
-inline void launch_flag_wait(uint64_t stream, uint64_t dev_addr, uint64_t value, uint64_t reset, uint64_t err_addr,
-                             uint64_t timeout_ns) {
-    ft_flag_wait_kernel<<<1, 1, 0, as_stream(stream)>>>(reinterpret_cast<uint64_t*>(dev_addr), value, reset,
-                                                        reinterpret_cast<uint64_t*>(err_addr), timeout_ns);
-    FT_CHECK_LAUNCH("ft_flag_wait_kernel<<<>>>");
-}
-
 inline void kio_publish(uint64_t stream, uint64_t x, uint64_t ids, bool ids_are_64, uint64_t w, int n_x, int tokens,
                         int top_k, uint64_t cpu_mask, uint64_t resident, int cpu_last_n, uint64_t dst_x, uint64_t dst_ids,
                         uint64_t dst_w, uint64_t flags, int fault) {
@@ -279,6 +393,25 @@ inline void host_callback_wait(uint64_t stream, uint64_t slot_host, uint64_t tim
     ft_check(e, "ftLaunchHostFunc(host_wait_fn)", __FILE__, __LINE__);
 }
 
+/* Enqueue a host function on a private stream and wait for it: do host callbacks run here? */
+inline void host_probe_fn(void* word) { __atomic_store_n(reinterpret_cast<uint64_t*>(word), 0x5EEDull, __ATOMIC_RELEASE); }
+
+inline std::string host_callback_probe() {
+    uint64_t word = 0;
+    ftStream_t s = nullptr;
+    std::string error;
+    try {
+        FT_CHECK(ftStreamCreateWithFlags(&s, ftStreamNonBlocking));
+        FT_CHECK(ftLaunchHostFunc(s, host_probe_fn, &word));
+        FT_CHECK(ftStreamSynchronize(s));
+        if (__atomic_load_n(&word, __ATOMIC_ACQUIRE) != 0x5EEDull) error = "the host function did not run";
+    } catch (const std::exception& e) {
+        error = e.what();
+    }
+    if (s) (void)ftStreamDestroy(s);
+    return error;
+}
+
 /* ---- does stream capture record memops natively? ------------------------------- */
 struct GraphMemopProbe {
     bool capture_ok = false;
@@ -288,77 +421,104 @@ struct GraphMemopProbe {
     bool replay_performed = false;
     bool native = false;
     bool explicit_ok = false;
-    std::string error;
+    std::string error;          /* the native capture's error, else the explicit one's */
+    std::string explicit_error; /* the explicit-node capture's error */
 };
 
-/* Capture "write 7; wait 7; write 9" on a private stream into the slot at host/dev,
- * check the flag did not change, count the graph's nodes, replay and check it changed.
- * Then the same through explicit nodes (CUDA). Throws nothing: errors land in .error. */
+struct CapturedMemops {
+    bool unchanged = false; /* the word kept its value while capturing */
+    int nodes = 0;
+    int memop_nodes = 0;    /* CUDA: batch-memop nodes; HIP (no such type): every node */
+    bool performed = false; /* the replay wrote the last value */
+};
+
+/* Capture "write 7; wait 7; write 9" on s, then replay it once. Throws on API errors. */
+inline CapturedMemops capture_memops_once(ftStream_t s, volatile uint64_t* word, uint64_t dev_addr,
+                                          bool explicit_node) {
+    CapturedMemops c;
+    *word = 0;
+    ftGraph_t g = nullptr;
+    ftGraphExec_t ge = nullptr;
+    const uint64_t sh = reinterpret_cast<uint64_t>(s);
+    FT_CHECK(ftStreamBeginCapture(s, ftStreamCaptureModeThreadLocal));
+    try {
+        memop_write(sh, dev_addr, 7, explicit_node);
+        memop_wait(sh, dev_addr, 7, explicit_node);
+        memop_write(sh, dev_addr, 9, explicit_node);
+    } catch (...) {
+        (void)ftStreamEndCapture(s, &g);
+        if (g) (void)ftGraphDestroy(g);
+        throw;
+    }
+    FT_CHECK(ftStreamEndCapture(s, &g));
+    try {
+        c.unchanged = *word == 0;
+        size_t n = 0;
+        FT_CHECK(ftGraphGetNodes(g, nullptr, &n));
+        std::vector<ftGraphNode_t> nodes(n);
+        if (n) FT_CHECK(ftGraphGetNodes(g, nodes.data(), &n));
+        c.nodes = static_cast<int>(n);
+        for (size_t i = 0; i < n; ++i) {
+#ifndef FT_GPU_HIP
+            if (!driver_api().node_get_type) throw std::runtime_error("cuGraphNodeGetType unavailable");
+            CUgraphNodeType t;
+            FT_CU_CHECK(driver_api().node_get_type(reinterpret_cast<CUgraphNode>(nodes[i]), &t));
+            if (t == CU_GRAPH_NODE_TYPE_BATCH_MEM_OP) ++c.memop_nodes;
+#else
+            ftGraphNodeType t;
+            FT_CHECK(ftGraphNodeGetType(nodes[i], &t));
+            ++c.memop_nodes;
+#endif
+        }
+        FT_CHECK(ftGraphInstantiateNoFlags(&ge, g));
+        FT_CHECK(ftGraphLaunch(ge, s));
+        FT_CHECK(ftStreamSynchronize(s));
+        c.performed = *word == 9;
+    } catch (...) {
+        if (ge) (void)ftGraphExecDestroy(ge);
+        (void)ftGraphDestroy(g);
+        throw;
+    }
+    FT_CHECK(ftGraphExecDestroy(ge));
+    FT_CHECK(ftGraphDestroy(g));
+    return c;
+}
+
+/* Native capture: the memops are graph nodes when the word did not change while capturing
+ * (a runtime that runs them at capture time changes it) and the replay performs them (one
+ * that leaves them out of the graph does not). Explicit nodes (CUDA: batch-memop nodes;
+ * HIP: flag kernels) are checked the same way. Throws nothing: errors land in .error. */
 inline GraphMemopProbe probe_graph_memops(uint64_t host_addr, uint64_t dev_addr) {
     GraphMemopProbe r;
     volatile uint64_t* word = reinterpret_cast<volatile uint64_t*>(host_addr);
     ftStream_t s = nullptr;
     try {
         FT_CHECK(ftStreamCreateWithFlags(&s, ftStreamNonBlocking));
-        for (int mode = 0; mode < 2; ++mode) {
-            const bool explicit_node = mode == 1;
-#ifdef FT_GPU_HIP
-            if (explicit_node) break;
-#endif
-            *word = 0;
-            ftGraph_t g = nullptr;
-            ftGraphExec_t ge = nullptr;
-            FT_CHECK(ftStreamBeginCapture(s, ftStreamCaptureModeThreadLocal));
-            try {
-                memop_write(reinterpret_cast<uint64_t>(s), dev_addr, 7, explicit_node);
-                memop_wait(reinterpret_cast<uint64_t>(s), dev_addr, 7, explicit_node);
-                memop_write(reinterpret_cast<uint64_t>(s), dev_addr, 9, explicit_node);
-            } catch (...) {
-                (void)ftStreamEndCapture(s, &g);
-                if (g) (void)ftGraphDestroy(g);
-                throw;
-            }
-            FT_CHECK(ftStreamEndCapture(s, &g));
-            const bool unchanged = *word == 0;
-            size_t n = 0;
-            FT_CHECK(ftGraphGetNodes(g, nullptr, &n));
-            std::vector<ftGraphNode_t> nodes(n);
-            if (n) FT_CHECK(ftGraphGetNodes(g, nodes.data(), &n));
-            int memops = 0;
-            for (size_t i = 0; i < n; ++i) {
-#ifndef FT_GPU_HIP
-                if (!driver_api().node_get_type) throw std::runtime_error("cuGraphNodeGetType unavailable");
-                CUgraphNodeType t;
-                FT_CU_CHECK(driver_api().node_get_type(reinterpret_cast<CUgraphNode>(nodes[i]), &t));
-                if (t == CU_GRAPH_NODE_TYPE_BATCH_MEM_OP) ++memops;
-#else
-                ftGraphNodeType t;
-                FT_CHECK(ftGraphNodeGetType(nodes[i], &t));
-                ++memops; /* HIP 5.x has no memop node type: count what was recorded */
-#endif
-            }
-            FT_CHECK(ftGraphInstantiateNoFlags(&ge, g));
-            FT_CHECK(ftGraphLaunch(ge, s));
-            FT_CHECK(ftStreamSynchronize(s));
-            const bool performed = *word == 9;
-            FT_CHECK(ftGraphExecDestroy(ge));
-            FT_CHECK(ftGraphDestroy(g));
-            if (!explicit_node) {
-                r.capture_ok = true;
-                r.flag_unchanged_during_capture = unchanged;
-                r.nodes = static_cast<int>(n);
-                r.memop_nodes = memops;
-                r.replay_performed = performed;
-                r.native = unchanged && memops >= 3 && performed;
-            } else {
-                r.explicit_ok = unchanged && memops >= 3 && performed;
-            }
-        }
+    } catch (const std::exception& e) {
+        r.error = e.what();
+        return r;
+    }
+    try {
+        CapturedMemops c = capture_memops_once(s, word, dev_addr, false);
+        r.capture_ok = true;
+        r.flag_unchanged_during_capture = c.unchanged;
+        r.nodes = c.nodes;
+        r.memop_nodes = c.memop_nodes;
+        r.replay_performed = c.performed;
+        r.native = c.unchanged && c.memop_nodes >= 3 && c.performed;
     } catch (const std::exception& e) {
         r.error = e.what();
     }
+    try {
+        CapturedMemops c = capture_memops_once(s, word, dev_addr, true);
+        r.explicit_ok = c.unchanged && c.memop_nodes >= 3 && c.performed;
+    } catch (const std::exception& e) {
+        r.explicit_error = e.what();
+        if (r.error.empty()) r.error = r.explicit_error;
+    }
     *word = 0;
-    if (s) (void)ftStreamDestroy(s);
+    (void)ftStreamSynchronize(s);
+    (void)ftStreamDestroy(s);
     return r;
 }
 
