@@ -46,7 +46,7 @@ CORE_INCLUDE = ROOT / "freetoken-core" / "src" / "freetoken" / "include"
 BUILD_VARS = (
     "CC", "CXX", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS",
     "CUDA_HOME", "CUDA_PATH", "FREETOKEN_CUDA_ARCH",
-    "ROCM_PATH", "HIP_PATH", "FREETOKEN_ROCM_ARCH",
+    "ROCM_PATH", "HIP_PATH", "FREETOKEN_ROCM_ARCH", "FREETOKEN_ROCM_EVENT_API",
 )  # fmt: skip
 
 
