@@ -42,6 +42,9 @@ class SubsetConstraint:
         self.mask_calls += 1
         return self.mask
 
+    def fallback_token(self, remaining: int) -> Optional[int]:
+        return None
+
     def advance(self, token_id: int) -> None:
         assert token_id in self.allowed, token_id
         self.seen.append(token_id)

@@ -13,6 +13,10 @@ that request, after the penalties and before temperature / top-k / top-p / min-p
   :meth:`TokenConstraint.allowed_mask`; disallowed logits become ``-inf``, so
   greedy is the best allowed token and sampling draws from the distribution
   renormalised over the allowed tokens (the knobs then act on that distribution).
+  The mask may hold tokens :meth:`TokenConstraint.allows` rejects (when the exact set
+  is too costly to build, e.g. "does the output still close within the budget after
+  this token"): the pick is checked with ``allows`` and redrawn without a rejected
+  token; after a few rejections :meth:`TokenConstraint.fallback_token` is taken.
 
 After a token is drawn the engine calls :meth:`TokenConstraint.advance`; when
 :meth:`TokenConstraint.is_complete` turns true the request finishes with
@@ -43,8 +47,13 @@ class TokenConstraint(Protocol):
         ...
 
     def allowed_mask(self, vocab_size: int, remaining: int) -> Optional[torch.Tensor]:
-        """BoolTensor ``[vocab_size]`` of the tokens that may come next (None: all).
-        Must agree with :meth:`allows` token by token."""
+        """BoolTensor ``[vocab_size]`` of the tokens that may come next (None: all):
+        every token :meth:`allows` accepts, and possibly some it rejects."""
+        ...
+
+    def fallback_token(self, remaining: int) -> Optional[int]:
+        """A token :meth:`allows` accepts, taken when picks from the mask keep being
+        rejected (None: the mask is exact, so this is never needed)."""
         ...
 
     def advance(self, token_id: int) -> None:

@@ -102,10 +102,26 @@ def _greedy_candidates(row: torch.Tensor, constraint: TokenConstraint, remaining
     return None
 
 
+#: a constrained pick that ``allows`` rejects is redrawn without it at most this many
+#: times before the constraint's fallback token is taken
+MAX_REDRAWS = 16
+
+
+def _pick(row: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    if params.greedy:
+        return int(torch.argmax(row))
+    return int(torch.multinomial(sampling_probs(row, params), 1, generator=gen))
+
+
 def constrained_pick(raw: torch.Tensor, row: torch.Tensor, params: SamplingParams, constraint: TokenConstraint,
                      remaining: int, gen: torch.Generator) -> tuple[int, Optional[TokenLogprob]]:
     """One token for a constrained request: ``raw`` is the model's row of logits,
-    ``row`` the penalised one. Raises :class:`NoAllowedToken` if nothing is allowed."""
+    ``row`` the penalised one. Raises :class:`NoAllowedToken` if nothing is allowed.
+
+    A pick from the mask that :meth:`~TokenConstraint.allows` rejects (a mask may hold
+    more than the constraint allows) is dropped and the pick redrawn from the rest, so
+    the result follows the distribution renormalised over the allowed tokens; after
+    :data:`MAX_REDRAWS` rejections the constraint's fallback token is taken."""
     want_lp = params.logprobs or params.top_logprobs > 0
     if params.greedy and not want_lp:
         tok = _greedy_candidates(row, constraint, remaining)
@@ -116,10 +132,19 @@ def constrained_pick(raw: torch.Tensor, row: torch.Tensor, params: SamplingParam
         if not bool(mask.any()):
             raise NoAllowedToken("the request's constraint allows no token")
         row = row.masked_fill(~mask, float("-inf"))
-    if params.greedy:
-        tok = int(torch.argmax(row))
-    else:
-        tok = int(torch.multinomial(sampling_probs(row, params), 1, generator=gen))
+    tok = _pick(row, params, gen)
+    redraws = 0
+    while not constraint.allows(tok, remaining):
+        redraws += 1
+        row = row.clone()
+        row[tok] = float("-inf")
+        if redraws > MAX_REDRAWS or not bool(torch.isfinite(row).any()):
+            fallback = constraint.fallback_token(remaining)
+            if fallback is None:
+                raise NoAllowedToken("the request's constraint rejected every token it was offered")
+            tok = fallback
+            break
+        tok = _pick(row, params, gen)
     lp = None
     if want_lp:
         masked_raw = raw if mask is None else raw.masked_fill(~mask, float("-inf"))

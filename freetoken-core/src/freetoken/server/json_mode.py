@@ -185,6 +185,9 @@ class JsonObjectConstraint:
         new = g.feed(self.state, text) if text is not None else None
         return new is not None and self.vocab.close_len(new) <= room
 
+    def fallback_token(self, remaining: int) -> Optional[int]:
+        return None  # the mask is exact
+
     def allowed_mask(self, vocab_size: int, remaining: int) -> torch.Tensor:
         entry = self.vocab.masks(self.state)
         room = self._room(remaining)

@@ -26,13 +26,17 @@ and the text is a prefix of a valid document.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from freetoken.engine.token_texts import PerTokenizer
+from freetoken.server.grammar_closing import candidate_tokens, closing_tokens
 
 #: options applied to every schema: compact output, unknown keywords are errors
 _OVERRIDES = {"whitespace_flexible": False, "lenient": False}
@@ -79,15 +83,18 @@ def token_bytes(tokenizer: Any) -> tuple[list[bytes], list[int]]:
 
 
 class GrammarVocab:
-    """The tokenizer's vocabulary as llguidance sees it (one per tokenizer)."""
+    """A vocabulary as llguidance sees it (one per tokenizer): every token id's bytes,
+    the special tokens and the EOS id, and the single-byte tokens the closing walk uses."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokens: list[bytes], special: list[int], eos_ids: list[int]) -> None:
         import llguidance
 
-        tokens, special = token_bytes(tokenizer)
-        eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else len(tokens) - 1
+        eos = eos_ids[0] if eos_ids else len(tokens) - 1
         self.size = len(tokens)
-        self.eos_ids = list(tokenizer.eos_token_ids)
+        self.eos_ids = list(eos_ids)
+        self.eos = eos
+        self.closing_candidates = candidate_tokens(tokens, set(special))
+        encode = self._encode
 
         class _Vocab:
             eos_token_id = eos
@@ -98,13 +105,42 @@ class GrammarVocab:
                 self.special_token_ids = special
 
             def __call__(self, text: Any) -> list[int]:
-                s = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
-                return list(tokenizer.encode(s, add_special_tokens=False))
+                return encode(text)
 
+        self._tokenizer: Any = None
+        skip = set(special)
+        self._ids = {b: i for i, b in reversed(list(enumerate(tokens))) if b and i not in skip}
+        self._longest = max((len(b) for b in self._ids), default=1)
         self.llg = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab()))
 
+    def _encode(self, text: Any) -> list[int]:
+        """Text -> token ids: the tokenizer's own encoding, or (a vocabulary given as bytes
+        only) the longest matching token at each position."""
+        if self._tokenizer is not None:
+            s = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+            return list(self._tokenizer.encode(s, add_special_tokens=False))
+        data = text if isinstance(text, bytes) else str(text).encode()
+        out, i = [], 0
+        while i < len(data):
+            for n in range(min(self._longest, len(data) - i), 0, -1):
+                tok = self._ids.get(data[i : i + n])
+                if tok is not None:
+                    out.append(tok)
+                    i += n
+                    break
+            else:
+                raise ValueError(f"byte {data[i]:#x} has no token in this vocabulary")
+        return out
 
-_VOCABS: PerTokenizer[GrammarVocab] = PerTokenizer(GrammarVocab)
+    @classmethod
+    def of_tokenizer(cls, tokenizer: Any) -> "GrammarVocab":
+        tokens, special = token_bytes(tokenizer)
+        vocab = cls(tokens, special, list(tokenizer.eos_token_ids))
+        vocab._tokenizer = tokenizer
+        return vocab
+
+
+_VOCABS: PerTokenizer[GrammarVocab] = PerTokenizer(GrammarVocab.of_tokenizer)
 
 
 def grammar_vocab(tokenizer: Any) -> GrammarVocab:
@@ -153,8 +189,63 @@ def schema_for_lark(schema: Any) -> str:
     return json.dumps({**schema, "x-guidance": {**schema.get("x-guidance", {}), **_OVERRIDES}})
 
 
+#: the budget policy (see SchemaConstraint): the output is closed by force once no more
+#: than FORCE_SLACK tokens are left beyond its closing, and each token is checked against
+#: the budget once no more than CHECK_SLACK are
+FORCE_SLACK = 2
+CHECK_SLACK = 48
+
+#: threads that compute the masks of the next states, shared by every constrained request
+MASK_THREADS = 4
+_MASK_POOL = ThreadPoolExecutor(max_workers=MASK_THREADS, thread_name_prefix="grammar-mask")
+
+
+@dataclasses.dataclass
+class _StateInfo:
+    """What the sampler needs of one grammar state, computed off the engine step."""
+
+    mask: torch.Tensor  # bool [vocab]: the tokens the grammar allows next
+    closing: Optional[list[int]]  # the shortest closing from here (grammar_closing), None: unknown
+    compute_s: float  # seconds spent computing it
+
+
+@dataclasses.dataclass
+class MaskTiming:
+    """Where a constraint's mask time went (seconds, summed over its states)."""
+
+    computed: float = 0.0  # computing masks and closings (in the background)
+    waited: float = 0.0  # the engine's thread blocked until one was ready
+    states: int = 0
+
+
 class SchemaConstraint:
-    """The engine-side constraint of one choice: an llguidance matcher (a TokenConstraint)."""
+    """The engine-side constraint of one choice: an llguidance matcher (a TokenConstraint).
+
+    **Off the engine step.** The state's mask (and its closing) is computed by a
+    background thread (:data:`MASK_THREADS` shared by all requests): the first when the
+    constraint is made, while the prompt is prefilled, then each right after
+    :meth:`advance` commits a token, so it overlaps the next forward pass of the whole
+    batch (llguidance computes masks in native code without the GIL). The sampler's
+    first query waits only for what is left of it (:attr:`timing`).
+
+    **Closable within max_tokens.** With ``remaining`` tokens left (this one included)
+    and a closing of ``L`` tokens from the current state
+    (:func:`freetoken.server.grammar_closing.closing_tokens`):
+
+    * ``remaining <= L + FORCE_SLACK``: only the closing's first token is allowed, so
+      the output ends as its shortest completion;
+    * ``remaining <= L + CHECK_SLACK``: a token of the mask is allowed only if the closing
+      after it still fits in ``remaining - 1`` (the sampler checks its pick with
+      :meth:`allows`, :meth:`fallback_token` is the closing's first token);
+    * further from the budget, every token of the grammar's mask is allowed.
+
+    So the output is complete JSON whenever ``max_tokens`` covers the closing of the
+    empty output (and no single token grows the closing by more than ``CHECK_SLACK``
+    tokens while it is farther than that from the budget). When it cannot be kept
+    (``L > remaining`` at the start, or no closing found within
+    :data:`~freetoken.server.grammar_closing.MAX_CLOSING` bytes) the grammar alone
+    applies and the choice may end with "length" and a prefix of a document.
+    """
 
     def __init__(self, vocab: GrammarVocab, grammar: str) -> None:
         import llguidance
@@ -163,30 +254,85 @@ class SchemaConstraint:
         self.matcher = llguidance.LLMatcher(vocab.llg, grammar, log_level=0)
         if self.matcher.is_error():
             raise SchemaError(self.matcher.get_error())
-        self._mask: Optional[torch.Tensor] = None  # of the current state
+        self.timing = MaskTiming()
+        # the matcher is busy while a state is computed (llguidance refuses a second
+        # borrower), so completion is kept here
+        self._stopped = self.matcher.is_stopped()
+        self._info: Optional[_StateInfo] = None  # of the current state, once waited for
+        self._pending: Optional[Future[_StateInfo]] = _MASK_POOL.submit(self._compute)
 
-    def _state_mask(self) -> torch.Tensor:
-        if self._mask is None:
-            bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-            self._mask = torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab.size].astype(np.bool_))
-        return self._mask
+    def _compute(self) -> _StateInfo:
+        t0 = time.perf_counter()
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        mask = torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab.size].astype(np.bool_))
+        closing = closing_tokens(self.matcher, self.vocab.closing_candidates, self.vocab.eos)
+        return _StateInfo(mask, closing, time.perf_counter() - t0)
+
+    def _state(self) -> _StateInfo:
+        if self._info is None:
+            if self._pending is None:  # after a failed computation
+                self._pending = _MASK_POOL.submit(self._compute)
+            t0 = time.perf_counter()
+            try:
+                info = self._pending.result()
+            finally:
+                self._pending = None
+            self.timing.waited += time.perf_counter() - t0
+            self.timing.computed += info.compute_s
+            self.timing.states += 1
+            self._info = info
+        return self._info
+
+    def _zone(self, info: _StateInfo, remaining: int) -> str:
+        """"free", "check" or "force" (see the class docstring)."""
+        if info.closing is None or len(info.closing) > remaining:
+            return "free"  # cannot be kept closable: the grammar alone
+        slack = remaining - len(info.closing)
+        return "force" if slack <= FORCE_SLACK else "check" if slack <= CHECK_SLACK else "free"
+
+    def _fits(self, token_id: int, remaining: int) -> bool:
+        m = self.matcher.deep_copy()
+        if not m.consume_token(token_id):
+            return False
+        closing = closing_tokens(m, self.vocab.closing_candidates, self.vocab.eos)
+        return closing is not None and len(closing) <= remaining - 1
 
     def allows(self, token_id: int, remaining: int) -> bool:
-        return 0 <= token_id < self.vocab.size and bool(self._state_mask()[token_id])
+        info = self._state()
+        if not (0 <= token_id < self.vocab.size and bool(info.mask[token_id])):
+            return False
+        zone = self._zone(info, remaining)
+        if zone == "force":
+            return token_id == info.closing[0]  # type: ignore[index]
+        if zone == "check" and not self._stopped:
+            return token_id in self.vocab.eos_ids or self._fits(token_id, remaining)
+        return True
 
     def allowed_mask(self, vocab_size: int, remaining: int) -> torch.Tensor:
-        mask = self._state_mask()
+        info = self._state()
+        mask = info.mask
+        if self._zone(info, remaining) == "force":
+            mask = torch.zeros(self.vocab.size, dtype=torch.bool)
+            mask[info.closing[0]] = True  # type: ignore[index]
         if vocab_size > self.vocab.size:  # padded embedding rows: never valid
             mask = torch.cat([mask, torch.zeros(vocab_size - self.vocab.size, dtype=torch.bool)])
         return mask[:vocab_size]
 
+    def fallback_token(self, remaining: int) -> Optional[int]:
+        info = self._state()
+        return info.closing[0] if info.closing else None
+
     def advance(self, token_id: int) -> None:
-        self._mask = None
+        self._state()  # the background computation is done with the matcher
+        self._info = None
         if not self.matcher.consume_token(token_id):
             raise ValueError(f"token {token_id} cannot follow the grammar state: {self.matcher.get_error()}")
+        self._stopped = self.matcher.is_stopped()
+        if not self._stopped:
+            self._pending = _MASK_POOL.submit(self._compute)
 
     def is_complete(self) -> bool:
-        return self.matcher.is_stopped()
+        return self._stopped
 
 
 def compile_schema(tokenizer: Any, schema: Any) -> str:

@@ -158,6 +158,9 @@ class ToolCallConstraint:
             return new is not None and self.vocab.close_len(new) <= self._json_room(remaining, data)  # type: ignore[arg-type]
         return self.grammar.feed(self.state, text) is not None
 
+    def fallback_token(self, remaining: int) -> Optional[int]:
+        return None  # the mask is exact
+
     def allowed_mask(self, vocab_size: int, remaining: int) -> torch.Tensor:
         phase, data = self.state
         if phase == "json":

@@ -1,0 +1,77 @@
+"""The shortest way to finish an llguidance document: how many tokens an output still
+needs before it is complete, so a schema-constrained choice can end as valid JSON
+within ``max_tokens`` (:class:`freetoken.server.schema_constraint.SchemaConstraint`).
+
+From a matcher state, :func:`closing_tokens` writes the document to its end: text the
+grammar forces (a property name, the markup after a tool call's arguments) as the
+tokens llguidance splits it into (the only ones its mask allows there), anything else
+one byte at a time with the single-byte tokens, always taking the first byte of
+:data:`CLOSING_ORDER` the grammar accepts (a closing quote or bracket before
+anything else, then the shortest values: ``0``, ``""``, ``null``, then any printable
+character for text the grammar forces, such as a required property name), and ends
+with EOS where the grammar accepts the document but could go on (a top-level number).
+The walk is deterministic, so the walk from the state after its first token is the
+rest of the same walk: forcing its first token at every step writes exactly the
+closing it measured. Its length is an upper bound of the shortest closing (one token
+per byte; a value such as ``0`` may be shorter than the one a type forces), found in
+microseconds per byte (``validate_tokens`` on a copy of the matcher).
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any, Optional
+
+#: the order in which the walk tries bytes: closers, short values, then every other
+#: printable ASCII character and whitespace (for property names, patterns, markup)
+CLOSING_ORDER: bytes = (
+    b'"}]0,:' + b"123456789" + b"nulltruefalse-.eE"
+    + string.ascii_letters.encode() + string.punctuation.encode() + b" \n\t"
+)
+
+#: a walk longer than this many bytes gives up (the closing is then unknown)
+MAX_CLOSING = 512
+
+
+def candidate_tokens(token_bytes: list[bytes], special: set[int]) -> list[int]:
+    """The single-byte token of each byte of :data:`CLOSING_ORDER` that has one, in that order."""
+    by_byte: dict[int, int] = {}
+    for i, b in enumerate(token_bytes):
+        if len(b) == 1 and i not in special and b[0] not in by_byte:
+            by_byte[b[0]] = i
+    seen: set[int] = set()
+    out = []
+    for b in CLOSING_ORDER:
+        if b in by_byte and b not in seen:
+            seen.add(b)
+            out.append(by_byte[b])
+    return out
+
+
+def closing_tokens(matcher: Any, candidates: list[int], eos: int, limit: int = MAX_CLOSING) -> Optional[list[int]]:
+    """The tokens that finish the document from ``matcher``'s state (left unchanged): the
+    walk described above; an EOS last if the grammar needs one to end. None when the
+    walk finds no way to finish within ``limit`` bytes (or the matcher is in error)."""
+    if matcher.is_error():
+        return None
+    m = matcher.deep_copy()
+    out: list[int] = []
+    while not m.is_stopped():
+        if m.is_accepting():
+            out.append(eos)
+            return out
+        if len(out) >= limit:
+            return None
+        forced = m.compute_ff_tokens()
+        if forced:  # text only one way on: its tokens as llguidance splits it (all the mask allows)
+            m.consume_tokens(forced)
+            out.extend(forced)
+            continue
+        for tok in candidates:
+            if m.validate_tokens([tok]) == 1:
+                m.consume_token(tok)
+                out.append(tok)
+                break
+        else:
+            return None
+    return out
