@@ -18,6 +18,7 @@ from freetoken.engine.constraints import TokenConstraint
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.outputs import StreamDelta
 from freetoken.engine.prefix_cache import PrefixCache
+from freetoken.engine.recurrent_state import RecurrentStatePool
 from freetoken.engine.request import Request, Status, new_request_id
 from freetoken.engine.sampling import sample
 from freetoken.engine.sampling_params import SamplingParams
@@ -122,6 +123,17 @@ class LLMEngine:
                 f"{kv_tokens} tokens do not fit: KV cache {gib(kv_tokens * per_tok)}, but the {self.backend.name} backend leaves "
                 f"{gib(budget)} for it after the weights; lower --kv-cache-tokens to at most {budget // per_tok}"
             )
+        self.states: Optional[RecurrentStatePool] = None
+        if cfg.recurrent is not None:
+            # one slot per running request, plus one for prompt_logits outside the scheduler
+            rows = max(config.max_running_requests, config.cuda_graph_max_bs, *(config.cuda_graph_bs or [1]))
+            self.states = RecurrentStatePool(cfg.recurrent, config.max_running_requests + 1, act, self.device, rows)
+            self.model.attach_recurrent_state(self.states)
+            logger.info("recurrent state of %d linear-attention layers: %d slots, %.1f MiB",
+                        len(cfg.recurrent.layers), self.states.num_slots, self.states.bytes / 2**20)
+            if budget is not None and config.kv_cache_tokens is None:
+                budget = max(0, budget - self.states.bytes)
+                kv_tokens = min(kv_tokens, max(ctx if config.max_model_len else 4096, budget // per_tok))
         self.kv = KVCache(cfg, kv_tokens, config.kv_block_size, act, self.device)
         if config.max_model_len and config.max_model_len > self.kv.total_tokens:
             raise ValueError(
@@ -129,8 +141,14 @@ class LLMEngine:
                 "raise kv_cache_tokens"
             )
         self.max_model_len = min(ctx, self.kv.total_tokens)
-        self.prefix_cache = PrefixCache(self.kv, enabled=config.enable_prefix_cache)
-        self.scheduler = Scheduler(self.prefix_cache, config.max_running_requests, config.prefill_chunk)
+        prefix = config.enable_prefix_cache
+        if prefix and self.states is not None:
+            # a cached KV prefix is useless without the recurrent state at its end, which is not kept
+            logger.info("prefix cache off: %s has linear-attention layers whose recurrent state is not cached "
+                        "per prefix", cfg.architecture)
+            prefix = False
+        self.prefix_cache = PrefixCache(self.kv, enabled=prefix)
+        self.scheduler = Scheduler(self.prefix_cache, config.max_running_requests, config.prefill_chunk, self.states)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._logits_observers: list[LogitsObserver] = []
@@ -251,6 +269,10 @@ class LLMEngine:
         # ids, positions and slots reach the device in one copy
         packed = torch.tensor([ids, pos, slots], dtype=torch.int64).to(dev)
         meta = AttentionMetadata(packed[2], seqs, bs, decode, host_ids=ids, host_positions=pos, host_slots=slots)
+        if self.states is not None:
+            meta.state_slots = [s.request.state_slot for s in batch]
+            if decode:
+                self.states.stage_decode(meta.state_slots)
         if decode and len(seqs) > 1:
             maxb = max(len(s.request.blocks) for s in batch)
             table = torch.zeros(len(batch), maxb, dtype=torch.int64)
@@ -272,6 +294,8 @@ class LLMEngine:
                       self.max_model_len, None)
         chunk = chunk or self.config.prefill_chunk
         out = []
+        if self.states is not None:
+            req.state_slot = self.states.allocate()
         try:
             while req.num_computed < len(prompt_ids):
                 n = min(chunk, len(prompt_ids) - req.num_computed)
@@ -284,6 +308,9 @@ class LLMEngine:
                 req.num_computed += n
         finally:
             self.prefix_cache.release(req.reset_blocks())
+            if req.state_slot is not None and self.states is not None:
+                self.states.free(req.state_slot)
+                req.state_slot = None
         return torch.cat(out)
 
     @torch.inference_mode()

@@ -16,7 +16,8 @@ class OutOfBlocks(RuntimeError):
 
 
 class KVCache:
-    """Per layer a K and a V tensor ``[num_blocks, block_size, kv_heads, head_dim]``
+    """Per attention layer (``config.kv_layers``: every layer unless the model has
+    linear-attention layers) a K and a V tensor ``[num_blocks, block_size, kv_heads, head_dim]``
     and a free list of blocks. Memory is reserved with ``torch.empty`` and only
     touched as blocks are used."""
 
@@ -26,10 +27,10 @@ class KVCache:
         shape = (self.num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.layers = [
             (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-            for _ in range(config.num_layers)
+            for _ in range(config.num_kv_layers)
         ]
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self.bytes = 2 * config.num_layers * self.num_blocks * block_size * config.num_kv_heads * config.head_dim * (
+        self.bytes = 2 * config.num_kv_layers * self.num_blocks * block_size * config.num_kv_heads * config.head_dim * (
             torch.empty((), dtype=dtype).element_size())
 
     @property

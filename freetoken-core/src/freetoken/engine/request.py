@@ -81,6 +81,8 @@ class Request:
         self.finish_reason: Optional[str] = None
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.blocks: list[int] = []
+        #: its slot of the recurrent state (models with linear-attention layers; None: none held)
+        self.state_slot: Optional[int] = None
         self._table: Optional[torch.Tensor] = None
         self.block_keys: list[bytes] = []  # prefix-cache keys of its full blocks (engine/prefix_cache.py)
         self.num_registered = 0  # leading blocks registered in (or attached from) the prefix cache

@@ -12,6 +12,10 @@ request attaches the longest cached prefix of its tokens and computes only the r
 after each step the full blocks it has computed are registered for later requests.
 Releasing a request's blocks (finish, abort, preemption) drops its references: a block
 another request still uses is never freed.
+
+Models with linear-attention layers also give each running request a recurrent-state slot
+(:class:`~freetoken.engine.recurrent_state.RecurrentStatePool`): taken, zeroed, when the
+request is admitted and released with its blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 from typing import Optional
 
 from freetoken.engine.prefix_cache import PrefixCache
+from freetoken.engine.recurrent_state import RecurrentStatePool
 from freetoken.engine.request import Request, Status
 
 logger = logging.getLogger(__name__)
@@ -35,8 +40,10 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, cache: PrefixCache, max_running: int, prefill_chunk: int) -> None:
+    def __init__(self, cache: PrefixCache, max_running: int, prefill_chunk: int,
+                 states: Optional[RecurrentStatePool] = None) -> None:  # fmt: skip
         self.cache = cache
+        self.states = states
         self.block_size = cache.block_size
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk
@@ -68,7 +75,14 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.release(req)
+
+    def release(self, req: Request) -> None:
+        """Drop a request's KV blocks and its recurrent-state slot."""
         self.cache.release(req.reset_blocks())
+        if req.state_slot is not None and self.states is not None:
+            self.states.free(req.state_slot)
+        req.state_slot = None
 
     def computed(self, batch: list[Scheduled]) -> None:
         """After a step (``num_computed`` advanced): register the full blocks it completed."""
@@ -87,6 +101,10 @@ class Scheduler:
     def _admit(self, req: Request, budget: int) -> int:
         """Attach the request's cached prefix and allocate blocks for its next chunk;
         returns the chunk's tokens, 0 (nothing attached) if the blocks are not there."""
+        if self.states is not None and req.state_slot is None:
+            if self.states.free_slots == 0:
+                return 0
+            req.state_slot = self.states.allocate()
         if not req.blocks:
             hit = self.cache.match(req)
             self.cache.attach(hit)
@@ -95,7 +113,7 @@ class Scheduler:
             req.num_registered = len(hit)
         n = min(req.remaining, budget)
         if not self._grow(req, req.num_computed + n):
-            self.cache.release(req.reset_blocks())
+            self.release(req)
             return 0
         if req.cached_tokens is None:
             req.cached_tokens = req.num_computed
@@ -105,7 +123,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
-        self.cache.release(victim.reset_blocks())
+        self.release(victim)
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)
         self.num_preemptions += 1

@@ -34,6 +34,20 @@ FAMILIES: tuple[ModelFamily, ...] = (
         hf_architectures=("Qwen3MoeForCausalLM",),
         gguf_architectures=("qwen3moe",),
     ),
+    ModelFamily(
+        key="qwen3_5_moe",
+        module="freetoken.models.qwen3_5_moe",
+        model_class="Qwen35MoeModel",
+        hf_architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
+        gguf_architectures=("qwen35moe",),
+    ),
+    ModelFamily(
+        key="qwen3_next",
+        module="freetoken.models.qwen3_next",
+        model_class="Qwen3NextModel",
+        hf_architectures=("Qwen3NextForCausalLM",),
+        gguf_architectures=("qwen3next",),
+    ),
 )
 
 

@@ -1,0 +1,159 @@
+"""Qwen3.5-MoE / Qwen3.6-MoE (HF ``Qwen3_5MoeForConditionalGeneration`` and
+``Qwen3_5MoeForCausalLM``, GGUF architecture ``qwen35moe``): three of every four layers
+Gated DeltaNet, one gated full attention; routed experts (top-k always renormalised) plus
+a gated shared expert in every layer. The model is :mod:`freetoken.models.qwen_hybrid`;
+this module reads the configs. Only the text model is loaded (the vision tower and the
+multi-token-prediction layers of the checkpoints are not used).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from freetoken.loading.hf import CheckpointError
+from freetoken.models.qwen_hybrid import FULL, GGUF_NAMES, HF_NAMES, LINEAR, HybridConfig, QwenHybridModel, eos_ids
+from freetoken.models.qwen_hybrid import finish_config
+
+ARCHITECTURE = "qwen3_5_moe"
+HF_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
+GGUF_ARCHITECTURES = ("qwen35moe",)
+
+__all__ = ["Qwen35MoeModel", "config_from_hf", "config_from_gguf", "HF_NAMES", "GGUF_NAMES"]
+
+
+class Qwen35MoeModel(QwenHybridModel):
+    hf_fused_qkvz = False
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config (multimodal checkpoints nest it under ``text_config``)."""
+    text = dict(cfg.get("text_config") or {})
+    if not text:
+        return cfg
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+        if key not in text and key in cfg:
+            text[key] = cfg[key]
+    return text
+
+
+def check_common(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """The checks both hybrid families share; returns the RoPE parameters."""
+    if cfg.get("attention_bias"):
+        raise CheckpointError(f"{family} checkpoints with attention_bias=true are not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{family} with hidden_act={cfg.get('hidden_act')!r} is not supported (silu only)")
+    qc = cfg.get("quantization_config")
+    if qc:
+        method = qc.get("quant_method")
+        if method != "fp8":
+            raise CheckpointError(
+                f"quantization method {method!r} is not supported (HF checkpoints: BF16/FP16/FP32 or FP8 with "
+                "128x128 block scales; use a GGUF file for other quantizations)")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise CheckpointError(f"RoPE scaling {rope_type!r} is not supported yet (default RoPE only)")
+    return rope
+
+
+def hybrid_config(architecture: str, cfg: dict[str, Any], gen: Optional[dict[str, Any]], family: str,
+                  **extra: Any) -> HybridConfig:  # fmt: skip
+    rope = check_common(cfg, family)
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = int(cfg.get("full_attention_interval", 4))
+        types = [LINEAR if (i + 1) % interval else FULL for i in range(n)]
+    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    c = HybridConfig(
+        architecture=architecture,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=head_dim,
+        intermediate_size=int(cfg.get("intermediate_size", 0) or 0),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        num_experts=int(cfg["num_experts"]),
+        top_k=int(cfg["num_experts_per_tok"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids(gen or {}, cfg),
+        layer_types=tuple(types),
+        linear_key_heads=int(cfg["linear_num_key_heads"]),
+        linear_value_heads=int(cfg["linear_num_value_heads"]),
+        linear_key_dim=int(cfg["linear_key_head_dim"]),
+        linear_value_dim=int(cfg["linear_value_head_dim"]),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        rotary_dim=int(head_dim * factor),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
+        **extra,
+    )
+    return finish_config(c, family)
+
+
+def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, Any]] = None) -> HybridConfig:
+    # Qwen3.5's router always renormalises its top-k weights
+    return hybrid_config(ARCHITECTURE, text_config(cfg), generation_config, "Qwen3.5-MoE", norm_topk_prob=True)
+
+
+def gguf_hybrid_config(architecture: str, meta: dict[str, Any], has_output: bool, **extra: Any) -> HybridConfig:
+    """The hyper-parameters llama.cpp's converter writes for ``qwen3next``/``qwen35moe``."""
+    from freetoken.loading.gguf import gguf_float, gguf_int
+
+    a = meta.get("general.architecture")
+    hidden = gguf_int(meta, f"{a}.embedding_length")
+    heads = gguf_int(meta, f"{a}.attention.head_count")
+    head_dim = gguf_int(meta, f"{a}.attention.key_length", hidden // heads)
+    # multi-token-prediction layers are appended to block_count; they are not run
+    n = gguf_int(meta, f"{a}.block_count") - gguf_int(meta, f"{a}.nextn_predict_layers", 0)
+    recurrent = meta.get(f"{a}.attention.recurrent_layers")
+    if recurrent is not None:
+        types = tuple(LINEAR if bool(r) else FULL for r in list(recurrent)[:n])
+    else:
+        interval = gguf_int(meta, f"{a}.full_attention_interval", 4)
+        types = tuple(LINEAR if (i + 1) % interval else FULL for i in range(n))
+    v_heads = gguf_int(meta, f"{a}.ssm.time_step_rank")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    vocab = meta.get(f"{a}.vocab_size")
+    c = HybridConfig(
+        architecture=architecture,
+        vocab_size=int(vocab) if vocab is not None else -1,  # filled from token_embd by the loader
+        hidden_size=hidden,
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=gguf_int(meta, f"{a}.attention.head_count_kv", heads),
+        head_dim=head_dim,
+        intermediate_size=gguf_int(meta, f"{a}.feed_forward_length", 0),
+        moe_intermediate_size=gguf_int(meta, f"{a}.expert_feed_forward_length"),
+        num_experts=gguf_int(meta, f"{a}.expert_count"),
+        top_k=gguf_int(meta, f"{a}.expert_used_count"),
+        rms_norm_eps=gguf_float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=gguf_float(meta, f"{a}.rope.freq_base", 10000.0),
+        max_position_embeddings=gguf_int(meta, f"{a}.context_length", 4096),
+        tie_word_embeddings=not has_output,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        layer_types=types,
+        linear_key_heads=gguf_int(meta, f"{a}.ssm.group_count"),
+        linear_value_heads=v_heads,
+        linear_key_dim=gguf_int(meta, f"{a}.ssm.state_size"),
+        linear_value_dim=gguf_int(meta, f"{a}.ssm.inner_size") // max(1, v_heads),
+        conv_kernel=gguf_int(meta, f"{a}.ssm.conv_kernel", 4),
+        rotary_dim=gguf_int(meta, f"{a}.rope.dimension_count", head_dim // 4),
+        shared_expert_intermediate_size=gguf_int(meta, f"{a}.expert_shared_feed_forward_length", 0),
+        **extra,
+    )
+    return finish_config(c, str(meta.get("general.name") or a))
+
+
+def config_from_gguf(meta: dict[str, Any], has_output: bool) -> HybridConfig:
+    # llama.cpp's converter writes Qwen3.5's value heads tiled over the key heads
+    return gguf_hybrid_config(ARCHITECTURE, meta, has_output, norm_topk_prob=True, value_heads_tiled=True)

@@ -1,0 +1,409 @@
+"""The Qwen3-Next / Qwen3.5-MoE hybrid decoder (families ``qwen3_next`` and ``qwen3_5_moe``).
+
+Layers are either Gated DeltaNet linear attention (:mod:`freetoken.models.gated_deltanet`,
+state per request) or gated full attention over the paged KV cache: GQA with per-head q/k
+RMSNorm, NeoX RoPE on a leading fraction of each head (``partial_rotary_factor``), and an
+output gate ``o * sigmoid(gate)`` whose weights come out of ``q_proj`` beside each head's
+query. Every RMSNorm outside the DeltaNet is zero-centred in HF checkpoints (the norm
+multiplies by ``1 + w``; GGUF files store ``1 + w``). The MLP is routed experts (softmax
+top-k, renormalised when ``norm_topk_prob``) plus a shared SwiGLU expert scaled by
+``sigmoid(x . w_gate)``; Qwen3-Next may have dense-MLP layers.
+
+The two families differ in how the checkpoints store the DeltaNet projections
+(:class:`HybridNames` and the loaders in this module): Qwen3.5 stores ``[q|k|v]``, ``z``,
+``b``, ``a`` separately; Qwen3-Next HF checkpoints interleave ``[q, k, v, z]`` and ``[b, a]``
+per key head (reordered here at load); llama.cpp's Qwen3.5 GGUF files store the value heads
+tiled over the key heads (head ``j`` uses key head ``j mod key_heads``) instead of grouped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.backends.contract import WeightPolicy
+from freetoken.loading.hf import CheckpointError
+from freetoken.loading.tensors import RawTensor, TensorSource
+from freetoken.models.attention import AttentionMetadata, paged_attention
+from freetoken.models.config import ModelConfig, RecurrentStateShape
+from freetoken.models.dense_ops import dense_ops_for
+from freetoken.models.gated_deltanet import DeltaNetShape, GatedDeltaNet
+from freetoken.models.hybrid_weights import PartialRotary, offset_norm, rotary_permutation, take_rows
+from freetoken.models.layers import FusedLinears
+from freetoken.moe.layer import ExpertWeights, MoELayer, stack_experts
+
+logger = logging.getLogger(__name__)
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+
+@dataclasses.dataclass
+class HybridConfig(ModelConfig):
+    """:class:`ModelConfig` plus the hybrid families' own shapes."""
+
+    layer_types: tuple[str, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    conv_kernel: int = 4
+    rotary_dim: int = 0
+    shared_expert_intermediate_size: int = 0
+    #: value heads tiled over the key heads (llama.cpp's Qwen3.5 GGUF layout) instead of grouped
+    value_heads_tiled: bool = False
+
+    def deltanet_shape(self) -> DeltaNetShape:
+        return DeltaNetShape(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim,
+                             self.linear_value_dim, self.conv_kernel, self.value_heads_tiled)  # fmt: skip
+
+
+def finish_config(cfg: HybridConfig, where: str) -> HybridConfig:
+    """Check the layer pattern and shapes; fill ``kv_layers`` and ``recurrent``."""
+    if len(cfg.layer_types) != cfg.num_layers:
+        raise CheckpointError(f"{where}: layer_types has {len(cfg.layer_types)} entries for {cfg.num_layers} layers")
+    bad = sorted({t for t in cfg.layer_types if t not in (LINEAR, FULL)})
+    if bad:
+        raise CheckpointError(f"{where}: layer types {bad} are not supported (supported: {LINEAR}, {FULL})")
+    if cfg.linear_value_heads % max(1, cfg.linear_key_heads):
+        raise CheckpointError(f"{where}: {cfg.linear_value_heads} linear-attention value heads are not a multiple "
+                              f"of its {cfg.linear_key_heads} key heads")  # fmt: skip
+    if not 0 < cfg.rotary_dim <= cfg.head_dim or cfg.rotary_dim % 2:
+        raise CheckpointError(f"{where}: rotary dimension {cfg.rotary_dim} does not fit head_dim {cfg.head_dim}")
+    cfg.kv_layers = tuple(i for i, t in enumerate(cfg.layer_types) if t == FULL)
+    linear = tuple(i for i, t in enumerate(cfg.layer_types) if t == LINEAR)
+    s = cfg.deltanet_shape()
+    cfg.recurrent = RecurrentStateShape(linear, s.conv_state, s.ssm_state) if linear else None
+    return cfg
+
+
+def eos_ids(*sources: dict[str, Any]) -> tuple[int, ...]:
+    out: list[int] = []
+    for src in sources:
+        v = (src or {}).get("eos_token_id")
+        for e in v if isinstance(v, list) else ([] if v is None else [v]):
+            if int(e) not in out:
+                out.append(int(e))
+    return tuple(out)
+
+
+# ------------------------------------------------------------------ tensor names
+
+_HF_ROLES = {
+    "in_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight", "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "qkv": "linear_attn.in_proj_qkv.weight", "z": "linear_attn.in_proj_z.weight",
+    "b": "linear_attn.in_proj_b.weight", "a": "linear_attn.in_proj_a.weight",
+    "qkvz": "linear_attn.in_proj_qkvz.weight", "ba": "linear_attn.in_proj_ba.weight",
+    "conv": "linear_attn.conv1d.weight", "A_log": "linear_attn.A_log", "dt_bias": "linear_attn.dt_bias",
+    "ssm_norm": "linear_attn.norm.weight", "ssm_out": "linear_attn.out_proj.weight",
+    "router": "mlp.gate.weight", "shexp_gate": "mlp.shared_expert.gate_proj.weight",
+    "shexp_up": "mlp.shared_expert.up_proj.weight", "shexp_down": "mlp.shared_expert.down_proj.weight",
+    "shexp_router": "mlp.shared_expert_gate.weight",
+    "mlp_gate": "mlp.gate_proj.weight", "mlp_up": "mlp.up_proj.weight", "mlp_down": "mlp.down_proj.weight",
+    "gate_up_exps": "mlp.experts.gate_up_proj", "down_exps": "mlp.experts.down_proj",
+}  # fmt: skip
+
+_GGUF_ROLES = {
+    "in_norm": "attn_norm.weight", "post_norm": "post_attention_norm.weight",
+    "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "qkv": "attn_qkv.weight", "z": "attn_gate.weight", "b": "ssm_beta.weight", "a": "ssm_alpha.weight",
+    "ba": "ssm_ba.weight", "conv": "ssm_conv1d.weight", "A": "ssm_a", "dt_bias": "ssm_dt.bias",
+    "ssm_norm": "ssm_norm.weight", "ssm_out": "ssm_out.weight",
+    "router": "ffn_gate_inp.weight", "shexp_gate": "ffn_gate_shexp.weight", "shexp_up": "ffn_up_shexp.weight",
+    "shexp_down": "ffn_down_shexp.weight", "shexp_router": "ffn_gate_inp_shexp.weight",
+    "mlp_gate": "ffn_gate.weight", "mlp_up": "ffn_up.weight", "mlp_down": "ffn_down.weight",
+    "gate_exps": "ffn_gate_exps.weight", "up_exps": "ffn_up_exps.weight", "down_exps": "ffn_down_exps.weight",
+    "gate_up_exps": "ffn_gate_up_exps.weight",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridNames:
+    """Where each weight lives in one checkpoint format (``gguf`` or ``hf``; HF names under
+    ``prefix``, ``model.`` for the text-only classes and ``model.language_model.`` for the
+    multimodal checkpoints Qwen3.5 ships)."""
+
+    gguf: bool
+    prefix: str = "model."
+
+    @property
+    def embed(self) -> str:
+        return "token_embd.weight" if self.gguf else f"{self.prefix}embed_tokens.weight"
+
+    @property
+    def norm(self) -> str:
+        return "output_norm.weight" if self.gguf else f"{self.prefix}norm.weight"
+
+    @property
+    def lm_head(self) -> str:
+        return "output.weight" if self.gguf else "lm_head.weight"
+
+    def layer(self, i: int, role: str) -> str:
+        if self.gguf:
+            return f"blk.{i}.{_GGUF_ROLES[role]}"
+        return f"{self.prefix}layers.{i}.{_HF_ROLES[role]}"
+
+    def expert(self, i: int, e: int, part: str) -> str:
+        return f"{self.prefix}layers.{i}.mlp.experts.{e}.{part}_proj.weight"
+
+    def for_source(self, source: TensorSource) -> "HybridNames":
+        if self.gguf or source.has(self.embed):
+            return self
+        for prefix in ("model.language_model.", "model.", ""):
+            alt = HybridNames(False, prefix)
+            if source.has(alt.embed):
+                return alt
+        raise CheckpointError(f"no token embedding found (looked for {self.embed} and model.language_model.*)")
+
+
+HF_NAMES = HybridNames(gguf=False)
+GGUF_NAMES = HybridNames(gguf=True)
+
+
+# ------------------------------------------------------------------------ model
+
+
+class _Layer:
+    __slots__ = ("kind", "in_norm", "post_norm", "linear", "qkvg", "o", "q_norm", "k_norm", "qk_norm", "kv_index",
+                 "moe", "shared", "shared_down", "shared_gate", "mlp")  # fmt: skip
+
+
+class QwenHybridModel:
+    """The runnable hybrid model: weights placed by a :class:`WeightPolicy`, forward over a
+    flat batch of tokens with paged KV (full-attention layers) and per-request recurrent
+    state (linear-attention layers, :meth:`attach_recurrent_state`)."""
+
+    #: how the HF checkpoints of the family store the DeltaNet input projections
+    hf_fused_qkvz = False
+
+    def __init__(self, config: HybridConfig, source: TensorSource, names: HybridNames, policy: WeightPolicy,
+                 progress: Optional[Callable[[int], None]] = None) -> None:  # fmt: skip
+        self.config = c = config
+        self.device = policy.device
+        self.dtype = policy.dtype
+        self.scale = c.head_dim ** -0.5
+        names = names.for_source(source)
+        self.names = names
+        get = source.get
+        self._norm = (lambda raw: policy.tensor(raw)) if names.gguf else (lambda raw: policy.tensor(offset_norm(raw)))
+        self.embed = policy.embedding(get(names.embed))
+        if c.vocab_size <= 0:
+            c.vocab_size = self.embed.raw.shape[0]
+        self.norm = self._norm(get(names.norm))
+        if source.has(names.lm_head) and not c.tie_word_embeddings:
+            self.lm_head = policy.linear(get(names.lm_head))
+        else:
+            self.lm_head = policy.linear(get(names.embed))
+        self.rotary = PartialRotary(c.head_dim, c.rotary_dim, c.rope_theta, c.max_position_embeddings, self.device)
+        self.rope_order = rotary_permutation(c.head_dim, c.rotary_dim)
+        self.ops = dense_ops_for(self.device)
+        self.layers: list[_Layer] = []
+        kv_index = {layer: j for j, layer in enumerate(c.kv_layers or ())}
+        for i in range(c.num_layers):
+            L = _Layer()
+            n = lambda role: get(names.layer(i, role))  # noqa: E731
+            L.kind = c.layer_types[i]
+            L.in_norm = self._norm(n("in_norm"))
+            L.post_norm = self._norm(n("post_norm"))
+            L.linear = L.qkvg = L.o = L.q_norm = L.k_norm = L.qk_norm = None
+            L.kv_index = -1
+            if L.kind == LINEAR:
+                L.linear = self._deltanet(i, source, names, policy)
+            else:
+                self._attention(L, i, source, names, policy)
+                L.kv_index = kv_index[i]
+            L.moe = L.shared = L.shared_down = L.shared_gate = L.mlp = None
+            if c.is_moe_layer(i):
+                L.moe = MoELayer(i, policy.router(n("router")), self._experts(i, source, names), c.top_k,
+                                 c.norm_topk_prob)  # fmt: skip
+                L.moe.ops = self.ops
+                if c.shared_expert_intermediate_size > 0:
+                    L.shared = FusedLinears([n("shexp_gate"), n("shexp_up")], policy)
+                    L.shared_down = policy.linear(n("shexp_down"))
+                    L.shared_gate = policy.tensor(n("shexp_router")).reshape(-1)
+            else:
+                L.mlp = (FusedLinears([n("mlp_gate"), n("mlp_up")], policy), policy.linear(n("mlp_down")))
+            self.layers.append(L)
+            if progress is not None:
+                progress(i)
+
+    # ------------------------------------------------------------- loading
+
+    def _attention(self, L: _Layer, i: int, source: TensorSource, names: HybridNames, policy: WeightPolicy) -> None:
+        c = self.config
+        D, Hq, Hkv = c.head_dim, c.num_heads, c.num_kv_heads
+        get = lambda role: source.get(names.layer(i, role))  # noqa: E731
+        qg = get("q")
+        if tuple(qg.shape) != (2 * Hq * D, c.hidden_size):
+            raise CheckpointError(f"{qg.source}: {qg.name} has shape {tuple(qg.shape)}, expected "
+                                  f"{(2 * Hq * D, c.hidden_size)} (query and output gate per head)")  # fmt: skip
+        order = self.rope_order
+        heads = torch.arange(Hq).view(Hq, 1) * 2 * D
+        q_rows = (heads + order.view(1, D)).reshape(-1)  # each head's query, in rotary order
+        g_rows = (heads + D + torch.arange(D).view(1, D)).reshape(-1)
+        k_rows = (torch.arange(Hkv).view(Hkv, 1) * D + order.view(1, D)).reshape(-1)
+        q = take_rows(qg, q_rows, qg.name + ".query")
+        gate = take_rows(qg, g_rows, qg.name + ".gate")
+        k_raw = get("k")
+        k = take_rows(k_raw, k_rows, k_raw.name)
+        L.qkvg = FusedLinears([q, k, get("v"), gate], policy)
+        L.o = policy.linear(get("o"))
+        qn, kn = get("q_norm"), get("k_norm")
+        if not names.gguf:
+            qn, kn = offset_norm(qn), offset_norm(kn)
+        L.q_norm = policy.tensor(qn)[order]
+        L.k_norm = policy.tensor(kn)[order]
+        L.qk_norm = None
+        if len(L.qkvg.groups[0][1]) >= 2:
+            L.qk_norm = torch.cat([L.q_norm.expand(Hq, D), L.k_norm.expand(Hkv, D)]).contiguous()
+
+    def _deltanet(self, i: int, source: TensorSource, names: HybridNames, policy: WeightPolicy) -> GatedDeltaNet:
+        c = self.config
+        s = c.deltanet_shape()
+        get = lambda role: source.get(names.layer(i, role))  # noqa: E731
+        if not names.gguf and self.hf_fused_qkvz:
+            parts = _split_qkvz(get("qkvz"), get("ba"), s)
+        elif names.gguf and source.has(names.layer(i, "ba")):
+            qkv, z = get("qkv"), get("z")
+            b, a = _split_ba(get("ba"), s)
+            parts = [qkv, z, b, a]
+        else:
+            parts = [get("qkv"), get("z"), get("b"), get("a")]
+        expect = [s.conv_channels, s.value_heads * s.value_dim, s.value_heads, s.value_heads]
+        for p, rows in zip(parts, expect):
+            if tuple(p.shape) != (rows, c.hidden_size):
+                raise CheckpointError(f"{p.source}: {p.name} has shape {tuple(p.shape)}, expected {(rows, c.hidden_size)}")
+        proj = FusedLinears(parts, policy)
+        conv = get("conv").to_float(torch.float32).reshape(s.conv_channels, s.conv_kernel)
+        if names.gguf:
+            A = get("A").to_float(torch.float32).reshape(-1)
+        else:
+            A = -get("A_log").to_float(torch.float32).reshape(-1).exp()
+        dt_bias = get("dt_bias").to_float(torch.float32).reshape(-1)
+        norm = policy.tensor(get("ssm_norm")).reshape(-1)
+        out = policy.linear(get("ssm_out"))
+        return GatedDeltaNet(i, s, proj, conv.to(self.device, self.dtype), A.to(self.device),
+                             dt_bias.to(self.device, self.dtype), norm, out, c.rms_norm_eps)  # fmt: skip
+
+    def _experts(self, i: int, source: TensorSource, names: HybridNames) -> ExpertWeights:
+        c = self.config
+        E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        if not names.gguf and source.has(names.expert(i, 0, "gate")):
+            gate, up, down = (stack_experts([source.get(names.expert(i, e, p)) for e in range(E)], f"layer{i}.{p}")
+                              for p in ("gate", "up", "down"))  # fmt: skip
+        elif source.has(names.layer(i, "gate_up_exps")):
+            # fused [E, 2I, H]: gate rows first, then up rows (HF and llama.cpp alike)
+            gu = source.get(names.layer(i, "gate_up_exps"))
+            t = gu.raw_torch().reshape(E, 2 * I, -1)
+            scale = gu.scale
+            if scale is not None:
+                raise CheckpointError(f"{gu.source}: block-scaled fused expert tensor {gu.name} is not supported")
+            gate = RawTensor(gu.name + ".gate", (E, I, H), gu.fmt, t[:, :I].contiguous(), gu.source)
+            up = RawTensor(gu.name + ".up", (E, I, H), gu.fmt, t[:, I:].contiguous(), gu.source)
+            down = source.get(names.layer(i, "down_exps"))
+        else:
+            gate, up, down = (source.get(names.layer(i, r)) for r in ("gate_exps", "up_exps", "down_exps"))
+        for t, shape in ((gate, (E, I, H)), (up, (E, I, H)), (down, (E, H, I))):
+            if tuple(t.shape) != shape:
+                raise CheckpointError(f"{t.source}: {t.name} has shape {tuple(t.shape)}, expected {shape}")
+        return ExpertWeights(gate, up, down, E, H, I)
+
+    def attach_recurrent_state(self, pool: Any) -> None:
+        """Give every linear-attention layer the engine's recurrent-state pool."""
+        for L in self.layers:
+            if L.linear is not None:
+                L.linear.pool = pool
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:  # fmt: skip
+        """Final-normed hidden states ``[T, hidden]`` of the step's tokens."""
+        c = self.config
+        eps = c.rms_norm_eps
+        ops = self.ops
+        h = self.embed(input_ids)
+        delta: Optional[torch.Tensor] = None
+        for L in self.layers:
+            h, x = ops.add_rms_norm(h, delta, L.in_norm, eps)
+            if L.linear is not None:
+                mixed = L.linear(x, meta)
+            else:
+                kc, vc = kv_caches[L.kv_index]
+                q, k, v, gate = L.qkvg(x)
+                q = ops.qk_norm_rope_store(q, k, v, L.q_norm, L.k_norm, L.qk_norm, self.rotary, positions, kc, vc,
+                                           meta.slot_mapping, eps)  # fmt: skip
+                attn = paged_attention(q, kc, vc, meta, self.scale)
+                mixed = L.o(attn * torch.sigmoid(gate))
+            h, x = ops.add_rms_norm(h, mixed, L.post_norm, eps)
+            delta = self._mlp(L, x)
+        return ops.add_rms_norm(h, delta, self.norm, eps)[1]
+
+    def _mlp(self, L: _Layer, x: torch.Tensor) -> torch.Tensor:
+        if L.moe is None:
+            (gu, down) = L.mlp
+            g, u = gu(x)
+            return down(F.silu(g) * u)
+        y = L.moe(x)
+        if L.shared is not None:
+            g, u = L.shared(x)
+            s = L.shared_down(F.silu(g) * u)
+            w = torch.sigmoid(x @ L.shared_gate.to(x.dtype)).unsqueeze(-1)
+            y = y + w * s
+        return y
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ------------------------------------------------------------- accounting
+
+    def bytes_per_token(self) -> dict[str, int]:
+        """Weight bytes one decode token reads (batch 1): dense part and experts."""
+        dense = self.lm_head.nbytes
+        experts = 0
+        for L in self.layers:
+            dense += L.linear.nbytes if L.linear is not None else L.qkvg.nbytes + L.o.nbytes
+            if L.moe is not None:
+                dense += L.moe.router.nbytes
+                experts += self.config.top_k * L.moe.experts.bytes_per_expert
+                if L.shared is not None:
+                    dense += L.shared.nbytes + L.shared_down.nbytes
+            else:
+                dense += L.mlp[0].nbytes + L.mlp[1].nbytes
+        return {"dense": dense, "experts": experts}
+
+
+def _split_qkvz(qkvz: RawTensor, ba: RawTensor, s: DeltaNetShape) -> list[RawTensor]:
+    """Qwen3-Next HF projections, per key head ``[q, k, v, z]`` and ``[b, a]``, as
+    ``[q all heads | k | v]``, ``z``, ``b``, ``a`` (value heads grouped by key head)."""
+    hk, dk, dv = s.key_heads, s.key_dim, s.value_dim
+    r = s.value_heads // hk
+    per = 2 * dk + 2 * r * dv
+    if qkvz.shape[0] != hk * per:
+        raise CheckpointError(f"{qkvz.source}: {qkvz.name} has {qkvz.shape[0]} rows, expected {hk * per}")
+    base = torch.arange(hk).view(hk, 1) * per
+
+    def rows(lo: int, n: int) -> torch.Tensor:
+        return (base + lo + torch.arange(n).view(1, n)).reshape(-1)
+
+    idx_qkv = torch.cat([rows(0, dk), rows(dk, dk), rows(2 * dk, r * dv)])
+    qkv = take_rows(qkvz, idx_qkv, qkvz.name + ".qkv")
+    z = take_rows(qkvz, rows(2 * dk + r * dv, r * dv), qkvz.name + ".z")
+    b, a = _split_ba(ba, s)
+    return [qkv, z, b, a]
+
+
+def _split_ba(ba: RawTensor, s: DeltaNetShape) -> tuple[RawTensor, RawTensor]:
+    hk = s.key_heads
+    r = s.value_heads // hk
+    base = torch.arange(hk).view(hk, 1) * 2 * r
+    b = take_rows(ba, (base + torch.arange(r).view(1, r)).reshape(-1), ba.name + ".b")
+    a = take_rows(ba, (base + r + torch.arange(r).view(1, r)).reshape(-1), ba.name + ".a")
+    return b, a
