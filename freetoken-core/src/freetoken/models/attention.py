@@ -71,12 +71,21 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of the step's queries ``q`` ([T, heads, head_dim]) over each
     sequence's cached context (which already holds this step's K/V).
 
+    ``window``: sliding-window attention, the query at position ``p`` sees the keys at
+    positions ``p - window < j <= p``. ``sinks`` (float ``[heads]``): one extra logit per
+    head in the softmax's denominator whose value row is zero (attention sinks). Both
+    None: plain causal attention.
+
     Returns ``[T, heads * head_dim]``.
     """
+    if window is not None or sinks is not None:
+        return _windowed_attention(q, k_cache, v_cache, meta, scale, window, sinks)
     T, H, D = q.shape
     nb, bs, kvh, _ = k_cache.shape
     gqa = H != kvh
@@ -119,4 +128,58 @@ def paged_attention(
             mask = torch.ones(s.q_len, s.ctx_len, dtype=torch.bool, device=q.device).tril(s.ctx_len - s.q_len)
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1).reshape(s.q_len, H * D)
+    return out
+
+
+#: queries per piece of the sliding-window/sink path (bounds its [heads, queries, keys] scores)
+QUERY_CHUNK = 256
+
+
+def _windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float, window: Optional[int], sinks: Optional[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """Attention with a sliding window and/or sinks, softmax in float32. Each sequence
+    gathers only the cache blocks its window reaches; queries go in pieces of
+    :data:`QUERY_CHUNK` rows, each over the keys its own window reaches."""
+    T, H, D = q.shape
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be >= 1 token, got {window}")
+    if meta.static_decode is not None:
+        from freetoken.models.decode_attention import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.ctx_lens, scale,
+                                      impl=meta.static_decode, window=window, sinks=sinks)  # fmt: skip
+    nb, bs, kvh, _ = k_cache.shape
+    g = H // kvh
+    sink = None if sinks is None else sinks.float().view(kvh, g, 1)
+    out = q.new_empty(T, H * D)
+    for s in meta.seqs:
+        first = s.ctx_len - s.q_len  # position of the sequence's first query this step
+        for c0 in range(0, s.q_len, QUERY_CHUNK):
+            n = min(QUERY_CHUNK, s.q_len - c0)
+            p0 = first + c0  # positions p0 .. p0 + n - 1
+            lo = 0 if window is None else max(0, p0 - window + 1)
+            hi = p0 + n
+            b0, b1 = lo // bs, -(-hi // bs)
+            blocks = s.block_table[b0:b1]
+            k = k_cache.index_select(0, blocks).view(-1, kvh, D)[lo - b0 * bs : hi - b0 * bs]
+            v = v_cache.index_select(0, blocks).view(-1, kvh, D)[lo - b0 * bs : hi - b0 * bs]
+            qs = q[s.q_start + c0 : s.q_start + c0 + n].float().view(n, kvh, g, D).permute(1, 2, 0, 3)
+            scores = torch.matmul(qs.reshape(kvh, g * n, D), k.float().permute(1, 2, 0)).view(kvh, g, n, -1)
+            scores = scores * scale
+            pos_q = torch.arange(p0, hi, device=q.device).view(n, 1)
+            pos_k = torch.arange(lo, hi, device=q.device).view(1, -1)
+            allowed = pos_k <= pos_q
+            if window is not None:
+                allowed &= pos_k > pos_q - window
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            m = scores.amax(-1)  # [kvh, g, n], finite: a query always sees itself
+            if sink is not None:
+                m = torch.maximum(m, sink)
+            p = torch.exp(scores - m.unsqueeze(-1))
+            den = p.sum(-1)
+            if sink is not None:
+                den = den + torch.exp(sink - m)
+            o = torch.matmul(p.reshape(kvh, g * n, -1), v.float().transpose(0, 1)).view(kvh, g, n, D)
+            o = o / den.unsqueeze(-1)
+            out[s.q_start + c0 : s.q_start + c0 + n] = o.permute(2, 0, 1, 3).reshape(n, H * D).to(q.dtype)
     return out

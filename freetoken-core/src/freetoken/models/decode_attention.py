@@ -164,6 +164,8 @@ def paged_decode_attention(
     impl: str = "auto",
     *,
     partitions: Optional[int] = None,
+    window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -172,19 +174,26 @@ def paged_decode_attention(
     ``block_tables`` int32 ``[B, max_blocks]``; ``ctx_lens`` int32 ``[B]`` (context length
     including the current token; 0 = padded row -> zeros). Returns ``[B, Hq*D]`` in
     ``q.dtype``, or ``out`` (written in its own dtype) when given. ``partitions``
-    overrides :func:`num_partitions` (Triton only). Capturable: see the module docstring.
+    overrides :func:`num_partitions` (Triton only). ``window``: only the last ``window``
+    tokens of each context are attended (sliding window); ``sinks`` (float ``[Hq]`` on q's
+    device): one extra logit per query head in the softmax's denominator (attention
+    sinks). Capturable: see the module docstring.
     """
     global capture_fallbacks
     if impl not in IMPLS:
         raise ValueError(f"unknown decode attention implementation {impl!r}; expected one of {IMPLS}")
     _validate(q, k_cache, v_cache, block_tables, ctx_lens, out)
     B, Hq, D = q.shape
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 token, got {window}")
+    if sinks is not None and (tuple(sinks.shape) != (Hq,) or sinks.device != q.device):
+        raise ValueError(f"sinks must be [q_heads={Hq}] on {q.device}, got {tuple(sinks.shape)} on {sinks.device}")
     if impl == "auto":
         impl = default_impl(q.device)[0]
     if out is None:
         out = torch.empty(B, Hq * D, dtype=q.dtype, device=q.device)
     if impl == "torch":
-        return _torch_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, out)
+        return _torch_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, out, window, sinks)
 
     try:
         import triton
@@ -205,7 +214,9 @@ def paged_decode_attention(
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     ctx_lens = ctx_lens.contiguous()
-    key = dat.variant_key(q, k_cache, v_cache, block_tables, ctx_lens, out, P, config)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    key = dat.variant_key(q, k_cache, v_cache, block_tables, ctx_lens, out, P, config, window, sinks)
     if key not in _compiled and q.is_cuda and torch.cuda.is_current_stream_capturing():
         if not capture_fallbacks:
             log.warning(
@@ -215,8 +226,8 @@ def paged_decode_attention(
                 B, Hq, Hkv, D, q.dtype,
             )  # fmt: skip
         capture_fallbacks += 1
-        return _torch_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, out)
-    dat.launch(q, k_cache, v_cache, block_tables, ctx_lens, scale, out, P, config)
+        return _torch_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, out, window, sinks)
+    dat.launch(q, k_cache, v_cache, block_tables, ctx_lens, scale, out, P, config, window, sinks)
     _compiled.add(key)
     return out
 
@@ -232,6 +243,8 @@ def warmup(
     impl: str = "auto",
     *,
     partitions: Optional[int] = None,
+    window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One eager :func:`paged_decode_attention` call (compiles the Triton variants these
     arguments select), to run before capturing a graph that makes the same call. The
@@ -240,11 +253,12 @@ def warmup(
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("decode attention warmup must run before stream capture, not during it")
     return paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, scale, out, impl,
-                                  partitions=partitions)  # fmt: skip
+                                  partitions=partitions, window=window, sinks=sinks)  # fmt: skip
 
 
 def _torch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  ctx_lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                  ctx_lens: torch.Tensor, scale: float, out: torch.Tensor, window: Optional[int] = None,
+                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """Online softmax over fixed-shape chunks of the gathered blocks, all in fp32."""
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
@@ -263,7 +277,10 @@ def _torch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     for c0 in range(0, max_blocks, chunk):
         ids = block_tables[:, c0 : c0 + chunk].to(torch.int64)
         L = ids.shape[1] * bs
-        valid = torch.arange(c0 * bs, c0 * bs + L, device=dev).view(1, L) < ctx  # [B, L]
+        pos = torch.arange(c0 * bs, c0 * bs + L, device=dev).view(1, L)
+        valid = pos < ctx  # [B, L]
+        if window is not None:
+            valid &= pos >= ctx - window
         k = k_cache.index_select(0, ids.reshape(-1)).view(B, L, Hkv, D).float()
         v = v_cache.index_select(0, ids.reshape(-1)).view(B, L, Hkv, D).float()
         s = torch.einsum("bhgd,blhd->bhgl", qf, k)
@@ -276,6 +293,8 @@ def _torch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         l = l * alpha + p.sum(dim=-1)
         acc = acc * alpha.unsqueeze(-1) + torch.einsum("bhgl,blhd->bhgd", p, v)
         m = m_new
+    if sinks is not None:  # the sink's term of the denominator (zero where nothing was attended)
+        l = l + torch.where(m == float("-inf"), 0.0, torch.exp(sinks.float().view(1, Hkv, G) - m))
     o = acc / torch.where(l > 0, l, 1.0).unsqueeze(-1)
     out.copy_(o.view(B, Hq * D))
     return out

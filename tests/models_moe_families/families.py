@@ -1,0 +1,82 @@
+"""Tiny random transformers models of the Mixtral, OLMoE and GPT-OSS families (FP32,
+eager attention), saved as HF checkpoints for the engine to load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def randomize(model: Any, seed: int) -> None:
+    """Fresh random weights: norms around 1, everything else N(0, 0.1^2) (sinks N(0, 1))."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "sinks" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+COMMON = dict(vocab_size=160, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def mixtral_config(**over: Any) -> Any:
+    from transformers import MixtralConfig
+
+    kw = dict(COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16)
+    kw.update(over)
+    theta = kw.pop("rope_theta", 10000.0)
+    cfg = MixtralConfig(**kw)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    return cfg
+
+
+def olmoe_config(**over: Any) -> Any:
+    from transformers import OlmoeConfig
+
+    kw = dict(COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False)
+    kw.update(over)
+    theta = kw.pop("rope_theta", 10000.0)
+    cfg = OlmoeConfig(**kw)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    return cfg
+
+
+def gpt_oss_config(**over: Any) -> Any:
+    from transformers import GptOssConfig
+
+    kw = dict(COMMON, num_hidden_layers=4, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+              head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2)
+    kw.update(over)
+    rope = kw.pop("rope_parameters", {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+    cfg = GptOssConfig(**kw)
+    cfg.rope_parameters = rope
+    return cfg
+
+
+def make_model(family: str, seed: int, **over: Any) -> Any:
+    from transformers import GptOssForCausalLM, MixtralForCausalLM, OlmoeForCausalLM
+
+    cls, cfg = {"mixtral": (MixtralForCausalLM, mixtral_config), "olmoe": (OlmoeForCausalLM, olmoe_config),
+                "gpt_oss": (GptOssForCausalLM, gpt_oss_config)}[family]
+    config = cfg(**over)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(config).float().eval()
+    randomize(model, seed)
+    return model
+
+
+def save(model: Any, path: str) -> None:
+    model.save_pretrained(path)
+
+
+@torch.no_grad()
+def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].float()
