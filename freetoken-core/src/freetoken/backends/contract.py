@@ -60,9 +60,11 @@ class SyncMode(str, enum.Enum):
     STREAM_MEMOPS = "stream_memops"
     """``cuStreamWriteValue64``/``cuStreamWaitValue64`` (graph-capturable)."""
     EVENT_MEMOPS = "event_memops"
-    """System-release event between the copies and the ready write (ROCm)."""
+    """HIP: a system-release event recorded between the copies and the memop ready write
+    (as an external event-record node under capture, so graph replays keep the order)."""
     HOST_CALLBACK = "host_callback"
-    """``cudaLaunchHostFunc`` submit and wait (eager only)."""
+    """Host functions on the stream (``cudaLaunchHostFunc``/``hipStreamAddCallback``) submit
+    and wait (eager only)."""
     FLAG_WAIT_KERNEL = "flag_wait_kernel"
     """A GPU kernel spinning on the flag (when memops are missing)."""
     SYNCHRONOUS = "synchronous"
@@ -106,6 +108,7 @@ class Capabilities:
     kernel_io: Optional[bool] = None
     host_callbacks: Optional[bool] = None
     flag_wait_kernel: Optional[bool] = None
+    event_memops: Optional[bool] = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -527,6 +530,12 @@ class Backend(abc.ABC):
     def kernel_io(self) -> Optional[KernelIO]:
         """The KernelIO, or None when the backend has none."""
         return None
+
+    def copy_sync_modes(self, graphs: bool) -> list[SyncMode]:
+        """The GpuSync modes the copy path may use on this device, best first (graph
+        capturable ones first when ``graphs``); startup qualification takes the first and
+        checks it. Empty: the backend's default (:meth:`gpu_sync` with no mode)."""
+        return []
 
     def graph_capture(self) -> Optional[GraphCapture]:
         """The GraphCapture, or None when graphs are not supported."""

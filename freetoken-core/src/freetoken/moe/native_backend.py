@@ -34,12 +34,20 @@ from freetoken.backends.contract import (
     SyncMode,
 )
 from freetoken.moe import faults
+from freetoken.moe.native_sync import (
+    WAIT_TIMEOUT_NS,
+    EventMemopSync,
+    FlagWaitSync,
+    HostCallbackSync,
+    MemopSync,
+    SyncFacts,
+    copy_sync_modes,
+    flags_dev,
+)
+
+__all__ = ["NativeGpuBackend", "MemopSync", "EventMemopSync", "FlagWaitSync", "HostCallbackSync", "WAIT_TIMEOUT_NS"]
 
 log = logging.getLogger(__name__)
-
-#: Bound on GPU-side waits (flag-wait and combine kernels, host-callback waits). The CPU
-#: coordinator's watchdog (2 s by default) normally fires first and reports the error.
-WAIT_TIMEOUT_NS = 10_000_000_000
 
 _FAULT_CODES = {None: 0, "stale": 1, "nofence": 2}
 
@@ -120,71 +128,6 @@ def _on_stream(stream: int, fn: Callable[[], Any]) -> Any:
         return fn()
 
 
-def _flags_dev(task: HandoffTask) -> int:
-    try:
-        return task.device_ptrs["flags"]
-    except KeyError:
-        raise BackendError(
-            f"task layer {task.layer} slot {task.slot} has no mapped flag slot; allocate it with mapped=True"
-        ) from None
-
-
-class MemopSync(GpuSync):
-    """Stream write/wait-value on the flag slot; ``explicit_nodes`` adds them as graph
-    nodes under capture where stream capture does not record them natively."""
-
-    mode = SyncMode.STREAM_MEMOPS
-    graph_safe = True
-
-    def __init__(self, native: Any, explicit_nodes: bool = False) -> None:
-        self.native = native
-        self.explicit_nodes = explicit_nodes
-
-    def publish(self, stream: int, task: HandoffTask) -> None:
-        self.native.memop_write(stream, _flags_dev(task) + handoff.FlagSlot.ready.offset, 1, self.explicit_nodes)
-
-    def wait(self, stream: int, task: HandoffTask) -> None:
-        done = _flags_dev(task) + handoff.FlagSlot.done.offset
-        self.native.memop_wait(stream, done, 1, self.explicit_nodes)
-        self.native.memop_write(stream, done, 0, self.explicit_nodes)
-
-
-class FlagWaitSync(GpuSync):
-    """Without memops: a one-thread kernel raises ``ready`` after a system fence, and a
-    one-thread kernel spins on ``done`` (bounded; on timeout it sets ``err``)."""
-
-    mode = SyncMode.FLAG_WAIT_KERNEL
-    graph_safe = True
-
-    def __init__(self, native: Any) -> None:
-        self.native = native
-
-    def publish(self, stream: int, task: HandoffTask) -> None:
-        self.native.flag_write_kernel(stream, _flags_dev(task) + handoff.FlagSlot.ready.offset, 1)
-
-    def wait(self, stream: int, task: HandoffTask) -> None:
-        base = _flags_dev(task)
-        self.native.flag_wait_kernel(
-            stream, base + handoff.FlagSlot.done.offset, 1, 0, base + handoff.FlagSlot.err.offset, WAIT_TIMEOUT_NS
-        )
-
-
-class HostCallbackSync(GpuSync):
-    """Host functions on the stream: one raises ``ready``, one spins on ``done``. Eager only."""
-
-    mode = SyncMode.HOST_CALLBACK
-    graph_safe = False
-
-    def __init__(self, native: Any) -> None:
-        self.native = native
-
-    def publish(self, stream: int, task: HandoffTask) -> None:
-        self.native.host_callback_publish(stream, task.flag_addr)
-
-    def wait(self, stream: int, task: HandoffTask) -> None:
-        self.native.host_callback_wait(stream, task.flag_addr, WAIT_TIMEOUT_NS)
-
-
 class NativeKernelIO(KernelIO):
     """Publish/combine kernels on mapped memory (BF16 activations)."""
 
@@ -241,7 +184,7 @@ class NativeKernelIO(KernelIO):
             stream, x.data_ptr(), ids.data_ptr(), ids.dtype == torch.int64, weights.data_ptr(), tokens * task.hidden,
             tokens, task.top_k, 0 if cpu_mask is None else cpu_mask.data_ptr(),
             0 if resident is None else resident.data_ptr(), -1 if cpu_last_n is None else int(cpu_last_n),
-            dp["x"], dp["ids"], dp["w"], _flags_dev(task), _FAULT_CODES[kind],
+            dp["x"], dp["ids"], dp["w"], flags_dev(task), _FAULT_CODES[kind],
         )  # fmt: skip
 
     def combine(self, stream: int, task: HandoffTask, out: Any) -> None:
@@ -253,7 +196,7 @@ class NativeKernelIO(KernelIO):
             raise ValueError(f"KernelIO combine reads y as float32 or bfloat16, task has {task.out_dtype}")
         self.native.kio_combine(
             stream, out.data_ptr(), task.device_ptrs["y"], task.out_dtype == torch.float32, out.numel(),
-            _flags_dev(task), WAIT_TIMEOUT_NS,
+            flags_dev(task), WAIT_TIMEOUT_NS,
         )  # fmt: skip
 
     def probe(self) -> bool:
@@ -314,6 +257,9 @@ class NativeGpuBackend(Backend):
         self._caps: Optional[Capabilities] = None
         self._graph_probe: Optional[dict[str, Any]] = None
         self._kio: Optional[NativeKernelIO] = None
+        self._event_support: Optional[dict[str, Any]] = None
+        self._host_callback_error: Optional[str] = None
+        self._mapped: Optional[bool] = None
         self._lock = threading.Lock()
 
     # ---- identity and probe -----------------------------------------------------
@@ -424,15 +370,62 @@ class NativeGpuBackend(Backend):
                     self._graph_probe = dict(self.native().graph_memop_probe(slot.host_ptr, slot.device_ptr))
         return self._graph_probe
 
+    @property
+    def is_hip(self) -> bool:
+        """Whether the extension was built with HIP (the rocm package) rather than CUDA."""
+        return self.native().API == "hip"
+
+    def event_support(self) -> dict[str, Any]:
+        """Can a system-release event be recorded here, eagerly and as a captured graph node
+        (the HIP copy path's barrier)? ``{"compiled", "available", "reason"}``."""
+        with self._lock:
+            if self._event_support is None:
+                self._event_support = dict(self.native().event_support())
+        return self._event_support
+
+    def host_callback_error(self) -> str:
+        """'' when a host function enqueued on a stream runs here, else the error."""
+        with self._lock:
+            if self._host_callback_error is None:
+                try:
+                    self._host_callback_error = str(self.native().host_callback_probe())
+                except Exception as exc:  # noqa: BLE001 - a probe answers with the reason
+                    self._host_callback_error = f"{type(exc).__name__}: {exc}"
+        return self._host_callback_error
+
+    def mapped_memory(self) -> bool:
+        """Mapped (on HIP: fine-grained, coherent) host memory the GPU writes and the CPU reads."""
+        if self._mapped is None:
+            self._mapped = bool(self.device_info()["can_map_host_memory"]) and self._mapped_memory_works()
+        return self._mapped
+
+    def sync_facts(self) -> SyncFacts:
+        info = self.device_info()
+        memops = bool(info["stream_memops"])
+        events = self.event_support() if self.is_hip else {"available": False, "reason": "CUDA"}
+        return SyncFacts(
+            hip=self.is_hip, stream_memops=memops, event_memops=memops and bool(events["available"]),
+            host_callbacks=self.host_callback_error() == "", flag_wait_kernel=self.mapped_memory(),
+            event_reason=str(events.get("reason", "")),
+        )  # fmt: skip
+
+    def copy_sync_modes(self, graphs: bool) -> list[SyncMode]:
+        modes, reason = copy_sync_modes(self.sync_facts(), graphs)
+        log.debug("copy path sync modes (graphs %s): %s (%s)", graphs, [m.value for m in modes], reason)
+        return modes
+
     def capabilities(self) -> Capabilities:
         if self._caps is not None:
             return self._caps
         info = self.device_info()
         caps = Capabilities(extra={"device": info})
         caps.stream_memops = bool(info["stream_memops"])
-        caps.mapped_memory = bool(info["can_map_host_memory"]) and self._mapped_memory_works()
+        caps.mapped_memory = self.mapped_memory()
         caps.flag_wait_kernel = caps.mapped_memory
-        caps.host_callbacks = True
+        callback_error = self.host_callback_error()
+        caps.host_callbacks = callback_error == ""
+        if callback_error:
+            caps.extra["host_callback_error"] = callback_error
         caps.graph_capture = True
         if caps.stream_memops:
             gp = self.graph_memop_probe()
@@ -440,6 +433,16 @@ class NativeGpuBackend(Backend):
             caps.extra["graph_memops"] = gp
         else:
             caps.memops_in_graphs = False
+        if self.is_hip:
+            caps.extra["event_memops"] = self.event_support()
+            caps.event_memops = caps.stream_memops and bool(self.event_support()["available"])
+        else:
+            caps.event_memops = False
+        facts = self.sync_facts()
+        for graphs in (True, False):
+            modes, reason = copy_sync_modes(facts, graphs)
+            caps.extra[f"copy_sync_{'graphs' if graphs else 'eager'}"] = {"modes": [m.value for m in modes],
+                                                                           "reason": reason}
         kio = self.kernel_io()
         caps.kernel_io = bool(kio is not None and kio.probe())
         if kio is not None:
@@ -449,13 +452,11 @@ class NativeGpuBackend(Backend):
 
     def _mapped_memory_works(self) -> bool:
         """Write through the device pointer of a mapped allocation and read it on the host."""
-        import torch
-
         try:
             buf = self.staging().alloc_host(64, mapped=True)
             buf.tensor.fill_(0)
             self.native().flag_write_kernel(self.current_stream(), buf.device_ptr, 0x5EED)
-            torch.cuda.synchronize(self.device_index)
+            self.synchronize()
             return handoff.FlagSlot.from_address(buf.host_ptr).ready == 0x5EED
         except Exception as exc:  # noqa: BLE001 - a capability probe answers False
             log.warning("mapped host memory probe failed: %s", exc)
@@ -466,14 +467,28 @@ class NativeGpuBackend(Backend):
         return NativeStaging(self.native())
 
     def gpu_sync(self, mode: Optional[SyncMode] = None) -> GpuSync:
+        """A GpuSync in ``mode``; None: the first of :meth:`copy_sync_modes` with graphs.
+        On HIP, plain STREAM_MEMOPS is refused for the copy path's ordering only by that
+        default: asking for it explicitly still gives it (tests, diagnostics)."""
         info = self.device_info()
         if mode is None:
-            mode = SyncMode.STREAM_MEMOPS if info["stream_memops"] else SyncMode.FLAG_WAIT_KERNEL
-        if mode == SyncMode.STREAM_MEMOPS:
+            modes = self.copy_sync_modes(graphs=True)
+            if not modes:
+                _, reason = copy_sync_modes(self.sync_facts(), True)
+                raise BackendError(f"{self.name}: no safe way to order the copy path's hand-off here ({reason})")
+            mode = modes[0]
+        if mode in (SyncMode.STREAM_MEMOPS, SyncMode.EVENT_MEMOPS):
             if not info["stream_memops"]:
                 raise BackendError(f"stream memops unavailable on this device: {info['stream_memops_reason']}")
             gp = self.graph_memop_probe()
-            return MemopSync(self.native(), explicit_nodes=not gp.get("native", False))
+            native = bool(gp.get("native", False))
+            graph_safe = native or bool(gp.get("explicit_ok", False))
+            if mode == SyncMode.STREAM_MEMOPS:
+                return MemopSync(self.native(), explicit_nodes=not native, graph_safe=graph_safe)
+            events = self.event_support()
+            if not events["available"]:
+                raise BackendError(f"the event-ordered copy path is unavailable: {events['reason']}")
+            return EventMemopSync(self.native(), explicit_nodes=not native, graph_safe=graph_safe)
         if mode == SyncMode.FLAG_WAIT_KERNEL:
             return FlagWaitSync(self.native())
         if mode == SyncMode.HOST_CALLBACK:

@@ -7,9 +7,12 @@ and compare with the oracle: synchronous CPU execution (:meth:`CpuExperts.run`)
 of the CPU routes plus a float64 torch reference of the GPU routes. Policy:
 
 1. Prefer KernelIO when its probe passes and activations are BF16; FP16/FP32 use copies.
+   The copy path orders its hand-off with the first of the backend's
+   :meth:`~freetoken.backends.contract.Backend.copy_sync_modes` (on HIP: the
+   system-release event; never a plain memop ready write).
 2. A numerical failure of BF16 KernelIO retries the copy path and checks again.
-3. Eager correct but graph replay wrong: warn and turn decode graphs off on every rank
-   (clear explicit batch sizes and the max batch size).
+3. Eager correct but graph replay wrong, or the chosen path cannot be captured: warn and
+   turn decode graphs off on every rank (clear explicit batch sizes and the max batch size).
 4. Eager wrong, or any capture/runtime API error: refuse to start (QualificationError).
 5. Graphs configured off: eager check only.
 
@@ -22,7 +25,7 @@ import dataclasses
 import logging
 from typing import Any, Optional, Protocol
 
-from freetoken.backends.contract import Backend, CpuExperts, IOPath
+from freetoken.backends.contract import Backend, CpuExperts, IOPath, SyncMode
 from freetoken.moe.qualify_check import CheckFailure, QualLayer
 
 log = logging.getLogger(__name__)
@@ -124,6 +127,15 @@ def _choose_candidates(backend: Backend, act_dtype: Any, reasons: list[str]) -> 
     return [IOPath.KERNEL_IO, IOPath.COPY]
 
 
+def _copy_sync_mode(backend: Backend, graphs: bool, reasons: list[str]) -> Optional[SyncMode]:
+    """The sync mode the copy path is checked (and served) with; None: the backend's default."""
+    modes = backend.copy_sync_modes(graphs)
+    if not modes:
+        return None
+    reasons.append(f"copy path ordered by {modes[0].value}")
+    return modes[0]
+
+
 def qualify(
     backend: Backend,
     act_dtype: Any,
@@ -158,7 +170,8 @@ def qualify(
         cpu = cpu_experts if cpu_experts is not None else backend.cpu_experts()
         if cpu is None:
             raise RuntimeError(f"backend {backend.name!r} provides no CPU experts (Backend.cpu_experts) to hand off to")
-        layer = QualLayer(backend, act_dtype, config, cpu)
+        copy_sync = _copy_sync_mode(backend, settings.enabled, reasons) if IOPath.COPY in candidates else None
+        layer = QualLayer(backend, act_dtype, config, cpu, copy_sync=copy_sync)
         for path in candidates:
             try:
                 checks.append(layer.check(path, graph=False))
@@ -167,7 +180,8 @@ def qualify(
             except CheckFailure as exc:  # numerically wrong
                 checks.append(exc.record)
                 if path == IOPath.KERNEL_IO:
-                    msg = f"BF16 KernelIO gave wrong results eagerly ({exc}); retrying with copy + memop"
+                    mode = layer.sync_mode(IOPath.COPY)
+                    msg = f"BF16 KernelIO gave wrong results eagerly ({exc}); retrying with copy + {mode}"
                     log.warning(msg)
                     warnings.append(msg)
                     continue
@@ -189,7 +203,7 @@ def qualify(
         )
     assert chosen is not None and layer is not None
     if chosen == IOPath.COPY and IOPath.KERNEL_IO in candidates:
-        reasons.append("KernelIO failed its numerical check; using copy + memop")
+        reasons.append(f"KernelIO failed its numerical check; using copy + {layer.sync_mode(IOPath.COPY)}")
 
     graph_ok = False
     graph_error: Optional[str] = None
@@ -197,7 +211,10 @@ def qualify(
     if not settings.enabled:
         reasons.append("decode graphs are configured off: eager check only")
     elif not layer.graph_capable(chosen):
-        reasons.append(f"{chosen.value} with {sync_mode} is eager only: decode graphs off")
+        msg = f"{chosen.value} with {sync_mode} cannot be captured here: decode graphs turned off"
+        log.warning(msg)
+        warnings.append(msg)
+        reasons.append(msg)
     else:
         try:
             checks.append(layer.check(chosen, graph=True))

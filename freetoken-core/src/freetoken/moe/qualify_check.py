@@ -12,7 +12,7 @@ import math
 import time
 from typing import Any, Optional
 
-from freetoken.backends.contract import Backend, CpuExperts, IOPath
+from freetoken.backends.contract import Backend, CpuExperts, IOPath, SyncMode
 
 #: Route patterns cycled over steps/replays: mixed splits, no CPU route (the empty-route
 #: skip), every route on the CPU.
@@ -63,9 +63,17 @@ def _oracle_gpu_routes(x: Any, gpu_ids: Any, w: Any, gate: Any, up: Any, down: A
 
 
 class QualLayer:
-    """Weights, CPU bank, GPU experts and a running coordinator for the checks."""
+    """Weights, CPU bank, GPU experts and a running coordinator for the checks.
+    ``copy_sync``: the GpuSync mode of the copy path (None: the backend's default)."""
 
-    def __init__(self, backend: Backend, act_dtype: Any, config: Any, cpu_experts: CpuExperts) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        act_dtype: Any,
+        config: Any,
+        cpu_experts: CpuExperts,
+        copy_sync: Optional[SyncMode] = None,
+    ) -> None:
         import torch
 
         from freetoken.handoff import Fmt
@@ -74,6 +82,7 @@ class QualLayer:
         from freetoken.moe.layer import ExpertWeights
 
         self.cpu = cpu_experts
+        self.copy_sync = copy_sync
         self.backend = backend
         self.act_dtype = act_dtype
         self.config = config
@@ -102,7 +111,7 @@ class QualLayer:
         if ex is None:
             ex = HybridMoEExecutor(
                 self.backend, 0, self.experts, self.bank.address, self.config.top_k, path, self.act_dtype,
-                coordinator=self.coordinator,
+                coordinator=self.coordinator, sync_mode=self.copy_sync if path == IOPath.COPY else None,
             )  # fmt: skip
             ex.prepare(self.config.batch_sizes)
             self.executors[path] = ex
