@@ -95,8 +95,11 @@ def test_forced_call_streamed_with_the_client_helper(client: anthropic.Anthropic
     assert [(e.index, e.content_block.type) for e in starts] == [(0, "tool_use")]
     assert starts[0].content_block.id == block.id and starts[0].content_block.input == {}
     deltas = [e for e in events if e.type == "content_block_delta"]
-    assert deltas and all(e.delta.type == "input_json_delta" and e.index == 0 for e in deltas)
+    assert all(e.delta.type == "input_json_delta" and e.index == 0 for e in deltas)
+    assert len(deltas) > 3  # the input is streamed as it is generated
     assert json.loads("".join(e.delta.partial_json for e in deltas)) == block.input
+    snapshots = [e.snapshot for e in events if e.type == "input_json"]  # the helper's partial parses
+    assert len(snapshots) == len(deltas) and snapshots[-1] == block.input
 
 
 def test_raw_stream_events(http: httpx.Client) -> None:

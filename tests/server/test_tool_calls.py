@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 import torch
 
-from freetoken.server.tool_calls import HermesFormat, ToolCall, ToolCallParser, parse_tool_calls
+from freetoken.server.tool_calls import (
+    CallArguments,
+    CallEnd,
+    CallStart,
+    HermesFormat,
+    ToolCall,
+    ToolCallParser,
+    parse_tool_calls,
+)
 from freetoken.server.tool_constraint import tool_call_constraint
 
 FMT = HermesFormat()
@@ -75,6 +83,86 @@ def test_streamed_content_never_shows_markup() -> None:
     pieces += [e for e in parser.finish() if isinstance(e, str)]
     assert all("<" not in p and "tool" not in p for p in pieces), pieces
     assert "".join(pieces) == "Sure.bye"
+
+
+def incremental(text: str, cuts: list[int], names: Any = NAMES, max_calls: Any = None) -> tuple[str, list[Any]]:
+    """(content, [[name, arguments, pieces, whole]]) of ``text`` fed at ``cuts`` to an incremental parser."""
+    parser = ToolCallParser(FMT, names, max_calls, incremental=True)
+    events: list[Any] = []
+    prev = 0
+    for cut in [*cuts, len(text)]:
+        events += parser.feed(text[prev:cut])
+        prev = cut
+    events += parser.finish()
+    calls: list[Any] = []
+    open_call = False
+    for e in events:
+        if isinstance(e, CallStart):
+            assert not open_call
+            open_call = True
+            calls.append([e.call.name, "", 0, False])
+        elif isinstance(e, CallArguments):
+            assert open_call and e.text
+            calls[-1][1] += e.text
+            calls[-1][2] += 1
+        elif isinstance(e, CallEnd):
+            assert open_call
+            open_call = False
+        elif isinstance(e, ToolCall):
+            assert not open_call
+            calls.append([e.name, e.arguments, 1, True])
+    assert not open_call
+    return "".join(e for e in events if isinstance(e, str)), calls
+
+
+WELL_FORMED = [c for c in CASES if not c[0].startswith(("malformed", "arguments as a JSON string"))]
+
+
+@pytest.mark.parametrize("case", WELL_FORMED, ids=[c[0] for c in WELL_FORMED])
+def test_incremental_parse_agrees_with_the_whole_parse(case: tuple[str, str, str, list[Any]]) -> None:
+    _, text, want_content, want_calls = case
+    rng = random.Random(len(text))
+    splits = [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]
+    splits += [sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12)))) for _ in range(20)]
+    for cuts in splits:
+        content, calls = incremental(text, cuts)
+        assert content == want_content, cuts
+        assert [(n, json.loads(a)) for n, a, _, _ in calls] == want_calls, cuts
+
+
+def test_incremental_arguments_go_out_before_the_call_ends() -> None:
+    args = {"city": "Pa}r\\\"is", "n": [1, {"x": "]}"}], "u": "✓"}
+    text = "x" + call("get_weather", args) + "y"
+    parser = ToolCallParser(FMT, NAMES, incremental=True)
+    seen = ""
+    end_at = text.index("</tool_call>")
+    for i, ch in enumerate(text):
+        for e in parser.feed(ch):
+            if isinstance(e, CallArguments):
+                seen += e.text
+            if isinstance(e, CallEnd):
+                assert i == end_at + len("</tool_call>") - 1
+        if i == end_at - 2:  # "}\n" of the call body still to come: the arguments are all out
+            assert json.loads(seen) == args
+    parser.finish()
+    assert json.loads(seen) == args
+    # a call cut off inside its arguments (max_tokens): what was written, and its end
+    cut = call("add", {"a": 12345, "b": 6})[:50]
+    content, calls = incremental(cut, list(range(1, len(cut))))
+    assert content == "" and calls == [["add", cut[cut.index('{"a"'):], calls[0][2], False]]
+
+
+def test_incremental_names_and_limits() -> None:
+    # an unknown function or a call past max_calls is content, as in the whole parse
+    for text, max_calls in [(call("rm_rf", {"a": 1}), None), (call("add", {"a": 1}) + call("add", {"b": 2}), 1)]:
+        want = parse_tool_calls(text, FMT, NAMES, max_calls)
+        content, calls = incremental(text, list(range(1, len(text))), max_calls=max_calls)
+        assert content == want[0]
+        assert [(n, json.loads(a)) for n, a, _, _ in calls] == [(c.name, json.loads(c.arguments)) for c in want[1]]
+    # a body that does not start with the name is reported whole at its end
+    text = '<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>'
+    content, calls = incremental(text, list(range(1, len(text))))
+    assert content == "" and calls == [["add", '{"a": 1}', 1, True]]
 
 
 def test_max_calls_keeps_the_first() -> None:
@@ -147,6 +235,21 @@ def test_streamed_deltas_keep_order_and_number_the_calls() -> None:
     first, second = deltas[1]["tool_calls"][0], deltas[2]["tool_calls"][0]
     assert first["function"] == {"name": "add", "arguments": ""} and first["type"] == "function"
     assert json.loads(second["function"]["arguments"]) == {"a": 1}
+
+
+def test_streamed_deltas_carry_argument_pieces() -> None:
+    from freetoken.server.chat_tools import StreamedCalls
+
+    args = {"a": 1, "b": [2, 3], "c": "three"}
+    text = "a" + call("add", args) + call("get_weather", {"city": "X"})
+    s = StreamedCalls(ToolCallParser(FMT, NAMES, incremental=True))
+    deltas = [d for i in range(0, len(text), 3) for d in s.deltas(text[i:i + 3], False)] + s.deltas("", True)
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    heads = [c for c in calls if "id" in c]
+    assert [(c["index"], c["function"]["name"]) for c in heads] == [(0, "add"), (1, "get_weather")]
+    pieces = {i: [c["function"]["arguments"] for c in calls if c["index"] == i and "id" not in c] for i in (0, 1)}
+    assert len(pieces[0]) > 5 and all(pieces[0])
+    assert json.loads("".join(pieces[0])) == args and json.loads("".join(pieces[1])) == {"city": "X"}
 
 
 def test_parallel_tool_calls_false_stops_after_the_first_call(tmp_path: Any) -> None:

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from server_helpers import assert_error, parse_sse
@@ -106,6 +107,26 @@ def test_forced_call_streaming_with_the_client_helper(client: openai.OpenAI) -> 
     (call,) = c.message.tool_calls
     assert call.id.startswith("call_")
     check_arguments(call.function.name, call.function.arguments)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_streamed_arguments_arrive_in_pieces(client: openai.OpenAI, choice: Any) -> None:
+    """The arguments go out token by token; the client's helper assembles them (get_weather:
+    its required city makes arguments of several tokens)."""
+    with client.chat.completions.stream(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice,
+                                        max_tokens=120, temperature=1.0, seed=5) as stream:
+        events = list(stream)
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls or []
+    pieces = [e.arguments_delta for e in events if e.type == "tool_calls.function.arguments.delta"]
+    assert len(pieces) > 3 and "".join(pieces) == call.function.arguments
+    done = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert len(done) == 1 and done[0].arguments == call.function.arguments
+    assert final.choices[0].finish_reason == "tool_calls"
+    check_arguments(call.function.name, call.function.arguments)
+    jsonschema.validate(json.loads(call.function.arguments), {t["function"]["name"]: t for t in TOOLS}[
+        call.function.name]["function"]["parameters"])
 
 
 def test_streamed_chunks_shape_and_no_markup(http: httpx.Client) -> None:

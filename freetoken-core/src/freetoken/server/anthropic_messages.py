@@ -135,7 +135,7 @@ async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams
                   prompt_ids: list[int], stops: list[str], tokenizer: Any,
                   tools: Optional[ChatTools]) -> AsyncIterator[str]:
     result = ChoiceResult(0, len(prompt_ids))
-    blocks = BlockEvents(tools.parser() if tools else None)
+    blocks = BlockEvents(tools.parser(incremental=True) if tools else None)
     started = False
     sent = 0
     async for _, delta in streams:

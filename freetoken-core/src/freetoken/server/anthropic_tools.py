@@ -42,7 +42,7 @@ from freetoken.server.protocol import (
     NamedFunction,
     NamedToolChoice,
 )
-from freetoken.server.tool_calls import ToolCall, ToolCallParser
+from freetoken.server.tool_calls import CallArguments, CallEnd, CallStart, Event, ToolCall, ToolCallParser
 
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
@@ -127,9 +127,12 @@ def sse_event(kind: str, payload: dict[str, Any]) -> str:
 
 class BlockEvents:
     """The content block events of one streamed answer, numbered in order: a text block
-    takes the text until a call comes; each call is a tool_use block of its own
-    (``content_block_start`` with ``input: {}``, one ``input_json_delta`` with the whole
-    input, ``content_block_stop``). Without tools the text block opens at once."""
+    takes the text until a call comes; each call is a tool_use block of its own,
+    streamed as it is generated (``content_block_start`` with the id, name and
+    ``input: {}`` once the name is known, an ``input_json_delta`` with each new piece of
+    the input's JSON, ``content_block_stop`` at the end of the call; a call the parser
+    could only read whole has one ``input_json_delta`` with all of it). Without tools
+    the text block opens at once."""
 
     def __init__(self, parser: Optional[ToolCallParser]) -> None:
         self.parser = parser
@@ -142,9 +145,21 @@ class BlockEvents:
         opened = self._open_text() if self.parser is None else []
         return opened + [sse_event("ping", {})]
 
+    def _open_call(self, call: ToolCall) -> list[str]:
+        out = self._close_text()
+        self.index += 1
+        self.calls += 1
+        return out + [sse_event("content_block_start", {
+            "index": self.index, "content_block": {"type": "tool_use", "id": tool_use_id(call), "name": call.name,
+                                                   "input": {}}})]
+
+    def _input(self, partial_json: str) -> str:
+        return sse_event("content_block_delta", {
+            "index": self.index, "delta": {"type": "input_json_delta", "partial_json": partial_json}})
+
     def feed(self, text: str, finished: bool) -> list[str]:
         if self.parser is None:
-            pieces: list[Union[str, ToolCall]] = [text]
+            pieces: list[Event] = [text]
         else:
             pieces = list(self.parser.feed(text) if text else [])
             if finished:
@@ -158,17 +173,16 @@ class BlockEvents:
                     out += self._open_text()
                 out.append(sse_event("content_block_delta", {
                     "index": self.index, "delta": {"type": "text_delta", "text": piece}}))
-                continue
-            out += self._close_text()
-            self.index += 1
-            self.calls += 1
-            block = tool_use_block(piece)
-            out.append(sse_event("content_block_start", {
-                "index": self.index, "content_block": {"type": "tool_use", "id": block.id, "name": block.name,
-                                                       "input": {}}}))
-            out.append(sse_event("content_block_delta", {
-                "index": self.index, "delta": {"type": "input_json_delta", "partial_json": piece.arguments}}))
-            out.append(sse_event("content_block_stop", {"index": self.index}))
+            elif isinstance(piece, CallStart):
+                out += self._open_call(piece.call)
+            elif isinstance(piece, CallArguments):
+                out.append(self._input(piece.text))
+            elif isinstance(piece, CallEnd):
+                out.append(sse_event("content_block_stop", {"index": self.index}))
+            else:
+                out += self._open_call(piece)
+                out.append(self._input(piece.arguments))
+                out.append(sse_event("content_block_stop", {"index": self.index}))
         return out
 
     def finish(self) -> list[str]:

@@ -166,7 +166,7 @@ async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams
     for i in range(req.n):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
-    calls = {i: StreamedCalls(tools.parser()) for i in range(req.n)} if tools else {}
+    calls = {i: StreamedCalls(tools.parser(incremental=True)) for i in range(req.n)} if tools else {}
     completion_tokens = 0
     cached: dict[int, int] = {}
     sent = 0

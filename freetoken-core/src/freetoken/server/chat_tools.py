@@ -33,7 +33,15 @@ from freetoken.server.protocol import (
     NamedToolChoice,
     ResponseToolCall,
 )
-from freetoken.server.tool_calls import Event, ToolCall, ToolCallParser, format_for, parse_tool_calls
+from freetoken.server.tool_calls import (
+    CallArguments,
+    CallStart,
+    Event,
+    ToolCall,
+    ToolCallParser,
+    format_for,
+    parse_tool_calls,
+)
 from freetoken.server.schema_constraint import SchemaError, grammar_vocab
 from freetoken.server.tool_constraint import call_grammar, tool_call_constraint
 
@@ -126,8 +134,9 @@ class ChatTools:
         await loop.run_in_executor(None, self.compile)
         return self.constraint()
 
-    def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.fmt, set(self.names), 1 if self.single else None)
+    def parser(self, incremental: bool = False) -> ToolCallParser:
+        """A parser of this request's calls (``incremental``: calls in pieces, for streaming)."""
+        return ToolCallParser(self.fmt, set(self.names), 1 if self.single else None, incremental)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a whole answer."""
@@ -152,11 +161,25 @@ def finish_reason_with_calls(finish_reason: Optional[str], called: bool) -> Opti
 
 
 class StreamedCalls:
-    """One choice's stream: text deltas in, ``delta`` objects out (content and tool_calls)."""
+    """One choice's stream: text deltas in, ``delta`` objects out (content and tool_calls).
+
+    A call goes out as it is generated: a first ``tool_calls`` delta with its index, id,
+    type and name (``arguments: ""``), then one with each new piece of its arguments
+    (``{"index": i, "function": {"arguments": piece}}``), as the official clients
+    assemble them. A call the parser could only read whole comes as the first delta and
+    one piece with all of its arguments."""
 
     def __init__(self, parser: ToolCallParser) -> None:
         self.parser = parser
         self.calls = 0
+
+    def _start(self, call: ToolCall) -> dict[str, Any]:
+        self.calls += 1
+        return {"tool_calls": [{"index": self.calls - 1, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": ""}}]}
+
+    def _arguments(self, text: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": self.calls - 1, "function": {"arguments": text}}]}
 
     def deltas(self, text: str, finished: bool) -> list[dict[str, Any]]:
         events: list[Event] = self.parser.feed(text) if text else []
@@ -169,10 +192,15 @@ class StreamedCalls:
                     out[-1]["content"] += e
                 else:
                     out.append({"content": e})
-                continue
-            index = self.calls
-            self.calls += 1
-            out.append({"tool_calls": [{"index": index, "id": e.id, "type": "function",
-                                        "function": {"name": e.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": index, "function": {"arguments": e.arguments}}]})
+            elif isinstance(e, CallStart):
+                out.append(self._start(e.call))
+            elif isinstance(e, CallArguments):
+                last = out[-1]["tool_calls"][0] if out and "tool_calls" in out[-1] else None
+                if last is not None and "id" not in last:  # pieces of one step go out together
+                    last["function"]["arguments"] += e.text
+                else:
+                    out.append(self._arguments(e.text))
+            elif isinstance(e, ToolCall):
+                out.append(self._start(e))
+                out.append(self._arguments(e.arguments))
         return out
