@@ -20,6 +20,8 @@ CASES = {
     "mixtral-window": ("mixtral", dict(sliding_window=6, num_experts_per_tok=3, rope_theta=1e6)),
     "olmoe": ("olmoe", dict()),
     "olmoe-clip": ("olmoe", dict(clip_qkv=0.3, norm_topk_prob=True, tie_word_embeddings=True)),
+    # sliding (window 8) and full layers, sinks, YaRN, biases everywhere
+    "gpt_oss": ("gpt_oss", dict()),
 }
 
 

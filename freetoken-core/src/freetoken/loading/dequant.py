@@ -437,3 +437,76 @@ def to_device_float(
     else:
         _stream(src, device, step, pinned, lambda c, r0, r1: dst[r0:r1].copy_(c))
     return out
+
+
+# ---------------------------------------------------------------------------- MXFP4
+#
+# MXFP4 (OCP microscaling, GPT-OSS's experts): blocks of 32 values, each a 4-bit E2M1 code
+# and one E8M0 exponent byte ``e`` per block; value = KVALUES[code] * 2^(e - 128) with the
+# doubled E2M1 values below (so 2^(e - 127) times the E2M1 value). Two byte layouts:
+#
+# * HF checkpoints: ``*_blocks`` uint8 ``[..., nblk, 16]`` and ``*_scales`` uint8 ``[..., nblk]``;
+#   value ``2j`` of a block is the low nibble of byte ``j``, value ``2j + 1`` its high nibble.
+# * ggml ``block_mxfp4`` (17 bytes): ``e``, then 16 bytes; value ``j < 16`` is the low nibble
+#   of byte ``j``, value ``j + 16`` its high nibble.
+#
+# The expert kernels have no MXFP4 format: :func:`mxfp4_to_q8_0` rewrites the blocks as
+# Q8_0 at load (34 bytes per 32 values instead of 17: twice the memory and the bytes read
+# per token). The conversion is exact: the Q8_0 quant is ``KVALUES[code] * 2^s`` (|q| <= 96)
+# and its fp16 scale ``2^(e - 128 - s)`` with ``s = 3`` where fp16 holds that power of two
+# (``e`` in 107..146, every block of a trained model); a smaller ``s`` down to ``e = 104``,
+# and below (values under 4e-7) the nearest fp16 scale ``2^-24`` with rounded quants.
+
+MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+MXFP4_BLOCK_BYTES = 17
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """float32 ``2^k`` of integer exponents (exact)."""
+    return torch.ldexp(torch.ones(k.shape, dtype=torch.float32, device=k.device), k)
+
+
+def mxfp4_codes_hf(blocks: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes, in value order, of HF ``*_blocks`` (uint8 ``[..., nblk, 16]``)
+    as uint8 ``[..., nblk, 32]``."""
+    lo, hi = blocks & 0x0F, blocks >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(*blocks.shape[:-1], 32)
+
+
+def mxfp4_split_ggml(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exponents uint8 ``[..., nblk]``, codes uint8 ``[..., nblk, 32]``) of ggml MXFP4 rows
+    (uint8 ``[..., nblk * 17]``)."""
+    b = raw.reshape(*raw.shape[:-1], -1, MXFP4_BLOCK_BYTES)
+    e, qs = b[..., 0], b[..., 1:]
+    return e.contiguous(), torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def mxfp4_dequantize(e: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """float32 ``[..., nblk * 32]`` of exponents ``[..., nblk]`` and codes ``[..., nblk, 32]``."""
+    kv = torch.tensor(MXFP4_KVALUES, dtype=torch.float32, device=codes.device)
+    scale = _pow2(e.to(torch.int32) - 128)
+    return (kv[codes.long()] * scale.unsqueeze(-1)).reshape(*codes.shape[:-2], -1)
+
+
+def mxfp4_to_q8_0(e: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Q8_0 rows (uint8 ``[..., nblk * 34]``) holding the same values as MXFP4 exponents
+    ``[..., nblk]`` and codes ``[..., nblk, 32]``; and how many blocks were not exact
+    (exponent below 104: values under 4e-7). Raises ValueError for exponents above 146
+    (values beyond fp16's scale range)."""
+    if e.numel() and int(e.max()) > 146:
+        raise ValueError(f"MXFP4 block exponent {int(e.max())} is beyond what Q8_0's fp16 scale holds (max 146)")
+    kv = torch.tensor(MXFP4_KVALUES, dtype=torch.int32, device=codes.device)[codes.long()]  # [..., nblk, 32]
+    ei = e.to(torch.int32)
+    shift = (ei - 104).clamp(0, 3)  # s: 3 where fp16 holds 2^(e-131)
+    exact = ei >= 104
+    q = kv << shift.unsqueeze(-1)
+    d = _pow2(ei - 128 - shift)
+    if not bool(exact.all()):
+        tiny = ~exact
+        true_vals = kv.float() * _pow2(ei - 128).unsqueeze(-1)
+        d = torch.where(tiny, torch.full_like(d, 2.0 ** -24), d)
+        q = torch.where(tiny.unsqueeze(-1), torch.round(true_vals / 2.0 ** -24).to(torch.int32), q)
+    d16 = d.to(torch.float16).view(torch.uint8).reshape(*d.shape, 2)
+    q8 = q.to(torch.int8).view(torch.uint8)
+    out = torch.cat([d16, q8], dim=-1)  # [..., nblk, 34]
+    return out.reshape(*out.shape[:-2], -1).contiguous(), int((~exact).sum())

@@ -49,6 +49,13 @@ FAMILIES: tuple[ModelFamily, ...] = (
         gguf_architectures=("olmoe",),
     ),
     ModelFamily(
+        key="gpt_oss",
+        module="freetoken.models.gpt_oss",
+        model_class="GptOssModel",
+        hf_architectures=("GptOssForCausalLM",),
+        gguf_architectures=("gpt-oss",),
+    ),
+    ModelFamily(
         key="qwen3_5_moe",
         module="freetoken.models.qwen3_5_moe",
         model_class="Qwen35MoeModel",

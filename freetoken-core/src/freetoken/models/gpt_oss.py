@@ -1,0 +1,285 @@
+"""GPT-OSS (HF ``GptOssForCausalLM``, GGUF architecture ``gpt-oss``).
+
+Layers alternate sliding-window and full attention (``layer_types``; GGUF: even layers
+slide), every attention has per-head sinks, q/k/v/o projections have biases, RoPE is NeoX
+with YaRN scaling. The router has a bias; the top-k logits go through a softmax. Experts
+have biases on their gate, up and down projections and the clamped SwiGLU
+``(clamp(up, -l, l) + 1) * g * sigmoid(alpha g)``, ``g = min(gate, l)`` (the kernels'
+``swiglu_oai`` activation); HF stores gate and up interleaved (``gate_up_proj[..., ::2]``
+is the gate) and transposed (``[E, H, 2I]``).
+
+The expert kernels take no biases: the gate/up biases become one more weight block per
+row that multiplies a constant 1 appended to the activations
+(:class:`~freetoken.models.moe_decoder.BiasedMoELayer`; experts of hidden ``H + 32``, 1.1%
+more expert bytes for GPT-OSS-20B), the down bias is added after the experts. MXFP4
+experts (the official checkpoints, and llama.cpp's GGUF files) are rewritten as Q8_0 at
+load (:func:`freetoken.loading.dequant.mxfp4_to_q8_0`, exact): twice MXFP4's bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from freetoken.handoff import Fmt
+from freetoken.loading.dequant import mxfp4_codes_hf, mxfp4_split_ggml, mxfp4_to_q8_0
+from freetoken.loading.hf import CheckpointError
+from freetoken.loading.tensors import RawTensor, fmt_name
+from freetoken.models.config import ModelConfig
+from freetoken.models.moe_decoder import Arch, MoeDecoderModel, Names, hf_eos_ids
+from freetoken.models.rope import RopeScaling, scaling_from_hf
+from freetoken.moe.layer import ExpertWeights
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "gpt_oss"
+HF_ARCHITECTURES = ("GptOssForCausalLM",)
+GGUF_ARCHITECTURES = ("gpt-oss",)
+#: ggml type id of MXFP4 (not a kernel format: converted at load)
+GGML_MXFP4 = 39
+#: columns appended to the experts' input for the gate/up biases (one Q8_0 block)
+PAD = 32
+#: the kernels' swiglu_oai constants
+ALPHA, LIMIT = 1.702, 7.0
+
+
+@dataclasses.dataclass
+class GptOssConfig(ModelConfig):
+    windows: tuple[Optional[int], ...] = ()
+    rope_scaling: RopeScaling = RopeScaling()
+    attention_bias: bool = True
+
+
+def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, Any]] = None) -> GptOssConfig:
+    qc = cfg.get("quantization_config")
+    if qc and qc.get("quant_method") != "mxfp4":
+        raise CheckpointError(f"GPT-OSS: quantization method {qc.get('quant_method')!r} is not supported "
+                              "(BF16/FP16/FP32 or the official MXFP4 experts)")
+    limit = float(cfg.get("swiglu_limit", LIMIT))
+    alpha = float(cfg.get("swiglu_alpha", ALPHA))
+    if limit != LIMIT or alpha != ALPHA:
+        raise CheckpointError(f"GPT-OSS with swiglu_limit={limit}, swiglu_alpha={alpha} is not supported "
+                              f"(the expert kernels use {LIMIT} and {ALPHA})")
+    theta, scaling = scaling_from_hf(cfg)
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise CheckpointError(f"GPT-OSS layer_types {unknown} are not supported (sliding_attention, full_attention)")
+    window = int(cfg.get("sliding_window") or 0)
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    return GptOssConfig(
+        architecture=ARCHITECTURE,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        intermediate_size=0,
+        moe_intermediate_size=int(cfg["intermediate_size"]),
+        num_experts=int(cfg["num_local_experts"]),
+        top_k=int(cfg.get("num_experts_per_tok") or cfg["experts_per_token"]),
+        norm_topk_prob=True,  # softmax over the top-k logits
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rope_theta=theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=hf_eos_ids(cfg, generation_config),
+        windows=tuple(window if t == "sliding_attention" and window else None for t in types),
+        rope_scaling=scaling,
+        attention_bias=bool(cfg.get("attention_bias", True)),
+    )
+
+
+def config_from_gguf(meta: dict[str, Any], has_output: bool) -> GptOssConfig:
+    from freetoken.loading.gguf import gguf_float, gguf_int
+
+    a = meta.get("general.architecture", "gpt-oss")
+    hidden = gguf_int(meta, f"{a}.embedding_length")
+    heads = gguf_int(meta, f"{a}.attention.head_count")
+    layers = gguf_int(meta, f"{a}.block_count")
+    window = gguf_int(meta, f"{a}.attention.sliding_window", 0)
+    kind = meta.get(f"{a}.rope.scaling.type", "none")
+    if kind == "yarn":
+        scaling = RopeScaling(kind="yarn", factor=gguf_float(meta, f"{a}.rope.scaling.factor"),
+                              original_max_positions=gguf_int(meta, f"{a}.rope.scaling.original_context_length"),
+                              truncate=True)  # llama.cpp rounds the correction range outwards  # fmt: skip
+    elif kind in ("none", None):
+        scaling = RopeScaling()
+    else:
+        raise CheckpointError(f"{a}: RoPE scaling {kind!r} is not supported (yarn or none)")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    vocab = meta.get(f"{a}.vocab_size")
+    return GptOssConfig(
+        architecture=ARCHITECTURE,
+        vocab_size=int(vocab) if vocab is not None else -1,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=gguf_int(meta, f"{a}.attention.head_count_kv", heads),
+        head_dim=gguf_int(meta, f"{a}.attention.key_length", hidden // heads),
+        intermediate_size=0,
+        moe_intermediate_size=gguf_int(meta, f"{a}.expert_feed_forward_length"),
+        num_experts=gguf_int(meta, f"{a}.expert_count"),
+        top_k=gguf_int(meta, f"{a}.expert_used_count"),
+        norm_topk_prob=True,
+        rms_norm_eps=gguf_float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=gguf_float(meta, f"{a}.rope.freq_base", 150000.0),
+        max_position_embeddings=gguf_int(meta, f"{a}.context_length", 131072),
+        tie_word_embeddings=not has_output,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        windows=tuple(window if i % 2 == 0 and window else None for i in range(layers)),
+        rope_scaling=scaling,
+    )
+
+
+_HF_ROLES = {
+    "in_norm": "input_layernorm.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
+    "o_bias": "self_attn.o_proj.bias",
+    "sinks": "self_attn.sinks",
+    "router": "mlp.router.weight", "router_bias": "mlp.router.bias",
+}  # fmt: skip
+_GGUF_ROLES = {
+    "in_norm": "attn_norm.weight",
+    "post_norm": "post_attention_norm.weight",
+    "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
+    "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias", "o_bias": "attn_output.bias",
+    "sinks": "attn_sinks.weight",
+    "router": "ffn_gate_inp.weight", "router_bias": "ffn_gate_inp.bias",
+}  # fmt: skip
+
+HF_NAMES = Names(embed="model.embed_tokens.weight", norm="model.norm.weight", lm_head="lm_head.weight",
+                 layer=lambda i, r: f"model.layers.{i}.{_HF_ROLES[r]}", fmt="hf")
+GGUF_NAMES = Names(embed="token_embd.weight", norm="output_norm.weight", lm_head="output.weight",
+                   layer=lambda i, r: f"blk.{i}.{_GGUF_ROLES[r]}", fmt="gguf")
+
+
+# ------------------------------------------------------------------ experts
+
+
+def q8_0_bias_blocks(bias: torch.Tensor) -> torch.Tensor:
+    """One Q8_0 block per value of ``bias`` (float ``[...]`` -> uint8 ``[..., 34]``) that
+    holds the value in its first element (zeros after): of the quants 64..127, the one
+    whose fp16 scale ``bias / q`` gives the closest product (relative error <= 2^-12)."""
+    b = bias.float().unsqueeze(-1)
+    q = torch.arange(64, 128, dtype=torch.float32)
+    d = (b / q).to(torch.float16)
+    err = (d.float() * q - b).abs()
+    best = err.argmin(-1, keepdim=True)
+    d = d.gather(-1, best).squeeze(-1)
+    qv = torch.where(d != 0, q[best.squeeze(-1)], 0.0).to(torch.int8)
+    out = torch.zeros(*bias.shape, 34, dtype=torch.uint8)
+    out[..., 0:2] = d.view(torch.uint8).reshape(*bias.shape, 2)
+    out[..., 2] = qv.view(torch.uint8)
+    return out
+
+
+def _with_bias(name: str, source: str, fmt: int, rows: Any, bias: torch.Tensor, E: int, R: int, H: int) -> RawTensor:
+    """``[E, R, H]`` weights (float tensor, or Q8_0 bytes ``[E, R, H/32*34]``) with the bias
+    as column ``H`` of ``H + PAD``."""
+    if fmt == Fmt.Q8_0:
+        data = torch.cat([rows.reshape(E, R, -1), q8_0_bias_blocks(bias)], dim=-1)
+    else:
+        ext = torch.zeros(E, R, PAD, dtype=rows.dtype)
+        ext[..., 0] = bias.to(rows.dtype)
+        data = torch.cat([rows, ext], dim=-1)
+    return RawTensor(name, (E, R, H + PAD), fmt, data.contiguous(), source)
+
+
+def _with_zero_rows(name: str, source: str, fmt: int, rows: Any, E: int, H: int, I: int) -> RawTensor:
+    """``[E, H, I]`` down weights with ``PAD`` zero rows appended (outputs that are dropped)."""
+    rows = rows.reshape(E, H, -1)
+    data = torch.cat([rows, torch.zeros(E, PAD, rows.shape[-1], dtype=rows.dtype)], dim=1)
+    return RawTensor(name, (E, H + PAD, I), fmt, data.contiguous(), source)
+
+
+_FLOAT_FMTS = (int(Fmt.F32), int(Fmt.F16), int(Fmt.BF16))
+
+
+def _gguf_rows(raw: RawTensor, what: str) -> tuple[int, torch.Tensor]:
+    """(kernel format, rows) of a GGUF expert tensor: MXFP4 converted to Q8_0."""
+    fmt = int(raw.fmt)
+    t = raw.raw_torch()
+    if fmt == GGML_MXFP4:
+        e, codes = mxfp4_split_ggml(t)
+        q8, inexact = mxfp4_to_q8_0(e, codes)
+        if inexact:
+            logger.info("%s: %d MXFP4 blocks below Q8_0's exact range (values < 4e-7) rounded", what, inexact)
+        return int(Fmt.Q8_0), q8
+    if fmt == Fmt.Q8_0 or fmt in _FLOAT_FMTS:
+        if fmt == Fmt.BF16 and t.dtype != torch.bfloat16:
+            t = t.view(torch.bfloat16)
+        return fmt, t
+    raise CheckpointError(f"{raw.source}: GPT-OSS expert tensor {raw.name} is {fmt_name(fmt)}; supported expert "
+                          "formats: MXFP4, Q8_0, F32, F16, BF16 (their biases need 32-value blocks)")
+
+
+def _experts(i: int, source: Any, names: Names, c: ModelConfig) -> tuple[ExpertWeights, torch.Tensor]:
+    E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    if H % 32 or I % 32:
+        raise CheckpointError(f"GPT-OSS experts need hidden ({H}) and intermediate ({I}) sizes that are multiples of 32")
+    if names.fmt == "gguf":
+        b = f"blk.{i}."
+        gb, ub, db = (source.get(b + f"ffn_{r}_exps.bias").to_float(torch.float32) for r in ("gate", "up", "down"))
+        out = []
+        for r, bias in (("gate", gb), ("up", ub)):
+            raw = source.get(b + f"ffn_{r}_exps.weight")
+            fmt, rows = _gguf_rows(raw, raw.name)
+            out.append(_with_bias(raw.name, raw.source, fmt, rows, bias, E, I, H))
+        raw = source.get(b + "ffn_down_exps.weight")
+        fmt, rows = _gguf_rows(raw, raw.name)
+        down = _with_zero_rows(raw.name, raw.source, fmt, rows, E, H, I)
+        gate, up = out
+    else:
+        p = f"model.layers.{i}.mlp.experts."
+        gub = source.get(p + "gate_up_proj_bias").to_float(torch.float32)  # [E, 2I], interleaved
+        db = source.get(p + "down_proj_bias").to_float(torch.float32)
+        gb, ub = gub[:, 0::2], gub[:, 1::2]
+        if source.has(p + "gate_up_proj_blocks"):  # MXFP4: rows are outputs, blocks along the input
+            blocks = source.get(p + "gate_up_proj_blocks").raw_torch()  # [E, 2I, H/32, 16]
+            scales = source.get(p + "gate_up_proj_scales").raw_torch()  # [E, 2I, H/32]
+            q8, n1 = mxfp4_to_q8_0(scales, mxfp4_codes_hf(blocks))  # [E, 2I, H/32*34]
+            src = source.get(p + "gate_up_proj_blocks").source
+            gate = _with_bias(p + "gate_proj", src, Fmt.Q8_0, q8[:, 0::2], gb, E, I, H)
+            up = _with_bias(p + "up_proj", src, Fmt.Q8_0, q8[:, 1::2], ub, E, I, H)
+            dq8, n2 = mxfp4_to_q8_0(source.get(p + "down_proj_scales").raw_torch(),
+                                    mxfp4_codes_hf(source.get(p + "down_proj_blocks").raw_torch()))  # fmt: skip
+            down = _with_zero_rows(p + "down_proj", src, Fmt.Q8_0, dq8, E, H, I)
+            if n1 + n2:
+                logger.info("layer %d: %d MXFP4 blocks below Q8_0's exact range (values < 4e-7) rounded", i, n1 + n2)
+        else:
+            gu = source.get(p + "gate_up_proj")  # [E, H, 2I]
+            t = gu.raw_torch()
+            if int(gu.fmt) == Fmt.BF16 and t.dtype != torch.bfloat16:
+                t = t.view(torch.bfloat16)
+            if tuple(gu.shape) != (E, H, 2 * I):
+                raise CheckpointError(f"{gu.source}: {gu.name} has shape {tuple(gu.shape)}, expected {(E, H, 2 * I)}")
+            gate = _with_bias(p + "gate_proj", gu.source, gu.fmt, t[:, :, 0::2].transpose(1, 2), gb, E, I, H)
+            up = _with_bias(p + "up_proj", gu.source, gu.fmt, t[:, :, 1::2].transpose(1, 2), ub, E, I, H)
+            d = source.get(p + "down_proj")  # [E, I, H]
+            dt = d.raw_torch()
+            if int(d.fmt) == Fmt.BF16 and dt.dtype != torch.bfloat16:
+                dt = dt.view(torch.bfloat16)
+            down = _with_zero_rows(d.name, d.source, d.fmt, dt.transpose(1, 2), E, H, I)
+    return ExpertWeights(gate, up, down, E, H + PAD, I), db
+
+
+class GptOssModel(MoeDecoderModel):
+    @classmethod
+    def arch_for(cls, config: ModelConfig) -> Arch:
+        cfg: GptOssConfig = config  # type: ignore[assignment]
+        bias = getattr(cfg, "attention_bias", True)
+        return Arch(experts=_experts, qkv_bias=bias, o_bias=bias, sinks=True, router_bias=True,
+                    activation="swiglu_oai", windows=cfg.windows, rope=cfg.rope_scaling, expert_pad=PAD)
