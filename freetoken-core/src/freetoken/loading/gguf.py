@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 #: ggml types we can run (the ids equal :class:`freetoken.handoff.Fmt` values).
 SUPPORTED_TYPES = {int(Fmt.F32), int(Fmt.F16), int(Fmt.BF16), int(Fmt.Q8_0), int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K)}
+#: ggml types a model family converts at load (``get(..., converted=True)`` hands their raw
+#: bytes over): MXFP4 (GPT-OSS experts, see freetoken.models.gpt_oss)
+CONVERTED_TYPES = {39}
 
 # Arrays we keep lazy (large vocabularies): read on request by the tokenizer loader.
 _LAZY_PREFIX = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
@@ -68,13 +71,13 @@ class GGUFCheckpoint:
     def has(self, name: str) -> bool:
         return name in self._tensors
 
-    def get(self, name: str) -> RawTensor:
+    def get(self, name: str, converted: bool = False) -> RawTensor:
         try:
             t = self._tensors[name]
         except KeyError:
             raise CheckpointError(f"{self.path}: missing tensor {name}") from None
         ttype = int(t.tensor_type)
-        if ttype not in SUPPORTED_TYPES:
+        if ttype not in SUPPORTED_TYPES and not (converted and ttype in CONVERTED_TYPES):
             raise CheckpointError(
                 f"{self.path}: tensor {name} has ggml type {t.tensor_type.name}, which FreeToken does not run; "
                 f"supported: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K"

@@ -235,10 +235,10 @@ def _experts(i: int, source: Any, names: Names, c: ModelConfig) -> tuple[ExpertW
         gb, ub, db = (source.get(b + f"ffn_{r}_exps.bias").to_float(torch.float32) for r in ("gate", "up", "down"))
         out = []
         for r, bias in (("gate", gb), ("up", ub)):
-            raw = source.get(b + f"ffn_{r}_exps.weight")
+            raw = source.get(b + f"ffn_{r}_exps.weight", converted=True)
             fmt, rows = _gguf_rows(raw, raw.name)
             out.append(_with_bias(raw.name, raw.source, fmt, rows, bias, E, I, H))
-        raw = source.get(b + "ffn_down_exps.weight")
+        raw = source.get(b + "ffn_down_exps.weight", converted=True)
         fmt, rows = _gguf_rows(raw, raw.name)
         down = _with_zero_rows(raw.name, raw.source, fmt, rows, E, H, I)
         gate, up = out
