@@ -40,6 +40,41 @@ def write_qwen3moe_metadata(w: Any, cfg: ModelConfig, name: str) -> None:
     w.add_uint32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size)
 
 
+def write_hybrid_metadata(w: Any, cfg: Any, name: str) -> None:
+    """The ``qwen35moe``/``qwen3next`` hyper-parameters llama.cpp reads (``cfg``: a
+    :class:`freetoken.models.qwen_hybrid.HybridConfig`; ``w.arch`` names the architecture)."""
+    a = w.arch
+    w.add_string("general.name", name)
+    w.add_uint32(f"{a}.block_count", cfg.num_layers)
+    w.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
+    w.add_uint32(f"{a}.embedding_length", cfg.hidden_size)
+    w.add_uint32(f"{a}.feed_forward_length", cfg.intermediate_size)
+    w.add_uint32(f"{a}.attention.head_count", cfg.num_heads)
+    w.add_uint32(f"{a}.attention.head_count_kv", cfg.num_kv_heads)
+    w.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
+    w.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
+    w.add_float32(f"{a}.rope.freq_base", float(cfg.rope_theta))
+    w.add_uint32(f"{a}.rope.dimension_count", cfg.rotary_dim)
+    if a == "qwen35moe":  # llama.cpp requires the (text-only: unused) multimodal RoPE sections
+        w.add_array(f"{a}.rope.dimension_sections", [11, 11, 10, 0])
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
+    w.add_uint32(f"{a}.expert_count", cfg.num_experts)
+    w.add_uint32(f"{a}.expert_used_count", cfg.top_k)
+    w.add_uint32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size)
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
+    w.add_bool(f"{a}.expert_weights_norm", bool(cfg.norm_topk_prob))
+    w.add_uint32(f"{a}.ssm.conv_kernel", cfg.conv_kernel)
+    w.add_uint32(f"{a}.ssm.state_size", cfg.linear_key_dim)
+    w.add_uint32(f"{a}.ssm.group_count", cfg.linear_key_heads)
+    w.add_uint32(f"{a}.ssm.time_step_rank", cfg.linear_value_heads)
+    w.add_uint32(f"{a}.ssm.inner_size", cfg.linear_value_dim * cfg.linear_value_heads)
+    full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+    interval = full[0] + 1 if full else cfg.num_layers
+    w.add_uint32(f"{a}.full_attention_interval", interval)
+    if [i for i in range(cfg.num_layers) if (i + 1) % interval == 0] != full:
+        w.add_array(f"{a}.attention.recurrent_layers", [t != "full_attention" for t in cfg.layer_types])
+
+
 def write_ids_only_vocab(w: Any, vocab_size: int) -> None:
     """A vocabulary without text: ``tokenizer.ggml.model = "none"`` and ``{arch}.vocab_size``.
 
@@ -162,3 +197,35 @@ class RandomBlockPool:
         """``rows`` packed rows of ``cols`` values in ``fmt`` as uint8 ``[rows, row_bytes]``."""
         segs = self.segments(fmt, rows, cols)
         return np.concatenate(segs).reshape(rows, -1)
+
+
+def write_moe_metadata(w: Any, cfg: ModelConfig, name: str, expert_weights_norm: Optional[bool] = None) -> None:
+    """The hyper-parameters llama.cpp reads for its ``llama`` (Mixtral), ``olmoe`` and
+    ``gpt-oss`` architectures (``w.arch``); GPT-OSS adds :func:`write_gpt_oss_metadata`."""
+    a = w.arch
+    w.add_string("general.name", name)
+    w.add_uint32(f"{a}.block_count", cfg.num_layers)
+    w.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
+    w.add_uint32(f"{a}.embedding_length", cfg.hidden_size)
+    w.add_uint32(f"{a}.feed_forward_length", cfg.moe_intermediate_size)
+    w.add_uint32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size)
+    w.add_uint32(f"{a}.attention.head_count", cfg.num_heads)
+    w.add_uint32(f"{a}.attention.head_count_kv", cfg.num_kv_heads)
+    w.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
+    w.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
+    w.add_uint32(f"{a}.rope.dimension_count", cfg.head_dim)
+    w.add_float32(f"{a}.rope.freq_base", float(cfg.rope_theta))
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
+    w.add_uint32(f"{a}.expert_count", cfg.num_experts)
+    w.add_uint32(f"{a}.expert_used_count", cfg.top_k)
+    if expert_weights_norm is not None:
+        w.add_bool(f"{a}.expert_weights_norm", expert_weights_norm)
+
+
+def write_gpt_oss_metadata(w: Any, sliding_window: int, yarn_factor: float, yarn_original_context: int) -> None:
+    """GPT-OSS's sliding window (on the even layers) and YaRN RoPE scaling."""
+    a = w.arch
+    w.add_uint32(f"{a}.attention.sliding_window", sliding_window)
+    w.add_string(f"{a}.rope.scaling.type", "yarn")
+    w.add_float32(f"{a}.rope.scaling.factor", float(yarn_factor))
+    w.add_uint32(f"{a}.rope.scaling.original_context_length", yarn_original_context)
