@@ -62,3 +62,62 @@ def test_decode_window_and_sinks(impl, window, with_sinks, dtype):
     ref = reference_window_sinks(c, window, sinks)
     torch.testing.assert_close(got.double().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype],
                                msg=lambda m: f"seed {seed}: {m}")  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------
+# the families on the GPU engine against the CPU engine
+# --------------------------------------------------------------------------------------
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models_moe_families"))
+
+FAMILY_CASES = {"mixtral": dict(sliding_window=6), "olmoe": dict(), "gpt_oss": dict()}
+PROMPTS = [[(7 * i + 3 * j) % 150 + 5 for j in range(n)] for i, n in enumerate((5, 23, 9, 40, 2, 17))]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_CASES))
+def family_checkpoint(request, tmp_path_factory):
+    from families import make_model, save
+
+    path = str(tmp_path_factory.mktemp(f"family-{request.param}"))
+    save(make_model(request.param, 1234, **FAMILY_CASES[request.param]), path)
+    return request.param, path
+
+
+def _family_run(backend, path, **kw):
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import LLMEngine
+    from freetoken.engine.sampling_params import SamplingParams
+
+    eng = LLMEngine(EngineConfig(model=path, max_model_len=256, kv_cache_tokens=4096, **kw), backend=backend)
+    rows: dict[str, list[torch.Tensor]] = {}
+    remove = eng.add_logits_observer(
+        lambda ids, logits: [rows.setdefault(r, []).append(logits[i].float().cpu().clone()) for i, r in enumerate(ids)])
+    try:
+        reqs = [eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+        while eng.has_work():
+            eng.step()
+    finally:
+        remove()
+        eng.close()
+    return [(r.output_ids, torch.stack(rows[r.request_id])) for r in reqs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["all", "0", None], ids=["cpu-experts", "layer0-cpu", "gpu-experts"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_family_gpu_engine_matches_cpu(backend, family_checkpoint, placement, eager):
+    from freetoken_cpu_moe.backend import CpuBackend
+
+    family, path = family_checkpoint
+    ref = _family_run(CpuBackend(), path, dtype="float32")
+    kw = dict(dtype="float32", enforce_eager=eager, cuda_graph_max_bs=8)
+    if placement is not None:
+        kw["moe_cpu_layers"] = placement
+    got = _family_run(backend, path, **kw)
+    for (ids, logits), (ref_ids, ref_logits) in zip(got, ref):
+        scale = ref_logits.abs().max()
+        n = min(len(ids), len(ref_ids))
+        same = next((i for i in range(n) if ids[i] != ref_ids[i]), n)
+        err = float((logits[: same + 1] - ref_logits[: same + 1]).abs().max() / scale)
+        assert err <= 1e-3, f"{family}: logits differ by {err:.3g} of their scale"
+        assert same == n, f"{family}: greedy tokens differ at {same}: {ids} vs {ref_ids}"
