@@ -49,9 +49,27 @@ PRESETS: dict[str, ModelConfig] = {
         norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=4096,
         tie_word_embeddings=False,
     ),
+    # GPT-OSS-20B: 24 layers alternating sliding-window (128) and full attention, 32 experts
+    # of intermediate 2880, top-4; hidden 2880 is no multiple of 256, so its files are MXFP4
+    # experts with Q8_0 elsewhere (as llama.cpp's converter writes them) or all Q8_0.
+    "gpt-oss-20b": ModelConfig(
+        architecture="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64, num_kv_heads=8,
+        head_dim=64, intermediate_size=0, moe_intermediate_size=2880, num_experts=32, top_k=4,
+        norm_topk_prob=True, rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    ),
+    "gpt-oss-tiny": ModelConfig(
+        architecture="gpt_oss", vocab_size=4096, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
+        head_dim=32, intermediate_size=0, moe_intermediate_size=128, num_experts=8, top_k=2,
+        norm_topk_prob=True, rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
 }
 
-QUANTS = ("q4_k_m", "q8_0", "q4_k", "q6_k")
+QUANTS = ("q4_k_m", "q8_0", "q4_k", "q6_k", "mxfp4")
+#: GPT-OSS's hyper-parameters beyond ModelConfig (sliding window, YaRN factor and original context)
+GPT_OSS_WINDOW, GPT_OSS_YARN_FACTOR, GPT_OSS_YARN_ORIGINAL = 128, 32.0, 4096
+MXFP4 = 39  # ggml type id
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -83,10 +101,67 @@ class Planned:
     @property
     def nbytes(self) -> int:
         rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+        if self.fmt == MXFP4:
+            return rows * self.shape[-1] // 32 * 17
         return rows * row_bytes(self.fmt, self.shape[-1])
 
 
+def random_mxfp4(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """``rows`` ggml MXFP4 rows: random codes, block exponents 2^-9..2^-5 (values O(0.01))."""
+    nblk = rows * cols // 32
+    b = rng.integers(0, 256, size=(nblk, 17), dtype=np.uint8)
+    b[:, 0] = rng.integers(119, 124, size=nblk, dtype=np.uint8)
+    return b.reshape(rows, -1)
+
+
+def plan_gpt_oss(cfg: ModelConfig, quant: str) -> list[Planned]:
+    """llama.cpp's gpt-oss tensor set: Q8_0 matrices (experts MXFP4 with ``mxfp4``), F32
+    norms, biases, sinks and router."""
+    if quant not in ("mxfp4", "q8_0"):
+        raise ValueError(f"GPT-OSS files are mxfp4 or q8_0 (hidden {cfg.hidden_size} is no multiple of 256), "
+                         f"not {quant}")
+    H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
+    out: list[Planned] = []
+
+    def f32(shape: tuple[int, ...], mean: float, std: float) -> Callable[[np.random.Generator, RandomBlockPool], np.ndarray]:
+        return lambda rng, pool: (mean + std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+
+    def add(name: str, shape: tuple[int, ...], fmt: int, make=None) -> None:
+        if make is None and fmt == MXFP4:
+            rows = int(np.prod(shape[:-1]))
+            make = lambda rng, pool: random_mxfp4(rows, shape[-1], rng).reshape(*shape[:-1], -1)  # noqa: E731
+        elif make is None:
+            rows = int(np.prod(shape[:-1]))
+            make = lambda rng, pool: pool.blocks(fmt, rows, shape[-1]).reshape(*shape[:-1], -1)  # noqa: E731
+        out.append(Planned(name, shape, fmt, make))
+
+    experts = MXFP4 if quant == "mxfp4" else Fmt.Q8_0
+    add("token_embd.weight", (cfg.vocab_size, H), Fmt.Q8_0)
+    for i in range(L):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", (H,), Fmt.F32, f32((H,), 1.0, 0.05))
+        add(b + "post_attention_norm.weight", (H,), Fmt.F32, f32((H,), 1.0, 0.05))
+        for n, rows in (("attn_q", cfg.num_heads * D), ("attn_k", cfg.num_kv_heads * D), ("attn_v", cfg.num_kv_heads * D)):
+            add(b + n + ".weight", (rows, H), Fmt.Q8_0)
+            add(b + n + ".bias", (rows,), Fmt.F32, f32((rows,), 0.0, 0.02))
+        add(b + "attn_output.weight", (H, cfg.num_heads * D), Fmt.Q8_0)
+        add(b + "attn_output.bias", (H,), Fmt.F32, f32((H,), 0.0, 0.02))
+        add(b + "attn_sinks.weight", (cfg.num_heads,), Fmt.F32, f32((cfg.num_heads,), 0.0, 1.0))
+        add(b + "ffn_gate_inp.weight", (E, H), Fmt.F32, f32((E, H), 0.0, 0.02))
+        add(b + "ffn_gate_inp.bias", (E,), Fmt.F32, f32((E,), 0.0, 0.02))
+        for r, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I))):
+            add(b + f"ffn_{r}_exps.weight", shape, experts)
+            add(b + f"ffn_{r}_exps.bias", shape[:2], Fmt.F32, f32(shape[:2], 0.0, 0.02))
+    add("output_norm.weight", (H,), Fmt.F32, f32((H,), 1.0, 0.05))
+    add("output.weight", (cfg.vocab_size, H), Fmt.Q8_0)
+    return out
+
+
 def plan(cfg: ModelConfig, quant: str) -> list[Planned]:
+    if cfg.architecture == "gpt_oss":
+        return plan_gpt_oss(cfg, quant)
+    if quant == "mxfp4":
+        raise ValueError("mxfp4 is for GPT-OSS presets (its experts); use q4_k_m, q8_0, q4_k or q6_k")
     def packed(shape: tuple[int, ...], fmt: int) -> Callable[[np.random.Generator, RandomBlockPool], np.ndarray]:
         rows = int(np.prod(shape[:-1]))
         return lambda rng, pool: pool.blocks(fmt, rows, shape[-1]).reshape(*shape[:-1], -1)
@@ -146,15 +221,23 @@ def write(path: str, cfg: ModelConfig, quant: str, seed: int = 0, progress: bool
     from freetoken.loading.gguf_writer import ARCH, write_ids_only_vocab, write_qwen3moe_metadata
 
     tensors = plan(cfg, quant)
-    w = gguf.GGUFWriter(path, ARCH)
-    write_qwen3moe_metadata(w, cfg, f"synthetic {cfg.architecture} {quant} ({cfg.num_layers} layers, random weights)")
+    name = f"synthetic {cfg.architecture} {quant} ({cfg.num_layers} layers, random weights)"
+    if cfg.architecture == "gpt_oss":
+        from freetoken.loading.gguf_writer import write_gpt_oss_metadata, write_moe_metadata
+
+        w = gguf.GGUFWriter(path, "gpt-oss")
+        write_moe_metadata(w, cfg, name)
+        write_gpt_oss_metadata(w, GPT_OSS_WINDOW, GPT_OSS_YARN_FACTOR, GPT_OSS_YARN_ORIGINAL)
+    else:
+        w = gguf.GGUFWriter(path, ARCH)
+        write_qwen3moe_metadata(w, cfg, name)
     write_ids_only_vocab(w, cfg.vocab_size)
-    w.add_uint32("general.file_type", {"q4_k_m": 15, "q8_0": 7, "q4_k": 14, "q6_k": 18}[quant])
+    w.add_uint32("general.file_type", {"q4_k_m": 15, "q8_0": 7, "q4_k": 14, "q6_k": 18, "mxfp4": 38}[quant])
     w.add_string("general.description", "random but valid blocks, written by freetoken bench make-model")
     for t in tensors:
         raw = None if t.fmt in (Fmt.F32, Fmt.F16) else gguf.GGMLQuantizationType(int(t.fmt))
         dt = np.dtype(np.float32) if t.fmt == Fmt.F32 else np.dtype(np.uint8)
-        shape = t.shape if raw is None else (*t.shape[:-1], row_bytes(t.fmt, t.shape[-1]))  # byte shape
+        shape = t.shape if raw is None else (*t.shape[:-1], t.nbytes // max(1, int(np.prod(t.shape[:-1]))))  # bytes
         w.add_tensor_info(t.name, shape, dt, t.nbytes, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -177,7 +260,7 @@ def write(path: str, cfg: ModelConfig, quant: str, seed: int = 0, progress: bool
             futures = []
             offset = data_start  # the tensor offsets write_ti_data_to_file wrote: each padded to `align`
             for t in tensors:
-                if t.fmt in (Fmt.F32, Fmt.F16):
+                if t.fmt in (Fmt.F32, Fmt.F16, MXFP4):
                     segs = [np.ascontiguousarray(t.make(rng, pool))]
                 else:
                     segs = pool.segments(t.fmt, int(np.prod(t.shape[:-1])), t.shape[-1])
