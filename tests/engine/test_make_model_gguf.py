@@ -204,7 +204,8 @@ def test_make_model_preset_shapes_fit_block_sizes():
     from freetoken.cli.bench.make_model import PRESETS, plan
 
     for name, cfg in PRESETS.items():
-        for t in plan(dataclasses.replace(cfg, num_layers=1), "q4_k_m"):
+        quant = "q8_0" if cfg.architecture == "gpt_oss" else "q4_k_m"  # GPT-OSS: hidden 2880, 32-value blocks
+        for t in plan(dataclasses.replace(cfg, num_layers=1), quant):
             if t.fmt not in (Fmt.F32, Fmt.F16):
                 assert t.shape[-1] % BLOCK_SIZES[int(t.fmt)][0] == 0, (name, t.name)
 
