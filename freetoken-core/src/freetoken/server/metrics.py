@@ -50,6 +50,8 @@ class _EngineCollector(Collector):
                                                "(hit rate: hits / queries).", "prefix_cache_queries"),
             "freetoken_prefix_cache_hits": ("Prompt tokens found in the prefix cache (not computed).",
                                             "prefix_cache_hits"),
+            "freetoken_engine_preemptions": ("Requests preempted for lack of KV cache (recomputed later).",
+                                             "num_preemptions"),
         }
         for name, (doc, attr) in counters.items():
             value = getattr(stats, attr, None) if stats is not None else None
