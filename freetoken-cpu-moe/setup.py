@@ -46,6 +46,12 @@ ISA_FLAGS = {
         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
         "-Wno-uninitialized", "-Wno-maybe-uninitialized",  # false positives in gcc 12 intrinsic headers
     ],
+    "isa_amx.cpp": [
+        "-mavx2", "-mfma", "-mf16c", "-mbmi2",
+        "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16",
+        "-mamx-tile", "-mamx-int8", "-mamx-bf16",
+        "-Wno-uninitialized", "-Wno-maybe-uninitialized",
+    ],
 }
 
 
@@ -66,7 +72,7 @@ class IsaBuildExt(build_ext):
 
 SOURCES = [
     "bindings.cpp", "coordinator.cpp", "dispatch.cpp", "host_driver.cpp", "moe.cpp", "pool.cpp", "stream.cpp",
-    "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp",
+    "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_amx.cpp",
 ]
 
 CORE_INCLUDE = freetoken_include()

@@ -133,6 +133,7 @@ struct KernelTable {
 const KernelTable* kernels_scalar();
 const KernelTable* kernels_avx2();
 const KernelTable* kernels_avx512();
+const KernelTable* kernels_amx();
 
 // ---- bit-exact scalar conversions -------------------------------------------
 static inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }

@@ -4,6 +4,12 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace ft {
 namespace {
 
@@ -14,6 +20,27 @@ bool cpu_has_avx512() {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") &&
            __builtin_cpu_supports("fma");
+#else
+    return false;
+#endif
+}
+
+// AMX tiles (INT8 and BF16) and AVX512-BF16, and the kernel's permission to use the
+// tile data state: Linux hands it out per process on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile instruction
+// faults. Asked once; a refusal (old kernel, a sandbox) leaves the tier out.
+bool cpu_has_amx() {
+#if defined(__x86_64__) && defined(__linux__)
+    static const bool ok = [] {
+        if (!cpu_has_avx512()) return false;
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        const bool tiles = (d >> 24 & 1) && (d >> 25 & 1) && (d >> 22 & 1);  // AMX-TILE, AMX-INT8, AMX-BF16
+        if (!tiles || !__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a >> 5 & 1)) return false;  // AVX512-BF16
+        constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return ok;
 #else
     return false;
 #endif
@@ -49,6 +76,7 @@ std::atomic<const KernelTable*>& active_slot() {
 
 std::vector<std::string> isa_tiers() {
     std::vector<std::string> out;
+    if (cpu_has_amx()) out.push_back("amx");
     if (cpu_has_avx512()) out.push_back("avx512");
     if (cpu_has_avx2()) out.push_back("avx2");
     out.push_back("scalar");
@@ -56,10 +84,11 @@ std::vector<std::string> isa_tiers() {
 }
 
 const KernelTable* kernels_by_name(const std::string& name) {
+    if (name == "amx") return kernels_amx();
     if (name == "avx512") return kernels_avx512();
     if (name == "avx2") return kernels_avx2();
     if (name == "scalar") return kernels_scalar();
-    throw std::invalid_argument("unknown ISA tier '" + name + "' (expected avx512, avx2 or scalar)");
+    throw std::invalid_argument("unknown ISA tier '" + name + "' (expected amx, avx512, avx2 or scalar)");
 }
 
 const KernelTable* active_kernels() { return active_slot().load(std::memory_order_acquire); }

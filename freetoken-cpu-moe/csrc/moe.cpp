@@ -89,6 +89,10 @@ void store_row(uint32_t fmt, void* dst, const float* src, uint32_t n, bool accum
     }
 }
 
+// Tokens per call from which linear_forward splits tokens instead of rows (the
+// smallest count any tier's matrix path takes).
+constexpr uint32_t kManyTokens = 8;
+
 size_t dtype_size(uint32_t f) { return f == FT_FMT_F32 ? 4 : 2; }
 
 uint32_t pick_chunk(uint32_t rows, int nthreads, uint32_t per_thread, uint32_t minimum) {
@@ -374,12 +378,29 @@ void linear_forward(const ft_weight_desc& w, const void* x, uint32_t x_fmt, uint
     ws.xptr.resize(T);
     for (uint32_t t = 0; t < T; ++t)
         ws.xptr[t] = kx == ACT_F32 ? (const void*)(xf + (size_t)t * C) : (const void*)(xq + (size_t)t * bx);
-    const uint32_t chunk = pick_chunk(R, nth, 8, 16);
-    const int items = (int)((R + chunk - 1) / chunk);
+    // Few tokens: short row chunks, all tokens (the weights are read once per call).
+    // Many tokens (prefill): the kernels' matrix path packs the tokens of a call once,
+    // so calls get long row chunks (multiples of its 16-row tiles, at least 128 rows)
+    // and the tokens are split instead, in groups of whole 16-token tiles with the
+    // remainder in the last group (every group keeps >= 16 tokens, so each token takes
+    // the same kernel path whatever the number of workers).
+    uint32_t chunk = pick_chunk(R, nth, 8, 16), tchunk = T, tgroups = 1;
+    if (T >= kManyTokens) {
+        const uint32_t row_items = std::max(1u, std::min((R + 127) / 128, 4u * (uint32_t)nth));
+        chunk = std::min(R, (((R + row_items - 1) / row_items) + 15) & ~15u);
+        const uint32_t nrow = (R + chunk - 1) / chunk;
+        const uint32_t want_t = std::max(1u, (4u * (uint32_t)nth + nrow - 1) / nrow);
+        tchunk = std::max(16u, ((T + want_t - 1) / want_t + 15) & ~15u);
+        tgroups = std::max(1u, T / tchunk);
+    }
+    const uint32_t nrow = (R + chunk - 1) / chunk;
+    const int items = (int)(nrow * tgroups);
     pool.parallel_for(items, [&](int it, int) {
-        const uint32_t r0 = (uint32_t)it * chunk, r1 = std::min(R, r0 + chunk);
-        k.dot_rows(w, 0, r0, r1, ws.xptr.data(), T, yacc + r0, R);
-        for (uint32_t t = 0; t < T; ++t)
+        const uint32_t rc = (uint32_t)it % nrow, tg = (uint32_t)it / nrow;
+        const uint32_t r0 = rc * chunk, r1 = std::min(R, r0 + chunk);
+        const uint32_t t0 = tg * tchunk, t1 = tg + 1 == tgroups ? T : t0 + tchunk;
+        k.dot_rows(w, 0, r0, r1, ws.xptr.data() + t0, t1 - t0, yacc + (size_t)t0 * R + r0, R);
+        for (uint32_t t = t0; t < t1; ++t)
             store_row(y_fmt, (uint8_t*)y + ((size_t)t * R + r0) * ysz, yacc + (size_t)t * R + r0, r1 - r0, accumulate);
     });
 }
