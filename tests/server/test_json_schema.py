@@ -159,3 +159,145 @@ def test_unsupported_keywords_are_named() -> None:
     for schema, word in [({"type": "array", "uniqueItems": True}, "uniqueItems"), ({"not": {"type": "string"}}, "not")]:
         with pytest.raises(SchemaError, match=word):
             schema_grammar(schema)
+
+
+# ------------------------------------------------------------- closable within max_tokens
+
+
+def _random_output(c: Any, budget: int, rng: random.Random, vocab: int, greedy: bool) -> list[int]:
+    """Tokens the engine's own sampler picks from random logits under ``c`` with ``budget`` tokens."""
+    import torch
+
+    from freetoken.engine.sampling import constrained_pick
+    from freetoken.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=budget)
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    ids: list[int] = []
+    while not c.is_complete() and len(ids) < budget:
+        row = torch.randn(vocab, generator=gen) * 4
+        tok, _ = constrained_pick(row, row, params, c, budget - len(ids), gen)
+        c.advance(tok)
+        ids.append(tok)
+        if tok in c.vocab.eos_ids:
+            break
+    return ids
+
+
+def test_outputs_close_within_max_tokens(tokenizer: Any) -> None:
+    """From the closing of the empty output (the least budget that can be kept) upwards,
+    every output the sampler draws is complete JSON valid against its schema and fits the budget."""
+    rng = random.Random(3)
+    for name, schema in SCHEMAS.items():
+        grammar = compile_schema(tokenizer, schema)
+        least = len(schema_constraint(tokenizer, grammar)._state().closing or [])
+        assert 0 < least < 60, name
+        for budget in [least, least + 1, least + 3, least + 9, least + 30]:
+            for greedy in (False, True):
+                ids = _random_output(schema_constraint(tokenizer, grammar), budget, rng, tokenizer.vocab_size, greedy)
+                assert len(ids) <= budget
+                text = tokenizer.decode([t for t in ids if t not in tokenizer.eos_token_ids])
+                jsonschema.validate(json.loads(text), schema)
+
+
+def test_too_small_a_budget_is_left_to_the_grammar(tokenizer: Any) -> None:
+    grammar = compile_schema(tokenizer, SCHEMAS["nested"])
+    least = len(schema_constraint(tokenizer, grammar)._state().closing or [])
+    ids = _random_output(schema_constraint(tokenizer, grammar), least - 1, random.Random(0), tokenizer.vocab_size, False)
+    assert len(ids) == least - 1
+    text = tokenizer.decode(ids)
+    with pytest.raises(ValueError):
+        json.loads(text)  # a prefix of a document, cut at the budget
+
+
+def test_closing_walk_finishes_the_document(tokenizer: Any) -> None:
+    """The closing from random states of random outputs is accepted by llguidance and the
+    result validates (the walk is checked against the schema, not against itself)."""
+    from freetoken.server.grammar_closing import closing_tokens
+
+    rng = random.Random(5)
+    for name, schema in SCHEMAS.items():
+        grammar = compile_schema(tokenizer, schema)
+        for _ in range(4):
+            c = schema_constraint(tokenizer, grammar)
+            prefix = _random_output(c, rng.randrange(1, 30), rng, tokenizer.vocab_size, False)
+            if c.is_complete() or prefix[-1] in tokenizer.eos_token_ids:
+                continue
+            c._state()
+            closing = closing_tokens(c.matcher, c.vocab.closing_candidates, c.vocab.eos)
+            assert closing is not None, name
+            m = c.matcher.deep_copy()
+            assert m.consume_tokens(closing) and (m.is_stopped() or m.is_accepting())
+            ids = [t for t in prefix + closing if t not in tokenizer.eos_token_ids]
+            jsonschema.validate(json.loads(tokenizer.decode(ids)), schema)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_small_max_tokens_still_give_valid_json(client: openai.OpenAI, tokenizer: Any, choice: Any) -> None:
+    """max_tokens from the closing of the empty output (in-process, same tokenizer) up:
+    "stop" ("tool_calls") and valid JSON, within max_tokens."""
+    from freetoken.server.tool_calls import HermesFormat
+    from freetoken.server.tool_constraint import call_grammar, tool_call_constraint
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    names = sorted(schemas) if choice == "required" else ["get_weather"]
+    call = tool_call_constraint(tokenizer, HermesFormat(), names,
+                                call_grammar(HermesFormat(), {n: schemas[n] for n in names}))
+    least_call = len(call._state().closing or [])
+    least_doc = len(schema_constraint(tokenizer, compile_schema(tokenizer, SCHEMAS["nested"]))._state().closing or [])
+    for i, extra in enumerate([0, 2, 7]):
+        r = client.chat.completions.create(model="demo", messages=ASK, max_tokens=least_doc + extra, temperature=1.0,
+                                           seed=i, response_format=_format("nested", True))  # type: ignore[arg-type]
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= least_doc + extra
+        jsonschema.validate(json.loads(r.choices[0].message.content or ""), SCHEMAS["nested"])
+        r = client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+                                           max_tokens=least_call + extra, temperature=1.0, seed=i)
+        (made,) = r.choices[0].message.tool_calls or []
+        assert r.choices[0].finish_reason == "tool_calls" and r.usage.completion_tokens <= least_call + extra
+        fn = made.function  # type: ignore[union-attr]
+        jsonschema.validate(json.loads(fn.arguments), schemas[fn.name])
+
+
+def test_below_the_closing_the_answer_is_cut_with_length(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="demo", messages=ASK, max_tokens=8, temperature=1.0, seed=1,
+                                       response_format=_format("nested", True))  # type: ignore[arg-type]
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    assert (r.choices[0].message.content or "").startswith("{")
+
+
+# ------------------------------------------------------------------- masks off the engine step
+
+
+def test_masks_are_computed_while_the_engine_runs_its_forward_pass(tokenizer: Any) -> None:
+    """The next state's mask is computed while the batch's forward pass runs: with masks
+    made 10 ms slower (sleeping, as llguidance's native code runs without the GIL) and a
+    20 ms forward pass between steps, the engine's thread hardly waits; without a forward
+    pass it waits for all of it."""
+    import time
+
+    from freetoken.server.schema_constraint import SchemaConstraint, grammar_vocab
+
+    class SlowMasks(SchemaConstraint):
+        def _compute(self) -> Any:
+            time.sleep(0.01)
+            return super()._compute()
+
+    grammar = compile_schema(tokenizer, SCHEMAS["nested"])
+    for forward_s in (0.02, 0.0):
+        c = SlowMasks(grammar_vocab(tokenizer), grammar)
+        rng = random.Random(0)
+        for _ in range(15):
+            time.sleep(forward_s)
+            mask = c.allowed_mask(tokenizer.vocab_size, 10_000)
+            allowed = [t for t in mask.nonzero().flatten().tolist() if t not in tokenizer.eos_token_ids]
+            c.advance(rng.choice(allowed))
+            if c.is_complete():
+                break
+        t = c.timing
+        slow = 0.01 * t.states + t.computed  # what the masks took (the sleeps are not on their own clock)
+        assert t.states >= 5, t
+        if forward_s:
+            assert t.waited < 0.2 * slow, t
+        else:
+            assert t.waited > 0.8 * slow, t

@@ -48,6 +48,19 @@ def candidate_tokens(token_bytes: list[bytes], special: set[int]) -> list[int]:
     return out
 
 
+def still_closes(matcher: Any, closing: list[int], eos: int) -> bool:
+    """Whether ``closing`` (a closing found from an earlier state) also finishes the
+    document from ``matcher``'s state: one ``validate_tokens`` call, much cheaper than a walk."""
+    return still_closes_after(matcher, None, closing, eos)
+
+
+def still_closes_after(matcher: Any, token: Optional[int], closing: list[int], eos: int) -> bool:
+    """Whether ``token`` (None: nothing) then ``closing`` finish the document from
+    ``matcher``'s state (left unchanged)."""
+    body = ([] if token is None else [token]) + (closing[:-1] if closing and closing[-1] == eos else closing)
+    return matcher.validate_tokens(body + [eos]) == len(body) + 1
+
+
 def closing_tokens(matcher: Any, candidates: list[int], eos: int, limit: int = MAX_CLOSING) -> Optional[list[int]]:
     """The tokens that finish the document from ``matcher``'s state (left unchanged): the
     walk described above; an EOS last if the grammar needs one to end. None when the

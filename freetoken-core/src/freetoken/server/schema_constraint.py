@@ -36,7 +36,13 @@ import numpy as np
 import torch
 
 from freetoken.engine.token_texts import PerTokenizer
-from freetoken.server.grammar_closing import candidate_tokens, closing_tokens
+from freetoken.server.grammar_closing import (
+    MAX_CLOSING,
+    candidate_tokens,
+    closing_tokens,
+    still_closes,
+    still_closes_after,
+)
 
 #: options applied to every schema: compact output, unknown keywords are errors
 _OVERRIDES = {"whitespace_flexible": False, "lenient": False}
@@ -258,6 +264,8 @@ class SchemaConstraint:
         # the matcher is busy while a state is computed (llguidance refuses a second
         # borrower), so completion is kept here
         self._stopped = self.matcher.is_stopped()
+        self._remaining: Optional[int] = None  # the budget at the state being computed, when known
+        self._last_closing: Optional[list[int]] = None
         self._info: Optional[_StateInfo] = None  # of the current state, once waited for
         self._pending: Optional[Future[_StateInfo]] = _MASK_POOL.submit(self._compute)
 
@@ -265,8 +273,21 @@ class SchemaConstraint:
         t0 = time.perf_counter()
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         mask = torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab.size].astype(np.bool_))
-        closing = closing_tokens(self.matcher, self.vocab.closing_candidates, self.vocab.eos)
-        return _StateInfo(mask, closing, time.perf_counter() - t0)
+        return _StateInfo(mask, self._closing(mask), time.perf_counter() - t0)
+
+    def _closing(self, mask: torch.Tensor) -> Optional[list[int]]:
+        """The closing of the current state: none needed while the budget is farther than
+        any closing; else the last state's closing (or its tail, when the token taken was
+        its first) when it still finishes the document; else a fresh walk."""
+        if self._remaining is not None and self._remaining > MAX_CLOSING + CHECK_SLACK:
+            return None
+        eos = self.vocab.eos
+        last = self._last_closing
+        if last:
+            for option in (last[1:], last):
+                if option and bool(mask[option[0]]) and still_closes(self.matcher, option, eos):
+                    return option
+        return closing_tokens(self.matcher, self.vocab.closing_candidates, eos)
 
     def _state(self) -> _StateInfo:
         if self._info is None:
@@ -290,14 +311,21 @@ class SchemaConstraint:
         slack = remaining - len(info.closing)
         return "force" if slack <= FORCE_SLACK else "check" if slack <= CHECK_SLACK else "free"
 
-    def _fits(self, token_id: int, remaining: int) -> bool:
+    def _fits(self, token_id: int, remaining: int, closing: list[int]) -> bool:
+        """Whether the output still closes within ``remaining - 1`` tokens after ``token_id``:
+        at once when the state's closing still finishes the document after it (most
+        tokens inside strings and numbers), else by a walk from the state after it."""
+        if token_id == closing[0] or (len(closing) <= remaining - 1 and still_closes_after(
+                self.matcher, token_id, closing, self.vocab.eos)):
+            return True
         m = self.matcher.deep_copy()
         if not m.consume_token(token_id):
             return False
-        closing = closing_tokens(m, self.vocab.closing_candidates, self.vocab.eos)
-        return closing is not None and len(closing) <= remaining - 1
+        after = closing_tokens(m, self.vocab.closing_candidates, self.vocab.eos)
+        return after is not None and len(after) <= remaining - 1
 
     def allows(self, token_id: int, remaining: int) -> bool:
+        self._remaining = remaining
         info = self._state()
         if not (0 <= token_id < self.vocab.size and bool(info.mask[token_id])):
             return False
@@ -305,10 +333,11 @@ class SchemaConstraint:
         if zone == "force":
             return token_id == info.closing[0]  # type: ignore[index]
         if zone == "check" and not self._stopped:
-            return token_id in self.vocab.eos_ids or self._fits(token_id, remaining)
+            return token_id in self.vocab.eos_ids or self._fits(token_id, remaining, info.closing)  # type: ignore[arg-type]
         return True
 
     def allowed_mask(self, vocab_size: int, remaining: int) -> torch.Tensor:
+        self._remaining = remaining
         info = self._state()
         mask = info.mask
         if self._zone(info, remaining) == "force":
@@ -323,8 +352,10 @@ class SchemaConstraint:
         return info.closing[0] if info.closing else None
 
     def advance(self, token_id: int) -> None:
-        self._state()  # the background computation is done with the matcher
+        self._last_closing = self._state().closing  # (the background computation is done with the matcher)
         self._info = None
+        if self._remaining is not None:
+            self._remaining -= 1
         if not self.matcher.consume_token(token_id):
             raise ValueError(f"token {token_id} cannot follow the grammar state: {self.matcher.get_error()}")
         self._stopped = self.matcher.is_stopped()
