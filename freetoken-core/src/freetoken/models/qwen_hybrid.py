@@ -220,6 +220,10 @@ class QwenHybridModel:
                 self._attention(L, i, source, names, policy)
                 L.kv_index = kv_index[i]
             L.moe = L.shared = L.shared_down = L.shared_gate = L.mlp = None
+            if (names.gguf and c.is_moe_layer(i) and not source.has(names.layer(i, "router"))
+                    and source.has(names.layer(i, "mlp_gate"))):
+                # GGUF metadata has no mlp_only_layers: a layer with a dense MLP says so by its tensors
+                c.mlp_only_layers = tuple(sorted({*c.mlp_only_layers, i}))
             if c.is_moe_layer(i):
                 L.moe = MoELayer(i, policy.router(n("router")), self._experts(i, source, names), c.top_k,
                                  c.norm_topk_prob)  # fmt: skip
