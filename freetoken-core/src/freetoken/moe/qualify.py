@@ -210,6 +210,8 @@ def qualify(
     sync_mode = layer.sync_mode(chosen)
     if not settings.enabled:
         reasons.append("decode graphs are configured off: eager check only")
+    elif backend.graph_capture() is None:
+        reasons.append(f"backend {backend.name} cannot capture graphs: eager only")
     elif not layer.graph_capable(chosen):
         msg = f"{chosen.value} with {sync_mode} cannot be captured here: decode graphs turned off"
         log.warning(msg)
