@@ -26,7 +26,12 @@ _QWEN2_REGEX = (
 _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_REGEX = {"qwen2": _QWEN2_REGEX, "llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX}
+# Qwen3.5/3.6: letters with their combining marks (\p{M}) stay in one piece
+_QWEN35_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_PRE_REGEX = {"qwen2": _QWEN2_REGEX, "qwen35": _QWEN35_REGEX, "llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX}
 
 
 #: ``tokenizer.ggml.model`` values llama.cpp reads as a vocabulary without text.
