@@ -121,3 +121,43 @@ def test_family_gpu_engine_matches_cpu(backend, family_checkpoint, placement, ea
         err = float((logits[: same + 1] - ref_logits[: same + 1]).abs().max() / scale)
         assert err <= 1e-3, f"{family}: logits differ by {err:.3g} of their scale"
         assert same == n, f"{family}: greedy tokens differ at {same}: {ids} vs {ref_ids}"
+
+
+# --------------------------------------------------------------------------------------
+# the Gated DeltaNet hybrids (qwen3_5_moe, qwen3_next): recurrent state on the device
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
+def hybrid_checkpoint(request, tmp_path_factory):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))
+    from qwen35_helpers import make_hf
+
+    path = str(tmp_path_factory.mktemp(f"hybrid-{request.param}"))
+    make_hf(request.param, path, 4321)
+    return request.param, path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["all", None], ids=["cpu-experts", "gpu-experts"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_hybrid_gpu_engine_matches_cpu(backend, hybrid_checkpoint, placement, eager):
+    """Greedy tokens and logits of the hybrids on the GPU engine (DeltaNet state in device
+    slots, decode graphs reading the staged slot buffer; padding rows on the scratch slot)
+    against the CPU engine. Six prompts with max_running_requests 4 also move slots between
+    requests as they finish."""
+    from freetoken_cpu_moe.backend import CpuBackend
+
+    family, path = hybrid_checkpoint
+    ref = _family_run(CpuBackend(), path, dtype="float32", max_running_requests=4)
+    kw = dict(dtype="float32", enforce_eager=eager, cuda_graph_max_bs=8, max_running_requests=4)
+    if placement is not None:
+        kw["moe_cpu_layers"] = placement
+    got = _family_run(backend, path, **kw)
+    for (ids, logits), (ref_ids, ref_logits) in zip(got, ref):
+        scale = ref_logits.abs().max()
+        n = min(len(ids), len(ref_ids))
+        same = next((i for i in range(n) if ids[i] != ref_ids[i]), n)
+        err = float((logits[: same + 1] - ref_logits[: same + 1]).abs().max() / scale)
+        assert err <= 2e-3, f"{family}: logits differ by {err:.3g} of their scale"
+        assert same == n, f"{family}: greedy tokens differ at {same}: {ids} vs {ref_ids}"
