@@ -16,6 +16,7 @@ the BF16 kernels (``pytest tests/gpu/test_packed_experts.py -m gpu -k timing -s`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -49,6 +50,9 @@ E, H, I = 6, 512, 256
 Q4, Q5, Q6, Q8 = int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K), int(Fmt.Q8_0)
 #: one program per route / token in the interpreter; the GPU's default tiles elsewhere
 WIDE = triton_moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256)
+#: the tiles of the tests that do not choose their own: WIDE in the interpreter, the
+#: default ones compiled on a GPU (WIDE's tiles take minutes to compile there)
+BASE = WIDE if INTERPRET else triton_moe_packed.DEFAULT_CONFIG
 #: several programs and steps, steps smaller than a 256-value block (offsets inside blocks)
 NARROW = triton_moe_packed.PackedConfig(block_i=128, block_h=128, block_n=256, block_r=64)
 FP32_TOL, BF16_TOL = 1e-5, 1e-2
@@ -99,7 +103,7 @@ def check_rows(out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
 
 def run_case(
     fmts: tuple[int, int, int], tokens: int, top_k: int, seed: int, xdtype: torch.dtype = torch.float32,
-    outdtype: torch.dtype = torch.float32, config: triton_moe_packed.PackedConfig = WIDE, tol: float = FP32_TOL,
+    outdtype: torch.dtype = torch.float32, config: triton_moe_packed.PackedConfig = BASE, tol: float = FP32_TOL,
     **kwargs,
 ) -> PackedGpuExperts:  # fmt: skip
     (gate, up, down), (g64, u64, d64) = random_layer(fmts, seed)
@@ -149,7 +153,7 @@ def test_large_batches_dequantize_to_bf16():
     scratch = DequantScratch()
     per_route = triton_moe.BlockConfig(block_i=64, block_h=128, block_n=128, block_r=128)
     tiled = triton_moe.BlockConfig(block_i=64, block_h=128, block_n=128, block_r=128, route_kernels_max_routes=0)
-    small = triton_moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256, max_routes=2)
+    small = dataclasses.replace(BASE, max_routes=2)
     for bf16_config in (per_route, tiled):
         experts = run_case((Q4, Q4, Q6), 3, 4, seed=5, config=small, tol=DEQUANT_TOL, scratch=scratch,
                            bf16_config=bf16_config)  # fmt: skip
@@ -157,10 +161,31 @@ def test_large_batches_dequantize_to_bf16():
     assert scratch.nbytes == 3 * E * H * I * 2
 
 
+@pytest.mark.parametrize("fmt", [Q4, Q5, Q6, Q8])
+def test_dequantize_experts_kernel(fmt):
+    """The one-launch dequantization (the large-batch path on a GPU) equals gguf-py's, for a
+    range of experts inside the stack; rows outside the range are not written."""
+    rng = np.random.default_rng(fmt)
+    rows, cols = 48, 512
+    raw, ref = packed_stack(fmt, rows, cols, rng, "s")
+    stack = triton_moe_packed.PackedStack.from_bytes(torch.from_numpy(np.ascontiguousarray(raw.data)).reshape(-1).to(DEV),
+                                                     fmt, E, rows, cols)
+    # float32: the same arithmetic as gguf-py, bit for bit; bfloat16: one rounding (the
+    # interpreter truncates, hence 2^-7 rather than 2^-8)
+    for dtype, rtol in ((torch.float32, 0.0), (torch.bfloat16, 2**-7)):
+        out = torch.full((3, rows, cols), float("nan"), dtype=dtype, device=DEV)
+        triton_moe_packed.dequantize_experts(stack, out, first=2, count=3)
+        got = out.double().cpu()
+        assert torch.isfinite(got).all()
+        assert torch.allclose(got, ref[2:5], rtol=rtol, atol=0.0), dtype
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_moe_packed.dequantize_experts(stack, torch.empty(2, rows, cols, device=DEV), first=0, count=3)
+
+
 def test_device_bytes_construction_and_warmup():
     (gate, up, down), _ = random_layer((Q4, Q4, Q6), seed=6)
     layer = ExpertWeights(gate=gate, up=up, down=down, num_experts=E, hidden=H, intermediate=I)
-    experts = PackedGpuExperts.from_expert_weights(layer, DEV, config=WIDE)
+    experts = PackedGpuExperts.from_expert_weights(layer, DEV, config=BASE)
     assert experts.file_bytes == layer.nbytes
     assert experts.device_bytes <= 1.05 * layer.nbytes
     assert experts.device_bytes == E * I * (H // 256) * 144 * 2 + E * H * (I // 256) * 210
@@ -252,9 +277,9 @@ def _qwen3_layer(num_experts: int, fmts: tuple[int, int, int], seed: int, refere
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,top_k", [(1, 8), (4, 8), (16, 8), (64, 8)])
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (3, 8), (16, 8), (64, 8), (512, 8)])
 def test_gpu_qwen3_sizes(tokens, top_k):
-    """Default tiles at H=2048, I=768 (16, 4 tokens: packed kernels; 64: dequantized BF16)."""
+    """Default tiles at H=2048, I=768 (1, 3, 16 tokens: packed kernels; 64, 512: dequantized BF16)."""
     (gate, up, down), (g64, u64, d64) = _qwen3_layer(16, (Q4, Q4, Q6), seed=tokens, reference=True)
     experts = PackedGpuExperts(gate, up, down, "cuda")
     gen = torch.Generator().manual_seed(tokens)

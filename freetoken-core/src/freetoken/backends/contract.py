@@ -394,6 +394,7 @@ class EngineOptions:
     max_running_requests: int = 16
     max_model_len: int = 4096
     kv_block_size: int = 16
+    kv_cache_tokens: Optional[int] = None  # an explicit KV cache size (the plan keeps room for it)
     moe: MoEOptions = dataclasses.field(default_factory=lambda: MoEOptions())
 
 

@@ -60,6 +60,7 @@ class EngineConfig:
             graph_max_batch_size=self.cuda_graph_max_bs, gpu_memory_limit=self.gpu_memory_limit,
             gpu_memory_utilization=self.gpu_memory_utilization, max_running_requests=self.max_running_requests,
             max_model_len=self.max_model_len or 0, kv_block_size=self.kv_block_size,
+            kv_cache_tokens=self.kv_cache_tokens,
             moe=MoEOptions(
                 gpu_experts=self.moe_gpu_experts,
                 cache_bytes=int(self.moe_cache_size) if self.moe_cache_size >= 1 else 0,

@@ -68,8 +68,9 @@ class DequantScratch:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
 
-def _stack_to_device(raw: "RawTensor", device: Any) -> Any:
-    """The raw tensor's bytes (``[E, rows, row_bytes]``) on ``device``, copied once."""
+def _stack_to_device(raw: "RawTensor", device: Any, on_device: Any = None) -> Any:
+    """The raw tensor's bytes (``[E, rows, row_bytes]``) on ``device``: copied once, or
+    ``on_device`` (uint8, the same bytes already there) used as it is."""
     import torch
 
     from freetoken.moe import triton_moe_packed as tp
@@ -77,14 +78,16 @@ def _stack_to_device(raw: "RawTensor", device: Any) -> Any:
     if len(raw.shape) != 3:
         raise ValueError(f"{raw.source}: expert stack {raw.name} must be [E, rows, cols], got {list(raw.shape)}")
     e, rows, cols = (int(s) for s in raw.shape)
-    data = raw.raw_torch()
-    if data.dtype == torch.int8:
-        data = data.view(torch.uint8)
     if int(raw.fmt) not in tp.FORMATS:
         raise ValueError(
             f"{raw.source}: expert stack {raw.name} is ggml type {int(raw.fmt)}; packed GPU experts hold "
             f"{', '.join(tp.FORMAT_NAMES.values())} (dequantize other formats with GpuExperts)"
         )
+    if on_device is not None:
+        return tp.PackedStack.from_bytes(on_device, raw.fmt, e, rows, cols)
+    data = raw.raw_torch()
+    if data.dtype == torch.int8:
+        data = data.view(torch.uint8)
     return tp.PackedStack.from_bytes(data.reshape(-1).to(device), raw.fmt, e, rows, cols)
 
 
@@ -92,6 +95,7 @@ class PackedGpuExperts:
     def __init__(
         self, gate: "RawTensor", up: "RawTensor", down: "RawTensor", device: Any, activation: str = "silu",
         config: Any = None, scratch: Optional[DequantScratch] = None, bf16_config: Any = None,
+        on_device: Optional[tuple[Any, Any, Any]] = None, warm: bool = True,
     ) -> None:  # fmt: skip
         import torch
 
@@ -107,7 +111,8 @@ class PackedGpuExperts:
             )
         self.device = torch.device(device)
         self.num_experts, self.intermediate, self.hidden = g_shape
-        self.gate, self.up, self.down = (_stack_to_device(t, self.device) for t in (gate, up, down))
+        placed = on_device or (None, None, None)
+        self.gate, self.up, self.down = (_stack_to_device(t, self.device, b) for t, b in zip((gate, up, down), placed))
         self.file_bytes = int(gate.nbytes + up.nbytes + down.nbytes)
         self.activation = activation
         self.config = config or tp.DEFAULT_CONFIG
@@ -116,11 +121,21 @@ class PackedGpuExperts:
         self.scratch = scratch if scratch is not None else DequantScratch()
         self.capture_fallbacks = 0
         self._compiled: set[tuple[Any, ...]] = set()
-        self._warm_dequant()
+        if warm:
+            self._warm_dequant()
 
     @classmethod
     def from_expert_weights(cls, experts: "ExpertWeights", device: Any, **kwargs: Any) -> "PackedGpuExperts":
         return cls(experts.gate, experts.up, experts.down, device, **kwargs)
+
+    @classmethod
+    def over_device_bytes(
+        cls, experts: "ExpertWeights", data: tuple[Any, Any, Any], device: Any, **kwargs: Any
+    ) -> "PackedGpuExperts":
+        """Experts whose bytes are already on the device (``data``: uint8 gate, up, down,
+        e.g. a streaming buffer or cache slots), nothing copied; for eager use (the capture
+        fallback's constants are not prepared)."""
+        return cls(experts.gate, experts.up, experts.down, device, on_device=data, warm=False, **kwargs)
 
     @property
     def device_bytes(self) -> int:
@@ -190,12 +205,16 @@ class PackedGpuExperts:
         import torch
 
         from freetoken.loading.dequant import dequantize
+        from freetoken.moe.triton_moe_packed import dequantize_experts
 
         out = []
         for name, s in (("gate", self.gate), ("up", self.up), ("down", self.down)):
             shape = (self.num_experts, s.rows, s.cols)
             buf = self.scratch.get(name, shape, torch.bfloat16, self.device)
-            dequantize(s.data, s.fmt, shape, torch.bfloat16, out=buf, chunk_values=DEQUANT_CHUNK_VALUES)
+            if self.device.type == "cuda" and not torch.version.hip:
+                dequantize_experts(s, buf)  # one Triton launch per stack
+            else:
+                dequantize(s.data, s.fmt, shape, torch.bfloat16, out=buf, chunk_values=DEQUANT_CHUNK_VALUES)
             out.append(buf)
         return out[0], out[1], out[2]
 

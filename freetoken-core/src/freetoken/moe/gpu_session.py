@@ -45,7 +45,9 @@ from freetoken.backends.contract import (
     MoELayerSpec,
 )
 from freetoken.models.layers import DeviceWeightPolicy
+from freetoken.moe.expert_traffic import ExpertTraffic
 from freetoken.moe.gpu_packed_experts import DequantScratch
+from freetoken.moe.placement import Placement
 from freetoken.moe.placement import cpu_layers
 
 log = logging.getLogger(__name__)
@@ -116,6 +118,8 @@ class GpuModelSession(ModelSession):
         self.gpu_experts: dict[int, Any] = {}
         self.executors: dict[int, Any] = {}
         self.dequant_scratch = DequantScratch()  # one layer's experts dequantized, shared by every layer
+        self.traffic: Optional[ExpertTraffic] = None
+        self.packed_capable = False
         self.coordinator: Any = None
         self.model: Any = None
         self.kv: Any = None
@@ -149,12 +153,17 @@ class GpuModelSession(ModelSession):
         budget = min(caps.values()) if caps else None
         budget_from = min(caps, key=lambda k: caps[k]) if caps else None
         ctx = o.max_model_len or MIN_KV_TOKENS
-        kv_min = min(ctx, MIN_KV_TOKENS) * shape.kv_bytes_per_token
+        kv_tokens = o.kv_cache_tokens or min(ctx, MIN_KV_TOKENS)  # an explicit KV cache size is kept in full
+        kv_min = kv_tokens * shape.kv_bytes_per_token
         reserve = RESERVE_BYTES if budget is not None else 0
         cache = o.moe.cache_bytes or (int(o.moe.cache_fraction * budget) if budget else 0)
-        # the prefill of packed (or streamed) experts dequantizes one layer at a time
-        scratch = dequantized if (packed or o.moe.stream_prefill != "off") and n else 0
-        fixed = reserve + shape.dense_bytes + kv_min + cache + scratch
+        # the prefill of packed (or streamed) experts dequantizes one layer at a time; streaming
+        # double-buffers one layer's bytes
+        streams = o.moe.stream_prefill != "off" and n > 0
+        scratch = dequantized if (packed or streams) and n else 0
+        buffers = 2 * max(per_layer.values() if shape.expert_file_bytes is None else
+                          shape.expert_file_bytes.values()) if streams else 0
+        fixed = reserve + shape.dense_bytes + kv_min + cache + scratch + buffers
         if budget is None:
             default_cpu = n  # nothing to plan against: keep the experts on the host
         else:
@@ -171,21 +180,24 @@ class GpuModelSession(ModelSession):
         cpu_set = set(cpu)
         gpu = [i for i in shape.moe_layers if i not in cpu_set]
         if not cpu:
-            cache = 0  # nothing to cache
+            cache = buffers = 0  # nothing to cache or stream
         if not cpu and not packed:
             scratch = 0
         experts = sum(per_layer[i] for i in gpu)
         kv_budget = None
         if budget is not None:
-            fixed = reserve + shape.dense_bytes + kv_min + cache + scratch
+            fixed = reserve + shape.dense_bytes + kv_min + cache + scratch + buffers
             need = fixed + experts
             if need > budget:
-                self._refuse(shape, per_layer, gpu, need, budget, budget_from, fixed, cache, scratch, kv_min, reserve)
-            kv_budget = budget - reserve - shape.dense_bytes - experts - cache - scratch
+                self._refuse(shape, per_layer, gpu, need, budget, budget_from, fixed, cache, scratch + buffers, kv_min,
+                             reserve)
+            kv_budget = budget - reserve - shape.dense_bytes - experts - cache - scratch - buffers
             if self.device.type == "cuda" and total:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
         self.plan_result = MemoryPlan(budget, shape.dense_bytes, max(per_layer.values(), default=0), gpu, cpu,
-                                      kv_budget, reserve, sorted(set(gpu) & packed), experts, cache, scratch)
+                                      kv_budget, reserve, sorted(set(gpu) & packed), experts, cache, scratch + buffers)
+        self.traffic = ExpertTraffic(o.moe, self.device, self.act_dtype, shape.moe_layers, shape.top_k,
+                                     max(o.max_running_requests, 1), cache, self.packed_capable, self.dequant_scratch)
         log.info("GPU memory plan: budget %s, dense %s, experts of %d layers on the GPU (%s, %d packed), "
                  "expert cache %s, CPU layers %s", _gib(budget) if budget else "-", _gib(shape.dense_bytes),
                  len(gpu), _gib(experts), len(self.plan_result.packed_layers), _gib(cache), _ranges(cpu))
@@ -198,7 +210,8 @@ class GpuModelSession(ModelSession):
         mode = self.options.moe.gpu_experts
         if mode not in ("auto", "dequantized"):
             raise MemoryPlanError(f"--moe-gpu-experts {mode!r}: expected 'auto' or 'dequantized'")
-        if mode == "dequantized" or not shape.expert_formats or default_impl(self.device)[0] != "triton":
+        self.packed_capable = mode == "auto" and default_impl(self.device)[0] == "triton"
+        if not self.packed_capable or not shape.expert_formats:
             return set()
         return {i for i, f in shape.expert_formats.items() if all(x in PACKED_FORMATS for x in f)}
 
@@ -219,7 +232,8 @@ class GpuModelSession(ModelSession):
         if cache:
             parts.append(f"expert cache {_gib(cache)} (--moe-cache-size)")
         if scratch:
-            parts.append(f"prefill scratch {_gib(scratch)}")
+            parts.append(f"prefill scratch and streaming buffers {_gib(scratch)} (--moe-stream-prefill off saves the "
+                         f"buffers)")
         advice = (f"Keep at most {fit} layers' experts on the GPU: --moe-cpu-layers {n - min(fit, n)} (or 'all'), "
                   "or raise the GPU memory limit." if fixed <= budget else
                   "Even the dense part does not fit: raise --gpu-memory-limit/--gpu-memory-utilization, lower "
@@ -240,6 +254,8 @@ class GpuModelSession(ModelSession):
         e = spec.experts
         if on_cpu:
             self.banks[layer] = self.cpu.bank(e, spec.activation)
+            if self.traffic is not None:
+                self.traffic.add_cpu_layer(layer, e, spec.activation)
         elif layer in plan.packed_layers:
             from freetoken.moe.gpu_packed_experts import PackedGpuExperts
 
@@ -253,6 +269,8 @@ class GpuModelSession(ModelSession):
             self.gpu_experts[layer] = experts
             self.layer_fns[layer] = experts.forward
         fns = self.layer_fns
+        if self.traffic is not None:
+            return self.traffic.wrap(layer, lambda: fns[layer])
 
         def experts_fn(x: Any, ids: Any, w: Any) -> Any:
             return fns[layer](x, ids, w)
@@ -281,6 +299,9 @@ class GpuModelSession(ModelSession):
             reasons = []
         io_path = None
         sync_mode = None
+        if self.traffic is not None:
+            self.traffic.start(self.cpu, self.banks)
+            self.warnings.extend(self.traffic.notes)
         if self.banks:
             s = self.shape
             assert s is not None
@@ -320,7 +341,9 @@ class GpuModelSession(ModelSession):
         s = self.shape
         assert s is not None
         for layer, bank in self.banks.items():
-            ex = HybridMoEExecutor(self.backend, layer, None, bank.address, s.top_k, io_path, self.act_dtype,
+            cached, resident = self.traffic.cached_experts(layer) if self.traffic else (None, None)
+            ex = HybridMoEExecutor(self.backend, layer, cached, bank.address, s.top_k, io_path, self.act_dtype,
+                                   placement=None if resident is None else Placement(resident),
                                    coordinator=self.coordinator, sync_mode=mode, hidden=s.hidden)
             self.executors[layer] = ex
             self.layer_fns[layer] = ex.forward
@@ -350,10 +373,13 @@ class GpuModelSession(ModelSession):
         max_blocks = (max_len + kv.block_size - 1) // kv.block_size
         if scratch is None:
             scratch = kv.allocate(1)[0]
+        top_k = self.shape.top_k if self.shape else 1
         for ex in self.executors.values():
             ex.prepare(buckets)
+            if ex.experts is not None:
+                ex.experts.warmup(buckets, top_k, self.act_dtype)
         for experts in self.gpu_experts.values():
-            experts.warmup(buckets, self.shape.top_k if self.shape else 1, self.act_dtype)
+            experts.warmup(buckets, top_k, self.act_dtype)
         capture = self.backend.graph_capture()
         assert capture is not None
         runner = DecodeGraphRunner(self._eager, capture, buckets, self.device, kv.block_size, max_blocks, scratch,
@@ -364,6 +390,9 @@ class GpuModelSession(ModelSession):
             runner.close()
             kv.free([scratch])
             raise
+        finally:
+            if self.traffic is not None:
+                self.traffic.after_capture()
         self.runner = runner
 
     # ---- steps ----------------------------------------------------------------------------
@@ -371,19 +400,21 @@ class GpuModelSession(ModelSession):
         return self.model.forward(input_ids, positions, meta, self.kv.layers)
 
     def forward(self, input_ids: Any, positions: Any, meta: Any) -> Any:
-        self._account(meta.decode)
+        busy = self._account(meta.decode)
+        if self.traffic is not None:
+            self.traffic.before_step(int(input_ids.shape[0]), bool(meta.decode), busy)
         runner = self.runner
         if runner is not None and meta.decode and len(meta.seqs) <= runner.max_batch:
             return runner.run(meta)
         return self._eager(input_ids, positions, meta)
 
-    def _account(self, decode: bool) -> None:
+    def _account(self, decode: bool) -> Optional[int]:
         """Raise the error of a failed hand-off (the coordinator counts them; the flags of
         the failed task say which layer). Time from each decode step's start to the next step's start and the CPU
         workers' busy time in it (the last 1024 decode steps), for the share of decode
         time spent on CPU experts."""
         if self.coordinator is None:
-            return
+            return None
         now = time.perf_counter_ns()
         stats = self.coordinator.stats()
         busy = int(stats.get("busy_ns", 0))
@@ -396,6 +427,7 @@ class GpuModelSession(ModelSession):
         if last is not None and last[2]:
             self._decode_samples.append((now - last[0], busy - last[1]))
         self._last = (now, busy, decode)
+        return busy
 
     # ---- diagnostics ----------------------------------------------------------------------
     def start_stage_trace(self) -> bool:
@@ -477,6 +509,8 @@ class GpuModelSession(ModelSession):
                 busy = statistics.median(s[1] for s in samples)
                 out["cpu_wait_share"] = busy / step if step else None
                 out["step_breakdown"] = {"decode_step_us": step / 1e3, "cpu_experts_us": busy / 1e3}
+        if self.traffic is not None:
+            out.update(self.traffic.report())
         if self.device.type == "cuda":
             out["gpu_memory"] = {"allocated": torch.cuda.memory_allocated(self.device),
                                  "max_allocated": torch.cuda.max_memory_allocated(self.device),
@@ -493,6 +527,8 @@ class GpuModelSession(ModelSession):
         if self.coordinator is not None:
             self.coordinator.stop()
             self.coordinator = None
+        if self.traffic is not None:
+            self.traffic.close()
 
 
 def _attention_impl(device: torch.device) -> str:

@@ -279,6 +279,40 @@ def _down_packed_kernel(
     tl.store(y_ptr + t * H + offs_n, tl.sum(tl.sum(acc, axis=2), axis=1), mask=n_ok)
 
 
+@triton.jit
+def _dequant_rows_kernel(
+    u8, i8, f16, out_ptr, first_row, ROWS,
+    NCOLS: tl.constexpr, FMT: tl.constexpr, RB: tl.constexpr, G: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """``out[r, :] = dequant(row first_row + r)`` for ``r < ROWS``, in out's dtype."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < ROWS
+    c0 = tl.program_id(1) * BLOCK_C
+    w = _dequant_tile(u8, i8, f16, (first_row + offs_r.to(tl.int64)) * RB, r_ok, c0, NCOLS, FMT, BLOCK_C, G)
+    offs_c = c0 + tl.arange(0, BLOCK_C)
+    dst = out_ptr + offs_r.to(tl.int64)[:, None] * NCOLS + offs_c[None, :]
+    tl.store(dst, tl.reshape(w, [BLOCK_R, BLOCK_C]).to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (offs_c < NCOLS)[None, :])
+
+
+def dequantize_experts(stack: PackedStack, out: Any, first: int = 0, count: Any = None) -> Any:
+    """Experts ``first .. first + count`` of ``stack`` dequantized into ``out``
+    (``[count, rows, cols]``, contiguous, BF16/FP16/FP32) on the device, in one launch."""
+    count = stack.data.shape[0] - first if count is None else int(count)
+    if tuple(out.shape) != (count, stack.rows, stack.cols) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{count}, {stack.rows}, {stack.cols}] tensor, got {tuple(out.shape)}")
+    rows = count * stack.rows
+    if rows == 0:
+        return out
+    block_r, block_c = 16, min(256, triton.next_power_of_2(stack.cols))
+    _dequant_rows_kernel[(triton.cdiv(rows, block_r), triton.cdiv(stack.cols, block_c))](
+        *stack.views(), out, first * stack.rows, rows, NCOLS=stack.cols, FMT=stack.fmt, RB=stack.row_bytes,
+        G=stack.group, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def variant_key(x: Any, ids: Any, w: Any, y: Any, config: PackedConfig = DEFAULT_CONFIG) -> tuple[Any, ...]:
     """What selects the compiled variant of a launch beyond the stacks' fixed formats and
     shapes: the config, the route count K, argument dtypes and 16-byte pointer alignment

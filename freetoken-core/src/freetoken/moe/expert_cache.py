@@ -1,0 +1,343 @@
+"""The global expert cache: GPU slots for experts of the CPU layers, from any layer.
+
+Layers whose experts stay in host memory (the CPU layers) share a budget of device slots.
+A route to a cached expert runs on the GPU, the others on the CPU workers, in the same
+step (the hybrid executor splits them by the ``resident`` row of the layer). Slots hold
+one expert each, in a pool per storage class: the checkpoint's block formats of (gate,
+up, down) when the packed kernels read them (a Q4_K_M file has layers with Q4_K and with
+Q6_K down projections: two pools), else the activation dtype; the budget is split between
+pools in proportion to their layers' bytes.
+
+Device tables, read by the kernels at every replay (never captured as constants): per
+layer ``slot [E]`` (int32, -1 = not cached) and ``resident [E]`` (bool). Changing them
+between steps keeps the decode graphs valid.
+
+After each decode step (:meth:`ExpertCache.after_step`, on the engine thread, once the
+step's routes are read back from the :class:`~freetoken.moe.moe_stats.RouteLog`):
+
+1. slots of routes that hit are marked used (LRU clock);
+2. copies finished since the last step are committed: table entries written on the
+   compute stream, so the next step uses them;
+3. with ``max_fetch`` > 0, up to that many missed experts per layer (most routed first)
+   take the least recently used slots not being filled: the victims' table entries are
+   cleared on the compute stream first, then the :class:`CopyQueue` copies the new bytes
+   into the slots after that point, on its side stream. The current and next steps never
+   wait for a copy; a slot is in no table while it is being written.
+
+The cache starts filled: each layer gets an equal share of its pool, lowest expert ids
+first (random-weight models route uniformly; real ones are then corrected by fetching).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from freetoken.moe.copy_queue import CopyQueue, CopyTicket
+from freetoken.moe.gpu_packed_experts import PACKED_FORMATS, DequantScratch
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Fetch:
+    ticket: CopyTicket
+    pool: "_Pool"
+    slot: int
+    row: int  # the layer's row in the tables
+    expert: int
+
+
+class _Pool:
+    """``slots`` experts of one storage class on the device, and their LRU bookkeeping."""
+
+    def __init__(self, key: tuple[Any, ...], rows: list[int], sample: Any, slots: int, device: torch.device,
+                 act_dtype: torch.dtype, packed: bool) -> None:  # fmt: skip
+        self.key, self.rows, self.slots, self.packed = key, rows, slots, packed
+        self.tensors: list[torch.Tensor] = []
+        self.shapes: list[tuple[int, ...]] = []
+        for t in (sample.gate, sample.up, sample.down):
+            if packed:
+                per_expert = t.nbytes // t.shape[0]
+                self.tensors.append(torch.empty(slots, per_expert, dtype=torch.uint8, device=device))
+            else:
+                self.tensors.append(torch.empty(slots, *t.shape[1:], dtype=act_dtype, device=device))
+            self.shapes.append(tuple(int(s) for s in t.shape[1:]))
+        self.bytes_per_expert = sum(x[0].numel() * x.element_size() for x in self.tensors)
+        self.last_used = np.full(slots, -1, dtype=np.int64)
+        self.owner = np.full((slots, 2), -1, dtype=np.int64)  # (row, expert) or -1 (free or being filled)
+        self.filling = np.zeros(slots, dtype=bool)
+        self.experts: Any = None  # the kernels' object over the pool
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.bytes_per_expert
+
+    def victims(self, n: int) -> np.ndarray:
+        """Up to ``n`` least recently used slots that are not being filled."""
+        free = np.flatnonzero(~self.filling)
+        if free.size == 0 or n <= 0:
+            return free[:0]
+        order = np.argsort(self.last_used[free], kind="stable")
+        return free[order[:n]]
+
+
+class ExpertCache:
+    def __init__(
+        self, layers: dict[int, Any], capacity: int, device: Any, act_dtype: torch.dtype, activation: str,
+        packed_ok: bool, copies: CopyQueue, max_fetch: int = 0, scratch: Optional[DequantScratch] = None,
+    ) -> None:  # fmt: skip
+        self.layers = dict(sorted(layers.items()))
+        self.rows = {layer: i for i, layer in enumerate(self.layers)}
+        self.device = torch.device(device)
+        self.act_dtype = act_dtype
+        self.activation = activation
+        self.copies = copies
+        self.max_fetch = max_fetch
+        self.scratch = scratch or DequantScratch()
+        first = next(iter(self.layers.values()))
+        self.num_experts = first.num_experts
+        n = len(self.layers)
+        self.slot = torch.full((n, self.num_experts), -1, dtype=torch.int32, device=self.device)
+        self.resident = torch.zeros((n, self.num_experts), dtype=torch.bool, device=self.device)
+        self.host_slot = np.full((n, self.num_experts), -1, dtype=np.int64)
+        self.pool_of_row: list[_Pool] = []
+        self.pools = self._make_pools(capacity, packed_ok)
+        self.clock = 0
+        self.pending: list[_Fetch] = []
+        self.fetched_bytes = 0
+        self.fetched_experts = 0
+        self._fill()
+
+    # ---- layout ----------------------------------------------------------------------------
+    def _make_pools(self, capacity: int, packed_ok: bool) -> list[_Pool]:
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for layer, e in self.layers.items():
+            fmts = tuple(int(t.fmt) for t in (e.gate, e.up, e.down))
+            packed = packed_ok and set(fmts) <= PACKED_FORMATS
+            key = ("packed", *fmts) if packed else ("float",)
+            groups.setdefault(key, []).append(self.rows[layer])
+        elt = torch.empty((), dtype=self.act_dtype).element_size()
+        layer_list = list(self.layers.values())
+
+        def per_expert(key: tuple[Any, ...], row: int) -> int:
+            e = layer_list[row]
+            return e.bytes_per_expert if key[0] == "packed" else 3 * e.hidden * e.intermediate * elt
+
+        total = sum(per_expert(k, r) * self.num_experts for k, rows in groups.items() for r in rows)
+        pools: list[Optional[_Pool]] = [None] * len(self.layers)
+        out = []
+        for key, rows in groups.items():
+            share = capacity * sum(per_expert(key, r) * self.num_experts for r in rows) / total
+            slots = min(int(share // per_expert(key, rows[0])), len(rows) * self.num_experts)
+            if slots <= 0:
+                continue
+            pool = _Pool(key, rows, layer_list[rows[0]], slots, self.device, self.act_dtype, key[0] == "packed")
+            pool.experts = self._kernels(pool, layer_list[rows[0]])
+            for r in rows:
+                pools[r] = pool
+            out.append(pool)
+        self.pool_of_row = pools  # type: ignore[assignment]
+        return out
+
+    def _kernels(self, pool: _Pool, sample: Any) -> Any:
+        from freetoken.moe.gpu_experts import GpuExperts
+
+        if pool.packed:
+            import dataclasses as dc
+
+            from freetoken.moe import triton_moe_packed as tp
+            from freetoken.moe.gpu_packed_experts import PackedGpuExperts
+            from freetoken.moe.layer import ExpertWeights
+
+            views = tuple(t.view(-1) for t in pool.tensors)
+            shaped = ExpertWeights(*(dc.replace(t, shape=(pool.slots, *t.shape[1:])) for t in
+                                     (sample.gate, sample.up, sample.down)),
+                                   num_experts=pool.slots, hidden=sample.hidden, intermediate=sample.intermediate)
+            # slots are never dequantized wholesale: every batch runs the per-route kernels
+            config = dc.replace(tp.DEFAULT_CONFIG, max_routes=1 << 30)
+            return PackedGpuExperts.over_device_bytes(shaped, views, self.device, activation=self.activation,
+                                                      config=config, scratch=self.scratch)
+        return GpuExperts(*pool.tensors, activation=self.activation)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pools)
+
+    @property
+    def slots(self) -> int:
+        return sum(p.slots for p in self.pools)
+
+    # ---- the layer's GPU experts -------------------------------------------------------------
+    def layer_experts(self, layer: int) -> Optional["CachedLayerExperts"]:
+        row = self.rows[layer]
+        pool = self.pool_of_row[row]
+        return None if pool is None else CachedLayerExperts(self, row, pool)
+
+    # ---- filling ------------------------------------------------------------------------------
+    def _sources(self, pool: _Pool, row: int, expert: int) -> list[torch.Tensor]:
+        e = list(self.layers.values())[row]
+        out = []
+        for t in (e.gate, e.up, e.down):
+            one = t.raw_torch()[expert]
+            if pool.packed:
+                out.append(one.reshape(-1).view(torch.uint8) if one.dtype != torch.uint8 else one.reshape(-1))
+            else:
+                out.append(one)
+        return out
+
+    def _copy_job(self, pool: _Pool, slot: int, row: int, expert: int) -> Any:
+        if pool.packed:
+            return [(pool.tensors[i][slot], src) for i, src in enumerate(self._sources(pool, row, expert))]
+        e = list(self.layers.values())[row]
+
+        def job() -> None:
+            import dataclasses as dc
+
+            from freetoken.loading.dequant import to_device_float
+
+            for i, t in enumerate((e.gate, e.up, e.down)):
+                one = dc.replace(t, shape=tuple(t.shape[1:]), data=t.raw_torch()[expert],
+                                 scale=None if t.scale is None else t.scale[expert])
+                pool.tensors[i][slot].copy_(to_device_float(one, self.device, self.act_dtype), non_blocking=True)
+
+        return job
+
+    def _fill(self) -> None:
+        """Give each layer of a pool an equal share of its slots (lowest expert ids first)."""
+        entries = []
+        for pool in self.pools:
+            per_row, extra = divmod(pool.slots, len(pool.rows))
+            slot = 0
+            for i, row in enumerate(pool.rows):
+                for expert in range(min(self.num_experts, per_row + (1 if i < extra else 0))):
+                    self.copies.submit(self._copy_job(pool, slot, row, expert), nbytes=pool.bytes_per_expert)
+                    pool.owner[slot] = (row, expert)
+                    pool.last_used[slot] = self.clock
+                    self.host_slot[row, expert] = slot
+                    entries.append((row, expert, slot))
+                    slot += 1
+        self.copies.submit([]).order_before()  # one thread, in order: every filling copy is before this
+        self._write_tables(entries)
+
+    def _write_tables(self, entries: list[tuple[int, int, int]]) -> None:
+        """Write (row, expert, slot or -1) into the device tables on the current stream."""
+        if not entries:
+            return
+        a = torch.tensor(entries, dtype=torch.int64)
+        flat = a[:, 0] * self.num_experts + a[:, 1]
+        if self.device.type == "cuda":
+            flat, slots = flat.pin_memory().to(self.device, non_blocking=True), a[:, 2].to(torch.int32).pin_memory().to(
+                self.device, non_blocking=True)
+        else:
+            slots = a[:, 2].to(torch.int32)
+        self.slot.view(-1).index_copy_(0, flat, slots)
+        self.resident.view(-1).index_copy_(0, flat, slots >= 0)
+
+    # ---- after a decode step ----------------------------------------------------------------
+    def after_step(self, ids: np.ndarray) -> np.ndarray:
+        """``ids [rows, T, K]``: the step's routes of the cached layers (in row order).
+        Returns which of them ran on the GPU (bool, same shape); commits finished copies
+        and starts new fetches."""
+        self.clock += 1
+        slots = np.where(ids >= 0, self.host_slot[np.arange(ids.shape[0])[:, None, None], np.maximum(ids, 0)], -1)
+        hit = slots >= 0
+        for pool in self.pools:
+            rows = pool.rows
+            used = slots[rows][hit[rows]]
+            pool.last_used[used] = self.clock
+        self._commit()
+        if self.max_fetch:
+            self._fetch(ids, hit)
+        return hit
+
+    def _commit(self) -> None:
+        done, left = [], []
+        for f in self.pending:
+            (done if f.ticket.done() else left).append(f)
+        self.pending = left
+        entries = []
+        for f in done:
+            f.pool.filling[f.slot] = False
+            if self.host_slot[f.row, f.expert] >= 0:  # cached meanwhile: the slot stays free
+                f.pool.last_used[f.slot] = -1
+                continue
+            f.pool.owner[f.slot] = (f.row, f.expert)
+            f.pool.last_used[f.slot] = self.clock
+            self.host_slot[f.row, f.expert] = f.slot
+            entries.append((f.row, f.expert, f.slot))
+        self._write_tables(entries)
+
+    def _fetch(self, ids: np.ndarray, hit: np.ndarray) -> None:
+        pending = {(f.row, f.expert) for f in self.pending}
+        evict: list[tuple[int, int, int]] = []
+        jobs: list[tuple[_Pool, int, int, int]] = []
+        for row in range(ids.shape[0]):
+            pool = self.pool_of_row[row]
+            if pool is None:
+                continue
+            missed = ids[row][~hit[row]]
+            missed = missed[missed >= 0]
+            if missed.size == 0:
+                continue
+            experts, counts = np.unique(missed, return_counts=True)
+            want = [int(e) for e in experts[np.argsort(-counts, kind="stable")] if (row, int(e)) not in pending]
+            want = want[: self.max_fetch]
+            for slot, expert in zip(pool.victims(len(want)), want):
+                slot = int(slot)
+                old_row, old_expert = (int(v) for v in pool.owner[slot])
+                if old_row >= 0:
+                    self.host_slot[old_row, old_expert] = -1
+                    evict.append((old_row, old_expert, -1))
+                pool.owner[slot] = (-1, -1)
+                pool.filling[slot] = True
+                pool.last_used[slot] = self.clock
+                jobs.append((pool, slot, row, expert))
+        if not jobs:
+            return
+        self._write_tables(evict)  # no kernel after this point reads the victims' slots
+        after = self.copies.compute_event()
+        for pool, slot, row, expert in jobs:
+            ticket = self.copies.submit(self._copy_job(pool, slot, row, expert), after=after,
+                                        nbytes=pool.bytes_per_expert)
+            self.pending.append(_Fetch(ticket, pool, slot, row, expert))
+            self.fetched_bytes += pool.bytes_per_expert
+            self.fetched_experts += 1
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "bytes": self.nbytes, "slots": self.slots, "layers": len(self.layers), "max_fetch": self.max_fetch,
+            "pools": [{"formats": list(p.key), "slots": p.slots, "layers": len(p.rows),
+                       "bytes_per_expert": p.bytes_per_expert} for p in self.pools],
+            "cached_experts": int((self.host_slot >= 0).sum()), "fetched_experts": self.fetched_experts,
+            "fetched_bytes": self.fetched_bytes, "fetches_in_flight": len(self.pending),
+        }  # fmt: skip
+
+    def close(self) -> None:
+        for f in self.pending:
+            try:
+                f.ticket.order_before()
+            except RuntimeError:
+                pass
+        self.pending.clear()
+
+
+class CachedLayerExperts:
+    """One layer's GPU experts: its routes' expert ids mapped to cache slots, then the
+    pool's kernels (``forward(x, gpu_ids, w, out=None)`` as GpuExperts)."""
+
+    def __init__(self, cache: ExpertCache, row: int, pool: _Pool) -> None:
+        self.cache, self.row, self.pool = cache, row, pool
+        self.hidden = cache.layers[list(cache.layers)[row]].hidden
+
+    def forward(self, x: torch.Tensor, gpu_ids: torch.Tensor, w: torch.Tensor, out: Any = None) -> torch.Tensor:
+        table = self.cache.slot[self.row]
+        slots = torch.where(gpu_ids >= 0, table[gpu_ids.clamp(min=0).long()], -1).to(torch.int32)
+        return self.pool.experts.forward(x, slots, w, out)
+
+    def warmup(self, batch_sizes: Any, top_k: int, x_dtype: Any = None) -> None:
+        self.pool.experts.warmup(batch_sizes, top_k, x_dtype)

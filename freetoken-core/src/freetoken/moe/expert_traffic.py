@@ -1,0 +1,217 @@
+"""What a GPU session does with the experts that live in host memory, beyond handing
+routes to the CPU workers: page-locked banks, the global expert cache, long prompts
+streamed through the GPU, the route log and the MoE statistics.
+
+:class:`ExpertTraffic` is built by :class:`~freetoken.moe.gpu_session.GpuModelSession`
+from the ``--moe-*`` options (:class:`~freetoken.backends.contract.MoEOptions`) and the
+memory plan, and sits in three places of the session:
+
+* :meth:`start` (before the CPU coordinator takes the cores): registers the banks, fills
+  the cache, measures the streaming threshold;
+* :meth:`wrap` around each MoE layer's experts function: records the routes (when the
+  cache or the statistics need them) and, in a streaming step, computes a CPU layer's
+  experts on the GPU from the streamed bytes;
+* :meth:`before_step` at each step: reads the previous decode step's routes back (cache
+  bookkeeping and fetches, statistics) and decides whether this step streams.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from freetoken.backends.contract import MoEOptions
+from freetoken.moe.copy_queue import CopyQueue
+from freetoken.moe.expert_cache import ExpertCache
+from freetoken.moe.gpu_packed_experts import DequantScratch
+from freetoken.moe.host_pinning import HostRegistration, register_banks
+from freetoken.moe.moe_stats import MoEStats, RouteLog
+from freetoken.moe.prefill_stream import PrefillStreamer, StreamProfile, measure_threshold, streamable
+
+log = logging.getLogger(__name__)
+
+ExpertsFn = Callable[[Any, Any, Any], Any]
+
+
+class ExpertTraffic:
+    def __init__(
+        self, options: MoEOptions, device: Any, act_dtype: torch.dtype, moe_layers: list[int], top_k: int,
+        max_decode_tokens: int, cache_bytes: int, packed_ok: bool, scratch: DequantScratch,
+    ) -> None:  # fmt: skip
+        self.options = options
+        self.device = torch.device(device)
+        self.act_dtype = act_dtype
+        self.moe_layers = list(moe_layers)
+        self.top_k = top_k
+        self.max_decode_tokens = max_decode_tokens
+        self.cache_bytes = cache_bytes
+        self.packed_ok = packed_ok
+        self.scratch = scratch
+        self.cpu_layers: dict[int, Any] = {}  # layer -> ExpertWeights (host)
+        self.activation = "silu"
+        self.copies: Optional[CopyQueue] = None
+        self.registration: Optional[HostRegistration] = None
+        self.cache: Optional[ExpertCache] = None
+        self.streamer: Optional[PrefillStreamer] = None
+        self.profile: Optional[StreamProfile] = None
+        self.route_log: Optional[RouteLog] = None
+        self.stats: Optional[MoEStats] = None
+        self.notes: list[str] = []
+        self._streaming = False
+        self._last: Optional[tuple[int, bool]] = None  # (tokens, decode) of the previous step
+        self._busy_ns: Optional[int] = None
+
+    def add_cpu_layer(self, layer: int, experts: Any, activation: str) -> None:
+        self.cpu_layers[layer] = experts
+        self.activation = activation
+
+    # ---- start ------------------------------------------------------------------------------
+    def start(self, cpu: Any, banks: dict[int, Any]) -> None:
+        o = self.options
+        cpu_layers = self.cpu_layers
+        stream = o.stream_prefill != "off" and bool(cpu_layers) and all(
+            streamable(e, self.act_dtype, self.packed_ok) for e in cpu_layers.values())
+        if o.stream_prefill == "on" and cpu_layers and not stream:
+            raise ValueError("--moe-stream-prefill on: the CPU layers' expert formats cannot be computed on the GPU "
+                             "as stored (GGUF Q4_K/Q5_K/Q6_K/Q8_0, or float experts in the activation dtype)")
+        cache = self.cache_bytes > 0 and bool(cpu_layers)
+        if stream or cache:
+            self.copies = CopyQueue(self.device)
+        self._register(stream or (cache and o.hybrid_max_fetch > 0))
+        if cache:
+            self.cache = ExpertCache(cpu_layers, self.cache_bytes, self.device, self.act_dtype, self.activation,
+                                     self.packed_ok, self.copies, o.hybrid_max_fetch, self.scratch)  # type: ignore[arg-type]
+            log.info("expert cache: %d slots (%.2f GiB) over %d CPU layers, up to %d fetches per layer and step",
+                     self.cache.slots, self.cache.nbytes / 2**30, len(cpu_layers), o.hybrid_max_fetch)
+        if stream:
+            self.streamer = PrefillStreamer(cpu_layers, self.device, self.act_dtype, self.activation, self.packed_ok,
+                                            self.scratch, self.copies, o.stream_prefill,  # type: ignore[arg-type]
+                                            o.stream_min_tokens)
+            first = self.streamer.order[0]
+            self.profile = measure_threshold(self.streamer, cpu, banks[first], self.top_k, o.stream_min_tokens)
+            log.info("long prompts: prefill chunks of %s tokens stream the CPU layers' experts to the GPU "
+                     "(one layer %.0f MiB at %.1f GB/s; CPU experts %s us per token)",
+                     "any number of" if o.stream_prefill == "on" else f">= {self.profile.min_tokens}",
+                     self.profile.layer_bytes / 2**20, self.profile.pcie_gb_s,
+                     self.profile.cpu_us_per_token if self.profile.cpu_us_per_token is not None else "-")
+        if self.cache is not None or o.collect_stats:
+            self.route_log = RouteLog(self.moe_layers, self.max_decode_tokens, self.top_k, self.device)
+        if o.collect_stats:
+            self.stats = MoEStats(self.moe_layers, o.stats_interval_s)
+
+    def _register(self, wanted: bool) -> None:
+        mode = self.options.lock_host
+        if mode == "off" or not self.cpu_layers or self.device.type != "cuda":
+            if mode == "on" and self.device.type != "cuda":
+                raise ValueError(f"--moe-lock-host on: device {self.device} is not a CUDA/HIP GPU")
+            return
+        if mode == "auto" and not wanted:
+            return
+        try:
+            self.registration = register_banks(self.cpu_layers.values())
+        except RuntimeError as exc:
+            if mode == "on":
+                raise
+            note = f"host expert banks not page-locked ({exc}); copies from them run at pageable speed"
+            log.warning(note)
+            self.notes.append(note)
+
+    # ---- each layer ---------------------------------------------------------------------------
+    def cached_experts(self, layer: int) -> tuple[Any, Any]:
+        """(GPU experts, resident row) of a CPU layer when the cache serves it, else (None, None)."""
+        if self.cache is None or layer not in self.cache.rows:
+            return None, None
+        experts = self.cache.layer_experts(layer)
+        if experts is None:
+            return None, None
+        return experts, self.cache.resident[self.cache.rows[layer]]
+
+    def wrap(self, layer: int, fn: Callable[[], ExpertsFn]) -> ExpertsFn:
+        """The layer's experts function: routes recorded, streaming steps computed on the GPU,
+        else ``fn()`` (looked up at each call: the session installs executors at start)."""
+
+        def experts_fn(x: Any, ids: Any, w: Any) -> Any:
+            if self.route_log is not None:
+                self.route_log.record(layer, ids)
+            st = self.streamer
+            if self._streaming and st is not None and layer in st.layers:
+                experts = st.experts(layer)
+                out = experts.forward(x, ids, w)
+                st.release(layer)
+                return out
+            return fn()(x, ids, w)
+
+        return experts_fn
+
+    # ---- each step ------------------------------------------------------------------------------
+    def before_step(self, tokens: int, decode: bool, busy_ns: Optional[int]) -> None:
+        last = self._last
+        if last is not None and last[1] and last[0] <= self.max_decode_tokens and self.route_log is not None:
+            self._after_decode(last[0])
+        if self.stats is not None and busy_ns is not None:
+            if self._busy_ns is not None:
+                self.stats.cpu_expert_ns += busy_ns - self._busy_ns
+            self._busy_ns = busy_ns
+        self._last = (tokens, decode)
+        st = self.streamer
+        self._streaming = st is not None and st.wants(tokens, decode)
+        if self._streaming:
+            st.prefetch(st.order[0])  # type: ignore[union-attr]
+        if self.stats is not None and st is not None:
+            self.stats.streamed_bytes = st.streamed_bytes
+
+    def after_capture(self) -> None:
+        """Graph capture ran the layers with a dummy batch: forget it as a step."""
+        self._last = None
+        self._streaming = False
+
+    def _after_decode(self, tokens: int) -> None:
+        ids = self.route_log.read(tokens)  # type: ignore[union-attr]
+        on_gpu = np.ones(ids.shape, dtype=bool)
+        cache = self.cache
+        for layer in self.cpu_layers:
+            on_gpu[self.route_log.index[layer]] = False  # type: ignore[union-attr]
+        if cache is not None:
+            rows = [self.route_log.index[layer] for layer in cache.layers]  # type: ignore[union-attr]
+            on_gpu[rows] = cache.after_step(ids[rows])
+        if self.stats is not None:
+            self.stats.add_step(ids, on_gpu)
+            if cache is not None:
+                self.stats.fetched_bytes = cache.fetched_bytes
+                self.stats.fetched_experts = cache.fetched_experts
+            self.stats.maybe_log()
+
+    # ---- report -----------------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.registration is not None:
+            out["host_locked_bytes"] = self.registration.bytes
+        if self.cache is not None:
+            out["expert_cache"] = self.cache.describe()
+        if self.streamer is not None:
+            out["prefill_stream"] = {"mode": self.options.stream_prefill, "min_tokens": self.streamer.min_tokens,
+                                     "profile": self.profile.as_dict() if self.profile else None,
+                                     "streamed_layers": self.streamer.streamed_layers,
+                                     "streamed_bytes": self.streamer.streamed_bytes,
+                                     "buffer_bytes": self.streamer.nbytes}
+        if self.stats is not None:
+            out["moe_stats"] = self.stats.snapshot()
+        if self.notes:
+            out["moe_notes"] = list(self.notes)
+        return out
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+        if self.cache is not None:
+            self.cache.close()
+        if self.copies is not None:
+            self.copies.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.registration is not None:
+            self.registration.close()
+            self.registration = None

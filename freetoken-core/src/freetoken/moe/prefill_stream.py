@@ -1,0 +1,195 @@
+"""Long prompts through the GPU: the CPU layers' experts streamed over PCIe.
+
+A prefill chunk of many tokens touches nearly every expert of a layer, many times: the CPU
+workers need ``T * K`` expert passes, while the GPU needs the layer's bytes once (PCIe) and
+computes the chunk as grouped GEMMs in a fraction of that time. :class:`PrefillStreamer`
+keeps two device buffers of one layer's experts each: while layer ``l`` computes from one,
+layer ``l + 1``'s bytes are copied into the other (the :class:`CopyQueue`'s side stream,
+ordered after the compute that last read that buffer), so the copies run back to back and
+the compute hides behind them.
+
+The buffers hold the checkpoint's bytes: GGUF block formats the packed kernels read
+(computed by :class:`~freetoken.moe.gpu_packed_experts.PackedGpuExperts`' large-batch
+path: dequantized into the shared scratch, then the BF16 grouped kernels), or float
+experts in the activation dtype (:class:`~freetoken.moe.gpu_experts.GpuExperts`).
+
+Whether a chunk streams: ``mode`` ``on`` streams every prefill chunk, ``auto`` those of at
+least ``min_tokens`` tokens, measured at start by :func:`measure_threshold` (the time to
+copy one layer against the CPU workers' time per token) unless given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Optional
+
+import torch
+
+from freetoken.moe.copy_queue import CopyQueue, CopyTicket
+from freetoken.moe.gpu_packed_experts import PACKED_FORMATS, DequantScratch
+
+log = logging.getLogger(__name__)
+
+_FLOAT_FMTS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # ggml F32, F16, BF16
+
+
+def streamable(experts: Any, act_dtype: torch.dtype, packed_ok: bool) -> bool:
+    """Whether one layer's experts can be computed on the GPU from their bytes as they are."""
+    fmts = {int(t.fmt) for t in (experts.gate, experts.up, experts.down)}
+    if packed_ok and fmts <= PACKED_FORMATS:
+        return True
+    return len(fmts) == 1 and _FLOAT_FMTS.get(fmts.pop()) == act_dtype
+
+
+@dataclasses.dataclass
+class StreamProfile:
+    pcie_gb_s: float  # host -> device copy of one layer's bytes
+    layer_bytes: int
+    cpu_us_per_token: Optional[float]  # CPU experts of one layer, per prompt token
+    min_tokens: int
+    source: str  # "measured", "given"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class PrefillStreamer:
+    def __init__(
+        self, layers: dict[int, Any], device: Any, act_dtype: torch.dtype, activation: str, packed_ok: bool,
+        scratch: DequantScratch, copies: CopyQueue, mode: str = "auto", min_tokens: Optional[int] = None,
+    ) -> None:  # fmt: skip
+        self.layers = dict(sorted(layers.items()))
+        self.order = list(self.layers)
+        self.device = torch.device(device)
+        self.act_dtype = act_dtype
+        self.activation = activation
+        self.packed_ok = packed_ok
+        self.scratch = scratch
+        self.copies = copies
+        self.mode = mode
+        self.min_tokens = min_tokens
+        self.profile: Optional[StreamProfile] = None
+        size = max(e.nbytes for e in self.layers.values())
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self._released: list[Any] = [None, None]  # compute events after the last reader of each buffer
+        self._inflight: dict[int, tuple[int, CopyTicket]] = {}  # layer -> (buffer, its copy)
+        self.streamed_layers = 0
+        self.streamed_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    def wants(self, tokens: int, decode: bool) -> bool:
+        """Whether a step of ``tokens`` tokens streams (never a decode step)."""
+        if decode or self.mode == "off":
+            return False
+        return self.mode == "on" or (self.min_tokens is not None and tokens >= self.min_tokens)
+
+    # ---- buffers ------------------------------------------------------------------------
+    def _slot(self, layer: int) -> int:
+        return self.order.index(layer) % 2
+
+    def _parts(self, layer: int, buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device view, host bytes) of the layer's gate, up and down stacks inside ``buf``."""
+        e = self.layers[layer]
+        pairs, off = [], 0
+        for t in (e.gate, e.up, e.down):
+            src = t.raw_torch().reshape(-1)
+            src = src.view(torch.uint8) if src.dtype != torch.uint8 else src
+            n = src.numel()
+            pairs.append((buf[off:off + n], src))
+            off += n
+        return pairs
+
+    def prefetch(self, layer: int) -> None:
+        """Start copying ``layer``'s experts into its buffer (no-op if already under way)."""
+        if layer in self._inflight:
+            return
+        b = self._slot(layer)
+        ticket = self.copies.submit(self._parts(layer, self.buffers[b]), after=self._released[b])
+        self._inflight[layer] = (b, ticket)
+
+    def experts(self, layer: int) -> Any:
+        """The layer's experts on the device, ready for the current stream's next kernels;
+        the next CPU layer's copy starts behind this one."""
+        self.prefetch(layer)
+        b, ticket = self._inflight[layer]
+        ticket.order_before()
+        i = self.order.index(layer)
+        if i + 1 < len(self.order):
+            self.prefetch(self.order[i + 1])
+        self.streamed_layers += 1
+        self.streamed_bytes += ticket.nbytes
+        return self._compute_view(layer, self.buffers[b])
+
+    def release(self, layer: int) -> None:
+        """The current stream's kernels after this point no longer read ``layer``'s buffer."""
+        b, _ = self._inflight.pop(layer)
+        self._released[b] = self.copies.compute_event()
+
+    def _compute_view(self, layer: int, buf: torch.Tensor) -> Any:
+        from freetoken.moe.gpu_experts import GpuExperts
+        from freetoken.moe.gpu_packed_experts import PackedGpuExperts
+
+        e = self.layers[layer]
+        (g, _), (u, _), (d, _) = self._parts(layer, buf)
+        if {int(t.fmt) for t in (e.gate, e.up, e.down)} <= PACKED_FORMATS and self.packed_ok:
+            return PackedGpuExperts.over_device_bytes(e, (g, u, d), self.device, activation=self.activation,
+                                                      scratch=self.scratch)
+        dt = _FLOAT_FMTS[int(e.gate.fmt)]
+        views = [x.view(dt).view(*t.shape) for x, t in ((g, e.gate), (u, e.up), (d, e.down))]
+        return GpuExperts(*views, activation=self.activation)
+
+    def close(self) -> None:
+        for _, ticket in self._inflight.values():
+            try:
+                ticket.order_before()
+            except RuntimeError:
+                pass
+        self._inflight.clear()
+
+
+def measure_threshold(streamer: PrefillStreamer, cpu: Any, bank: Any, top_k: int, given: Optional[int],
+                      tokens: int = 64) -> StreamProfile:  # fmt: skip
+    """Time one layer's copy (PCIe) and, unless ``given``, the CPU experts of that layer on
+    ``tokens`` random tokens (the synchronous CPU kernels, before the coordinator takes the
+    cores); the threshold is the token count where the CPU would take as long as the copy."""
+    layer = streamer.order[0]
+    e = streamer.layers[layer]
+    nbytes = e.nbytes
+    pairs = streamer._parts(layer, streamer.buffers[0])
+    streamer.copies.submit(pairs).order_before()  # first touch: page faults, registration
+    _sync(streamer.device)
+    t0 = time.perf_counter()
+    streamer.copies.submit(pairs).order_before()
+    _sync(streamer.device)
+    copy_s = time.perf_counter() - t0
+    pcie = nbytes / copy_s / 1e9
+    per_token = None
+    if given is None:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(tokens, e.hidden, generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(e.num_experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
+        w = torch.rand(tokens, top_k, generator=gen)
+        cpu.run(bank, x, ids, w)  # warm
+        t0 = time.perf_counter()
+        cpu.run(bank, x, ids, w)
+        per_token = (time.perf_counter() - t0) / tokens
+        # the GPU's own compute of a streamed layer hides behind the next copy; 10% margin
+        min_tokens = max(2, math.ceil(1.1 * copy_s / per_token))
+    else:
+        min_tokens = given
+    profile = StreamProfile(round(pcie, 2), nbytes, None if per_token is None else round(per_token * 1e6, 2),
+                            min_tokens, "given" if given is not None else "measured")
+    streamer.min_tokens = min_tokens
+    streamer.profile = profile
+    return profile
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

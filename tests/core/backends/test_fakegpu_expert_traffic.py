@@ -1,0 +1,110 @@
+"""The expert cache, long-prompt streaming and the MoE statistics through the generic GPU
+session on the fakegpu plugin (host "device", simulated stream): greedy outputs equal the
+cpu backend's; the statistics equal counts taken from the router's own outputs; nothing
+of it exists when it is off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken.backends import registry
+from freetoken.engine.config import EngineConfig
+from freetoken.engine.engine import LLMEngine
+from freetoken.engine.sampling_params import SamplingParams
+from freetoken.moe.layer import MoELayer
+
+PROMPTS = [[3, 17, 99, 4, 250, 31, 8, 40, 41, 42, 43, 44], [5, 6, 7], [77] * 12]
+#: the demo model's expert at float32: 3 x 256 x 256 x 4 bytes
+EXPERT_BYTES = 3 * 256 * 256 * 4
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry():
+    registry.reset()
+    yield
+    registry.reset()
+
+
+def _run(backend: str, record_routes: bool = False, **kw):
+    registry.reset()
+    eng = LLMEngine(EngineConfig(backend=backend, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
+                                 max_running_requests=4, **kw))
+    steps: list[tuple[bool, int]] = []  # (decode, tokens) per forward
+    routes: dict[int, list[np.ndarray]] = {}
+    if record_routes:
+        forward = eng.session.forward
+
+        def traced(input_ids, positions, meta):
+            steps.append((bool(meta.decode), int(input_ids.shape[0])))
+            return forward(input_ids, positions, meta)
+
+        eng.session.forward = traced
+        route = MoELayer.route
+
+        def routed(self, x):
+            ids, w = route(self, x)
+            routes.setdefault(self.layer, []).append(ids.cpu().numpy().copy())
+            return ids, w
+
+        MoELayer.route = routed
+    try:
+        reqs = [eng.add_request(p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+        while eng.has_work():
+            eng.step()
+        info = eng.session.report()
+        traffic = eng.session.traffic if backend == "fakegpu" else None
+    finally:
+        if record_routes:
+            MoELayer.route = route
+        eng.close()
+    return [r.output_ids for r in reqs], info, steps, routes, traffic
+
+
+def test_cache_with_fetches_equals_cpu_backend_and_stats_count_the_router():
+    want, _, _, _, _ = _run("cpu")
+    got, info, steps, routes, _ = _run(
+        "fakegpu", record_routes=True, moe_cpu_layers="all", moe_cache_size=float(20 * EXPERT_BYTES),
+        moe_hybrid_max_fetch=2, moe_collect_stats=True, moe_stream_prefill="off")
+    assert got == want
+    cache = info["expert_cache"]
+    assert cache["slots"] == 20 and cache["cached_experts"] <= 20
+    assert cache["fetched_experts"] > 0 and cache["fetched_bytes"] == cache["fetched_experts"] * EXPERT_BYTES
+    stats = info["moe_stats"]
+    # the router's outputs of the decode steps (all but the last are read back: the last
+    # step's routes are taken at the next step, which never comes)
+    decode_calls = [i for i, (decode, _) in enumerate(steps) if decode][:-1]
+    assert stats["steps"] == len(decode_calls) > 0
+    for layer, calls in routes.items():
+        chosen = [calls[i] for i in decode_calls]
+        per = stats["per_layer"][str(layer)]
+        assert per["routes"] == sum(int((c >= 0).sum()) for c in chosen)
+        assert per["gpu_routes"] + per["cpu_routes"] == per["routes"]
+        assert per["active_experts"] == pytest.approx(np.mean([len(np.unique(c)) for c in chosen]))
+    assert 0 < stats["gpu_routes"] < stats["routes"]  # some routes hit the cache, some did not
+    assert stats["miss_rate"] == pytest.approx(stats["cpu_routes"] / stats["routes"])
+
+
+def test_streamed_prefill_equals_cpu_backend():
+    want, _, _, _, _ = _run("cpu")
+    got, info, _, _, _ = _run("fakegpu", moe_cpu_layers="all", moe_stream_prefill="on")
+    assert got == want
+    stream = info["prefill_stream"]
+    assert stream["mode"] == "on" and stream["streamed_layers"] > 0
+    assert stream["profile"]["pcie_gb_s"] > 0 and stream["profile"]["source"] == "measured"
+
+
+def test_threshold_given_and_measured():
+    _, info, _, _, _ = _run("fakegpu", moe_cpu_layers="all", moe_stream_min_tokens=1000)
+    assert info["prefill_stream"]["min_tokens"] == 1000 and info["prefill_stream"]["streamed_layers"] == 0
+    _, info, _, _, _ = _run("fakegpu", moe_cpu_layers="all")
+    profile = info["prefill_stream"]["profile"]
+    assert profile["cpu_us_per_token"] > 0 and profile["min_tokens"] >= 2
+
+
+def test_everything_off_records_nothing():
+    _, info, _, _, traffic = _run("fakegpu", moe_cpu_layers="all", moe_stream_prefill="off")
+    assert traffic.route_log is None and traffic.stats is None and traffic.cache is None
+    assert traffic.streamer is None and traffic.copies is None
+    assert not {"expert_cache", "moe_stats", "prefill_stream"} & set(info)
