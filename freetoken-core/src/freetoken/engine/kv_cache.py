@@ -25,12 +25,14 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = max(1, num_tokens // block_size)
         shape = (self.num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        kv_layers = getattr(config, "kv_layers", None)  # a ModelConfig, or any object with its shape fields
+        n_layers = config.num_layers if kv_layers is None else len(kv_layers)
         self.layers = [
             (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-            for _ in range(config.num_kv_layers)
+            for _ in range(n_layers)
         ]
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self.bytes = 2 * config.num_kv_layers * self.num_blocks * block_size * config.num_kv_heads * config.head_dim * (
+        self.bytes = 2 * n_layers * self.num_blocks * block_size * config.num_kv_heads * config.head_dim * (
             torch.empty((), dtype=dtype).element_size())
 
     @property
