@@ -189,7 +189,9 @@ class SimHipRuntime:
             return self._explicit(lambda: self._fenced_store(dev_addr, value))
         self._memop(lambda: self._store(dev_addr, value))
 
-    def memop_wait(self, stream: int, dev_addr: int, value: int, explicit_node: bool = False, err_addr: int = 0) -> None:
+    def memop_wait(
+        self, stream: int, dev_addr: int, value: int, explicit_node: bool = False, err_addr: int = 0
+    ) -> None:
         if not self.memops:
             raise RuntimeError("hip call failed: hipStreamWaitValue64 -> hipErrorNotSupported")
         if explicit_node and self.phase != "eager":
@@ -208,7 +210,9 @@ class SimHipRuntime:
     def flag_write_kernel(self, stream: int, dev_addr: int, value: int) -> None:
         self._launch(lambda: self._fenced_store(dev_addr, value))
 
-    def flag_wait_kernel(self, stream: int, dev_addr: int, value: int, reset: int, err_addr: int, timeout_ns: int) -> None:
+    def flag_wait_kernel(
+        self, stream: int, dev_addr: int, value: int, reset: int, err_addr: int, timeout_ns: int
+    ) -> None:
         def op() -> None:
             if _spin(dev_addr, lambda v: v == value, timeout_ns / 1e9) is None and err_addr:
                 _word(err_addr).value = WATCHDOG

@@ -394,7 +394,9 @@ inline void host_callback_wait(uint64_t stream, uint64_t slot_host, uint64_t tim
 }
 
 /* Enqueue a host function on a private stream and wait for it: do host callbacks run here? */
-inline void host_probe_fn(void* word) { __atomic_store_n(reinterpret_cast<uint64_t*>(word), 0x5EEDull, __ATOMIC_RELEASE); }
+inline void host_probe_fn(void* word) {
+    __atomic_store_n(reinterpret_cast<uint64_t*>(word), 0x5EEDull, __ATOMIC_RELEASE);
+}
 
 inline std::string host_callback_probe() {
     uint64_t word = 0;
