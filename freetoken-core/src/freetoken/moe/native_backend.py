@@ -2,8 +2,9 @@
 
 Both packages build the same native surface (``freetoken/include/freetoken/gpu/``) with
 their compiler and bind it here by naming their extension module; this module holds the
-Python half once: probe, capabilities, Staging, the GpuSync modes, KernelIO and graph
-capture. Native code sees integers only (addresses, sizes, stream handles).
+Python half once: probe, capabilities, Staging, KernelIO, graph capture and the factory
+of the GpuSync modes (:mod:`freetoken.moe.native_sync`, with the copy path's sync policy).
+Native code sees integers only (addresses, sizes, stream handles).
 """
 
 from __future__ import annotations
