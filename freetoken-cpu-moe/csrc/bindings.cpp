@@ -40,6 +40,7 @@ PYBIND11_MODULE(_core, m) {
         .def(py::init<int, std::vector<int>, double>(), py::arg("num_threads"), py::arg("cpus"), py::arg("spin_us"))
         .def_property_readonly("num_threads", &Pool::num_threads)
         .def_property_readonly("closed", &Pool::closed)
+        .def_property("spin_us", &Pool::spin_us, &Pool::set_spin_us)
         .def("close", &Pool::close, py::call_guard<py::gil_scoped_release>());
 
     m.def(

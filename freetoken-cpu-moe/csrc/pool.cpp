@@ -52,7 +52,7 @@ void Pool::worker_main(int tid) {
             if ((++n & 63) != 0) continue;
             // let another thread on this CPU (the caller, on an oversubscribed machine) run
             std::this_thread::yield();
-            if (std::chrono::duration<double, std::micro>(Clock::now() - t0).count() > spin_us_) {
+            if (std::chrono::duration<double, std::micro>(Clock::now() - t0).count() > spin_us_.load(std::memory_order_relaxed)) {
                 std::unique_lock<std::mutex> lk(mu_);
                 sleepers_.fetch_add(1);
                 cv_.wait(lk, [&] { return gen_.load() != seen || stop_.load(); });

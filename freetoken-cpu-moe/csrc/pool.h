@@ -24,6 +24,10 @@ public:
     Pool& operator=(const Pool&) = delete;
 
     int num_threads() const { return nthreads_; }
+    // How long idle workers spin before sleeping (microseconds); changed between jobs
+    // by the owner of the cores (e.g. 0 while torch's threads run a prompt's dense ops).
+    double spin_us() const { return spin_us_.load(std::memory_order_relaxed); }
+    void set_spin_us(double us) { spin_us_.store(us < 0 ? 0 : us, std::memory_order_relaxed); }
     // CPUs the workers are pinned to (cpus()[t] for worker t >= 1); empty = unpinned.
     // cpus()[0] is left for the calling thread (the coordinator pins itself there).
     const std::vector<int>& cpus() const { return cpus_; }
@@ -47,7 +51,7 @@ private:
 
     int nthreads_;
     std::vector<int> cpus_;
-    double spin_us_;
+    std::atomic<double> spin_us_;
     std::vector<std::thread> threads_;
     std::mutex run_mu_;
     const std::function<void(int)>* job_ = nullptr;

@@ -69,6 +69,15 @@ class Pool:
         return int(self._core.num_threads)
 
     @property
+    def spin_us(self) -> float:
+        """How long idle workers spin after a job before they sleep (microseconds)."""
+        return float(self._core.spin_us)
+
+    @spin_us.setter
+    def spin_us(self, us: float) -> None:
+        self._core.spin_us = float(us)
+
+    @property
     def closed(self) -> bool:
         return bool(self._core.closed)
 

@@ -1,0 +1,156 @@
+"""Where a CPU model step's time goes: a timing harness for the benchmarks.
+
+:class:`StepProfiler` wraps the parts of a loaded engine's model (the embedding, each
+layer's fused q/k/v and output projections, paged attention, router, routed experts,
+the output head) and the session's ``forward`` with wall-clock timers, and splits
+prefill and decode steps apart. What the wrapped parts do not cover is ``other``:
+norms, rope, the KV cache write, and Python between the calls. ``pool sync`` is an
+estimate: the calls into the worker pool per step times the cost of one call that
+computes almost nothing (waking the workers, handing out items, the join), measured
+on the same pool (:func:`pool_call_us`).
+
+Used by ``freetoken bench decode --cpu-profile``; nothing here runs in serving.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+#: parts in report order; "other" is the step's time outside them
+PARTS = ("embed", "qkv", "attention", "o_proj", "router", "experts", "lm_head")
+#: parts that call into the worker pool once per call
+POOL_PARTS = ("qkv", "o_proj", "router", "experts", "lm_head")
+
+
+@dataclass
+class Split:
+    """Summed wall time (seconds) and calls of each part over the steps of one kind."""
+
+    steps: int = 0
+    tokens: int = 0
+    step_s: float = 0.0
+    part_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PARTS, 0))
+
+
+def pool_call_us(pool: Any, repeats: int = 200) -> float:
+    """Median microseconds of one pool call that computes almost nothing (16 x 256 F32
+    rows, one token): the dispatch, hand-out and join cost every pooled call pays."""
+    from freetoken_cpu_moe.ops import linear
+    from freetoken_cpu_moe.weights import Weights
+
+    rng = np.random.default_rng(0)
+    w = Weights(rng.standard_normal((16, 256)).astype(np.float32), "f32", 1, 16, 256)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    out = np.empty((1, 16), dtype=np.float32)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        linear(w, x, pool=pool, out=out)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+class StepProfiler:
+    """Timers around the parts of ``eng.model`` and ``eng.session.forward`` (a context
+    manager: the original callables are put back on exit)."""
+
+    def __init__(self, eng: Any) -> None:
+        self.eng = eng
+        self.splits = {"prefill": Split(), "decode": Split()}
+        self._kind = "decode"
+        self._undo: list[Callable[[], None]] = []
+
+    # ------------------------------------------------------------- wrapping
+    def _timed(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                s = self.splits[self._kind]
+                s.part_s[part] += time.perf_counter() - t0
+                s.calls[part] += 1
+        return wrapper
+
+    def _wrap_attr(self, obj: Any, name: str, part: str) -> None:
+        if obj is None or getattr(obj, name, None) is None:
+            return
+        orig = getattr(obj, name)
+        had_own = name in getattr(obj, "__dict__", {}) or hasattr(type(obj), "__slots__")
+        setattr(obj, name, self._timed(part, orig))
+        if had_own:
+            self._undo.append(lambda: setattr(obj, name, orig))
+        else:
+            self._undo.append(lambda: delattr(obj, name))
+
+    def _step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(input_ids: Any, positions: Any, meta: Any) -> Any:
+            self._kind = "decode" if getattr(meta, "decode", False) else "prefill"
+            t0 = time.perf_counter()
+            try:
+                return fn(input_ids, positions, meta)
+            finally:
+                s = self.splits[self._kind]
+                s.step_s += time.perf_counter() - t0
+                s.steps += 1
+                s.tokens += int(input_ids.shape[0])
+        return forward
+
+    def __enter__(self) -> "StepProfiler":
+        model, session = self.eng.model, self.eng.session
+        self._wrap_attr(model, "embed", "embed")
+        self._wrap_attr(model, "compute_logits", "lm_head")
+        for L in getattr(model, "layers", []):
+            self._wrap_attr(L, "qkv", "qkv")
+            self._wrap_attr(L, "o", "o_proj")
+            moe = getattr(L, "moe", None)
+            if moe is not None:
+                self._wrap_attr(moe, "router", "router")
+                self._wrap_attr(moe, "run_experts", "experts")
+        module = sys.modules.get(type(model).__module__)
+        if module is not None and hasattr(module, "paged_attention"):
+            orig = module.paged_attention
+            module.paged_attention = self._timed("attention", orig)
+            self._undo.append(lambda: setattr(module, "paged_attention", orig))
+        orig_forward = session.forward
+        session.forward = self._step(orig_forward)
+        self._undo.append(lambda: setattr(session, "forward", orig_forward))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    # ------------------------------------------------------------- report
+    def report(self, layers: int, call_us: Optional[float] = None) -> str:
+        """One table per kind of step: ms per step and per layer for each part."""
+        lines = []
+        for kind, s in self.splits.items():
+            if not s.steps:
+                continue
+            n = s.steps
+            per_step = {p: s.part_s[p] / n * 1e3 for p in PARTS}
+            logits_ms = per_step["lm_head"]  # outside session.forward: added to the step
+            step_ms = s.step_s / n * 1e3 + logits_ms
+            other = step_ms - sum(per_step.values())
+            lines.append(f"{kind}: {n} steps, {s.tokens / n:.0f} tokens/step, {step_ms:.2f} ms/step "
+                         f"({s.tokens / (s.step_s + s.part_s['lm_head']):.1f} tok/s)")
+            lines.append(f"  {'part':<10} {'ms/step':>9} {'ms/layer':>9} {'share':>6} {'calls/step':>10}")
+            for p in PARTS:
+                lines.append(f"  {p:<10} {per_step[p]:9.3f} {per_step[p] / max(layers, 1):9.3f} "
+                             f"{per_step[p] / step_ms:6.1%} {s.calls[p] / n:10.1f}")
+            lines.append(f"  {'other':<10} {other:9.3f} {other / max(layers, 1):9.3f} {other / step_ms:6.1%}"
+                         "            (norms, rope, KV write, Python)")
+            if call_us is not None:
+                pooled = sum(s.calls[p] for p in POOL_PARTS) / n
+                sync = pooled * call_us / 1e3
+                lines.append(f"  pool sync ~{sync:.3f} ms/step ({pooled:.0f} pooled calls x {call_us:.1f} us, "
+                             f"inside the parts above; {sync / step_ms:.1%})")
+        return "\n".join(lines)
