@@ -217,6 +217,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--stages", action="store_true",
                    help="also trace one batch-1 run's hand-offs and report where a layer's time goes "
                         "(CPU experts, GPU side per layer, per-step gap; backends with CPU layers only)")
+    p.add_argument("--cpu-profile", action="store_true",
+                   help="cpu backend: also run one batch-1 request with timers around the model's parts and "
+                        "print where prefill and decode steps spend their time (freetoken_cpu_moe.step_profile)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     add_engine_arguments(
         p,
@@ -355,7 +358,25 @@ def _bench(args: argparse.Namespace, eng: Any, config: EngineConfig) -> int:
         print(json.dumps(results, indent=2, default=str))
     else:
         print(format_table(results))
+    if args.cpu_profile:
+        _cpu_profile(eng, args, vocab, dev)
     return 0
+
+
+def _cpu_profile(eng: Any, args: argparse.Namespace, vocab: int, dev: Optional[torch.device]) -> None:
+    """Per-part split of one batch-1 request's prefill and decode steps (cpu backend)."""
+    try:
+        from freetoken_cpu_moe.step_profile import StepProfiler, pool_call_us
+    except ImportError:
+        print("cpu profile: freetoken_cpu_moe is not installed", file=sys.stderr)
+        return
+    pool = getattr(eng.session, "pool", None)
+    with StepProfiler(eng) as prof:
+        run_batch(eng, 1, args.prompt_len, args.gen_len, vocab, args.seed + 4242, dev)
+    call_us = pool_call_us(pool) if pool is not None else None
+    print(f"\ncpu profile (batch 1, prompt {args.prompt_len}, {args.gen_len} tokens; "
+          f"{getattr(pool, 'num_threads', '-')} pool threads, {torch.get_num_threads()} torch threads):")
+    print(prof.report(eng.model_config.num_layers, call_us))
 
 
 def _stages(eng: Any, args: argparse.Namespace, vocab: int, dev: Optional[torch.device]) -> Optional[dict[str, float]]:
