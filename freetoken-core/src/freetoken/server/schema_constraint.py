@@ -11,17 +11,16 @@ into a grammar; each choice gets a :class:`SchemaConstraint` (a
   Building it walks the whole vocabulary (about 1.3 s for 150k tokens), so callers do it
   off the event loop before the request joins the batch (:func:`compile_schema` and
   :func:`compile_grammar` are blocking).
-* :meth:`SchemaConstraint.allowed_mask` asks llguidance for the bitmask of the state,
-  computed in native code without the GIL, once per state; :meth:`SchemaConstraint.allows`
-  reads the same mask (the matcher's own one-token check also accepts some tokens the mask
-  leaves out, so it is not used).
+* :class:`SchemaConstraint` computes each state's bitmask in a background thread as soon as
+  the state is reached (native code without the GIL), so the mask overlaps the batch's next
+  forward pass; :meth:`SchemaConstraint.allows` reads the same mask (the matcher's own
+  one-token check also accepts some tokens the mask leaves out, so it is not used).
+* The output is kept closable within ``max_tokens`` through the shortest closing of each
+  state (:mod:`freetoken.server.grammar_closing`; the policy is on :class:`SchemaConstraint`).
 * Unsupported schema keywords are reported by llguidance at compile time; they become
   :class:`SchemaError` (a 400 naming the keyword), never an unconstrained output.
 
-Output is compact JSON (no whitespace between tokens of the grammar). Unlike the
-``json_object`` automaton, the matcher does not keep the output closable within
-``max_tokens``: with too small a budget the request ends with ``finish_reason`` "length"
-and the text is a prefix of a valid document.
+Output is compact JSON (no whitespace between tokens of the grammar).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ still fits in ``max_tokens``, as in JSON mode.
 When any allowed function has a ``parameters`` schema, the whole call is instead one
 llguidance grammar (:func:`call_grammar`: a Lark rule per function, its arguments a
 ``%json`` rule of its schema, :mod:`freetoken.server.schema_constraint`), so the arguments
-follow the schema (property names, required properties, types, enums, ...); that path
-does not keep the call closable within ``max_tokens``.
+follow the schema (property names, required properties, types, enums, ...), and the call
+is kept closable within ``max_tokens`` as a json_schema answer is.
 """
 
 from __future__ import annotations
