@@ -225,11 +225,14 @@ BAD = [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]}]},
      "'image'"),
 ]
+# only generation enforces schemas (count_tokens renders the tools as given)
+ENFORCED = [("forced call with a schema keyword llguidance lacks", {"tool_choice": {"type": "any"}, "tools": [
+    {"name": "f", "input_schema": {"type": "object", "properties": {"xs": {"not": {"type": "string"}}}}}]}, "not")]
 
 
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
 def test_bad_tool_input_is_400_and_the_server_keeps_serving(http: httpx.Client, path: str) -> None:
-    for case, over, needle in BAD:
+    for case, over, needle in BAD + (ENFORCED if path == "/v1/messages" else []):
         body = {"model": MODEL, "max_tokens": 4, "messages": ASK, "tools": TOOLS, **over}
         resp = http.post(path, json=body)
         assert resp.status_code == 400, (case, resp.text)

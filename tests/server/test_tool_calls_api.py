@@ -208,6 +208,9 @@ BAD = [
     ("legacy functions", {"functions": [{"name": "f"}]}, "functions"),
     ("forced call with json_object", {"tools": TOOLS, "tool_choice": "required",
                                       "response_format": {"type": "json_object"}}, "response_format"),
+    ("forced call with a schema keyword llguidance lacks", {"tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}}}]}, "tools"),
 ]
 
 
