@@ -16,7 +16,8 @@ from helpers import LogitsRecorder, engine_for, hf_logits, make_hf
 from freetoken.engine.constraints import TokenConstraint
 from freetoken.engine.engine import LLMEngine
 from freetoken.engine.request import Request
-from freetoken.engine.sampling import GREEDY_CANDIDATES, sample
+from freetoken.engine.constraints import NoAllowedToken
+from freetoken.engine.sampling import GREEDY_CANDIDATES, MAX_REDRAWS, constrained_pick, sample
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.loading.tokenizer import IdsOnlyTokenizer
 
@@ -234,3 +235,59 @@ def test_draws_follow_the_renormalised_allowed_distribution() -> None:
     sigma = np.sqrt(n * probs * (1 - probs)) + 1e-9
     assert np.all(np.abs(counts - n * probs) <= 5 * sigma + 1), (counts, n * probs)
     assert np.all(counts[probs == 0] == 0)
+
+
+class SupersetMaskConstraint(SubsetConstraint):
+    """Its mask holds every token; ``allows`` accepts only the subset (a mask that cannot be
+    made exact cheaply), and its fallback is one token of the subset."""
+
+    def __init__(self, allowed: list[int], vocab: int, fallback: Optional[int]) -> None:
+        super().__init__(allowed, vocab)
+        self.mask = torch.ones(vocab, dtype=torch.bool)
+        self.fallback = fallback
+        self.checks = 0
+
+    def allows(self, token_id: int, remaining: int) -> bool:
+        self.checks += 1
+        return token_id in self.allowed
+
+    def fallback_token(self, remaining: int) -> Optional[int]:
+        return self.fallback
+
+
+def test_picks_the_mask_allows_not_are_redrawn_from_the_rest() -> None:
+    """Rejected picks are redrawn: the draws follow the distribution renormalised over the
+    tokens ``allows`` accepts (the float64 reference), as with an exact mask."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    n_vocab = 40
+    logits = torch.from_numpy((rng.standard_normal(n_vocab) * 1.5).astype(np.float32))
+    allowed = sorted(int(t) for t in rng.choice(n_vocab, 20, replace=False))
+    probs = _reference_probs(logits.numpy(), allowed, 1.0, 0, 1.0)
+    g = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    params = SamplingParams(temperature=1.0)
+    c = SupersetMaskConstraint(allowed, n_vocab, allowed[0])
+    n = 4000
+    counts = np.zeros(n_vocab)
+    for _ in range(n):
+        tok, _ = constrained_pick(logits, logits, params, c, 100, g)
+        counts[tok] += 1
+    sigma = np.sqrt(n * probs * (1 - probs)) + 1e-9
+    assert np.all(np.abs(counts - n * probs) <= 5 * sigma + 1), (counts, n * probs)
+    assert np.all(counts[probs == 0] == 0) and c.checks > n
+    # greedy: the best token allows accepts, unless more than MAX_REDRAWS better ones were rejected
+    best = max(allowed, key=lambda t: float(logits[t]))
+    rank = int((logits > logits[best]).sum())
+    tok, _ = constrained_pick(logits, logits, SamplingParams(temperature=0.0, logprobs=True), c, 100, g)
+    assert tok == (best if rank <= MAX_REDRAWS else allowed[0])
+
+
+def test_fallback_after_too_many_rejections() -> None:
+    n_vocab = 64
+    logits = torch.arange(n_vocab, dtype=torch.float32)  # the lowest id is the least likely
+    g = torch.Generator().manual_seed(0)
+    c = SupersetMaskConstraint([0], n_vocab, 0)
+    tok, _ = constrained_pick(logits, logits, SamplingParams(temperature=0.0, logprobs=True), c, 100, g)
+    assert tok == 0 and c.checks == MAX_REDRAWS + 1
+    with pytest.raises(NoAllowedToken):
+        constrained_pick(logits, logits, SamplingParams(temperature=0.0, logprobs=True),
+                         SupersetMaskConstraint([0], n_vocab, None), 100, g)
