@@ -21,7 +21,7 @@
 # --layers N: cut the model to its first N layers when time is short (48 = full, ~17.3 GiB).
 # --cpu-only: build llama.cpp without CUDA (a smoke test of this script on a machine without a GPU).
 # Environment: OUT, MODEL_DIR, THREADS (16), NCMOE (24), BUDGET_S (530), FT_PLACEMENTS (FreeToken's
-# --moe-cpu-layers values, or limit:SIZE; default "all $NCMOE 0"), FT_BATCHES ("1 8"), LLAMACPP_SRC
+# --moe-cpu-layers values, or limit:SIZE; SPEC@FLAG,VALUE,... adds flags; default "all $NCMOE 0"), FT_BATCHES ("1 8"), LLAMACPP_SRC
 # (.bench/llama.cpp), LLAMACPP_BUILD (/tmp/llamacpp-build: an existing llama-bench there is
 # reused), SKIP_SETUP=1 (install and build nothing of ours: python3 already has it all).
 set -uo pipefail
@@ -172,16 +172,22 @@ fi
 run_freetoken_bench() {
   local spec args tag
   for spec in ${FT_PLACEMENTS:-all $NCMOE 0}; do
+    local extra=""
+    case $spec in *@*) extra=${spec#*@}; spec=${spec%%@*} ;; esac  # SPEC@FLAG,VALUE,...: more flags
     case $spec in  # limit:SIZE = the default placement under --gpu-memory-limit SIZE (a smaller card)
       limit:*) args=(--gpu-memory-limit "${spec#limit:}"); tag=${spec/:/-} ;;
       *) args=(--moe-cpu-layers "$spec"); tag=$spec ;;
     esac
+    if [ -n "$extra" ]; then IFS=',' read -ra more <<< "$extra"; args+=("${more[@]}"); tag=$tag-$(echo "$extra" | tr -c 'a-zA-Z0-9\n' '_'); fi
     echo "# freetoken bench decode ${args[*]}"
     python3 -m freetoken.cli.main bench decode --model "$MODEL" --backend cuda "${args[@]}" --stages \
       --cpu-threads "$((THREADS - 1))" --batch ${FT_BATCHES:-1 8} --prompt-len 512 --gen-len 64 --repeats 1 \
       --max-model-len 1024 --json > "/tmp/ft-bench/decode-$tag.json" || continue
     python3 -c "import json; d=json.load(open('/tmp/ft-bench/decode-$tag.json'))
 rep = d['backend_report']; plan = rep.get('memory_plan') or {}
+for k in ('expert_cache', 'prefill_stream', 'moe_stats'):
+    v = rep.get(k)
+    if v: print('SUMMARY freetoken $tag', k, json.dumps({x: y for x, y in v.items() if x not in ('per_layer', 'pools')}))
 for b, v in d['batches'].items():
     print('SUMMARY freetoken $tag batch', b, 'prompt %.1f tok/s decode %.1f tok/s' % (v['prompt_tok_s'], v['decode_tok_s']),
           'gpu_max_alloc %.2f GiB' % ((v.get('gpu_max_allocated_bytes') or 0) / 2**30), 'cpu_layers', rep.get('moe_cpu_layers'),

@@ -300,7 +300,7 @@ def test_gpu_graph_capture_and_replay(warm, caplog):
     tokens, top_k = 4, 4
     if warm:
         experts.warmup([tokens], top_k)
-    gen = torch.Generator().manual_seed(warm)
+    gen = torch.Generator().manual_seed(int(warm))
     sx = torch.zeros(tokens, H, dtype=torch.bfloat16, device="cuda")
     sids = torch.zeros(tokens, top_k, dtype=torch.int32, device="cuda")
     sw = torch.zeros(tokens, top_k, device="cuda")

@@ -120,6 +120,7 @@ class GpuModelSession(ModelSession):
         self.dequant_scratch = DequantScratch()  # one layer's experts dequantized, shared by every layer
         self.traffic: Optional[ExpertTraffic] = None
         self.packed_capable = False
+        self.cpu_weights: dict[int, Any] = {}  # the CPU layers' ExpertWeights
         self.coordinator: Any = None
         self.model: Any = None
         self.kv: Any = None
@@ -254,6 +255,7 @@ class GpuModelSession(ModelSession):
         e = spec.experts
         if on_cpu:
             self.banks[layer] = self.cpu.bank(e, spec.activation)
+            self.cpu_weights[layer] = e
             if self.traffic is not None:
                 self.traffic.add_cpu_layer(layer, e, spec.activation)
         elif layer in plan.packed_layers:
@@ -305,7 +307,7 @@ class GpuModelSession(ModelSession):
         if self.banks:
             s = self.shape
             assert s is not None
-            config = QualifyConfig(hidden=s.hidden, intermediate=s.moe_intermediate,
+            config = QualifyConfig(hidden=self._expert_hidden(), intermediate=s.moe_intermediate,
                                    num_experts=min(s.num_experts, 16), top_k=min(s.top_k, s.num_experts),
                                    cpu_threads=2)
             self.qualification = qualify(self.backend, self.act_dtype, settings, config=config,
@@ -344,9 +346,15 @@ class GpuModelSession(ModelSession):
             cached, resident = self.traffic.cached_experts(layer) if self.traffic else (None, None)
             ex = HybridMoEExecutor(self.backend, layer, cached, bank.address, s.top_k, io_path, self.act_dtype,
                                    placement=None if resident is None else Placement(resident),
-                                   coordinator=self.coordinator, sync_mode=mode, hidden=s.hidden)
+                                   coordinator=self.coordinator, sync_mode=mode, hidden=self._expert_hidden(layer))
             self.executors[layer] = ex
             self.layer_fns[layer] = ex.forward
+
+    def _expert_hidden(self, layer: Optional[int] = None) -> int:
+        """The width of the activations the routed experts take (a family may widen the
+        hidden size, e.g. with a column that carries the expert biases)."""
+        weights = self.cpu_weights.get(layer) if layer is not None else next(iter(self.cpu_weights.values()), None)
+        return int(weights.hidden) if weights is not None else int(self.shape.hidden)  # type: ignore[union-attr]
 
     def recapture_graphs(self) -> None:
         """Capture the decode graphs again (e.g. after a kernel's variant changed): the old

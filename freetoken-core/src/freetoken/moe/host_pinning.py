@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import mmap
 import time
 from typing import Any, Iterable, Optional
 
@@ -62,7 +61,7 @@ class HostRegistration:
     """Host ranges registered with the driver; :meth:`close` unregisters them."""
 
     def __init__(self) -> None:
-        self.ranges: list[tuple[int, int]] = []  # (page-aligned start, size)
+        self.ranges: list[tuple[int, int]] = []  # (start, size)
         self.bytes = 0
         self.seconds = 0.0
         self.keep: list[Any] = []  # the tensors whose memory is registered (kept alive)
@@ -72,12 +71,9 @@ class HostRegistration:
         Raises RuntimeError naming the driver's error if a range cannot be registered."""
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA/HIP device: nothing to register host memory with")
-        page = mmap.PAGESIZE
         spans = sorted(_address_range(t) for t in tensors if t.numel())
         merged: list[list[int]] = []
-        for a, b in spans:
-            a -= a % page
-            b += (-b) % page
+        for a, b in spans:  # overlapping or touching ranges become one registration
             if merged and a <= merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], b)
             else:
@@ -88,6 +84,7 @@ class HostRegistration:
             err = cudart.cudaHostRegister(a, b - a, REGISTER_PORTABLE | REGISTER_READ_ONLY)
             code = int(getattr(err, "value", err))
             if code != 0:
+                cudart.cudaGetLastError()  # clear it: torch's next launch check would report it as its own
                 self.close()
                 raise RuntimeError(
                     f"registering {(b - a) >> 20} MiB of expert banks with the GPU driver failed (error {code}); "

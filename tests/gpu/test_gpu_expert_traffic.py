@@ -1,0 +1,152 @@
+"""The expert cache, long-prompt streaming, page-locked banks and the MoE statistics on the
+GPU machine, against the all-CPU placement of the same engine (every routed expert computed
+by the CPU kernels through the hand-off) on the same GGUF file: the demo model's Q8_0 file,
+so the cache's pool holds the file's Q8_0 blocks and the packed GPU kernels read them.
+
+Bounds: BF16 activations, GPU float32 arithmetic on the weights against the CPU kernels'
+8-bit activation rounding: the logits agree to 5e-2 of their scale, and a greedy token may
+differ from the reference's only where the reference's top-2 margin is within that bound
+(random weights give flat logits); the comparison runs up to that point.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken.engine.config import EngineConfig
+from freetoken.engine.engine import LLMEngine
+from freetoken.engine.sampling_params import SamplingParams
+from freetoken.models.demo import ensure_demo_model
+from freetoken.moe.layer import MoELayer
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[(11 * i + 5 * j) % 300 + 3 for j in range(n)] for i, n in enumerate((7, 45, 19, 3))]
+#: one demo expert in Q8_0: 3 matrices of 256 x 256 values, 34 bytes per 32
+EXPERT_BYTES = 3 * 256 * 256 * 34 // 32
+TOL = 5e-2
+
+
+def _engine(backend, **kw):
+    return LLMEngine(EngineConfig(model=ensure_demo_model().gguf_path, max_model_len=256, kv_cache_tokens=4096,
+                                  max_running_requests=4, cuda_graph_max_bs=4, **kw), backend=backend)
+
+
+def _run(eng, prompts, max_tokens):
+    rows: dict[str, list[torch.Tensor]] = {}
+
+    def observe(ids, logits):
+        for i, rid in enumerate(ids):
+            rows.setdefault(rid, []).append(logits[i].float().cpu().clone())
+
+    remove = eng.add_logits_observer(observe)
+    try:
+        reqs = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                for p in prompts]
+        while eng.has_work():
+            eng.step()
+    finally:
+        remove()
+    return [(r.output_ids, torch.stack(rows[r.request_id])) for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def reference(backend):
+    """The same GPU engine and dtype with every expert computed by the CPU workers (the
+    all-CPU placement: no cache, nothing streamed); it is itself checked against the CPU
+    backend by test_gpu_engine."""
+    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_stream_prefill="off")
+    out = _run(eng, PROMPTS, 200)
+    eng.close()
+    return out
+
+
+def _check(got, ref, tol=TOL):
+    compared = 0
+    for (ids, logits), (ref_ids, ref_logits) in zip(got, ref):
+        scale = ref_logits.abs().max()
+        n = min(len(ids), len(ref_ids))
+        same = next((i for i in range(n) if ids[i] != ref_ids[i]), n)
+        err = float((logits[:same + 1] - ref_logits[:same + 1]).abs().max() / scale)
+        assert err <= tol, f"logits differ by {err:.3g} of their scale"
+        if same < n:
+            top2 = ref_logits[same].topk(2).values
+            margin = float((top2[0] - top2[1]) / scale)
+            assert margin <= 2 * tol, f"greedy token {same} differs where the reference margin {margin:.3g} is clear"
+        compared += same
+    return compared
+
+
+def test_cache_churn_in_graphs_matches_cpu(backend, reference):
+    """200 decode steps per request, every layer's experts in host memory, a cache of 12 of
+    the 64 experts with 2 fetches per layer and step: the slots change under the graphs."""
+    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_cache_size=float(12 * EXPERT_BYTES),
+                  moe_hybrid_max_fetch=2, moe_collect_stats=True, moe_stream_prefill="off")
+    try:
+        got = _run(eng, PROMPTS, 200)
+        rep = eng.session.report()
+    finally:
+        eng.close()
+    assert rep["graphs"] is True
+    assert rep["expert_cache"]["slots"] == 12 and rep["expert_cache"]["pools"][0]["formats"][0] == "packed"
+    stats = rep["moe_stats"]
+    assert rep["expert_cache"]["fetched_experts"] > 100 and 0 < stats["gpu_routes"] < stats["routes"]
+    assert _check(got, reference) > 100
+
+
+def test_stats_equal_router_counts(backend):
+    """Eager (the router's outputs are observable in Python): the statistics equal counts
+    taken from the router's own outputs of the decode steps."""
+    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="0-1", moe_cache_size=float(6 * EXPERT_BYTES),
+                  moe_hybrid_max_fetch=1, moe_collect_stats=True, enforce_eager=True)
+    steps: list[bool] = []
+    routes: dict[int, list[np.ndarray]] = {}
+    forward = eng.session.forward
+
+    def traced(input_ids, positions, meta):
+        steps.append(bool(meta.decode))
+        return forward(input_ids, positions, meta)
+
+    route = MoELayer.route
+
+    def routed(self, x):
+        ids, w = route(self, x)
+        routes.setdefault(self.layer, []).append(ids.cpu().numpy().copy())
+        return ids, w
+
+    eng.session.forward = traced
+    MoELayer.route = routed
+    try:
+        _run(eng, PROMPTS, 30)
+        stats = eng.session.report()["moe_stats"]
+    finally:
+        MoELayer.route = route
+        eng.close()
+    decode = [i for i, d in enumerate(steps) if d][:-1]  # the last step's routes are read at the next step
+    assert stats["steps"] == len(decode) > 0
+    for layer, calls in routes.items():
+        chosen = [calls[i] for i in decode]
+        per = stats["per_layer"][str(layer)]
+        assert per["routes"] == sum(int((c >= 0).sum()) for c in chosen)
+        assert per["active_experts"] == pytest.approx(np.mean([len(np.unique(c)) for c in chosen]))
+        if layer >= 2:  # resident layers: every route on the GPU
+            assert per["gpu_routes"] == per["routes"]
+        else:
+            assert per["gpu_routes"] + per["cpu_routes"] == per["routes"]
+
+
+@pytest.mark.parametrize("lock", ["on", "off"])
+def test_streamed_prefill_matches_cpu(backend, reference, lock):
+    """Every prefill chunk computes the CPU layers' experts on the GPU from streamed bytes
+    (page-locked or pageable banks); decode steps hand off to the CPU as usual."""
+    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_stream_prefill="on", moe_lock_host=lock)
+    try:
+        got = _run(eng, PROMPTS, 200)
+        rep = eng.session.report()
+    finally:
+        eng.close()
+    assert rep["prefill_stream"]["streamed_layers"] >= 4
+    assert (rep.get("host_locked_bytes", 0) > 0) == (lock == "on")
+    assert _check(got, reference) > 100
