@@ -21,7 +21,7 @@ class HostStaging(Staging):
         t = torch.empty(nbytes, dtype=torch.uint8)
         return HostBuffer(tensor=t, host_ptr=int(t.data_ptr()), device_ptr=0, nbytes=nbytes, mapped=False)
 
-    def register_host(self, tensor: Any) -> Any:
+    def register_host(self, tensor: Any, mapped: bool = False, read_only: bool = False) -> Any:
         return None
 
     def fetch(self, stream: int, dst: Any, src: Any) -> None:  # pragma: no cover - no device here

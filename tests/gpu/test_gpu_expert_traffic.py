@@ -150,3 +150,23 @@ def test_streamed_prefill_matches_cpu(backend, reference, lock):
     assert rep["prefill_stream"]["streamed_layers"] >= 4
     assert (rep.get("host_locked_bytes", 0) > 0) == (lock == "on")
     assert _check(got, reference) > 100
+
+
+@pytest.mark.parametrize("cache_experts", [0, 12])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_locked_fetch_matches_cpu(backend, reference, cache_experts, eager):
+    """Half of each step's missed routes (at most 2 per layer) read by the GPU from the
+    page-locked, mapped host banks, beside the cache when there is one."""
+    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_locked_fetch=0.5, moe_locked_max_fetch=2,
+                  moe_cache_size=float(cache_experts * EXPERT_BYTES), moe_hybrid_max_fetch=1 if cache_experts else 0,
+                  moe_collect_stats=True, moe_stream_prefill="off", enforce_eager=eager)
+    try:
+        got = _run(eng, PROMPTS, 200)
+        rep = eng.session.report()
+    finally:
+        eng.close()
+    assert rep["graphs"] is (not eager) and rep["host_locked_bytes"] > 0
+    assert rep["locked_fetch"]["routes"] > 100
+    stats = rep["moe_stats"]
+    assert 0 < stats["gpu_routes"] < stats["routes"]
+    assert _check(got, reference) > 100

@@ -56,7 +56,7 @@ class FakeStaging(Staging):
         ptr = view.data_ptr()
         return HostBuffer(view, ptr, ptr if mapped else 0, nbytes, mapped, owner=t)
 
-    def register_host(self, tensor: Any) -> Any:
+    def register_host(self, tensor: Any, mapped: bool = False, read_only: bool = False) -> Any:
         return tensor
 
     def fetch(self, stream: int, dst: Any, src: Any) -> None:

@@ -137,7 +137,7 @@ class SimHipRuntime:
         with self._lock:
             self._allocs.pop(host_ptr)
 
-    def host_register(self, ptr: int, nbytes: int, mapped: bool) -> int:
+    def host_register(self, ptr: int, nbytes: int, mapped: bool, read_only: bool = False) -> int:
         return ptr if mapped else 0
 
     def host_unregister(self, ptr: int) -> None:

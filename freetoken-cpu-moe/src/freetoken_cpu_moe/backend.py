@@ -147,7 +147,7 @@ class CpuStaging(Staging):
         # No device: `mapped` cannot be honoured; the buffer says so (mapped=False, device_ptr=0).
         return HostBuffer(tensor=tensor, host_ptr=tensor.data_ptr(), device_ptr=0, nbytes=nbytes, mapped=False)
 
-    def register_host(self, tensor: Any) -> _MlockHandle:
+    def register_host(self, tensor: Any, mapped: bool = False, read_only: bool = False) -> _MlockHandle:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("register_host needs a contiguous CPU tensor")
         return _MlockHandle(tensor)

@@ -196,10 +196,12 @@ class Staging(abc.ABC):
         """
 
     @abc.abstractmethod
-    def register_host(self, tensor: Any) -> Any:
+    def register_host(self, tensor: Any, mapped: bool = False, read_only: bool = False) -> Any:
         """Lock an existing host tensor (an expert bank) and register it with the
-        driver so H2D copies from it run at full speed. Returns a handle whose
-        lifetime bounds the registration; the tensor must outlive it."""
+        driver so H2D copies from it run at full speed. ``mapped``: kernels may also read
+        it in place (the handle's ``device_ptr`` is its device address); ``read_only``:
+        the memory is a read-only mapping (a model file). Returns a handle whose lifetime
+        bounds the registration (raises if the driver refuses); the tensor must outlive it."""
 
     @abc.abstractmethod
     def fetch(self, stream: int, dst: Any, src: Any) -> None:
@@ -354,6 +356,8 @@ class MoEOptions:
     compute the CPU layers' experts on the GPU, their bytes streamed over PCIe; None: the
     threshold from a measured profile), ``on``, ``off``. ``lock_host``: register (page-lock)
     the host expert banks with the driver (``auto``: when streaming or fetching uses them).
+    ``locked_fetch``: share of a decode step's missed routes that the GPU computes from the
+    page-locked banks in the same step (at most ``locked_max_fetch`` per layer; 0: off).
     ``collect_stats`` with the log summary every ``stats_interval_s`` seconds.
     """
 
@@ -364,6 +368,8 @@ class MoEOptions:
     stream_prefill: str = "auto"
     stream_min_tokens: Optional[int] = None
     lock_host: str = "auto"
+    locked_fetch: float = 0.0
+    locked_max_fetch: int = 2
     collect_stats: bool = False
     stats_interval_s: float = 60.0
 

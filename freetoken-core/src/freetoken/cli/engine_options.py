@@ -149,6 +149,16 @@ def cache_size(text: str) -> float:
     return value if value < 1 else value * (1 << 30)
 
 
+def unit_fraction(text: str) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a fraction in [0, 1]") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a fraction in [0, 1]")
+    return value
+
+
 def choice(*values: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         t = str(text).strip().lower()
@@ -248,6 +258,12 @@ _OPTIONS: tuple[_Option, ...] = (
             "page-lock the host expert banks and register them with the GPU driver, for copies at full PCIe "
             "speed: auto (when streaming or fetching uses them), on, off (default: {default})",
             choice("auto", "on", "off"), "MODE"),
+    _Option("moe_locked_fetch", "--moe-locked-fetch",
+            "share of a decode step's missed expert routes the GPU computes in the same step by reading the "
+            "page-locked host banks over PCIe, beside the CPU workers (about PCIe / (PCIe + RAM bandwidth); "
+            "GGUF K-quant/Q8_0 experts; default: {default}, off)", unit_fraction, "FRACTION"),
+    _Option("moe_locked_max_fetch", "--moe-locked-max-fetch",
+            "most missed routes per layer and step served that way (default: {default})", non_negative_int, "N"),
     _Option("moe_collect_stats", "--moe-collect-stats",
             "collect MoE statistics (active experts, cache hits and misses per layer, fetched bytes, CPU expert "
             "time) for /metrics and a periodic log line (default: off)", flag_only=True),

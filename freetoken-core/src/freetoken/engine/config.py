@@ -49,6 +49,8 @@ class EngineConfig:
     moe_stream_prefill: str = "auto"
     moe_stream_min_tokens: Optional[int] = None
     moe_lock_host: str = "auto"
+    moe_locked_fetch: float = 0.0
+    moe_locked_max_fetch: int = 2
     moe_collect_stats: bool = False
     moe_stats_interval: float = 60.0
 
@@ -67,6 +69,7 @@ class EngineConfig:
                 cache_fraction=self.moe_cache_size if self.moe_cache_size < 1 else 0.0,
                 hybrid_max_fetch=self.moe_hybrid_max_fetch, stream_prefill=self.moe_stream_prefill,
                 stream_min_tokens=self.moe_stream_min_tokens, lock_host=self.moe_lock_host,
+                locked_fetch=self.moe_locked_fetch, locked_max_fetch=self.moe_locked_max_fetch,
                 collect_stats=self.moe_collect_stats, stats_interval_s=self.moe_stats_interval,
             ),
         )
@@ -99,6 +102,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if not self.moe_cache_size >= 0:
             raise ValueError(f"moe_cache_size must be >= 0 (bytes, or a fraction below 1), got {self.moe_cache_size}")
+        if not 0 <= self.moe_locked_fetch <= 1:
+            raise ValueError(f"moe_locked_fetch must be a fraction in [0, 1], got {self.moe_locked_fetch}")
+        if self.moe_locked_max_fetch < 0:
+            raise ValueError(f"moe_locked_max_fetch must be >= 0, got {self.moe_locked_max_fetch}")
         if self.moe_hybrid_max_fetch < 0:
             raise ValueError(f"moe_hybrid_max_fetch must be >= 0, got {self.moe_hybrid_max_fetch}")
         if self.moe_stream_min_tokens is not None and self.moe_stream_min_tokens < 1:

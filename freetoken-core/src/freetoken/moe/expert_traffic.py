@@ -28,6 +28,14 @@ from freetoken.moe.copy_queue import CopyQueue
 from freetoken.moe.expert_cache import ExpertCache
 from freetoken.moe.gpu_packed_experts import DequantScratch
 from freetoken.moe.host_pinning import HostRegistration, register_banks
+from freetoken.moe.locked_fetch import (
+    LockedPlacement,
+    SplitGpuExperts,
+    locked_fetch_supported,
+    locked_routes,
+    mapped_experts,
+)
+from freetoken.moe.placement import Placement
 from freetoken.moe.moe_stats import MoEStats, RouteLog
 from freetoken.moe.prefill_stream import PrefillStreamer, StreamProfile, measure_threshold, streamable
 
@@ -60,6 +68,8 @@ class ExpertTraffic:
         self.route_log: Optional[RouteLog] = None
         self.stats: Optional[MoEStats] = None
         self.notes: list[str] = []
+        self.locked = False
+        self.locked_routes = 0
         self._streaming = False
         self._last: Optional[tuple[int, bool]] = None  # (tokens, decode) of the previous step
         self._busy_ns: Optional[int] = None
@@ -69,9 +79,15 @@ class ExpertTraffic:
         self.activation = activation
 
     # ---- start ------------------------------------------------------------------------------
-    def start(self, cpu: Any, banks: dict[int, Any]) -> None:
+    def start(self, cpu: Any, banks: dict[int, Any], staging: Any) -> None:
         o = self.options
         cpu_layers = self.cpu_layers
+        locked = o.locked_fetch > 0 and o.locked_max_fetch > 0 and bool(cpu_layers)
+        if locked and not (self.packed_ok and all(locked_fetch_supported(e) for e in cpu_layers.values())):
+            raise ValueError("--moe-locked-fetch: the GPU reads the host banks with its packed kernels, which need "
+                             "GGUF Q4_K/Q5_K/Q6_K/Q8_0 experts on an NVIDIA GPU (Triton); run without it")
+        if locked and o.lock_host == "off":
+            raise ValueError("--moe-locked-fetch needs page-locked host banks: drop --moe-lock-host off")
         stream = o.stream_prefill != "off" and bool(cpu_layers) and all(
             streamable(e, self.act_dtype, self.packed_ok) for e in cpu_layers.values())
         if o.stream_prefill == "on" and cpu_layers and not stream:
@@ -80,7 +96,11 @@ class ExpertTraffic:
         cache = self.cache_bytes > 0 and bool(cpu_layers)
         if stream or cache:
             self.copies = CopyQueue(self.device)
-        self._register(stream or (cache and o.hybrid_max_fetch > 0))
+        self._register(staging, stream or (cache and o.hybrid_max_fetch > 0) or locked, mapped=locked)
+        if locked and self.registration is None:
+            raise ValueError("--moe-locked-fetch needs page-locked host banks, which could not be registered: "
+                             + "; ".join(self.notes))
+        self.locked = locked
         if cache:
             self.cache = ExpertCache(cpu_layers, self.cache_bytes, self.device, self.act_dtype, self.activation,
                                      self.packed_ok, self.copies, o.hybrid_max_fetch, self.scratch)  # type: ignore[arg-type]
@@ -102,7 +122,7 @@ class ExpertTraffic:
         if o.collect_stats:
             self.stats = MoEStats(self.moe_layers, o.stats_interval_s)
 
-    def _register(self, wanted: bool) -> None:
+    def _register(self, staging: Any, wanted: bool, mapped: bool) -> None:
         mode = self.options.lock_host
         if mode == "off" or not self.cpu_layers or self.device.type != "cuda":
             if mode == "on" and self.device.type != "cuda":
@@ -111,7 +131,7 @@ class ExpertTraffic:
         if mode == "auto" and not wanted:
             return
         try:
-            self.registration = register_banks(self.cpu_layers.values())
+            self.registration = register_banks(staging, self.cpu_layers.values(), mapped=mapped)
         except RuntimeError as exc:
             if mode == "on":
                 raise
@@ -120,14 +140,23 @@ class ExpertTraffic:
             self.notes.append(note)
 
     # ---- each layer ---------------------------------------------------------------------------
-    def cached_experts(self, layer: int) -> tuple[Any, Any]:
-        """(GPU experts, resident row) of a CPU layer when the cache serves it, else (None, None)."""
-        if self.cache is None or layer not in self.cache.rows:
-            return None, None
-        experts = self.cache.layer_experts(layer)
-        if experts is None:
-            return None, None
-        return experts, self.cache.resident[self.cache.rows[layer]]
+    def gpu_side(self, layer: int) -> tuple[Any, Optional[Placement]]:
+        """(GPU experts, placement) of a CPU layer: the cache's experts and residency, plus
+        the mapped banks with locked fetch; (None, None) when every route goes to the CPU."""
+        cached, resident = None, None
+        if self.cache is not None and layer in self.cache.rows:
+            cached = self.cache.layer_experts(layer)
+            if cached is not None:
+                resident = self.cache.resident[self.cache.rows[layer]]
+        if not self.locked:
+            return (cached, Placement(resident)) if cached is not None else (None, None)
+        e = self.cpu_layers[layer]
+        if resident is None:
+            resident = torch.zeros(e.num_experts, dtype=torch.bool, device=self.device)
+        mapped = mapped_experts(e, self.registration, self.device, self.activation)
+        o = self.options
+        return (SplitGpuExperts(cached, resident, mapped, e.hidden),
+                LockedPlacement(resident, fraction=o.locked_fetch, max_fetch=o.locked_max_fetch))
 
     def wrap(self, layer: int, fn: Callable[[], ExpertsFn]) -> ExpertsFn:
         """The layer's experts function: routes recorded, streaming steps computed on the GPU,
@@ -177,6 +206,13 @@ class ExpertTraffic:
         if cache is not None:
             rows = [self.route_log.index[layer] for layer in cache.layers]  # type: ignore[union-attr]
             on_gpu[rows] = cache.after_step(ids[rows])
+        if self.locked:
+            o = self.options
+            for layer in self.cpu_layers:
+                r = self.route_log.index[layer]  # type: ignore[union-attr]
+                locked = locked_routes((ids[r] >= 0) & ~on_gpu[r], o.locked_fetch, o.locked_max_fetch)
+                on_gpu[r] |= locked
+                self.locked_routes += int(locked.sum())
         if self.stats is not None:
             self.stats.add_step(ids, on_gpu)
             if cache is not None:
@@ -197,6 +233,9 @@ class ExpertTraffic:
                                      "streamed_layers": self.streamer.streamed_layers,
                                      "streamed_bytes": self.streamer.streamed_bytes,
                                      "buffer_bytes": self.streamer.nbytes}
+        if self.locked:
+            out["locked_fetch"] = {"fraction": self.options.locked_fetch, "max_fetch": self.options.locked_max_fetch,
+                                   "routes": self.locked_routes if self.route_log is not None else None}
         if self.stats is not None:
             out["moe_stats"] = self.stats.snapshot()
         if self.notes:

@@ -112,7 +112,10 @@ class PackedGpuExperts:
         self.device = torch.device(device)
         self.num_experts, self.intermediate, self.hidden = g_shape
         placed = on_device or (None, None, None)
-        self.gate, self.up, self.down = (_stack_to_device(t, self.device, b) for t, b in zip((gate, up, down), placed))
+        self.gate, self.up, self.down = (
+            b if isinstance(b, tp.PackedStack) else _stack_to_device(t, self.device, b)
+            for t, b in zip((gate, up, down), placed)
+        )  # fmt: skip
         self.file_bytes = int(gate.nbytes + up.nbytes + down.nbytes)
         self.activation = activation
         self.config = config or tp.DEFAULT_CONFIG
@@ -132,9 +135,10 @@ class PackedGpuExperts:
     def over_device_bytes(
         cls, experts: "ExpertWeights", data: tuple[Any, Any, Any], device: Any, **kwargs: Any
     ) -> "PackedGpuExperts":
-        """Experts whose bytes are already on the device (``data``: uint8 gate, up, down,
-        e.g. a streaming buffer or cache slots), nothing copied; for eager use (the capture
-        fallback's constants are not prepared)."""
+        """Experts whose bytes are already where the kernels read them (``data``: uint8 gate,
+        up, down on the device, e.g. a streaming buffer or cache slots, or ready
+        :class:`~freetoken.moe.triton_moe_packed.PackedStack` objects, e.g. mapped host
+        memory), nothing copied; the capture fallback's constants are not prepared."""
         return cls(experts.gate, experts.up, experts.down, device, on_device=data, warm=False, **kwargs)
 
     @property

@@ -47,7 +47,6 @@ from freetoken.backends.contract import (
 from freetoken.models.layers import DeviceWeightPolicy
 from freetoken.moe.expert_traffic import ExpertTraffic
 from freetoken.moe.gpu_packed_experts import DequantScratch
-from freetoken.moe.placement import Placement
 from freetoken.moe.placement import cpu_layers
 
 log = logging.getLogger(__name__)
@@ -302,7 +301,7 @@ class GpuModelSession(ModelSession):
         io_path = None
         sync_mode = None
         if self.traffic is not None:
-            self.traffic.start(self.cpu, self.banks)
+            self.traffic.start(self.cpu, self.banks, self.backend.staging())
             self.warnings.extend(self.traffic.notes)
         if self.banks:
             s = self.shape
@@ -343,9 +342,9 @@ class GpuModelSession(ModelSession):
         s = self.shape
         assert s is not None
         for layer, bank in self.banks.items():
-            cached, resident = self.traffic.cached_experts(layer) if self.traffic else (None, None)
-            ex = HybridMoEExecutor(self.backend, layer, cached, bank.address, s.top_k, io_path, self.act_dtype,
-                                   placement=None if resident is None else Placement(resident),
+            gpu_side, placement = self.traffic.gpu_side(layer) if self.traffic else (None, None)
+            ex = HybridMoEExecutor(self.backend, layer, gpu_side, bank.address, s.top_k, io_path, self.act_dtype,
+                                   placement=placement,
                                    coordinator=self.coordinator, sync_mode=mode, hidden=self._expert_hidden(layer))
             self.executors[layer] = ex
             self.layer_fns[layer] = ex.forward

@@ -3,7 +3,8 @@
 Copies from pageable memory go through the driver's staging buffers at a fraction of the
 PCIe bandwidth and block the calling thread; from registered memory they are DMA at full
 speed and asynchronous. The banks are the checkpoint's bytes (a read-only file mapping for
-GGUF files), so they are registered read-only. Registration locks the pages in RAM for the
+GGUF files), so they are registered read-only; through the backend's Staging (the contract),
+never the driver directly. Registration locks the pages in RAM for the
 process's lifetime: what it costs is RAM that the page cache can no longer reclaim.
 
 :func:`lock_limit` reports whether the OS lets this process lock memory (RLIMIT_MEMLOCK;
@@ -13,18 +14,16 @@ a user policy that also refuses it), for ``freetoken doctor``.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import time
 from typing import Any, Iterable, Optional
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
-
-#: cudaHostRegister flags (hipHostRegister uses the same values)
-REGISTER_PORTABLE, REGISTER_MAPPED, REGISTER_READ_ONLY = 1, 2, 8
-
 
 @dataclasses.dataclass
 class LockLimit:
@@ -52,68 +51,86 @@ def lock_limit(need: int = 0) -> LockLimit:
     return LockLimit(s, h, True, f"RLIMIT_MEMLOCK {s >> 20} MiB")
 
 
-def _address_range(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
+#: neighbouring read-only ranges (one file mapping) closer than this are registered as one
+MERGE_GAP = 1 << 20
+
+
+def _read_only(raw: Any) -> bool:
+    data = raw.data
+    return not isinstance(data, torch.Tensor) and not np.asarray(data).flags.writeable
 
 
 class HostRegistration:
-    """Host ranges registered with the driver; :meth:`close` unregisters them."""
+    """Host ranges page-locked and registered with the driver through the backend's
+    :meth:`~freetoken.backends.contract.Staging.register_host` (``mapped``: kernels may also
+    read them in place at :meth:`device_address`); :meth:`close` releases them."""
 
-    def __init__(self) -> None:
-        self.ranges: list[tuple[int, int]] = []  # (start, size)
+    def __init__(self, staging: Any, mapped: bool = False) -> None:
+        self.staging = staging
+        self.mapped = mapped
+        self.ranges: list[tuple[int, int, int]] = []  # (host start, size, device start)
+        self.handles: list[Any] = []
+        self.keep: list[Any] = []  # what owns the registered memory (kept alive)
         self.bytes = 0
         self.seconds = 0.0
-        self.keep: list[Any] = []  # the tensors whose memory is registered (kept alive)
 
-    def register(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Register the memory of ``tensors`` (CPU, contiguous), merged into page ranges.
-        Raises RuntimeError naming the driver's error if a range cannot be registered."""
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA/HIP device: nothing to register host memory with")
-        spans = sorted(_address_range(t) for t in tensors if t.numel())
-        merged: list[list[int]] = []
-        for a, b in spans:  # overlapping or touching ranges become one registration
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
+    def register(self, spans: Iterable[tuple[torch.Tensor, bool]]) -> None:
+        """Register ``(tensor, read_only)`` spans (CPU, contiguous); overlapping ranges, and
+        read-only ones less than :data:`MERGE_GAP` apart, become one registration. Raises
+        RuntimeError naming the driver's refusal and the flag that avoids it."""
+        items = sorted(((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), ro, t) for t, ro in spans
+                        if t.numel()), key=lambda v: v[0])  # fmt: skip
+        merged: list[list[Any]] = []
+        for a, b, ro, t in items:
+            last = merged[-1] if merged else None
+            if last is not None and (a <= last[1] or (ro and last[2] and a - last[1] < MERGE_GAP)):
+                last[1] = max(last[1], b)
+                last[2] = last[2] and ro
             else:
-                merged.append([a, b])
-        cudart = torch.cuda.cudart()
+                merged.append([a, b, ro])
+            self.keep.append(t)
         t0 = time.perf_counter()
-        for a, b in merged:
-            err = cudart.cudaHostRegister(a, b - a, REGISTER_PORTABLE | REGISTER_READ_ONLY)
-            code = int(getattr(err, "value", err))
-            if code != 0:
-                cudart.cudaGetLastError()  # clear it: torch's next launch check would report it as its own
+        for a, b, ro in merged:
+            view = torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * (b - a)).from_address(a)))
+            try:
+                handle = self.staging.register_host(view, mapped=self.mapped, read_only=ro)
+            except Exception as exc:  # noqa: BLE001 - the driver's refusal, reported with advice
                 self.close()
                 raise RuntimeError(
-                    f"registering {(b - a) >> 20} MiB of expert banks with the GPU driver failed (error {code}); "
-                    f"{lock_limit(b - a).reason}. Run without it: --moe-lock-host off"
-                )
-            self.ranges.append((a, b - a))
+                    f"page-locking {(b - a) >> 20} MiB of expert banks failed ({exc}); {lock_limit(b - a).reason}. "
+                    "Run without it: --moe-lock-host off"
+                ) from exc
+            self.handles.append(handle)
+            device = int(getattr(handle, "device_ptr", 0) or 0)
+            self.ranges.append((a, b - a, device))
             self.bytes += b - a
         self.seconds += time.perf_counter() - t0
-        self.keep.extend(tensors)
+
+    def device_address(self, tensor: torch.Tensor) -> int:
+        """Where kernels read ``tensor``'s first byte (a mapped registration covering it)."""
+        p = tensor.data_ptr()
+        for a, n, d in self.ranges:
+            if a <= p < a + n:
+                if not d:
+                    raise RuntimeError("host banks registered without a device mapping")
+                return d + (p - a)
+        raise KeyError("tensor not in a registered range")
 
     def close(self) -> None:
-        if not self.ranges:
-            return
-        cudart = torch.cuda.cudart()
-        for a, _ in self.ranges:
-            cudart.cudaHostUnregister(a)
+        self.handles.clear()  # each handle unregisters its range when released
         self.ranges.clear()
-        self.bytes = 0
         self.keep.clear()
+        self.bytes = 0
 
 
-def bank_tensors(experts: Any) -> list[torch.Tensor]:
-    """The host tensors holding one layer's expert stacks (gate, up, down)."""
-    return [t.raw_torch() for t in (experts.gate, experts.up, experts.down)]
+def bank_spans(experts: Any) -> list[tuple[torch.Tensor, bool]]:
+    """(host tensor, read-only) of one layer's expert stacks (gate, up, down)."""
+    return [(t.raw_torch(), _read_only(t)) for t in (experts.gate, experts.up, experts.down)]
 
 
-def register_banks(layers: Iterable[Any]) -> HostRegistration:
-    reg = HostRegistration()
-    tensors = [t for e in layers for t in bank_tensors(e) if t.device.type == "cpu"]
-    reg.register(tensors)
-    log.info("registered %.2f GiB of host expert banks with the GPU driver in %.1f s", reg.bytes / 2**30, reg.seconds)
+def register_banks(staging: Any, layers: Iterable[Any], mapped: bool = False) -> HostRegistration:
+    reg = HostRegistration(staging, mapped)
+    reg.register([s for e in layers for s in bank_spans(e) if s[0].device.type == "cpu"])
+    log.info("page-locked %.2f GiB of host expert banks%s in %.1f s", reg.bytes / 2**30,
+             " (mapped for the GPU)" if mapped else "", reg.seconds)
     return reg

@@ -141,6 +141,8 @@ class HybridMoEExecutor:
         if cpu_mask is None and self.placement is None:
             raise ValueError("no placement configured: pass cpu_mask")
         task = self.task_for(tokens)
+        if cpu_mask is None and self.placement is not None and self.placement.explicit_mask:
+            cpu_mask = self.placement.cpu_mask(ids)
         w32 = w.to(torch.float32).contiguous()
         stream = self.backend.current_stream()
         if self.kio is not None and hasattr(self.kio, "publish_routes"):

@@ -85,11 +85,12 @@ def _tensor_over(memory: _HostMemory) -> Any:
 
 
 class _Registration:
-    def __init__(self, native: Any, tensor: Any, mapped: bool) -> None:
+    def __init__(self, native: Any, tensor: Any, mapped: bool, read_only: bool = False) -> None:
         self.native = native
         self.tensor = tensor
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.device_ptr = native.host_register(tensor.data_ptr(), self.nbytes, mapped, read_only)
         self.ptr = tensor.data_ptr()
-        self.device_ptr = native.host_register(self.ptr, tensor.numel() * tensor.element_size(), mapped)
 
     def __del__(self) -> None:
         ptr, self.ptr = getattr(self, "ptr", 0), 0
@@ -111,10 +112,10 @@ class NativeStaging(Staging):
         tensor = _tensor_over(memory)
         return HostBuffer(tensor, memory.host, memory.device, nbytes, mapped, owner=memory)
 
-    def register_host(self, tensor: Any) -> Any:
+    def register_host(self, tensor: Any, mapped: bool = False, read_only: bool = False) -> Any:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("register_host needs a contiguous CPU tensor")
-        return _Registration(self.native, tensor, mapped=False)
+        return _Registration(self.native, tensor, mapped=mapped, read_only=read_only)
 
     def fetch(self, stream: int, dst: Any, src: Any) -> None:
         _on_stream(stream, lambda: dst.copy_(src, non_blocking=True))

@@ -10,7 +10,7 @@ full ``[tokens, top_k]`` id matrix with ``-1`` where the route belongs to the ot
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 
 @dataclasses.dataclass
@@ -23,6 +23,8 @@ class Placement:
 
     resident: Any
     cpu_routes_per_token: Optional[int] = None
+    #: the hand-off must get the CPU routes as an explicit mask (not the resident rule)
+    explicit_mask: ClassVar[bool] = False
 
     @classmethod
     def all_gpu(cls, num_experts: int, device: Any) -> "Placement":

@@ -81,7 +81,7 @@ class FakeStaging(Staging):
         ptr = tensor.data_ptr()
         return HostBuffer(tensor=tensor, host_ptr=ptr, device_ptr=ptr if mapped else 0, nbytes=nbytes, mapped=mapped)
 
-    def register_host(self, tensor: Any) -> Any:
+    def register_host(self, tensor: Any, mapped: bool = False, read_only: bool = False) -> Any:
         return tensor  # nothing to register with a simulated driver; the handle keeps it alive
 
     def fetch(self, stream: int, dst: Any, src: Any) -> None:

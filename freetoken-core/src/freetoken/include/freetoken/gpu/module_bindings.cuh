@@ -96,7 +96,9 @@ inline void bind_module(py::module_& m) {
         py::arg("nbytes"), py::arg("mapped"), "page-locked host memory -> (host_ptr, device_ptr or 0)");
     m.def("host_free", &host_free, py::arg("host_ptr"));
     m.def("host_register", &host_register, py::arg("ptr"), py::arg("nbytes"), py::arg("mapped"),
-          "page-lock and register existing host memory -> device_ptr (0 unless mapped)");
+          py::arg("read_only") = false,
+          "page-lock and register existing host memory (read_only: a read-only mapping such as a "
+          "model file) -> device_ptr (0 unless mapped)");
     m.def("host_unregister", &host_unregister, py::arg("ptr"));
     m.def("stream_is_capturing", &stream_is_capturing, py::arg("stream"));
     m.def("memop_write", &memop_write, py::arg("stream"), py::arg("dev_addr"), py::arg("value"),

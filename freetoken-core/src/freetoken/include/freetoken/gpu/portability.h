@@ -62,6 +62,13 @@ typedef hipDeviceProp_t ftDeviceProp;
 #define ftHostRegister hipHostRegister
 #define ftHostRegisterMapped hipHostRegisterMapped
 #define ftHostRegisterPortable hipHostRegisterPortable
+/* read-only registration (file mappings opened read-only); HIP runtimes before it existed
+ * register without the flag, which such memory may then refuse */
+#if defined(hipHostRegisterReadOnly) || (defined(HIP_VERSION) && HIP_VERSION >= 60000000)
+#define ftHostRegisterReadOnly hipHostRegisterReadOnly
+#else
+#define ftHostRegisterReadOnly 0u
+#endif
 #define ftHostUnregister hipHostUnregister
 #define ftMalloc hipMalloc
 #define ftFree hipFree
@@ -128,6 +135,7 @@ typedef cudaDeviceProp ftDeviceProp;
 #define ftHostRegister cudaHostRegister
 #define ftHostRegisterMapped cudaHostRegisterMapped
 #define ftHostRegisterPortable cudaHostRegisterPortable
+#define ftHostRegisterReadOnly cudaHostRegisterReadOnly
 #define ftHostUnregister cudaHostUnregister
 #define ftMalloc cudaMalloc
 #define ftFree cudaFree

@@ -111,8 +111,9 @@ inline HostAllocation host_alloc(size_t nbytes, bool mapped) {
 
 inline void host_free(uint64_t host) { FT_CHECK(ftFreeHost(reinterpret_cast<void*>(host))); }
 
-inline uint64_t host_register(uint64_t ptr, size_t nbytes, bool mapped) {
-    unsigned flags = ftHostRegisterPortable | (mapped ? ftHostRegisterMapped : 0u);
+inline uint64_t host_register(uint64_t ptr, size_t nbytes, bool mapped, bool read_only) {
+    unsigned flags = ftHostRegisterPortable | (mapped ? ftHostRegisterMapped : 0u) |
+                     (read_only ? static_cast<unsigned>(ftHostRegisterReadOnly) : 0u);
     FT_CHECK(ftHostRegister(reinterpret_cast<void*>(ptr), nbytes, flags));
     if (!mapped) return 0;
     void* d = nullptr;
