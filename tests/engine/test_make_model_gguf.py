@@ -232,3 +232,215 @@ def test_parallel_writer_lays_out_the_planned_tensors(tmp_path):
     for t in r.tensors:
         got = np.asarray(t.data).reshape(-1).view(np.uint8)
         assert np.array_equal(got, ref[t.name].reshape(-1).view(np.uint8)), t.name
+
+
+# ------------------------------------------------------------------ Qwen3.5-MoE presets
+
+# The text model of Qwen/Qwen3.5-35B-A3B's published config.json (model_type qwen3_5_moe, the
+# language model under text_config; Qwen3.6-35B-A3B has the same shapes).
+QWEN35_35B_A3B_TEXT_CONFIG = {
+    "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "head_dim": 256, "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts": 256,
+    "num_experts_per_tok": 8, "vocab_size": 248320, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "attn_output_gate": True, "mtp_num_hidden_layers": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}  # fmt: skip
+
+# The keys llama.cpp reads for qwen35moe (src/models/qwen35moe.cpp load_arch_hparams plus the
+# common ones of src/llama-model.cpp) that have no default or a default wrong for Qwen3.5.
+QWEN35_KEYS = (
+    "block_count", "context_length", "embedding_length", "attention.head_count", "attention.head_count_kv",
+    "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base",
+    "rope.dimension_count", "rope.dimension_sections", "expert_count", "expert_used_count",
+    "expert_feed_forward_length", "expert_shared_feed_forward_length", "ssm.conv_kernel", "ssm.inner_size",
+    "ssm.state_size", "ssm.time_step_rank", "ssm.group_count", "full_attention_interval",
+)  # fmt: skip
+
+
+def qwen35_loader_tensors(cfg) -> dict[str, tuple[int, ...]]:
+    """Every tensor llama.cpp's qwen35moe loader creates, in ggml's dimension order (ne0
+    first), from the hyper-parameters as that loader derives them."""
+    H, D, E, I, V = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.vocab_size
+    S = cfg.shared_expert_intermediate_size
+    head_k = head_v = cfg.linear_key_dim  # ssm.state_size serves both
+    key_dim, value_dim = head_k * cfg.linear_key_heads, head_v * cfg.linear_value_heads
+    want = {"token_embd.weight": (H, V), "output_norm.weight": (H,), "output.weight": (H, V)}
+    for i in range(cfg.num_layers):
+        b = f"blk.{i}."
+        want.update({b + "attn_norm.weight": (H,), b + "post_attention_norm.weight": (H,)})
+        if (i + 1) % 4 == 0:
+            want.update({
+                b + "attn_q.weight": (H, D * cfg.num_heads * 2), b + "attn_k.weight": (H, D * cfg.num_kv_heads),
+                b + "attn_v.weight": (H, D * cfg.num_kv_heads), b + "attn_output.weight": (D * cfg.num_heads, H),
+                b + "attn_q_norm.weight": (D,), b + "attn_k_norm.weight": (D,),
+            })
+        else:
+            want.update({
+                b + "attn_qkv.weight": (H, 2 * key_dim + value_dim), b + "attn_gate.weight": (H, value_dim),
+                b + "ssm_conv1d.weight": (cfg.conv_kernel, 2 * key_dim + value_dim),
+                b + "ssm_dt.bias": (cfg.linear_value_heads,), b + "ssm_a": (cfg.linear_value_heads,),
+                b + "ssm_beta.weight": (H, cfg.linear_value_heads), b + "ssm_alpha.weight": (H, cfg.linear_value_heads),
+                b + "ssm_norm.weight": (head_v,), b + "ssm_out.weight": (value_dim, H),
+            })
+        want.update({
+            b + "ffn_gate_inp.weight": (H, E), b + "ffn_gate_exps.weight": (H, I, E), b + "ffn_up_exps.weight": (H, I, E),
+            b + "ffn_down_exps.weight": (I, H, E), b + "ffn_gate_inp_shexp.weight": (H,),
+            b + "ffn_gate_shexp.weight": (H, S), b + "ffn_up_shexp.weight": (H, S), b + "ffn_down_shexp.weight": (S, H),
+        })
+    return want
+
+
+def qwen35_q4_k_m(name: str, n_layers: int) -> str:
+    """llama.cpp's Q4_K_M type for a qwen35moe tensor (src/llama-quant.cpp): attn_v and attn_qkv
+    are its attn_v-like tensors (one per layer, counted in file order), ffn_down* its
+    ffn_down; 1-D tensors, norms, ffn_gate_inp and ssm_conv1d are not quantized."""
+    if name == "output.weight":
+        return "Q6_K"
+    if name == "token_embd.weight":
+        return "Q4_K"
+    if name == "output_norm.weight":
+        return "F32"
+    layer = int(name.split(".")[1])
+    base = name.split(".")[2]
+    if base in ("ssm_conv1d", "ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_dt", "ssm_a") or base.endswith("norm"):
+        return "F32"
+    more = layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+    if base in ("attn_v", "attn_qkv", "ffn_down_exps", "ffn_down_shexp") and more:
+        return "Q6_K"
+    return "Q4_K"
+
+
+@pytest.fixture(scope="module")
+def qwen35_tiny_file(tmp_path_factory):
+    from freetoken.cli.main import main
+
+    path = str(tmp_path_factory.mktemp("make_model_q35") / "q35tiny.gguf")
+    assert main(["bench", "make-model", "--preset", "qwen3.5-moe-tiny", "--seed", "5", "--out", path]) == 0
+    return path
+
+
+def test_qwen35_preset_is_the_published_config():
+    """The preset equals what FreeToken reads from the published config.json."""
+    from freetoken.cli.bench.make_model import PRESETS
+    from freetoken.models import qwen3_5_moe
+
+    ref = qwen3_5_moe.config_from_hf({"architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                                      "model_type": "qwen3_5_moe", "text_config": QWEN35_35B_A3B_TEXT_CONFIG})
+    cfg = PRESETS["qwen3.5-35b-a3b"]
+    skip = {"value_heads_tiled", "eos_token_ids", "bos_token_id"}  # GGUF layout; no tokenizer in the file
+    for f in dataclasses.fields(ref):
+        if f.name not in skip:
+            assert getattr(cfg, f.name) == getattr(ref, f.name), f.name
+    assert cfg.kv_layers == tuple(range(3, 40, 4)) and cfg.rotary_dim == 64
+
+
+def test_qwen35_metadata_round_trips_through_gguf(tmp_path):
+    """The full 40-layer preset's metadata (no tensors) read back by FreeToken's GGUF config
+    reader gives the preset, and carries every key llama.cpp's qwen35moe loader needs."""
+    import gguf
+
+    from freetoken.cli.bench.make_model import PRESETS
+    from freetoken.loading.gguf import GGUFCheckpoint
+    from freetoken.loading.gguf_writer import write_hybrid_metadata, write_ids_only_vocab
+    from freetoken.models import qwen3_5_moe
+
+    cfg = PRESETS["qwen3.5-35b-a3b"]
+    p = str(tmp_path / "meta.gguf")
+    w = gguf.GGUFWriter(p, "qwen35moe")
+    write_hybrid_metadata(w, cfg, "meta only")
+    write_ids_only_vocab(w, cfg.vocab_size)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    meta = GGUFCheckpoint(p).metadata
+    for k in QWEN35_KEYS:
+        assert f"qwen35moe.{k}" in meta, k
+    assert list(meta["qwen35moe.rope.dimension_sections"]) == [11, 11, 10, 0]  # the config's mrope_section
+    assert meta["qwen35moe.full_attention_interval"] == 4
+    assert "qwen35moe.attention.recurrent_layers" not in meta  # the interval says it all
+    back = qwen3_5_moe.config_from_gguf(meta, has_output=True)
+    for f in dataclasses.fields(back):
+        if f.name in ("eos_token_ids", "bos_token_id"):
+            continue
+        want = getattr(cfg, f.name)
+        want = pytest.approx(want, rel=1e-7) if isinstance(want, float) else want  # stored as float32
+        assert getattr(back, f.name) == want, f.name
+
+
+@pytest.mark.parametrize("layers", [4, 40])
+def test_qwen35_plan_is_llamacpp_tensor_set_and_mix(layers):
+    """The real preset's plan (first ``layers`` layers, as ``--layers`` cuts it): llama.cpp's
+    qwen35moe tensor set and shapes, its Q4_K_M types, and the byte count."""
+    from freetoken.cli.bench.make_model import PRESETS, cut_layers, plan
+    from freetoken.loading.tensors import row_bytes
+
+    cfg = cut_layers(PRESETS["qwen3.5-35b-a3b"], layers)
+    assert cfg.layer_types == tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                    for i in range(layers))  # fmt: skip
+    ts = plan(cfg, "q4_k_m")
+    got = {t.name: tuple(reversed(t.shape)) for t in ts}
+    assert got == qwen35_loader_tensors(cfg)
+    for t in ts:
+        assert Fmt(t.fmt).name == qwen35_q4_k_m(t.name, layers), t.name
+    total = 0
+    for name, ne in qwen35_loader_tensors(cfg).items():
+        fmt = getattr(Fmt, qwen35_q4_k_m(name, layers))
+        total += int(np.prod(ne[1:], dtype=np.int64)) * (4 * ne[0] if fmt == Fmt.F32 else row_bytes(fmt, ne[0]))
+    assert sum(t.nbytes for t in ts) == total
+    if layers == 40:
+        assert 19.5 < total / 2**30 < 20.0  # ~19.7 GiB: Q4_K_M of the 35B text model without its MTP layer
+
+
+def test_qwen35_tiny_file_layout(qwen35_tiny_file):
+    import gguf
+    from gguf.quants import dequantize
+
+    from freetoken.cli.bench.make_model import PRESETS
+
+    cfg = PRESETS["qwen3.5-moe-tiny"]
+    r = gguf.GGUFReader(qwen35_tiny_file)
+    assert _field(r, "general.architecture") == "qwen35moe"
+    assert _field(r, "tokenizer.ggml.model") == "none"
+    assert _field(r, "qwen35moe.vocab_size") == cfg.vocab_size
+    assert _field(r, "general.file_type") == 15
+    for k in QWEN35_KEYS:
+        _field(r, f"qwen35moe.{k}")
+    got = {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
+    assert got == qwen35_loader_tensors(cfg)
+    for t in r.tensors:
+        assert t.tensor_type.name == qwen35_q4_k_m(t.name, cfg.num_layers), t.name
+    last = max(r.tensors, key=lambda t: t.data_offset)
+    assert last.data_offset + last.n_bytes == os.path.getsize(qwen35_tiny_file)
+    by = {t.name: t for t in r.tensors}
+    a = np.asarray(by["blk.0.ssm_a"].data, dtype=np.float64)
+    assert ((a > -16) & (a < -1)).all() and len(set(a.tolist())) == a.size  # decay rates -exp(A_log)
+    assert (np.asarray(by["blk.1.ssm_dt.bias"].data) > 0).all()
+    for name in ("blk.0.attn_qkv.weight", "blk.3.attn_q.weight", "blk.2.ffn_down_shexp.weight",
+                 "blk.1.ssm_beta.weight", "blk.3.ffn_down_exps.weight"):  # fmt: skip
+        t = by[name]
+        w = dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64)
+        rows = w.reshape(-1, w.shape[-1])
+        assert np.isfinite(rows).all() and 1e-4 < float(np.abs(rows).max()) < 1.0, name
+        assert len({rows[i].tobytes() for i in range(min(32, len(rows)))}) == min(32, len(rows)), name
+
+
+def test_qwen35_tiny_file_runs_in_freetoken(qwen35_tiny_file):
+    """FreeToken loads the file as qwen3_5_moe (both layer types, shared experts) and
+    generates from token ids; different prompts give different logits."""
+    from freetoken.engine.llm import LLM
+
+    eng = engine_for(qwen35_tiny_file)
+    assert eng.model_config.architecture == "qwen3_5_moe"
+    assert eng.model_config.kv_layers == (3,) and eng.model_config.recurrent.layers == (0, 1, 2)
+    llm = LLM.__new__(LLM)
+    llm.engine, llm.tokenizer = eng, eng.tokenizer
+    out = llm.generate([[1, 2, 3, 4, 5], [7, 9]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    for o in out:
+        assert len(o.token_ids) == 5 and all(0 <= t < 32768 for t in o.token_ids)
+    a, b = eng.prompt_logits([1, 2, 3]), eng.prompt_logits([30000, 2, 3])
+    assert np.isfinite(a.float().numpy()).all()
+    assert float((a[-1] - b[-1]).abs().max()) > 0

@@ -40,6 +40,16 @@ def write_qwen3moe_metadata(w: Any, cfg: ModelConfig, name: str) -> None:
     w.add_uint32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size)
 
 
+def mrope_sections(rotary_dim: int) -> list[int]:
+    """Qwen3.5's multimodal RoPE sections (rotated pairs per time/height/width position, as
+    GGUF's four-entry array): [11, 11, 10, 0] for its 64 rotated dimensions, split the same
+    way for other sizes. Text positions are equal in all three, so the split does not change
+    what a text model computes; llama.cpp only needs the sections to cover the pairs."""
+    pairs = rotary_dim // 2
+    t = -(-pairs // 3)
+    return [t, t, pairs - 2 * t, 0]
+
+
 def write_hybrid_metadata(w: Any, cfg: Any, name: str) -> None:
     """The ``qwen35moe``/``qwen3next`` hyper-parameters llama.cpp reads (``cfg``: a
     :class:`freetoken.models.qwen_hybrid.HybridConfig`; ``w.arch`` names the architecture)."""
@@ -56,7 +66,7 @@ def write_hybrid_metadata(w: Any, cfg: Any, name: str) -> None:
     w.add_float32(f"{a}.rope.freq_base", float(cfg.rope_theta))
     w.add_uint32(f"{a}.rope.dimension_count", cfg.rotary_dim)
     if a == "qwen35moe":  # llama.cpp requires the (text-only: unused) multimodal RoPE sections
-        w.add_array(f"{a}.rope.dimension_sections", [11, 11, 10, 0])
+        w.add_array(f"{a}.rope.dimension_sections", mrope_sections(cfg.rotary_dim))
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
     w.add_uint32(f"{a}.expert_count", cfg.num_experts)
     w.add_uint32(f"{a}.expert_used_count", cfg.top_k)

@@ -15,6 +15,12 @@ output head Q6_K, and attn_v and ffn_down(_exps) Q6_K in the layers where
 file's layer count); norms and the router stay F32 (llama.cpp never quantizes
 ffn_gate_inp). llama.cpp turns attn_k and attn_v to Q8_0 for models of exactly 8
 experts only; no preset here has 8.
+
+Qwen3.5-MoE files (``qwen35moe``) follow the same rules with llama.cpp's counting: its
+"attn_v-like" tensors are attn_v of the full-attention layers and attn_qkv of the Gated
+DeltaNet layers (one per layer, so ``use_more_bits(i, n)`` again picks them by layer),
+and "ffn_down" covers both ffn_down_exps and the shared expert's ffn_down_shexp. The
+DeltaNet's short-convolution kernel, ssm_a, ssm_dt, the norms and both routers stay F32.
 """
 
 from __future__ import annotations
@@ -33,6 +39,12 @@ from freetoken.handoff import Fmt
 from freetoken.loading.gguf_writer import RandomBlockPool
 from freetoken.loading.tensors import row_bytes
 from freetoken.models.config import ModelConfig
+from freetoken.models.qwen_hybrid import FULL, LINEAR, HybridConfig, finish_config
+
+
+def _hybrid_layers(n: int, interval: int = 4) -> tuple[str, ...]:
+    return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n))
+
 
 PRESETS: dict[str, ModelConfig] = {
     "qwen3-30b-a3b": ModelConfig(
@@ -58,6 +70,28 @@ PRESETS: dict[str, ModelConfig] = {
         norm_topk_prob=True, rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
         tie_word_embeddings=False,
     ),
+    # Qwen3.5-35B-A3B (and Qwen3.6-35B-A3B, the same shapes), text model of the published
+    # config.json: 40 layers, every 4th gated full attention (16 q / 2 kv heads of 256, a
+    # quarter of each head rotated, RoPE base 1e7), the others Gated DeltaNet (16 key heads,
+    # 32 value heads, head dims 128, conv kernel 4); 256 experts of 512, top-8, plus a shared
+    # expert of 512; vocab 248320. The multi-token-prediction layer is left out (not run).
+    "qwen3.5-35b-a3b": finish_config(HybridConfig(
+        architecture="qwen3_5_moe", vocab_size=248320, hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=2,
+        head_dim=256, intermediate_size=0, moe_intermediate_size=512, num_experts=256, top_k=8,
+        norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=10_000_000.0, max_position_embeddings=262144,
+        tie_word_embeddings=False, layer_types=_hybrid_layers(40), linear_key_heads=16, linear_value_heads=32,
+        linear_key_dim=128, linear_value_dim=128, conv_kernel=4, rotary_dim=64, shared_expert_intermediate_size=512,
+        value_heads_tiled=True,
+    ), "qwen3.5-35b-a3b"),
+    # The same tensor set at a few tens of MB (both layer types, every row a multiple of 256).
+    "qwen3.5-moe-tiny": finish_config(HybridConfig(
+        architecture="qwen3_5_moe", vocab_size=32768, hidden_size=512, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=128, intermediate_size=0, moe_intermediate_size=256, num_experts=16, top_k=4,
+        norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=10_000_000.0, max_position_embeddings=4096,
+        tie_word_embeddings=False, layer_types=_hybrid_layers(4), linear_key_heads=2, linear_value_heads=4,
+        linear_key_dim=64, linear_value_dim=64, conv_kernel=4, rotary_dim=32, shared_expert_intermediate_size=256,
+        value_heads_tiled=True,
+    ), "qwen3.5-moe-tiny"),
     "gpt-oss-tiny": ModelConfig(
         architecture="gpt_oss", vocab_size=4096, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
         head_dim=32, intermediate_size=0, moe_intermediate_size=128, num_experts=8, top_k=2,
@@ -86,7 +120,7 @@ def tensor_format(quant: str, role: str, layer: int, n_layers: int) -> int:
     # q4_k_m
     if role == "output":
         return Fmt.Q6_K
-    if role in ("attn_v", "ffn_down_exps") and use_more_bits(layer, n_layers):
+    if role in ("attn_v", "attn_qkv", "ffn_down_exps", "ffn_down_shexp") and use_more_bits(layer, n_layers):
         return Fmt.Q6_K
     return Fmt.Q4_K
 
@@ -106,6 +140,19 @@ class Planned:
         return rows * row_bytes(self.fmt, self.shape[-1])
 
 
+def _f32(shape: tuple[int, ...], mean: float, std: float) -> Callable[[np.random.Generator, RandomBlockPool], np.ndarray]:
+    return lambda rng, pool: (mean + std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+
+
+def _uniform(shape: tuple[int, ...], lo: float, hi: float) -> Callable[[np.random.Generator, RandomBlockPool], np.ndarray]:
+    return lambda rng, pool: rng.uniform(lo, hi, size=shape).astype(np.float32)
+
+
+def _packed(shape: tuple[int, ...], fmt: int) -> Callable[[np.random.Generator, RandomBlockPool], np.ndarray]:
+    rows = int(np.prod(shape[:-1]))
+    return lambda rng, pool: pool.blocks(fmt, rows, shape[-1]).reshape(*shape[:-1], -1)
+
+
 def random_mxfp4(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """``rows`` ggml MXFP4 rows: random codes, block exponents 2^-9..2^-5 (values O(0.01))."""
     nblk = rows * cols // 32
@@ -123,8 +170,7 @@ def plan_gpt_oss(cfg: ModelConfig, quant: str) -> list[Planned]:
     H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
     out: list[Planned] = []
 
-    def f32(shape: tuple[int, ...], mean: float, std: float) -> Callable[[np.random.Generator, RandomBlockPool], np.ndarray]:
-        return lambda rng, pool: (mean + std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+    f32 = _f32
 
     def add(name: str, shape: tuple[int, ...], fmt: int, make=None) -> None:
         if make is None and fmt == MXFP4:
@@ -157,18 +203,77 @@ def plan_gpt_oss(cfg: ModelConfig, quant: str) -> list[Planned]:
     return out
 
 
+def plan_qwen35(cfg: HybridConfig, quant: str) -> list[Planned]:
+    """llama.cpp's qwen35moe tensor set (src/models/qwen35moe.cpp), layer by layer as its
+    converter writes it: gated full attention (attn_q holds each head's query and output
+    gate) or Gated DeltaNet (attn_qkv, attn_gate, ssm_*), then the routed and shared experts.
+    Decay rates ``ssm_a = -exp(A_log)`` in (-16, -1), positive ``ssm_dt`` biases."""
+    H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
+    hk, hv, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
+    if dk != dv:
+        raise ValueError(f"llama.cpp's qwen35moe needs equal key and value head dims (got {dk} and {dv})")
+    S = cfg.shared_expert_intermediate_size
+    out: list[Planned] = []
+
+    def add(name: str, shape: tuple[int, ...], fmt: int, make=None) -> None:
+        out.append(Planned(name, shape, fmt, make or _packed(shape, fmt)))
+
+    def q(role: str, i: int) -> int:
+        return tensor_format(quant, role, i, L)
+
+    add("token_embd.weight", (cfg.vocab_size, H), q("token_embd", 0))
+    for i in range(L):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", (H,), Fmt.F32, _f32((H,), 1.0, 0.05))
+        if cfg.layer_types[i] == FULL:
+            add(b + "attn_q.weight", (2 * cfg.num_heads * D, H), q("attn_q", i))
+            add(b + "attn_k.weight", (cfg.num_kv_heads * D, H), q("attn_k", i))
+            add(b + "attn_v.weight", (cfg.num_kv_heads * D, H), q("attn_v", i))
+            add(b + "attn_output.weight", (H, cfg.num_heads * D), q("attn_output", i))
+            add(b + "attn_q_norm.weight", (D,), Fmt.F32, _f32((D,), 1.0, 0.05))
+            add(b + "attn_k_norm.weight", (D,), Fmt.F32, _f32((D,), 1.0, 0.05))
+        else:
+            conv_dim = 2 * hk * dk + hv * dv
+            add(b + "attn_qkv.weight", (conv_dim, H), q("attn_qkv", i))
+            add(b + "attn_gate.weight", (hv * dv, H), q("attn_gate", i))
+            add(b + "ssm_conv1d.weight", (conv_dim, cfg.conv_kernel), Fmt.F32, _f32((conv_dim, cfg.conv_kernel), 0.0, 0.3))
+            add(b + "ssm_dt.bias", (hv,), Fmt.F32, _uniform((hv,), 0.5, 2.0))
+            add(b + "ssm_a", (hv,), Fmt.F32, _uniform((hv,), -16.0, -1.0))
+            add(b + "ssm_beta.weight", (hv, H), q("ssm_beta", i))
+            add(b + "ssm_alpha.weight", (hv, H), q("ssm_alpha", i))
+            add(b + "ssm_norm.weight", (dv,), Fmt.F32, _f32((dv,), 1.0, 0.05))
+            add(b + "ssm_out.weight", (H, hv * dv), q("ssm_out", i))
+        add(b + "post_attention_norm.weight", (H,), Fmt.F32, _f32((H,), 1.0, 0.05))
+        add(b + "ffn_gate_inp.weight", (E, H), Fmt.F32, _f32((E, H), 0.0, 0.02))
+        add(b + "ffn_gate_exps.weight", (E, I, H), q("ffn_gate_exps", i))
+        add(b + "ffn_up_exps.weight", (E, I, H), q("ffn_up_exps", i))
+        add(b + "ffn_down_exps.weight", (E, H, I), q("ffn_down_exps", i))
+        add(b + "ffn_gate_inp_shexp.weight", (H,), Fmt.F32, _f32((H,), 0.0, 0.02))
+        add(b + "ffn_gate_shexp.weight", (S, H), q("ffn_gate_shexp", i))
+        add(b + "ffn_up_shexp.weight", (S, H), q("ffn_up_shexp", i))
+        add(b + "ffn_down_shexp.weight", (H, S), q("ffn_down_shexp", i))
+    add("output_norm.weight", (H,), Fmt.F32, _f32((H,), 1.0, 0.05))
+    add("output.weight", (cfg.vocab_size, H), q("output", L))
+    return out
+
+
+def cut_layers(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The preset with only its first ``n`` layers (hybrids keep their layer pattern)."""
+    out = dataclasses.replace(cfg, num_layers=n)
+    if isinstance(out, HybridConfig):
+        out.layer_types = tuple(cfg.layer_types[:n])
+        out = finish_config(out, f"{cfg.architecture} cut to {n} layers")
+    return out
+
+
 def plan(cfg: ModelConfig, quant: str) -> list[Planned]:
     if cfg.architecture == "gpt_oss":
         return plan_gpt_oss(cfg, quant)
     if quant == "mxfp4":
         raise ValueError("mxfp4 is for GPT-OSS presets (its experts); use q4_k_m, q8_0, q4_k or q6_k")
-    def packed(shape: tuple[int, ...], fmt: int) -> Callable[[np.random.Generator, RandomBlockPool], np.ndarray]:
-        rows = int(np.prod(shape[:-1]))
-        return lambda rng, pool: pool.blocks(fmt, rows, shape[-1]).reshape(*shape[:-1], -1)
-
-    def f32(shape: tuple[int, ...], mean: float, std: float) -> Callable[[np.random.Generator, RandomBlockPool], np.ndarray]:
-        return lambda rng, pool: (mean + std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-
+    if cfg.architecture == "qwen3_5_moe":
+        return plan_qwen35(cfg, quant)  # type: ignore[arg-type]
+    packed, f32 = _packed, _f32
     H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
     out: list[Planned] = []
 
@@ -228,6 +333,11 @@ def write(path: str, cfg: ModelConfig, quant: str, seed: int = 0, progress: bool
         w = gguf.GGUFWriter(path, "gpt-oss")
         write_moe_metadata(w, cfg, name)
         write_gpt_oss_metadata(w, GPT_OSS_WINDOW, GPT_OSS_YARN_FACTOR, GPT_OSS_YARN_ORIGINAL)
+    elif cfg.architecture == "qwen3_5_moe":
+        from freetoken.loading.gguf_writer import write_hybrid_metadata
+
+        w = gguf.GGUFWriter(path, "qwen35moe")
+        write_hybrid_metadata(w, cfg, name)
     else:
         w = gguf.GGUFWriter(path, ARCH)
         write_qwen3moe_metadata(w, cfg, name)
@@ -307,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
         if not 1 <= args.layers <= cfg.num_layers:
             print(f"--layers must be in 1..{cfg.num_layers}", file=sys.stderr)
             return 2
-        cfg.num_layers = args.layers
+        cfg = cut_layers(cfg, args.layers)
     need = sum(t.nbytes for t in plan(cfg, args.quant))
     d = os.path.dirname(os.path.abspath(args.out))
     free = os.statvfs(d).f_bavail * os.statvfs(d).f_frsize
