@@ -33,12 +33,16 @@ def test_unsupported_architecture_lists_supported(hf_dir, tmp_path):
 
     d = _copy(hf_dir[1], str(tmp_path / "m"))
     cfg = json.load(open(os.path.join(d, "config.json")))
-    cfg["architectures"] = ["MixtralForCausalLM"]
+    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
     with pytest.raises(UnsupportedArchitecture) as e:
         engine_for(d)
     msg = str(e.value)
-    assert "MixtralForCausalLM" in msg and "Qwen3MoeForCausalLM" in msg and "qwen3moe" in msg
+    assert "DeepseekV3ForCausalLM" in msg
+    # the supported set, HF and GGUF names of every family
+    for name in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "GptOssForCausalLM",
+                 "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "qwen3moe", "qwen35moe", "gpt-oss"):
+        assert name in msg, name
 
 
 def test_unsupported_gguf_architecture(tmp_path):
@@ -46,14 +50,14 @@ def test_unsupported_gguf_architecture(tmp_path):
 
     from freetoken.models.registry import UnsupportedArchitecture
 
-    p = str(tmp_path / "llama.gguf")
-    w = gguf.GGUFWriter(p, "llama")
+    p = str(tmp_path / "deepseek2.gguf")
+    w = gguf.GGUFWriter(p, "deepseek2")
     w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedArchitecture, match=r"'llama'.*Supported.*qwen3moe"):
+    with pytest.raises(UnsupportedArchitecture, match=r"'deepseek2'.*Supported.*qwen3moe.*qwen35moe"):
         engine_for(p)
 
 
