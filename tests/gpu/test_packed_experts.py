@@ -159,6 +159,12 @@ def test_large_batches_dequantize_to_bf16():
                            bf16_config=bf16_config)  # fmt: skip
         assert any(k[0] == "bf16" for k in experts._compiled)
     assert scratch.nbytes == 3 * E * H * I * 2
+    # a third of the experts at a time (the scratch of a memory-planned GPU session): the
+    # groups' outputs add up to the same result
+    grouped = DequantScratch()
+    run_case((Q4, Q5, Q8), 4, 4, seed=6, config=small, tol=DEQUANT_TOL, scratch=grouped, bf16_config=tiled,
+             dequant_group=2)
+    assert grouped.nbytes == 3 * 2 * H * I * 2
 
 
 @pytest.mark.parametrize("fmt", [Q4, Q5, Q6, Q8])

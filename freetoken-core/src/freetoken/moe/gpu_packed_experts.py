@@ -95,7 +95,7 @@ class PackedGpuExperts:
     def __init__(
         self, gate: "RawTensor", up: "RawTensor", down: "RawTensor", device: Any, activation: str = "silu",
         config: Any = None, scratch: Optional[DequantScratch] = None, bf16_config: Any = None,
-        on_device: Optional[tuple[Any, Any, Any]] = None, warm: bool = True,
+        on_device: Optional[tuple[Any, Any, Any]] = None, warm: bool = True, dequant_group: Optional[int] = None,
     ) -> None:  # fmt: skip
         import torch
 
@@ -122,6 +122,8 @@ class PackedGpuExperts:
         self.config.validate()
         self.bf16_config = bf16_config
         self.scratch = scratch if scratch is not None else DequantScratch()
+        #: experts dequantized at a time by the large-batch path (bounds the scratch)
+        self.dequant_group = min(self.num_experts, dequant_group or self.num_experts)
         self.capture_fallbacks = 0
         self._compiled: set[tuple[Any, ...]] = set()
         if warm:
@@ -182,10 +184,12 @@ class PackedGpuExperts:
         if packed:
             h = torch.empty(tokens, top_k, self.intermediate, dtype=torch.float32, device=self.device)
             triton_moe_packed.launch(x, ids, w, self.gate, self.up, self.down, y, h, self.activation, self.config)
-        else:
+        elif self.dequant_group >= self.num_experts:
             g, u, d = self._dequantized()
             h = torch.empty(tokens, top_k, self.intermediate, dtype=g.dtype, device=self.device)
             triton_moe.launch(x, ids, w, g, u, d, y, h, self.activation, bf16_config)
+        else:
+            self._grouped(x, ids, w, y, bf16_config)
         self._compiled.add(key)
         return finish_output(y, out, direct, x.dtype)
 
@@ -204,6 +208,30 @@ class PackedGpuExperts:
             self.forward(x, ids, w)
 
     # ---- the large-batch path -----------------------------------------------------------
+    def _grouped(self, x: Any, ids: Any, w: Any, y: Any, config: Any) -> None:
+        """The large-batch path one group of experts at a time: each group dequantized into
+        the scratch, its routes (ids shifted into the group, the others -1) through the BF16
+        kernels, the groups' outputs summed into ``y``."""
+        import torch
+
+        from freetoken.moe import triton_moe
+        from freetoken.moe.triton_moe_packed import dequantize_experts
+
+        tokens, top_k = ids.shape
+        part = torch.empty_like(y)
+        h = torch.empty(tokens, top_k, self.intermediate, dtype=torch.bfloat16, device=self.device)
+        minus = torch.full_like(ids, -1)
+        for first in range(0, self.num_experts, self.dequant_group):
+            n = min(self.dequant_group, self.num_experts - first)
+            bufs = []
+            for name, s in (("gate", self.gate), ("up", self.up), ("down", self.down)):
+                buf = self.scratch.get(name, (n, s.rows, s.cols), torch.bfloat16, self.device)
+                bufs.append(dequantize_experts(s, buf, first=first, count=n))
+            local = torch.where((ids >= first) & (ids < first + n), ids - first, minus)
+            triton_moe.launch(x, local, w, *bufs, part if first else y, h, self.activation, config)
+            if first:
+                y.add_(part)
+
     def _dequantized(self) -> tuple[Any, Any, Any]:
         """All experts as BF16 ``gate/up [E, I, H]``, ``down [E, H, I]`` in the scratch."""
         import torch

@@ -60,6 +60,10 @@ RESERVE_BYTES = 1 << 30
 #: The KV cache the plan guarantees at least (tokens), when max_model_len is larger.
 MIN_KV_TOKENS = 4096
 
+#: The prefill of packed or streamed experts dequantizes a layer in this many groups of
+#: experts, one after another through one scratch (a quarter of a layer in BF16)
+DEQUANT_GROUPS = 4
+
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 8 else f"{n / (1 << 20):.1f} MiB"
@@ -119,6 +123,7 @@ class GpuModelSession(ModelSession):
         self.dequant_scratch = DequantScratch()  # one layer's experts dequantized, shared by every layer
         self.traffic: Optional[ExpertTraffic] = None
         self.packed_capable = False
+        self.dequant_group: Optional[int] = None
         self.cpu_weights: dict[int, Any] = {}  # the CPU layers' ExpertWeights
         self.coordinator: Any = None
         self.model: Any = None
@@ -160,7 +165,8 @@ class GpuModelSession(ModelSession):
         # the prefill of packed (or streamed) experts dequantizes one layer at a time; streaming
         # double-buffers one layer's bytes
         streams = o.moe.stream_prefill != "off" and n > 0
-        scratch = dequantized if (packed or streams) and n else 0
+        self.dequant_group = -(-shape.num_experts // DEQUANT_GROUPS)
+        scratch = dequantized * self.dequant_group // max(shape.num_experts, 1) if (packed or streams) and n else 0
         buffers = 2 * max(per_layer.values() if shape.expert_file_bytes is None else
                           shape.expert_file_bytes.values()) if streams else 0
         fixed = reserve + shape.dense_bytes + kv_min + cache + scratch + buffers
@@ -197,7 +203,8 @@ class GpuModelSession(ModelSession):
         self.plan_result = MemoryPlan(budget, shape.dense_bytes, max(per_layer.values(), default=0), gpu, cpu,
                                       kv_budget, reserve, sorted(set(gpu) & packed), experts, cache, scratch + buffers)
         self.traffic = ExpertTraffic(o.moe, self.device, self.act_dtype, shape.moe_layers, shape.top_k,
-                                     max(o.max_running_requests, 1), cache, self.packed_capable, self.dequant_scratch)
+                                     max(o.max_running_requests, 1), cache, self.packed_capable, self.dequant_scratch,
+                                     self.dequant_group)
         log.info("GPU memory plan: budget %s, dense %s, experts of %d layers on the GPU (%s, %d packed), "
                  "expert cache %s, CPU layers %s", _gib(budget) if budget else "-", _gib(shape.dense_bytes),
                  len(gpu), _gib(experts), len(self.plan_result.packed_layers), _gib(cache), _ranges(cpu))
@@ -261,7 +268,8 @@ class GpuModelSession(ModelSession):
             from freetoken.moe.gpu_packed_experts import PackedGpuExperts
 
             experts = PackedGpuExperts.from_expert_weights(e, self.device, activation=spec.activation,
-                                                           scratch=self.dequant_scratch)
+                                                           scratch=self.dequant_scratch,
+                                                           dequant_group=self.dequant_group)
             self.gpu_experts[layer] = experts
             self.layer_fns[layer] = experts.forward
         else:

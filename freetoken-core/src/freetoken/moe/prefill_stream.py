@@ -60,6 +60,7 @@ class PrefillStreamer:
     def __init__(
         self, layers: dict[int, Any], device: Any, act_dtype: torch.dtype, activation: str, packed_ok: bool,
         scratch: DequantScratch, copies: CopyQueue, mode: str = "auto", min_tokens: Optional[int] = None,
+        dequant_group: Optional[int] = None,
     ) -> None:  # fmt: skip
         self.layers = dict(sorted(layers.items()))
         self.order = list(self.layers)
@@ -71,6 +72,7 @@ class PrefillStreamer:
         self.copies = copies
         self.mode = mode
         self.min_tokens = min_tokens
+        self.dequant_group = dequant_group
         self.profile: Optional[StreamProfile] = None
         size = max(e.nbytes for e in self.layers.values())
         self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
@@ -139,7 +141,7 @@ class PrefillStreamer:
         (g, _), (u, _), (d, _) = self._parts(layer, buf)
         if {int(t.fmt) for t in (e.gate, e.up, e.down)} <= PACKED_FORMATS and self.packed_ok:
             return PackedGpuExperts.over_device_bytes(e, (g, u, d), self.device, activation=self.activation,
-                                                      scratch=self.scratch)
+                                                      scratch=self.scratch, dequant_group=self.dequant_group)
         dt = _FLOAT_FMTS[int(e.gate.fmt)]
         views = [x.view(dt).view(*t.shape) for x, t in ((g, e.gate), (u, e.up), (d, e.down))]
         return GpuExperts(*views, activation=self.activation)
