@@ -105,7 +105,7 @@ class Tokenizer:
                             tools: Optional[list[dict[str, Any]]] = None) -> str:
         """Render ``messages`` with the chat template. ``tools``: OpenAI-style tool definitions
         (``{"type": "function", "function": {...}}``), passed to the template as transformers does."""
-        msgs = validate_messages(messages)
+        msgs = _alias_reasoning(validate_messages(messages))
         if not self.chat_template:
             raise ValueError(f"{self.source or 'this model'} has no chat template; send a plain prompt instead")
         import jinja2
@@ -184,6 +184,20 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         mm = dict(m)
         mm["content"] = content
         out.append(mm)
+    return out
+
+
+#: the names a message's reasoning comes under; templates read the first (Qwen) or "thinking" (GPT-OSS)
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A message's reasoning, under whichever of :data:`REASONING_KEYS` it came, is given to the
+    template as both ``reasoning_content`` and ``thinking`` (what transformers' rendering does)."""
+    out = []
+    for m in messages:
+        r = next((m[k] for k in REASONING_KEYS if m.get(k) is not None), None)
+        out.append(m if r is None else {"thinking": r, **m, "reasoning_content": r})
     return out
 
 
