@@ -120,3 +120,22 @@ def test_plan_error_names_the_flag_that_set_the_budget():
                        dense_bytes=10 << 20, kv_bytes_per_token=1024)
     with pytest.raises(MemoryPlanError, match=r"the budget is 1\.0 MiB \(--gpu-memory-limit\)"):
         session.plan(shape)
+
+
+def test_model_prints_streaming_threshold_and_cache(demo_model: str) -> None:
+    """The measured long-prompt threshold (PCIe copy of one layer against the CPU experts'
+    time per token), the expert cache and the page-lock limit are in the report."""
+    r = _doctor("--backend", "fakegpu", "--model", demo_model, "--moe-cpu-layers", "all", "--dtype", "float32",
+                "--moe-cache-size", "4MiB", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert set(report["memory_lock"]) == {"soft_bytes", "hard_bytes", "can_lock", "reason"}
+    info = report[MODEL_KEY]["backend_info"]
+    profile = info["prefill_stream"]["profile"]
+    assert profile["source"] == "measured" and profile["pcie_gb_s"] > 0 and profile["cpu_us_per_token"] > 0
+    assert info["prefill_stream"]["min_tokens"] == profile["min_tokens"] >= 2
+    assert info["expert_cache"]["slots"] == (4 << 20) // (3 * 256 * 256 * 4)
+    text = _doctor("--backend", "fakegpu", "--model", demo_model, "--moe-cpu-layers", "all", "--dtype", "float32",
+                   "--moe-cache-size", "4MiB").stdout
+    assert "long prompts: auto; prefill chunks of >= " in text and "expert cache: " in text
+    assert "Page-locking host expert banks:" in text

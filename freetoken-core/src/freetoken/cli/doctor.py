@@ -43,7 +43,8 @@ from freetoken.versioning import LOCKSTEP_DISTRIBUTIONS
 
 #: Top-level keys of ``freetoken doctor --json``.
 REPORT_KEYS = (
-    "freetoken", "python", "torch", "cpu", "cpu_moe", "plugins", "selection", "capabilities", "qualification",
+    "freetoken", "python", "torch", "cpu", "cpu_moe", "memory_lock", "plugins", "selection", "capabilities",
+    "qualification",
 )
 #: The key ``--model`` adds after them.
 MODEL_KEY = "model"
@@ -98,6 +99,15 @@ def _cpu_moe_report() -> dict[str, Any]:
     return {"importable": True, "version": getattr(module, "__version__", None), "error": None}
 
 
+def _memory_lock_report() -> dict[str, Any]:
+    """Whether the host expert banks can be page-locked (--moe-lock-host, --moe-locked-fetch,
+    fast prompt streaming): RLIMIT_MEMLOCK and what it allows."""
+    from freetoken.moe.host_pinning import lock_limit
+
+    lim = lock_limit()
+    return {"soft_bytes": lim.soft, "hard_bytes": lim.hard, "can_lock": lim.can_lock, "reason": lim.reason}
+
+
 def build_report(backend: Optional[str] = None) -> dict[str, Any]:
     """Everything ``freetoken doctor`` shows, as plain JSON-able data."""
     report: dict[str, Any] = {
@@ -110,6 +120,7 @@ def build_report(backend: Optional[str] = None) -> dict[str, Any]:
         "torch": _torch_report(),
         "cpu": _cpu_report(),
         "cpu_moe": _cpu_moe_report(),
+        "memory_lock": _memory_lock_report(),
         "plugins": [r.as_dict() for r in registry.plugins(probe=True)],
     }
     selection: dict[str, Any] = {"backend": None, "error": None}
@@ -162,6 +173,11 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"  ISA: {' '.join(c['isa']) or '(unknown)'}; torch CPU capability: {c['torch_cpu_capability']}")
     m = report["cpu_moe"]
     lines.append(f"freetoken-cpu-moe: {'importable, ' + str(m['version']) if m['importable'] else 'NOT importable: ' + str(m['error'])}")
+    lock = report.get("memory_lock")
+    if lock:
+        lines.append(f"Page-locking host expert banks: {'possible' if lock['can_lock'] else 'limited'} "
+                     f"({lock['reason']}); used by --moe-lock-host, --moe-locked-fetch and prompt streaming, which "
+                     "report at startup whether the driver accepted them")
     lines.append("Backend plugins:")
     for p in report["plugins"]:
         where = f"{p['distribution'] or '?'} {p['version'] or ''}".strip()
@@ -267,6 +283,34 @@ def format_model(m: dict[str, Any]) -> list[str]:
         lines.append(f"  weights: {weights}")
     if info.get("attention"):
         lines.append(f"  attention: {info['attention']}")
+    lines.extend(_traffic_lines(info))
+    return lines
+
+
+def _traffic_lines(info: dict[str, Any]) -> list[str]:
+    """The expert cache, long-prompt streaming and page-locking of a GPU session."""
+    lines = []
+    plan = info.get("memory_plan") or {}
+    if plan.get("packed_layers"):
+        lines.append(f"  GPU experts: {plan['packed_layers']} layers kept in the file's block formats "
+                     f"({_gib(plan.get('expert_bytes'))})")
+    cache = info.get("expert_cache")
+    if cache:
+        lines.append(f"  expert cache: {cache['slots']} slots ({_gib(cache['bytes'])}) for {cache['layers']} CPU layers, "
+                     f"up to {cache['max_fetch']} fetches per layer and step")
+    stream = info.get("prefill_stream")
+    if stream:
+        p = stream.get("profile") or {}
+        how = (f"measured: one layer {p.get('layer_bytes', 0) / 2**20:.0f} MiB over PCIe at {p.get('pcie_gb_s')} GB/s "
+               f"against {p.get('cpu_us_per_token')} us of CPU experts per token" if p.get("source") == "measured"
+               else "given")
+        lines.append(f"  long prompts: {stream['mode']}; prefill chunks of >= {stream['min_tokens']} tokens stream the "
+                     f"CPU layers' experts to the GPU ({how})")
+    if info.get("host_locked_bytes"):
+        lines.append(f"  page-locked host banks: {_gib(info['host_locked_bytes'])}")
+    locked = info.get("locked_fetch")
+    if locked:
+        lines.append(f"  locked fetch: {locked['fraction']} of missed routes, at most {locked['max_fetch']} per layer")
     return lines
 
 

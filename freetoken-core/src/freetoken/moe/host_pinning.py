@@ -33,8 +33,13 @@ class LockLimit:
     reason: str
 
 
+#: below this RLIMIT_MEMLOCK, no real model's expert banks could be mlock()ed
+USEFUL_LOCK_BYTES = 1 << 30
+
+
 def lock_limit(need: int = 0) -> LockLimit:
-    """RLIMIT_MEMLOCK of this process, and whether ``need`` bytes can be locked under it."""
+    """RLIMIT_MEMLOCK of this process, and whether ``need`` bytes (default: a useful amount,
+    :data:`USEFUL_LOCK_BYTES`) can be locked under it."""
     try:
         import resource
     except ImportError:  # pragma: no cover - not POSIX
@@ -44,10 +49,11 @@ def lock_limit(need: int = 0) -> LockLimit:
     s, h = (None if v == inf else int(v) for v in (soft, hard))
     if s is None:
         return LockLimit(s, h, True, "RLIMIT_MEMLOCK unlimited")
-    if need and s < need:
-        return LockLimit(s, h, False, f"RLIMIT_MEMLOCK is {s >> 20} MiB, below the {need >> 20} MiB of expert banks "
-                                      "(raise it: `ulimit -l unlimited`, or memlock in /etc/security/limits.conf "
-                                      "or the container's --ulimit memlock=-1)")
+    need = need or USEFUL_LOCK_BYTES
+    if s < need:
+        return LockLimit(s, h, False, f"RLIMIT_MEMLOCK is {s >> 20} MiB, below the {need >> 20} MiB to lock "
+                                      "(raise it: `ulimit -l unlimited`, memlock in /etc/security/limits.conf, or "
+                                      "the container's --ulimit memlock=-1)")
     return LockLimit(s, h, True, f"RLIMIT_MEMLOCK {s >> 20} MiB")
 
 
