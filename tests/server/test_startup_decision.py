@@ -289,3 +289,24 @@ def test_backend_series_of_a_gpu_report() -> None:
     assert got["freetoken_gpu_memory_budget_bytes"] == ({}, float(24 << 30))
     assert "graph replay verified" not in text and "quotes" not in text
     assert list(backend_families({})) == []  # while loading: nothing
+
+
+def test_moe_statistics_in_metrics(server_factory: Any) -> None:
+    """--moe-collect-stats with an expert cache: per-layer route counters add up, the cache's
+    size and the decode steps are exported."""
+    server = server_factory(["--backend", "fakegpu", "--moe-collect-stats", "--moe-cache-size", "2MiB",
+                             "--moe-hybrid-max-fetch", "1"])
+    resp = httpx.post(server.base_url + "/v1/completions", json=PROMPT, timeout=120)
+    assert resp.status_code == 200, resp.text
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    per_layer = {name: {s.labels["layer"]: s.value for s in families[name].samples if s.name.endswith("_total")}
+                 for name in ("freetoken_moe_routes", "freetoken_moe_gpu_routes", "freetoken_moe_cpu_routes")}
+    assert set(per_layer["freetoken_moe_routes"]) == {"0", "1", "2", "3"}
+    for layer, routes in per_layer["freetoken_moe_routes"].items():
+        assert routes > 0
+        assert per_layer["freetoken_moe_gpu_routes"][layer] + per_layer["freetoken_moe_cpu_routes"][layer] == routes
+    steps = families["freetoken_moe_decode_steps"].samples[0].value
+    assert steps > 0 and sum(per_layer["freetoken_moe_routes"].values()) == steps * 4 * 4  # 4 layers, top-4, batch 1
+    assert families["freetoken_moe_cache_slots"].samples[0].value == (2 << 20) // (3 * 256 * 256 * 2)
+    assert 0 <= families["freetoken_moe_miss_rate"].samples[0].value <= 1

@@ -12,6 +12,8 @@ from typing import Any, Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from freetoken.server.moe_metrics import moe_families
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -98,7 +100,8 @@ def backend_families(report: dict[str, Any]) -> Iterable[Any]:
     * ``freetoken_step_breakdown_<part>_seconds``: the report's ``step_breakdown`` (medians
       over recent decode steps), e.g. ``decode_step`` and ``cpu_experts``;
     * ``freetoken_gpu_memory_<kind>_bytes``: the report's ``gpu_memory`` (allocated,
-      max_allocated, reserved) and ``freetoken_gpu_memory_budget_bytes``: the memory plan's budget.
+      max_allocated, reserved) and ``freetoken_gpu_memory_budget_bytes``: the memory plan's budget;
+    * the MoE statistics and expert cache series of :mod:`freetoken.server.moe_metrics`.
     """
     if not report:
         return
@@ -139,6 +142,7 @@ def backend_families(report: dict[str, Any]) -> Iterable[Any]:
         if value is not None and name not in seen:  # one family per name, whatever the report's keys
             seen.add(name)
             yield GaugeMetricFamily(name, doc, value=value)
+    yield from moe_families(report)
 
 
 class _BackendCollector(Collector):
