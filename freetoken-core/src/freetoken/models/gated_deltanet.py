@@ -106,14 +106,23 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 
 def recurrent_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                         state: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """One token of ``B`` sequences: ``q, k`` ``[B, H, dk]``, ``v`` ``[B, H, dv]``, ``g, beta``
-    ``[B, H]``, ``state`` ``[B, H, dk, dv]``; float32. Returns ``o`` ``[B, H, dv]`` and the new state."""
-    S = state * g.exp()[..., None, None]
-    kv = torch.einsum("bhk,bhkv->bhv", k, S)
-    delta = (v - kv) * beta.unsqueeze(-1)
-    S = S + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return torch.einsum("bhk,bhkv->bhv", q, S), S
+    ``[B, H]``, ``state`` ``[B, H, dk, dv]`` (contiguous, updated in place); float32. Returns ``o``
+    ``[B, H, dv]``.
+
+    The state is read once for both ``q^T S`` and ``k^T S`` and updated in place, since with
+    ``d = exp(g)``: ``k^T (d S) = d k^T S`` and ``o = q^T (d S + k delta^T) = d q^T S + (q . k) delta``
+    (decode time is dominated by passes over the ``[H, dk, dv]`` states)."""
+    B, H, dk = k.shape
+    dv = v.shape[-1]
+    qs, ks = torch.matmul(torch.stack([q, k], -2), state).unbind(-2)  # [B, H, dv] each
+    decay = g.exp().unsqueeze(-1)
+    delta = (v - decay * ks) * beta.unsqueeze(-1)
+    o = decay * qs + (q * k).sum(-1, keepdim=True) * delta
+    state.mul_(decay.unsqueeze(-1))
+    state.view(B * H, dk, dv).baddbmm_(k.reshape(B * H, dk, 1), delta.reshape(B * H, 1, dv))
+    return o
 
 
 class GatedDeltaNet:
@@ -205,7 +214,8 @@ class GatedDeltaNet:
         conv_state.index_copy_(0, slots, window[:, 1:])
         conv = F.silu((window.to(self.conv_weight.dtype) * self.conv_weight.t().unsqueeze(0)).sum(1)).to(mixed.dtype)
         q, k, v = self._split(conv)  # [B, H, d]
-        o, S = recurrent_delta_step(q, k, v, g, beta, ssm_state.index_select(0, slots))
+        S = ssm_state.index_select(0, slots)  # a copy: updated in place, then written back
+        o = recurrent_delta_step(q, k, v, g, beta, S)
         ssm_state.index_copy_(0, slots, S)
         return o
 
