@@ -20,7 +20,8 @@
 #   bash tests/gpu/bench_vs_llamacpp.sh [--layers N] [--preset NAME] [--cpu-only] [--no-freetoken-build]
 # --layers N: cut the model to its first N layers when time is short (48 = full, ~17.3 GiB).
 # --cpu-only: build llama.cpp without CUDA (a smoke test of this script on a machine without a GPU).
-# Environment: OUT, MODEL_DIR, THREADS (16), NCMOE (24), BUDGET_S (530), FT_PLACEMENTS (FreeToken's
+# Environment: OUT, MODEL_DIR, THREADS (16), NCMOE (24), BUDGET_S (530), REPS (llama-bench -r, 2),
+# FT_TESTS (GPU test files run while llama.cpp compiles; FT_TESTS_TIMEOUT 180), FT_PLACEMENTS (FreeToken's
 # --moe-cpu-layers values, or limit:SIZE; SPEC@FLAG,VALUE,... adds flags; default "all $NCMOE 0"), FT_BATCHES ("1 8"), LLAMACPP_SRC
 # (.bench/llama.cpp), LLAMACPP_BUILD (/tmp/llamacpp-build: an existing llama-bench there is
 # reused), SKIP_SETUP=1 (install and build nothing of ours: python3 already has it all).
@@ -135,6 +136,15 @@ if [ "$FT_BUILD" = 1 ] && [ "$CPU_ONLY" = 0 ] && [ "${SKIP_SETUP:-0}" != 1 ]; th
   say "freetoken-cpu-moe + freetoken-cuda build rc=$? in $(( $(date +%s) - t ))s"
 fi
 
+if [ -n "${FT_TESTS:-}" ] && [ "$CPU_ONLY" = 0 ]; then
+  # GPU test files while llama.cpp compiles (the GPU is idle then)
+  t=$(date +%s)
+  timeout "$(left "${FT_TESTS_TIMEOUT:-180}")" python3 -m pytest -p no:cacheprovider -q -rs -m "gpu or not gpu" \
+    -o addopts="" $FT_TESTS > "$OUT/pytest.log" 2>&1
+  say "GPU tests rc=$? in $(( $(date +%s) - t ))s: $(grep -E 'passed|failed' "$OUT/pytest.log" | tail -1)"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -10 | tee -a "$SUM"
+fi
+
 wait "$BUILD_PID"
 say "llama-bench build: $(tail -1 "$OUT/llamacpp-build.log")"
 grep -E -i "error|CMAKE_CXX_FLAGS|AMX" "$OUT/llamacpp-build.log" | head -5 | tee -a "$SUM"
@@ -149,7 +159,7 @@ bench() {  # bench "TITLE" LIMIT_S ARGS...
   if [ "$(left "$limit")" -lt 20 ]; then say "skip llama-bench ($title): out of time"; return; fi
   echo "# $title" | tee -a "$MD" >> "$LB"
   local t=$(date +%s)
-  timeout "$(left "$limit")" "$B/bin/llama-bench" -m "$MODEL" -t "$THREADS" -p 512 -n 64 -r 2 -o md "$@" > "$TMPB" 2>&1
+  timeout "$(left "$limit")" "$B/bin/llama-bench" -m "$MODEL" -t "$THREADS" -p 512 -n 64 -r "${REPS:-2}" -o md "$@" > "$TMPB" 2>&1
   local rc=$?
   cat "$TMPB" >> "$LB"
   grep -E '^\|' "$TMPB" >> "$MD"  # its table (the columns differ between configurations)
