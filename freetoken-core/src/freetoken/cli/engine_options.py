@@ -169,10 +169,6 @@ def choice(*values: str) -> Callable[[str], str]:
     return parse
 
 
-def non_negative_int(text: str) -> int:
-    return int_at_least(0)(text)
-
-
 def positive_float(text: str) -> float:
     try:
         value = float(str(text).strip())

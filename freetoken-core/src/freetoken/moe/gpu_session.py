@@ -11,10 +11,14 @@ plugin that provides GpuSync/Staging/KernelIO/GraphCapture). Its parts, in engin
   as many as fit, the first layers going to the CPU as with llama.cpp's ``-ncmoe``). A plan
   that does not fit fails here, before any weight is read, naming the sizes and the flags.
   On CUDA devices the budget is also set as the allocator's hard per-process limit.
-* **routed_experts** -- device-resident layers get their experts dequantized once into the
-  activation dtype (:class:`~freetoken.moe.gpu_experts.GpuExperts`, no hand-off at all);
+* **routed_experts** -- device-resident layers keep their experts in the file's block
+  formats where the packed kernels read them
+  (:class:`~freetoken.moe.gpu_packed_experts.PackedGpuExperts`), else dequantized once into
+  the activation dtype (:class:`~freetoken.moe.gpu_experts.GpuExperts`); no hand-off at all.
   CPU layers get a CPU expert bank over the checkpoint bytes and, at start, a
-  :class:`~freetoken.moe.hybrid.HybridMoEExecutor` on the qualified IO path.
+  :class:`~freetoken.moe.hybrid.HybridMoEExecutor` on the qualified IO path, with the expert
+  cache, long-prompt streaming, locked fetch and statistics of
+  :class:`~freetoken.moe.expert_traffic.ExpertTraffic` around it.
 * **start** -- startup qualification of the hand-off (:func:`freetoken.moe.qualify.qualify`)
   in the model's shapes and activation dtype, when any layer hands off; the CPU
   coordinator; decode graphs per batch-size bucket (:mod:`freetoken.engine.graphs`).

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,6 +109,3 @@ class MoEStats:
             s["streamed_bytes"] / 2**20, s["cpu_expert_seconds"],
         )  # fmt: skip
 
-
-def optional_stats(enabled: bool, layers: list[int], interval_s: float) -> Optional[MoEStats]:
-    return MoEStats(layers, interval_s) if enabled else None
