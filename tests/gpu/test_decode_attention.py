@@ -271,7 +271,9 @@ def test_torch_impl_chunks_the_gather(monkeypatch):
     per_column = 4 * 16 * 2 * 32 * 4 * 2
     monkeypatch.setattr(da, "TORCH_CHUNK_BYTES", 3 * per_column)  # 4 chunks, the last one of 1 column
     run_checked(case, "torch")
-    torch.testing.assert_close(case.run("torch"), whole, rtol=1e-6, atol=1e-7)
+    # float32 sums in another order (and torch's thread count decides the matmuls' blocking):
+    # equal to float32 rounding of values of order 1
+    torch.testing.assert_close(case.run("torch"), whole, rtol=1e-5, atol=1e-6)
 
 
 def test_auto_and_validation():
