@@ -242,8 +242,7 @@ def test_small_max_tokens_still_give_valid_json(client: openai.OpenAI, tokenizer
 
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     names = sorted(schemas) if choice == "required" else ["get_weather"]
-    call = tool_call_constraint(tokenizer, HermesFormat(), names,
-                                call_grammar(HermesFormat(), {n: schemas[n] for n in names}))
+    call = tool_call_constraint(tokenizer, call_grammar(HermesFormat(), {n: schemas[n] for n in names}))
     least_call = len(call._state().closing or [])
     least_doc = len(schema_constraint(tokenizer, compile_schema(tokenizer, SCHEMAS["nested"]))._state().closing or [])
     for i, extra in enumerate([0, 2, 7]):

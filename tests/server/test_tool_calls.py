@@ -19,7 +19,7 @@ from freetoken.server.tool_calls import (
     ToolCallParser,
     parse_tool_calls,
 )
-from freetoken.server.tool_constraint import tool_call_constraint
+from freetoken.server.tool_constraint import call_grammar, tool_call_constraint
 
 FMT = HermesFormat()
 NAMES = {"get_weather", "add"}
@@ -192,8 +192,11 @@ def drive(constraint: Any, vocab_size: int, budget: int, rng: random.Random, use
         allowed = mask.nonzero().flatten().tolist()
         assert allowed, "the constraint allowed nothing"
         tid = rng.choice(allowed)
-        if use_allows:  # allows() agrees with the mask
-            assert constraint.allows(tid, remaining)
+        if use_allows:  # as the sampler: a pick allows() rejects is redrawn; nothing outside the mask is allowed
+            while not constraint.allows(tid, remaining):
+                allowed.remove(tid)
+                assert allowed, "the mask held no token allows() accepts"
+                tid = rng.choice(allowed)
             blocked = [t for t in rng.sample(range(vocab_size), 50) if not bool(mask[t])]
             assert not any(constraint.allows(t, remaining) for t in blocked)
         constraint.advance(tid)
@@ -206,7 +209,7 @@ def test_constraint_always_yields_a_parseable_call(tokenizer: Any, seed: int) ->
     rng = random.Random(seed)
     names = ["get_weather", "add"] if seed % 2 else ["add"]
     budget = 60 + 20 * (seed % 3)
-    c = tool_call_constraint(tokenizer, FMT, names)
+    c = tool_call_constraint(tokenizer, call_grammar(FMT, {n: None for n in names}))  # any JSON object
     ids = drive(c, tokenizer.vocab_size, budget, rng, use_allows=seed < 2)
     assert c.is_complete() and len(ids) <= budget
     text = tokenizer.decode(ids)
@@ -217,7 +220,7 @@ def test_constraint_always_yields_a_parseable_call(tokenizer: Any, seed: int) ->
 
 
 def test_constraint_mask_is_padded_to_the_model_vocabulary(tokenizer: Any) -> None:
-    c = tool_call_constraint(tokenizer, FMT, ["add"])
+    c = tool_call_constraint(tokenizer, call_grammar(FMT, {"add": None}))
     mask = c.allowed_mask(tokenizer.vocab_size + 8, 50)
     assert mask.shape == (tokenizer.vocab_size + 8,) and not bool(mask[-8:].any())
     assert mask.dtype == torch.bool
@@ -271,4 +274,5 @@ def test_parallel_tool_calls_false_stops_after_the_first_call(tmp_path: Any) -> 
     many = ChatTools(ChatCompletionRequest.model_validate(body), tok)
     assert many.stop_strings() == []
     forced = ChatTools(ChatCompletionRequest.model_validate({**body, "tool_choice": "required"}), tok)
+    forced.compile()
     assert forced.constraint() is not None

@@ -26,7 +26,6 @@ from freetoken.server.generation import (
     resolve_max_tokens,
     until_disconnect,
 )
-from freetoken.server.json_mode import check_supported as check_json_support
 from freetoken.server.logprobs import TokenText, chat_logprobs
 from freetoken.server.protocol import (
     ChatChoiceLogprobs,
@@ -61,12 +60,13 @@ def render_prompt(req: ChatCompletionRequest, tokenizer: Any, tools: Optional[Ch
     return list(tokenizer.encode(prompt, add_special_tokens=False))
 
 
-def _compile_response_schema(tokenizer: Any, schema: Optional[dict[str, Any]]) -> str:
+def _compile_response_schema(tokenizer: Any, schema: Optional[dict[str, Any]], kind: str = "json_schema") -> str:
     """The grammar of a json_schema response format (blocking); 400 for what cannot be enforced.
-    A format without ``schema`` accepts any JSON value."""
+    A format without ``schema`` accepts any JSON value; json_object is the schema
+    ``{"type": "object"}``."""
     problem = check_schema_support(tokenizer)
     if problem:
-        raise APIError(400, f"response_format json_schema {problem}", param="response_format",
+        raise APIError(400, f"response_format {kind} {problem}", param="response_format",
                        code="unsupported_response_format")
     try:
         return compile_schema(tokenizer, schema if schema is not None else {})
@@ -96,17 +96,16 @@ async def create_chat_completion(request: Request) -> Response:
         ))
         for i in range(req.n)
     ]
-    if json_mode:
-        # the first call decodes the whole vocabulary: off the event loop
-        problem = await asyncio.get_running_loop().run_in_executor(None, check_json_support, engine.tokenizer)
-        if problem:
-            raise APIError(400, problem, param="response_format", code="unsupported_response_format")
-        for job in jobs:
-            job.json_object = True
-    if req.response_format is not None and req.response_format.type == "json_schema":
-        assert req.response_format.json_schema is not None  # checked by the request model
+    if json_mode or (req.response_format is not None and req.response_format.type == "json_schema"):
+        # json_object: any JSON object; both through llguidance (the first compilation
+        # reads the whole vocabulary: off the event loop)
+        if json_mode:
+            schema, kind = {"type": "object"}, "json_object"
+        else:
+            assert req.response_format.json_schema is not None  # checked by the request model
+            schema, kind = req.response_format.json_schema.schema_, "json_schema"
         grammar = await asyncio.get_running_loop().run_in_executor(
-            None, _compile_response_schema, engine.tokenizer, req.response_format.json_schema.schema_)
+            None, _compile_response_schema, engine.tokenizer, schema, kind)
         for job in jobs:
             job.constraint = functools.partial(schema_constraint, engine.tokenizer, grammar)
     forced = await tools.checked_constraint() if tools is not None else None

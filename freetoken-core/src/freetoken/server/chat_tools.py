@@ -25,7 +25,6 @@ import json
 from typing import Any, Callable, Optional
 
 from freetoken.server.errors import APIError
-from freetoken.server.json_mode import check_supported as check_json_support
 from freetoken.server.protocol import (
     CalledFunction,
     ChatCompletionRequest,
@@ -43,6 +42,7 @@ from freetoken.server.tool_calls import (
     parse_tool_calls,
 )
 from freetoken.server.schema_constraint import SchemaError, grammar_vocab
+from freetoken.server.schema_constraint import check_supported as check_schema_support
 from freetoken.server.tool_constraint import call_grammar, tool_call_constraint
 
 
@@ -105,7 +105,7 @@ class ChatTools:
     def compile(self) -> None:
         """Compile the grammar of the forced call when the functions have parameter schemas
         (blocking: run off the event loop). A schema llguidance cannot enforce is a 400."""
-        if self.forced is None or all(self.schemas[n] is None for n in self.forced):
+        if self.forced is None:
             return
         try:
             self.grammar = call_grammar(self.fmt, {n: self.schemas[n] for n in self.forced})
@@ -118,7 +118,8 @@ class ChatTools:
         """A factory of per-choice constraints when a call is forced, else None."""
         if self.forced is None:
             return None
-        return functools.partial(tool_call_constraint, self.tokenizer, self.fmt, self.forced, self.grammar)
+        assert self.grammar is not None, "compile() first"
+        return functools.partial(tool_call_constraint, self.tokenizer, self.grammar)
 
     async def checked_constraint(self) -> Optional[Callable[[], Any]]:
         """:meth:`constraint`, after checking that the tokenizer can run it and compiling
@@ -127,10 +128,9 @@ class ChatTools:
         if self.forced is None:
             return None
         loop = asyncio.get_running_loop()
-        problem = await loop.run_in_executor(None, check_json_support, self.tokenizer)
+        problem = await loop.run_in_executor(None, check_schema_support, self.tokenizer)
         if problem:
-            raise APIError(400, problem.replace("response_format json_object", "a forced tool call"),
-                           param="tool_choice", code="unsupported_tool_choice")
+            raise APIError(400, f"a forced tool call {problem}", param="tool_choice", code="unsupported_tool_choice")
         await loop.run_in_executor(None, self.compile)
         return self.constraint()
 

@@ -20,7 +20,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 from freetoken.engine.outputs import StreamDelta, TokenLogprob
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.server.errors import APIError
-from freetoken.server.json_mode import json_object_stream
 from freetoken.server.metrics import ServerMetrics, TokenTimer
 
 logger = logging.getLogger(__name__)
@@ -41,8 +40,6 @@ class ChoiceJob:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
-    #: response_format json_object: constrained decoding (see json_mode)
-    json_object: bool = False
     #: builds this choice's token constraint (e.g. a forced tool call); None: unconstrained
     constraint: Optional[Callable[[], Any]] = None
 
@@ -184,9 +181,7 @@ class ChoiceStreams:
     async def _pump(self, job: ChoiceJob) -> None:
         timer = TokenTimer(self._metrics, self._arrival)
         rid = f"{self._request_id}-{job.index}"
-        if job.json_object:
-            stream = json_object_stream(self._engine, job.prompt_ids, job.params, request_id=rid)
-        elif job.constraint is not None:
+        if job.constraint is not None:
             stream = self._engine.stream(job.prompt_ids, job.params, request_id=rid, constraint=job.constraint())
         else:
             stream = self._engine.stream(job.prompt_ids, job.params, request_id=rid)

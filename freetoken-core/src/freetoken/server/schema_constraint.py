@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Generic, Optional, TypeVar
 
 import numpy as np
 import torch
 
-from freetoken.engine.token_texts import PerTokenizer
 from freetoken.server.grammar_closing import (
     MAX_CLOSING,
     candidate_tokens,
@@ -143,6 +144,26 @@ class GrammarVocab:
         vocab = cls(tokens, special, list(tokenizer.eos_token_ids))
         vocab._tokenizer = tokenizer
         return vocab
+
+
+_V = TypeVar("_V")
+
+
+class PerTokenizer(Generic[_V]):
+    """One ``factory(tokenizer)`` result per live tokenizer, built once, thread-safe;
+    entries go away with their tokenizer (weak keys)."""
+
+    def __init__(self, factory: Callable[[Any], _V]) -> None:
+        self._factory = factory
+        self._items: "weakref.WeakKeyDictionary[Any, _V]" = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, tokenizer: Any) -> _V:
+        with self._lock:
+            item = self._items.get(tokenizer)
+            if item is None:
+                item = self._items[tokenizer] = self._factory(tokenizer)
+            return item
 
 
 _VOCABS: PerTokenizer[GrammarVocab] = PerTokenizer(GrammarVocab.of_tokenizer)
