@@ -24,8 +24,9 @@ and write back each sequence's state in a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,29 @@ class DeltaNetShape:
     @property
     def ssm_state(self) -> tuple[int, int, int]:
         return (self.value_heads, self.key_dim, self.value_dim)
+
+
+def _subnormals_flushed() -> bool:
+    """Whether this thread flushes subnormal floats to zero (FTZ/DAZ): the smallest float32
+    subnormal times one then comes out as zero."""
+    return float(torch.full((1,), 1e-45).mul_(1.0)) == 0.0
+
+
+@contextlib.contextmanager
+def flushed_subnormals() -> Iterator[None]:
+    """Subnormal float32 values read and produced as zero on this thread inside the block, as
+    freetoken_cpu_moe's kernels run (csrc/fp_env.h); the thread's previous mode comes back after.
+
+    States of heads that forget fast decay into the subnormal range, where every x86 multiply
+    and add takes a microcode assist: with them the decode recurrence ran 4-5x slower. Values
+    below 1.2e-38 are far below the rounding error of the state's other entries."""
+    if _subnormals_flushed() or not torch.set_flush_denormal(True):
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -160,16 +184,17 @@ class GatedDeltaNet:
         T = x.shape[0]
         beta = torch.sigmoid(b).float()
         g = self.A * F.softplus(a.float() + self.dt_bias)
-        if meta.decode:
-            slots = self.pool.decode_slots[:T]
-            y = self._decode(mixed, g, beta, conv_state, ssm_state, slots)
-        else:
-            if meta.state_slots is None:
-                raise RuntimeError("a prefill step of a model with recurrent layers needs meta.state_slots")
-            y = torch.empty(T, s.value_heads, s.value_dim, dtype=torch.float32, device=x.device)
-            for seq, slot in zip(meta.seqs, meta.state_slots):
-                r = slice(seq.q_start, seq.q_start + seq.q_len)
-                y[r] = self._prefill(mixed[r], g[r], beta[r], conv_state, ssm_state, slot)
+        with flushed_subnormals():
+            if meta.decode:
+                slots = self.pool.decode_slots[:T]
+                y = self._decode(mixed, g, beta, conv_state, ssm_state, slots)
+            else:
+                if meta.state_slots is None:
+                    raise RuntimeError("a prefill step of a model with recurrent layers needs meta.state_slots")
+                y = torch.empty(T, s.value_heads, s.value_dim, dtype=torch.float32, device=x.device)
+                for seq, slot in zip(meta.seqs, meta.state_slots):
+                    r = slice(seq.q_start, seq.q_start + seq.q_len)
+                    y[r] = self._prefill(mixed[r], g[r], beta[r], conv_state, ssm_state, slot)
         return self.out(self._gated_norm(y.to(x.dtype), z))
 
     # ---------------------------------------------------------------- pieces
@@ -214,7 +239,15 @@ class GatedDeltaNet:
         conv_state.index_copy_(0, slots, window[:, 1:])
         conv = F.silu((window.to(self.conv_weight.dtype) * self.conv_weight.t().unsqueeze(0)).sum(1)).to(mixed.dtype)
         q, k, v = self._split(conv)  # [B, H, d]
-        S = ssm_state.index_select(0, slots)  # a copy: updated in place, then written back
+        if slots.device.type == "cpu":
+            # slots readable on the host: each state is updated where it lives (a gather and a
+            # scatter of the [H, dk, dv] states cost more than the recurrence itself)
+            return torch.cat([recurrent_delta_step(q[b : b + 1], k[b : b + 1], v[b : b + 1], g[b : b + 1],
+                                                   beta[b : b + 1], ssm_state[slot : slot + 1])
+                              for b, slot in enumerate(slots.tolist())])  # fmt: skip
+        # on a device the step may be replayed from a graph with other slots in the static
+        # buffer: gather the states, update the copy, scatter it back
+        S = ssm_state.index_select(0, slots)
         o = recurrent_delta_step(q, k, v, g, beta, S)
         ssm_state.index_copy_(0, slots, S)
         return o
