@@ -286,8 +286,8 @@ def qwen35_loader_tensors(cfg) -> dict[str, tuple[int, ...]]:
                 b + "ssm_norm.weight": (head_v,), b + "ssm_out.weight": (value_dim, H),
             })
         want.update({
-            b + "ffn_gate_inp.weight": (H, E), b + "ffn_gate_exps.weight": (H, I, E), b + "ffn_up_exps.weight": (H, I, E),
-            b + "ffn_down_exps.weight": (I, H, E), b + "ffn_gate_inp_shexp.weight": (H,),
+            b + "ffn_gate_inp.weight": (H, E), b + "ffn_gate_exps.weight": (H, I, E),
+            b + "ffn_up_exps.weight": (H, I, E), b + "ffn_down_exps.weight": (I, H, E), b + "ffn_gate_inp_shexp.weight": (H,),
             b + "ffn_gate_shexp.weight": (H, S), b + "ffn_up_shexp.weight": (H, S), b + "ffn_down_shexp.weight": (S, H),
         })
     return want

@@ -140,15 +140,19 @@ class Planned:
         return rows * row_bytes(self.fmt, self.shape[-1])
 
 
-def _f32(shape: tuple[int, ...], mean: float, std: float) -> Callable[[np.random.Generator, RandomBlockPool], np.ndarray]:
+#: how a planned tensor's bytes are drawn
+Maker = Callable[[np.random.Generator, RandomBlockPool], np.ndarray]
+
+
+def _f32(shape: tuple[int, ...], mean: float, std: float) -> Maker:
     return lambda rng, pool: (mean + std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
 
 
-def _uniform(shape: tuple[int, ...], lo: float, hi: float) -> Callable[[np.random.Generator, RandomBlockPool], np.ndarray]:
+def _uniform(shape: tuple[int, ...], lo: float, hi: float) -> Maker:
     return lambda rng, pool: rng.uniform(lo, hi, size=shape).astype(np.float32)
 
 
-def _packed(shape: tuple[int, ...], fmt: int) -> Callable[[np.random.Generator, RandomBlockPool], np.ndarray]:
+def _packed(shape: tuple[int, ...], fmt: int) -> Maker:
     rows = int(np.prod(shape[:-1]))
     return lambda rng, pool: pool.blocks(fmt, rows, shape[-1]).reshape(*shape[:-1], -1)
 
@@ -236,7 +240,8 @@ def plan_qwen35(cfg: HybridConfig, quant: str) -> list[Planned]:
             conv_dim = 2 * hk * dk + hv * dv
             add(b + "attn_qkv.weight", (conv_dim, H), q("attn_qkv", i))
             add(b + "attn_gate.weight", (hv * dv, H), q("attn_gate", i))
-            add(b + "ssm_conv1d.weight", (conv_dim, cfg.conv_kernel), Fmt.F32, _f32((conv_dim, cfg.conv_kernel), 0.0, 0.3))
+            conv = (conv_dim, cfg.conv_kernel)
+            add(b + "ssm_conv1d.weight", conv, Fmt.F32, _f32(conv, 0.0, 0.3))
             add(b + "ssm_dt.bias", (hv,), Fmt.F32, _uniform((hv,), 0.5, 2.0))
             add(b + "ssm_a", (hv,), Fmt.F32, _uniform((hv,), -16.0, -1.0))
             add(b + "ssm_beta.weight", (hv, H), q("ssm_beta", i))
