@@ -245,7 +245,8 @@ _OPTIONS: tuple[_Option, ...] = (
             "stalling the current one (default: {default})", non_negative_int, "N"),
     _Option("moe_stream_prefill", "--moe-stream-prefill",
             "prefill chunks compute the CPU layers' experts on the GPU, streaming their bytes over PCIe: auto "
-            "(chunks of at least --moe-stream-min-tokens), on, off (default: {default})",
+            "(GGUF K-quant/Q8_0 experts, chunks of at least --moe-stream-min-tokens), on (also HF checkpoints' "
+            "experts in the activation dtype), off (default: {default})",
             choice("auto", "on", "off"), "MODE"),
     _Option("moe_stream_min_tokens", "--moe-stream-min-tokens",
             "smallest prefill chunk that streams experts to the GPU with --moe-stream-prefill auto "

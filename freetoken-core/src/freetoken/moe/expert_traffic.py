@@ -48,7 +48,7 @@ class ExpertTraffic:
     def __init__(
         self, options: MoEOptions, device: Any, act_dtype: torch.dtype, moe_layers: list[int], top_k: int,
         max_decode_tokens: int, cache_bytes: int, packed_ok: bool, scratch: DequantScratch,
-        dequant_group: Optional[int] = None,
+        dequant_group: Optional[int] = None, stream_planned: bool = True,
     ) -> None:  # fmt: skip
         self.options = options
         self.device = torch.device(device)
@@ -60,6 +60,7 @@ class ExpertTraffic:
         self.packed_ok = packed_ok
         self.scratch = scratch
         self.dequant_group = dequant_group
+        self.stream_planned = stream_planned  # the memory plan kept room for the streaming buffers
         self.cpu_layers: dict[int, Any] = {}  # layer -> ExpertWeights (host)
         self.activation = "silu"
         self.copies: Optional[CopyQueue] = None
@@ -90,7 +91,7 @@ class ExpertTraffic:
                              "GGUF Q4_K/Q5_K/Q6_K/Q8_0 experts on an NVIDIA GPU (Triton); run without it")
         if locked and o.lock_host == "off":
             raise ValueError("--moe-locked-fetch needs page-locked host banks: drop --moe-lock-host off")
-        stream = o.stream_prefill != "off" and bool(cpu_layers) and all(
+        stream = self.stream_planned and o.stream_prefill != "off" and bool(cpu_layers) and all(
             streamable(e, self.act_dtype, self.packed_ok) for e in cpu_layers.values())
         if o.stream_prefill == "on" and cpu_layers and not stream:
             raise ValueError("--moe-stream-prefill on: the CPU layers' expert formats cannot be computed on the GPU "

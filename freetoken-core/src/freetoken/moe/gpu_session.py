@@ -167,8 +167,11 @@ class GpuModelSession(ModelSession):
         reserve = RESERVE_BYTES if budget is not None else 0
         cache = o.moe.cache_bytes or (int(o.moe.cache_fraction * budget) if budget else 0)
         # the prefill of packed (or streamed) experts dequantizes one layer at a time; streaming
-        # double-buffers one layer's bytes
-        streams = o.moe.stream_prefill != "off" and n > 0
+        # double-buffers one layer's bytes. `auto` streams when the file's expert formats are
+        # known to be computable as stored (GGUF blocks the packed kernels read), or when
+        # there is no budget to protect; an HF checkpoint on a planned GPU needs `on`.
+        mode = o.moe.stream_prefill
+        streams = n > 0 and (mode == "on" or (mode == "auto" and (len(packed) == n or budget is None)))
         self.dequant_group = -(-shape.num_experts // DEQUANT_GROUPS)
         scratch = dequantized * self.dequant_group // max(shape.num_experts, 1) if (packed or streams) and n else 0
         buffers = 2 * max(per_layer.values() if shape.expert_file_bytes is None else
@@ -208,7 +211,7 @@ class GpuModelSession(ModelSession):
                                       kv_budget, reserve, sorted(set(gpu) & packed), experts, cache, scratch + buffers)
         self.traffic = ExpertTraffic(o.moe, self.device, self.act_dtype, shape.moe_layers, shape.top_k,
                                      max(o.max_running_requests, 1), cache, self.packed_capable, self.dequant_scratch,
-                                     self.dequant_group)
+                                     self.dequant_group, stream_planned=streams and bool(cpu))
         log.info("GPU memory plan: budget %s, dense %s, experts of %d layers on the GPU (%s, %d packed), "
                  "expert cache %s, CPU layers %s", _gib(budget) if budget else "-", _gib(shape.dense_bytes),
                  len(gpu), _gib(experts), len(self.plan_result.packed_layers), _gib(cache), _ranges(cpu))
