@@ -444,3 +444,36 @@ def test_qwen35_tiny_file_runs_in_freetoken(qwen35_tiny_file):
     a, b = eng.prompt_logits([1, 2, 3]), eng.prompt_logits([30000, 2, 3])
     assert np.isfinite(a.float().numpy()).all()
     assert float((a[-1] - b[-1]).abs().max()) > 0
+
+
+def test_router_skew_scales_router_rows_only(tmp_path):
+    """--router-skew S: each router row e is the unskewed file's row times exp(-S e / E)
+    (same seed, same draws), every other tensor is byte-identical, and random hidden states
+    then route mostly to the low-numbered experts."""
+    import gguf
+
+    from freetoken.cli.main import main
+
+    base, skewed = str(tmp_path / "base.gguf"), str(tmp_path / "skewed.gguf")
+    assert main(["bench", "make-model", "--preset", "qwen3-moe-tiny", "--seed", "4", "--out", base]) == 0
+    assert main(["bench", "make-model", "--preset", "qwen3-moe-tiny", "--seed", "4", "--router-skew", "3",
+                 "--out", skewed]) == 0
+    a = {t.name: t for t in gguf.GGUFReader(base).tensors}
+    b = {t.name: t for t in gguf.GGUFReader(skewed).tensors}
+    assert a.keys() == b.keys()
+    routers = [n for n in a if n.endswith("ffn_gate_inp.weight")]
+    assert routers
+    for name in a:
+        x, y = np.asarray(a[name].data), np.asarray(b[name].data)
+        if name not in routers:
+            assert np.array_equal(x, y), name
+            continue
+        e = x.shape[0]
+        scale = np.exp(-3.0 * np.arange(e, dtype=np.float32) / e)[:, None]
+        np.testing.assert_array_equal(y, (x * scale).astype(np.float32))
+        h = np.random.default_rng(0).standard_normal((4000, x.shape[1]), dtype=np.float32)
+        top = {"base": np.argsort(-(h @ x.T), axis=1)[:, :2], "skewed": np.argsort(-(h @ y.T), axis=1)[:, :2]}
+        low = {k: float((v < e // 4).mean()) for k, v in top.items()}
+        assert low["skewed"] > 2 * low["base"], low  # the first quarter of the experts takes most routes
+    assert main(["bench", "make-model", "--preset", "qwen3-moe-tiny", "--router-skew", "-1",
+                 "--out", str(tmp_path / "bad.gguf")]) == 2

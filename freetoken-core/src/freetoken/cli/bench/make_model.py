@@ -157,6 +157,24 @@ def _packed(shape: tuple[int, ...], fmt: int) -> Maker:
     return lambda rng, pool: pool.blocks(fmt, rows, shape[-1]).reshape(*shape[:-1], -1)
 
 
+def skew_routers(tensors: list[Planned], skew: float) -> list[Planned]:
+    """The plan with every router (``*ffn_gate_inp.weight``, ``[E, H]``) drawn as before and
+    its row ``e`` scaled by ``exp(-skew * e / E)``: a router logit's spread grows with its
+    row's norm, so top-k picks the low-numbered experts more often (skew 0: uniform routing,
+    as random weights route; about 3: a few experts take most routes, like a trained model's
+    hot experts). Other tensors and the draws' order are unchanged."""
+    if skew == 0:
+        return tensors
+    out = []
+    for t in tensors:
+        if t.name.endswith("ffn_gate_inp.weight") and len(t.shape) == 2:
+            scale = np.exp(-skew * np.arange(t.shape[0], dtype=np.float32) / t.shape[0])[:, None]
+            t = dataclasses.replace(t, make=lambda rng, pool, make=t.make, scale=scale: (make(rng, pool) * scale)
+                                    .astype(np.float32))
+        out.append(t)
+    return out
+
+
 def random_mxfp4(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """``rows`` ggml MXFP4 rows: random codes, block exponents 2^-9..2^-5 (values O(0.01))."""
     nblk = rows * cols // 32
@@ -319,7 +337,7 @@ def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> int:
 
 
 def write(path: str, cfg: ModelConfig, quant: str, seed: int = 0, progress: bool = True,
-          threads: Optional[int] = None) -> int:
+          threads: Optional[int] = None, router_skew: float = 0.0) -> int:
     """Write the file; return its size. gguf-py writes the header and the tensor infos; the
     data section is written by ``threads`` threads with ``pwrite`` straight from the block
     pools (no copy in user space): on VMs, filling the page cache costs kernel time per core,
@@ -330,7 +348,7 @@ def write(path: str, cfg: ModelConfig, quant: str, seed: int = 0, progress: bool
 
     from freetoken.loading.gguf_writer import ARCH, write_ids_only_vocab, write_qwen3moe_metadata
 
-    tensors = plan(cfg, quant)
+    tensors = skew_routers(plan(cfg, quant), router_skew)
     name = f"synthetic {cfg.architecture} {quant} ({cfg.num_layers} layers, random weights)"
     if cfg.architecture == "gpt_oss":
         from freetoken.loading.gguf_writer import write_gpt_oss_metadata, write_moe_metadata
@@ -409,6 +427,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help=f"writer threads (default min(8, cores) = {default_threads()}); the file does not depend on it")
+    p.add_argument("--router-skew", type=float, default=0.0, metavar="S",
+                   help="scale router row e by exp(-S * e / E) so routing concentrates on some experts, as a "
+                        "trained model's does (default 0: random weights route uniformly); for expert-cache runs")
     p.add_argument("--out", required=True, help="output .gguf path")
     p.set_defaults(func=run)
 
@@ -430,7 +451,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"not enough disk space in {d}: need {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free", file=sys.stderr)
         return 1
     t0 = time.time()
-    size = write(args.out, cfg, args.quant, args.seed, threads=args.threads)
+    if not args.router_skew >= 0:
+        print("--router-skew must be >= 0", file=sys.stderr)
+        return 2
+    size = write(args.out, cfg, args.quant, args.seed, threads=args.threads, router_skew=args.router_skew)
     dt = time.time() - t0
     print(f"wrote {args.out}: {size / 2**30:.2f} GiB, {cfg.num_layers} layers, {args.quant}, "
           f"in {dt:.1f}s ({size / 1e9 / max(dt, 1e-9):.2f} GB/s)")
