@@ -15,7 +15,7 @@ import torch
 
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
-from freetoken.engine.sampling_params import SamplingParams
+from greedy_runs import check_logits, run_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -26,46 +26,14 @@ def _engine(backend, **kw):
     return LLMEngine(EngineConfig(max_model_len=256, kv_cache_tokens=4096, **kw), backend=backend)
 
 
-def _run(eng, prompts, max_tokens=8):
-    rows: dict[str, list[torch.Tensor]] = {}
-
-    def observe(ids, logits):
-        for i, rid in enumerate(ids):
-            rows.setdefault(rid, []).append(logits[i].float().cpu().clone())
-
-    remove = eng.add_logits_observer(observe)
-    try:
-        reqs = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-                for p in prompts]
-        while eng.has_work():
-            eng.step()
-    finally:
-        remove()
-    return [(r.output_ids, torch.stack(rows[r.request_id])) for r in reqs]
-
-
 @pytest.fixture(scope="module")
 def reference():
     from freetoken_cpu_moe.backend import CpuBackend
 
     eng = _engine(CpuBackend(), dtype="float32")
-    out = _run(eng, PROMPTS)
+    out = run_greedy(eng, PROMPTS)
     eng.close()
     return out
-
-
-def _check(got, ref, tol):
-    for (ids, logits), (ref_ids, ref_logits) in zip(got, ref):
-        scale = ref_logits.abs().max()
-        n = min(len(ids), len(ref_ids))
-        # compare the positions up to the first divergence (after it the contexts differ)
-        same = next((i for i in range(n) if ids[i] != ref_ids[i]), n)
-        err = float((logits[:same + 1] - ref_logits[:same + 1]).abs().max() / scale)
-        assert err <= tol, f"logits differ by {err:.3g} of their scale"
-        if same < n:
-            top2 = ref_logits[same].topk(2).values
-            margin = float((top2[0] - top2[1]) / scale)
-            assert margin <= 2 * tol, f"greedy token {same} differs where the reference margin {margin:.3g} is clear"
 
 
 @pytest.mark.parametrize("placement", ["all", "0-1", "0"])
@@ -76,21 +44,21 @@ def test_cuda_engine_matches_cpu(backend, reference, placement, eager, dtype, to
     try:
         info = eng.backend_info()
         assert info["graphs"] is (not eager), info
-        got = _run(eng, PROMPTS)
+        got = run_greedy(eng, PROMPTS)
         info = eng.backend_info()
         if placement != "0":
             assert info["io_path"] in ("kernel_io", "copy"), info
     finally:
         eng.close()
-    _check(got, reference, tol)
+    check_logits(got, reference, tol)
 
 
 def test_concurrent_equals_alone(backend):
     # no prefix cache: the requests alone compute their prompts again, as they did together
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="0-1", cuda_graph_max_bs=8, enable_prefix_cache=False)
     try:
-        together = _run(eng, PROMPTS)
-        alone = [_run(eng, [p])[0] for p in PROMPTS]
+        together = run_greedy(eng, PROMPTS)
+        alone = [run_greedy(eng, [p])[0] for p in PROMPTS]
     finally:
         eng.close()
     for (a, la), (b, lb) in zip(together, alone):
@@ -102,10 +70,10 @@ def test_recapture_on_demand(backend):
     """Graphs captured again between steps (tasks and scratch block kept) decode the same."""
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="0-1", cuda_graph_max_bs=8, enable_prefix_cache=False)
     try:
-        first = _run(eng, PROMPTS)
+        first = run_greedy(eng, PROMPTS)
         free = eng.kv.free_blocks + eng.prefix_cache.num_cached_free  # blocks no request holds
         eng.session.recapture_graphs()
-        second = _run(eng, PROMPTS)
+        second = run_greedy(eng, PROMPTS)
         assert eng.kv.free_blocks + eng.prefix_cache.num_cached_free == free
     finally:
         eng.close()
@@ -120,15 +88,15 @@ def test_prefix_cache_hits_decode_like_a_fresh_prompt(backend, eager):
     by the paged attention and the decode graphs), and they decode as the first time did."""
     eng = _engine(backend, dtype="float32", moe_cpu_layers="0-1", cuda_graph_max_bs=8, enforce_eager=eager)
     try:
-        first = _run(eng, PROMPTS)
+        first = run_greedy(eng, PROMPTS)
         hits_before = eng.stats().prefix_cache_hits
-        second = _run(eng, PROMPTS)
+        second = run_greedy(eng, PROMPTS)
         hits = eng.stats().prefix_cache_hits - hits_before
     finally:
         eng.close()
     # every prompt of 17 tokens or more has a full 16-token block to reuse
     assert hits >= 16 * sum(1 for p in PROMPTS if len(p) > 16), hits
-    _check(second, first, 1e-3)
+    check_logits(second, first, 1e-3)
 
 
 def test_memory_limit_refuses_with_sizes(backend):
@@ -157,10 +125,10 @@ def test_qualification_fault_decides_path_and_graphs(backend, reference, monkeyp
         assert info["io_path"] == io_path and info["graphs"] is graphs_expected, info
         assert info["warnings"], info
         # the fault stays injected while serving: the chosen path must avoid it
-        got = _run(eng, PROMPTS[:3])
+        got = run_greedy(eng, PROMPTS[:3])
     finally:
         eng.close()
-    _check(got, reference[:3], 5e-2)
+    check_logits(got, reference[:3], 5e-2)
 
 
 @pytest.mark.parametrize("fault", ["kernel_io:error", "kernel_io:stale,copy:stale", "kernel_io:error,copy:error"])
@@ -229,7 +197,7 @@ def test_cuda_engine_gguf_kquants_match_float64_reference(backend, tiny_gguf, pl
         info = eng.backend_info()
         assert info["graphs"] is (not eager), info
         prompts = [[(7 * i + 3 * j) % (tg.V - 10) + 5 for j in range(n)] for i, n in enumerate((5, 23, 9, 40))]
-        got = _run(eng, prompts)
+        got = run_greedy(eng, prompts)
     finally:
         eng.close()
     for prompt, (out, logits) in zip(prompts, got):

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
-from freetoken.engine.sampling_params import SamplingParams
 from freetoken.models.demo import ensure_demo_model
 from freetoken.moe.layer import MoELayer
+from greedy_runs import check_logits, run_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -34,49 +33,15 @@ def _engine(backend, **kw):
                                   max_running_requests=4, cuda_graph_max_bs=4, **kw), backend=backend)
 
 
-def _run(eng, prompts, max_tokens):
-    rows: dict[str, list[torch.Tensor]] = {}
-
-    def observe(ids, logits):
-        for i, rid in enumerate(ids):
-            rows.setdefault(rid, []).append(logits[i].float().cpu().clone())
-
-    remove = eng.add_logits_observer(observe)
-    try:
-        reqs = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-                for p in prompts]
-        while eng.has_work():
-            eng.step()
-    finally:
-        remove()
-    return [(r.output_ids, torch.stack(rows[r.request_id])) for r in reqs]
-
-
 @pytest.fixture(scope="module")
 def reference(backend):
     """The same GPU engine and dtype with every expert computed by the CPU workers (the
     all-CPU placement: no cache, nothing streamed); it is itself checked against the CPU
     backend by test_gpu_engine."""
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_stream_prefill="off")
-    out = _run(eng, PROMPTS, 200)
+    out = run_greedy(eng, PROMPTS, 200)
     eng.close()
     return out
-
-
-def _check(got, ref, tol=TOL):
-    compared = 0
-    for (ids, logits), (ref_ids, ref_logits) in zip(got, ref):
-        scale = ref_logits.abs().max()
-        n = min(len(ids), len(ref_ids))
-        same = next((i for i in range(n) if ids[i] != ref_ids[i]), n)
-        err = float((logits[:same + 1] - ref_logits[:same + 1]).abs().max() / scale)
-        assert err <= tol, f"logits differ by {err:.3g} of their scale"
-        if same < n:
-            top2 = ref_logits[same].topk(2).values
-            margin = float((top2[0] - top2[1]) / scale)
-            assert margin <= 2 * tol, f"greedy token {same} differs where the reference margin {margin:.3g} is clear"
-        compared += same
-    return compared
 
 
 def test_cache_churn_in_graphs_matches_cpu(backend, reference):
@@ -85,7 +50,7 @@ def test_cache_churn_in_graphs_matches_cpu(backend, reference):
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_cache_size=float(12 * EXPERT_BYTES),
                   moe_hybrid_max_fetch=2, moe_collect_stats=True, moe_stream_prefill="off")
     try:
-        got = _run(eng, PROMPTS, 200)
+        got = run_greedy(eng, PROMPTS, 200)
         rep = eng.session.report()
     finally:
         eng.close()
@@ -93,7 +58,7 @@ def test_cache_churn_in_graphs_matches_cpu(backend, reference):
     assert rep["expert_cache"]["slots"] == 12 and rep["expert_cache"]["pools"][0]["formats"][0] == "packed"
     stats = rep["moe_stats"]
     assert rep["expert_cache"]["fetched_experts"] > 100 and 0 < stats["gpu_routes"] < stats["routes"]
-    assert _check(got, reference) > 100
+    assert check_logits(got, reference, TOL) > 100
 
 
 def test_stats_equal_router_counts(backend):
@@ -119,7 +84,7 @@ def test_stats_equal_router_counts(backend):
     eng.session.forward = traced
     MoELayer.route = routed
     try:
-        _run(eng, PROMPTS, 30)
+        run_greedy(eng, PROMPTS, 30)
         stats = eng.session.report()["moe_stats"]
     finally:
         MoELayer.route = route
@@ -143,13 +108,13 @@ def test_streamed_prefill_matches_cpu(backend, reference, lock):
     (page-locked or pageable banks); decode steps hand off to the CPU as usual."""
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_stream_prefill="on", moe_lock_host=lock)
     try:
-        got = _run(eng, PROMPTS, 200)
+        got = run_greedy(eng, PROMPTS, 200)
         rep = eng.session.report()
     finally:
         eng.close()
     assert rep["prefill_stream"]["streamed_layers"] >= 4
     assert (rep.get("host_locked_bytes", 0) > 0) == (lock == "on")
-    assert _check(got, reference) > 100
+    assert check_logits(got, reference, TOL) > 100
 
 
 @pytest.mark.parametrize("cache_experts", [0, 12])
@@ -161,7 +126,7 @@ def test_locked_fetch_matches_cpu(backend, reference, cache_experts, eager):
                   moe_cache_size=float(cache_experts * EXPERT_BYTES), moe_hybrid_max_fetch=1 if cache_experts else 0,
                   moe_collect_stats=True, moe_stream_prefill="off", enforce_eager=eager)
     try:
-        got = _run(eng, PROMPTS, 200)
+        got = run_greedy(eng, PROMPTS, 200)
         rep = eng.session.report()
     finally:
         eng.close()
@@ -169,4 +134,4 @@ def test_locked_fetch_matches_cpu(backend, reference, cache_experts, eager):
     assert rep["locked_fetch"]["routes"] > 100
     stats = rep["moe_stats"]
     assert 0 < stats["gpu_routes"] < stats["routes"]
-    assert _check(got, reference) > 100
+    assert check_logits(got, reference, TOL) > 100

@@ -31,6 +31,7 @@ pytest.importorskip("gguf")
 
 import triton  # noqa: E402
 from expert_reference import reference_experts  # noqa: E402
+from graph_timing import graph_time_us  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
@@ -327,24 +328,6 @@ def test_gpu_graph_capture_and_replay(warm, caplog):
         check_rows(sout, reference_experts(x, ids, w, g64, u64, d64), BF16_TOL if warm else DEQUANT_TOL)
 
 
-def _graph_time_us(fn, iters: int = 200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (iters * 10)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_gpu_timing_against_bf16(tokens):
@@ -364,8 +347,8 @@ def test_gpu_timing_against_bf16(tokens):
     got, want = packed.forward(x, ids, w).float(), bf16.forward(x, ids, w).float()
     assert float((got - want).norm() / want.norm()) < DEQUANT_TOL
     distinct = len(set(ids.flatten().tolist()))
-    t_packed = _graph_time_us(lambda: packed.forward(x, ids, w))
-    t_bf16 = _graph_time_us(lambda: bf16.forward(x, ids, w))
+    t_packed = graph_time_us(lambda: packed.forward(x, ids, w))
+    t_bf16 = graph_time_us(lambda: bf16.forward(x, ids, w))
     per_expert_packed = packed.device_bytes / ne
     per_expert_bf16 = 3 * 2048 * 768 * 2
     bw = 4.3e12  # measured HBM bandwidth of the H200 (docs/gpu.md)

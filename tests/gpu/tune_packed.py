@@ -13,6 +13,8 @@ import sys
 import numpy as np
 import torch
 
+from graph_timing import graph_time_us
+
 from freetoken.loading.gguf_writer import random_blocks
 from freetoken.moe import triton_moe_packed as tp
 
@@ -22,24 +24,6 @@ H, I, E, K = 2048, 768, 128, 8
 def stack(fmt: int, rows: int, cols: int, rng: np.random.Generator) -> tp.PackedStack:
     b = random_blocks(fmt, E * rows, cols, rng, scale=1e-4)
     return tp.PackedStack.from_bytes(torch.from_numpy(np.ascontiguousarray(b)).reshape(-1).cuda(), fmt, E, rows, cols)
-
-
-def graph_us(fn, iters: int = 100) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000 / (iters * 10)
 
 
 def main() -> int:
@@ -69,7 +53,7 @@ def main() -> int:
                 for v in variants:
                     cfg = dataclasses.replace(base, **v)
                     try:
-                        us = graph_us(lambda: tp.launch(x, ids, w, gate, up, dstack, y, h, "silu", cfg))
+                        us = graph_time_us(lambda: tp.launch(x, ids, w, gate, up, dstack, y, h, "silu", cfg), iters=100)
                     except Exception as exc:  # noqa: BLE001 - a tile that does not compile
                         print(f"  {name} {v}: {type(exc).__name__}", flush=True)
                         continue
@@ -77,7 +61,7 @@ def main() -> int:
             for name in ("gate_up", "down"):
                 best = sorted(r for r in results if r[1] == name)[:4]
                 print(f"  down={dname} sweep {name}: " + "; ".join(f"{us:.1f} us {v}" for us, _, v in best), flush=True)
-            print(f"  down={dname} default {graph_us(lambda: tp.launch(x, ids, w, gate, up, dstack, y, h, 'silu', base)):.1f} us",
+            print(f"  down={dname} default {graph_time_us(lambda: tp.launch(x, ids, w, gate, up, dstack, y, h, 'silu', base), iters=100):.1f} us",
                   flush=True)
     return 0
 
