@@ -44,3 +44,44 @@ def test_locked_fetch_refused_where_the_gpu_cannot_read_the_banks():
         LLMEngine(EngineConfig(backend="fakegpu", dtype="float32", max_model_len=64, kv_cache_tokens=256,
                                moe_cpu_layers="all", moe_locked_fetch=0.3))
     registry.reset()
+
+
+def test_split_experts_add_cached_and_mapped_routes():
+    """SplitGpuExperts: routes whose expert is resident go through the cache's pool, the other
+    GPU routes through the mapped banks (here the torch implementation over the same weights),
+    and the two add up to every route's float64 result; ``out`` is filled when given."""
+    from test_expert_cache import E, H, I, K, layer
+
+    from freetoken.moe.copy_queue import CopyQueue
+    from freetoken.moe.expert_cache import ExpertCache
+    from freetoken.moe.gpu_experts import GpuExperts
+    from freetoken.moe.locked_fetch import SplitGpuExperts
+
+    weights = {7: layer(11)}
+    copies = CopyQueue("cpu")
+    try:
+        cache = ExpertCache(weights, 3 * (3 * H * I * 4), "cpu", torch.float32, "silu", packed_ok=False,
+                            copies=copies)  # three slots: experts 0, 1, 2
+        lw = weights[7]
+        mapped = GpuExperts(lw.gate.data, lw.up.data, lw.down.data, impl="torch")
+        split = SplitGpuExperts(cache.layer_experts(7), cache.resident[0], mapped, H)
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(4, H, generator=g)
+        ids = torch.randint(0, E, (4, K), generator=g).to(torch.int32)
+        ids[0, 0], ids[1, 0] = 1, 6  # at least one cached and one mapped route
+        ids[3, 1] = -1  # a route on the CPU
+        w = torch.rand(4, K, generator=g)
+        ref = torch.zeros(4, H, dtype=torch.float64)
+        for t in range(4):
+            for k in range(K):
+                e = int(ids[t, k])
+                if e >= 0:
+                    xd = x[t].double()
+                    h = torch.nn.functional.silu(lw.gate.data[e].double() @ xd) * (lw.up.data[e].double() @ xd)
+                    ref[t] += float(w[t, k]) * (lw.down.data[e].double() @ h)
+        got = split.forward(x, ids, w)
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-6)
+        out = torch.full((4, H), float("nan"))
+        assert split.forward(x, ids, w, out=out) is out and torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6)
+    finally:
+        copies.close()

@@ -93,6 +93,7 @@ class ExpertCache:
     ) -> None:  # fmt: skip
         self.layers = dict(sorted(layers.items()))
         self.rows = {layer: i for i, layer in enumerate(self.layers)}
+        self.by_row = list(self.layers.values())  # ExpertWeights in table-row order
         self.device = torch.device(device)
         self.act_dtype = act_dtype
         self.activation = activation
@@ -122,10 +123,9 @@ class ExpertCache:
             key = ("packed", *fmts) if packed else ("float",)
             groups.setdefault(key, []).append(self.rows[layer])
         elt = torch.empty((), dtype=self.act_dtype).element_size()
-        layer_list = list(self.layers.values())
 
         def per_expert(key: tuple[Any, ...], row: int) -> int:
-            e = layer_list[row]
+            e = self.by_row[row]
             return e.bytes_per_expert if key[0] == "packed" else 3 * e.hidden * e.intermediate * elt
 
         total = sum(per_expert(k, r) * self.num_experts for k, rows in groups.items() for r in rows)
@@ -136,8 +136,8 @@ class ExpertCache:
             slots = min(int(share // per_expert(key, rows[0])), len(rows) * self.num_experts)
             if slots <= 0:
                 continue
-            pool = _Pool(key, rows, layer_list[rows[0]], slots, self.device, self.act_dtype, key[0] == "packed")
-            pool.experts = self._kernels(pool, layer_list[rows[0]])
+            pool = _Pool(key, rows, self.by_row[rows[0]], slots, self.device, self.act_dtype, key[0] == "packed")
+            pool.experts = self._kernels(pool, self.by_row[rows[0]])
             for r in rows:
                 pools[r] = pool
             out.append(pool)
@@ -180,7 +180,7 @@ class ExpertCache:
 
     # ---- filling ------------------------------------------------------------------------------
     def _sources(self, pool: _Pool, row: int, expert: int) -> list[torch.Tensor]:
-        e = list(self.layers.values())[row]
+        e = self.by_row[row]
         out = []
         for t in (e.gate, e.up, e.down):
             one = t.raw_torch()[expert]
@@ -193,7 +193,7 @@ class ExpertCache:
     def _copy_job(self, pool: _Pool, slot: int, row: int, expert: int) -> Any:
         if pool.packed:
             return [(pool.tensors[i][slot], src) for i, src in enumerate(self._sources(pool, row, expert))]
-        e = list(self.layers.values())[row]
+        e = self.by_row[row]
 
         def job() -> None:
             import dataclasses as dc
@@ -332,7 +332,7 @@ class CachedLayerExperts:
 
     def __init__(self, cache: ExpertCache, row: int, pool: _Pool) -> None:
         self.cache, self.row, self.pool = cache, row, pool
-        self.hidden = cache.layers[list(cache.layers)[row]].hidden
+        self.hidden = cache.by_row[row].hidden
 
     def forward(self, x: torch.Tensor, gpu_ids: torch.Tensor, w: torch.Tensor, out: Any = None) -> torch.Tensor:
         table = self.cache.slot[self.row]

@@ -120,19 +120,17 @@ class SplitGpuExperts:
         self.cached, self.resident, self.mapped, self.hidden = cached, resident, mapped, hidden
 
     def forward(self, x: torch.Tensor, gpu_ids: torch.Tensor, w: torch.Tensor, out: Any = None) -> torch.Tensor:
-        valid = gpu_ids >= 0
-        minus = torch.full_like(gpu_ids, -1)
+        from freetoken.moe.gpu_experts import finish_output, float32_output
+
         if self.cached is None:
             return self.mapped.forward(x, gpu_ids, w, out)
+        valid = gpu_ids >= 0
+        minus = torch.full_like(gpu_ids, -1)
         hit = valid & self.resident[gpu_ids.clamp(min=0).long()]
-        y = torch.empty(x.shape[0], self.hidden, dtype=torch.float32, device=x.device)
+        y, direct = float32_output(out, x, x.shape[0], self.hidden, x.device)
         self.cached.forward(x, torch.where(hit, gpu_ids, minus), w, out=y)
-        y2 = self.mapped.forward(x, torch.where(valid & ~hit, gpu_ids, minus), w, out=torch.empty_like(y))
-        y.add_(y2)
-        if out is not None:
-            out.copy_(y)
-            return out
-        return y.to(x.dtype)
+        y.add_(self.mapped.forward(x, torch.where(valid & ~hit, gpu_ids, minus), w, out=torch.empty_like(y)))
+        return finish_output(y, out, direct, x.dtype)
 
     def warmup(self, batch_sizes: Any, top_k: int, x_dtype: Any = None) -> None:
         if self.cached is not None:

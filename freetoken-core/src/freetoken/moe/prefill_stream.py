@@ -64,6 +64,7 @@ class PrefillStreamer:
     ) -> None:  # fmt: skip
         self.layers = dict(sorted(layers.items()))
         self.order = list(self.layers)
+        self.position = {layer: i for i, layer in enumerate(self.order)}
         self.device = torch.device(device)
         self.act_dtype = act_dtype
         self.activation = activation
@@ -93,7 +94,7 @@ class PrefillStreamer:
 
     # ---- buffers ------------------------------------------------------------------------
     def _slot(self, layer: int) -> int:
-        return self.order.index(layer) % 2
+        return self.position[layer] % 2
 
     def _parts(self, layer: int, buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(device view, host bytes) of the layer's gate, up and down stacks inside ``buf``."""
@@ -121,7 +122,7 @@ class PrefillStreamer:
         self.prefetch(layer)
         b, ticket = self._inflight[layer]
         ticket.order_before()
-        i = self.order.index(layer)
+        i = self.position[layer]
         if i + 1 < len(self.order):
             self.prefetch(self.order[i + 1])
         self.streamed_layers += 1
