@@ -11,13 +11,26 @@
 #      --cpu-profile` (prompt $PROMPT tokens, batch 1): prompt and decode tok/s and the per-part split
 #      of a prefill and a decode step; then the prompt once more with torch on $THREADS threads for
 #      prompt steps (FREETOKEN_CPU_TORCH_THREADS)
+#   5. the same-run reference: llama.cpp built CPU-only from the carried .bench/llama.cpp (built in
+#      the background at the start, before anything is measured), llama-bench -t 16 on the same file
 # Every stage runs under its own timeout; logs in $OUT; what is printed is a compact summary.
 # Usage (repository root): bash tests/gpu/cpu_speed_run.sh
 # Environment: THREADS (15 pool threads; the 16th core is left to the calling thread's neighbours),
 # PREFILL_T (512), LAYERS (8), PROMPT (512), GEN (32).
 set -uo pipefail
 THREADS=${THREADS:-15}; PREFILL_T=${PREFILL_T:-512}; LAYERS=${LAYERS:-8}; PROMPT=${PROMPT:-512}; GEN=${GEN:-32}
+LLAMA_SRC=${LLAMACPP_SRC:-.bench/llama.cpp}; LLAMA_B=/tmp/llama-cpu
+if [ -f "$LLAMA_SRC/CMakeLists.txt" ] && [ ! -x $LLAMA_B/bin/llama-bench ]; then
+  # CPU-only (no op offload to a GPU); ggml's AMX matmul is left out as in bench_vs_llamacpp.sh
+  noamx=""; grep -q -w amx_int8 /proc/cpuinfo && noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  ( cmake -B $LLAMA_B -S "$LLAMA_SRC" -DGGML_CUDA=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+      "-DCMAKE_C_FLAGS=$noamx" "-DCMAKE_CXX_FLAGS=$noamx" && cmake --build $LLAMA_B -j 16 --target llama-bench ) \
+    > /tmp/llama-cpu-build.log 2>&1 &
+  LLAMA_PID=$!
+fi
 source tests/gpu/device_setup.sh || exit 1
+[ -n "${LLAMA_PID:-}" ] && { wait "$LLAMA_PID"; stamp "llama.cpp CPU build rc=$?"; cp /tmp/llama-cpu-build.log "$OUT/"; }
 FT="python3 -m freetoken.cli.main"
 python3 - <<'EOF' 2>&1 | tee "$OUT/isa.txt"
 import freetoken_cpu_moe as cm
@@ -47,4 +60,10 @@ sed -n '/^cpu profile/,$p' "$OUT/decode-profile.txt"
 FREETOKEN_CPU_TORCH_THREADS=$THREADS timeout 60 $DEC --gen-len 4 > "$OUT/decode-torch-threads.txt" 2>&1
 stamp "bench decode, torch on $THREADS threads for prompt steps rc=$?"
 grep -E "^ +1 " "$OUT/decode-torch-threads.txt" | cut -c1-100
+if [ -x $LLAMA_B/bin/llama-bench ]; then
+  timeout 150 $LLAMA_B/bin/llama-bench -m "$M" -t 16 -p "$PROMPT" -n "$GEN" -r 2 -o md > "$OUT/llama-cpu.md" 2>&1
+  stamp "llama-bench CPU-only -t 16 rc=$?"; grep -E '^\| [a-z]' "$OUT/llama-cpu.md" | grep -v '^| model'
+else
+  stamp "no llama.cpp reference (carry .bench/llama.cpp)"
+fi
 stamp "all done"

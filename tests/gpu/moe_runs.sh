@@ -30,6 +30,7 @@ for item in "${items[@]}"; do
 import json, sys
 d = json.load(open(sys.argv[1]))
 rep = d["backend_report"]; plan = rep.get("memory_plan") or {}
+print(f"  host read bandwidth {d.get('bandwidth_GBs') or 0:.1f} GB/s before, {d.get('bandwidth_GBs_after') or 0:.1f} after")
 for b, v in d["batches"].items():
     print(f"  batch {b}: prompt {v['prompt_tok_s']:.1f} tok/s, decode {v['decode_tok_s']:.1f} tok/s, "
           f"gpu max alloc {(v.get('gpu_max_allocated_bytes') or 0) / 2**30:.2f} GiB")
