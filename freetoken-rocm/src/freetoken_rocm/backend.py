@@ -7,6 +7,7 @@ from typing import ClassVar, Optional
 
 from freetoken.backends.contract import Capabilities, CpuExperts
 from freetoken.backends.platform import rocm_activation_dtype
+from freetoken.backends.triton_target import hip_target
 from freetoken.moe.native_backend import NativeGpuBackend
 
 log = logging.getLogger(__name__)
@@ -15,7 +16,8 @@ log = logging.getLogger(__name__)
 class RocmBackend(NativeGpuBackend):
     """FreeToken on an AMD GPU through HIP: KernelIO on fine-grained mapped memory, the
     event-ordered copy path (a system-release event between the copies and the memop ready
-    write), explicit flag-kernel graph nodes where capture drops memops, host callbacks."""
+    write), explicit flag-kernel graph nodes where capture drops memops, host callbacks; the
+    engine's Triton kernels where :mod:`freetoken.backends.triton_target` accepts the gfx target."""
 
     name: ClassVar[str] = "rocm"
     hardware: ClassVar[str] = "rocm"
@@ -57,4 +59,9 @@ class RocmBackend(NativeGpuBackend):
     def capabilities(self) -> Capabilities:
         caps = super().capabilities()
         caps.extra["default_dtype"] = {"dtype": self.default_dtype, "reason": self.dtype_reason()}
+        try:
+            target = hip_target(str(caps.extra["device"]["arch"]))
+            caps.extra["triton"] = {"usable": target.usable, "target": target.arch, "reason": target.reason}
+        except Exception as exc:  # noqa: BLE001 - an unreadable target: the torch implementations, reason kept
+            caps.extra["triton"] = {"usable": False, "target": None, "reason": f"device architecture unreadable ({exc})"}
         return caps

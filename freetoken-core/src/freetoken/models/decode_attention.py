@@ -19,10 +19,11 @@ Two implementations:
   kernels, so a short context is spread over the programs as well.
 * ``torch``: the same online softmax in plain torch ops, fp32, over the block tables
   gathered in chunks of fixed shape (bounded memory), masked by ``arange < ctx_lens``
-  built on the device (ROCm, no Triton, and a reference of a different construction).
+  built on the device (GPUs without Triton, and a reference of a different construction).
 
-``impl="auto"`` takes Triton on NVIDIA GPUs of compute capability >= 8.0 where triton
-imports (never Triton's interpreter), torch otherwise.
+``impl="auto"`` takes Triton where :mod:`freetoken.backends.triton_target` says it runs
+(NVIDIA compute capability >= 8.0, AMD CDNA2-4 and RDNA3/4; never Triton's interpreter),
+torch otherwise.
 
 Conventions:
 
@@ -67,18 +68,16 @@ _compiled: set[tuple[Any, ...]] = set()
 
 @functools.lru_cache(maxsize=None)
 def _default_impl(device: torch.device) -> tuple[str, str]:
-    if device.type != "cuda" or torch.version.hip:
-        return "torch", f"device {device} is not an NVIDIA GPU"
-    cap = torch.cuda.get_device_capability(device)
-    if cap < (8, 0):
-        return "torch", f"compute capability {cap} < (8, 0)"
-    try:
-        import triton
-    except ImportError as exc:
-        return "torch", f"triton is not importable: {exc}"
+    from freetoken.backends import triton_target
+
+    target = triton_target.for_device(device)
+    if not target.usable:
+        return "torch", target.reason
+    import triton
+
     if triton.knobs.runtime.interpret:
         return "torch", "Triton's interpreter is on (TRITON_INTERPRET)"
-    return "triton", f"triton on compute capability {cap}"
+    return "triton", target.reason
 
 
 def default_impl(device: Any) -> tuple[str, str]:

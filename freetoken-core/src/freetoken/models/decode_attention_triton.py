@@ -43,6 +43,8 @@ from typing import Any, Optional
 import triton
 import triton.language as tl
 
+from freetoken.backends import triton_target
+
 LOG2E = 1.4426950408889634
 
 
@@ -258,7 +260,7 @@ def _constants(q: Any, k_cache: Any, num_partitions: int, config: KernelConfig, 
     c = dict(
         G=G, D=D, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
         BLOCK_N=config.block_n, MIN_PART=config.min_part, SPLIT=num_partitions > 1,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
+        PRECISION=triton_target.for_device(q.device).dot_precision(q.dtype == torch.float32),
     )  # fmt: skip
     if window is not None or sinks is not None:  # the kernel with a window and/or sinks
         c["WINDOW"] = int(window or 0)
@@ -313,16 +315,18 @@ def launch(
     args = (q, k_cache, v_cache, block_tables, ctx_lens, out, acc, ml, float(scale) * LOG2E, P, max_tokens,
             *_strides(q, k_cache, v_cache, block_tables, out))  # fmt: skip
     extended = window is not None or sinks is not None
+    target = triton_target.for_device(q.device)
+    opts = target.launch_options(config.num_warps, config.num_stages)
     if extended:
-        _partial_window_sinks_kernel[(B, Hkv, P)](*args, sink_arg, **consts, num_warps=config.num_warps,
-                                                  num_stages=config.num_stages)  # fmt: skip
+        _partial_window_sinks_kernel[(B, Hkv, P)](*args, sink_arg, **consts, **opts)
     else:
-        _partial_kernel[(B, Hkv, P)](*args, **consts, num_warps=config.num_warps, num_stages=config.num_stages)
+        _partial_kernel[(B, Hkv, P)](*args, **consts, **opts)
     if P > 1:
         rconsts = dict(D=D, BLOCK_D=consts["BLOCK_D"], BLOCK_P=config.block_p, BLOCK_N=config.block_n,
                        MIN_PART=config.min_part)  # fmt: skip
         if sinks is not None:
             _reduce_sinks_kernel[(B, Hq)](acc, ml, ctx_lens, out, P, max_tokens, out.stride(0), sinks, **rconsts,
-                                          num_warps=4)  # fmt: skip
+                                          **target.launch_options(4))  # fmt: skip
         else:
-            _reduce_kernel[(B, Hq)](acc, ml, ctx_lens, out, P, max_tokens, out.stride(0), **rconsts, num_warps=4)
+            _reduce_kernel[(B, Hq)](acc, ml, ctx_lens, out, P, max_tokens, out.stride(0), **rconsts,
+                                    **target.launch_options(4))  # fmt: skip

@@ -8,7 +8,8 @@ these operations through a :class:`DenseOps`:
 * :class:`TorchDenseOps` -- plain torch ops (any device; the CPU backend's path and the
   reference the other is tested against);
 * :class:`TritonDenseOps` -- one Triton kernel per operation
-  (:mod:`freetoken.models.dense_ops_triton`), on NVIDIA GPUs of compute capability >= 8.0.
+  (:mod:`freetoken.models.dense_ops_triton`), where Triton runs
+  (:mod:`freetoken.backends.triton_target`: NVIDIA compute capability >= 8.0, AMD CDNA2-4 and RDNA3/4).
 
 Both compute in float32 and round to the activation dtype at the same points. Everything
 they launch is capturable in a CUDA graph (shapes come from the arguments, values are read
@@ -141,22 +142,20 @@ TORCH_OPS = TorchDenseOps()
 
 @functools.lru_cache(maxsize=None)
 def _triton_ops_for(device: torch.device) -> tuple[Optional[DenseOps], str]:
-    if device.type != "cuda" or torch.version.hip:
-        return None, f"device {device} is not an NVIDIA GPU"
-    cap = torch.cuda.get_device_capability(device)
-    if cap < (8, 0):
-        return None, f"compute capability {cap} < (8, 0)"
-    try:
-        import triton
-    except ImportError as exc:
-        return None, f"triton is not importable: {exc}"
+    from freetoken.backends import triton_target
+
+    target = triton_target.for_device(device)
+    if not target.usable:
+        return None, target.reason
+    import triton
+
     if triton.knobs.runtime.interpret:
         return None, "Triton's interpreter is on (TRITON_INTERPRET)"
-    return TritonDenseOps(), f"triton on compute capability {cap}"
+    return TritonDenseOps(), target.reason
 
 
 def dense_ops_for(device: torch.device) -> DenseOps:
-    """Fused Triton kernels on NVIDIA GPUs that run them, plain torch ops elsewhere."""
+    """Fused Triton kernels on GPUs that run them, plain torch ops elsewhere."""
     device = torch.device(device)
     if os.environ.get(ENV, "").strip().lower() == "torch":
         return TORCH_OPS

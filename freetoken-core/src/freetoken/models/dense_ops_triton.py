@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from freetoken.backends import triton_target
+
 
 @triton.jit
 def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out_ptr, x_out_ptr, N, eps,
@@ -45,9 +47,9 @@ def add_rms_norm(h, delta, weight, eps: float, h_out, x_out) -> None:
     if T == 0:
         return
     block = triton.next_power_of_2(N)
+    opts = triton_target.for_device(h.device).launch_options(8 if block >= 2048 else 4)
     _add_rms_norm_kernel[(T,)](h, delta if delta is not None else h, weight, h_out, x_out, N, eps,
-                               HAS_DELTA=delta is not None, BLOCK=block,
-                               num_warps=8 if block >= 2048 else 4)  # fmt: skip
+                               HAS_DELTA=delta is not None, BLOCK=block, **opts)  # fmt: skip
 
 
 @triton.jit
@@ -94,9 +96,10 @@ def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, slots, k_cach
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
     if T == 0:
         return
+    opts = triton_target.for_device(q.device).launch_options(1 if D <= 128 else 2)
     _qk_norm_rope_kernel[(T, Hq + Hkv)](q, q.stride(0), k, k.stride(0), v, v.stride(0), q_weight, k_weight, cos, sin,
                                         positions, slots, q_out, k_cache, v_cache, eps,
-                                        HQ=Hq, HKV=Hkv, D=D, num_warps=1 if D <= 128 else 2)  # fmt: skip
+                                        HQ=Hq, HKV=Hkv, D=D, **opts)  # fmt: skip
 
 
 @triton.jit
@@ -129,5 +132,6 @@ def router_top_k(logits, k: int, norm: bool, ids_out, w_out) -> None:
     T, E = logits.shape
     if T == 0:
         return
+    opts = triton_target.for_device(logits.device).launch_options(1 if E <= 256 else 4)
     _router_top_k_kernel[(T,)](logits, ids_out, w_out, E, K=k, KP=triton.next_power_of_2(k), NORM=norm,
-                               BLOCK=triton.next_power_of_2(E), num_warps=1 if E <= 256 else 4)  # fmt: skip
+                               BLOCK=triton.next_power_of_2(E), **opts)  # fmt: skip

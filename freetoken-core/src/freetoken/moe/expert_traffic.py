@@ -87,8 +87,11 @@ class ExpertTraffic:
         cpu_layers = self.cpu_layers
         locked = o.locked_fetch > 0 and o.locked_max_fetch > 0 and bool(cpu_layers)
         if locked and not (self.packed_ok and all(locked_fetch_supported(e) for e in cpu_layers.values())):
+            from freetoken.backends.triton_target import for_device
+
             raise ValueError("--moe-locked-fetch: the GPU reads the host banks with its packed kernels, which need "
-                             "GGUF Q4_K/Q5_K/Q6_K/Q8_0 experts on an NVIDIA GPU (Triton); run without it")
+                             "GGUF Q4_K/Q5_K/Q6_K/Q8_0 experts, --moe-gpu-experts auto and a GPU where Triton runs "
+                             f"(here: {for_device(self.device).reason}); run without it")
         if locked and o.lock_host == "off":
             raise ValueError("--moe-locked-fetch needs page-locked host banks: drop --moe-lock-host off")
         stream = self.stream_planned and o.stream_prefill != "off" and bool(cpu_layers) and all(

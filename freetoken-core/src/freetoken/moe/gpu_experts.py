@@ -6,7 +6,8 @@ Experts are held as stacked BF16 (or FP16/FP32) tensors ``gate/up [E, I, H]`` an
 ``>= 0`` (``-1`` marks routes served by the CPU) with no host synchronisation, so it is
 captured into decode graphs. Two implementations, chosen per instance (``impl``):
 
-* ``triton`` (default on NVIDIA GPUs of compute capability >= 8.0 where triton imports):
+* ``triton`` (default where :mod:`freetoken.backends.triton_target` says Triton runs: NVIDIA
+  GPUs of compute capability >= 8.0, AMD CDNA2-4 and RDNA3/4, triton importable):
   the fused kernels of :mod:`freetoken.moe.triton_moe`, two launches (+ one cast when the
   activations are not float32), each distinct routed expert's weights read once;
 * ``torch`` (the reference, and the fallback without Triton): few routes (decode) gather
@@ -31,29 +32,33 @@ IMPLS = ("triton", "torch")
 
 
 def default_impl(device: Any) -> tuple[str, str]:
-    """(implementation, why) for experts on ``device``: Triton on NVIDIA GPUs of compute
-    capability >= 8.0 where triton imports, else torch."""
-    import torch
+    """(implementation, why) for experts on ``device``: Triton where
+    :func:`freetoken.backends.triton_target.for_device` says it runs, else torch."""
+    from freetoken.backends import triton_target
 
-    dev = torch.device(device)
-    if dev.type != "cuda" or torch.version.hip:
-        return "torch", f"device {dev} is not an NVIDIA GPU"
-    cap = torch.cuda.get_device_capability(dev)
-    if cap < (8, 0):
-        return "torch", f"compute capability {cap} < (8, 0)"
+    target = triton_target.for_device(device)
+    if not target.usable:
+        return "torch", target.reason
     try:
         from freetoken.moe import triton_moe  # noqa: F401
     except ImportError as exc:
         return "torch", f"triton is not importable: {exc}"
-    return "triton", f"triton on compute capability {cap}"
+    return "triton", target.reason
 
 
-def _check_triton() -> None:
-    """Raise ValueError when triton (the Triton implementation) does not import."""
+def _check_triton(device: Any) -> None:
+    """Raise ValueError when the Triton implementation cannot run on ``device``: triton does
+    not import, or ``device`` is a GPU whose target Triton does not run on (CPU tensors run
+    in Triton's interpreter)."""
+    from freetoken.backends import triton_target
+
     try:
         from freetoken.moe import triton_moe  # noqa: F401
     except ImportError as exc:
         raise ValueError(f"impl='triton' needs triton: {exc}") from exc
+    target = triton_target.for_device(device)
+    if target.backend != "none" and not target.usable:
+        raise ValueError(f"impl='triton' on {device}: {target.reason}; use impl='torch' (or 'auto')")
 
 
 def _act(gate: Any, up: Any, activation: str, alpha: float = 1.702, limit: float = 7.0) -> Any:
@@ -120,7 +125,7 @@ class GpuExperts:
         elif impl not in IMPLS:
             raise ValueError(f"unknown GPU experts implementation {impl!r}; expected one of {IMPLS}")
         elif impl == "triton":
-            _check_triton()
+            _check_triton(gate.device)
         self.impl = impl
         if block_config is not None:
             block_config.validate()

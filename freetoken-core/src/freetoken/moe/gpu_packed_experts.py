@@ -236,6 +236,7 @@ class PackedGpuExperts:
         """All experts as BF16 ``gate/up [E, I, H]``, ``down [E, H, I]`` in the scratch."""
         import torch
 
+        from freetoken.backends import triton_target
         from freetoken.loading.dequant import dequantize
         from freetoken.moe.triton_moe_packed import dequantize_experts
 
@@ -243,7 +244,7 @@ class PackedGpuExperts:
         for name, s in (("gate", self.gate), ("up", self.up), ("down", self.down)):
             shape = (self.num_experts, s.rows, s.cols)
             buf = self.scratch.get(name, shape, torch.bfloat16, self.device)
-            if self.device.type == "cuda" and not torch.version.hip:
+            if triton_target.for_device(self.device).usable:
                 dequantize_experts(s, buf)  # one Triton launch per stack
             else:
                 dequantize(s.data, s.fmt, shape, torch.bfloat16, out=buf, chunk_values=DEQUANT_CHUNK_VALUES)

@@ -6,7 +6,8 @@ backend built from the contract's GPU capabilities (the native CUDA/ROCm backend
 plugin that provides GpuSync/Staging/KernelIO/GraphCapture). Its parts, in engine order:
 
 * **plan** -- the memory budget (``--gpu-memory-limit``/``--gpu-memory-utilization``, else
-  the device's total), the dense part, a minimum KV cache and a reserve for the CUDA context
+  the device's total), the dense part (dequantized, or a GGUF file's blocks kept packed:
+  ``--gpu-dense``), a minimum KV cache and a reserve for the CUDA context
   and workspaces; which layers' experts fit on the device (``--moe-cpu-layers``, default:
   as many as fit, the first layers going to the CPU as with llama.cpp's ``-ncmoe``). A plan
   that does not fit fails here, before any weight is read, naming the sizes and the flags.
@@ -86,6 +87,7 @@ class MemoryPlan:
     expert_bytes: int = 0  # all GPU layers' experts on the device
     cache: int = 0  # the global expert cache
     scratch: int = 0  # one layer's experts dequantized (prefill of packed or streamed experts)
+    dense_form: str = "dequantized"  # or "packed": the file's block formats kept on the device
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -117,7 +119,8 @@ class GpuModelSession(ModelSession):
         self.cpu = cpu_experts
         self.act_dtype = options.act_dtype or torch.bfloat16
         self.device = torch.device(backend.device())
-        self.weight_policy = DeviceWeightPolicy(self.device, self.act_dtype)
+        self.weight_policy: Any = DeviceWeightPolicy(self.device, self.act_dtype)
+        self.dense_form = "dequantized"
         self.plan_result: Optional[MemoryPlan] = None
         self.shape: Optional[ModelShape] = None
         self.layer_fns: dict[int, ExpertsFn] = {}
@@ -176,7 +179,8 @@ class GpuModelSession(ModelSession):
         scratch = dequantized * self.dequant_group // max(shape.num_experts, 1) if (packed or streams) and n else 0
         buffers = 2 * max(per_layer.values() if shape.expert_file_bytes is None else
                           shape.expert_file_bytes.values()) if streams else 0
-        fixed = reserve + shape.dense_bytes + kv_min + cache + scratch + buffers
+        dense = self._dense_form(shape, budget, reserve + kv_min + cache + scratch + buffers, per_layer)
+        fixed = reserve + dense + kv_min + cache + scratch + buffers
         if budget is None:
             default_cpu = n  # nothing to plan against: keep the experts on the host
         else:
@@ -199,22 +203,73 @@ class GpuModelSession(ModelSession):
         experts = sum(per_layer[i] for i in gpu)
         kv_budget = None
         if budget is not None:
-            fixed = reserve + shape.dense_bytes + kv_min + cache + scratch + buffers
+            fixed = reserve + dense + kv_min + cache + scratch + buffers
             need = fixed + experts
             if need > budget:
                 self._refuse(shape, per_layer, gpu, need, budget, budget_from, fixed, cache, scratch + buffers, kv_min,
-                             reserve)
-            kv_budget = budget - reserve - shape.dense_bytes - experts - cache - scratch - buffers
+                             reserve, dense)
+            kv_budget = budget - reserve - dense - experts - cache - scratch - buffers
             if self.device.type == "cuda" and total:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
-        self.plan_result = MemoryPlan(budget, shape.dense_bytes, max(per_layer.values(), default=0), gpu, cpu,
-                                      kv_budget, reserve, sorted(set(gpu) & packed), experts, cache, scratch + buffers)
+        self.plan_result = MemoryPlan(budget, dense, max(per_layer.values(), default=0), gpu, cpu,
+                                      kv_budget, reserve, sorted(set(gpu) & packed), experts, cache, scratch + buffers,
+                                      self.dense_form)
         self.traffic = ExpertTraffic(o.moe, self.device, self.act_dtype, shape.moe_layers, shape.top_k,
                                      max(o.max_running_requests, 1), cache, self.packed_capable, self.dequant_scratch,
                                      self.dequant_group, stream_planned=streams and bool(cpu))
-        log.info("GPU memory plan: budget %s, dense %s, experts of %d layers on the GPU (%s, %d packed), "
-                 "expert cache %s, CPU layers %s", _gib(budget) if budget else "-", _gib(shape.dense_bytes),
+        log.info("GPU memory plan: budget %s, dense %s (%s), experts of %d layers on the GPU (%s, %d packed), "
+                 "expert cache %s, CPU layers %s", _gib(budget) if budget else "-", _gib(dense), self.dense_form,
                  len(gpu), _gib(experts), len(self.plan_result.packed_layers), _gib(cache), _ranges(cpu))
+
+    def _dense_form(self, shape: ModelShape, budget: Optional[int], other: int, per_layer: dict[int, int]) -> int:
+        """Choose the dense part's form (``--gpu-dense``), install its weight policy and
+        return its device bytes. ``auto``: packed when the file has a packed form, Triton
+        runs and packing lets more layers' experts onto the device than dequantized (the
+        default placement) or is needed to fit (explicit ``--moe-cpu-layers``); else
+        dequantized. ``other``: the plan's fixed bytes but the dense part."""
+        from freetoken.models.packed_linear import PackedWeightPolicy, packed_dense_impl
+
+        mode = self.options.gpu_dense
+        if mode not in ("auto", "packed", "dequantized"):
+            raise MemoryPlanError(f"--gpu-dense {mode!r}: expected 'auto', 'packed' or 'dequantized'")
+        packed = None if shape.dense_file_bytes is None else shape.dense_file_bytes + shape.dense_scratch_bytes
+        if mode == "packed" and packed is None:
+            raise MemoryPlanError("--gpu-dense packed: this checkpoint's dense weights have no packed form (GGUF "
+                                  "files only); use --gpu-dense dequantized or auto")
+        form = mode
+        if mode == "auto":
+            form = "dequantized"
+            if packed is not None and budget is not None and packed < shape.dense_bytes \
+                    and packed_dense_impl(self.device)[0] == "triton":
+                form = "packed" if self._layers_fit(shape, budget - other - packed, per_layer) > \
+                    self._layers_fit(shape, budget - other - shape.dense_bytes, per_layer) else "dequantized"
+        self.dense_form = form
+        if form == "packed":
+            self.weight_policy = PackedWeightPolicy(self.device, self.act_dtype)
+            assert packed is not None
+            return packed
+        return shape.dense_bytes
+
+    def _layers_fit(self, shape: ModelShape, room: int, per_layer: dict[int, int]) -> int:
+        """How many MoE layers' experts the plan puts on the device with ``room`` bytes for
+        them (-1: not even the rest fits). With ``--moe-cpu-layers`` given: its GPU layers'
+        count when they fit, else -1."""
+        if room < 0:
+            return -1
+        if self.options.moe_cpu_layers is not None:
+            try:
+                cpu = set(cpu_layers(self.options.moe_cpu_layers, shape.moe_layers, len(shape.moe_layers)))
+            except ValueError:
+                return 0  # the plan reports the bad spec
+            gpu = [i for i in shape.moe_layers if i not in cpu]
+            return len(gpu) if sum(per_layer[i] for i in gpu) <= room else -1
+        fit = 0
+        for i in reversed(shape.moe_layers):  # as the plan places them: the last layers first
+            if per_layer[i] > room:
+                break
+            room -= per_layer[i]
+            fit += 1
+        return fit
 
     def _packed_layers(self, shape: ModelShape) -> set[int]:
         """The MoE layers whose experts can stay in the file's block formats on this device."""
@@ -231,7 +286,7 @@ class GpuModelSession(ModelSession):
 
     def _refuse(self, shape: ModelShape, per_layer: dict[int, int], gpu: list[int], need: int, budget: int,
                 budget_from: Optional[str], fixed: int, cache: int, scratch: int, kv_min: int,
-                reserve: int) -> None:  # fmt: skip
+                reserve: int, dense: int) -> None:  # fmt: skip
         n = len(shape.moe_layers)
         fit, room = 0, budget - fixed
         for i in sorted(gpu, reverse=True):
@@ -240,7 +295,7 @@ class GpuModelSession(ModelSession):
             room -= per_layer[i]
             fit += 1
         ctx_tokens = kv_min // shape.kv_bytes_per_token if shape.kv_bytes_per_token else 0
-        parts = [f"dense weights {_gib(shape.dense_bytes)}",
+        parts = [f"dense weights {_gib(dense)} ({self.dense_form})",
                  f"routed experts of {len(gpu)} layers {_gib(sum(per_layer[i] for i in gpu))}",
                  f"KV cache for {ctx_tokens} tokens {_gib(kv_min)}", f"reserve {_gib(reserve)}"]
         if cache:
@@ -248,6 +303,9 @@ class GpuModelSession(ModelSession):
         if scratch:
             parts.append(f"prefill scratch and streaming buffers {_gib(scratch)} (--moe-stream-prefill off saves the "
                          f"buffers)")
+        if self.dense_form == "dequantized" and shape.dense_file_bytes is not None:
+            parts[0] += (f"; --gpu-dense packed keeps the file's blocks: about "
+                         f"{_gib(shape.dense_file_bytes + shape.dense_scratch_bytes)}")
         advice = (f"Keep at most {fit} layers' experts on the GPU: --moe-cpu-layers {n - min(fit, n)} (or 'all'), "
                   "or raise the GPU memory limit." if fixed <= budget else
                   "Even the dense part does not fit: raise --gpu-memory-limit/--gpu-memory-utilization, lower "
@@ -516,6 +574,7 @@ class GpuModelSession(ModelSession):
             "moe_gpu_layers": len(plan.gpu_layers) if plan else None,
             "memory_plan": plan.as_dict() if plan else None,
             "weights": self.weight_policy.describe(),
+            "dense_form": self.dense_form,
             "attention": self.attention_impl if self.runner is not None else "torch (eager)",
         }
         if self.runner is not None:
@@ -554,12 +613,8 @@ class GpuModelSession(ModelSession):
 
 
 def _attention_impl(device: torch.device) -> str:
-    """The capturable decode attention for ``device``: Triton on NVIDIA GPUs where it
-    imports, else the torch implementation."""
-    if device.type != "cuda" or torch.version.hip:
-        return "torch"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "torch"
-    return "triton"
+    """The capturable decode attention for ``device``: Triton where it runs
+    (:mod:`freetoken.backends.triton_target`), else the torch implementation."""
+    from freetoken.backends import triton_target
+
+    return "triton" if triton_target.for_device(device).usable else "torch"

@@ -42,6 +42,8 @@ from typing import Any, Optional
 import triton
 import triton.language as tl
 
+from freetoken.backends import triton_target
+
 log = logging.getLogger(__name__)
 
 
@@ -286,7 +288,7 @@ def launch(
     if config.per_route(tokens, top_k):
         if not (ids.is_contiguous() and w.is_contiguous() and x.is_contiguous()):
             raise ValueError("x, ids and w must be contiguous")
-        opts = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        opts = triton_target.for_device(x.device).launch_options(config.num_warps, config.num_stages)
         _gate_up_routes_kernel[(tokens * top_k, triton.cdiv(inter, config.route_block_i))](
             x, ids, gate, up, h, tokens, K=top_k, H=hidden, I=inter,
             ACT=ACT_CODES[activation], ALPHA=float(alpha), LIMIT=float(limit),
@@ -301,8 +303,9 @@ def launch(
     t_tiles = triton.cdiv(tokens, block_t)
     i_tiles = triton.cdiv(inter, config.block_i)
     zero_cols = triton.cdiv(triton.cdiv(hidden, i_tiles), config.block_h) * config.block_h
-    precision = "ieee" if gate.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
-    opts = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    target = triton_target.for_device(x.device)
+    precision = target.dot_precision(gate.dtype == torch.float32)
+    opts = target.launch_options(config.num_warps, config.num_stages)
     _gate_up_kernel[(num_experts, i_tiles, t_tiles)](
         x, ids, gate, up, h, y, tokens, top_k, H=hidden, I=inter, ZERO_COLS=zero_cols,
         ACT=ACT_CODES[activation], ALPHA=float(alpha), LIMIT=float(limit), PRECISION=precision,

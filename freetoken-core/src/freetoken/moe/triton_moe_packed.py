@@ -55,6 +55,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from freetoken.backends import triton_target
 from freetoken.moe.triton_moe import ACT_CODES, activate
 
 FMT_Q8_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = 8, 12, 13, 14  # ggml type ids (freetoken.handoff.Fmt)
@@ -308,9 +309,10 @@ def dequantize_experts(stack: PackedStack, out: Any, first: int = 0, count: Any 
     if rows == 0:
         return out
     block_r, block_c = 16, min(256, triton.next_power_of_2(stack.cols))
+    opts = triton_target.for_device(out.device).launch_options(4)
     _dequant_rows_kernel[(triton.cdiv(rows, block_r), triton.cdiv(stack.cols, block_c))](
         *stack.views(), out, first * stack.rows, rows, NCOLS=stack.cols, FMT=stack.fmt, RB=stack.row_bytes,
-        G=stack.group, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+        G=stack.group, BLOCK_R=block_r, BLOCK_C=block_c, **opts,
     )  # fmt: skip
     return out
 
@@ -349,7 +351,7 @@ def launch(
         raise ValueError("x, ids and w must be contiguous")
     if tokens == 0:
         return
-    opts = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    opts = triton_target.for_device(x.device).launch_options(config.num_warps, config.num_stages)
     _gate_up_packed_kernel[(tokens * top_k, triton.cdiv(inter, config.block_i))](
         x, ids, *gate.views(), *up.views(), h, tokens, K=top_k, H=hidden, I=inter,
         GATE_FMT=gate.fmt, GATE_RB=gate.row_bytes, GATE_G=gate.group,
