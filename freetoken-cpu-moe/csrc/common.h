@@ -17,6 +17,8 @@ constexpr size_t Q8_0_BYTES = 34;
 constexpr size_t Q4_K_BYTES = 144;  // fp16 d, fp16 dmin, scales[12], qs[128]
 constexpr size_t Q5_K_BYTES = 176;  // fp16 d, fp16 dmin, scales[12], qh[32], qs[128]
 constexpr size_t Q6_K_BYTES = 210;  // ql[128], qh[64], int8 scales[16], fp16 d
+constexpr uint32_t QK_MXFP4 = 32;  // MXFP4: E8M0 e, 4-bit codes qs[16]                  (17 bytes)
+constexpr size_t MXFP4_BYTES = 17;
 constexpr uint32_t FP8_BLOCK = 128;  // FP8 E4M3 scale block (rows and cols)
 
 // Elements per block and bytes per block of a weight format (0 if unknown).
@@ -24,6 +26,7 @@ static inline uint32_t block_elems(uint32_t fmt) {
     switch (fmt) {
         case FT_FMT_F32: case FT_FMT_F16: case FT_FMT_BF16: case FT_FMT_FP8_E4M3_B128: return 1;
         case FT_FMT_Q8_0: return QK8_0;
+        case FT_FMT_MXFP4: return QK_MXFP4;
         case FT_FMT_Q4_K: case FT_FMT_Q5_K: case FT_FMT_Q6_K: return QK_K;
         default: return 0;
     }
@@ -34,6 +37,7 @@ static inline size_t block_bytes(uint32_t fmt) {
         case FT_FMT_F16: case FT_FMT_BF16: return 2;
         case FT_FMT_FP8_E4M3_B128: return 1;
         case FT_FMT_Q8_0: return Q8_0_BYTES;
+        case FT_FMT_MXFP4: return MXFP4_BYTES;
         case FT_FMT_Q4_K: return Q4_K_BYTES;
         case FT_FMT_Q5_K: return Q5_K_BYTES;
         case FT_FMT_Q6_K: return Q6_K_BYTES;
@@ -51,7 +55,7 @@ static inline size_t row_bytes(uint32_t fmt, uint32_t cols) {
 // the K-quants read int8 super-blocks of 256 (scale per 32, sums per 16).
 enum ActKind : int { ACT_F32 = 0, ACT_Q8_32 = 1, ACT_Q8_K = 2 };
 
-// ACT_Q8_32 (for Q8_0 weights), structure of arrays over a vector of n elements:
+// ACT_Q8_32 (for Q8_0 and MXFP4 weights), structure of arrays over a vector of n elements:
 //   int8 qs[n] | float d[n/32] (x ~= d[i/32] * qs[i]) | float dq[n/32] (= d * sum of the block's qs)
 struct ActQ8x32View {
     const int8_t* qs;
@@ -101,7 +105,7 @@ static inline uint32_t kq45_act_index(uint32_t i) {
 
 static inline ActKind act_kind_for(uint32_t fmt) {
     switch (fmt) {
-        case FT_FMT_Q8_0: return ACT_Q8_32;
+        case FT_FMT_Q8_0: case FT_FMT_MXFP4: return ACT_Q8_32;
         case FT_FMT_Q4_K: case FT_FMT_Q5_K: case FT_FMT_Q6_K: return ACT_Q8_K;
         default: return ACT_F32;
     }

@@ -108,6 +108,7 @@ const char* fmt_name(uint32_t f) {
         case FT_FMT_F16: return "f16";
         case FT_FMT_BF16: return "bf16";
         case FT_FMT_Q8_0: return "q8_0";
+        case FT_FMT_MXFP4: return "mxfp4";
         case FT_FMT_Q4_K: return "q4_k";
         case FT_FMT_Q5_K: return "q5_k";
         case FT_FMT_Q6_K: return "q6_k";

@@ -2,7 +2,7 @@
 
 Weights are generated in each format's raw layout and dequantized by an
 independent decoder: numpy for the float formats, torch's float8_e4m3fn for FP8,
-gguf-py (``gguf.quants``) for Q8_0 and the K-quants. The MoE reference is plain
+gguf-py (``gguf.quants``) for Q8_0, the K-quants and MXFP4. The MoE reference is plain
 float64 numpy.
 """
 
@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-BLOCK = {"q8_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
-BLOCK_BYTES = {"q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+BLOCK = {"q8_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256, "mxfp4": 32}
+BLOCK_BYTES = {"q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210, "mxfp4": 17}
 # byte offsets of the fp16 super-block scales (d, dmin) inside a K-quant block
 FP16_FIELDS = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 
@@ -38,7 +38,7 @@ def _gguf() -> Any:
 def _gguf_type(fmt: str) -> Any:
     Q = _gguf().GGMLQuantizationType
 
-    return {"q8_0": Q.Q8_0, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}[fmt]
+    return {"q8_0": Q.Q8_0, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K, "mxfp4": Q.MXFP4}[fmt]
 
 
 def gguf_dequantize(raw: np.ndarray, fmt: str, E: int, rows: int, cols: int) -> np.ndarray:
@@ -71,7 +71,7 @@ def make_weights(fmt: str, E: int, rows: int, cols: int, rng: np.random.Generato
         vals = torch.from_numpy(codes).view(torch.float8_e4m3fn).to(torch.float64).numpy()
         full = np.repeat(np.repeat(scale.astype(np.float64), 128, axis=1), 128, axis=2)[:, :rows, :cols]
         return RawWeights(fmt, codes, scale, vals * full)
-    if fmt == "q8_0":
+    if fmt in ("q8_0", "mxfp4"):
         quants = _gguf().quants
         f = (rng.standard_normal((E * rows, cols)) * std).astype(np.float32)
         raw = np.ascontiguousarray(quants.quantize(f, _gguf_type(fmt)))
@@ -149,7 +149,7 @@ def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
 #: int8 block length of the activations each weight format multiplies against
 #: (the documented numerics of freetoken_cpu_moe: symmetric, scale = absmax/127,
 #: round half away from zero); None = float32 activations.
-ACT_QUANT_BLOCK = {"q8_0": 32, "q4_k": 32, "q5_k": 32, "q6_k": 32}
+ACT_QUANT_BLOCK = {"q8_0": 32, "q4_k": 32, "q5_k": 32, "q6_k": 32, "mxfp4": 32}
 
 
 def quantize_act(v: np.ndarray, block: Optional[int]) -> np.ndarray:

@@ -20,7 +20,7 @@ import freetoken
 
 def test_version_and_metadata() -> None:
     assert cm.__version__ == "0.1.0" == freetoken.__version__
-    assert cm.FORMATS == ("f32", "f16", "bf16", "fp8_e4m3_b128", "q8_0", "q4_k", "q5_k", "q6_k")
+    assert cm.FORMATS == ("f32", "f16", "bf16", "fp8_e4m3_b128", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4")
     tiers = cm.isa_tiers()
     assert tiers[-1] == "scalar" and cm.active_isa() in tiers
 

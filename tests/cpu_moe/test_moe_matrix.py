@@ -5,8 +5,8 @@ token routed entirely elsewhere), poisons the output with NaN, runs
 ``moe_forward`` on one tier and compares with two float64 references:
 
 * tight: the exact float64 math with the kernels' documented activation
-  quantization modelled (int8 with a float scale per 32 elements for Q8_0 and the
-  K-quants; float formats use float32 activations). What remains is float32 accumulation
+  quantization modelled (int8 with a float scale per 32 elements for Q8_0, MXFP4 and
+  the K-quants; float formats use float32 activations). What remains is float32 accumulation
   (~1e-6 relative) and rare rounding-boundary flips of one int8 step in the
   quantized formats (<1e-4 each), so TIGHT = 1e-5 for float formats and 1e-3 for
   quantized ones. Any wrong scale, nibble, sign or block offset is far above that.
@@ -28,7 +28,7 @@ from cpu_moe_cases import cm
 from cpu_moe_reference import moe_reference, random_routes, rel_err, rel_err_allowing, round_to
 
 TIERS = cm.isa_tiers()
-QUANTIZED = {"q8_0", "q4_k", "q5_k", "q6_k"}
+QUANTIZED = {"q8_0", "q4_k", "q5_k", "q6_k", "mxfp4"}
 TIGHT = {f: (1e-4 if f in QUANTIZED else 1e-5) for f in cm.FORMATS}
 LOOSE = {f: (3e-2 if f in QUANTIZED else 1e-5) for f in cm.FORMATS}
 OUT_ROUNDING = {"float32": 0.0, "float16": 1e-3, "bfloat16": 4e-3}

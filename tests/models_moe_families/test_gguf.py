@@ -3,9 +3,9 @@ tensor names and metadata (through our writer) load and give transformers' logit
 
 Float tensors (F32, some F16) keep the comparison at FP32 tolerance: what is checked is
 names, metadata, llama's q/k row permutation, GPT-OSS's split gate/up and bias tensors.
-GPT-OSS with MXFP4 experts (as llama.cpp's converter writes them) is compared with
-transformers running gguf-py's dequantization of the same blocks and the kernels'
-int8 activation rounding (Q8_0 after the conversion at load)."""
+GPT-OSS with MXFP4 experts (as llama.cpp's converter writes them; the CPU kernels read
+them as stored) is compared with transformers running gguf-py's dequantization of the
+same blocks and the kernels' int8 activation rounding."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 
 from families import hf_logits, make_model
 from freetoken import SamplingParams
+from freetoken.handoff import Fmt
 from freetoken.loading.gguf_writer import write_gpt_oss_metadata, write_moe_metadata
 from freetoken.models.config import ModelConfig
 from helpers import LogitsRecorder, assert_close, engine_for
@@ -138,17 +139,16 @@ def test_float_gguf_matches_transformers(case, tmp_path):
 
 def _quantizing_gpt_oss_experts(experts) -> None:
     """transformers' GPT-OSS expert loop with the kernels' int8 rounding of the inputs of
-    the (Q8_0) gate/up and down matrices."""
-    from freetoken.handoff import Fmt
+    the (MXFP4) gate/up and down matrices."""
 
     def forward(self, hidden_states, router_indices=None, routing_weights=None):
         out = torch.zeros_like(hidden_states)
         for t in range(hidden_states.shape[0]):
             for kk in range(router_indices.shape[1]):
                 e = int(router_indices[t, kk])
-                x = quantize_activations(hidden_states[t], Fmt.Q8_0)
+                x = quantize_activations(hidden_states[t], Fmt.MXFP4)
                 h = self._apply_gate(x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e])
-                y = quantize_activations(h, Fmt.Q8_0) @ self.down_proj[e] + self.down_proj_bias[e]
+                y = quantize_activations(h, Fmt.MXFP4) @ self.down_proj[e] + self.down_proj_bias[e]
                 out[t] += routing_weights[t, kk] * y
         return out
 
@@ -178,7 +178,12 @@ def test_gpt_oss_mxfp4_gguf(tmp_path):
             _quantizing_gpt_oss_experts(ex)
     rng = random.Random(seed)
     ids = [rng.randrange(160) for _ in range(27)]
-    assert_close_rounding(engine_for(path, prefill_chunk=10).prompt_logits(ids), hf_logits(model, ids), f"seed {seed}")
+    eng = engine_for(path, prefill_chunk=10)
+    for L in eng.model.layers:  # the experts stay MXFP4 (17 bytes per 32 values), their biases folded in
+        ex = L.moe.experts
+        assert {int(ex.gate.fmt), int(ex.up.fmt), int(ex.down.fmt)} == {int(Fmt.MXFP4)}
+        assert ex.gate.data.shape[-1] == (ex.hidden // 32) * 17
+    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}")
 
 
 def test_dense_llama_gguf_is_refused(tmp_path):

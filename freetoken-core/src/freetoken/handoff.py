@@ -24,6 +24,7 @@ class Fmt(enum.IntEnum):
     Q5_K = 13
     Q6_K = 14
     BF16 = 30
+    MXFP4 = 39
     FP8_E4M3_B128 = 100
     I32 = 200
 

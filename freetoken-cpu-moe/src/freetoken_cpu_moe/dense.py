@@ -31,6 +31,7 @@ FORMAT_NAMES = {
     int(Fmt.Q4_K): "q4_k",
     int(Fmt.Q5_K): "q5_k",
     int(Fmt.Q6_K): "q6_k",
+    int(Fmt.MXFP4): "mxfp4",
 }
 
 

@@ -30,6 +30,7 @@ FORMAT_INFO: dict[str, FormatInfo] = {
     "q4_k": FormatInfo("q4_k", int(Fmt.Q4_K), 256, 144),
     "q5_k": FormatInfo("q5_k", int(Fmt.Q5_K), 256, 176),
     "q6_k": FormatInfo("q6_k", int(Fmt.Q6_K), 256, 210),
+    "mxfp4": FormatInfo("mxfp4", int(Fmt.MXFP4), 32, 17),
 }
 
 FORMATS: tuple[str, ...] = tuple(FORMAT_INFO)

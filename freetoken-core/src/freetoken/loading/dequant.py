@@ -21,6 +21,8 @@ little-endian, f16 fields as IEEE half):
   Each 128-value half uses 64 low bytes (values ``0..63``: low nibbles, ``64..127``:
   high nibbles) and 32 high bytes (bits ``2k..2k+1`` of byte ``l`` belong to value
   ``32k + l``).
+* ``MXFP4`` (32 values, 17 bytes): E8M0 exponent byte ``e``, 16 bytes of 4-bit codes;
+  ``y = KVALUES[code] * 2^(e - 128)`` (see the MXFP4 section below); exact in float32.
 
 The arithmetic is float32 and in the same order as gguf-py's reference (the scale
 products first, then the quant, then the min), so results equal it bit for bit: in
@@ -54,6 +56,7 @@ BLOCK_SIZES: dict[int, tuple[int, int]] = {
     int(Fmt.Q4_K): (256, 144),
     int(Fmt.Q5_K): (256, 176),
     int(Fmt.Q6_K): (256, 210),
+    int(Fmt.MXFP4): (32, 17),
 }
 _FLOAT_FMTS = (int(Fmt.F32), int(Fmt.F16), int(Fmt.BF16))
 
@@ -193,12 +196,31 @@ def _q6_k(blk: torch.Tensor, y: torch.Tensor) -> None:
     y.view(n, 16, 16).mul_(dl)
 
 
+#: MXFP4's doubled E2M1 values (see the MXFP4 section below)
+MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+MXFP4_BLOCK_BYTES = 17
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """float32 ``2^k`` of integer exponents (exact; ``2^-127``, ``2^-128`` subnormal, as ggml's)."""
+    return torch.ldexp(torch.ones(k.shape, dtype=torch.float32, device=k.device), k)
+
+
+def _mxfp4(blk: torch.Tensor, y: torch.Tensor) -> None:
+    n = blk.shape[0]
+    q = _split_nibbles(_words(blk[:, 1:17]).view(n, 1, 4))  # [n, 1, 2, 4] words: values 0-15, then 16-31
+    kv = torch.tensor(MXFP4_KVALUES, dtype=torch.float32, device=blk.device)
+    y.copy_(kv[q.view(torch.uint8).view(n, 32).long()])
+    y.mul_(_pow2(blk[:, 0:1].to(torch.int32) - 128))
+
+
 #: Per format: ``fn(blocks [n, bytes] uint8, y [n, values] float32)`` fills ``y``.
 _BLOCK_FNS: dict[int, Callable[[torch.Tensor, torch.Tensor], None]] = {
     int(Fmt.Q8_0): _q8_0,
     int(Fmt.Q4_K): _q4_k,
     int(Fmt.Q5_K): _q5_k,
     int(Fmt.Q6_K): _q6_k,
+    int(Fmt.MXFP4): _mxfp4,
 }
 
 
@@ -275,7 +297,7 @@ def dequantize(
     ``packed`` is a uint8 tensor (CPU or GPU) of ``prod(shape[:-1])`` rows of
     ``row_bytes(fmt, shape[-1])`` bytes (any leading shape, e.g. ``RawTensor.data``'s
     ``[..., row_bytes]``; ``[E, rows, row_bytes]`` for an expert stack). ``fmt`` is a
-    block format (``Fmt.Q8_0``, ``Q4_K``, ``Q5_K``, ``Q6_K``). Returns ``shape`` in
+    block format (``Fmt.Q8_0``, ``Q4_K``, ``Q5_K``, ``Q6_K``, ``MXFP4``). Returns ``shape`` in
     ``dtype`` on ``packed``'s device (written into ``out`` if given: contiguous,
     ``shape``, same device), computed in float32 and cast once.
 
@@ -447,66 +469,21 @@ def to_device_float(
 #
 # * HF checkpoints: ``*_blocks`` uint8 ``[..., nblk, 16]`` and ``*_scales`` uint8 ``[..., nblk]``;
 #   value ``2j`` of a block is the low nibble of byte ``j``, value ``2j + 1`` its high nibble.
-# * ggml ``block_mxfp4`` (17 bytes): ``e``, then 16 bytes; value ``j < 16`` is the low nibble
-#   of byte ``j``, value ``j + 16`` its high nibble.
+# * ggml ``block_mxfp4`` (17 bytes, the expert kernels' ``mxfp4`` format): ``e``, then 16
+#   bytes; value ``j < 16`` is the low nibble of byte ``j``, value ``j + 16`` its high nibble.
 #
-# The expert kernels have no MXFP4 format: :func:`mxfp4_to_q8_0` rewrites the blocks as
-# Q8_0 at load (34 bytes per 32 values instead of 17: twice the memory and the bytes read
-# per token). The conversion is exact: the Q8_0 quant is ``KVALUES[code] * 2^s`` (|q| <= 96)
-# and its fp16 scale ``2^(e - 128 - s)`` with ``s = 3`` where fp16 holds that power of two
-# (``e`` in 107..146, every block of a trained model); a smaller ``s`` down to ``e = 104``,
-# and below (values under 4e-7) the nearest fp16 scale ``2^-24`` with rounded quants.
-
-MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
-MXFP4_BLOCK_BYTES = 17
+# HF blocks are rewritten in ggml's layout at load (:func:`mxfp4_ggml_from_hf`, the same
+# bytes); devices that dequantize experts (the GPU's torch path) use :func:`_mxfp4`.
 
 
-def _pow2(k: torch.Tensor) -> torch.Tensor:
-    """float32 ``2^k`` of integer exponents (exact)."""
-    return torch.ldexp(torch.ones(k.shape, dtype=torch.float32, device=k.device), k)
-
-
-def mxfp4_codes_hf(blocks: torch.Tensor) -> torch.Tensor:
-    """The 4-bit codes, in value order, of HF ``*_blocks`` (uint8 ``[..., nblk, 16]``)
-    as uint8 ``[..., nblk, 32]``."""
-    lo, hi = blocks & 0x0F, blocks >> 4
-    return torch.stack([lo, hi], dim=-1).reshape(*blocks.shape[:-1], 32)
-
-
-def mxfp4_split_ggml(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(exponents uint8 ``[..., nblk]``, codes uint8 ``[..., nblk, 32]``) of ggml MXFP4 rows
-    (uint8 ``[..., nblk * 17]``)."""
-    b = raw.reshape(*raw.shape[:-1], -1, MXFP4_BLOCK_BYTES)
-    e, qs = b[..., 0], b[..., 1:]
-    return e.contiguous(), torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-
-
-def mxfp4_dequantize(e: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """float32 ``[..., nblk * 32]`` of exponents ``[..., nblk]`` and codes ``[..., nblk, 32]``."""
-    kv = torch.tensor(MXFP4_KVALUES, dtype=torch.float32, device=codes.device)
-    scale = _pow2(e.to(torch.int32) - 128)
-    return (kv[codes.long()] * scale.unsqueeze(-1)).reshape(*codes.shape[:-2], -1)
-
-
-def mxfp4_to_q8_0(e: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Q8_0 rows (uint8 ``[..., nblk * 34]``) holding the same values as MXFP4 exponents
-    ``[..., nblk]`` and codes ``[..., nblk, 32]``; and how many blocks were not exact
-    (exponent below 104: values under 4e-7). Raises ValueError for exponents above 146
-    (values beyond fp16's scale range)."""
-    if e.numel() and int(e.max()) > 146:
-        raise ValueError(f"MXFP4 block exponent {int(e.max())} is beyond what Q8_0's fp16 scale holds (max 146)")
-    kv = torch.tensor(MXFP4_KVALUES, dtype=torch.int32, device=codes.device)[codes.long()]  # [..., nblk, 32]
-    ei = e.to(torch.int32)
-    shift = (ei - 104).clamp(0, 3)  # s: 3 where fp16 holds 2^(e-131)
-    exact = ei >= 104
-    q = kv << shift.unsqueeze(-1)
-    d = _pow2(ei - 128 - shift)
-    if not bool(exact.all()):
-        tiny = ~exact
-        true_vals = kv.float() * _pow2(ei - 128).unsqueeze(-1)
-        d = torch.where(tiny, torch.full_like(d, 2.0 ** -24), d)
-        q = torch.where(tiny.unsqueeze(-1), torch.round(true_vals / 2.0 ** -24).to(torch.int32), q)
-    d16 = d.to(torch.float16).view(torch.uint8).reshape(*d.shape, 2)
-    q8 = q.to(torch.int8).view(torch.uint8)
-    out = torch.cat([d16, q8], dim=-1)  # [..., nblk, 34]
-    return out.reshape(*out.shape[:-2], -1).contiguous(), int((~exact).sum())
+def mxfp4_ggml_from_hf(scales: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """ggml ``block_mxfp4`` rows (uint8 ``[..., nblk * 17]``) of HF ``*_scales`` (uint8
+    ``[..., nblk]``) and ``*_blocks`` (uint8 ``[..., nblk, 16]``): the same exponents and
+    codes, the codes reordered from pairs (value ``2j``, ``2j + 1`` in byte ``j``) to halves."""
+    if blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match "
+                         "(expected [..., nblk, 16] and [..., nblk])")  # fmt: skip
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(*blocks.shape[:-1], 32)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    out = torch.cat([scales.unsqueeze(-1), packed], dim=-1)  # [..., nblk, 17]
+    return out.reshape(*scales.shape[:-1], -1).contiguous()

@@ -1,7 +1,7 @@
 """GGUF files: metadata, and tensors memory-mapped in their packed form.
 
 Read with gguf-py's :class:`gguf.GGUFReader`, which maps the file; every tensor's
-bytes stay exactly as in the file (packed Q4_K/Q5_K/Q6_K/Q8_0 blocks go to the CPU
+bytes stay exactly as in the file (packed Q4_K/Q5_K/Q6_K/Q8_0/MXFP4 blocks go to the CPU
 kernels unchanged). Shapes are reported in row-major order (ggml's ``ne`` reversed),
 so a ``[rows, cols]`` matrix and an ``[experts, rows, cols]`` stack read as in HF.
 """
@@ -19,10 +19,8 @@ from freetoken.loading.tensors import RawTensor
 logger = logging.getLogger(__name__)
 
 #: ggml types we can run (the ids equal :class:`freetoken.handoff.Fmt` values).
-SUPPORTED_TYPES = {int(Fmt.F32), int(Fmt.F16), int(Fmt.BF16), int(Fmt.Q8_0), int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K)}
-#: ggml types a model family converts at load (``get(..., converted=True)`` hands their raw
-#: bytes over): MXFP4 (GPT-OSS experts, see freetoken.models.gpt_oss)
-CONVERTED_TYPES = {39}
+SUPPORTED_TYPES = {int(Fmt.F32), int(Fmt.F16), int(Fmt.BF16), int(Fmt.Q8_0), int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K),
+                   int(Fmt.MXFP4)}  # fmt: skip
 
 # Arrays we keep lazy (large vocabularies): read on request by the tokenizer loader.
 _LAZY_PREFIX = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
@@ -71,16 +69,16 @@ class GGUFCheckpoint:
     def has(self, name: str) -> bool:
         return name in self._tensors
 
-    def get(self, name: str, converted: bool = False) -> RawTensor:
+    def get(self, name: str) -> RawTensor:
         try:
             t = self._tensors[name]
         except KeyError:
             raise CheckpointError(f"{self.path}: missing tensor {name}") from None
         ttype = int(t.tensor_type)
-        if ttype not in SUPPORTED_TYPES and not (converted and ttype in CONVERTED_TYPES):
+        if ttype not in SUPPORTED_TYPES:
             raise CheckpointError(
                 f"{self.path}: tensor {name} has ggml type {t.tensor_type.name}, which FreeToken does not run; "
-                f"supported: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K"
+                f"supported: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4"
             )
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         data = t.data

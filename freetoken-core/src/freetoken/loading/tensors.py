@@ -23,6 +23,7 @@ BLOCK_SIZES: dict[int, tuple[int, int]] = {
     int(Fmt.Q4_K): (256, 144),
     int(Fmt.Q5_K): (256, 176),
     int(Fmt.Q6_K): (256, 210),
+    int(Fmt.MXFP4): (32, 17),
 }
 
 #: Element sizes of the plain formats.

@@ -9,11 +9,13 @@ have biases on their gate, up and down projections and the clamped SwiGLU
 is the gate) and transposed (``[E, H, 2I]``).
 
 The expert kernels take no biases: the gate/up biases become one more weight block per
-row that multiplies a constant 1 appended to the activations
+row that multiplies a constant appended to the activations
 (:class:`~freetoken.models.moe_decoder.BiasedMoELayer`; experts of hidden ``H + 32``, 1.1%
 more expert bytes for GPT-OSS-20B), the down bias is added after the experts. MXFP4
-experts (the official checkpoints, and llama.cpp's GGUF files) are rewritten as Q8_0 at
-load (:func:`freetoken.loading.dequant.mxfp4_to_q8_0`, exact): twice MXFP4's bytes.
+experts (the official checkpoints, and llama.cpp's GGUF files) stay MXFP4: the CPU kernels
+read ggml's ``block_mxfp4`` (HF ``*_blocks``/``*_scales`` are rewritten in that layout at
+load, the same bytes); GPU-resident experts are dequantized to the activation dtype
+(the packed GPU kernels do not take MXFP4).
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ import numpy as np
 import torch
 
 from freetoken.handoff import Fmt
-from freetoken.loading.dequant import mxfp4_codes_hf, mxfp4_split_ggml, mxfp4_to_q8_0
+from freetoken.loading.dequant import MXFP4_KVALUES, mxfp4_ggml_from_hf
 from freetoken.loading.hf import CheckpointError
 from freetoken.loading.tensors import RawTensor, fmt_name
 from freetoken.models.config import ModelConfig
-from freetoken.models.moe_decoder import Arch, MoeDecoderModel, Names, hf_eos_ids
+from freetoken.models.moe_decoder import BIAS_FINE, BIAS_ONES, BIAS_PAD, Arch, MoeDecoderModel, Names, hf_eos_ids
 from freetoken.models.rope import RopeScaling, scaling_from_hf
 from freetoken.moe.layer import ExpertWeights
 
@@ -39,10 +41,8 @@ logger = logging.getLogger(__name__)
 ARCHITECTURE = "gpt_oss"
 HF_ARCHITECTURES = ("GptOssForCausalLM",)
 GGUF_ARCHITECTURES = ("gpt-oss",)
-#: ggml type id of MXFP4 (not a kernel format: converted at load)
-GGML_MXFP4 = 39
-#: columns appended to the experts' input for the gate/up biases (one Q8_0 block)
-PAD = 32
+#: columns appended to the experts' input for the gate/up biases (one 32-value block)
+PAD = BIAS_PAD
 #: the kernels' swiglu_oai constants
 ALPHA, LIMIT = 1.702, 7.0
 
@@ -169,10 +169,53 @@ GGUF_NAMES = Names(embed="token_embd.weight", norm="output_norm.weight", lm_head
 # ------------------------------------------------------------------ experts
 
 
+def _mxfp4_sum_codes() -> np.ndarray:
+    """For each n in 0..179: 16 MXFP4 codes (magnitudes) whose values add up to n (12s,
+    then at most two codes for the remainder)."""
+    code = {v: MXFP4_KVALUES.index(v) for v in (1, 2, 3, 4, 6, 8, 12)}
+    rest = {0: (), 1: (1,), 2: (2,), 3: (3,), 4: (4,), 5: (4, 1), 6: (6,), 7: (6, 1), 8: (8,), 9: (8, 1),
+            10: (8, 2), 11: (8, 3)}  # fmt: skip
+    table = np.zeros((180, 16), dtype=np.uint8)
+    for n in range(180):
+        vals = (12,) * (n // 12) + rest[n % 12]
+        table[n, : len(vals)] = [code[v] for v in vals]
+    return table
+
+
+_SUM_CODES = _mxfp4_sum_codes()
+
+
+def mxfp4_bias_blocks(bias: torch.Tensor) -> torch.Tensor:
+    """One MXFP4 block per value of ``bias`` (float ``[...]`` -> uint8 ``[..., 17]``) that,
+    against the bias constant of :class:`BiasedMoELayer` (``BIAS_ONES`` ones, then
+    ``BIAS_FINE`` = 1/127), gives the value: with ``|b| = 2^k v``, ``v`` in [64, 128), the
+    first 16 codes add up to ``floor(v)`` and the next 16 to ``round(127 frac(v))``, at
+    exponent ``k + 128`` (relative error <= 0.5 / 127 / 64 = 6.2e-5; |b| < 2^-120 gives 0;
+    float32's largest values need exponents up to 249 of 254)."""
+    b = bias.detach().double().numpy()
+    a = np.abs(b)
+    k = np.floor(np.log2(np.where(a > 0, a, 1.0))) - 6
+    e = k + 128
+    zero = (a == 0) | (e < 2)
+    v = np.where(zero, 0.0, a / np.exp2(k))
+    n1 = np.floor(v)
+    n2 = np.rint((v - n1) * 127)
+    carry = n2 >= 127
+    n1, n2 = np.where(carry, n1 + 1, n1).astype(np.int64), np.where(carry, 0, n2).astype(np.int64)
+    sign = np.where(b < 0, 8, 0).astype(np.uint8)[..., None]
+    lo = np.where(_SUM_CODES[n1] > 0, _SUM_CODES[n1] | sign, 0)
+    hi = np.where(_SUM_CODES[n2] > 0, _SUM_CODES[n2] | sign, 0)
+    out = np.zeros((*b.shape, 17), dtype=np.uint8)
+    out[..., 0] = np.where(zero, 0, e).astype(np.uint8)
+    out[..., 1:] = lo | (hi << 4)
+    return torch.from_numpy(out)
+
+
 def q8_0_bias_blocks(bias: torch.Tensor) -> torch.Tensor:
     """One Q8_0 block per value of ``bias`` (float ``[...]`` -> uint8 ``[..., 34]``) that
-    holds the value in its first element (zeros after): of the quants 64..127, the one
-    whose fp16 scale ``bias / q`` gives the closest product (relative error <= 2^-12)."""
+    holds the value in its first element (zeros after; the bias constant's first element is
+    1): of the quants 64..127, the one whose fp16 scale ``bias / q`` gives the closest
+    product (relative error <= 2^-12)."""
     b = bias.float().unsqueeze(-1)
     q = torch.arange(64, 128, dtype=torch.float32)
     d = (b / q).to(torch.float16)
@@ -186,11 +229,14 @@ def q8_0_bias_blocks(bias: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_BIAS_BLOCKS = {int(Fmt.Q8_0): q8_0_bias_blocks, int(Fmt.MXFP4): mxfp4_bias_blocks}
+
+
 def _with_bias(name: str, source: str, fmt: int, rows: Any, bias: torch.Tensor, E: int, R: int, H: int) -> RawTensor:
-    """``[E, R, H]`` weights (float tensor, or Q8_0 bytes ``[E, R, H/32*34]``) with the bias
-    as column ``H`` of ``H + PAD``."""
-    if fmt == Fmt.Q8_0:
-        data = torch.cat([rows.reshape(E, R, -1), q8_0_bias_blocks(bias)], dim=-1)
+    """``[E, R, H]`` weights (float tensor, or Q8_0/MXFP4 bytes ``[E, R, row bytes]``) with
+    the bias as columns ``H .. H + PAD`` (float formats: column ``H``, whose constant is 1)."""
+    if int(fmt) in _BIAS_BLOCKS:
+        data = torch.cat([rows.reshape(E, R, -1), _BIAS_BLOCKS[int(fmt)](bias)], dim=-1)
     else:
         ext = torch.zeros(E, R, PAD, dtype=rows.dtype)
         ext[..., 0] = bias.to(rows.dtype)
@@ -208,22 +254,19 @@ def _with_zero_rows(name: str, source: str, fmt: int, rows: Any, E: int, H: int,
 _FLOAT_FMTS = (int(Fmt.F32), int(Fmt.F16), int(Fmt.BF16))
 
 
-def _gguf_rows(raw: RawTensor, what: str) -> tuple[int, torch.Tensor]:
-    """(kernel format, rows) of a GGUF expert tensor: MXFP4 converted to Q8_0."""
+_EXPERT_FMTS = (int(Fmt.MXFP4), int(Fmt.Q8_0)) + _FLOAT_FMTS
+
+
+def _gguf_rows(raw: RawTensor) -> torch.Tensor:
+    """The rows of a GGUF expert tensor in its own format (bytes, or BF16 as bfloat16)."""
     fmt = int(raw.fmt)
+    if fmt not in _EXPERT_FMTS:
+        raise CheckpointError(f"{raw.source}: GPT-OSS expert tensor {raw.name} is {fmt_name(fmt)}; supported expert "
+                              "formats: MXFP4, Q8_0, F32, F16, BF16 (their biases need 32-value blocks)")  # fmt: skip
     t = raw.raw_torch()
-    if fmt == GGML_MXFP4:
-        e, codes = mxfp4_split_ggml(t)
-        q8, inexact = mxfp4_to_q8_0(e, codes)
-        if inexact:
-            logger.info("%s: %d MXFP4 blocks below Q8_0's exact range (values < 4e-7) rounded", what, inexact)
-        return int(Fmt.Q8_0), q8
-    if fmt == Fmt.Q8_0 or fmt in _FLOAT_FMTS:
-        if fmt == Fmt.BF16 and t.dtype != torch.bfloat16:
-            t = t.view(torch.bfloat16)
-        return fmt, t
-    raise CheckpointError(f"{raw.source}: GPT-OSS expert tensor {raw.name} is {fmt_name(fmt)}; supported expert "
-                          "formats: MXFP4, Q8_0, F32, F16, BF16 (their biases need 32-value blocks)")
+    if fmt == Fmt.BF16 and t.dtype != torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    return t
 
 
 def _experts(i: int, source: Any, names: Names, c: ModelConfig) -> tuple[ExpertWeights, torch.Tensor]:
@@ -235,12 +278,10 @@ def _experts(i: int, source: Any, names: Names, c: ModelConfig) -> tuple[ExpertW
         gb, ub, db = (source.get(b + f"ffn_{r}_exps.bias").to_float(torch.float32) for r in ("gate", "up", "down"))
         out = []
         for r, bias in (("gate", gb), ("up", ub)):
-            raw = source.get(b + f"ffn_{r}_exps.weight", converted=True)
-            fmt, rows = _gguf_rows(raw, raw.name)
-            out.append(_with_bias(raw.name, raw.source, fmt, rows, bias, E, I, H))
-        raw = source.get(b + "ffn_down_exps.weight", converted=True)
-        fmt, rows = _gguf_rows(raw, raw.name)
-        down = _with_zero_rows(raw.name, raw.source, fmt, rows, E, H, I)
+            raw = source.get(b + f"ffn_{r}_exps.weight")
+            out.append(_with_bias(raw.name, raw.source, raw.fmt, _gguf_rows(raw), bias, E, I, H))
+        raw = source.get(b + "ffn_down_exps.weight")
+        down = _with_zero_rows(raw.name, raw.source, raw.fmt, _gguf_rows(raw), E, H, I)
         gate, up = out
     else:
         p = f"model.layers.{i}.mlp.experts."
@@ -248,17 +289,13 @@ def _experts(i: int, source: Any, names: Names, c: ModelConfig) -> tuple[ExpertW
         db = source.get(p + "down_proj_bias").to_float(torch.float32)
         gb, ub = gub[:, 0::2], gub[:, 1::2]
         if source.has(p + "gate_up_proj_blocks"):  # MXFP4: rows are outputs, blocks along the input
-            blocks = source.get(p + "gate_up_proj_blocks").raw_torch()  # [E, 2I, H/32, 16]
-            scales = source.get(p + "gate_up_proj_scales").raw_torch()  # [E, 2I, H/32]
-            q8, n1 = mxfp4_to_q8_0(scales, mxfp4_codes_hf(blocks))  # [E, 2I, H/32*34]
-            src = source.get(p + "gate_up_proj_blocks").source
-            gate = _with_bias(p + "gate_proj", src, Fmt.Q8_0, q8[:, 0::2], gb, E, I, H)
-            up = _with_bias(p + "up_proj", src, Fmt.Q8_0, q8[:, 1::2], ub, E, I, H)
-            dq8, n2 = mxfp4_to_q8_0(source.get(p + "down_proj_scales").raw_torch(),
-                                    mxfp4_codes_hf(source.get(p + "down_proj_blocks").raw_torch()))  # fmt: skip
-            down = _with_zero_rows(p + "down_proj", src, Fmt.Q8_0, dq8, E, H, I)
-            if n1 + n2:
-                logger.info("layer %d: %d MXFP4 blocks below Q8_0's exact range (values < 4e-7) rounded", i, n1 + n2)
+            blocks = source.get(p + "gate_up_proj_blocks")  # [E, 2I, H/32, 16]
+            mx = mxfp4_ggml_from_hf(source.get(p + "gate_up_proj_scales").raw_torch(), blocks.raw_torch())
+            gate = _with_bias(p + "gate_proj", blocks.source, Fmt.MXFP4, mx[:, 0::2], gb, E, I, H)
+            up = _with_bias(p + "up_proj", blocks.source, Fmt.MXFP4, mx[:, 1::2], ub, E, I, H)
+            dmx = mxfp4_ggml_from_hf(source.get(p + "down_proj_scales").raw_torch(),
+                                     source.get(p + "down_proj_blocks").raw_torch())  # fmt: skip
+            down = _with_zero_rows(p + "down_proj", blocks.source, Fmt.MXFP4, dmx, E, H, I)
         else:
             gu = source.get(p + "gate_up_proj")  # [E, H, 2I]
             t = gu.raw_torch()

@@ -70,6 +70,15 @@ class Arch:
     expert_pad: int = 0
 
 
+#: the constant the folded gate/up biases of :class:`BiasedMoELayer` multiply: columns
+#: ``hidden .. hidden + BIAS_PAD`` of the experts' input hold ``BIAS_ONES`` ones, then
+#: ``BIAS_FINE`` (1/127). Both are exact in the kernels' int8 activation blocks (absmax 1:
+#: codes 127 and 1 at scale 1/127), so a block format whose one value per element is
+#: coarse (MXFP4) can spread a bias over a coarse and a fine half; formats that hold the
+#: bias in the block's first element (Q8_0, the float formats) see only the first 1.
+BIAS_PAD, BIAS_ONES, BIAS_FINE = 32, 16, 1.0 / 127
+
+
 class BiasedRouter:
     """Router logits ``x W^T + b`` in float32."""
 
@@ -84,23 +93,28 @@ class BiasedRouter:
 
 class BiasedMoELayer(MoELayer):
     """Routed experts with biases on their gate, up and down projections, on expert
-    kernels that have none: the gate/up biases are an extra weight column that multiplies
-    a constant 1 appended to the activations (the experts' hidden size is ``hidden +
-    pad``, pad = one quantization block; the extra down rows are zero and their outputs
-    dropped), the down bias is ``sum_k w_k b_down[e_k]`` added after the experts."""
+    kernels that have none: the gate/up biases are an extra weight block per row that
+    multiplies a constant appended to the activations (:data:`BIAS_PAD` columns, see
+    there; the experts' hidden size is ``hidden + pad``; the extra down rows are zero and
+    their outputs dropped), the down bias is ``sum_k w_k b_down[e_k]`` added after the
+    experts."""
 
     def __init__(self, layer: int, router: object, experts: ExpertWeights, top_k: int, norm_topk_prob: bool,
                  activation: str, hidden: int, down_bias: torch.Tensor) -> None:  # fmt: skip
         super().__init__(layer, router, experts, top_k, norm_topk_prob, activation)  # type: ignore[arg-type]
         self.hidden = hidden
         self.pad = experts.hidden - hidden
+        if self.pad != BIAS_PAD:
+            raise ValueError(f"layer {layer}: experts with folded biases need hidden + {BIAS_PAD} columns, "
+                             f"got {experts.hidden} for hidden {hidden}")  # fmt: skip
         self.down_bias = down_bias  # float32 [E, H]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.route(x)
         T = x.shape[0]
         ext = x.new_zeros(T, self.pad)
-        ext[:, 0] = 1
+        ext[:, :BIAS_ONES] = 1
+        ext[:, BIAS_ONES:BIAS_PAD] = BIAS_FINE
         y = self.run_experts(torch.cat([x, ext], dim=1), ids, w)[:, : self.hidden]
         bias = (w.unsqueeze(-1) * self.down_bias[ids.long()]).sum(1)
         return (y.float() + bias).to(x.dtype)

@@ -67,6 +67,7 @@ typedef struct ft_flag_slot {
 #define FT_FMT_Q5_K 13u
 #define FT_FMT_Q6_K 14u
 #define FT_FMT_BF16 30u
+#define FT_FMT_MXFP4 39u         /* ggml block_mxfp4: E8M0 exponent + 32 E2M1 codes (17 bytes) */
 #define FT_FMT_FP8_E4M3_B128 100u /* E4M3 weights + float32 128x128 block scales (weight_scale_inv) */
 #define FT_FMT_I32 200u           /* route ids */
 
