@@ -340,6 +340,12 @@ class ModelShape:
     #: (gate, up, down) when the checkpoint is a GGUF file (None: unknown, e.g. HF files)
     expert_file_bytes: Optional[dict[int, int]] = None
     expert_formats: Optional[dict[int, tuple[int, int, int]]] = None
+    #: the dense part as it takes device memory when the file's block formats (Q4_K, Q5_K,
+    #: Q6_K, Q8_0) stay packed: their bytes in the file, other tensors at the activation
+    #: dtype, routers float32 (None: no packed form known, e.g. HF files)
+    dense_file_bytes: Optional[int] = None
+    #: the prefill scratch of that form (the largest packed linear's chunk of rows dequantized)
+    dense_scratch_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -387,6 +393,9 @@ class EngineOptions:
     else powers of two (and multiples of 8) up to ``graph_max_batch_size``.
     ``gpu_memory_limit`` (bytes) and ``gpu_memory_utilization`` (fraction of the device's
     total): the most this process may use on the device; the smaller wins.
+    ``gpu_dense``: the form of the dense part on the device: ``dequantized`` (the activation
+    dtype), ``packed`` (a GGUF file's block formats kept as in the file), or ``auto``
+    (packed when that lets more layers' experts onto the device, or is needed to fit).
     """
 
     act_dtype: Any = None
@@ -401,6 +410,7 @@ class EngineOptions:
     max_model_len: int = 4096
     kv_block_size: int = 16
     kv_cache_tokens: Optional[int] = None  # an explicit KV cache size (the plan keeps room for it)
+    gpu_dense: str = "auto"
     moe: MoEOptions = dataclasses.field(default_factory=lambda: MoEOptions())
 
 

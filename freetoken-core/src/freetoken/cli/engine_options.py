@@ -232,6 +232,11 @@ _OPTIONS: tuple[_Option, ...] = (
             "most GPU memory this process may use: bytes or a size like 16GiB, 24G, 1.5GiB "
             "(K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000) (default: {default})",
             byte_size, "SIZE"),
+    _Option("gpu_dense", "--gpu-dense",
+            "form of the dense weights (attention, output head, embedding) on the GPU: dequantized (the "
+            "activation dtype), packed (GGUF Q4_K/Q5_K/Q6_K/Q8_0 kept as in the file, about a third of the "
+            "memory) or auto (packed when that lets more layers' experts onto the GPU) (default: {default})",
+            choice("auto", "packed", "dequantized"), "MODE"),
     _Option("moe_gpu_experts", "--moe-gpu-experts",
             "form of GPU-resident experts: auto (GGUF Q4_K/Q5_K/Q6_K/Q8_0 stay packed as in the file, other "
             "formats are dequantized to the activation dtype) or dequantized (default: {default})",

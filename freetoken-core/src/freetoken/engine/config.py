@@ -42,6 +42,7 @@ class EngineConfig:
     gpu_memory_utilization: Optional[float] = None
     gpu_memory_limit: Optional[int] = None
     enable_prefix_cache: bool = True
+    gpu_dense: str = "auto"
     moe_gpu_experts: str = "auto"
     #: bytes when >= 1, a fraction of the GPU memory budget when below 1
     moe_cache_size: float = 0.0
@@ -62,7 +63,7 @@ class EngineConfig:
             graph_max_batch_size=self.cuda_graph_max_bs, gpu_memory_limit=self.gpu_memory_limit,
             gpu_memory_utilization=self.gpu_memory_utilization, max_running_requests=self.max_running_requests,
             max_model_len=self.max_model_len or 0, kv_block_size=self.kv_block_size,
-            kv_cache_tokens=self.kv_cache_tokens,
+            kv_cache_tokens=self.kv_cache_tokens, gpu_dense=self.gpu_dense,
             moe=MoEOptions(
                 gpu_experts=self.moe_gpu_experts,
                 cache_bytes=int(self.moe_cache_size) if self.moe_cache_size >= 1 else 0,
@@ -95,7 +96,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_bs must hold batch sizes >= 1, got {self.cuda_graph_bs}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name, value, allowed in (("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
+        for name, value, allowed in (("gpu_dense", self.gpu_dense, ("auto", "packed", "dequantized")),
+                                     ("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
                                      ("moe_stream_prefill", self.moe_stream_prefill, ("auto", "on", "off")),
                                      ("moe_lock_host", self.moe_lock_host, ("auto", "on", "off"))):
             if value not in allowed:

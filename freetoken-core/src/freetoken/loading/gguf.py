@@ -91,6 +91,14 @@ class GGUFCheckpoint:
         t = self._tensors.get(name)
         return None if t is None else (int(t.tensor_type), int(t.n_bytes))
 
+    def tensor_elements(self, name: str) -> int:
+        """Values of a tensor (KeyError if absent)."""
+        return int(self._tensors[name].n_elements)
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Row-major shape of a tensor (KeyError if absent), without reading its data."""
+        return tuple(int(x) for x in reversed(self._tensors[name].shape.tolist()))
+
     def total_bytes(self) -> int:
         return os.path.getsize(self.path)
 

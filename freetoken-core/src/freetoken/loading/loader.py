@@ -99,6 +99,7 @@ def _load_hf(path: str, session: ModelSession, show: Optional[bool]) -> LoadedMo
     check_fits(path, weights=total, copies=expert_bytes)
     policy = session.weight_policy
     session.plan(model_shape(cfg, policy.dtype))
+    policy = session.weight_policy  # the plan may choose the dense part's form
     t0 = time.time()
     show = total > (1 << 30) if show is None else show
     bar, prog = _progress(cfg.num_layers, "loading", show)
@@ -138,9 +139,8 @@ def _load_gguf(path: str, session: ModelSession, show: Optional[bool]) -> Loaded
     # the file is memory-mapped and read in place (the routed experts always are)
     check_fits(path, weights=total)
     policy = session.weight_policy
-    shape = model_shape(cfg, policy.dtype)
-    _gguf_expert_layout(ck, mod.GGUF_NAMES, shape)
-    session.plan(shape)
+    session.plan(_gguf_shape(ck, mod.GGUF_NAMES, cfg, policy.dtype))
+    policy = session.weight_policy  # the plan may choose the dense part's form
     t0 = time.time()
     show = total > (1 << 30) if show is None else show
     bar, prog = _progress(cfg.num_layers, "loading", show)
@@ -153,6 +153,26 @@ def _load_gguf(path: str, session: ModelSession, show: Optional[bool]) -> Loaded
     logger.info("loaded %s (%s, %d layers) in %.1fs", path, ck.architecture, cfg.num_layers, time.time() - t0)
     name = str(ck.metadata.get("general.name") or os.path.splitext(os.path.basename(path))[0])
     return LoadedModel(model, cfg, tok, {}, path, name, "gguf", ck)
+
+
+def gguf_model_shape(path: str, act: torch.dtype) -> ModelShape:
+    """The sizes a backend plans a GGUF file with (what :func:`load` gives ``session.plan``),
+    from the file's header alone."""
+    from freetoken.loading.gguf import GGUFCheckpoint
+
+    ck = GGUFCheckpoint(path)
+    mod = family_for_gguf(ck.architecture, path).load()
+    cfg = mod.config_from_gguf(ck.metadata, has_output=ck.has(mod.GGUF_NAMES.lm_head))
+    if cfg.vocab_size <= 0 and ck.has(mod.GGUF_NAMES.embed):
+        cfg.vocab_size = int(ck.get(mod.GGUF_NAMES.embed).shape[0])
+    return _gguf_shape(ck, mod.GGUF_NAMES, cfg, act)
+
+
+def _gguf_shape(ck: Any, names: Any, cfg: ModelConfig, act: torch.dtype) -> ModelShape:
+    shape = model_shape(cfg, act)
+    _gguf_expert_layout(ck, names, shape)
+    _gguf_dense_layout(ck, names, shape, act)
+    return shape
 
 
 def _gguf_expert_layout(ck: Any, names: Any, shape: ModelShape) -> None:
@@ -170,6 +190,49 @@ def _gguf_expert_layout(ck: Any, names: Any, shape: ModelShape) -> None:
         sizes[i] = sum(p[1] for p in parts)
         formats[i] = (parts[0][0], parts[1][0], parts[2][0])
     shape.expert_file_bytes, shape.expert_formats = sizes, formats
+
+
+#: ggml types a packed dense policy keeps as the file's bytes (Q8_0, Q4_K, Q5_K, Q6_K)
+_PACKED_DENSE_TYPES = frozenset({8, 12, 13, 14})
+
+
+def _gguf_dense_layout(ck: Any, names: Any, shape: ModelShape, act: torch.dtype) -> None:
+    """Fill ``shape.dense_file_bytes``: every tensor but the routed experts (``*_exps``)
+    as :class:`freetoken.models.packed_linear.PackedWeightPolicy` places it on the device:
+    block formats as their bytes in the file, routers float32, the rest at ``act``; and
+    ``shape.dense_scratch_bytes``, its prefill scratch (the largest chunk of a packed linear:
+    every packed matrix but an embedding that is not also the output head)."""
+    from freetoken.models.packed_linear import chunk_rows
+
+    elt = torch.empty((), dtype=act).element_size()
+    embed_only = names.embed if ck.has(names.lm_head) else None
+    scratch = 0
+    routers: set[str] = set()
+    experts: set[str] = set()
+    for i in shape.moe_layers:
+        for role, into in (("router", routers), ("gate_exps", experts), ("up_exps", experts),
+                           ("down_exps", experts)):  # fmt: skip
+            try:
+                into.add(names.layer(i, role))
+            except (KeyError, AttributeError):  # a family without that role
+                pass
+    total = 0
+    for name in ck.names():
+        if name in experts or "_exps" in name:
+            continue
+        layout = ck.tensor_layout(name)
+        if layout is None:
+            continue
+        ttype, nbytes = layout
+        if ttype in _PACKED_DENSE_TYPES:
+            total += nbytes
+            dims = ck.tensor_shape(name)
+            if len(dims) == 2 and name != embed_only:
+                scratch = max(scratch, chunk_rows(dims[0], dims[1]) * dims[1] * elt)
+        else:
+            total += ck.tensor_elements(name) * (4 if name in routers else elt)
+    shape.dense_file_bytes = total
+    shape.dense_scratch_bytes = scratch
 
 
 def load_tokenizer(path: str) -> Tokenizer:

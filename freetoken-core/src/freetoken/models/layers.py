@@ -1,7 +1,9 @@
 """Building blocks shared by the model families: linears, norms, rotary embeddings,
 and :class:`DeviceWeightPolicy`, the weight policy that dequantizes the dense part onto
 a device (backends whose dense weights stay packed bring their own policy through
-:meth:`freetoken.backends.contract.ModelSession.weight_policy`)."""
+:meth:`freetoken.backends.contract.ModelSession.weight_policy`; the GPU session keeps a GGUF
+file's block formats packed on the device with
+:class:`freetoken.models.packed_linear.PackedWeightPolicy` when memory is short)."""
 
 from __future__ import annotations
 
@@ -140,7 +142,8 @@ class DeviceWeightPolicy(WeightPolicy):
         return Embedding(raw, self.device, self.dtype, keep_packed=self.packed_embedding)
 
     def describe(self) -> dict[str, Any]:
-        return {"dense": f"dequantized to {str(self.dtype).replace('torch.', '')} on {self.device} at load",
+        return {"dense_form": "dequantized",
+                "dense": f"dequantized to {str(self.dtype).replace('torch.', '')} on {self.device} at load",
                 "embedding": "packed rows in host memory" if self.packed_embedding else "table on the device"}
 
 

@@ -1,0 +1,239 @@
+"""Triton kernels of the dense linears kept on the GPU as a GGUF file's blocks.
+
+A dense matrix ``W [N, K]`` (attention q/k/v/o, the output head, a dense MLP) stays on the
+device as the file's bytes, ``[N, row_bytes(K)]`` uint8 in Q4_K, Q5_K, Q6_K or Q8_0, and
+is read through the block decoding of :mod:`freetoken.moe.triton_moe_packed`
+(``_dequant_tile``, ``_load_groups``, ``_dequant_rows_kernel``): the weight values equal
+gguf-py's bit for bit, products and sums are float32.
+
+* :func:`gemv` -- decode (few tokens): ``y [T, N] = x [T, K] @ W.T``, one program per
+  ``block_n`` output rows and ``block_t`` tokens. Each program reads its rows' blocks
+  once per token tile, dequantizes them in registers (scales and mins once per group of
+  32 or 16 values, broadcast over the group's codes) and multiplies them with the tokens
+  in float32; the output is stored in ``y``'s dtype (the activation dtype). No host
+  synchronisation and no allocation: capturable in CUDA graphs once the variant is
+  compiled (an eager call with the same shapes compiles it).
+* :func:`dequantize_rows` -- prefill: rows ``first .. first + rows`` of ``W`` dequantized
+  into a buffer (the caller's reusable scratch), for a ``torch`` matmul.
+* :func:`gather_rows` -- the token embedding: the rows of ``ids`` dequantized into ``out``
+  (``[T, K]``), reading only those rows' blocks.
+
+Performance model (decode on the H200, ~4.3 TB/s HBM): a Qwen3-30B-A3B layer's attention
+in BF16 reads 37.7 MB (~9 us at HBM speed; ~12 us measured per layer), as Q4_K 10.6 MB
+(~2.5 us at HBM speed). The kernel is memory bound at T = 1 when each program streams
+several KB of blocks (``block_n`` rows x ``block_k`` columns per step; 4 rows of 2048
+Q4_K values are 4.6 KB) with enough programs in flight to cover the latency: q/k/v fused
+(5120 rows) gives 1280 programs of 4 rows, o (2048 rows) 512. The weights are read once
+per token tile of ``block_t`` tokens, so the kernel serves small T only
+(``PackedLinearConfig.max_gemv_tokens``); larger batches dequantize into a scratch and
+run a cuBLAS matmul, which reads the BF16 copy once. No split-K: every output row's sum is
+one program's, so there are no atomics and the result does not depend on scheduling.
+Tile sizes are untuned defaults; ``tests/gpu/tune_packed_dense.py`` sweeps them on the
+Qwen3-30B-A3B shapes.
+
+triton is optional: import this module lazily, only when the Triton implementation is
+selected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from freetoken.backends import triton_target
+from freetoken.moe.triton_moe_packed import (
+    FORMAT_NAMES,
+    FORMATS,
+    PackedStack,
+    _dequant_rows_kernel,
+    _dequant_tile,
+    _load_groups,
+)
+
+__all__ = ["FORMATS", "FORMAT_NAMES", "PackedLinearConfig", "DEFAULT_CONFIG", "PackedMatrix", "gemv",
+           "dequantize_rows", "gather_rows", "variant_key"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLinearConfig:
+    """Tile sizes of the packed GEMV and the batch sizes it serves."""
+
+    block_n: int = 4  # output rows per program
+    block_k: int = 512  # input columns per step (a multiple of the 32 or 16 values sharing a scale)
+    block_t: int = 1  # tokens per program (the weights are read once per token tile)
+    num_warps: int = 4
+    num_stages: int = 2
+    #: batches of at most this many tokens run the GEMV; larger ones are dequantized into
+    #: the scratch and multiplied by torch
+    max_gemv_tokens: int = 16
+
+    def validate(self) -> None:
+        for name in ("block_n", "block_t", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v}: must be a power of two")
+        if self.block_k < 32 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_k={self.block_k}: must be a power of two >= 32 (a whole scale group)")
+        if self.max_gemv_tokens < 0:
+            raise ValueError(f"max_gemv_tokens={self.max_gemv_tokens}: must be >= 0")
+
+    def tokens_per_program(self, tokens: int) -> int:
+        """The token tile of a batch of ``tokens``: ``block_t``, or fewer for a smaller batch."""
+        return min(self.block_t, triton.next_power_of_2(max(tokens, 1)))
+
+
+DEFAULT_CONFIG = PackedLinearConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedMatrix:
+    """A matrix ``[rows, cols]`` on the device as its file bytes (``stack``: one expert's
+    :class:`~freetoken.moe.triton_moe_packed.PackedStack`, ``data [1, rows, row_bytes]``)."""
+
+    stack: PackedStack
+
+    @classmethod
+    def from_bytes(cls, data: Any, fmt: int, rows: int, cols: int) -> "PackedMatrix":
+        return cls(PackedStack.from_bytes(data, fmt, 1, rows, cols))
+
+    @property
+    def rows(self) -> int:
+        return self.stack.rows
+
+    @property
+    def cols(self) -> int:
+        return self.stack.cols
+
+    @property
+    def fmt(self) -> int:
+        return self.stack.fmt
+
+    @property
+    def nbytes(self) -> int:
+        return self.stack.nbytes
+
+
+@triton.jit(do_not_specialize=["T"])
+def _packed_gemv_kernel(
+    x_ptr, w_u8, w_i8, w_f16, y_ptr, T,
+    N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, RB: tl.constexpr, G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """``y[t, n] = sum_k x[t, k] * W[n, k]`` for the program's ``BLOCK_N`` rows and
+    ``BLOCK_T`` tokens (x ``[T, K]``, y ``[T, N]``, contiguous)."""
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64) * RB
+    if BLOCK_T == 1:
+        # one token: the tile stays in its [rows, groups, G] layout, no reshape
+        t = pid_t.to(tl.int64)
+        x_row = x_ptr + t * K
+        acc = tl.zeros([BLOCK_N, BLOCK_K // G, G], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xg = _load_groups(x_row, k0, K, BLOCK_K, G, True)
+            w = _dequant_tile(w_u8, w_i8, w_f16, rows, n_ok, k0, K, FMT, BLOCK_K, G)
+            acc += w * xg[None, :, :]
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        tl.store(y_ptr + t * N + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < T
+        x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * K
+        acc2 = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_rows + offs_k[None, :], mask=t_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+            w = tl.reshape(_dequant_tile(w_u8, w_i8, w_f16, rows, n_ok, k0, K, FMT, BLOCK_K, G), [BLOCK_N, BLOCK_K])
+            acc2 += w[None, :, :] * xt.to(tl.float32)[:, None, :]
+        y2 = tl.sum(acc2, axis=2)
+        dst = y_ptr + offs_t.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(dst, y2.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gather_rows_kernel(
+    ids_ptr, w_u8, w_i8, w_f16, out_ptr, T,
+    V: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, RB: tl.constexpr, G: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """``out[t, :] = dequant(W[ids[t], :])`` in out's dtype; ids outside ``[0, V)`` are
+    clamped (the engine checks token ids against the vocabulary before a step)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < T
+    row = tl.load(ids_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)
+    row = tl.minimum(tl.maximum(row, 0), V - 1)
+    c0 = tl.program_id(1) * BLOCK_C
+    w = _dequant_tile(w_u8, w_i8, w_f16, row * RB, t_ok, c0, K, FMT, BLOCK_C, G)
+    offs_c = c0 + tl.arange(0, BLOCK_C)
+    dst = out_ptr + offs_t.to(tl.int64)[:, None] * K + offs_c[None, :]
+    tl.store(dst, tl.reshape(w, [BLOCK_T, BLOCK_C]).to(out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & (offs_c < K)[None, :])
+
+
+def _check_2d(name: str, t: Any, rows: int, cols: int) -> None:
+    if tuple(t.shape) != (rows, cols) or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous [{rows}, {cols}] tensor, got {tuple(t.shape)}")
+
+
+def gemv(x: Any, w: PackedMatrix, y: Any, config: PackedLinearConfig = DEFAULT_CONFIG) -> Any:
+    """``y [T, N] = x [T, K] @ W.T`` (x any float dtype, y BF16/FP16/FP32; both contiguous),
+    in one launch; the weights are read once per ``config.block_t`` tokens."""
+    tokens = int(x.shape[0])
+    _check_2d("x", x, tokens, w.cols)
+    _check_2d("y", y, tokens, w.rows)
+    if tokens == 0:
+        return y
+    bt = config.tokens_per_program(tokens)
+    st = w.stack
+    _packed_gemv_kernel[(triton.cdiv(w.rows, config.block_n), triton.cdiv(tokens, bt))](
+        x, *st.views(), y, tokens, N=w.rows, K=w.cols, FMT=st.fmt, RB=st.row_bytes, G=st.group,
+        BLOCK_N=config.block_n, BLOCK_K=min(config.block_k, triton.next_power_of_2(w.cols)), BLOCK_T=bt,
+        **triton_target.for_device(x.device).launch_options(config.num_warps, config.num_stages),
+    )  # fmt: skip
+    return y
+
+
+def dequantize_rows(w: PackedMatrix, out: Any, first: int = 0) -> Any:
+    """Rows ``first .. first + out.shape[0]`` of ``W`` dequantized into ``out`` (``[rows,
+    K]``, contiguous, BF16/FP16/FP32), in one launch."""
+    rows = int(out.shape[0])
+    _check_2d("out", out, rows, w.cols)
+    if not 0 <= first <= w.rows - rows:
+        raise ValueError(f"rows {first}..{first + rows} outside the matrix's {w.rows} rows")
+    if rows == 0:
+        return out
+    st = w.stack
+    block_r, block_c = 16, min(256, triton.next_power_of_2(w.cols))
+    _dequant_rows_kernel[(triton.cdiv(rows, block_r), triton.cdiv(w.cols, block_c))](
+        *st.views(), out, first, rows, NCOLS=w.cols, FMT=st.fmt, RB=st.row_bytes, G=st.group,
+        BLOCK_R=block_r, BLOCK_C=block_c, **triton_target.for_device(out.device).launch_options(4),
+    )  # fmt: skip
+    return out
+
+
+def gather_rows(ids: Any, w: PackedMatrix, out: Any, block_t: int = 4, block_c: int = 1024) -> Any:
+    """``out [T, K]`` = the rows ``ids [T]`` (int32/int64, contiguous) of ``W`` dequantized,
+    in one launch (only those rows' blocks are read)."""
+    tokens = int(ids.shape[0])
+    _check_2d("out", out, tokens, w.cols)
+    if tokens == 0:
+        return out
+    st = w.stack
+    block_c = min(block_c, triton.next_power_of_2(w.cols))
+    _gather_rows_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(w.cols, block_c))](
+        ids, *st.views(), out, tokens, V=w.rows, K=w.cols, FMT=st.fmt, RB=st.row_bytes, G=st.group,
+        BLOCK_T=block_t, BLOCK_C=block_c, **triton_target.for_device(out.device).launch_options(4),
+    )  # fmt: skip
+    return out
+
+
+def variant_key(x: Any, w: PackedMatrix, config: PackedLinearConfig = DEFAULT_CONFIG) -> tuple[Any, ...]:
+    """What selects the compiled GEMV variant beyond the matrix's shape and format: the
+    config, the token tile, the activation dtype and 16-byte alignment of x (the token
+    count itself is not specialised)."""
+    return (config, config.tokens_per_program(int(x.shape[0])), x.dtype, x.data_ptr() % 16 == 0)

@@ -1,0 +1,198 @@
+"""The dense part kept as the GGUF file's blocks (``--gpu-dense``) through the generic GPU
+session on the fakegpu plugin (host "device"): the plan's choice and sizes, the refusal
+that names the flag, and an engine run equal to the cpu backend's.
+
+On fakegpu the packed linears run their torch path (dequantize into the scratch, then a
+matmul); the Triton kernels are checked in tests/gpu/test_packed_dense.py. ``auto`` packs
+only where the Triton kernels run, so the plan tests say they do (``packed_dense_impl``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from freetoken.backends import registry
+from freetoken.backends.contract import EngineOptions, MemoryPlanError
+from freetoken.engine.config import EngineConfig
+from freetoken.engine.engine import LLMEngine
+from freetoken.engine.sampling_params import SamplingParams
+from freetoken.loading.gguf import GGUFCheckpoint
+from freetoken.loading.loader import gguf_model_shape
+from freetoken.models import packed_linear
+from freetoken.moe.gpu_session import RESERVE_BYTES
+
+_TESTS = os.path.join(os.path.dirname(__file__), "..", "..")
+sys.path.insert(0, os.path.join(_TESTS, "engine"))
+sys.path.insert(0, os.path.join(_TESTS, "gpu"))
+import qwen3_reference  # noqa: E402
+import test_engine_gguf as tg  # noqa: E402
+
+PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [5, 6], [77] * 20]
+MAX_LEN = 128
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry():
+    registry.reset()
+    yield
+    registry.reset()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("packed_dense") / "tiny.gguf")
+    return path, tg.write_tiny_gguf(path, seed=5)
+
+
+def _file_dense_bytes(path: str, elt: int) -> int:
+    """Every non-expert tensor of the file: block formats as stored, routers float32, the
+    rest at ``elt`` bytes per value (counted here from gguf-py's reader, not the loader)."""
+    ck = GGUFCheckpoint(path)
+    total = 0
+    for t in ck.reader.tensors:
+        if "_exps" in t.name:
+            continue
+        if int(t.tensor_type) in (8, 12, 13, 14):
+            total += int(t.n_bytes)
+        else:
+            total += int(t.n_elements) * (4 if "ffn_gate_inp" in t.name else elt)
+    return total
+
+
+def _session(budget, **kw):
+    from freetoken_fakegpu.backend import FakeGpuBackend
+
+    opts = EngineOptions(act_dtype=torch.float32, gpu_memory_limit=budget, max_model_len=MAX_LEN, **kw)
+    return FakeGpuBackend().open_model(opts)
+
+
+def test_dense_file_bytes_are_the_files(tiny):
+    tiny, _ = tiny
+    for dtype, elt in ((torch.float32, 4), (torch.bfloat16, 2)):
+        shape = gguf_model_shape(tiny, dtype)
+        assert shape.dense_file_bytes == _file_dense_bytes(tiny, elt)
+        assert shape.dense_file_bytes < shape.dense_bytes
+        # the prefill scratch: the largest packed linear (the Q6_K output head [V, H]) in one chunk
+        ck = GGUFCheckpoint(tiny)
+        assert shape.dense_scratch_bytes == ck.tensor_elements("output.weight") * elt
+
+
+def test_auto_packs_exactly_when_it_frees_room_for_expert_layers(tiny, monkeypatch):
+    tiny, _ = tiny
+    monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("triton", "as on a GPU"))
+    shape = gguf_model_shape(tiny, torch.float32)
+    layer = 3 * tg.E * tg.H * tg.I * 4  # one layer's experts dequantized (fakegpu: no packed experts)
+    other = RESERVE_BYTES + MAX_LEN * shape.kv_bytes_per_token
+    deq = shape.dense_bytes
+    pk = shape.dense_file_bytes + shape.dense_scratch_bytes
+    assert 0 < deq - pk < layer
+
+    def plan(budget, **kw):
+        s = _session(budget, **kw)
+        s.plan(shape)
+        return s
+
+    cases = [  # (budget, form, GPU layers)
+        (other + deq + 2 * layer, "dequantized", 2),  # everything fits dequantized
+        (other + pk + 2 * layer, "packed", 2),  # dequantized: 1 layer; packed: both
+        (other + deq + layer, "dequantized", 1),  # packed frees too little for another layer
+        (other + pk + layer, "packed", 1),  # dequantized: no layer
+        (other + pk, "packed", 0),  # dequantized: not even the dense part fits
+    ]
+    for budget, form, layers in cases:
+        s = plan(budget)
+        assert (s.dense_form, len(s.plan_result.gpu_layers)) == (form, layers), budget - other
+        assert s.plan_result.dense == (pk if form == "packed" else deq)
+        assert s.plan_result.dense_form == form
+        assert isinstance(s.weight_policy, packed_linear.PackedWeightPolicy) is (form == "packed")
+    # explicit placement: packed only when needed to fit it
+    assert plan(other + pk + 2 * layer, moe_cpu_layers="0").dense_form == "packed"
+    assert plan(other + deq + 2 * layer, moe_cpu_layers="0").dense_form == "dequantized"
+    # forced forms, and no budget to plan with
+    assert plan(other + deq + 2 * layer, gpu_dense="packed").dense_form == "packed"
+    assert plan(other + pk + 2 * layer, gpu_dense="dequantized").dense_form == "dequantized"
+    assert plan(None).dense_form == "dequantized"
+    # where the kernels do not run, auto never packs
+    monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("torch", "no GPU"))
+    assert plan(other + pk + 2 * layer).dense_form == "dequantized"
+
+
+def test_refusal_names_the_packed_form(tiny):
+    tiny, _ = tiny
+    shape = gguf_model_shape(tiny, torch.float32)
+    other = RESERVE_BYTES + MAX_LEN * shape.kv_bytes_per_token
+    pk = shape.dense_file_bytes + shape.dense_scratch_bytes
+    s = _session(other + pk + 1000, gpu_dense="dequantized", moe_cpu_layers="all")
+    with pytest.raises(MemoryPlanError) as err:
+        s.plan(shape)
+    text = str(err.value)
+    assert "(dequantized)" in text and "--gpu-dense packed" in text
+    s = _session(other + pk + 1000, gpu_dense="packed", moe_cpu_layers="all")
+    s.plan(shape)  # the same budget holds the packed form
+    assert s.plan_result.dense == pk
+
+
+def test_packed_needs_a_packed_form():
+    from freetoken.loading.loader import model_shape
+    from freetoken.models.config import ModelConfig
+
+    cfg = ModelConfig("qwen3_moe", 300, 256, 2, 4, 2, 64, 0, 256, 4, 2)
+    s = _session(None, gpu_dense="packed")
+    with pytest.raises(MemoryPlanError, match="GGUF files only"):
+        s.plan(model_shape(cfg, torch.float32))  # an HF checkpoint's sizes: no dense_file_bytes
+    with pytest.raises(MemoryPlanError, match="--gpu-dense"):
+        _session(None, gpu_dense="int4").plan(model_shape(cfg, torch.float32))
+
+
+def _run(path, backend, **kw):
+    registry.reset()
+    eng = LLMEngine(EngineConfig(model=path, backend=backend, dtype="float32", max_model_len=MAX_LEN,
+                                 kv_cache_tokens=1024, **kw))  # fmt: skip
+    rows: dict[str, list[torch.Tensor]] = {}
+    remove = eng.add_logits_observer(
+        lambda ids, logits: [rows.setdefault(r, []).append(logits[i].clone()) for i, r in enumerate(ids)])
+    try:
+        reqs = [eng.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+        while eng.has_work():
+            eng.step()
+        remove()
+        info = eng.backend_info()
+        policy = getattr(eng.session, "weight_policy", None)
+    finally:
+        eng.close()
+    return [r.output_ids for r in reqs], [torch.stack(rows[r.request_id]) for r in reqs], info, policy
+
+
+def test_engine_with_packed_dense_equals_cpu_backend(tiny):
+    tiny, tensors = tiny
+    want_ids, want_logits, _, _ = _run(tiny, "cpu")
+    deq_ids, deq_logits, deq_info, _ = _run(tiny, "fakegpu", moe_cpu_layers="0", gpu_dense="dequantized")
+    ids, logits, info, policy = _run(tiny, "fakegpu", moe_cpu_layers="0", gpu_dense="packed")
+    assert info["dense_form"] == "packed" and deq_info["dense_form"] == "dequantized"
+    assert info["weights"]["dense_form"] == "packed" and info["memory_plan"]["dense_form"] == "packed"
+    shape = gguf_model_shape(tiny, torch.float32)
+    assert policy.device_bytes == shape.dense_file_bytes  # what was placed is what was planned
+    assert policy.scratch.nbytes <= shape.dense_scratch_bytes
+    assert ids == deq_ids
+    for got, dq in zip(logits, deq_logits):
+        # the same weight values (gguf-py's), float32 products: the dequantized form's
+        # logits up to summation order
+        assert float((got - dq).abs().max()) <= 1e-5 * float(dq.abs().max())
+    # an independent float64 forward over gguf-py's dequantization of the same file, on the
+    # run's own tokens (every expert on the "device": float32 summation order only)
+    for prompt, out, got in zip(PROMPTS, ids, logits):
+        seq = prompt + out
+        want = qwen3_reference.logits(tensors, seq, tg.LAYERS, tg.HEADS, tg.KVH, tg.HD, tg.K,
+                                      theta=1e6)[len(prompt) - 1 : len(seq) - 1].float()  # fmt: skip
+        assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max())
+    # the cpu backend rounds activations to int8 (per 32 values) for its packed kernels: its
+    # logits are within that rounding's bound for a row (8e-2 of the scale:
+    # tests/engine/test_engine_gguf.py) up to the first step where the greedy tokens differ
+    # (after it the contexts differ)
+    for got_ids, got, ref_ids, ref in zip(ids, logits, want_ids, want_logits):
+        same = next((i for i, (a, b) in enumerate(zip(got_ids, ref_ids)) if a != b), len(ref_ids) - 1)
+        scale = max(1.0, float(ref.abs().max()))
+        assert float((got[: same + 1] - ref[: same + 1]).abs().max()) <= 8e-2 * scale
