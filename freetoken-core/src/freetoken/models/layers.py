@@ -142,9 +142,9 @@ class DeviceWeightPolicy(WeightPolicy):
         return Embedding(raw, self.device, self.dtype, keep_packed=self.packed_embedding)
 
     def describe(self) -> dict[str, Any]:
-        return {"dense_form": "dequantized",
-                "dense": f"dequantized to {str(self.dtype).replace('torch.', '')} on {self.device} at load",
-                "embedding": "packed rows in host memory" if self.packed_embedding else "table on the device"}
+        return {"dense": f"dequantized to {str(self.dtype).replace('torch.', '')} on {self.device} at load",
+                "embedding": "packed rows in host memory" if self.packed_embedding else "table on the device",
+                "dense_form": "dequantized"}
 
 
 class RouterLinear(TorchLinear):

@@ -271,8 +271,7 @@ class PackedWeightPolicy(DeviceWeightPolicy):
     def describe(self) -> dict[str, Any]:
         kept = ", ".join(f"{n} x{c}" for n, c in sorted(self.formats.items())) or "none"
         act = str(self.dtype).replace("torch.", "")
-        return {"dense_form": "packed",
-                "dense": f"GGUF blocks kept on {self.device} ({kept}; {self.packed_bytes / 2**30:.2f} GiB), "
+        return {"dense": f"GGUF blocks kept on {self.device} ({kept}; {self.packed_bytes / 2**30:.2f} GiB), "
                          f"run by {self.impl} kernels; other formats as {act} ({self.float_bytes / 2**30:.2f} GiB)",
                 "embedding": "packed rows dequantized on the device per step",
-                "dense_device_bytes": self.device_bytes}
+                "dense_form": "packed", "dense_device_bytes": self.device_bytes}
