@@ -26,7 +26,7 @@ class RocmBackend(NativeGpuBackend):
     torch_flavour: ClassVar[str] = "hip"
     install_hint: ClassVar[str] = (
         "reinstall with hipcc available: ROCM_PATH=/opt/rocm pip install --force-reinstall 'freetoken[rocm]' "
-        "(FREETOKEN_ROCM_ARCH=gfx1100 to pick the GPU target); see docs/amd.md"
+        "(FREETOKEN_ROCM_ARCH=gfx1100 to pick the GPU target); see docs/install_amd.md"
     )
 
     def __init__(self, device_index: Optional[int] = None) -> None:
