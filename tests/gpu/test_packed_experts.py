@@ -149,22 +149,23 @@ def test_bf16_activations_and_output_small_top_k():
 
 
 def test_large_batches_dequantize_to_bf16():
-    """Above max_routes: the experts are dequantized into the shared scratch and the BF16
-    kernels run (here both the per-route and the tiled BF16 kernels)."""
+    """Above max_routes with ``large_batch="dequantize"``: the experts are dequantized into
+    the shared scratch and the BF16 kernels run (here both the per-route and the tiled BF16
+    kernels). The default, the grouped kernels, is tested in test_grouped_experts.py."""
     scratch = DequantScratch()
     per_route = triton_moe.BlockConfig(block_i=64, block_h=128, block_n=128, block_r=128)
     tiled = triton_moe.BlockConfig(block_i=64, block_h=128, block_n=128, block_r=128, route_kernels_max_routes=0)
     small = dataclasses.replace(BASE, max_routes=2)
     for bf16_config in (per_route, tiled):
         experts = run_case((Q4, Q4, Q6), 3, 4, seed=5, config=small, tol=DEQUANT_TOL, scratch=scratch,
-                           bf16_config=bf16_config)  # fmt: skip
+                           bf16_config=bf16_config, large_batch="dequantize")  # fmt: skip
         assert any(k[0] == "bf16" for k in experts._compiled)
     assert scratch.nbytes == 3 * E * H * I * 2
     # a third of the experts at a time (the scratch of a memory-planned GPU session): the
     # groups' outputs add up to the same result
     grouped = DequantScratch()
     run_case((Q4, Q5, Q8), 4, 4, seed=6, config=small, tol=DEQUANT_TOL, scratch=grouped, bf16_config=tiled,
-             dequant_group=2)
+             dequant_group=2, large_batch="dequantize")
     assert grouped.nbytes == 3 * 2 * H * I * 2
 
 

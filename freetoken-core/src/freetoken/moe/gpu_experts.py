@@ -162,14 +162,15 @@ class GpuExperts:
     def _forward_triton(self, x: Any, gpu_ids: Any, w: Any, out: Optional[Any]) -> Any:
         import torch
 
-        from freetoken.moe import triton_moe
+        from freetoken.moe import triton_moe, triton_moe_grouped
 
         tokens, top_k = gpu_ids.shape
         x, ids, w = x.contiguous(), gpu_ids.contiguous(), w.contiguous()
         dev = self.gate.device
         y, direct = float32_output(out, x, tokens, self.hidden, dev)
         config = self.block_config or triton_moe.DEFAULT_CONFIG
-        key = triton_moe.variant_key(x, ids, w, y, config)
+        grouped = tokens * top_k > triton_moe_grouped.MIN_ROUTES and self.gate.dtype == torch.bfloat16
+        key = triton_moe_grouped.variant_key(x, ids, w) if grouped else triton_moe.variant_key(x, ids, w, y, config)
         if key not in self._compiled and x.is_cuda and torch.cuda.is_current_stream_capturing():
             if not self.capture_fallbacks:
                 log.warning(
@@ -179,9 +180,12 @@ class GpuExperts:
                 )  # fmt: skip
             self.capture_fallbacks += 1
             return self._forward_torch(x, gpu_ids, w, out)
-        h = torch.empty(tokens, top_k, self.intermediate, dtype=self.gate.dtype, device=dev)
         try:
-            triton_moe.launch(x, ids, w, self.gate, self.up, self.down, y, h, self.activation, config)
+            if grouped:
+                triton_moe_grouped.launch(x, ids, w, self.gate, self.up, self.down, y, self.activation)
+            else:
+                h = torch.empty(tokens, top_k, self.intermediate, dtype=self.gate.dtype, device=dev)
+                triton_moe.launch(x, ids, w, self.gate, self.up, self.down, y, h, self.activation, config)
         except Exception as exc:  # noqa: BLE001 - compilation or launch; only an automatic choice falls back
             if not self.auto:
                 raise

@@ -8,12 +8,13 @@ per layer instead of 1.12 GiB in BF16. Two paths, by the batch's route count ``T
 * ``<= config.max_routes`` (decode): the packed kernels of
   :mod:`freetoken.moe.triton_moe_packed`, which dequantize each weight tile in registers
   (two launches, float32 arithmetic, weights read once per route);
-* above (prefill): every expert of the layer is dequantized to BF16 into a scratch
-  (:class:`DequantScratch`, one layer's worth, shareable by all layers) with
-  :func:`freetoken.loading.dequant.dequantize`, then the BF16 kernels of
-  :func:`freetoken.moe.triton_moe.launch` run on it. Dequantizing all experts, not only the
-  routed ones, needs no host synchronisation (it can be captured) and costs little more
-  when many routes hit most experts; the scratch is rewritten on every such call.
+* above (prefill): the grouped kernels of :mod:`freetoken.moe.triton_moe_grouped` (routes
+  sorted by expert on the device, each expert's blocks read and dequantized in registers
+  once per block of its routes, BF16 tensor-core products); nothing is dequantized to
+  memory. ``large_batch="dequantize"`` keeps the earlier path instead: the layer's experts
+  dequantized to BF16 into a scratch (:class:`DequantScratch`, shareable by all layers, in
+  groups of ``dequant_group`` experts), then the BF16 kernels of
+  :func:`freetoken.moe.triton_moe.launch`.
 
 Capture safety as in GpuExperts: Triton compiles a kernel variant on its first launch,
 which must not happen during stream capture. Run :meth:`PackedGpuExperts.warmup` (or one
@@ -96,6 +97,7 @@ class PackedGpuExperts:
         self, gate: "RawTensor", up: "RawTensor", down: "RawTensor", device: Any, activation: str = "silu",
         config: Any = None, scratch: Optional[DequantScratch] = None, bf16_config: Any = None,
         on_device: Optional[tuple[Any, Any, Any]] = None, warm: bool = True, dequant_group: Optional[int] = None,
+        large_batch: str = "grouped",
     ) -> None:  # fmt: skip
         import torch
 
@@ -124,6 +126,11 @@ class PackedGpuExperts:
         self.scratch = scratch if scratch is not None else DequantScratch()
         #: experts dequantized at a time by the large-batch path (bounds the scratch)
         self.dequant_group = min(self.num_experts, dequant_group or self.num_experts)
+        if large_batch not in ("grouped", "dequantize"):
+            raise ValueError(f"large_batch={large_batch!r}: expected 'grouped' or 'dequantize'")
+        #: batches above ``config.max_routes`` routes: the grouped kernels over the blocks
+        #: (triton_moe_grouped), or the experts dequantized to BF16 in groups through the scratch
+        self.large_batch = large_batch
         self.capture_fallbacks = 0
         self._compiled: set[tuple[Any, ...]] = set()
         if warm:
@@ -159,15 +166,18 @@ class PackedGpuExperts:
         Returns ``[T, H]`` in ``x.dtype`` (written into ``out`` when given)."""
         import torch
 
-        from freetoken.moe import triton_moe, triton_moe_packed
+        from freetoken.moe import triton_moe, triton_moe_grouped, triton_moe_packed
 
         tokens, top_k = gpu_ids.shape
         x, ids, w = x.contiguous(), gpu_ids.contiguous(), w.contiguous()
         y, direct = float32_output(out, x, tokens, self.hidden, self.device)
         packed = tokens * top_k <= self.config.max_routes
         bf16_config = self.bf16_config or triton_moe.DEFAULT_CONFIG
+        grouped = not packed and self.large_batch == "grouped"
         if packed:
             key: tuple[Any, ...] = ("packed", *triton_moe_packed.variant_key(x, ids, w, y, self.config))
+        elif grouped:
+            key = triton_moe_grouped.variant_key(x, ids, w)
         else:
             key = ("bf16", *triton_moe.variant_key(x, ids, w, y, bf16_config))
         if key not in self._compiled and x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -184,6 +194,8 @@ class PackedGpuExperts:
         if packed:
             h = torch.empty(tokens, top_k, self.intermediate, dtype=torch.float32, device=self.device)
             triton_moe_packed.launch(x, ids, w, self.gate, self.up, self.down, y, h, self.activation, self.config)
+        elif grouped:
+            triton_moe_grouped.launch(x, ids, w, self.gate, self.up, self.down, y, self.activation)
         elif self.dequant_group >= self.num_experts:
             g, u, d = self._dequantized()
             h = torch.empty(tokens, top_k, self.intermediate, dtype=g.dtype, device=self.device)

@@ -65,8 +65,8 @@ RESERVE_BYTES = 1 << 30
 #: The KV cache the plan guarantees at least (tokens), when max_model_len is larger.
 MIN_KV_TOKENS = 4096
 
-#: The prefill of packed or streamed experts dequantizes a layer in this many groups of
-#: experts, one after another through one scratch (a quarter of a layer in BF16)
+#: Where packed experts are dequantized for a large batch (``large_batch="dequantize"``,
+#: not the default), a layer in this many groups of experts through one scratch
 DEQUANT_GROUPS = 4
 
 
@@ -169,14 +169,15 @@ class GpuModelSession(ModelSession):
         kv_min = kv_tokens * shape.kv_bytes_per_token
         reserve = RESERVE_BYTES if budget is not None else 0
         cache = o.moe.cache_bytes or (int(o.moe.cache_fraction * budget) if budget else 0)
-        # the prefill of packed (or streamed) experts dequantizes one layer at a time; streaming
-        # double-buffers one layer's bytes. `auto` streams when the file's expert formats are
+        # the prefill of packed (or streamed) experts runs the grouped kernels, which read the
+        # blocks where they are (their temporaries, ~70 MB per 1024 tokens, fit the reserve):
+        # no dequantization scratch; streaming double-buffers one layer's bytes. `auto` streams when the file's expert formats are
         # known to be computable as stored (GGUF blocks the packed kernels read), or when
         # there is no budget to protect; an HF checkpoint on a planned GPU needs `on`.
         mode = o.moe.stream_prefill
         streams = n > 0 and (mode == "on" or (mode == "auto" and (len(packed) == n or budget is None)))
         self.dequant_group = -(-shape.num_experts // DEQUANT_GROUPS)
-        scratch = dequantized * self.dequant_group // max(shape.num_experts, 1) if (packed or streams) and n else 0
+        scratch = 0
         buffers = 2 * max(per_layer.values() if shape.expert_file_bytes is None else
                           shape.expert_file_bytes.values()) if streams else 0
         dense = self._dense_form(shape, budget, reserve + kv_min + cache + scratch + buffers, per_layer)
