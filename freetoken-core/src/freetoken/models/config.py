@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,3 +63,54 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+def hf_config_fields(cfg: dict[str, Any], eos_token_ids: tuple[int, ...], *, rms_norm_eps: float = 1e-6,
+                     max_positions: int = 4096) -> dict[str, Any]:  # fmt: skip
+    """The :class:`ModelConfig` fields every family reads alike from an HF ``config.json``:
+    vocabulary, hidden size, layers, heads (``head_dim`` defaults to hidden / heads), norm
+    epsilon, context length, tied embeddings, bos and the given eos ids. A family adds its
+    own fields (and overrides any of these) when it builds its config."""
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    return dict(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", rms_norm_eps)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", max_positions)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_token_ids,
+    )
+
+
+def gguf_config_fields(meta: dict[str, Any], a: str, has_output: bool, *, rms_norm_eps: float = 1e-6,
+                       rope_theta: float = 10000.0, max_positions: int = 4096) -> dict[str, Any]:  # fmt: skip
+    """The :class:`ModelConfig` fields every family reads alike from GGUF metadata (keys
+    under the architecture ``a``, as llama.cpp's converter writes them): vocabulary (-1
+    when absent: the loader takes it from ``token_embd``), hidden size, ``block_count``
+    layers, heads (``head_dim`` from ``attention.key_length``, else hidden / heads), norm
+    epsilon, RoPE base, context length, tied embeddings (no ``output`` tensor), bos/eos."""
+    from freetoken.loading.gguf import gguf_float, gguf_int
+
+    hidden = gguf_int(meta, f"{a}.embedding_length")
+    heads = gguf_int(meta, f"{a}.attention.head_count")
+    vocab = meta.get(f"{a}.vocab_size")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return dict(
+        vocab_size=int(vocab) if vocab is not None else -1,
+        hidden_size=hidden,
+        num_layers=gguf_int(meta, f"{a}.block_count"),
+        num_heads=heads,
+        num_kv_heads=gguf_int(meta, f"{a}.attention.head_count_kv", heads),
+        head_dim=gguf_int(meta, f"{a}.attention.key_length", hidden // heads),
+        rms_norm_eps=gguf_float(meta, f"{a}.attention.layer_norm_rms_epsilon", rms_norm_eps),
+        rope_theta=gguf_float(meta, f"{a}.rope.freq_base", rope_theta),
+        max_position_embeddings=gguf_int(meta, f"{a}.context_length", max_positions),
+        tie_word_embeddings=not has_output,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )

@@ -31,7 +31,7 @@ from freetoken.handoff import Fmt
 from freetoken.loading.dequant import MXFP4_KVALUES, mxfp4_ggml_from_hf
 from freetoken.loading.hf import CheckpointError
 from freetoken.loading.tensors import RawTensor, fmt_name
-from freetoken.models.config import ModelConfig
+from freetoken.models.config import ModelConfig, gguf_config_fields, hf_config_fields
 from freetoken.models.moe_decoder import BIAS_FINE, BIAS_ONES, BIAS_PAD, Arch, MoeDecoderModel, Names, hf_eos_ids
 from freetoken.models.rope import RopeScaling, scaling_from_hf
 from freetoken.moe.layer import ExpertWeights
@@ -71,27 +71,15 @@ def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, An
     if unknown:
         raise CheckpointError(f"GPT-OSS layer_types {unknown} are not supported (sliding_attention, full_attention)")
     window = int(cfg.get("sliding_window") or 0)
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
     return GptOssConfig(
         architecture=ARCHITECTURE,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        **hf_config_fields(cfg, hf_eos_ids(cfg, generation_config), rms_norm_eps=1e-5, max_positions=131072),
         intermediate_size=0,
         moe_intermediate_size=int(cfg["intermediate_size"]),
         num_experts=int(cfg["num_local_experts"]),
         top_k=int(cfg.get("num_experts_per_tok") or cfg["experts_per_token"]),
         norm_topk_prob=True,  # softmax over the top-k logits
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         rope_theta=theta,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=hf_eos_ids(cfg, generation_config),
         windows=tuple(window if t == "sliding_attention" and window else None for t in types),
         rope_scaling=scaling,
         attention_bias=bool(cfg.get("attention_bias", True)),
@@ -102,8 +90,6 @@ def config_from_gguf(meta: dict[str, Any], has_output: bool) -> GptOssConfig:
     from freetoken.loading.gguf import gguf_float, gguf_int
 
     a = meta.get("general.architecture", "gpt-oss")
-    hidden = gguf_int(meta, f"{a}.embedding_length")
-    heads = gguf_int(meta, f"{a}.attention.head_count")
     layers = gguf_int(meta, f"{a}.block_count")
     window = gguf_int(meta, f"{a}.attention.sliding_window", 0)
     kind = meta.get(f"{a}.rope.scaling.type", "none")
@@ -115,27 +101,14 @@ def config_from_gguf(meta: dict[str, Any], has_output: bool) -> GptOssConfig:
         scaling = RopeScaling()
     else:
         raise CheckpointError(f"{a}: RoPE scaling {kind!r} is not supported (yarn or none)")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    vocab = meta.get(f"{a}.vocab_size")
     return GptOssConfig(
         architecture=ARCHITECTURE,
-        vocab_size=int(vocab) if vocab is not None else -1,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=gguf_int(meta, f"{a}.attention.head_count_kv", heads),
-        head_dim=gguf_int(meta, f"{a}.attention.key_length", hidden // heads),
+        **gguf_config_fields(meta, a, has_output, rms_norm_eps=1e-5, rope_theta=150000.0, max_positions=131072),
         intermediate_size=0,
         moe_intermediate_size=gguf_int(meta, f"{a}.expert_feed_forward_length"),
         num_experts=gguf_int(meta, f"{a}.expert_count"),
         top_k=gguf_int(meta, f"{a}.expert_used_count"),
         norm_topk_prob=True,
-        rms_norm_eps=gguf_float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=gguf_float(meta, f"{a}.rope.freq_base", 150000.0),
-        max_position_embeddings=gguf_int(meta, f"{a}.context_length", 131072),
-        tie_word_embeddings=not has_output,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
         windows=tuple(window if i % 2 == 0 and window else None for i in range(layers)),
         rope_scaling=scaling,
     )

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Optional
 
 from freetoken.loading.hf import CheckpointError
-from freetoken.models.config import ModelConfig
+from freetoken.models.config import ModelConfig, gguf_config_fields, hf_config_fields
 from freetoken.models.moe_decoder import Arch, MoeDecoderModel, Names, hf_eos_ids, swiglu_experts
 from freetoken.models.rope import scaling_from_hf
 
@@ -48,34 +48,22 @@ def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, An
     theta, scaling = scaling_from_hf(cfg)
     if scaling.kind != "default":
         raise CheckpointError(f"Mixtral with RoPE scaling {scaling.kind!r} is not supported (default RoPE only)")
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
     window = cfg.get("sliding_window")
     return MixtralConfig(
         architecture=ARCHITECTURE,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        **hf_config_fields(cfg, hf_eos_ids(cfg, generation_config), rms_norm_eps=1e-5),
         intermediate_size=0,
         moe_intermediate_size=int(cfg["intermediate_size"]),
         num_experts=int(cfg["num_local_experts"]),
         top_k=int(cfg["num_experts_per_tok"]),
         norm_topk_prob=True,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         rope_theta=theta,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=hf_eos_ids(cfg, generation_config),
         sliding_window=int(window) if window else None,
     )
 
 
 def config_from_gguf(meta: dict[str, Any], has_output: bool) -> MixtralConfig:
-    from freetoken.loading.gguf import gguf_float, gguf_int
+    from freetoken.loading.gguf import gguf_int
 
     a = meta.get("general.architecture", "llama")
     experts = int(meta.get(f"{a}.expert_count", 0) or 0)
@@ -86,31 +74,18 @@ def config_from_gguf(meta: dict[str, Any], has_output: bool) -> MixtralConfig:
     if meta.get(f"{a}.rope.scaling.type", "none") not in ("none", "linear") or \
             float(meta.get(f"{a}.rope.scaling.factor", 1.0) or 1.0) != 1.0:
         raise CheckpointError(f"{a}: RoPE scaling {meta.get(f'{a}.rope.scaling.type')!r} is not supported")
-    hidden = gguf_int(meta, f"{a}.embedding_length")
-    heads = gguf_int(meta, f"{a}.attention.head_count")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    vocab = meta.get(f"{a}.vocab_size")
-    head_dim = gguf_int(meta, f"{a}.rope.dimension_count", hidden // heads)
+    fields = gguf_config_fields(meta, a, has_output, rms_norm_eps=1e-5)
+    rope_dim = gguf_int(meta, f"{a}.rope.dimension_count", fields["hidden_size"] // fields["num_heads"])
+    fields["head_dim"] = gguf_int(meta, f"{a}.attention.key_length", rope_dim)
     return MixtralConfig(
         architecture=ARCHITECTURE,
-        vocab_size=int(vocab) if vocab is not None else -1,
-        hidden_size=hidden,
-        num_layers=gguf_int(meta, f"{a}.block_count"),
-        num_heads=heads,
-        num_kv_heads=gguf_int(meta, f"{a}.attention.head_count_kv", heads),
-        head_dim=gguf_int(meta, f"{a}.attention.key_length", head_dim),
+        **fields,
         intermediate_size=0,
         moe_intermediate_size=gguf_int(meta, f"{a}.expert_feed_forward_length", None)
         if f"{a}.expert_feed_forward_length" in meta else gguf_int(meta, f"{a}.feed_forward_length"),
         num_experts=experts,
         top_k=gguf_int(meta, f"{a}.expert_used_count"),
         norm_topk_prob=True,
-        rms_norm_eps=gguf_float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=gguf_float(meta, f"{a}.rope.freq_base", 10000.0),
-        max_position_embeddings=gguf_int(meta, f"{a}.context_length", 4096),
-        tie_word_embeddings=not has_output,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from freetoken.loading.hf import CheckpointError
+from freetoken.models.config import gguf_config_fields, hf_config_fields
 from freetoken.models.qwen_hybrid import FULL, GGUF_NAMES, HF_NAMES, LINEAR, HybridConfig, QwenHybridModel, eos_ids
 from freetoken.models.qwen_hybrid import finish_config
 
@@ -59,10 +60,8 @@ def check_common(cfg: dict[str, Any], family: str) -> dict[str, Any]:
 def hybrid_config(architecture: str, cfg: dict[str, Any], gen: Optional[dict[str, Any]], family: str,
                   **extra: Any) -> HybridConfig:  # fmt: skip
     rope = check_common(cfg, family)
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    n = int(cfg["num_hidden_layers"])
+    fields = hf_config_fields(cfg, eos_ids(gen or {}, cfg))
+    head_dim, n = fields["head_dim"], fields["num_layers"]
     types = cfg.get("layer_types")
     if types is None:
         interval = int(cfg.get("full_attention_interval", 4))
@@ -70,22 +69,12 @@ def hybrid_config(architecture: str, cfg: dict[str, Any], gen: Optional[dict[str
     factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     c = HybridConfig(
         architecture=architecture,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=n,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-        head_dim=head_dim,
+        **fields,
         intermediate_size=int(cfg.get("intermediate_size", 0) or 0),
         moe_intermediate_size=int(cfg["moe_intermediate_size"]),
         num_experts=int(cfg["num_experts"]),
         top_k=int(cfg["num_experts_per_tok"]),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids(gen or {}, cfg),
         layer_types=tuple(types),
         linear_key_heads=int(cfg["linear_num_key_heads"]),
         linear_value_heads=int(cfg["linear_num_value_heads"]),
@@ -106,14 +95,13 @@ def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, An
 
 def gguf_hybrid_config(architecture: str, meta: dict[str, Any], has_output: bool, **extra: Any) -> HybridConfig:
     """The hyper-parameters llama.cpp's converter writes for ``qwen3next``/``qwen35moe``."""
-    from freetoken.loading.gguf import gguf_float, gguf_int
+    from freetoken.loading.gguf import gguf_int
 
-    a = meta.get("general.architecture")
-    hidden = gguf_int(meta, f"{a}.embedding_length")
-    heads = gguf_int(meta, f"{a}.attention.head_count")
-    head_dim = gguf_int(meta, f"{a}.attention.key_length", hidden // heads)
+    a = str(meta.get("general.architecture"))
+    fields = gguf_config_fields(meta, a, has_output)
+    head_dim = fields["head_dim"]
     # multi-token-prediction layers are appended to block_count; they are not run
-    n = gguf_int(meta, f"{a}.block_count") - gguf_int(meta, f"{a}.nextn_predict_layers", 0)
+    n = fields["num_layers"] = fields["num_layers"] - gguf_int(meta, f"{a}.nextn_predict_layers", 0)
     recurrent = meta.get(f"{a}.attention.recurrent_layers")
     if recurrent is not None:
         types = tuple(LINEAR if bool(r) else FULL for r in list(recurrent)[:n])
@@ -121,26 +109,13 @@ def gguf_hybrid_config(architecture: str, meta: dict[str, Any], has_output: bool
         interval = gguf_int(meta, f"{a}.full_attention_interval", 4)
         types = tuple(LINEAR if (i + 1) % interval else FULL for i in range(n))
     v_heads = gguf_int(meta, f"{a}.ssm.time_step_rank")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    vocab = meta.get(f"{a}.vocab_size")
     c = HybridConfig(
         architecture=architecture,
-        vocab_size=int(vocab) if vocab is not None else -1,  # filled from token_embd by the loader
-        hidden_size=hidden,
-        num_layers=n,
-        num_heads=heads,
-        num_kv_heads=gguf_int(meta, f"{a}.attention.head_count_kv", heads),
-        head_dim=head_dim,
+        **fields,
         intermediate_size=gguf_int(meta, f"{a}.feed_forward_length", 0),
         moe_intermediate_size=gguf_int(meta, f"{a}.expert_feed_forward_length"),
         num_experts=gguf_int(meta, f"{a}.expert_count"),
         top_k=gguf_int(meta, f"{a}.expert_used_count"),
-        rms_norm_eps=gguf_float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=gguf_float(meta, f"{a}.rope.freq_base", 10000.0),
-        max_position_embeddings=gguf_int(meta, f"{a}.context_length", 4096),
-        tie_word_embeddings=not has_output,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
         layer_types=types,
         linear_key_heads=gguf_int(meta, f"{a}.ssm.group_count"),
         linear_value_heads=v_heads,

@@ -72,6 +72,8 @@ def random_weights(cm: Any, fmt: str, E: int, rows: int, cols: int, rng: np.rand
     elif fmt == "fp8_e4m3_b128":
         raw &= 0xBF
         scale = rng.uniform(1e-3, 2e-3, size=(E, -(-rows // 128), -(-cols // 128))).astype(np.float32)
+    elif fmt == "mxfp4":
+        raw.reshape(-1, info.block_bytes)[:, 0] = 120  # E8M0 exponents: values up to 12 * 2^-8
     else:
         blocks = raw.reshape(-1, info.block_bytes)
         fields = {"q8_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}[fmt]
