@@ -95,6 +95,27 @@ def test_streamed_prefill_equals_cpu_backend():
     assert stream["profile"]["pcie_gb_s"] > 0 and stream["profile"]["source"] == "measured"
 
 
+@pytest.mark.parametrize("experts", ["routed", "all"])
+def test_streamed_experts_routed_or_all(experts):
+    """``routed`` copies exactly the experts each streamed chunk routes to (counted from the
+    router's own outputs), ``all`` whole layers; both give the cpu backend's tokens."""
+    want, _, _, _, _ = _run("cpu")
+    got, info, steps, routes, _ = _run("fakegpu", record_routes=True, moe_cpu_layers="all", moe_stream_prefill="on",
+                                       moe_stream_experts=experts)
+    assert got == want
+    stream = info["prefill_stream"]
+    assert stream["experts"] == experts
+    prefill_calls = [i for i, (decode, _) in enumerate(steps) if not decode]
+    assert prefill_calls and stream["streamed_layers"] == len(prefill_calls) * len(routes)
+    num_experts = 16  # the demo model
+    if experts == "routed":
+        used = sum(len(np.unique(calls[i][calls[i] >= 0])) for calls in routes.values() for i in prefill_calls)
+        assert 0 < used < num_experts * stream["streamed_layers"]
+        assert stream["streamed_bytes"] == used * EXPERT_BYTES
+    else:
+        assert stream["streamed_bytes"] == stream["streamed_layers"] * num_experts * EXPERT_BYTES
+
+
 def test_threshold_given_and_measured():
     _, info, _, _, _ = _run("fakegpu", moe_cpu_layers="all", moe_stream_min_tokens=1000)
     assert info["prefill_stream"]["min_tokens"] == 1000 and info["prefill_stream"]["streamed_layers"] == 0

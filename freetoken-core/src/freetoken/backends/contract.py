@@ -360,7 +360,9 @@ class MoEOptions:
     experts per layer and step copied into the cache for later steps.
     ``stream_prefill``: ``auto`` (prefill chunks of at least ``stream_min_tokens`` tokens
     compute the CPU layers' experts on the GPU, their bytes streamed over PCIe; None: the
-    threshold from a measured profile), ``on``, ``off``. ``lock_host``: register (page-lock)
+    threshold from a measured profile), ``on``, ``off``; ``stream_experts``: ``routed`` copies
+    only the experts the chunk routes to, once its router has run, ``all`` every expert of
+    the layer, the next layer's copy overlapping this one's compute. ``lock_host``: register (page-lock)
     the host expert banks with the driver (``auto``: when streaming or fetching uses them).
     ``locked_fetch``: share of a decode step's missed routes that the GPU computes from the
     page-locked banks in the same step (at most ``locked_max_fetch`` per layer; 0: off).
@@ -373,6 +375,7 @@ class MoEOptions:
     hybrid_max_fetch: int = 0
     stream_prefill: str = "auto"
     stream_min_tokens: Optional[int] = None
+    stream_experts: str = "routed"
     lock_host: str = "auto"
     locked_fetch: float = 0.0
     locked_max_fetch: int = 2

@@ -256,6 +256,11 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option("moe_stream_min_tokens", "--moe-stream-min-tokens",
             "smallest prefill chunk that streams experts to the GPU with --moe-stream-prefill auto "
             "(default: {default})", positive_int, "N"),
+    _Option("moe_stream_experts", "--moe-stream-experts",
+            "which experts a streamed prefill chunk copies to the GPU: routed (those its tokens route to, once "
+            "the layer's router has run, copied and computed in overlapping parts) or all (the whole layer, "
+            "the next layer's copy behind this one's compute) (default: {default})",
+            choice("routed", "all"), "MODE"),
     _Option("moe_lock_host", "--moe-lock-host",
             "page-lock the host expert banks and register them with the GPU driver, for copies at full PCIe "
             "speed: auto (when streaming or fetching uses them), on, off (default: {default})",

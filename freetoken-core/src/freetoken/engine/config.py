@@ -49,6 +49,7 @@ class EngineConfig:
     moe_hybrid_max_fetch: int = 0
     moe_stream_prefill: str = "auto"
     moe_stream_min_tokens: Optional[int] = None
+    moe_stream_experts: str = "routed"
     moe_lock_host: str = "auto"
     moe_locked_fetch: float = 0.0
     moe_locked_max_fetch: int = 2
@@ -69,7 +70,8 @@ class EngineConfig:
                 cache_bytes=int(self.moe_cache_size) if self.moe_cache_size >= 1 else 0,
                 cache_fraction=self.moe_cache_size if self.moe_cache_size < 1 else 0.0,
                 hybrid_max_fetch=self.moe_hybrid_max_fetch, stream_prefill=self.moe_stream_prefill,
-                stream_min_tokens=self.moe_stream_min_tokens, lock_host=self.moe_lock_host,
+                stream_min_tokens=self.moe_stream_min_tokens, stream_experts=self.moe_stream_experts,
+                lock_host=self.moe_lock_host,
                 locked_fetch=self.moe_locked_fetch, locked_max_fetch=self.moe_locked_max_fetch,
                 collect_stats=self.moe_collect_stats, stats_interval_s=self.moe_stats_interval,
             ),
@@ -99,6 +101,7 @@ class EngineConfig:
         for name, value, allowed in (("gpu_dense", self.gpu_dense, ("auto", "packed", "dequantized")),
                                      ("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
                                      ("moe_stream_prefill", self.moe_stream_prefill, ("auto", "on", "off")),
+                                     ("moe_stream_experts", self.moe_stream_experts, ("routed", "all")),
                                      ("moe_lock_host", self.moe_lock_host, ("auto", "on", "off"))):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")

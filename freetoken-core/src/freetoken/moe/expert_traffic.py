@@ -115,7 +115,7 @@ class ExpertTraffic:
         if stream:
             self.streamer = PrefillStreamer(cpu_layers, self.device, self.act_dtype, self.activation, self.packed_ok,
                                             self.scratch, self.copies, o.stream_prefill,  # type: ignore[arg-type]
-                                            o.stream_min_tokens, self.dequant_group)
+                                            o.stream_min_tokens, self.dequant_group, o.stream_experts)
             first = self.streamer.order[0]
             self.profile = measure_threshold(self.streamer, cpu, banks[first], self.top_k, o.stream_min_tokens)
             log.info("long prompts: prefill chunks of %s tokens stream the CPU layers' experts to the GPU "
@@ -173,10 +173,7 @@ class ExpertTraffic:
                 self.route_log.record(layer, ids)
             st = self.streamer
             if self._streaming and st is not None and layer in st.layers:
-                experts = st.experts(layer)
-                out = experts.forward(x, ids, w)
-                st.release(layer)
-                return out
+                return st.forward(layer, x, ids, w)
             return fn()(x, ids, w)
 
         return experts_fn
@@ -194,7 +191,7 @@ class ExpertTraffic:
         st = self.streamer
         self._streaming = st is not None and st.wants(tokens, decode)
         if self._streaming:
-            st.prefetch(st.order[0])  # type: ignore[union-attr]
+            st.start_step()  # type: ignore[union-attr]
         if self.stats is not None and st is not None:
             self.stats.streamed_bytes = st.streamed_bytes
 
@@ -234,7 +231,8 @@ class ExpertTraffic:
         if self.cache is not None:
             out["expert_cache"] = self.cache.describe()
         if self.streamer is not None:
-            out["prefill_stream"] = {"mode": self.options.stream_prefill, "min_tokens": self.streamer.min_tokens,
+            out["prefill_stream"] = {"mode": self.options.stream_prefill, "experts": self.options.stream_experts,
+                                     "min_tokens": self.streamer.min_tokens,
                                      "profile": self.profile.as_dict() if self.profile else None,
                                      "streamed_layers": self.streamer.streamed_layers,
                                      "streamed_bytes": self.streamer.streamed_bytes,

@@ -1,12 +1,20 @@
 """Long prompts through the GPU: the CPU layers' experts streamed over PCIe.
 
-A prefill chunk of many tokens touches nearly every expert of a layer, many times: the CPU
-workers need ``T * K`` expert passes, while the GPU needs the layer's bytes once (PCIe) and
-computes the chunk as grouped GEMMs in a fraction of that time. :class:`PrefillStreamer`
-keeps two device buffers of one layer's experts each: while layer ``l`` computes from one,
-layer ``l + 1``'s bytes are copied into the other (the :class:`CopyQueue`'s side stream,
-ordered after the compute that last read that buffer), so the copies run back to back and
-the compute hides behind them.
+A prefill chunk of many tokens touches most experts of a layer, many times: the CPU
+workers need ``T * K`` expert passes, while the GPU needs the routed experts' bytes once
+(PCIe) and computes the chunk as grouped GEMMs in a fraction of that time.
+:class:`PrefillStreamer` keeps two device buffers of one layer's experts each, the experts
+at their offsets in the checkpoint's stacks, and copies on the :class:`CopyQueue`'s side
+stream, ordered after the compute that last read the buffer. Two ways to fill them
+(``experts``):
+
+* ``routed`` (default): once the layer's router has run, the set of experts the chunk
+  routes to is read back and only those are copied (runs of consecutive experts, one copy
+  each), in :data:`ROUTED_PARTS` parts: the compute of part ``p`` (its routes only)
+  overlaps the copy of part ``p + 1``. Experts no token routes to cost nothing, which
+  matters for chunks of a few hundred tokens and for models whose routing is uneven.
+* ``all``: every expert of the layer, layer ``l + 1``'s copy issued while layer ``l``
+  computes, so the copies run back to back and the compute hides behind them.
 
 The buffers hold the checkpoint's bytes: GGUF block formats the packed kernels read
 (computed by :class:`~freetoken.moe.gpu_packed_experts.PackedGpuExperts`' large-batch
@@ -26,12 +34,16 @@ import math
 import time
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from freetoken.moe.copy_queue import CopyQueue, CopyTicket
 from freetoken.moe.gpu_packed_experts import PACKED_FORMATS, DequantScratch
 
 log = logging.getLogger(__name__)
+
+#: parts a routed layer's copy is split into, each computed once it has arrived
+ROUTED_PARTS = 4
 
 _FLOAT_FMTS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # ggml F32, F16, BF16
 
@@ -60,8 +72,10 @@ class PrefillStreamer:
     def __init__(
         self, layers: dict[int, Any], device: Any, act_dtype: torch.dtype, activation: str, packed_ok: bool,
         scratch: DequantScratch, copies: CopyQueue, mode: str = "auto", min_tokens: Optional[int] = None,
-        dequant_group: Optional[int] = None,
+        dequant_group: Optional[int] = None, experts: str = "routed",
     ) -> None:  # fmt: skip
+        if experts not in ("routed", "all"):
+            raise ValueError(f"streamed experts {experts!r}: expected 'routed' or 'all'")
         self.layers = dict(sorted(layers.items()))
         self.order = list(self.layers)
         self.position = {layer: i for i, layer in enumerate(self.order)}
@@ -74,6 +88,7 @@ class PrefillStreamer:
         self.mode = mode
         self.min_tokens = min_tokens
         self.dequant_group = dequant_group
+        self.routed = experts == "routed"
         self.profile: Optional[StreamProfile] = None
         size = max(e.nbytes for e in self.layers.values())
         self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
@@ -106,6 +121,67 @@ class PrefillStreamer:
             n = src.numel()
             pairs.append((buf[off:off + n], src))
             off += n
+        return pairs
+
+    def start_step(self) -> None:
+        """A streaming step begins: with ``all``, the first CPU layer's copy starts now."""
+        if not self.routed:
+            self.prefetch(self.order[0])
+
+    def forward(self, layer: int, x: Any, ids: Any, w: Any) -> Any:
+        """The layer's routed experts for a streamed chunk (``x.dtype``)."""
+        if self.routed:
+            return self._forward_routed(layer, x, ids, w)
+        out = self.experts(layer).forward(x, ids, w)
+        self.release(layer)
+        return out
+
+    def _forward_routed(self, layer: int, x: Any, ids: Any, w: Any) -> Any:
+        e = self.layers[layer]
+        E = e.num_experts
+        flat = ids.reshape(-1).long()
+        counts = torch.zeros(E, dtype=torch.int32, device=ids.device)
+        counts.index_add_(0, flat.clamp(min=0), (flat >= 0).to(torch.int32))
+        used = np.flatnonzero(counts.cpu().numpy())  # waits for this layer's router
+        b = self._slot(layer)
+        buf = self.buffers[b]
+        y = torch.zeros(x.shape[0], e.hidden, dtype=torch.float32, device=self.device)
+        if used.size == 0:
+            return y.to(x.dtype)
+        parts = np.array_split(used, min(ROUTED_PARTS, used.size))
+        part_of = np.full(E, -1, dtype=np.int32)
+        tickets = []
+        after = self._released[b]
+        for p, experts in enumerate(parts):
+            part_of[experts] = p
+            tickets.append(self.copies.submit(self._ranges(layer, buf, experts), after=after))
+            after = None
+        part_of_dev = torch.from_numpy(part_of).to(self.device)
+        view = self._compute_view(layer, buf)
+        part_ids = part_of_dev[ids.clamp(min=0).long()]
+        minus = torch.full_like(ids, -1)
+        scratch = torch.empty_like(y) if len(parts) > 1 else None
+        for p, ticket in enumerate(tickets):
+            ticket.order_before()
+            ids_p = torch.where((part_ids == p) & (ids >= 0), ids, minus)
+            view.forward(x, ids_p, w, out=scratch if p else y)
+            if p:
+                y.add_(scratch)
+            self.streamed_bytes += ticket.nbytes
+        self.streamed_layers += 1
+        self._released[b] = self.copies.compute_event()
+        return y.to(x.dtype)
+
+    def _ranges(self, layer: int, buf: torch.Tensor, experts: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device view, host bytes) pairs copying ``experts`` (sorted ids) of each stack:
+        one pair per run of consecutive experts."""
+        e = self.layers[layer]
+        starts = np.flatnonzero(np.diff(experts, prepend=-2) != 1)
+        runs = [(int(experts[a]), int(experts[z - 1]) + 1) for a, z in zip(starts, list(starts[1:]) + [experts.size])]
+        pairs = []
+        for dst, src in self._parts(layer, buf):
+            per = src.numel() // e.num_experts
+            pairs += [(dst[a * per:z * per], src[a * per:z * per]) for a, z in runs]
         return pairs
 
     def prefetch(self, layer: int) -> None:
