@@ -163,10 +163,10 @@ report = {}
 cfg = plt.DEFAULT_CONFIG
 for fmt in (12, 13, 14, 8):
     per, nb, g = tp.FORMATS[fmt]
-    for bt in (1, 8):
+    for bt in (1, 2, 8):
         sig = {"x_ptr": "*bf16", "w_u8": "*u8", "w_i8": "*i8", "w_f16": "*fp16", "y_ptr": "*bf16", "T": "i32"}
-        consts = dict(N=5120, K=2048, FMT=fmt, RB=2048 // per * nb, G=g, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      BLOCK_T=bt)
+        consts = dict(N=5120, K=2048, FMT=fmt, RB=2048 // per * nb, G=g, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.step_columns(bt, 2048), BLOCK_T=bt)
         sig.update({k: "constexpr" for k in consts})
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
         k = triton.compile(ASTSource(plt._packed_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -191,7 +191,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 12 and all(report.values()), report
+    assert len(report) == 16 and all(report.values()), report
 
 
 # --------------------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def test_gpu_engine_packed_equals_dequantized_bf16(backend, tiny_gguf, placement
             runs[form] = run_greedy(eng, prompts, max_tokens=32)
         finally:
             eng.close()
-    compared = check_logits(runs["packed"], runs["dequantized"], tol=3e-2)
+    compared = check_logits(runs["packed"], runs["dequantized"], tol=5e-2)
     same = sum(a == b for (a, _), (b, _) in zip(runs["packed"], runs["dequantized"]))
     print(f"packed vs dequantized ({placement}): {same}/{len(prompts)} prompts' 32 tokens equal, "
           f"{compared} positions compared")

@@ -7,7 +7,7 @@ is read through the block decoding of :mod:`freetoken.moe.triton_moe_packed`
 gguf-py's bit for bit, products and sums are float32.
 
 * :func:`gemv` -- decode (few tokens): ``y [T, N] = x [T, K] @ W.T``, one program per
-  ``block_n`` output rows and ``block_t`` tokens. Each program reads its rows' blocks
+  ``block_n`` output rows and up to ``block_t`` tokens. Each program reads its rows' blocks
   once per token tile, dequantizes them in registers (scales and mins once per group of
   32 or 16 values, broadcast over the group's codes) and multiplies them with the tokens
   in float32; the output is stored in ``y``'s dtype (the activation dtype). No host
@@ -62,8 +62,11 @@ class PackedLinearConfig:
     """Tile sizes of the packed GEMV and the batch sizes it serves."""
 
     block_n: int = 4  # output rows per program
-    block_k: int = 512  # input columns per step (a multiple of the 32 or 16 values sharing a scale)
-    block_t: int = 1  # tokens per program (the weights are read once per token tile)
+    #: input columns per step for one token (a multiple of the 32 or 16 values sharing a
+    #: scale); a tile of t tokens steps over block_k / t columns (at least 32), so a
+    #: program's registers hold block_n x block_k products whatever the token tile
+    block_k: int = 512
+    block_t: int = 8  # most tokens per program (the weights are read once per token tile)
     num_warps: int = 4
     num_stages: int = 2
     #: batches of at most this many tokens run the GEMV; larger ones are dequantized into
@@ -83,6 +86,10 @@ class PackedLinearConfig:
     def tokens_per_program(self, tokens: int) -> int:
         """The token tile of a batch of ``tokens``: ``block_t``, or fewer for a smaller batch."""
         return min(self.block_t, triton.next_power_of_2(max(tokens, 1)))
+
+    def step_columns(self, tokens_per_program: int, cols: int) -> int:
+        """Input columns per step of a program with ``tokens_per_program`` tokens."""
+        return min(max(32, self.block_k // tokens_per_program), triton.next_power_of_2(cols))
 
 
 DEFAULT_CONFIG = PackedLinearConfig()
@@ -192,7 +199,7 @@ def gemv(x: Any, w: PackedMatrix, y: Any, config: PackedLinearConfig = DEFAULT_C
     st = w.stack
     _packed_gemv_kernel[(triton.cdiv(w.rows, config.block_n), triton.cdiv(tokens, bt))](
         x, *st.views(), y, tokens, N=w.rows, K=w.cols, FMT=st.fmt, RB=st.row_bytes, G=st.group,
-        BLOCK_N=config.block_n, BLOCK_K=min(config.block_k, triton.next_power_of_2(w.cols)), BLOCK_T=bt,
+        BLOCK_N=config.block_n, BLOCK_K=config.step_columns(bt, w.cols), BLOCK_T=bt,
         **triton_target.for_device(x.device).launch_options(config.num_warps, config.num_stages),
     )  # fmt: skip
     return y
