@@ -12,6 +12,10 @@
 namespace py = pybind11;
 using ft::Pool;
 
+namespace ft {
+void register_attention(py::module_& m);  // bindings_attention.cpp
+}
+
 namespace {
 
 const ft::KernelTable& kernels_for(const std::string& isa) {
@@ -89,6 +93,8 @@ PYBIND11_MODULE(_core, m) {
             ft::run_task((const ft_task_desc*)(uintptr_t)desc, *pool, k);
         },
         py::arg("desc"), py::arg("pool"), py::arg("isa") = "");
+
+    ft::register_attention(m);
 
     m.def(
         "validate_bank", [](uint64_t bank) { ft::validate_bank(*(const ft_expert_bank*)(uintptr_t)bank); },

@@ -192,6 +192,9 @@ class CpuModelSession(ModelSession):
     def __init__(self, options: EngineOptions) -> None:
         import torch
 
+        from freetoken.models.dense_ops import use_dense_ops
+        from freetoken_cpu_moe.attention import ATTENTION_ENV, CpuAttention
+        from freetoken_cpu_moe.decode_ops import CPU_OPS
         from freetoken_cpu_moe.dense import CpuWeightPolicy
         from freetoken_cpu_moe.host_experts import HostExperts
         from freetoken_cpu_moe.pool import Pool, default_pool
@@ -210,14 +213,36 @@ class CpuModelSession(ModelSession):
         self._prefill_threads = prefill_torch_threads()
         self._threads = self._torch_threads_before
         self._decode_spin_us = pool.spin_us
+        # attention over the paged cache and the per-token ops between the matmuls: native
+        # calls (freetoken_cpu_moe.attention, freetoken_cpu_moe.decode_ops)
+        self.attention = CpuAttention(pool)
+        self._ops_before = use_dense_ops("cpu", CPU_OPS)
+        self._ops_installed = True
+        log.info("cpu backend: %d pool threads, attention %s (%s), dense ops %s", pool.num_threads,
+                 self.attention.mode, ATTENTION_ENV, CPU_OPS.name)
 
     def routed_experts(self, spec: MoELayerSpec) -> ExpertsFn:
+        import torch
+
+        from freetoken_cpu_moe import _core
+        from freetoken_cpu_moe.dense import ACT_FMT
+
         bank = self.host.bank(spec.experts, spec.activation)
         run = self.host.run
+        address, pool = bank.address, self.pool._core
 
         def experts(x: Any, ids: Any, w: Any) -> Any:
-            # IOPath.SYNCHRONOUS: the activations are host memory already
-            return run(bank, x, ids, w)
+            # IOPath.SYNCHRONOUS: the activations are host memory already. The router's own
+            # outputs (int32 ids, float32 weights, contiguous) go straight to the kernel.
+            fmt = ACT_FMT.get(x.dtype)
+            if (fmt is None or x.dim() != 2 or not x.is_contiguous() or ids.dtype != torch.int32
+                    or w.dtype != torch.float32 or not ids.is_contiguous() or not w.is_contiguous()
+                    or ids.shape != w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]):
+                return run(bank, x, ids, w)
+            y = torch.empty_like(x)
+            _core.moe_forward(address, x.data_ptr(), fmt, ids.data_ptr(), w.data_ptr(), y.data_ptr(), fmt,
+                              x.shape[0], ids.shape[1], False, pool, "")
+            return y
 
         experts.bank = bank  # type: ignore[attr-defined]  # keeps the bank alive with the function
         return experts
@@ -240,6 +265,7 @@ class CpuModelSession(ModelSession):
             torch.set_num_threads(want)
             self._threads = want
             self.pool.spin_us = self._decode_spin_us if want == 1 else 0.0
+        meta.kernel = self.attention.for_step(meta, int(input_ids.shape[0]))
         return self.model.forward(input_ids, positions, meta, self.kv_caches)
 
     def report(self) -> dict[str, Any]:
@@ -255,6 +281,11 @@ class CpuModelSession(ModelSession):
         }
 
     def close(self) -> None:
+        if self._ops_installed:
+            from freetoken.models.dense_ops import use_dense_ops
+
+            use_dense_ops("cpu", self._ops_before)
+            self._ops_installed = False
         self.pool.spin_us = self._decode_spin_us
         if self._threads != self._torch_threads_before:
             import torch

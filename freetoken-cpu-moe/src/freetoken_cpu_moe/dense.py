@@ -18,6 +18,7 @@ from freetoken.backends.contract import WeightPolicy
 from freetoken.handoff import Fmt
 from freetoken.loading.tensors import RawTensor
 from freetoken.models.layers import Embedding, TorchLinear
+from freetoken_cpu_moe import _core
 from freetoken_cpu_moe.ops import linear as _linear
 from freetoken_cpu_moe.pool import Pool, default_pool
 from freetoken_cpu_moe.weights import Weights
@@ -33,6 +34,10 @@ FORMAT_NAMES = {
     int(Fmt.Q6_K): "q6_k",
     int(Fmt.MXFP4): "mxfp4",
 }
+
+
+#: FT_FMT_* of the activation dtypes the kernels take
+ACT_FMT = {torch.float32: int(Fmt.F32), torch.bfloat16: int(Fmt.BF16), torch.float16: int(Fmt.F16)}
 
 
 def weights_of(raw: RawTensor, num_experts: int, rows: int, cols: int) -> Weights:
@@ -58,9 +63,20 @@ class PackedLinear:
         self.weights = weights_of(raw, 1, rows, cols)
         self._pool = pool
         self._out_dtype = out_dtype
+        self._address = self.weights.address
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(self.weights, x, self._out_dtype or x.dtype, self._pool)
+        # the engine's activations (2-D, contiguous, a kernel dtype) go straight to the kernel:
+        # a decode step makes ~4 of these calls per layer, the checks of ops.linear cost more
+        # than the call itself
+        out_dtype = self._out_dtype or x.dtype
+        fmt, out_fmt = ACT_FMT.get(x.dtype), ACT_FMT.get(out_dtype)
+        if (fmt is None or out_fmt is None or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu"
+                or x.shape[1] != self.in_features):
+            return _linear(self.weights, x, out_dtype, self._pool)
+        y = torch.empty((x.shape[0], self.out_features), dtype=out_dtype)
+        _core.linear(self._address, x.data_ptr(), fmt, x.shape[0], y.data_ptr(), out_fmt, False, self._pool._core, "")
+        return y
 
 
 class DualLinear:

@@ -9,7 +9,7 @@ tokens it owns and which cache blocks hold its context.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,12 @@ class AttentionMetadata:
     #: Models with recurrent layers: each sequence's recurrent-state slot
     #: (:class:`freetoken.engine.recurrent_state.RecurrentStatePool`), in ``seqs`` order.
     state_slots: Optional[list[int]] = None
+    #: Set by a session whose backend computes attention over host tensors itself (the CPU
+    #: backend: ``freetoken_cpu_moe.attention.StepAttention``): called as
+    #: ``kernel(q, k_cache, v_cache, scale, window, sinks)`` for every attention layer of the
+    #: step; it returns ``[T, heads * head_dim]``, or None for tensors it does not take (the
+    #: torch ops below then run).
+    kernel: Optional[Callable[..., Optional[torch.Tensor]]] = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -84,6 +90,10 @@ def paged_attention(
 
     Returns ``[T, heads * head_dim]``.
     """
+    if meta.kernel is not None:
+        out = meta.kernel(q, k_cache, v_cache, scale, window, sinks)
+        if out is not None:
+            return out
     if window is not None or sinks is not None:
         return _windowed_attention(q, k_cache, v_cache, meta, scale, window, sinks)
     T, H, D = q.shape

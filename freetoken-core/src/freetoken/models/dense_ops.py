@@ -14,7 +14,9 @@ these operations through a :class:`DenseOps`:
 Both compute in float32 and round to the activation dtype at the same points. Everything
 they launch is capturable in a CUDA graph (shapes come from the arguments, values are read
 on the device). :func:`dense_ops_for` picks one for a device (``FREETOKEN_DENSE_OPS``
-= ``torch`` forces the plain ops everywhere).
+= ``torch`` forces the plain ops everywhere). A backend with its own implementation for a
+device type installs it with :func:`use_dense_ops` before its model is built (the CPU
+backend: one native call per operation, ``freetoken_cpu_moe.decode_ops``).
 """
 
 from __future__ import annotations
@@ -154,11 +156,28 @@ def _triton_ops_for(device: torch.device) -> tuple[Optional[DenseOps], str]:
     return TritonDenseOps(), target.reason
 
 
+#: implementations installed by backends, by device type
+_INSTALLED: dict[str, DenseOps] = {}
+
+
+def use_dense_ops(device_type: str, ops: Optional[DenseOps]) -> Optional[DenseOps]:
+    """Install ``ops`` for models built afterwards on devices of ``device_type`` (None: back
+    to the default choice); returns what was installed before."""
+    before = _INSTALLED.pop(device_type, None)
+    if ops is not None:
+        _INSTALLED[device_type] = ops
+    return before
+
+
 def dense_ops_for(device: torch.device) -> DenseOps:
-    """Fused Triton kernels on GPUs that run them, plain torch ops elsewhere."""
+    """What a backend installed for the device type (:func:`use_dense_ops`), else fused Triton
+    kernels on GPUs that run them, plain torch ops elsewhere."""
     device = torch.device(device)
     if os.environ.get(ENV, "").strip().lower() == "torch":
         return TORCH_OPS
+    installed = _INSTALLED.get(device.type)
+    if installed is not None:
+        return installed
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     ops, why = _triton_ops_for(device)

@@ -1,0 +1,119 @@
+// pybind11 registrations of the attention kernel and the fused decode ops (raw addresses in;
+// freetoken_cpu_moe.attention and freetoken_cpu_moe.dense_ops check the arrays).
+#include <pybind11/pybind11.h>
+
+#include <memory>
+
+#include "attention.h"
+#include "decode_ops.h"
+#include "dispatch.h"
+#include "pool.h"
+
+namespace py = pybind11;
+
+namespace ft {
+
+void register_attention(py::module_& m) {
+    m.def(
+        "paged_attention",
+        [](uint64_t q, uint32_t q_fmt, uint64_t q_tok, uint64_t q_head, uint64_t k_cache, uint64_t v_cache,
+           uint32_t kv_fmt, uint32_t num_blocks, uint32_t block_size, uint32_t num_kv_heads, uint32_t head_dim,
+           uint32_t num_heads, uint32_t num_seqs, uint64_t q_start, uint64_t q_len, uint64_t ctx_len,
+           uint64_t block_table, uint32_t bt_stride, uint32_t num_tokens, uint64_t out, uint32_t out_fmt, float scale,
+           uint32_t window, uint64_t sinks, std::shared_ptr<Pool> pool, const std::string& isa) {
+            AttnCall c;
+            c.q = (const void*)(uintptr_t)q;
+            c.q_fmt = q_fmt;
+            c.q_tok = q_tok;
+            c.q_head = q_head;
+            c.k_cache = (const void*)(uintptr_t)k_cache;
+            c.v_cache = (const void*)(uintptr_t)v_cache;
+            c.kv_fmt = kv_fmt;
+            c.num_blocks = num_blocks;
+            c.block_size = block_size;
+            c.num_kv_heads = num_kv_heads;
+            c.head_dim = head_dim;
+            c.num_heads = num_heads;
+            c.num_seqs = num_seqs;
+            c.q_start = (const int32_t*)(uintptr_t)q_start;
+            c.q_len = (const int32_t*)(uintptr_t)q_len;
+            c.ctx_len = (const int32_t*)(uintptr_t)ctx_len;
+            c.block_table = (const int32_t*)(uintptr_t)block_table;
+            c.bt_stride = bt_stride;
+            c.num_tokens = num_tokens;
+            c.out = (void*)(uintptr_t)out;
+            c.out_fmt = out_fmt;
+            c.scale = scale;
+            c.window = window;
+            c.sinks = (const float*)(uintptr_t)sinks;
+            const KernelTable& k = isa.empty() ? *active_kernels() : *kernels_by_name(isa);
+            if (!pool) throw std::invalid_argument("paged_attention: no pool");
+            py::gil_scoped_release nogil;
+            paged_attention(c, *pool, k);
+        },
+        py::arg("q"), py::arg("q_fmt"), py::arg("q_tok"), py::arg("q_head"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("kv_fmt"), py::arg("num_blocks"), py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_dim"),
+        py::arg("num_heads"), py::arg("num_seqs"), py::arg("q_start"), py::arg("q_len"), py::arg("ctx_len"),
+        py::arg("block_table"), py::arg("bt_stride"), py::arg("num_tokens"), py::arg("out"), py::arg("out_fmt"),
+        py::arg("scale"), py::arg("window"), py::arg("sinks"), py::arg("pool"), py::arg("isa") = "");
+
+    m.def(
+        "add_rms_norm",
+        [](uint64_t h, uint64_t delta, uint64_t w, uint32_t w_fmt, uint64_t h_out, uint64_t x_out, uint32_t fmt,
+           uint32_t T, uint32_t n, float eps) {
+            add_rms_norm((const void*)(uintptr_t)h, (const void*)(uintptr_t)delta, (const void*)(uintptr_t)w, w_fmt,
+                         (void*)(uintptr_t)h_out, (void*)(uintptr_t)x_out, fmt, T, n, eps);
+        },
+        py::arg("h"), py::arg("delta"), py::arg("w"), py::arg("w_fmt"), py::arg("h_out"), py::arg("x_out"),
+        py::arg("fmt"), py::arg("T"), py::arg("n"), py::arg("eps"));
+
+    m.def(
+        "qk_norm_rope_store",
+        [](uint64_t q, uint64_t k, uint64_t v, uint64_t q_tok, uint64_t k_tok, uint64_t v_tok, uint32_t fmt, uint32_t T,
+           uint32_t Hq, uint32_t Hkv, uint32_t D, uint64_t q_w, uint64_t k_w, uint32_t w_fmt, float eps, uint64_t cos,
+           uint64_t sin_signed, uint32_t max_pos, uint64_t positions, uint64_t slots, uint64_t k_cache,
+           uint64_t v_cache, uint32_t kv_fmt, uint64_t num_slots, uint64_t q_out) {
+            QkRopeCall c;
+            c.q = (const void*)(uintptr_t)q;
+            c.k = (const void*)(uintptr_t)k;
+            c.v = (const void*)(uintptr_t)v;
+            c.q_tok = q_tok;
+            c.k_tok = k_tok;
+            c.v_tok = v_tok;
+            c.fmt = fmt;
+            c.T = T;
+            c.Hq = Hq;
+            c.Hkv = Hkv;
+            c.D = D;
+            c.q_w = (const void*)(uintptr_t)q_w;
+            c.k_w = (const void*)(uintptr_t)k_w;
+            c.w_fmt = w_fmt;
+            c.eps = eps;
+            c.cos = (const float*)(uintptr_t)cos;
+            c.sin_signed = (const float*)(uintptr_t)sin_signed;
+            c.max_pos = max_pos;
+            c.positions = (const int64_t*)(uintptr_t)positions;
+            c.slots = (const int64_t*)(uintptr_t)slots;
+            c.k_cache = (void*)(uintptr_t)k_cache;
+            c.v_cache = (void*)(uintptr_t)v_cache;
+            c.kv_fmt = kv_fmt;
+            c.num_slots = num_slots;
+            c.q_out = (void*)(uintptr_t)q_out;
+            qk_norm_rope_store(c);
+        },
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_tok"), py::arg("k_tok"), py::arg("v_tok"), py::arg("fmt"),
+        py::arg("T"), py::arg("Hq"), py::arg("Hkv"), py::arg("D"), py::arg("q_w"), py::arg("k_w"), py::arg("w_fmt"),
+        py::arg("eps"), py::arg("cos"), py::arg("sin_signed"), py::arg("max_pos"), py::arg("positions"),
+        py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"), py::arg("kv_fmt"), py::arg("num_slots"),
+        py::arg("q_out"));
+
+    m.def(
+        "router_top_k",
+        [](uint64_t logits, uint32_t T, uint32_t E, uint32_t k, bool norm, uint64_t ids, uint64_t w) {
+            router_top_k((const float*)(uintptr_t)logits, T, E, k, norm, (int32_t*)(uintptr_t)ids,
+                         (float*)(uintptr_t)w);
+        },
+        py::arg("logits"), py::arg("T"), py::arg("E"), py::arg("k"), py::arg("norm"), py::arg("ids"), py::arg("w"));
+}
+
+}  // namespace ft

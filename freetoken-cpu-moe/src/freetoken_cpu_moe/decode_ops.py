@@ -1,0 +1,87 @@
+"""The CPU backend's :class:`freetoken.models.dense_ops.DenseOps`: each per-token operation
+of a decoder layer is one native call (``csrc/decode_ops.cpp``) on the calling thread instead
+of several torch ops (a residual add and RMSNorm: 2 ops; q/k RMSNorm, RoPE and the K/V write:
+about 12; the router's top-k: 3), whose dispatch costs more than their arithmetic at decode
+sizes. Float32 inside, one rounding to the activation dtype, like the torch ops they replace
+(:data:`freetoken.models.dense_ops.TORCH_OPS`, the reference they are tested against).
+Tensors these calls do not take (other devices, strides, dtypes) go to the torch ops.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from freetoken.handoff import Fmt
+from freetoken.models.dense_ops import TORCH_OPS, DenseOps
+from freetoken.models.layers import Rotary
+from freetoken_cpu_moe import _core
+
+_FMT = {torch.float32: int(Fmt.F32), torch.bfloat16: int(Fmt.BF16), torch.float16: int(Fmt.F16)}
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    """A CPU tensor whose last dimension is contiguous."""
+    return t.device.type == "cpu" and t.stride(-1) == 1
+
+
+class CpuDenseOps(DenseOps):
+    name = "cpu-native"
+
+    def add_rms_norm(self, h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        fmt, wfmt = _FMT.get(h.dtype), _FMT.get(weight.dtype)
+        if (fmt is None or wfmt is None or h.dim() != 2 or h.device.type != "cpu" or not h.is_contiguous()
+                or not weight.is_contiguous() or weight.numel() != h.shape[1]
+                or (delta is not None and (delta.dtype != h.dtype or delta.shape != h.shape
+                                           or not delta.is_contiguous()))):  # fmt: skip
+            return TORCH_OPS.add_rms_norm(h, delta, weight, eps)
+        T, n = h.shape
+        x = torch.empty_like(h)
+        h_out = h if delta is None else torch.empty_like(h)
+        _core.add_rms_norm(h.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(), wfmt,
+                           h_out.data_ptr(), x.data_ptr(), fmt, T, n, float(eps))  # fmt: skip
+        return h_out, x
+
+    def qk_norm_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                           k_weight: torch.Tensor, qk_weight: Optional[torch.Tensor], rotary: Rotary,
+                           positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slots: torch.Tensor, eps: float) -> torch.Tensor:  # fmt: skip
+        fmt, kv_fmt = _FMT.get(q.dtype), _FMT.get(k_cache.dtype)
+        wfmt = _FMT.get(q_weight.dtype) if q_weight is not None else int(Fmt.F32)
+        T = q.shape[0]
+        nb, bs, Hkv, D = k_cache.shape
+        if (fmt is None or kv_fmt is None or wfmt is None or q.dim() != 2 or k.dtype != q.dtype
+                or v.dtype != q.dtype or not (_row_major(q) and _row_major(k) and _row_major(v))
+                or not k_cache.is_contiguous() or not v_cache.is_contiguous() or v_cache.dtype != k_cache.dtype
+                or positions.dtype != torch.int64 or slots.dtype != torch.int64 or not positions.is_contiguous()
+                or not slots.is_contiguous() or rotary.cos.dtype != torch.float32 or not rotary.cos.is_contiguous()
+                or not rotary.sin_signed.is_contiguous()
+                or (q_weight is not None and (k_weight is None or k_weight.dtype != q_weight.dtype
+                                              or not q_weight.is_contiguous() or not k_weight.is_contiguous()))):
+            return TORCH_OPS.qk_norm_rope_store(q, k, v, q_weight, k_weight, qk_weight, rotary, positions, k_cache,
+                                                v_cache, slots, eps)  # fmt: skip
+        Hq = q.shape[1] // D
+        q_out = torch.empty((T, Hq, D), dtype=q.dtype)
+        _core.qk_norm_rope_store(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), fmt, T, Hq, Hkv, D,
+            0 if q_weight is None else q_weight.data_ptr(), 0 if k_weight is None else k_weight.data_ptr(), wfmt,
+            float(eps), rotary.cos.data_ptr(), rotary.sin_signed.data_ptr(), rotary.cos.shape[0],
+            positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_fmt, nb * bs,
+            q_out.data_ptr(),
+        )
+        return q_out
+
+    def router_top_k(self, logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if (logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu"
+                or not logits.is_contiguous()):
+            return TORCH_OPS.router_top_k(logits, k, norm)
+        T, E = logits.shape
+        ids = torch.empty((T, k), dtype=torch.int32)
+        w = torch.empty((T, k), dtype=torch.float32)
+        _core.router_top_k(logits.data_ptr(), T, E, k, bool(norm), ids.data_ptr(), w.data_ptr())
+        return ids, w
+
+
+CPU_OPS = CpuDenseOps()
