@@ -1,0 +1,69 @@
+"""A GPT-OSS HF checkpoint with MXFP4 experts (``*_blocks``/``*_scales`` and
+``quantization_config.quant_method = "mxfp4"``, as the official checkpoints ship them)
+loads with its experts as MXFP4 and gives the logits of transformers' model holding the
+same values (gguf-py's dequantization) with the kernels' int8 activation rounding."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+
+import numpy as np
+import torch
+
+from families import hf_logits, make_model, save
+from freetoken.handoff import Fmt
+from helpers import engine_for
+from test_engine_gguf import assert_close_rounding
+from test_gguf import _quantizing_gpt_oss_experts
+
+
+def _hf_blocks(ggml: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """HF (blocks [..., 16], scales [...]) of ggml block_mxfp4 bytes [..., 17]: value 2j in
+    the low nibble of byte j and value 2j + 1 in its high nibble (ggml: values j, j + 16)."""
+    codes = np.concatenate([ggml[..., 1:] & 0x0F, ggml[..., 1:] >> 4], axis=-1)  # [..., 32] in value order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), ggml[..., 0].copy()
+
+
+def test_gpt_oss_hf_mxfp4_checkpoint(tmp_path):
+    import gguf
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file, save_file
+
+    mx = gguf.GGMLQuantizationType.MXFP4
+    seed = random.randrange(1 << 30)
+    model = make_model("gpt_oss", seed)
+    path = str(tmp_path)
+    save(model, path)
+    (st,) = glob.glob(os.path.join(path, "*.safetensors"))
+    sd = load_file(st)
+    with torch.no_grad():
+        for i, L in enumerate(model.model.layers):
+            ex = L.mlp.experts
+            for name in ("gate_up_proj", "down_proj"):
+                key = f"model.layers.{i}.mlp.experts.{name}"
+                w = sd.pop(key)  # [E, in, out] (x @ W)
+                E, n_in, n_out = w.shape
+                rows = np.ascontiguousarray(w.transpose(1, 2).numpy()).reshape(E * n_out, n_in)
+                q = quantize(rows, mx).reshape(E, n_out, n_in // 32, 17)
+                blocks, scales = _hf_blocks(q)
+                sd[key + "_blocks"], sd[key + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
+                vals = dequantize(q.reshape(E * n_out, -1), mx).reshape(E, n_out, n_in)
+                getattr(ex, name).copy_(torch.from_numpy(vals).transpose(1, 2))
+            _quantizing_gpt_oss_experts(ex)
+    save_file(sd, st, metadata={"format": "pt"})
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+
+    eng = engine_for(path, prefill_chunk=10)
+    for L in eng.model.layers:
+        e = L.moe.experts
+        assert {int(e.gate.fmt), int(e.up.fmt), int(e.down.fmt)} == {int(Fmt.MXFP4)}
+    ids = [random.Random(seed).randrange(160) for _ in range(25)]
+    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}")
