@@ -105,12 +105,13 @@ def test_decode_pool_sizes_and_lengths(rng, threads, ctx_len):
 
 @pytest.mark.parametrize("isa", cm.isa_tiers())
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prompt_chunks_every_tier(rng, isa, dtype):
+@pytest.mark.parametrize("D", [80, 128])
+def test_prompt_chunks_every_tier(rng, isa, dtype, D):
     """Prompt steps: a whole prompt (q_len == ctx_len), a chunk after cached context, and a
-    decode token in the same call; head_dim 80 (not a multiple of 16)."""
+    decode token in the same call; head_dim 80 (not a multiple of 16) and 128."""
     dt = DTYPES[dtype]
     ctxs, qlens = [70, 150, 9], [70, 37, 1]
-    q, k, v, starts, ql, ctx, table = make_case(rng, ctxs, qlens, kvh=2, g=3, D=80, bs=8, dtype=dt)
+    q, k, v, starts, ql, ctx, table = make_case(rng, ctxs, qlens, kvh=2, g=3, D=D, bs=8, dtype=dt)
     out = paged_attention(q, k, v, starts, ql, ctx, table, 0.11, isa=isa)
     check(out, reference(q, k, v, starts, ql, ctx, table, 0.11), dt)
 
