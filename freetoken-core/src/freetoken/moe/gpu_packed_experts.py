@@ -132,6 +132,11 @@ class PackedGpuExperts:
         #: (triton_moe_grouped), or the experts dequantized to BF16 in groups through the scratch
         self.large_batch = large_batch
         self.capture_fallbacks = 0
+        if self.device.type == "cuda":
+            # the capture fallback's matmuls need a cuBLAS handle, which cannot be created
+            # during stream capture (no other path of these experts creates one)
+            with torch.cuda.device(self.device):
+                torch.cuda.current_blas_handle()
         self._compiled: set[tuple[Any, ...]] = set()
         if warm:
             self._warm_dequant()

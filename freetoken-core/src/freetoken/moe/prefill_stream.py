@@ -154,7 +154,8 @@ class PrefillStreamer:
         after = self._released[b]
         for p, experts in enumerate(parts):
             part_of[experts] = p
-            tickets.append(self.copies.submit(self._ranges(layer, buf, experts), after=after))
+            # issued here, not by the copy thread: the compute waits for them next
+            tickets.append(self.copies.submit_now(self._ranges(layer, buf, experts), after=after))
             after = None
         part_of_dev = torch.from_numpy(part_of).to(self.device)
         view = self._compute_view(layer, buf)

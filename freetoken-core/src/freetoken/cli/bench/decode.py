@@ -288,8 +288,12 @@ def _bench(args: argparse.Namespace, eng: Any, config: EngineConfig) -> int:
     bpt = model.bytes_per_token()
     dev = _cuda_device(eng)
     counter = _RouteCounter(model)
-    # warm-up: one short request pages the weights in and pays first-call costs
+    # warm-up: one short request pages the weights in and pays first-call costs; one request
+    # of the timed prompt's length compiles the prompt-sized kernels (Triton compiles a
+    # variant on its first launch, seconds that are no part of a prompt's speed)
     run_batch(eng, 1, min(16, args.prompt_len), 4, vocab, args.seed + 99, dev)
+    if args.prompt_len > 16:
+        run_batch(eng, 1, args.prompt_len, 1, vocab, args.seed + 98, dev)
     gpu_peak = _gpu_memory(dev)["gpu_max_allocated_bytes"]
     bw, bw_how = measure_bandwidth(args.bandwidth_bytes)
     info = eng.backend_info()
@@ -374,9 +378,13 @@ def _cpu_profile(eng: Any, args: argparse.Namespace, vocab: int, dev: Optional[t
     with StepProfiler(eng) as prof:
         run_batch(eng, 1, args.prompt_len, args.gen_len, vocab, args.seed + 4242, dev)
     call_us = pool_call_us(pool) if pool is not None else None
+    gap_us = pool_call_us(pool, repeats=100, gap_us=300.0) if pool is not None else None
+    attention = getattr(getattr(eng.session, "attention", None), "mode", "-")
+    ops = getattr(getattr(eng.model, "ops", None), "name", "-")
     print(f"\ncpu profile (batch 1, prompt {args.prompt_len}, {args.gen_len} tokens; "
-          f"{getattr(pool, 'num_threads', '-')} pool threads, {torch.get_num_threads()} torch threads):")
-    print(prof.report(eng.model_config.num_layers, call_us))
+          f"{getattr(pool, 'num_threads', '-')} pool threads, {torch.get_num_threads()} torch threads; "
+          f"attention {attention}, dense ops {ops}):")
+    print(prof.report(eng.model_config.num_layers, call_us, gap_us))
 
 
 def _stages(eng: Any, args: argparse.Namespace, vocab: int, dev: Optional[torch.device]) -> Optional[dict[str, float]]:
