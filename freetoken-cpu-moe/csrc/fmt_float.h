@@ -39,6 +39,16 @@ static inline __m256i fp8_to_f16_bits(__m128i b16) {
 static inline __m512 load16_fp8_div256(const uint8_t* p) {
     return _mm512_cvtph_ps(fp8_to_f16_bits(_mm_loadu_si128((const __m128i*)p)));
 }
+// Software prefetch distance of the weight stream, in bytes (as the K-quants' and Q8_0's):
+// a core that converts and multiplies between its loads keeps too few lines in flight with
+// the hardware prefetchers alone. Rows of one matrix are contiguous, so the prefetches run
+// ahead over row ends.
+#ifndef FT_FLOAT_PREFETCH
+#define FT_FLOAT_PREFETCH 2048
+#endif
+static inline void float_prefetch(const uint8_t* p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + FT_FLOAT_PREFETCH + o, _MM_HINT_T0);
+}
 // U independent accumulators per token hide the FMA latency when few tokens share a row.
 #define FT_FLOAT_KERNEL(NAME, LOAD, ESZ)                                                          \
     template <int NT>                                                                             \
@@ -49,12 +59,14 @@ static inline __m512 load16_fp8_div256(const uint8_t* p) {
         for (int j = 0; j < NT; ++j)                                                              \
             for (int u = 0; u < U; ++u) acc[j][u] = _mm512_setzero_ps();                          \
         uint32_t c = 0;                                                                           \
-        for (; c + 16 * U <= n; c += 16 * U)                                                      \
+        for (; c + 16 * U <= n; c += 16 * U) {                                                    \
+            float_prefetch(row + (size_t)(c0 + c) * ESZ, 16 * U * ESZ);                           \
             for (int u = 0; u < U; ++u) {                                                         \
                 __m512 wv = LOAD(row + (size_t)(c0 + c + 16 * u) * ESZ);                         \
                 for (int j = 0; j < NT; ++j)                                                      \
                     acc[j][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[j] + c0 + c + 16 * u), acc[j][u]); \
             }                                                                                     \
+        }                                                                                         \
         for (; c + 16 <= n; c += 16) {                                                            \
             __m512 wv = LOAD(row + (size_t)(c0 + c) * ESZ);                                      \
             for (int j = 0; j < NT; ++j) acc[j][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[j] + c0 + c), acc[j][0]); \
@@ -200,7 +212,8 @@ static inline void fp8_row_avx512(const uint8_t* row, const float* srow, const f
         for (int j = 0; j < NT; ++j)
             for (int u = 0; u < 2 * U; ++u) acc[j][u] = _mm512_setzero_ps();
         uint32_t c = 0;
-        for (; c + 32 * U <= n; c += 32 * U)
+        for (; c + 32 * U <= n; c += 32 * U) {
+            float_prefetch(row + c0 + c, 32 * U);
             for (int u = 0; u < U; ++u) {
                 const __m512i h = _mm512_and_si512(
                     _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(row + c0 + c + 32 * u))), 7),
@@ -213,6 +226,7 @@ static inline void fp8_row_avx512(const uint8_t* row, const float* srow, const f
                     acc[j][2 * u + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + 16), acc[j][2 * u + 1]);
                 }
             }
+        }
         for (; c < n; c += 16) {
             const uint32_t k = n - c < 16 ? n - c : 16;
             const __mmask16 m = (__mmask16)((1u << k) - 1u);

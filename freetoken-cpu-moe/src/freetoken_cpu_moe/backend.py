@@ -160,6 +160,10 @@ class CpuStaging(Staging):
 TORCH_THREADS_ENV = "FREETOKEN_CPU_TORCH_THREADS"
 
 
+#: 0: leave the thread that runs the model's steps unpinned (default 1: on the pool's free CPU)
+PIN_CALLER_ENV = "FREETOKEN_CPU_PIN_CALLER"
+
+
 def prefill_torch_threads() -> int:
     """torch threads for prompt steps: ``$FREETOKEN_CPU_TORCH_THREADS``, else 1."""
     import os
@@ -216,6 +220,20 @@ class CpuModelSession(ModelSession):
         # attention over the paged cache and the per-token ops between the matmuls: native
         # calls (freetoken_cpu_moe.attention, freetoken_cpu_moe.decode_ops)
         self.attention = CpuAttention(pool)
+        # the steps' calling thread (the pool's worker 0) on the CPU the pinned workers leave
+        # free, for the duration of each step: no spinning worker shares its core
+        self._pin: Optional[set[int]] = None
+        self._unpin: Optional[set[int]] = None
+        cpus = pool.cpus if pool.pin else []
+        import os
+
+        pin_env = os.environ.get(PIN_CALLER_ENV, "1").strip()
+        if pin_env not in ("0", "1"):
+            raise ValueError(f"{PIN_CALLER_ENV}={pin_env!r}: expected 1 (pin the calling thread) or 0")
+        if pin_env == "1" and pool.num_threads > 1 and len(cpus) >= pool.num_threads and self._prefill_threads == 1:
+            allowed = os.sched_getaffinity(0)
+            if cpus[0] in allowed:
+                self._pin, self._unpin = {cpus[0]}, allowed
         self._ops_before = use_dense_ops("cpu", CPU_OPS)
         self._ops_installed = True
         log.info("cpu backend: %d pool threads, attention %s (%s), dense ops %s", pool.num_threads,
@@ -266,7 +284,15 @@ class CpuModelSession(ModelSession):
             self._threads = want
             self.pool.spin_us = self._decode_spin_us if want == 1 else 0.0
         meta.kernel = self.attention.for_step(meta, int(input_ids.shape[0]))
-        return self.model.forward(input_ids, positions, meta, self.kv_caches)
+        if self._pin is None:
+            return self.model.forward(input_ids, positions, meta, self.kv_caches)
+        import os
+
+        os.sched_setaffinity(0, self._pin)
+        try:
+            return self.model.forward(input_ids, positions, meta, self.kv_caches)
+        finally:
+            os.sched_setaffinity(0, self._unpin)
 
     def report(self) -> dict[str, Any]:
         return {

@@ -7,7 +7,7 @@ prefill and decode steps apart. What the wrapped parts do not cover is ``other``
 norms, rope, the KV cache write, and Python between the calls. ``pool sync`` is an
 estimate: the calls into the worker pool per step times the cost of one call that
 computes almost nothing (waking the workers, handing out items, the join), measured
-on the same pool (:func:`pool_call_us`).
+on the same pool (:func:`pool_call_us`), back to back and after an idle gap.
 
 Used by ``freetoken bench decode --cpu-profile``; nothing here runs in serving.
 """
@@ -24,8 +24,8 @@ import numpy as np
 
 #: parts in report order; "other" is the step's time outside them
 PARTS = ("embed", "qkv", "attention", "o_proj", "router", "experts", "lm_head")
-#: parts that call into the worker pool once per call
-POOL_PARTS = ("qkv", "o_proj", "router", "experts", "lm_head")
+#: parts that call into the worker pool once per call (attention: when it runs natively)
+POOL_PARTS = ("qkv", "attention", "o_proj", "router", "experts", "lm_head")
 
 
 @dataclass
@@ -39,20 +39,30 @@ class Split:
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PARTS, 0))
 
 
-def pool_call_us(pool: Any, repeats: int = 200) -> float:
+def pool_call_us(pool: Any, repeats: int = 200, gap_us: float = 0.0) -> float:
     """Median microseconds of one pool call that computes almost nothing (16 x 256 F32
-    rows, one token): the dispatch, hand-out and join cost every pooled call pays."""
-    from freetoken_cpu_moe.ops import linear
+    rows, one token, straight to the native call): the dispatch, hand-out and join cost every
+    pooled call pays. ``gap_us``: the calling thread first computes alone for that long (as
+    it does between a decode step's pooled calls: norms, attention, Python), so the workers
+    have been spinning, or have gone to sleep, when the call comes."""
+    import torch
+
+    from freetoken_cpu_moe import _core
     from freetoken_cpu_moe.weights import Weights
 
     rng = np.random.default_rng(0)
     w = Weights(rng.standard_normal((16, 256)).astype(np.float32), "f32", 1, 16, 256)
-    x = rng.standard_normal((1, 256)).astype(np.float32)
-    out = np.empty((1, 16), dtype=np.float32)
+    x = torch.from_numpy(rng.standard_normal((1, 256)).astype(np.float32))
+    out = torch.empty((1, 16), dtype=torch.float32)
+    core, addr = pool._core, w.address
     times = []
     for _ in range(repeats):
+        if gap_us > 0:
+            until = time.perf_counter() + gap_us * 1e-6
+            while time.perf_counter() < until:
+                pass
         t0 = time.perf_counter()
-        linear(w, x, pool=pool, out=out)
+        _core.linear(addr, x.data_ptr(), 0, 1, out.data_ptr(), 0, False, core, "")
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
 
@@ -129,8 +139,9 @@ class StepProfiler:
             self._undo.pop()()
 
     # ------------------------------------------------------------- report
-    def report(self, layers: int, call_us: Optional[float] = None) -> str:
-        """One table per kind of step: ms per step and per layer for each part."""
+    def report(self, layers: int, call_us: Optional[float] = None, gap_call_us: Optional[float] = None) -> str:
+        """One table per kind of step: ms per step and per layer for each part (``gap_call_us``:
+        the pool call after an idle gap, :func:`pool_call_us`)."""
         lines = []
         for kind, s in self.splits.items():
             if not s.steps:
@@ -152,5 +163,6 @@ class StepProfiler:
                 pooled = sum(s.calls[p] for p in POOL_PARTS) / n
                 sync = pooled * call_us / 1e3
                 lines.append(f"  pool sync ~{sync:.3f} ms/step ({pooled:.0f} pooled calls x {call_us:.1f} us, "
-                             f"inside the parts above; {sync / step_ms:.1%})")
+                             f"inside the parts above; {sync / step_ms:.1%})"
+                             + ("" if gap_call_us is None else f"; {gap_call_us:.1f} us after a 300 us idle gap"))
         return "\n".join(lines)
