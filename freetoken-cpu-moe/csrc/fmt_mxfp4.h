@@ -31,22 +31,30 @@ static inline float mxfp4_row_portable(const uint8_t* row, const ActQ8x32View& x
 #ifndef FT_MXFP4_PREFETCH
 #define FT_MXFP4_PREFETCH 2176  // bytes ahead: eight groups of 16 blocks
 #endif
-// NT tokens against one row. Per group of 16 blocks the exponents are gathered once
-// and turned into float scales with integer ops; per pair of blocks one register
-// holds [lo(q0), hi(q0), lo(q1), hi(q1)] (the nibbles of two broadcast 16-byte loads,
-// odd 128-bit lanes shifted down by 4), i.e. the 64 elements in natural order, looked
-// up with vpshufb as value + 128 (unsigned) and multiplied with x by one dpbusd; the
-// 128 * sum(x) excess is removed through dq = d * sum(qs), as for Q8_0.
+// NT tokens against one row, in groups of 16 blocks (4 quads of 4). Per group the
+// exponents are gathered once and turned into float scales with integer ops. Per quad one
+// register holds the 4 blocks' 16 code bytes in its 4 128-bit lanes (one broadcast load
+// each); its low and high nibbles (elements 0-15 and 16-31 of each block), looked up with
+// vpshufb as value + 128 (unsigned), meet the token's codes of the same elements (two
+// 64-byte loads rearranged by 128-bit lanes) in two dpbusd into one int32 register, whose
+// 128-bit lane i sums block i of the quad. The four quads' registers are reduced to one
+// (dword 4i + j = block 4j + i), converted once and scaled per lane by (weight scale x
+// activation scale) in that order; the 128 * sum(x) excess of the + 128 codes is removed
+// through dq = d * sum(qs), as for Q8_0.
+static inline __m512i mxfp4_sum_quads(const __m512i* s) {
+    const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(s[0], s[1]), _mm512_unpackhi_epi32(s[0], s[1]));
+    const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2], s[3]), _mm512_unpackhi_epi32(s[2], s[3]));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+
 template <int NT>
 static inline void mxfp4_row_avx512(const uint8_t* row, const ActQ8x32View* x, uint32_t nb, __m512* vres) {
-    constexpr int U = NT == 1 ? 2 : 1;  // accumulators per token (FMA latency)
-    __m512 acc[NT][U], corr[NT];
-    for (int j = 0; j < NT; ++j) {
-        corr[j] = _mm512_setzero_ps();
-        for (int u = 0; u < U; ++u) acc[j][u] = _mm512_setzero_ps();
-    }
+    __m512 acc[NT], corr[NT];
+    for (int j = 0; j < NT; ++j) acc[j] = corr[j] = _mm512_setzero_ps();
     const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32((int)MXFP4_BYTES));
+    // dword 4i + j of the reduced sums holds block 4j + i
+    const __m512i rperm = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
     const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8((char)128, (char)129, (char)130, (char)131, (char)132,
                                                              (char)134, (char)136, (char)140, (char)128, (char)127,
                                                              (char)126, (char)125, (char)124, (char)122, (char)120,
@@ -60,32 +68,37 @@ static inline void mxfp4_row_avx512(const uint8_t* row, const ActQ8x32View* x, u
         const __m512i eb = _mm512_and_si512(_mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mk, gidx, (const void*)g, 1), byte);
         // float bits (e - 1) << 23 = 2^(e - 128); e < 2 -> 0
         const __m512 dw = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_max_epi32(_mm512_sub_epi32(eb, one), _mm512_setzero_si512()), 23));
-        __m512 coef[NT];
-        for (int j = 0; j < NT; ++j) {
-            coef[j] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(mk, x[j].d + b));
-            corr[j] = _mm512_fmadd_ps(dw, _mm512_maskz_loadu_ps(mk, x[j].dq + b), corr[j]);
-        }
-        for (uint32_t k = 0; 2 * k < m; ++k) {
-            const bool pair = 2 * k + 1 < m;
-            const uint8_t* p0 = g + (size_t)(2 * k) * MXFP4_BYTES + 1;
-            __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p0));
-            if (pair) z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0xFF00, _mm_loadu_si128((const __m128i*)(p0 + MXFP4_BYTES)));
-            z = _mm512_and_si512(_mm512_mask_srli_epi16(z, (__mmask32)0xFF00FF00u, z, 4), m4);
-            const __m512i wq = _mm512_shuffle_epi8(lut, z);
-            const __m512i sel = _mm512_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
-                                                 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k);
-            const __mmask64 xm = pair ? ~(__mmask64)0 : (__mmask64)0xffffffffu;
+        __m512i s[NT][4];
+        for (uint32_t q = 0; q < 4; ++q) {
+            const uint32_t nq = m > 4 * q ? (m - 4 * q < 4 ? m - 4 * q : 4) : 0;  // blocks of this quad
+            if (nq == 0) {
+                for (int j = 0; j < NT; ++j) s[j][q] = _mm512_setzero_si512();
+                continue;
+            }
+            const uint8_t* p = g + (size_t)(4 * q) * MXFP4_BYTES + 1;
+            __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p));
+            if (nq > 1) z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0x00F0, _mm_loadu_si128((const __m128i*)(p + MXFP4_BYTES)));
+            if (nq > 2) z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0x0F00, _mm_loadu_si128((const __m128i*)(p + 2 * MXFP4_BYTES)));
+            if (nq > 3) z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0xF000, _mm_loadu_si128((const __m128i*)(p + 3 * MXFP4_BYTES)));
+            const __m512i wlo = _mm512_shuffle_epi8(lut, _mm512_and_si512(z, m4));
+            const __m512i whi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4));
+            // token bytes of the quad's blocks (32 each); past the row's last block: zeros
+            const __mmask64 k0 = nq >= 2 ? ~(__mmask64)0 : (__mmask64)0xffffffffu;
+            const __mmask64 k1 = nq == 4 ? ~(__mmask64)0 : (nq == 3 ? (__mmask64)0xffffffffu : (__mmask64)0);
             for (int j = 0; j < NT; ++j) {
-                const __m512i xq = _mm512_maskz_loadu_epi8(xm, x[j].qs + (size_t)(b + 2 * k) * 32);
-                const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq);
-                acc[j][k % U] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(sel, coef[j]), acc[j][k % U]);
+                const int8_t* xq = x[j].qs + (size_t)(b + 4 * q) * 32;
+                const __m512i x0 = _mm512_maskz_loadu_epi8(k0, xq), x1 = _mm512_maskz_loadu_epi8(k1, xq + 64);
+                const __m512i xlo = _mm512_shuffle_i32x4(x0, x1, 0x88), xhi = _mm512_shuffle_i32x4(x0, x1, 0xDD);
+                s[j][q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, xlo), whi, xhi);
             }
         }
+        for (int j = 0; j < NT; ++j) {
+            const __m512 coef = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(mk, x[j].d + b));
+            corr[j] = _mm512_fmadd_ps(dw, _mm512_maskz_loadu_ps(mk, x[j].dq + b), corr[j]);
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mxfp4_sum_quads(s[j])), _mm512_permutexvar_ps(rperm, coef), acc[j]);
+        }
     }
-    for (int j = 0; j < NT; ++j) {
-        for (int u = 1; u < U; ++u) acc[j][0] = _mm512_add_ps(acc[j][0], acc[j][u]);
-        vres[j] = _mm512_fmadd_ps(corr[j], _mm512_set1_ps(-128.0f), acc[j][0]);
-    }
+    for (int j = 0; j < NT; ++j) vres[j] = _mm512_fmadd_ps(corr[j], _mm512_set1_ps(-128.0f), acc[j]);
 }
 #endif
 
