@@ -1,5 +1,6 @@
-// pybind11 registrations of the attention kernel and the fused decode ops (raw addresses in;
-// freetoken_cpu_moe.attention and freetoken_cpu_moe.dense_ops check the arrays).
+// pybind11 registrations of the attention kernel, the fused decode ops and grouped
+// projections (raw addresses in; freetoken_cpu_moe.attention, .decode_ops and .dense check
+// the arrays).
 #include <pybind11/pybind11.h>
 
 #include <memory>
@@ -7,6 +8,7 @@
 #include "attention.h"
 #include "decode_ops.h"
 #include "dispatch.h"
+#include "linear_group.h"
 #include "pool.h"
 
 namespace py = pybind11;
@@ -106,6 +108,19 @@ void register_attention(py::module_& m) {
         py::arg("eps"), py::arg("cos"), py::arg("sin_signed"), py::arg("max_pos"), py::arg("positions"),
         py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"), py::arg("kv_fmt"), py::arg("num_slots"),
         py::arg("q_out"));
+
+    m.def(
+        "linear_group",
+        [](uint64_t descs, uint32_t n, uint64_t x, uint32_t x_fmt, uint32_t T, uint64_t y, uint32_t y_fmt,
+           uint64_t y_stride, uint64_t cols, std::shared_ptr<Pool> pool, const std::string& isa) {
+            if (!pool) throw std::invalid_argument("linear_group: no pool");
+            const KernelTable& k = isa.empty() ? *active_kernels() : *kernels_by_name(isa);
+            py::gil_scoped_release nogil;
+            linear_group((const ft_weight_desc* const*)(uintptr_t)descs, n, (const void*)(uintptr_t)x, x_fmt, T,
+                         (void*)(uintptr_t)y, y_fmt, y_stride, (const uint64_t*)(uintptr_t)cols, *pool, k);
+        },
+        py::arg("descs"), py::arg("n"), py::arg("x"), py::arg("x_fmt"), py::arg("T"), py::arg("y"), py::arg("y_fmt"),
+        py::arg("y_stride"), py::arg("cols"), py::arg("pool"), py::arg("isa") = "");
 
     m.def(
         "router_top_k",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine's host (CPU only; about 4 minutes): how the CPU kernels and the
+# One call on the GPU machine's host (CPU only; about 7 minutes): how the CPU kernels and the
 # whole-model CPU backend scale on its 16 cores.
 #   1. build freetoken-core, freetoken-cpu-moe (and freetoken-cuda) in place (device_setup.sh)
 #   2. the ISA tiers this CPU offers (amx needs amx_tile/int8/bf16, avx512_bf16 and the kernel's
@@ -10,9 +10,13 @@
 #   4. a Qwen3-30B-A3B-shaped Q4_K_M file of $LAYERS layers, `freetoken bench decode --backend cpu
 #      --cpu-profile` (prompt $PROMPT tokens, batch 1): prompt and decode tok/s and the per-part split
 #      of a prefill and a decode step; then the prompt once more with torch on $THREADS threads for
-#      prompt steps (FREETOKEN_CPU_TORCH_THREADS)
+#      prompt steps (FREETOKEN_CPU_TORCH_THREADS) and torch's attention for prompt steps
+#      (FREETOKEN_CPU_ATTENTION=decode: the pool's attention kernel against torch SDPA on $THREADS
+#      threads), once more with the engine's thread unpinned (FREETOKEN_CPU_PIN_CALLER=0), and on
+#      2 pool threads (the 2-thread target)
 #   5. the same-run reference: llama.cpp built CPU-only from the carried .bench/llama.cpp (built in
-#      the background at the start, before anything is measured), llama-bench -t 16 on the same file
+#      the background at the start, before anything is measured), llama-bench -t 16 and -t 2 on the
+#      same file
 # Every stage runs under its own timeout; logs in $OUT; what is printed is a compact summary.
 # Usage (repository root): bash tests/gpu/cpu_speed_run.sh
 # Environment: THREADS (15 pool threads; the 16th core is left to the calling thread's neighbours),
@@ -60,9 +64,22 @@ sed -n '/^cpu profile/,$p' "$OUT/decode-profile.txt"
 FREETOKEN_CPU_TORCH_THREADS=$THREADS timeout 60 $DEC --gen-len 4 > "$OUT/decode-torch-threads.txt" 2>&1
 stamp "bench decode, torch on $THREADS threads for prompt steps rc=$?"
 grep -E "^ +1 " "$OUT/decode-torch-threads.txt" | cut -c1-100
+FREETOKEN_CPU_ATTENTION=decode FREETOKEN_CPU_TORCH_THREADS=$THREADS timeout 60 $DEC --gen-len 4 \
+  > "$OUT/decode-torch-attention.txt" 2>&1
+stamp "bench decode, torch attention on $THREADS threads for prompt steps rc=$?"
+grep -E "^ +1 " "$OUT/decode-torch-attention.txt" | cut -c1-100
+FREETOKEN_CPU_PIN_CALLER=0 timeout 90 $DEC --cpu-profile > "$OUT/decode-unpinned.txt" 2>&1
+stamp "bench decode, engine thread unpinned rc=$?"
+grep -E "^ +1 " "$OUT/decode-unpinned.txt" | cut -c1-100; grep -E "^decode:|pool sync" "$OUT/decode-unpinned.txt" | tail -2
+DEC2="$FT bench decode --model $M --backend cpu --cpu-threads 2 --batch 1 --prompt-len $PROMPT --gen-len $GEN --repeats 2"
+timeout 150 $DEC2 > "$OUT/decode-2threads.txt" 2>&1
+stamp "bench decode, 2 pool threads rc=$?"
+grep -E "^ +1 " "$OUT/decode-2threads.txt" | cut -c1-100
 if [ -x $LLAMA_B/bin/llama-bench ]; then
   timeout 150 $LLAMA_B/bin/llama-bench -m "$M" -t 16 -p "$PROMPT" -n "$GEN" -r 2 -o md > "$OUT/llama-cpu.md" 2>&1
   stamp "llama-bench CPU-only -t 16 rc=$?"; grep -E '^\| [a-z]' "$OUT/llama-cpu.md" | grep -v '^| model'
+  timeout 150 $LLAMA_B/bin/llama-bench -m "$M" -t 2 -p "$PROMPT" -n "$GEN" -r 2 -o md > "$OUT/llama-cpu-t2.md" 2>&1
+  stamp "llama-bench CPU-only -t 2 rc=$?"; grep -E '^\| [a-z]' "$OUT/llama-cpu-t2.md" | grep -v '^| model'
 else
   stamp "no llama.cpp reference (carry .bench/llama.cpp)"
 fi

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from freetoken.backends.contract import WeightPolicy
@@ -98,6 +99,39 @@ class DualLinear:
         return self.torch(x)
 
 
+class GroupLinear:
+    """Projections of the same input stacked along their rows (a layer's q/k/v, whatever
+    their formats): for a few tokens one native call, one wake-up of the pool
+    (``linear_group``: the input prepared once per activation kind, every matrix's row
+    pieces handed out from one list, outputs side by side in one ``[T, sum of rows]``
+    tensor); for more (prefill) each part runs as it would alone (the kernels' matrix path,
+    or torch's GEMM for float32 weights) and the outputs are concatenated."""
+
+    packed = True
+
+    def __init__(self, parts: list[Any], pool: Pool, max_group_tokens: int = 7) -> None:
+        self.parts = parts
+        sizes = [p.out_features for p in parts]
+        self.out_features, self.in_features = sum(sizes), parts[0].in_features
+        self.nbytes = sum(p.nbytes for p in parts)
+        self.max_group_tokens = max_group_tokens
+        self._weights = [p.weights if isinstance(p, PackedLinear) else p.packed_lin.weights for p in parts]
+        self._descs = np.array([w.address for w in self._weights], dtype=np.uint64)
+        self._cols = np.array(np.cumsum([0] + sizes[:-1]), dtype=np.uint64)
+        self._pool = pool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        fmt = ACT_FMT.get(x.dtype)
+        T = x.shape[0] if x.dim() == 2 else 0
+        if (fmt is None or T == 0 or T > self.max_group_tokens or not x.is_contiguous() or x.device.type != "cpu"
+                or x.shape[1] != self.in_features):
+            return torch.cat([p(x) for p in self.parts], dim=-1)
+        y = torch.empty((T, self.out_features), dtype=x.dtype)
+        _core.linear_group(self._descs.ctypes.data, len(self.parts), x.data_ptr(), fmt, T, y.data_ptr(), fmt,
+                           self.out_features, self._cols.ctypes.data, self._pool._core, "")  # fmt: skip
+        return y
+
+
 class CpuWeightPolicy(WeightPolicy):
     """Dense weights in host memory, packed where the file is packed (see the module doc)."""
 
@@ -118,6 +152,12 @@ class CpuWeightPolicy(WeightPolicy):
         if fmt in FORMAT_NAMES:
             return PackedLinear(raw, self.pool)
         return TorchLinear(raw.to_float(self.dtype))
+
+    def stacked_linear(self, raws: list[RawTensor]) -> Optional[GroupLinear]:
+        parts = [self.linear(raw) for raw in raws]
+        if all(isinstance(p, (PackedLinear, DualLinear)) for p in parts):
+            return GroupLinear(parts, self.pool)
+        return None
 
     def router(self, raw: RawTensor) -> Any:
         # a small dense projection: an F32 copy run on the same worker pool, float32 logits

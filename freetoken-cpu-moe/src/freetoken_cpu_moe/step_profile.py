@@ -40,9 +40,9 @@ class Split:
 
 
 def pool_call_us(pool: Any, repeats: int = 200, gap_us: float = 0.0) -> float:
-    """Median microseconds of one pool call that computes almost nothing (16 x 256 F32
-    rows, one token, straight to the native call): the dispatch, hand-out and join cost every
-    pooled call pays. ``gap_us``: the calling thread first computes alone for that long (as
+    """Median microseconds of one pool call that computes almost nothing (two items of 16 x 64
+    F32 rows per worker, one token, straight to the native call): the wake-up, hand-out and
+    join cost every pooled call pays. ``gap_us``: the calling thread first computes alone for that long (as
     it does between a decode step's pooled calls: norms, attention, Python), so the workers
     have been spinning, or have gone to sleep, when the call comes."""
     import torch
@@ -51,9 +51,10 @@ def pool_call_us(pool: Any, repeats: int = 200, gap_us: float = 0.0) -> float:
     from freetoken_cpu_moe.weights import Weights
 
     rng = np.random.default_rng(0)
-    w = Weights(rng.standard_normal((16, 256)).astype(np.float32), "f32", 1, 16, 256)
-    x = torch.from_numpy(rng.standard_normal((1, 256)).astype(np.float32))
-    out = torch.empty((1, 16), dtype=torch.float32)
+    rows = 32 * pool.num_threads  # linear_forward's T=1 split: 16-row items, all workers woken
+    w = Weights(rng.standard_normal((rows, 64)).astype(np.float32), "f32", 1, rows, 64)
+    x = torch.from_numpy(rng.standard_normal((1, 64)).astype(np.float32))
+    out = torch.empty((1, rows), dtype=torch.float32)
     core, addr = pool._core, w.address
     times = []
     for _ in range(repeats):
