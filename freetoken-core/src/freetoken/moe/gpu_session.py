@@ -53,6 +53,7 @@ from freetoken.models.layers import DeviceWeightPolicy
 from freetoken.moe.expert_traffic import ExpertTraffic
 from freetoken.moe.gpu_packed_experts import DequantScratch
 from freetoken.moe.placement import cpu_layers
+from freetoken.moe.prefill_stream import buffer_count
 
 log = logging.getLogger(__name__)
 
@@ -171,14 +172,15 @@ class GpuModelSession(ModelSession):
         cache = o.moe.cache_bytes or (int(o.moe.cache_fraction * budget) if budget else 0)
         # the prefill of packed (or streamed) experts runs the grouped kernels, which read the
         # blocks where they are (their temporaries, ~70 MB per 1024 tokens, fit the reserve):
-        # no dequantization scratch; streaming double-buffers one layer's bytes. `auto` streams when the file's expert formats are
+        # no dequantization scratch; streaming keeps one layer's bytes (two with
+        # --moe-stream-experts all). `auto` streams when the file's expert formats are
         # known to be computable as stored (GGUF blocks the packed kernels read), or when
         # there is no budget to protect; an HF checkpoint on a planned GPU needs `on`.
         mode = o.moe.stream_prefill
         streams = n > 0 and (mode == "on" or (mode == "auto" and (len(packed) == n or budget is None)))
         self.dequant_group = -(-shape.num_experts // DEQUANT_GROUPS)
         scratch = 0
-        buffers = 2 * max(per_layer.values() if shape.expert_file_bytes is None else
+        buffers = buffer_count(o.moe.stream_experts) * max(per_layer.values() if shape.expert_file_bytes is None else
                           shape.expert_file_bytes.values()) if streams else 0
         dense = self._dense_form(shape, budget, reserve + kv_min + cache + scratch + buffers, per_layer)
         fixed = reserve + dense + kv_min + cache + scratch + buffers

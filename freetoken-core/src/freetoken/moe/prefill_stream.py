@@ -3,8 +3,9 @@
 A prefill chunk of many tokens touches most experts of a layer, many times: the CPU
 workers need ``T * K`` expert passes, while the GPU needs the routed experts' bytes once
 (PCIe) and computes the chunk as grouped GEMMs in a fraction of that time.
-:class:`PrefillStreamer` keeps two device buffers of one layer's experts each, the experts
-at their offsets in the checkpoint's stacks, and copies on the :class:`CopyQueue`'s side
+:class:`PrefillStreamer` keeps device buffers of one layer's experts each (one with
+``routed``, two with ``all``), the experts at their offsets in the checkpoint's stacks, and
+copies on the :class:`CopyQueue`'s side
 stream, ordered after the compute that last read the buffer. Two ways to fill them
 (``experts``):
 
@@ -56,6 +57,11 @@ def streamable(experts: Any, act_dtype: torch.dtype, packed_ok: bool) -> bool:
     return len(fmts) == 1 and _FLOAT_FMTS.get(fmts.pop()) == act_dtype
 
 
+def buffer_count(experts: str) -> int:
+    """Layer-sized device buffers the streamer keeps with ``--moe-stream-experts experts``."""
+    return 1 if experts == "routed" else 2
+
+
 @dataclasses.dataclass
 class StreamProfile:
     pcie_gb_s: float  # host -> device copy of one layer's bytes
@@ -91,8 +97,11 @@ class PrefillStreamer:
         self.routed = experts == "routed"
         self.profile: Optional[StreamProfile] = None
         size = max(e.nbytes for e in self.layers.values())
-        self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        self._released: list[Any] = [None, None]  # compute events after the last reader of each buffer
+        # routed: a layer's copy starts after its router, so after the previous layer's
+        # experts were computed; one buffer serves every layer. all: two alternate.
+        count = buffer_count(experts)
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(count)]
+        self._released: list[Any] = [None] * count  # compute events after the last reader of each buffer
         self._inflight: dict[int, tuple[int, CopyTicket]] = {}  # layer -> (buffer, its copy)
         self.streamed_layers = 0
         self.streamed_bytes = 0
@@ -109,7 +118,7 @@ class PrefillStreamer:
 
     # ---- buffers ------------------------------------------------------------------------
     def _slot(self, layer: int) -> int:
-        return self.position[layer] % 2
+        return self.position[layer] % len(self.buffers)
 
     def _parts(self, layer: int, buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(device view, host bytes) of the layer's gate, up and down stacks inside ``buf``."""
