@@ -304,8 +304,7 @@ class GpuModelSession(ModelSession):
         if cache:
             parts.append(f"expert cache {_gib(cache)} (--moe-cache-size)")
         if scratch:
-            parts.append(f"prefill scratch and streaming buffers {_gib(scratch)} (--moe-stream-prefill off saves the "
-                         f"buffers)")
+            parts.append(f"streaming buffers {_gib(scratch)} (--moe-stream-prefill off saves them)")
         if self.dense_form == "dequantized" and shape.dense_file_bytes is not None:
             parts[0] += (f"; --gpu-dense packed keeps the file's blocks: about "
                          f"{_gib(shape.dense_file_bytes + shape.dense_scratch_bytes)}")
