@@ -139,15 +139,21 @@ void paged_attention(const AttnCall& c, Pool& pool, const KernelTable& k) {
         for (uint32_t d = 0; d < D; ++d) store(c.out_fmt, c.out, tok * row + (size_t)head * D + d, acc[d] * inv);
     };
 
-    const uint32_t Gmax = QB * g;
+    uint32_t most = 1;  // queries of the largest item
+    for (const Item& it : items) most = std::max(most, it.nq);
+    const uint32_t Gmax = most * g;
     const size_t state = (size_t)Gmax * (D + 2);  // per item: m[G], l[G], acc[G][D]
-    std::vector<float> parts(nsplit > 1 ? (items.size() / nsplit + 1) * nsplit * state : 0);
+    // the pieces' states; every slot is written before it is read (no clearing). The caller's
+    // thread owns the buffer: the workers see it through the pointer.
+    thread_local std::vector<float> parts_buf;
+    if (nsplit > 1 && parts_buf.size() < items.size() * state) parts_buf.resize(items.size() * state);
+    float* const parts = parts_buf.data();
     auto run_item = [&](int idx, int) {
         const Item& it = items[(size_t)idx];
         thread_local std::vector<float> local;
         float* st;
         if (nsplit > 1) {
-            st = parts.data() + (size_t)it.slot * state;
+            st = parts + (size_t)it.slot * state;
         } else {
             local.resize(state);
             st = local.data();
@@ -186,7 +192,7 @@ void paged_attention(const AttnCall& c, Pool& pool, const KernelTable& k) {
         float lsum = 0.0f;
         if (mx > -std::numeric_limits<float>::infinity())
             for (uint32_t sp = 0; sp < nsplit; ++sp) {
-                const float* st = parts.data() + (size_t)(q * nsplit + sp) * state;
+                const float* st = parts + (size_t)(q * nsplit + sp) * state;
                 if (!(st[v] > -std::numeric_limits<float>::infinity())) continue;
                 const float a = std::exp(st[v] - mx);
                 lsum += a * st[Gmax + v];

@@ -160,7 +160,9 @@ class CpuStaging(Staging):
 TORCH_THREADS_ENV = "FREETOKEN_CPU_TORCH_THREADS"
 
 
-#: 0: leave the thread that runs the model's steps unpinned (default 1: on the pool's free CPU)
+#: 1: pin the thread that runs the model's steps to the CPU the pool's workers leave free, for
+#: the duration of each step (default 0: unpinned; on the shared 2-core VM a pinned caller
+#: could not move away from another process's thread: 11-21 tok/s against 28-43 unpinned)
 PIN_CALLER_ENV = "FREETOKEN_CPU_PIN_CALLER"
 
 
@@ -220,14 +222,14 @@ class CpuModelSession(ModelSession):
         # attention over the paged cache and the per-token ops between the matmuls: native
         # calls (freetoken_cpu_moe.attention, freetoken_cpu_moe.decode_ops)
         self.attention = CpuAttention(pool)
-        # the steps' calling thread (the pool's worker 0) on the CPU the pinned workers leave
-        # free, for the duration of each step: no spinning worker shares its core
+        # on request, the steps' calling thread (the pool's worker 0) on the CPU the pinned
+        # workers leave free, for the duration of each step: no spinning worker shares its core
         self._pin: Optional[set[int]] = None
         self._unpin: Optional[set[int]] = None
         cpus = pool.cpus if pool.pin else []
         import os
 
-        pin_env = os.environ.get(PIN_CALLER_ENV, "1").strip()
+        pin_env = os.environ.get(PIN_CALLER_ENV, "0").strip()
         if pin_env not in ("0", "1"):
             raise ValueError(f"{PIN_CALLER_ENV}={pin_env!r}: expected 1 (pin the calling thread) or 0")
         if pin_env == "1" and pool.num_threads > 1 and len(cpus) >= pool.num_threads and self._prefill_threads == 1:
