@@ -259,6 +259,9 @@ def test_fakegpu_engine_through_the_interpreted_kernels(tiny_gguf, monkeypatch):
         got = run_greedy(eng, prompts, max_tokens=4)
     finally:
         eng.close()
+        from freetoken.backends import registry
+
+        registry.reset()  # the later tests of this process choose their own backend
     _check_float64(tg, reference, tensors, prompts, got)
 
 
