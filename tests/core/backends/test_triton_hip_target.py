@@ -21,7 +21,8 @@ import pytest
 from freetoken.backends import triton_target as tt
 
 #: the kernels that multiply with tl.dot (matrix instructions where the target has them)
-DOT_KERNELS = ("moe.gate_up", "moe.down", "attention.partial", "attention.partial_window_sinks")
+DOT_KERNELS = ("moe.gate_up", "moe.down", "attention.partial", "attention.partial_window_sinks",
+               "grouped.gate_up.Q4_K", "grouped.down.Q4_K", "grouped.gate_up.BF16", "grouped.down.BF16")
 
 
 @pytest.mark.parametrize(
@@ -132,7 +133,8 @@ def test_every_kernel_compiles_for_cdna3_and_rdna3():
     report = _compile("gfx942", "gfx1100")
     for arch in ("gfx942", "gfx1100"):
         kernels = report[arch]["kernels"]
-        assert len(kernels) == 4 + 3 * 4 + 3 + 4, sorted(kernels)  # MoE, packed x formats, dense ops, attention
+        # MoE, packed x formats, dense ops, attention, grouped (Q4_K_M and BF16)
+        assert len(kernels) == 4 + 3 * 4 + 3 + 4 + 4, sorted(kernels)
         _check(arch, report[arch])
     # why HIP launches take ieee dots: tf32 is refused on every AMD target but CDNA3
     assert report["gfx942"]["tf32_accepted"] and not report["gfx1100"]["tf32_accepted"]
@@ -141,7 +143,8 @@ def test_every_kernel_compiles_for_cdna3_and_rdna3():
 @pytest.mark.slow
 def test_matrix_kernels_compile_for_cdna2_cdna4_rdna4():
     pytest.importorskip("triton.backends.amd")
-    report = _compile("gfx90a", "gfx950", "gfx1201", "--only=moe.gate_up,moe.down,attention.partial,packed.down.Q4_K")
+    report = _compile("gfx90a", "gfx950", "gfx1201",
+                      "--only=moe.gate_up,moe.down,attention.partial,packed.down.Q4_K,grouped.gate_up.Q4_K")
     for arch in ("gfx90a", "gfx950", "gfx1201"):
         _check(arch, report[arch])
         assert not report[arch]["tf32_accepted"]

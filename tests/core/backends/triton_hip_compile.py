@@ -27,6 +27,7 @@ from freetoken.backends.triton_target import TritonTarget, hip_target
 from freetoken.models import decode_attention_triton as dat
 from freetoken.models import dense_ops_triton as dot
 from freetoken.moe import triton_moe as tm
+from freetoken.moe import triton_moe_grouped as tg
 from freetoken.moe import triton_moe_packed as tp
 
 # Qwen3-30B-A3B's expert shapes (hidden 2048, expert intermediate 768), top-8 routing
@@ -151,6 +152,39 @@ def attention_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
     }  # fmt: skip
 
 
+def grouped_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
+    """The prompt-sized kernels grouped by expert, as :func:`triton_moe_grouped.launch` runs
+    them: Q4_K gate/up with a Q6_K down (a Q4_K_M layer), and plain BF16 weights."""
+    cfg = tg.DEFAULT_CONFIG
+    blocks = dict(BLOCK_M=32, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    out: dict[str, Callable[[], Any]] = {}
+    for name, (gfmt, dfmt) in {"Q4_K": (tp.FMT_Q4_K, tp.FMT_Q6_K), "BF16": (tg.PLAIN, tg.PLAIN)}.items():
+        def rb(fmt: int, cols: int) -> int:
+            return cols if fmt == tg.PLAIN else cols // tp.FORMATS[fmt][0] * tp.FORMATS[fmt][1]
+
+        def grp(fmt: int) -> int:
+            return 1 if fmt == tg.PLAIN else tp.FORMATS[fmt][2]
+
+        def views(prefix: str, fmt: int) -> dict[str, str]:
+            first = "*bf16" if fmt == tg.PLAIN else "*u8"
+            return {f"{prefix}_u8": first, f"{prefix}_i8": "*bf16" if fmt == tg.PLAIN else "*i8",
+                    f"{prefix}_f16": "*bf16" if fmt == tg.PLAIN else "*fp16"}
+
+        route = {"routes_ptr": "*i32", "block_expert_ptr": "*i32"}
+        out[f"grouped.gate_up.{name}"] = lambda f=gfmt: compile_kernel(
+            tg._gate_up_grouped_kernel, target,
+            {"x_ptr": "*bf16", **route, **views("g", f), **views("u", f), "h_ptr": "*bf16"},
+            dict(K=TOP_K, H=HIDDEN, I=INTER, GATE_FMT=f, GATE_RB=rb(f, HIDDEN), GATE_G=grp(f), UP_FMT=f,
+                 UP_RB=rb(f, HIDDEN), UP_G=grp(f), ACT=0, ALPHA=1.702, LIMIT=7.0, **blocks),
+            cfg.num_warps, cfg.num_stages)  # fmt: skip
+        out[f"grouped.down.{name}"] = lambda f=dfmt: compile_kernel(
+            tg._down_grouped_kernel, target,
+            {"h_ptr": "*bf16", **route, "w_ptr": "*fp32", **views("d", f), "y_ptr": "*fp32"},
+            dict(H=HIDDEN, I=INTER, DOWN_FMT=f, DOWN_RB=rb(f, INTER), DOWN_G=grp(f), **blocks),
+            cfg.num_warps, cfg.num_stages)  # fmt: skip
+    return out
+
+
 def describe(kernel: Any) -> dict[str, Any]:
     asm = kernel.asm["amdgcn"]
     return {
@@ -190,7 +224,8 @@ def main(args: list[str]) -> int:
     report: dict[str, Any] = {}
     for arch in archs:
         target = hip_target(arch)
-        kernels = {**moe_kernels(target), **packed_kernels(target), **dense_kernels(target), **attention_kernels(target)}
+        kernels = {**moe_kernels(target), **packed_kernels(target), **dense_kernels(target), **attention_kernels(target),
+                   **grouped_kernels(target)}
         if only is not None:
             kernels = {k: v for k, v in kernels.items() if any(k.startswith(p) for p in only)}
         per_arch: dict[str, Any] = {}
