@@ -16,7 +16,7 @@ import torch
 from freetoken.loading.hf import CheckpointError
 from freetoken.loading.tensors import RawTensor, TensorSource
 from freetoken.models.attention import AttentionMetadata, paged_attention
-from freetoken.models.config import ModelConfig
+from freetoken.models.config import ModelConfig, gguf_config_fields, hf_config_fields
 from freetoken.backends.contract import WeightPolicy
 from freetoken.models.dense_ops import dense_ops_for
 from freetoken.models.layers import FusedLinears, Rotary
@@ -54,8 +54,6 @@ def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, An
     if rope_type not in ("default", None):
         raise CheckpointError(f"RoPE scaling {rope_type!r} is not supported yet (default RoPE only)")
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
     eos: list[int] = []
     for src in (generation_config or {}, cfg):
         v = src.get("eos_token_id")
@@ -66,56 +64,31 @@ def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, An
                 eos.append(int(e))
     return ModelConfig(
         architecture=ARCHITECTURE,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        **hf_config_fields(cfg, tuple(eos)),
         intermediate_size=int(cfg.get("intermediate_size", 0)),
         moe_intermediate_size=int(cfg["moe_intermediate_size"]),
         num_experts=int(cfg.get("num_experts", cfg.get("num_local_experts", 0))),
         top_k=int(cfg["num_experts_per_tok"]),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(theta),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
         decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(eos),
     )
 
 
 def config_from_gguf(meta: dict[str, Any], has_output: bool) -> ModelConfig:
-    from freetoken.loading.gguf import gguf_float, gguf_int
+    from freetoken.loading.gguf import gguf_int
 
     a = meta.get("general.architecture", "qwen3moe")
-    hidden = gguf_int(meta, f"{a}.embedding_length")
-    heads = gguf_int(meta, f"{a}.attention.head_count")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    vocab = meta.get(f"{a}.vocab_size")
     return ModelConfig(
         architecture=ARCHITECTURE,
-        vocab_size=int(vocab) if vocab is not None else -1,  # filled from token_embd by the loader
-        hidden_size=hidden,
-        num_layers=gguf_int(meta, f"{a}.block_count"),
-        num_heads=heads,
-        num_kv_heads=gguf_int(meta, f"{a}.attention.head_count_kv", heads),
-        head_dim=gguf_int(meta, f"{a}.attention.key_length", hidden // heads),
+        **gguf_config_fields(meta, a, has_output),  # vocab_size -1 when absent: filled from token_embd
         intermediate_size=gguf_int(meta, f"{a}.feed_forward_length", 0),
         moe_intermediate_size=gguf_int(meta, f"{a}.expert_feed_forward_length"),
         num_experts=gguf_int(meta, f"{a}.expert_count"),
         top_k=gguf_int(meta, f"{a}.expert_used_count"),
         # llama.cpp always renormalises the top-k weights for qwen3moe.
         norm_topk_prob=bool(meta.get(f"{a}.expert_weights_norm", True)),
-        rms_norm_eps=gguf_float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=gguf_float(meta, f"{a}.rope.freq_base", 10000.0),
-        max_position_embeddings=gguf_int(meta, f"{a}.context_length", 4096),
-        tie_word_embeddings=not has_output,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
     )
 
 
