@@ -48,7 +48,7 @@ class ExpertTraffic:
     def __init__(
         self, options: MoEOptions, device: Any, act_dtype: torch.dtype, moe_layers: list[int], top_k: int,
         max_decode_tokens: int, cache_bytes: int, packed_ok: bool, scratch: DequantScratch,
-        dequant_group: Optional[int] = None, stream_planned: bool = True,
+        stream_planned: bool = True,
     ) -> None:  # fmt: skip
         self.options = options
         self.device = torch.device(device)
@@ -59,7 +59,6 @@ class ExpertTraffic:
         self.cache_bytes = cache_bytes
         self.packed_ok = packed_ok
         self.scratch = scratch
-        self.dequant_group = dequant_group
         self.stream_planned = stream_planned  # the memory plan kept room for the streaming buffers
         self.cpu_layers: dict[int, Any] = {}  # layer -> ExpertWeights (host)
         self.activation = "silu"
@@ -115,7 +114,7 @@ class ExpertTraffic:
         if stream:
             self.streamer = PrefillStreamer(cpu_layers, self.device, self.act_dtype, self.activation, self.packed_ok,
                                             self.scratch, self.copies, o.stream_prefill,  # type: ignore[arg-type]
-                                            o.stream_min_tokens, self.dequant_group, o.stream_experts)
+                                            o.stream_min_tokens, o.stream_experts)
             first = self.streamer.order[0]
             self.profile = measure_threshold(self.streamer, cpu, banks[first], self.top_k, o.stream_min_tokens)
             log.info("long prompts: prefill chunks of %s tokens stream the CPU layers' experts to the GPU "

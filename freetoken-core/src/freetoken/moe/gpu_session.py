@@ -66,10 +66,6 @@ RESERVE_BYTES = 1 << 30
 #: The KV cache the plan guarantees at least (tokens), when max_model_len is larger.
 MIN_KV_TOKENS = 4096
 
-#: Where packed experts are dequantized for a large batch (``large_batch="dequantize"``,
-#: not the default), a layer in this many groups of experts through one scratch
-DEQUANT_GROUPS = 4
-
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 8 else f"{n / (1 << 20):.1f} MiB"
@@ -131,7 +127,6 @@ class GpuModelSession(ModelSession):
         self.dequant_scratch = DequantScratch()  # one layer's experts dequantized, shared by every layer
         self.traffic: Optional[ExpertTraffic] = None
         self.packed_capable = False
-        self.dequant_group: Optional[int] = None
         self.cpu_weights: dict[int, Any] = {}  # the CPU layers' ExpertWeights
         self.coordinator: Any = None
         self.model: Any = None
@@ -178,7 +173,6 @@ class GpuModelSession(ModelSession):
         # there is no budget to protect; an HF checkpoint on a planned GPU needs `on`.
         mode = o.moe.stream_prefill
         streams = n > 0 and (mode == "on" or (mode == "auto" and (len(packed) == n or budget is None)))
-        self.dequant_group = -(-shape.num_experts // DEQUANT_GROUPS)
         scratch = 0
         buffers = buffer_count(o.moe.stream_experts) * max(per_layer.values() if shape.expert_file_bytes is None else
                           shape.expert_file_bytes.values()) if streams else 0
@@ -219,7 +213,7 @@ class GpuModelSession(ModelSession):
                                       self.dense_form)
         self.traffic = ExpertTraffic(o.moe, self.device, self.act_dtype, shape.moe_layers, shape.top_k,
                                      max(o.max_running_requests, 1), cache, self.packed_capable, self.dequant_scratch,
-                                     self.dequant_group, stream_planned=streams and bool(cpu))
+                                     stream_planned=streams and bool(cpu))
         log.info("GPU memory plan: budget %s, dense %s (%s), experts of %d layers on the GPU (%s, %d packed), "
                  "expert cache %s, CPU layers %s", _gib(budget) if budget else "-", _gib(dense), self.dense_form,
                  len(gpu), _gib(experts), len(self.plan_result.packed_layers), _gib(cache), _ranges(cpu))
@@ -335,8 +329,7 @@ class GpuModelSession(ModelSession):
             from freetoken.moe.gpu_packed_experts import PackedGpuExperts
 
             experts = PackedGpuExperts.from_expert_weights(e, self.device, activation=spec.activation,
-                                                           scratch=self.dequant_scratch,
-                                                           dequant_group=self.dequant_group)
+                                                           scratch=self.dequant_scratch)
             self.gpu_experts[layer] = experts
             self.layer_fns[layer] = experts.forward
         else:

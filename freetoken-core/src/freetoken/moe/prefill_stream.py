@@ -78,7 +78,7 @@ class PrefillStreamer:
     def __init__(
         self, layers: dict[int, Any], device: Any, act_dtype: torch.dtype, activation: str, packed_ok: bool,
         scratch: DequantScratch, copies: CopyQueue, mode: str = "auto", min_tokens: Optional[int] = None,
-        dequant_group: Optional[int] = None, experts: str = "routed",
+        experts: str = "routed",
     ) -> None:  # fmt: skip
         if experts not in ("routed", "all"):
             raise ValueError(f"streamed experts {experts!r}: expected 'routed' or 'all'")
@@ -93,7 +93,6 @@ class PrefillStreamer:
         self.copies = copies
         self.mode = mode
         self.min_tokens = min_tokens
-        self.dequant_group = dequant_group
         self.routed = experts == "routed"
         self.profile: Optional[StreamProfile] = None
         size = max(e.nbytes for e in self.layers.values())
@@ -228,7 +227,7 @@ class PrefillStreamer:
         (g, _), (u, _), (d, _) = self._parts(layer, buf)
         if {int(t.fmt) for t in (e.gate, e.up, e.down)} <= PACKED_FORMATS and self.packed_ok:
             return PackedGpuExperts.over_device_bytes(e, (g, u, d), self.device, activation=self.activation,
-                                                      scratch=self.scratch, dequant_group=self.dequant_group)
+                                                      scratch=self.scratch)
         dt = _FLOAT_FMTS[int(e.gate.fmt)]
         views = [x.view(dt).view(*t.shape) for x, t in ((g, e.gate), (u, e.up), (d, e.down))]
         return GpuExperts(*views, activation=self.activation)
