@@ -80,7 +80,7 @@ class CopyQueue:
     def submit(self, job: Job, after: Any = None, nbytes: int = 0) -> CopyTicket:
         """Copy ``job`` after the compute-stream event ``after`` (see :meth:`compute_event`)."""
         if nbytes == 0 and not callable(job):
-            nbytes = sum(d.numel() * d.element_size() for d, _ in job)
+            nbytes = _pairs_bytes(job)
         ticket = CopyTicket(after, nbytes)
         self._jobs.put((ticket, job))
         return ticket
@@ -89,19 +89,24 @@ class CopyQueue:
         """Issue ``job`` on the copy stream from the calling thread (no hand-over to the copy
         thread): for callers that wait for the copies right away anyway. With pageable host
         memory the copies block the caller until done, which is still correct."""
-        ticket = CopyTicket(after, sum(d.numel() * d.element_size() for d, _ in job))
+        ticket = CopyTicket(after, _pairs_bytes(job))
+        self._issue(ticket, job)
+        ticket._issued.set()
+        return ticket
+
+    def _issue(self, ticket: CopyTicket, job: Job) -> None:
+        """Enqueue ``job`` on the copy stream after ``ticket.after``, then the ticket's end event."""
         if self.cuda:
             with torch.cuda.stream(self.stream):
-                if after is not None:
-                    self.stream.wait_event(after)
+                if ticket.after is not None:
+                    self.stream.wait_event(ticket.after)
                 self._copy(job)
-                ticket.end = torch.cuda.Event()
-                ticket.end.record(self.stream)
+                end = torch.cuda.Event()
+                end.record(self.stream)
+            ticket.end = end
         else:
             self._copy(job)
         self.copied_bytes += ticket.nbytes
-        ticket._issued.set()
-        return ticket
 
     def _run(self) -> None:
         if self.cuda:
@@ -112,17 +117,7 @@ class CopyQueue:
                 return
             ticket, job = item
             try:
-                if self.cuda:
-                    with torch.cuda.stream(self.stream):
-                        if ticket.after is not None:
-                            self.stream.wait_event(ticket.after)
-                        self._copy(job)
-                        end = torch.cuda.Event()
-                        end.record(self.stream)
-                    ticket.end = end
-                else:
-                    self._copy(job)
-                self.copied_bytes += ticket.nbytes
+                self._issue(ticket, job)
             except BaseException as exc:  # noqa: BLE001 - reported through the ticket
                 log.error("expert copy failed: %s", exc)
                 ticket.error = exc
@@ -140,3 +135,7 @@ class CopyQueue:
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join(timeout=30)
+
+
+def _pairs_bytes(pairs: Pairs) -> int:
+    return sum(d.numel() * d.element_size() for d, _ in pairs)

@@ -19,7 +19,7 @@ stream, ordered after the compute that last read the buffer. Two ways to fill th
 
 The buffers hold the checkpoint's bytes: GGUF block formats the packed kernels read
 (computed by :class:`~freetoken.moe.gpu_packed_experts.PackedGpuExperts`' large-batch
-path: dequantized into the shared scratch, then the BF16 grouped kernels), or float
+path, the grouped kernels over the blocks as they are), or float
 experts in the activation dtype (:class:`~freetoken.moe.gpu_experts.GpuExperts`).
 
 Whether a chunk streams: ``mode`` ``on`` streams every prefill chunk, ``auto`` those of at
