@@ -83,7 +83,7 @@ class MemoryPlan:
     packed_layers: list[int] = dataclasses.field(default_factory=list)  # GPU layers kept in the file's blocks
     expert_bytes: int = 0  # all GPU layers' experts on the device
     cache: int = 0  # the global expert cache
-    scratch: int = 0  # one layer's experts dequantized (prefill of packed or streamed experts)
+    scratch: int = 0  # the streaming buffers (one or two layers' expert bytes)
     dense_form: str = "dequantized"  # or "packed": the file's block formats kept on the device
 
     def as_dict(self) -> dict[str, Any]:
@@ -124,7 +124,9 @@ class GpuModelSession(ModelSession):
         self.banks: dict[int, Any] = {}
         self.gpu_experts: dict[int, Any] = {}
         self.executors: dict[int, Any] = {}
-        self.dequant_scratch = DequantScratch()  # one layer's experts dequantized, shared by every layer
+        # where packed experts are dequantized only by a graph capture that meets a kernel
+        # variant not compiled yet (PackedGpuExperts' capture fallback): shared by every layer
+        self.dequant_scratch = DequantScratch()
         self.traffic: Optional[ExpertTraffic] = None
         self.packed_capable = False
         self.cpu_weights: dict[int, Any] = {}  # the CPU layers' ExpertWeights
@@ -173,11 +175,10 @@ class GpuModelSession(ModelSession):
         # there is no budget to protect; an HF checkpoint on a planned GPU needs `on`.
         mode = o.moe.stream_prefill
         streams = n > 0 and (mode == "on" or (mode == "auto" and (len(packed) == n or budget is None)))
-        scratch = 0
         buffers = buffer_count(o.moe.stream_experts) * max(per_layer.values() if shape.expert_file_bytes is None else
                           shape.expert_file_bytes.values()) if streams else 0
-        dense = self._dense_form(shape, budget, reserve + kv_min + cache + scratch + buffers, per_layer)
-        fixed = reserve + dense + kv_min + cache + scratch + buffers
+        dense = self._dense_form(shape, budget, reserve + kv_min + cache + buffers, per_layer)
+        fixed = reserve + dense + kv_min + cache + buffers
         if budget is None:
             default_cpu = n  # nothing to plan against: keep the experts on the host
         else:
@@ -195,21 +196,19 @@ class GpuModelSession(ModelSession):
         gpu = [i for i in shape.moe_layers if i not in cpu_set]
         if not cpu:
             cache = buffers = 0  # nothing to cache or stream
-        if not cpu and not packed:
-            scratch = 0
         experts = sum(per_layer[i] for i in gpu)
         kv_budget = None
         if budget is not None:
-            fixed = reserve + dense + kv_min + cache + scratch + buffers
+            fixed = reserve + dense + kv_min + cache + buffers
             need = fixed + experts
             if need > budget:
-                self._refuse(shape, per_layer, gpu, need, budget, budget_from, fixed, cache, scratch + buffers, kv_min,
+                self._refuse(shape, per_layer, gpu, need, budget, budget_from, fixed, cache, buffers, kv_min,
                              reserve, dense)
-            kv_budget = budget - reserve - dense - experts - cache - scratch - buffers
+            kv_budget = budget - reserve - dense - experts - cache - buffers
             if self.device.type == "cuda" and total:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
         self.plan_result = MemoryPlan(budget, dense, max(per_layer.values(), default=0), gpu, cpu,
-                                      kv_budget, reserve, sorted(set(gpu) & packed), experts, cache, scratch + buffers,
+                                      kv_budget, reserve, sorted(set(gpu) & packed), experts, cache, buffers,
                                       self.dense_form)
         self.traffic = ExpertTraffic(o.moe, self.device, self.act_dtype, shape.moe_layers, shape.top_k,
                                      max(o.max_running_requests, 1), cache, self.packed_capable, self.dequant_scratch,
@@ -282,7 +281,7 @@ class GpuModelSession(ModelSession):
         return {i for i, f in shape.expert_formats.items() if all(x in PACKED_FORMATS for x in f)}
 
     def _refuse(self, shape: ModelShape, per_layer: dict[int, int], gpu: list[int], need: int, budget: int,
-                budget_from: Optional[str], fixed: int, cache: int, scratch: int, kv_min: int,
+                budget_from: Optional[str], fixed: int, cache: int, buffers: int, kv_min: int,
                 reserve: int, dense: int) -> None:  # fmt: skip
         n = len(shape.moe_layers)
         fit, room = 0, budget - fixed
@@ -297,8 +296,8 @@ class GpuModelSession(ModelSession):
                  f"KV cache for {ctx_tokens} tokens {_gib(kv_min)}", f"reserve {_gib(reserve)}"]
         if cache:
             parts.append(f"expert cache {_gib(cache)} (--moe-cache-size)")
-        if scratch:
-            parts.append(f"streaming buffers {_gib(scratch)} (--moe-stream-prefill off saves them)")
+        if buffers:
+            parts.append(f"streaming buffers {_gib(buffers)} (--moe-stream-prefill off saves them)")
         if self.dense_form == "dequantized" and shape.dense_file_bytes is not None:
             parts[0] += (f"; --gpu-dense packed keeps the file's blocks: about "
                          f"{_gib(shape.dense_file_bytes + shape.dense_scratch_bytes)}")
