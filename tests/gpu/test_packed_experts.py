@@ -139,6 +139,23 @@ def test_narrow_tiles(mix):
     run_case(MIXES[mix], 2, 4, seed=len(mix), config=NARROW)
 
 
+@pytest.mark.parametrize("words", [True, False])
+@pytest.mark.parametrize("routes_tile", [True, False])
+@pytest.mark.parametrize("top_k", [3, 6])
+def test_down_routes_tile_and_loop(routes_tile, top_k, words):
+    """The down kernel's two forms (the token's routes as a tile dimension, or a loop over
+    them), with route counts that are not powers of two (the tile is padded and masked),
+    Q4_K weights read as words or as byte tiles."""
+    cfg = dataclasses.replace(NARROW, down_routes_tile=routes_tile, word_loads=words)
+    run_case((Q4, Q4, Q4), 3, top_k, seed=40 + top_k, config=cfg)
+
+
+@pytest.mark.parametrize("mix", ["q4k_q4k_q6k", "q5k", "q6k_q5k_q4k"])
+def test_byte_tiles(mix):
+    """Q4_K and Q5_K through the byte tiles (``word_loads=False``), as Q6_K and Q8_0 always are."""
+    run_case(MIXES[mix], 3, 8, seed=60 + len(mix), config=dataclasses.replace(BASE, word_loads=False))
+
+
 def test_bf16_activations_and_output_small_top_k():
     run_case((Q4, Q8, Q6), 1, 1, seed=3, xdtype=torch.bfloat16, outdtype=torch.bfloat16, tol=BF16_TOL)
     experts = run_case((Q4, Q4, Q6), 3, 2, seed=4, xdtype=torch.bfloat16, tol=FP32_TOL)
@@ -228,14 +245,14 @@ def rb(f, cols):
     return cols // per * nb
 
 report = {}
-for gf, uf, df in [(12, 12, 14), (13, 8, 13)]:
+for gf, uf, df in [(12, 12, 14), (13, 8, 13), (12, 12, 12)]:
     cfg, H, I = tp.DEFAULT_CONFIG, 2048, 768
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     sig = {"x_ptr": "*bf16", "ids_ptr": "*i32", "g_u8": "*u8", "g_i8": "*i8", "g_f16": "*fp16", "u_u8": "*u8",
            "u_i8": "*i8", "u_f16": "*fp16", "h_ptr": "*fp32", "T": "i32"}
     consts = dict(K=8, H=H, I=I, GATE_FMT=gf, GATE_RB=rb(gf, H), GATE_G=tp.FORMATS[gf][2], UP_FMT=uf,
                   UP_RB=rb(uf, H), UP_G=tp.FORMATS[uf][2], ACT=0, ALPHA=1.702, LIMIT=7.0,
-                  BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h)
+                  BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h, WORDS=cfg.word_loads)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
     gu = triton.compile(ASTSource(tp._gate_up_packed_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -243,7 +260,7 @@ for gf, uf, df in [(12, 12, 14), (13, 8, 13)]:
     sig = {"h_ptr": "*fp32", "ids_ptr": "*i32", "w_ptr": "*fp32", "d_u8": "*u8", "d_i8": "*i8", "d_f16": "*fp16",
            "y_ptr": "*fp32", "T": "i32"}
     consts = dict(K=8, H=H, I=I, DOWN_FMT=df, DOWN_RB=rb(df, I), DOWN_G=tp.FORMATS[df][2], BLOCK_N=cfg.block_n,
-                  BLOCK_R=cfg.block_r)
+                  BLOCK_R=cfg.block_r, KP=8, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
     dn = triton.compile(ASTSource(tp._down_packed_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -261,7 +278,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report == {"12_12_14": [True, True], "13_8_13": [True, True]}
+    assert report == {"12_12_14": [True, True], "13_8_13": [True, True], "12_12_12": [True, True]}
 
 
 # --------------------------------------------------------------------------------------

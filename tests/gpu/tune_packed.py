@@ -34,35 +34,46 @@ def main() -> int:
     gate, up = stack(12, I, H, rng), stack(12, I, H, rng)
     downs = {"q6_k": stack(14, H, I, rng), "q4_k": stack(12, H, I, rng)}
     base = tp.DEFAULT_CONFIG
-    gate_up = [dict(block_i=bi, block_h=bh, num_warps=nw) for bi, bh, nw in
-               itertools.product((4, 8, 16, 32), (256, 512), (2, 4))]
-    down = [dict(block_n=bn, block_r=br, num_warps=nw) for bn, br, nw in
-            itertools.product((4, 8, 16), (128, 256, 512), (2, 4))]
+    gate_up = [dict(block_i=bi, block_h=bh, num_warps=nw, word_loads=wl) for bi, bh, nw, wl in
+               itertools.product((2, 4, 8), (256, 512), (2, 4), (True, False))]
+    down = [dict(block_n=bn, block_r=br, num_warps=nw, word_loads=wl) for bn, br, nw, wl in
+            itertools.product((1, 2, 4), (128, 256), (2, 4), (True, False))]
+    # the loop over the routes (before the routes became a tile dimension)
+    down += [dict(block_n=8, block_r=256, num_warps=4, down_routes_tile=False, word_loads=wl) for wl in (True, False)]
+    print(f"default {base}", flush=True)
     for tokens in args.tokens:
         x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)
         ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(tokens)]).to(torch.int32)
         w = torch.rand(tokens, K, device="cuda")
         y = torch.empty(tokens, H, device="cuda")
-        h = torch.empty(tokens, K, I, device="cuda")
-        moved = tokens * K * (gate.nbytes + up.nbytes + downs["q6_k"].nbytes) / E
-        print(f"T={tokens}: {moved / 1e6:.1f} MB of weights per call (Q4_K/Q4_K/Q6_K), "
-              f"{moved / 4.8e12 * 1e6:.1f} us at 4.8 TB/s", flush=True)
+        h = torch.randn(tokens, K, I, device="cuda")
+        per_route = (gate.nbytes + up.nbytes) / E
+        print(f"T={tokens} gate/up Q4_K: {tokens * K * per_route / 1e6:.1f} MB per call "
+              f"({tokens * K * per_route / 4.8e12 * 1e6:.1f} us at 4.8 TB/s)", flush=True)
+        timed = [("gate_up", gate_up, lambda cfg: tp.launch_gate_up(x, ids, gate, up, h, "silu", cfg), True)]
         for dname, dstack in downs.items():
+            timed.append((f"down {dname} ({tokens * K * dstack.nbytes / E / 1e6:.1f} MB)", down,
+                          lambda cfg, d=dstack: tp.launch_down(h, ids, w, d, y, cfg), dname != "q6_k"))
+        for name, variants, fn, has_words in timed:
             results = []
-            for name, variants in (("gate_up", gate_up), ("down", down)) if dname == "q6_k" else ():
-                for v in variants:
-                    cfg = dataclasses.replace(base, **v)
-                    try:
-                        us = graph_time_us(lambda: tp.launch(x, ids, w, gate, up, dstack, y, h, "silu", cfg), iters=100)
-                    except Exception as exc:  # noqa: BLE001 - a tile that does not compile
-                        print(f"  {name} {v}: {type(exc).__name__}", flush=True)
-                        continue
-                    results.append((us, name, v))
-            for name in ("gate_up", "down"):
-                best = sorted(r for r in results if r[1] == name)[:4]
-                print(f"  down={dname} sweep {name}: " + "; ".join(f"{us:.1f} us {v}" for us, _, v in best), flush=True)
-            print(f"  down={dname} default {graph_time_us(lambda: tp.launch(x, ids, w, gate, up, dstack, y, h, 'silu', base), iters=100):.1f} us",
-                  flush=True)
+            for v in variants:
+                if not has_words and not v.get("word_loads", True):
+                    continue  # Q6_K has no word path: the same kernel as word_loads=True
+                cfg = dataclasses.replace(base, **v)
+                try:
+                    us = graph_time_us(lambda: fn(cfg), iters=100)
+                except Exception as exc:  # noqa: BLE001 - a tile that does not compile
+                    print(f"  {name} {v}: {type(exc).__name__}", flush=True)
+                    continue
+                results.append((us, v))
+            results.sort(key=lambda r: r[0])
+            default_us = graph_time_us(lambda: fn(base), iters=100)
+            print(f"  {name}: default {default_us:.1f} us; best " + "; ".join(f"{us:.1f} us {v}" for us, v in results[:5])
+                  + (f" | worst {results[-1][0]:.1f} us {results[-1][1]}" if results else ""), flush=True)
+            if name == "gate_up":
+                old = dataclasses.replace(base, block_i=4, block_h=512, word_loads=False)
+                print(f"  gate_up as before (4 x 512 byte tiles): {graph_time_us(lambda: fn(old), iters=100):.1f} us",
+                      flush=True)
     return 0
 
 

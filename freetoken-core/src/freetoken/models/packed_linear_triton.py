@@ -50,6 +50,7 @@ from freetoken.moe.triton_moe_packed import (
     PackedStack,
     _dequant_rows_kernel,
     _dequant_tile,
+    _dot_words,
     _load_groups,
 )
 
@@ -67,6 +68,8 @@ class PackedLinearConfig:
     #: program's registers hold block_n x block_k products whatever the token tile
     block_k: int = 512
     block_t: int = 8  # most tokens per program (the weights are read once per token tile)
+    #: one token per program: Q4_K/Q5_K rows read as 32-bit words (``_dot_words``)
+    word_loads: bool = True
     num_warps: int = 4
     num_stages: int = 2
     #: batches of at most this many tokens run the GEMV; larger ones are dequantized into
@@ -80,6 +83,9 @@ class PackedLinearConfig:
                 raise ValueError(f"{name}={v}: must be a power of two")
         if self.block_k < 32 or self.block_k & (self.block_k - 1):
             raise ValueError(f"block_k={self.block_k}: must be a power of two >= 32 (a whole scale group)")
+        if self.word_loads and self.block_k < 64:
+            raise ValueError(f"block_k={self.block_k}: word loads step over whole pairs of sub-blocks (>= 64); "
+                             "pass word_loads=False for smaller steps")
         if self.max_gemv_tokens < 0:
             raise ValueError(f"max_gemv_tokens={self.max_gemv_tokens}: must be >= 0")
 
@@ -127,7 +133,7 @@ class PackedMatrix:
 def _packed_gemv_kernel(
     x_ptr, w_u8, w_i8, w_f16, y_ptr, T,
     N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, RB: tl.constexpr, G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
     """``y[t, n] = sum_k x[t, k] * W[n, k]`` for the program's ``BLOCK_N`` rows and
     ``BLOCK_T`` tokens (x ``[T, K]``, y ``[T, N]``, contiguous)."""
@@ -139,13 +145,20 @@ def _packed_gemv_kernel(
     if BLOCK_T == 1:
         # one token: the tile stays in its [rows, groups, G] layout, no reshape
         t = pid_t.to(tl.int64)
-        x_row = x_ptr + t * K
-        acc = tl.zeros([BLOCK_N, BLOCK_K // G, G], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xg = _load_groups(x_row, k0, K, BLOCK_K, G, True)
-            w = _dequant_tile(w_u8, w_i8, w_f16, rows, n_ok, k0, K, FMT, BLOCK_K, G)
-            acc += w * xg[None, :, :]
-        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if WORDS and (FMT == 12 or FMT == 13):
+            x_off = tl.zeros([BLOCK_N], dtype=tl.int64) + t * K
+            accw = tl.zeros([BLOCK_N, BLOCK_K // 64], dtype=tl.float32)
+            for k1 in range(0, K, BLOCK_K):
+                accw += _dot_words(w_u8, w_f16, rows, n_ok, x_ptr, x_off, k1, K, FMT, BLOCK_K)
+            y = tl.sum(accw, axis=1)
+        else:
+            x_row = x_ptr + t * K
+            acc = tl.zeros([BLOCK_N, BLOCK_K // G, G], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xg = _load_groups(x_row, k0, K, BLOCK_K, G, True)
+                w = _dequant_tile(w_u8, w_i8, w_f16, rows, n_ok, k0, K, FMT, BLOCK_K, G)
+                acc += w * xg[None, :, :]
+            y = tl.sum(tl.sum(acc, axis=2), axis=1)
         tl.store(y_ptr + t * N + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
     else:
         offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -199,7 +212,7 @@ def gemv(x: Any, w: PackedMatrix, y: Any, config: PackedLinearConfig = DEFAULT_C
     st = w.stack
     _packed_gemv_kernel[(triton.cdiv(w.rows, config.block_n), triton.cdiv(tokens, bt))](
         x, *st.views(), y, tokens, N=w.rows, K=w.cols, FMT=st.fmt, RB=st.row_bytes, G=st.group,
-        BLOCK_N=config.block_n, BLOCK_K=config.step_columns(bt, w.cols), BLOCK_T=bt,
+        BLOCK_N=config.block_n, BLOCK_K=config.step_columns(bt, w.cols), BLOCK_T=bt, WORDS=config.word_loads,
         **triton_target.for_device(x.device).launch_options(config.num_warps, config.num_stages),
     )  # fmt: skip
     return y

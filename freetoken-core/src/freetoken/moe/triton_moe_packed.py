@@ -78,8 +78,13 @@ class PackedConfig:
     # Q4_K gate/up 4 x 512 tiles and Q6_K down 8 x 256 tiles beat 16 x 256 by 8-13%
     block_i: int = 4  # gate_up: intermediate rows per program
     block_h: int = 512  # gate_up: hidden columns per step
-    block_n: int = 8  # down: hidden rows per program
+    block_n: int = 2  # down: hidden rows per program
     block_r: int = 256  # down: intermediate columns per step
+    #: down: the token's K routes as a tile dimension (all routes' weights loaded in one
+    #: step) rather than a loop over them
+    down_routes_tile: bool = True
+    #: Q4_K/Q5_K weights read as 32-bit words (:func:`_dot_words`) instead of byte tiles
+    word_loads: bool = True
     num_warps: int = 4
     num_stages: int = 2
     #: batches of at most this many routes (T * K) run the packed kernels; larger ones
@@ -95,6 +100,9 @@ class PackedConfig:
             v = getattr(self, name)
             if v < 32 or v & (v - 1):
                 raise ValueError(f"{name}={v}: must be a power of two >= 32 (a whole scale group)")
+        if self.word_loads and min(self.block_h, self.block_r) < 64:
+            raise ValueError(f"block_h={self.block_h}, block_r={self.block_r}: word loads step over whole "
+                             "pairs of 32-value sub-blocks (>= 64); pass word_loads=False for smaller steps")
         if self.max_routes < 0:
             raise ValueError(f"max_routes={self.max_routes}: must be >= 0")
 
@@ -211,6 +219,66 @@ def _dequant_tile(
 
 
 @triton.jit
+def _dot_words(
+    u8_ptr, f16_ptr, row_off, row_ok, x_ptr, x_off, c0, NCOLS: tl.constexpr, FMT: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """``[R, BLOCK_C // 64]`` float32: partial dot products of Q4_K or Q5_K rows (byte offsets
+    ``row_off [R]``, a multiple of 4) with ``x_ptr[x_off[r] + c]`` over the columns ``c0 ..
+    c0 + BLOCK_C``, one per pair of 32-value sub-blocks. The nibbles are read as 32-bit
+    words (8 values per load instead of one byte per value) and each pair's sums are
+    ``d*sc * sum(q*x) - dmin*m * sum(x)``, the dequantization's arithmetic factored."""
+    P: tl.constexpr = BLOCK_C // 64
+    i32_ptr = u8_ptr.to(tl.pointer_type(tl.int32))
+    pg = c0 // 64 + tl.arange(0, P)  # pair of sub-blocks 2p, 2p+1 of super-block sb
+    p_ok = pg * 64 < NCOLS
+    sb = pg // 4
+    p = pg % 4
+    m2 = row_ok[:, None] & p_ok[None, :]
+    m3 = m2[:, :, None]
+    blk = row_off[:, None] + (sb * (144 + 32 * (FMT - 12)))[None, :]  # [R, P] block byte offsets
+    offs_w = tl.arange(0, 8)
+    q_word = (blk + (16 + 32 * (FMT - 12) + 32 * p)[None, :]) // 4
+    words = tl.load(i32_ptr + q_word[:, :, None] + offs_w[None, None, :], mask=m3, other=0)  # [R, P, 8]
+    if FMT == 13:  # fifth bits: bit s of byte 16 + l, l = 4 * word + byte
+        hwords = tl.load(i32_ptr + ((blk + 16) // 4)[:, :, None] + offs_w[None, None, :], mask=m3, other=0)
+        hshift = (2 * p)[None, :, None]
+    xo = x_off[:, None, None] + (pg * 64)[None, :, None] + offs_w[None, None, :] * 4  # value 4w of sub-block 2p
+    acc_lo = tl.zeros(words.shape, dtype=tl.float32)
+    acc_hi = tl.zeros(words.shape, dtype=tl.float32)
+    sx_lo = tl.zeros(words.shape, dtype=tl.float32)
+    sx_hi = tl.zeros(words.shape, dtype=tl.float32)
+    for b in tl.static_range(4):
+        x_lo = tl.load(x_ptr + xo + b, mask=m3, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_ptr + xo + (32 + b), mask=m3, other=0.0).to(tl.float32)
+        q_lo = (words >> (8 * b)) & 15
+        q_hi = (words >> (8 * b + 4)) & 15
+        if FMT == 13:
+            q_lo = q_lo | (((hwords >> (hshift + 8 * b)) & 1) << 4)
+            q_hi = q_hi | (((hwords >> (hshift + (8 * b + 1))) & 1) << 4)
+        acc_lo += q_lo.to(tl.float32) * x_lo
+        acc_hi += q_hi.to(tl.float32) * x_hi
+        sx_lo += x_lo
+        sx_hi += x_hi
+    # 6-bit scales and mins of sub-blocks s = 2p and 2p + 1 (see _dequant_tile)
+    s4 = ((2 * p) % 4)[None, :]
+    a0 = tl.load(u8_ptr + blk + 4 + s4, mask=m2, other=0).to(tl.int32)
+    a1 = tl.load(u8_ptr + blk + 5 + s4, mask=m2, other=0).to(tl.int32)
+    b0 = tl.load(u8_ptr + blk + 8 + s4, mask=m2, other=0).to(tl.int32)
+    b1 = tl.load(u8_ptr + blk + 9 + s4, mask=m2, other=0).to(tl.int32)
+    c0b = tl.load(u8_ptr + blk + 12 + s4, mask=m2, other=0).to(tl.int32)
+    c1b = tl.load(u8_ptr + blk + 13 + s4, mask=m2, other=0).to(tl.int32)
+    hi = (p >= 2)[None, :]
+    sc_lo = tl.where(hi, (c0b & 15) | ((a0 >> 6) << 4), a0 & 63).to(tl.float32)
+    sc_hi = tl.where(hi, (c1b & 15) | ((a1 >> 6) << 4), a1 & 63).to(tl.float32)
+    mn_lo = tl.where(hi, (c0b >> 4) | ((b0 >> 6) << 4), b0 & 63).to(tl.float32)
+    mn_hi = tl.where(hi, (c1b >> 4) | ((b1 >> 6) << 4), b1 & 63).to(tl.float32)
+    d = tl.load(f16_ptr + blk // 2, mask=m2, other=0.0).to(tl.float32)
+    dmin = tl.load(f16_ptr + blk // 2 + 1, mask=m2, other=0.0).to(tl.float32)
+    return (d * (sc_lo * tl.sum(acc_lo, axis=2) + sc_hi * tl.sum(acc_hi, axis=2))
+            - dmin * (mn_lo * tl.sum(sx_lo, axis=2) + mn_hi * tl.sum(sx_hi, axis=2)))
+
+
+@triton.jit
 def _load_groups(ptr, c0, NCOLS: tl.constexpr, BLOCK_C: tl.constexpr, G: tl.constexpr, ok):
     """``[BLOCK_C // G, G]`` float32: ``ptr[c0 .. c0 + BLOCK_C]`` (zero past ``NCOLS`` or when not ``ok``)."""
     offs = c0 + tl.arange(0, BLOCK_C // G)[:, None] * G + tl.arange(0, G)[None, :]
@@ -226,7 +294,7 @@ def _gate_up_packed_kernel(
     GATE_FMT: tl.constexpr, GATE_RB: tl.constexpr, GATE_G: tl.constexpr,
     UP_FMT: tl.constexpr, UP_RB: tl.constexpr, UP_G: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     pid_i = tl.program_id(1)
@@ -238,18 +306,28 @@ def _gate_up_packed_kernel(
         rows = e * I + offs_i.to(tl.int64)
         g_rows = rows * GATE_RB
         u_rows = rows * UP_RB
-        acc_g = tl.zeros([BLOCK_I, BLOCK_H // GATE_G, GATE_G], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_I, BLOCK_H // UP_G, UP_G], dtype=tl.float32)
-        x_row = x_ptr + t * H
-        for h0 in range(0, H, BLOCK_H):
-            xg = _load_groups(x_row, h0, H, BLOCK_H, GATE_G, True)
-            g = _dequant_tile(g_u8, g_i8, g_f16, g_rows, i_ok, h0, H, GATE_FMT, BLOCK_H, GATE_G)
-            acc_g += g * xg[None, :, :]
-            xu = _load_groups(x_row, h0, H, BLOCK_H, UP_G, True)
-            u = _dequant_tile(u_u8, u_i8, u_f16, u_rows, i_ok, h0, H, UP_FMT, BLOCK_H, UP_G)
-            acc_u += u * xu[None, :, :]
-        gs = tl.sum(tl.sum(acc_g, axis=2), axis=1)
-        us = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+        if WORDS and (GATE_FMT == 12 or GATE_FMT == 13) and (UP_FMT == 12 or UP_FMT == 13):
+            x_off = tl.zeros([BLOCK_I], dtype=tl.int64) + t * H
+            acc_gw = tl.zeros([BLOCK_I, BLOCK_H // 64], dtype=tl.float32)
+            acc_uw = tl.zeros([BLOCK_I, BLOCK_H // 64], dtype=tl.float32)
+            for h1 in range(0, H, BLOCK_H):
+                acc_gw += _dot_words(g_u8, g_f16, g_rows, i_ok, x_ptr, x_off, h1, H, GATE_FMT, BLOCK_H)
+                acc_uw += _dot_words(u_u8, u_f16, u_rows, i_ok, x_ptr, x_off, h1, H, UP_FMT, BLOCK_H)
+            gs = tl.sum(acc_gw, axis=1)
+            us = tl.sum(acc_uw, axis=1)
+        else:
+            acc_g = tl.zeros([BLOCK_I, BLOCK_H // GATE_G, GATE_G], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_I, BLOCK_H // UP_G, UP_G], dtype=tl.float32)
+            x_row = x_ptr + t * H
+            for h0 in range(0, H, BLOCK_H):
+                xg = _load_groups(x_row, h0, H, BLOCK_H, GATE_G, True)
+                g = _dequant_tile(g_u8, g_i8, g_f16, g_rows, i_ok, h0, H, GATE_FMT, BLOCK_H, GATE_G)
+                acc_g += g * xg[None, :, :]
+                xu = _load_groups(x_row, h0, H, BLOCK_H, UP_G, True)
+                u = _dequant_tile(u_u8, u_i8, u_f16, u_rows, i_ok, h0, H, UP_FMT, BLOCK_H, UP_G)
+                acc_u += u * xu[None, :, :]
+            gs = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+            us = tl.sum(tl.sum(acc_u, axis=2), axis=1)
         act = activate(gs, us, ACT, ALPHA, LIMIT)
         tl.store(h_ptr + r.to(tl.int64) * I + offs_i, act, mask=i_ok)
 
@@ -261,25 +339,56 @@ def _down_packed_kernel(
     y_ptr,
     T, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     DOWN_FMT: tl.constexpr, DOWN_RB: tl.constexpr, DOWN_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, KP: tl.constexpr, ROUTES_TILE: tl.constexpr,
+    WORDS: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
-    acc = tl.zeros([BLOCK_N, BLOCK_R // DOWN_G, DOWN_G], dtype=tl.float32)
-    # no branch per route: a skipped route's loads are masked off and its weight is 0
-    for k in tl.static_range(K):
-        e = tl.load(ids_ptr + t * K + k).to(tl.int64)
+    if ROUTES_TILE:
+        # the token's K routes side by side: tile rows are (route k, hidden row n), so every
+        # route's weights are read in the same step (K times the loads in flight of a loop
+        # over the routes); the sum over the routes is the program's, in a fixed order
+        offs_k = tl.arange(0, KP)
+        e = tl.load(ids_ptr + t * K + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
         ok = e >= 0
-        wk = tl.where(ok, tl.load(w_ptr + t * K + k).to(tl.float32), 0.0)
-        rows = (tl.maximum(e, 0) * H + offs_n.to(tl.int64)) * DOWN_RB
-        h_row = h_ptr + (t * K + k) * I
-        for r0 in range(0, I, BLOCK_R):
-            hv = _load_groups(h_row, r0, I, BLOCK_R, DOWN_G, ok)
-            d = _dequant_tile(d_u8, d_i8, d_f16, rows, n_ok & ok, r0, I, DOWN_FMT, BLOCK_R, DOWN_G)
-            acc += d * (hv * wk)[None, :, :]
-    tl.store(y_ptr + t * H + offs_n, tl.sum(tl.sum(acc, axis=2), axis=1), mask=n_ok)
+        wk = tl.load(w_ptr + t * K + offs_k, mask=ok, other=0.0).to(tl.float32)
+        rows = tl.reshape((tl.maximum(e, 0) * H)[:, None] + offs_n.to(tl.int64)[None, :], [KP * BLOCK_N]) * DOWN_RB
+        row_ok = tl.reshape(ok[:, None] & n_ok[None, :], [KP * BLOCK_N])
+        h_rows = tl.reshape((t * K + offs_k)[:, None] + tl.zeros([BLOCK_N], dtype=tl.int64)[None, :], [KP * BLOCK_N]) * I
+        cols = tl.arange(0, BLOCK_R // DOWN_G)[:, None] * DOWN_G + tl.arange(0, DOWN_G)[None, :]
+        if WORDS and (DOWN_FMT == 12 or DOWN_FMT == 13):
+            accw = tl.zeros([KP * BLOCK_N, BLOCK_R // 64], dtype=tl.float32)
+            for r2 in range(0, I, BLOCK_R):
+                accw += _dot_words(d_u8, d_f16, rows, row_ok, h_ptr, h_rows, r2, I, DOWN_FMT, BLOCK_R)
+            part_sum = tl.sum(accw, axis=1)
+        else:
+            acc = tl.zeros([KP * BLOCK_N, BLOCK_R // DOWN_G, DOWN_G], dtype=tl.float32)
+            for r0 in range(0, I, BLOCK_R):
+                c = r0 + cols
+                hv = tl.load(h_ptr + h_rows[:, None, None] + c[None, :, :],
+                             mask=row_ok[:, None, None] & (c < I)[None, :, :], other=0.0)
+                d = _dequant_tile(d_u8, d_i8, d_f16, rows, row_ok, r0, I, DOWN_FMT, BLOCK_R, DOWN_G)
+                acc += d * hv
+            part_sum = tl.sum(tl.sum(acc, axis=2), axis=1)
+        wrow = tl.reshape(wk[:, None] + tl.zeros([BLOCK_N], dtype=tl.float32)[None, :], [KP * BLOCK_N])
+        part = part_sum * wrow
+        tl.store(y_ptr + t * H + offs_n, tl.sum(tl.reshape(part, [KP, BLOCK_N]), axis=0), mask=n_ok)
+    else:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_R // DOWN_G, DOWN_G], dtype=tl.float32)
+        # one route after another; a skipped route's loads are masked off and its weight is 0
+        for k in tl.static_range(K):
+            e1 = tl.load(ids_ptr + t * K + k).to(tl.int64)
+            ok1 = e1 >= 0
+            wk1 = tl.where(ok1, tl.load(w_ptr + t * K + k).to(tl.float32), 0.0)
+            rows1 = (tl.maximum(e1, 0) * H + offs_n.to(tl.int64)) * DOWN_RB
+            h_row = h_ptr + (t * K + k) * I
+            for r1 in range(0, I, BLOCK_R):
+                hv1 = _load_groups(h_row, r1, I, BLOCK_R, DOWN_G, ok1)
+                d1 = _dequant_tile(d_u8, d_i8, d_f16, rows1, n_ok & ok1, r1, I, DOWN_FMT, BLOCK_R, DOWN_G)
+                acc2 += d1 * (hv1 * wk1)[None, :, :]
+        tl.store(y_ptr + t * H + offs_n, tl.sum(tl.sum(acc2, axis=2), axis=1), mask=n_ok)
 
 
 @triton.jit
@@ -351,16 +460,33 @@ def launch(
         raise ValueError("x, ids and w must be contiguous")
     if tokens == 0:
         return
+    launch_gate_up(x, ids, gate, up, h, activation, config, alpha, limit)
+    launch_down(h, ids, w, down, y, config)
+
+
+def launch_gate_up(
+    x: Any, ids: Any, gate: PackedStack, up: PackedStack, h: Any, activation: str,
+    config: PackedConfig = DEFAULT_CONFIG, alpha: float = 1.702, limit: float = 7.0,
+) -> None:  # fmt: skip
+    """The first of :func:`launch`'s two kernels alone (``h`` from ``x``); no checks."""
+    tokens, top_k = ids.shape
     opts = triton_target.for_device(x.device).launch_options(config.num_warps, config.num_stages)
-    _gate_up_packed_kernel[(tokens * top_k, triton.cdiv(inter, config.block_i))](
-        x, ids, *gate.views(), *up.views(), h, tokens, K=top_k, H=hidden, I=inter,
+    _gate_up_packed_kernel[(tokens * top_k, triton.cdiv(gate.rows, config.block_i))](
+        x, ids, *gate.views(), *up.views(), h, tokens, K=top_k, H=gate.cols, I=gate.rows,
         GATE_FMT=gate.fmt, GATE_RB=gate.row_bytes, GATE_G=gate.group,
         UP_FMT=up.fmt, UP_RB=up.row_bytes, UP_G=up.group,
         ACT=ACT_CODES[activation], ALPHA=float(alpha), LIMIT=float(limit),
-        BLOCK_I=config.block_i, BLOCK_H=config.block_h, **opts,
+        BLOCK_I=config.block_i, BLOCK_H=config.block_h, WORDS=config.word_loads, **opts,
     )  # fmt: skip
-    _down_packed_kernel[(tokens, triton.cdiv(hidden, config.block_n))](
-        h, ids, w, *down.views(), y, tokens, K=top_k, H=hidden, I=inter,
+
+
+def launch_down(h: Any, ids: Any, w: Any, down: PackedStack, y: Any, config: PackedConfig = DEFAULT_CONFIG) -> None:
+    """The second of :func:`launch`'s two kernels alone (``y`` from ``h``); no checks."""
+    tokens, top_k = ids.shape
+    opts = triton_target.for_device(h.device).launch_options(config.num_warps, config.num_stages)
+    _down_packed_kernel[(tokens, triton.cdiv(down.rows, config.block_n))](
+        h, ids, w, *down.views(), y, tokens, K=top_k, H=down.rows, I=down.cols,
         DOWN_FMT=down.fmt, DOWN_RB=down.row_bytes, DOWN_G=down.group,
-        BLOCK_N=config.block_n, BLOCK_R=config.block_r, **opts,
+        BLOCK_N=config.block_n, BLOCK_R=config.block_r, KP=triton.next_power_of_2(top_k),
+        ROUTES_TILE=config.down_routes_tile, WORDS=config.word_loads, **opts,
     )  # fmt: skip
