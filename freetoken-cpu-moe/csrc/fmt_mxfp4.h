@@ -31,73 +31,120 @@ static inline float mxfp4_row_portable(const uint8_t* row, const ActQ8x32View& x
 #ifndef FT_MXFP4_PREFETCH
 #define FT_MXFP4_PREFETCH 2176  // bytes ahead: eight groups of 16 blocks
 #endif
-// NT tokens against one row, in groups of 16 blocks (4 quads of 4). Per group the
-// exponents are gathered once and turned into float scales with integer ops. Per quad one
-// register holds the 4 blocks' 16 code bytes in its 4 128-bit lanes (one broadcast load
-// each); its low and high nibbles (elements 0-15 and 16-31 of each block), looked up with
-// vpshufb as value + 128 (unsigned), meet the token's codes of the same elements (two
-// 64-byte loads rearranged by 128-bit lanes) in two dpbusd into one int32 register, whose
-// 128-bit lane i sums block i of the quad. The four quads' registers are reduced to one
-// (dword 4i + j = block 4j + i), converted once and scaled per lane by (weight scale x
-// activation scale) in that order; the 128 * sum(x) excess of the + 128 codes is removed
-// through dq = d * sum(qs), as for Q8_0.
+// NT tokens against one row, in groups of 16 blocks (4 quads of 4). Per quad one register
+// holds the 4 blocks' 16 code bytes in its 4 128-bit lanes (one broadcast load each); its
+// low and high nibbles (elements 0-15 and 16-31 of each block), looked up with vpshufb as
+// value + 128 (unsigned), meet the token's codes of the same elements in two dpbusd into
+// one int32 register, whose 128-bit lane i sums block i of the quad. The token's codes are
+// rearranged once per call (Mxfp4Act: per quad the four low halves, then the four high
+// halves, so each is one plain load). The four quads' registers are reduced to one (dword
+// 4i + j = block 4j + i), converted once and scaled per lane by (weight scale x activation
+// scale); the activation scales are stored in that order, and the exponents land in it
+// directly: block i of a quad starts at byte 17 i = 16 i + i, i.e. byte i of 128-bit lane
+// i of a 64-byte load at the quad's start, which one masked vpshufb per quad moves to
+// dword 4i + j. The 128 * sum(x) excess of the + 128 codes is removed through
+// dq = d * sum(qs), as for Q8_0. The last group of a row (fewer than 16 blocks) masks its
+// weight loads and gathers its exponents; the prepared activations are zero past the
+// row's last block.
+struct Mxfp4Act {
+    const int8_t* qs;  // [groups * 16 blocks][32]: per quad, 4 x 16 low-half codes, then 4 x 16 high-half codes
+    const float* d;    // [groups * 16]: per group, dword 4i + j = block 4j + i; 0 past the last block
+    const float* dq;   // the same order
+};
+static inline size_t mxfp4_act_bytes(uint32_t nb) { return (size_t)((nb + 15) / 16 * 16) * 40; }
+
+static inline Mxfp4Act mxfp4_prepare_act(const ActQ8x32View& x, uint32_t nb, uint8_t* buf) {
+    const uint32_t nbp = (nb + 15) / 16 * 16;
+    int8_t* qs = (int8_t*)buf;
+    float* d = (float*)(buf + (size_t)nbp * 32);
+    float* dq = d + nbp;
+    for (uint32_t b = 0; b < nbp; b += 4) {
+        const uint32_t nq = b < nb ? (nb - b < 4 ? nb - b : 4) : 0;  // real blocks of this quad
+        const __mmask64 k0 = nq >= 2 ? ~(__mmask64)0 : (nq == 1 ? (__mmask64)0xffffffffu : (__mmask64)0);
+        const __mmask64 k1 = nq == 4 ? ~(__mmask64)0 : (nq == 3 ? (__mmask64)0xffffffffu : (__mmask64)0);
+        const int8_t* src = x.qs + (size_t)(nq ? b : 0) * 32;
+        const __m512i x0 = _mm512_maskz_loadu_epi8(k0, src), x1 = _mm512_maskz_loadu_epi8(k1, src + 64);
+        _mm512_storeu_si512(qs + (size_t)b * 32, _mm512_shuffle_i32x4(x0, x1, 0x88));
+        _mm512_storeu_si512(qs + (size_t)b * 32 + 64, _mm512_shuffle_i32x4(x0, x1, 0xDD));
+    }
+    const __m512i perm = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    for (uint32_t g = 0; g < nbp; g += 16) {
+        const uint32_t m = nb - g < 16 ? nb - g : 16;
+        const __mmask16 mk = (__mmask16)((1u << m) - 1u);
+        _mm512_storeu_ps(d + g, _mm512_permutexvar_ps(perm, _mm512_maskz_loadu_ps(mk, x.d + g)));
+        _mm512_storeu_ps(dq + g, _mm512_permutexvar_ps(perm, _mm512_maskz_loadu_ps(mk, x.dq + g)));
+    }
+    return Mxfp4Act{qs, d, dq};
+}
+
 static inline __m512i mxfp4_sum_quads(const __m512i* s) {
     const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(s[0], s[1]), _mm512_unpackhi_epi32(s[0], s[1]));
     const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2], s[3]), _mm512_unpackhi_epi32(s[2], s[3]));
     return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
 }
 
+// One group of m blocks (m = 16 unless TAIL) at g, block index b of the row.
+template <int NT, bool TAIL>
+static inline void mxfp4_group_avx512(const uint8_t* g, uint32_t m, const Mxfp4Act* x, uint32_t b, __m512* acc,
+                                      __m512* corr, const __m512i lut) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int o = 0; o < 16 * (int)MXFP4_BYTES; o += 64) _mm_prefetch((const char*)g + FT_MXFP4_PREFETCH + o, _MM_HINT_T0);
+    // byte 0 of dword 4i + j <- byte i of lane i (block i of quad j); the other bytes zero
+    const __m512i eidx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512i eb = _mm512_setzero_si512();
+    if (TAIL) {
+        const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0),
+                                                _mm512_set1_epi32((int)MXFP4_BYTES));
+        const __mmask16 mk = _mm512_cmplt_epi32_mask(gidx, _mm512_set1_epi32((int)(m * MXFP4_BYTES)));
+        eb = _mm512_and_si512(_mm512_mask_i32gather_epi32(eb, mk, gidx, (const void*)g, 1), _mm512_set1_epi32(0xFF));
+    }
+    __m512i s[NT][4];
+    for (uint32_t q = 0; q < 4; ++q) {
+        const uint8_t* p = g + (size_t)(4 * q) * MXFP4_BYTES;  // the quad's first block
+        __m512i z = _mm512_setzero_si512();
+        if (TAIL) {
+            const uint32_t nq = m > 4 * q ? (m - 4 * q < 4 ? m - 4 * q : 4) : 0;  // blocks of this quad
+            if (nq > 0) z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(p + 1)));
+            if (nq > 1) z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0x00F0, _mm_loadu_si128((const __m128i*)(p + 1 + MXFP4_BYTES)));
+            if (nq > 2) z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0x0F00, _mm_loadu_si128((const __m128i*)(p + 1 + 2 * MXFP4_BYTES)));
+            if (nq > 3) z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0xF000, _mm_loadu_si128((const __m128i*)(p + 1 + 3 * MXFP4_BYTES)));
+        } else {
+            eb = _mm512_mask_shuffle_epi8(eb, (__mmask64)(0x0001000100010001ull << (4 * q)), _mm512_loadu_si512(p), eidx);
+            z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(p + 1)));
+            z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0x00F0, _mm_loadu_si128((const __m128i*)(p + 1 + MXFP4_BYTES)));
+            z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0x0F00, _mm_loadu_si128((const __m128i*)(p + 1 + 2 * MXFP4_BYTES)));
+            z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0xF000, _mm_loadu_si128((const __m128i*)(p + 1 + 3 * MXFP4_BYTES)));
+        }
+        const __m512i wlo = _mm512_shuffle_epi8(lut, _mm512_and_si512(z, m4));
+        const __m512i whi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4));
+        for (int j = 0; j < NT; ++j) {
+            const int8_t* xq = x[j].qs + (size_t)(b + 4 * q) * 32;
+            s[j][q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, _mm512_loadu_si512(xq)), whi,
+                                          _mm512_loadu_si512(xq + 64));
+        }
+    }
+    // float bits (e - 1) << 23 = 2^(e - 128); e < 2 -> 0
+    const __m512 dw = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_max_epi32(_mm512_sub_epi32(eb, _mm512_set1_epi32(1)), _mm512_setzero_si512()), 23));
+    for (int j = 0; j < NT; ++j) {
+        const __m512 coef = _mm512_mul_ps(dw, _mm512_loadu_ps(x[j].d + b));
+        corr[j] = _mm512_fmadd_ps(dw, _mm512_loadu_ps(x[j].dq + b), corr[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mxfp4_sum_quads(s[j])), coef, acc[j]);
+    }
+}
+
 template <int NT>
-static inline void mxfp4_row_avx512(const uint8_t* row, const ActQ8x32View* x, uint32_t nb, __m512* vres) {
+static inline void mxfp4_row_avx512(const uint8_t* row, const Mxfp4Act* x, uint32_t nb, __m512* vres) {
     __m512 acc[NT], corr[NT];
     for (int j = 0; j < NT; ++j) acc[j] = corr[j] = _mm512_setzero_ps();
-    const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32((int)MXFP4_BYTES));
-    // dword 4i + j of the reduced sums holds block 4j + i
-    const __m512i rperm = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
     const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8((char)128, (char)129, (char)130, (char)131, (char)132,
                                                              (char)134, (char)136, (char)140, (char)128, (char)127,
                                                              (char)126, (char)125, (char)124, (char)122, (char)120,
                                                              (char)116));
-    const __m512i m4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi32(1), byte = _mm512_set1_epi32(0xFF);
-    for (uint32_t b = 0; b < nb; b += 16) {
-        const uint32_t m = nb - b < 16 ? nb - b : 16;  // blocks in this group
-        const __mmask16 mk = (__mmask16)((1u << m) - 1u);
-        const uint8_t* g = row + (size_t)b * MXFP4_BYTES;
-        for (int o = 0; o < 16 * (int)MXFP4_BYTES; o += 64) _mm_prefetch((const char*)g + FT_MXFP4_PREFETCH + o, _MM_HINT_T0);
-        const __m512i eb = _mm512_and_si512(_mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mk, gidx, (const void*)g, 1), byte);
-        // float bits (e - 1) << 23 = 2^(e - 128); e < 2 -> 0
-        const __m512 dw = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_max_epi32(_mm512_sub_epi32(eb, one), _mm512_setzero_si512()), 23));
-        __m512i s[NT][4];
-        for (uint32_t q = 0; q < 4; ++q) {
-            const uint32_t nq = m > 4 * q ? (m - 4 * q < 4 ? m - 4 * q : 4) : 0;  // blocks of this quad
-            if (nq == 0) {
-                for (int j = 0; j < NT; ++j) s[j][q] = _mm512_setzero_si512();
-                continue;
-            }
-            const uint8_t* p = g + (size_t)(4 * q) * MXFP4_BYTES + 1;
-            __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p));
-            if (nq > 1) z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0x00F0, _mm_loadu_si128((const __m128i*)(p + MXFP4_BYTES)));
-            if (nq > 2) z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0x0F00, _mm_loadu_si128((const __m128i*)(p + 2 * MXFP4_BYTES)));
-            if (nq > 3) z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0xF000, _mm_loadu_si128((const __m128i*)(p + 3 * MXFP4_BYTES)));
-            const __m512i wlo = _mm512_shuffle_epi8(lut, _mm512_and_si512(z, m4));
-            const __m512i whi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4));
-            // token bytes of the quad's blocks (32 each); past the row's last block: zeros
-            const __mmask64 k0 = nq >= 2 ? ~(__mmask64)0 : (__mmask64)0xffffffffu;
-            const __mmask64 k1 = nq == 4 ? ~(__mmask64)0 : (nq == 3 ? (__mmask64)0xffffffffu : (__mmask64)0);
-            for (int j = 0; j < NT; ++j) {
-                const int8_t* xq = x[j].qs + (size_t)(b + 4 * q) * 32;
-                const __m512i x0 = _mm512_maskz_loadu_epi8(k0, xq), x1 = _mm512_maskz_loadu_epi8(k1, xq + 64);
-                const __m512i xlo = _mm512_shuffle_i32x4(x0, x1, 0x88), xhi = _mm512_shuffle_i32x4(x0, x1, 0xDD);
-                s[j][q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, xlo), whi, xhi);
-            }
-        }
-        for (int j = 0; j < NT; ++j) {
-            const __m512 coef = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(mk, x[j].d + b));
-            corr[j] = _mm512_fmadd_ps(dw, _mm512_maskz_loadu_ps(mk, x[j].dq + b), corr[j]);
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mxfp4_sum_quads(s[j])), _mm512_permutexvar_ps(rperm, coef), acc[j]);
-        }
-    }
+    const uint32_t full = nb & ~15u;
+    uint32_t b = 0;
+    for (; b < full; b += 16) mxfp4_group_avx512<NT, false>(row + (size_t)b * MXFP4_BYTES, 16, x, b, acc, corr, lut);
+    if (b < nb) mxfp4_group_avx512<NT, true>(row + (size_t)b * MXFP4_BYTES, nb - b, x, b, acc, corr, lut);
     for (int j = 0; j < NT; ++j) vres[j] = _mm512_fmadd_ps(corr[j], _mm512_set1_ps(-128.0f), acc[j]);
 }
 #endif
@@ -133,10 +180,16 @@ static void dot_rows_mxfp4(const ft_weight_desc& w, uint32_t e, uint32_t r0, uin
                            const void* const* xs, uint32_t ntok, float* out, size_t os) {
     const uint8_t* base = (const uint8_t*)(uintptr_t)w.data + (size_t)e * w.expert_stride;
     const uint32_t nb = w.cols / QK_MXFP4;
-    ActQ8x32View xv[4];
 #if defined(FT_HAVE_AVX512)
+    // the tokens' codes and scales in the kernel's order, once per call (per token: ~3 KB
+    // for GPT-OSS's 2912 columns, a few hundred ns against the call's rows)
+    thread_local std::vector<uint8_t> scratch;
+    const size_t per_tok = (mxfp4_act_bytes(nb) + 63) & ~(size_t)63;
+    if (scratch.size() < 4 * per_tok + 64) scratch.resize(4 * per_tok + 64);
+    uint8_t* sp = (uint8_t*)(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
+    Mxfp4Act xv[4];
     if (ntok == 1) {  // rows in groups of 16, summed together
-        xv[0] = q8x32_view(xs[0], w.cols);
+        xv[0] = mxfp4_prepare_act(q8x32_view(xs[0], w.cols), nb, sp);
         __m512 v[16];
         for (uint32_t g = r0; g < r1; g += 16) {
             const uint32_t n = r1 - g < 16 ? r1 - g : 16;
@@ -145,10 +198,16 @@ static void dot_rows_mxfp4(const ft_weight_desc& w, uint32_t e, uint32_t r0, uin
         }
         return;
     }
+#else
+    ActQ8x32View xv[4];
 #endif
     for (uint32_t j0 = 0; j0 < ntok; j0 += 4) {
         const uint32_t nt = ntok - j0 < 4 ? ntok - j0 : 4;
+#if defined(FT_HAVE_AVX512)
+        for (uint32_t j = 0; j < nt; ++j) xv[j] = mxfp4_prepare_act(q8x32_view(xs[j0 + j], w.cols), nb, sp + j * per_tok);
+#else
         for (uint32_t j = 0; j < nt; ++j) xv[j] = q8x32_view(xs[j0 + j], w.cols);
+#endif
         for (uint32_t r = r0; r < r1; ++r) {
             const uint8_t* row = base + (size_t)r * w.row_stride;
             float res[4];
