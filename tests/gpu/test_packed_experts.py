@@ -151,9 +151,11 @@ def test_down_routes_tile_and_loop(routes_tile, top_k, words):
 
 
 @pytest.mark.parametrize("mix", ["q4k_q4k_q6k", "q5k", "q6k_q5k_q4k"])
-def test_byte_tiles(mix):
-    """Q4_K and Q5_K through the byte tiles (``word_loads=False``), as Q6_K and Q8_0 always are."""
-    run_case(MIXES[mix], 3, 8, seed=60 + len(mix), config=dataclasses.replace(BASE, word_loads=False))
+def test_word_loads_and_routes_tile(mix):
+    """Q4_K and Q5_K read as words and the routes as the down kernel's tile dimension (Q6_K
+    and Q8_0 keep the byte tiles in either form)."""
+    cfg = dataclasses.replace(BASE, word_loads=True, down_routes_tile=True, block_n=min(BASE.block_n, 64))
+    run_case(MIXES[mix], 3, 8, seed=60 + len(mix), config=cfg)
 
 
 def test_bf16_activations_and_output_small_top_k():
@@ -234,6 +236,7 @@ def test_refuses_other_formats_and_shapes():
 
 
 _COMPILE_SCRIPT = r"""
+import dataclasses
 import json
 import triton
 from triton.backends.compiler import GPUTarget
@@ -245,8 +248,10 @@ def rb(f, cols):
     return cols // per * nb
 
 report = {}
-for gf, uf, df in [(12, 12, 14), (13, 8, 13), (12, 12, 12)]:
-    cfg, H, I = tp.DEFAULT_CONFIG, 2048, 768
+fast = dataclasses.replace(tp.DEFAULT_CONFIG, block_n=2, down_routes_tile=True, word_loads=True)
+for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, tp.DEFAULT_CONFIG), (12, 12, 12, fast),
+                        (13, 13, 14, fast)]:
+    H, I = 2048, 768
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     sig = {"x_ptr": "*bf16", "ids_ptr": "*i32", "g_u8": "*u8", "g_i8": "*i8", "g_f16": "*fp16", "u_u8": "*u8",
            "u_i8": "*i8", "u_f16": "*fp16", "h_ptr": "*fp32", "T": "i32"}
@@ -278,7 +283,8 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report == {"12_12_14": [True, True], "13_8_13": [True, True], "12_12_12": [True, True]}
+    assert report == {"12_12_14": [True, True], "13_8_13": [True, True], "12_12_12": [True, True],
+                      "13_13_14": [True, True]}
 
 
 # --------------------------------------------------------------------------------------

@@ -68,8 +68,9 @@ class PackedLinearConfig:
     #: program's registers hold block_n x block_k products whatever the token tile
     block_k: int = 512
     block_t: int = 8  # most tokens per program (the weights are read once per token tile)
-    #: one token per program: Q4_K/Q5_K rows read as 32-bit words (``_dot_words``)
-    word_loads: bool = True
+    #: one token per program: Q4_K/Q5_K rows read as 32-bit words (``_dot_words``); off
+    #: until measured (tests/gpu/tune_packed_dense.py compares)
+    word_loads: bool = False
     num_warps: int = 4
     num_stages: int = 2
     #: batches of at most this many tokens run the GEMV; larger ones are dequantized into

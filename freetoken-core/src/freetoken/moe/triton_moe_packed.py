@@ -17,6 +17,15 @@ per-route kernels, the design of :mod:`freetoken.moe.triton_moe`'s
 Weights are read once per route (once per distinct expert when a batch's routes share
 no expert, the common case at small ``T``).
 
+Two options of :class:`PackedConfig` change how, not what, and are off until measured on
+a GPU (``tests/gpu/tune_packed.py`` times every combination): ``down_routes_tile`` makes
+the token's K routes a tile dimension of the down kernel (rows ``(k, n)``, all routes'
+weights loaded in one step, the sum over ``k`` taken at the end in a fixed order) instead
+of a loop over them, so a step has K times the loads in flight and a smaller ``BLOCK_N``
+gives more programs; ``word_loads`` reads Q4_K/Q5_K codes as 32-bit words
+(:func:`_dot_words`: 8 values per load, the sums factored as ``d*sc * sum(q*x) - dmin*m
+* sum(x)`` per 32-value sub-block) instead of one byte per value.
+
 Tiles. A step of ``BLOCK_C`` columns of ``R`` rows is held as ``[R, BLOCK_C / G, G]``,
 ``G`` the values sharing one scale: 32 in Q4_K/Q5_K (a sub-block: 6-bit scale and min),
 Q8_0 (a block: f16 scale), 16 in Q6_K (int8 scale). Scales and mins are decoded once per
@@ -78,13 +87,15 @@ class PackedConfig:
     # Q4_K gate/up 4 x 512 tiles and Q6_K down 8 x 256 tiles beat 16 x 256 by 8-13%
     block_i: int = 4  # gate_up: intermediate rows per program
     block_h: int = 512  # gate_up: hidden columns per step
-    block_n: int = 2  # down: hidden rows per program
+    block_n: int = 8  # down: hidden rows per program
     block_r: int = 256  # down: intermediate columns per step
     #: down: the token's K routes as a tile dimension (all routes' weights loaded in one
-    #: step) rather than a loop over them
-    down_routes_tile: bool = True
-    #: Q4_K/Q5_K weights read as 32-bit words (:func:`_dot_words`) instead of byte tiles
-    word_loads: bool = True
+    #: step, 4x the programs at block_n=2) rather than a loop over them. Off until measured
+    #: (tests/gpu/tune_packed.py compares both forms and the word loads)
+    down_routes_tile: bool = False
+    #: Q4_K/Q5_K weights read as 32-bit words (:func:`_dot_words`) instead of byte tiles;
+    #: off until measured, as ``down_routes_tile``
+    word_loads: bool = False
     num_warps: int = 4
     num_stages: int = 2
     #: batches of at most this many routes (T * K) run the packed kernels; larger ones
