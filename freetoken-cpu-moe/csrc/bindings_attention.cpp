@@ -74,7 +74,8 @@ void register_attention(py::module_& m) {
         [](uint64_t q, uint64_t k, uint64_t v, uint64_t q_tok, uint64_t k_tok, uint64_t v_tok, uint32_t fmt, uint32_t T,
            uint32_t Hq, uint32_t Hkv, uint32_t D, uint64_t q_w, uint64_t k_w, uint32_t w_fmt, float eps, uint64_t cos,
            uint64_t sin_signed, uint32_t max_pos, uint64_t positions, uint64_t slots, uint64_t k_cache,
-           uint64_t v_cache, uint32_t kv_fmt, uint64_t num_slots, uint64_t q_out) {
+           uint64_t v_cache, uint32_t kv_fmt, uint64_t num_slots, uint64_t q_out, uint64_t q_b, uint64_t k_b,
+           uint64_t v_b) {
             QkRopeCall c;
             c.q = (const void*)(uintptr_t)q;
             c.k = (const void*)(uintptr_t)k;
@@ -101,13 +102,26 @@ void register_attention(py::module_& m) {
             c.kv_fmt = kv_fmt;
             c.num_slots = num_slots;
             c.q_out = (void*)(uintptr_t)q_out;
+            c.q_b = (const float*)(uintptr_t)q_b;
+            c.k_b = (const float*)(uintptr_t)k_b;
+            c.v_b = (const float*)(uintptr_t)v_b;
             qk_norm_rope_store(c);
         },
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_tok"), py::arg("k_tok"), py::arg("v_tok"), py::arg("fmt"),
         py::arg("T"), py::arg("Hq"), py::arg("Hkv"), py::arg("D"), py::arg("q_w"), py::arg("k_w"), py::arg("w_fmt"),
         py::arg("eps"), py::arg("cos"), py::arg("sin_signed"), py::arg("max_pos"), py::arg("positions"),
         py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"), py::arg("kv_fmt"), py::arg("num_slots"),
-        py::arg("q_out"));
+        py::arg("q_out"), py::arg("q_b") = 0, py::arg("k_b") = 0, py::arg("v_b") = 0);
+
+    m.def(
+        "moe_bias_add",
+        [](uint64_t y, uint64_t y_tok, uint32_t fmt, uint32_t T, uint32_t H, uint64_t ids, uint64_t w, uint32_t K,
+           uint64_t bias, uint32_t E, uint64_t out) {
+            moe_bias_add((const void*)(uintptr_t)y, y_tok, fmt, T, H, (const int32_t*)(uintptr_t)ids,
+                         (const float*)(uintptr_t)w, K, (const float*)(uintptr_t)bias, E, (void*)(uintptr_t)out);
+        },
+        py::arg("y"), py::arg("y_tok"), py::arg("fmt"), py::arg("T"), py::arg("H"), py::arg("ids"), py::arg("w"),
+        py::arg("K"), py::arg("bias"), py::arg("E"), py::arg("out"));
 
     m.def(
         "linear_group",

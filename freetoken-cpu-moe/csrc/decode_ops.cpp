@@ -126,9 +126,14 @@ void qk_norm_rope_store(const QkRopeCall& c) {
         kw = s.w2.data();
     }
     const size_t es = esize(c.fmt), kvs = esize(c.kv_fmt);
-    // one head: load, norm, rotate, store to dst in dst_fmt
-    auto head = [&](const void* src, const float* w, const float* cs, const float* sn, void* dst, uint32_t dst_fmt) {
+    // one head: load, add the bias, norm, rotate, store to dst in dst_fmt
+    auto head = [&](const void* src, const float* b, const float* w, const float* cs, const float* sn, void* dst,
+                    uint32_t dst_fmt) {
         load(c.fmt, src, s.a.data(), D);
+        if (b) {
+            for (uint32_t i = 0; i < D; ++i) s.a[i] += b[i];
+            round_to(c.fmt, s.a.data(), D);
+        }
         if (w) {
             rms(s.a.data(), nullptr, s.b.data(), D, c.eps);
             for (uint32_t i = 0; i < D; ++i) s.b[i] *= w[i];
@@ -146,13 +151,45 @@ void qk_norm_rope_store(const QkRopeCall& c) {
         const uint8_t* kt = (const uint8_t*)c.k + (size_t)t * c.k_tok * es;
         const uint8_t* vt = (const uint8_t*)c.v + (size_t)t * c.v_tok * es;
         for (uint32_t h = 0; h < c.Hq; ++h)
-            head(qt + (size_t)h * D * es, qw, cs, sn, (uint8_t*)c.q_out + ((size_t)t * c.Hq + h) * D * es, c.fmt);
+            head(qt + (size_t)h * D * es, c.q_b ? c.q_b + (size_t)h * D : nullptr, qw, cs, sn,
+                 (uint8_t*)c.q_out + ((size_t)t * c.Hq + h) * D * es, c.fmt);
         const size_t slot = (size_t)c.slots[t] * c.Hkv * D;
         for (uint32_t h = 0; h < c.Hkv; ++h) {
-            head(kt + (size_t)h * D * es, kw, cs, sn, (uint8_t*)c.k_cache + (slot + (size_t)h * D) * kvs, c.kv_fmt);
+            head(kt + (size_t)h * D * es, c.k_b ? c.k_b + (size_t)h * D : nullptr, kw, cs, sn,
+                 (uint8_t*)c.k_cache + (slot + (size_t)h * D) * kvs, c.kv_fmt);
             load(c.fmt, vt + (size_t)h * D * es, s.a.data(), D);
+            if (c.v_b) {
+                for (uint32_t i = 0; i < D; ++i) s.a[i] += c.v_b[(size_t)h * D + i];
+                round_to(c.fmt, s.a.data(), D);
+            }
             save(c.kv_fmt, (uint8_t*)c.v_cache + (slot + (size_t)h * D) * kvs, s.a.data(), D);
         }
+    }
+}
+
+void moe_bias_add(const void* y, uint64_t y_tok, uint32_t fmt, uint32_t T, uint32_t H, const int32_t* ids,
+                  const float* w, uint32_t K, const float* bias, uint32_t E, void* out) {
+    FlushDenormalsScope ftz;
+    if (!is_act(fmt)) throw std::invalid_argument("moe_bias_add: activations must be f32, f16 or bf16");
+    if (!y || !ids || !w || !bias || !out || H == 0) throw std::invalid_argument("moe_bias_add: null buffer or empty row");
+    if (y_tok < H) throw std::invalid_argument("moe_bias_add: y rows shorter than H");
+    for (uint64_t i = 0; i < (uint64_t)T * K; ++i)
+        if (ids[i] >= (int32_t)E)
+            throw std::invalid_argument("moe_bias_add: expert id " + std::to_string(ids[i]) + " out of range [0, " +
+                                        std::to_string(E) + ")");
+    Tls& s = tls;
+    s.a.resize(H);
+    const size_t es = esize(fmt);
+    for (uint32_t t = 0; t < T; ++t) {
+        load(fmt, (const uint8_t*)y + (size_t)t * y_tok * es, s.a.data(), H);
+        for (uint32_t k = 0; k < K; ++k) {
+            const int32_t e = ids[(size_t)t * K + k];
+            if (e < 0) continue;
+            const float wk = w[(size_t)t * K + k];
+            const float* b = bias + (size_t)e * H;
+            for (uint32_t i = 0; i < H; ++i) s.a[i] += wk * b[i];
+        }
+        save(fmt, (uint8_t*)out + (size_t)t * H * es, s.a.data(), H);
     }
 }
 

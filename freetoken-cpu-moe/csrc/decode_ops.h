@@ -27,6 +27,11 @@ struct QkRopeCall {
     const void* q_w = nullptr;  // [D] per-head RMSNorm weights (null: no norm)
     const void* k_w = nullptr;
     uint32_t w_fmt = FT_FMT_F32;
+    // float32 projection biases [Hq * D], [Hkv * D], [Hkv * D] (null: none), added first and
+    // rounded to fmt, as the sum of a biased projection is stored
+    const float* q_b = nullptr;
+    const float* k_b = nullptr;
+    const float* v_b = nullptr;
     float eps = 1e-6f;
     const float* cos = nullptr;         // [max_pos][D]
     const float* sin_signed = nullptr;  // [max_pos][D], sin with rotate-half's sign folded in
@@ -40,12 +45,19 @@ struct QkRopeCall {
     void* q_out = nullptr;  // [T][Hq][D] contiguous in fmt
 };
 
-// q_out = rope(norm(q)); k_cache[slot] = rope(norm(k)); v_cache[slot] = v.
+// q_out = rope(norm(q + q_b)); k_cache[slot] = rope(norm(k + k_b)); v_cache[slot] = v + v_b.
 void qk_norm_rope_store(const QkRopeCall& c);
 
 // Top-k of logits [T][E] (float32): ids [T][k] (descending logits, the lower id first on
 // ties), w [T][k] float32: softmax over the k logits when norm, else their probabilities
 // under the softmax over all E.
 void router_top_k(const float* logits, uint32_t T, uint32_t E, uint32_t k, bool norm, int32_t* ids, float* w);
+
+// The routed experts' down-projection biases: out[t] = y[t][:H] + sum_k w[t][k] * bias[ids[t][k]]
+// (routes with ids < 0 skipped), in float32, rounded once to fmt. y: [T] rows of y_tok
+// elements (>= H) in fmt; out: [T][H] contiguous in fmt (may be y when y_tok == H); bias:
+// float32 [E][H]; ids int32 and w float32 [T][K].
+void moe_bias_add(const void* y, uint64_t y_tok, uint32_t fmt, uint32_t T, uint32_t H, const int32_t* ids,
+                  const float* w, uint32_t K, const float* bias, uint32_t E, void* out);
 
 }  // namespace ft

@@ -87,6 +87,77 @@ def test_qk_norm_rope_store(rng, dtype, norm):
     assert (flat_k[others] == 7).all() and (flat_v[others] == 7).all()
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_rope_store(rng, dtype, with_bias):
+    """GPT-OSS's attention input: projection biases, RoPE without a norm, the K/V write;
+    against float64 and against the torch ops (the base class's implementation)."""
+    from freetoken.models.dense_ops import TORCH_OPS
+
+    dt, tol = DTYPES[dtype]
+    T, Hq, Hkv, D, nb, bs = 3, 8, 2, 64, 5, 4
+    fused = torch.from_numpy(rng.standard_normal((T, (Hq + 2 * Hkv) * D)).astype(np.float32)).to(dt)
+    q, k, v = fused.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    bias = None
+    if with_bias:
+        bias = tuple(torch.from_numpy(rng.standard_normal(n * D).astype(np.float32)) for n in (Hq, Hkv, Hkv))
+    rotary = Rotary(D, 150000.0, 64, torch.device("cpu"))
+    pos = torch.tensor(rng.choice(64, T, replace=False), dtype=torch.int64)
+    slots = torch.tensor(rng.choice(nb * bs, T, replace=False), dtype=torch.int64)
+    cos, sin = rotary.tables(pos, dt)
+    caches = {}
+    for name, ops in (("native", CPU_OPS), ("torch", TORCH_OPS)):
+        kc = torch.full((nb, bs, Hkv, D), 7.0, dtype=dt)
+        vc = torch.full((nb, bs, Hkv, D), 7.0, dtype=dt)
+        qo = ops.bias_rope_store(q, k, v, bias, rotary, cos, sin, pos, kc, vc, slots)
+        caches[name] = (qo, kc, vc)
+    p = pos.double().numpy()
+    qn, kn, vn = (t.double().numpy() for t in (q, k, v))
+    if with_bias:
+        qn, kn, vn = (a + b.double().numpy() for a, b in zip((qn, kn, vn), bias))
+    qo, kc, vc = caches["native"]
+    close(qo, rope64(qn.reshape(T, Hq, D), p, 150000.0), tol)
+    flat_k, flat_v = kc.view(nb * bs, Hkv, D), vc.view(nb * bs, Hkv, D)
+    close(flat_k[slots], rope64(kn.reshape(T, Hkv, D), p, 150000.0), tol)
+    close(flat_v[slots], vn.reshape(T, Hkv, D), tol)
+    others = torch.ones(nb * bs, dtype=torch.bool)
+    others[slots] = False
+    assert (flat_k[others] == 7).all() and (flat_v[others] == 7).all()
+    for a, b in zip(caches["native"], caches["torch"]):
+        close(a, b.double().numpy(), tol)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_moe_bias_add(rng, dtype):
+    """The experts' down biases weighted by the routes (ids < 0 skipped), from the first
+    ``hidden`` columns of a wider output; against float64 and the torch ops."""
+    from freetoken.models.dense_ops import TORCH_OPS
+
+    dt, tol = DTYPES[dtype]
+    T, K, E, H, pad = 4, 4, 6, 200, 32
+    y = torch.from_numpy(rng.standard_normal((T, H + pad)).astype(np.float32)).to(dt)
+    ids = torch.from_numpy(rng.integers(0, E, size=(T, K)).astype(np.int32))
+    ids[1, 2] = -1
+    w = torch.from_numpy(rng.random((T, K)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal((E, H)).astype(np.float32))
+    out = CPU_OPS.moe_bias_add(y, ids, w, bias, H, dt)
+    assert out.shape == (T, H) and out.dtype == dt
+    b64 = bias.double().numpy()
+    ref = y.double().numpy()[:, :H].copy()
+    for t in range(T):
+        for j in range(K):
+            if ids[t, j] >= 0:
+                ref[t] += float(w[t, j]) * b64[int(ids[t, j])]
+    close(out, ref, tol)
+    ids_ok = ids.clone()
+    ids_ok[1, 2] = 0
+    w_ok = w.clone()
+    w_ok[1, 2] = 0.0
+    close(out, TORCH_OPS.moe_bias_add(y, ids_ok, w_ok, bias, H, dt).double().numpy(), tol)
+    with pytest.raises(ValueError, match="expert id 6 out of range"):
+        CPU_OPS.moe_bias_add(y, torch.full((T, K), E, dtype=torch.int32), w, bias, H, dt)
+
+
 def test_qk_norm_rope_store_rejects_bad_slots(rng):
     q, k, v = torch.randn(1, 64), torch.randn(1, 32), torch.randn(1, 32)
     kc = vc = torch.zeros(2, 4, 1, 32)

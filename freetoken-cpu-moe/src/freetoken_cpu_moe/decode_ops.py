@@ -73,6 +73,48 @@ class CpuDenseOps(DenseOps):
         )
         return q_out
 
+    def bias_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], rotary: Rotary,
+                        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        fmt, kv_fmt = _FMT.get(q.dtype), _FMT.get(k_cache.dtype)
+        T = q.shape[0]
+        nb, bs, Hkv, D = k_cache.shape
+        if (fmt is None or kv_fmt is None or q.dim() != 2 or k.dtype != q.dtype or v.dtype != q.dtype
+                or not (_row_major(q) and _row_major(k) and _row_major(v)) or not k_cache.is_contiguous()
+                or not v_cache.is_contiguous() or v_cache.dtype != k_cache.dtype or positions.dtype != torch.int64
+                or slots.dtype != torch.int64 or not positions.is_contiguous() or not slots.is_contiguous()
+                or rotary.cos.dtype != torch.float32 or not rotary.cos.is_contiguous()
+                or not rotary.sin_signed.is_contiguous()
+                or (bias is not None and not all(b.dtype == torch.float32 and b.is_contiguous()
+                                                 and b.device.type == "cpu" for b in bias))):
+            return super().bias_rope_store(q, k, v, bias, rotary, cos, sin, positions, k_cache, v_cache, slots)
+        Hq = q.shape[1] // D
+        q_out = torch.empty((T, Hq, D), dtype=q.dtype)
+        qb, kb, vb = (0, 0, 0) if bias is None else (b.data_ptr() for b in bias)
+        _core.qk_norm_rope_store(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), fmt, T, Hq, Hkv, D,
+            0, 0, int(Fmt.F32), 0.0, rotary.cos.data_ptr(), rotary.sin_signed.data_ptr(), rotary.cos.shape[0],
+            positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_fmt, nb * bs,
+            q_out.data_ptr(), qb, kb, vb,
+        )
+        return q_out
+
+    def moe_bias_add(self, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
+                     hidden: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        fmt = _FMT.get(y.dtype)
+        if (fmt is None or y.dtype != dtype or y.dim() != 2 or not _row_major(y) or y.shape[1] < hidden
+                or ids.dtype != torch.int32 or w.dtype != torch.float32 or not ids.is_contiguous()
+                or not w.is_contiguous() or ids.shape != w.shape or ids.shape[0] != y.shape[0]
+                or bias.dtype != torch.float32 or not bias.is_contiguous() or bias.device.type != "cpu"
+                or bias.dim() != 2 or bias.shape[1] != hidden):
+            return super().moe_bias_add(y, ids, w, bias, hidden, dtype)
+        T, K = ids.shape
+        out = torch.empty((T, hidden), dtype=dtype)
+        _core.moe_bias_add(y.data_ptr(), y.stride(0), fmt, T, hidden, ids.data_ptr(), w.data_ptr(), K,
+                           bias.data_ptr(), bias.shape[0], out.data_ptr())  # fmt: skip
+        return out
+
     def router_top_k(self, logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if (logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu"
                 or not logits.is_contiguous()):

@@ -61,6 +61,33 @@ class DenseOps:
         under the softmax over every expert."""
         raise NotImplementedError
 
+    def bias_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], rotary: Rotary,
+                        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Projection biases (float32 ``[Hq*D]``, ``[Hkv*D]``, ``[Hkv*D]``, or None) added to
+        ``q`` (``[T, Hq*D]``), ``k`` and ``v`` (``[T, Hkv*D]``), NeoX RoPE of q and k (no
+        norm), k and v stored into their cache ``slots``. Returns q as ``[T, Hq, D]``.
+        ``cos``/``sin``: ``rotary.tables(positions, dtype)``, computed once per step.
+        This implementation: plain torch ops (the reference; what the Triton ops use)."""
+        from freetoken.models.attention import write_kv
+
+        T = q.shape[0]
+        _, _, Hkv, D = k_cache.shape
+        if bias is not None:
+            q, k, v = (t + b.to(t.dtype) for t, b in zip((q, k, v), bias))
+        qh = rotary.apply(q.reshape(T, -1, D), cos, sin)
+        kh = rotary.apply(k.reshape(T, Hkv, D), cos, sin)
+        write_kv(k_cache, v_cache, kh, v.reshape(T, Hkv, D), slots)
+        return qh
+
+    def moe_bias_add(self, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
+                     hidden: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        """``y[:, :hidden] + sum_k w[:, k] * bias[ids[:, k]]`` (float32 ``bias [E, hidden]``;
+        the routed experts' down-projection biases) in float32, returned in ``dtype``.
+        This implementation: plain torch ops (the reference; what the Triton ops use)."""
+        return (y[:, :hidden].float() + (w.unsqueeze(-1) * bias[ids.long()]).sum(1)).to(dtype)
+
 
 class TorchDenseOps(DenseOps):
     name = "torch"

@@ -107,17 +107,26 @@ class BiasedMoELayer(MoELayer):
         if self.pad != BIAS_PAD:
             raise ValueError(f"layer {layer}: experts with folded biases need hidden + {BIAS_PAD} columns, "
                              f"got {experts.hidden} for hidden {hidden}")  # fmt: skip
-        self.down_bias = down_bias  # float32 [E, H]
+        self.down_bias = down_bias.contiguous()  # float32 [E, H]
+        self._ext: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def _bias_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """The constant appended to the experts' input, ``[1, pad]`` in x's dtype and device
+        (made once per kind)."""
+        key = (x.dtype, x.device)
+        ext = self._ext.get(key)
+        if ext is None:
+            ext = torch.zeros(1, self.pad, dtype=x.dtype, device=x.device)
+            ext[:, :BIAS_ONES] = 1
+            ext[:, BIAS_ONES:BIAS_PAD] = BIAS_FINE
+            self._ext[key] = ext
+        return ext
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.route(x)
-        T = x.shape[0]
-        ext = x.new_zeros(T, self.pad)
-        ext[:, :BIAS_ONES] = 1
-        ext[:, BIAS_ONES:BIAS_PAD] = BIAS_FINE
-        y = self.run_experts(torch.cat([x, ext], dim=1), ids, w)[:, : self.hidden]
-        bias = (w.unsqueeze(-1) * self.down_bias[ids.long()]).sum(1)
-        return (y.float() + bias).to(x.dtype)
+        ext = self._bias_columns(x).expand(x.shape[0], self.pad)
+        y = self.run_experts(torch.cat([x, ext], dim=1), ids, w)  # [T, hidden + pad]
+        return self.ops.moe_bias_add(y, ids, w, self.down_bias, self.hidden, x.dtype)
 
     __call__ = forward
 
@@ -207,15 +216,19 @@ class MoeDecoderModel:
         for L, (kc, vc) in zip(self.layers, kv_caches):
             h, x = ops.add_rms_norm(h, delta, L.in_norm, eps)
             q, k, v = L.qkv(x)
-            if L.qkv_bias is not None:
-                q, k, v = (t + b.to(t.dtype) for t, b in zip((q, k, v), L.qkv_bias))
-            if L.q_norm is not None:
-                q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
-            if a.clip_qkv is not None:
-                q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
-            qh = self.rotary.apply(q.reshape(T, Hq, D), cos, sin)
-            kh = self.rotary.apply(k.reshape(T, Hkv, D), cos, sin)
-            write_kv(kc, vc, kh, v.reshape(T, Hkv, D), meta.slot_mapping)
+            if L.q_norm is None and a.clip_qkv is None:  # bias, RoPE and the K/V write: one op
+                qh = ops.bias_rope_store(q, k, v, L.qkv_bias, self.rotary, cos, sin, positions, kc, vc,
+                                         meta.slot_mapping)  # fmt: skip
+            else:
+                if L.qkv_bias is not None:
+                    q, k, v = (t + b.to(t.dtype) for t, b in zip((q, k, v), L.qkv_bias))
+                if L.q_norm is not None:
+                    q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
+                if a.clip_qkv is not None:
+                    q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+                qh = self.rotary.apply(q.reshape(T, Hq, D), cos, sin)
+                kh = self.rotary.apply(k.reshape(T, Hkv, D), cos, sin)
+                write_kv(kc, vc, kh, v.reshape(T, Hkv, D), meta.slot_mapping)
             o = L.o(paged_attention(qh, kc, vc, meta, self.scale, window=L.window, sinks=L.sinks))
             if L.o_bias is not None:
                 o = o + L.o_bias
