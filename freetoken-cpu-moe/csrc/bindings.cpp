@@ -39,6 +39,9 @@ PYBIND11_MODULE(_core, m) {
     m.def("isa_tiers", &ft::isa_tiers);
     m.def("active_isa", [] { return std::string(ft::active_kernels()->name); });
     m.def("set_isa", &ft::set_active_isa);
+    m.def("mxfp4_vbmi", &ft::mxfp4_vbmi, "whether the AVX-512 MXFP4 kernels use the AVX512-VBMI permutes");
+    m.def("set_mxfp4_vbmi", &ft::set_mxfp4_vbmi, py::arg("on"),
+          "turn the AVX512-VBMI MXFP4 path on or off (tests, A/B timings); returns the previous setting");
 
     py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool")
         .def(py::init<int, std::vector<int>, double>(), py::arg("num_threads"), py::arg("cpus"), py::arg("spin_us"))

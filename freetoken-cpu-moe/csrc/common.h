@@ -134,6 +134,13 @@ struct KernelTable {
     uint64_t (*stream)(const uint8_t* p, size_t n);
 };
 
+// MXFP4 on the AVX-512 tiers: the AVX512-VBMI byte permutes (fmt_mxfp4.h) when the CPU has
+// them and they are on (the default where supported; set_mxfp4_vbmi(false) runs the other
+// path, for tests and A/B timings). set_mxfp4_vbmi returns the previous setting and throws
+// std::invalid_argument when asked to turn them on without CPU support.
+bool mxfp4_vbmi();
+bool set_mxfp4_vbmi(bool on);
+
 const KernelTable* kernels_scalar();
 const KernelTable* kernels_avx2();
 const KernelTable* kernels_avx512();

@@ -55,6 +55,20 @@ bool cpu_has_avx2() {
 #endif
 }
 
+bool cpu_has_vbmi() {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return cpu_has_avx512() && __builtin_cpu_supports("avx512vbmi");
+#else
+    return false;
+#endif
+}
+
+std::atomic<bool>& vbmi_slot() {
+    static std::atomic<bool> on{cpu_has_vbmi()};
+    return on;
+}
+
 const KernelTable* initial_kernels() {
     std::vector<std::string> tiers = isa_tiers();
     const char* env = std::getenv("FREETOKEN_CPU_MOE_ISA");
@@ -89,6 +103,13 @@ const KernelTable* kernels_by_name(const std::string& name) {
     if (name == "avx2") return kernels_avx2();
     if (name == "scalar") return kernels_scalar();
     throw std::invalid_argument("unknown ISA tier '" + name + "' (expected amx, avx512, avx2 or scalar)");
+}
+
+bool mxfp4_vbmi() { return vbmi_slot().load(std::memory_order_relaxed); }
+
+bool set_mxfp4_vbmi(bool on) {
+    if (on && !cpu_has_vbmi()) throw std::invalid_argument("this CPU has no AVX512-VBMI");
+    return vbmi_slot().exchange(on);
 }
 
 const KernelTable* active_kernels() { return active_slot().load(std::memory_order_acquire); }

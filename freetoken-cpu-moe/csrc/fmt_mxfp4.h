@@ -147,6 +147,100 @@ static inline void mxfp4_row_avx512(const uint8_t* row, const Mxfp4Act* x, uint3
     if (b < nb) mxfp4_group_avx512<NT, true>(row + (size_t)b * MXFP4_BYTES, nb - b, x, b, acc, corr, lut);
     for (int j = 0; j < NT; ++j) vres[j] = _mm512_fmadd_ps(corr[j], _mm512_set1_ps(-128.0f), acc[j]);
 }
+
+// With AVX512-VBMI (mxfp4_vbmi(), chosen at run time): a full group's quad takes its 4 blocks'
+// code bytes from two 64-byte loads (the quad's bytes 0-63 and 4-67) with one vpermt2b
+// instead of four broadcast loads and three merges (0.83 -> 0.69 ns per block at T=1 on one
+// core of the 2-core VM's AMD EPYC, weights in L2). The last group of a row as above.
+#define FT_VBMI __attribute__((target("avx512vbmi")))
+template <int NT>
+FT_VBMI static inline void mxfp4_group_vbmi(const uint8_t* g, const Mxfp4Act* x, uint32_t b, __m512* acc, __m512* corr,
+                                            const __m512i lut, const __m512i cidx) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int o = 0; o < 16 * (int)MXFP4_BYTES; o += 64) _mm_prefetch((const char*)g + FT_MXFP4_PREFETCH + o, _MM_HINT_T0);
+    const __m512i eidx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512i eb = _mm512_setzero_si512();
+    __m512i s[NT][4];
+    for (uint32_t q = 0; q < 4; ++q) {
+        const uint8_t* p = g + (size_t)(4 * q) * MXFP4_BYTES;
+        const __m512i a = _mm512_loadu_si512(p), c = _mm512_loadu_si512(p + 4);
+        eb = _mm512_mask_shuffle_epi8(eb, (__mmask64)(0x0001000100010001ull << (4 * q)), a, eidx);
+        const __m512i z = _mm512_permutex2var_epi8(a, cidx, c);
+        const __m512i wlo = _mm512_shuffle_epi8(lut, _mm512_and_si512(z, m4));
+        const __m512i whi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4));
+        for (int j = 0; j < NT; ++j) {
+            const int8_t* xq = x[j].qs + (size_t)(b + 4 * q) * 32;
+            s[j][q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, _mm512_loadu_si512(xq)), whi,
+                                          _mm512_loadu_si512(xq + 64));
+        }
+    }
+    const __m512 dw = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_max_epi32(_mm512_sub_epi32(eb, _mm512_set1_epi32(1)), _mm512_setzero_si512()), 23));
+    for (int j = 0; j < NT; ++j) {
+        const __m512 coef = _mm512_mul_ps(dw, _mm512_loadu_ps(x[j].d + b));
+        corr[j] = _mm512_fmadd_ps(dw, _mm512_loadu_ps(x[j].dq + b), corr[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mxfp4_sum_quads(s[j])), coef, acc[j]);
+    }
+}
+
+template <int NT>
+FT_VBMI static inline void mxfp4_row_vbmi(const uint8_t* row, const Mxfp4Act* x, uint32_t nb, __m512* vres) {
+    __m512 acc[NT], corr[NT];
+    for (int j = 0; j < NT; ++j) acc[j] = corr[j] = _mm512_setzero_ps();
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8((char)128, (char)129, (char)130, (char)131, (char)132,
+                                                             (char)134, (char)136, (char)140, (char)128, (char)127,
+                                                             (char)126, (char)125, (char)124, (char)122, (char)120,
+                                                             (char)116));
+    // byte j of lane i <- the quad's byte 17 i + 1 + j: from the first load while < 64, else the second
+    alignas(64) static const int8_t kIdx[64] = {
+        1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16,  18, 19, 20, 21, 22, 23, 24, 25,
+        26, 27, 28, 29, 30, 31, 32, 33, 35, 36, 37, 38, 39, 40, 41, 42,  43, 44, 45, 46, 47, 48, 49, 50,
+        52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 124, 125, 126, 127};
+    const __m512i cidx = _mm512_load_si512((const void*)kIdx);
+    const uint32_t full = nb & ~15u;
+    uint32_t b = 0;
+    for (; b < full; b += 16) mxfp4_group_vbmi<NT>(row + (size_t)b * MXFP4_BYTES, x, b, acc, corr, lut, cidx);
+    if (b < nb) mxfp4_group_avx512<NT, true>(row + (size_t)b * MXFP4_BYTES, nb - b, x, b, acc, corr, lut);
+    for (int j = 0; j < NT; ++j) vres[j] = _mm512_fmadd_ps(corr[j], _mm512_set1_ps(-128.0f), acc[j]);
+}
+
+// One token: rows r0..r1 in groups of 16, summed together.
+static void mxfp4_rows1_avx512(const uint8_t* base, size_t stride, uint32_t r0, uint32_t r1, const Mxfp4Act* x,
+                               uint32_t nb, float* out) {
+    __m512 v[16];
+    for (uint32_t g = r0; g < r1; g += 16) {
+        const uint32_t n = r1 - g < 16 ? r1 - g : 16;
+        for (uint32_t i = 0; i < n; ++i) mxfp4_row_avx512<1>(base + (size_t)(g + i) * stride, x, nb, &v[i]);
+        hsum16_avx512(v, (int)n, out + (g - r0));
+    }
+}
+FT_VBMI static void mxfp4_rows1_vbmi(const uint8_t* base, size_t stride, uint32_t r0, uint32_t r1, const Mxfp4Act* x,
+                                     uint32_t nb, float* out) {
+    __m512 v[16];
+    for (uint32_t g = r0; g < r1; g += 16) {
+        const uint32_t n = r1 - g < 16 ? r1 - g : 16;
+        for (uint32_t i = 0; i < n; ++i) mxfp4_row_vbmi<1>(base + (size_t)(g + i) * stride, x, nb, &v[i]);
+        hsum16_avx512(v, (int)n, out + (g - r0));
+    }
+}
+// nt (1-4) tokens against one row.
+static void mxfp4_row_nt_avx512(const uint8_t* row, const Mxfp4Act* x, uint32_t nt, uint32_t nb, __m512* v) {
+    switch (nt) {
+        case 4: mxfp4_row_avx512<4>(row, x, nb, v); break;
+        case 3: mxfp4_row_avx512<3>(row, x, nb, v); break;
+        case 2: mxfp4_row_avx512<2>(row, x, nb, v); break;
+        default: mxfp4_row_avx512<1>(row, x, nb, v); break;
+    }
+}
+FT_VBMI static void mxfp4_row_nt_vbmi(const uint8_t* row, const Mxfp4Act* x, uint32_t nt, uint32_t nb, __m512* v) {
+    switch (nt) {
+        case 4: mxfp4_row_vbmi<4>(row, x, nb, v); break;
+        case 3: mxfp4_row_vbmi<3>(row, x, nb, v); break;
+        case 2: mxfp4_row_vbmi<2>(row, x, nb, v); break;
+        default: mxfp4_row_vbmi<1>(row, x, nb, v); break;
+    }
+}
+#undef FT_VBMI
 #endif
 
 #if defined(FT_HAVE_AVX2) && !defined(FT_HAVE_AVX512)
@@ -188,14 +282,10 @@ static void dot_rows_mxfp4(const ft_weight_desc& w, uint32_t e, uint32_t r0, uin
     if (scratch.size() < 4 * per_tok + 64) scratch.resize(4 * per_tok + 64);
     uint8_t* sp = (uint8_t*)(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
     Mxfp4Act xv[4];
-    if (ntok == 1) {  // rows in groups of 16, summed together
+    const bool vbmi = mxfp4_vbmi();
+    if (ntok == 1) {
         xv[0] = mxfp4_prepare_act(q8x32_view(xs[0], w.cols), nb, sp);
-        __m512 v[16];
-        for (uint32_t g = r0; g < r1; g += 16) {
-            const uint32_t n = r1 - g < 16 ? r1 - g : 16;
-            for (uint32_t i = 0; i < n; ++i) mxfp4_row_avx512<1>(base + (size_t)(g + i) * w.row_stride, xv, nb, &v[i]);
-            hsum16_avx512(v, (int)n, out + (g - r0));
-        }
+        (vbmi ? mxfp4_rows1_vbmi : mxfp4_rows1_avx512)(base, w.row_stride, r0, r1, xv, nb, out);
         return;
     }
 #else
@@ -213,12 +303,7 @@ static void dot_rows_mxfp4(const ft_weight_desc& w, uint32_t e, uint32_t r0, uin
             float res[4];
 #if defined(FT_HAVE_AVX512)
             __m512 v[4];
-            switch (nt) {
-                case 4: mxfp4_row_avx512<4>(row, xv, nb, v); break;
-                case 3: mxfp4_row_avx512<3>(row, xv, nb, v); break;
-                case 2: mxfp4_row_avx512<2>(row, xv, nb, v); break;
-                default: mxfp4_row_avx512<1>(row, xv, nb, v); break;
-            }
+            (vbmi ? mxfp4_row_nt_vbmi : mxfp4_row_nt_avx512)(row, xv, nt, nb, v);
             for (uint32_t j = 0; j < nt; ++j) res[j] = _mm512_reduce_add_ps(v[j]);
 #elif defined(FT_HAVE_AVX2)
             switch (nt) {

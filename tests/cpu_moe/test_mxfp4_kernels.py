@@ -3,7 +3,8 @@
 with every code and a wide range of exponents, row / column / token counts that leave
 partial groups (16 blocks per exponent gather, pairs of blocks per register, 16 rows
 summed together at T=1, tokens in fours), several worker counts, and a GPT-OSS-shaped
-MoE layer with the clamped SwiGLU."""
+MoE layer with the clamped SwiGLU. The AVX-512 tiers run both their paths where the CPU
+has AVX512-VBMI (``_core.set_mxfp4_vbmi``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,36 @@ import numpy as np
 import pytest
 
 from cpu_moe_cases import cm
+from freetoken_cpu_moe import _core
 from cpu_moe_reference import moe_reference, quantize_act, random_routes, rel_err, rel_err_allowing, RawWeights
+
+def _vbmi_supported() -> bool:
+    before = _core.mxfp4_vbmi()
+    try:
+        _core.set_mxfp4_vbmi(True)
+        return True
+    except ValueError:
+        return False
+    finally:
+        _core.set_mxfp4_vbmi(before)
+
+
+#: (tier, VBMI path on/off; None where the tier has no such choice)
+PATHS = [(isa, vbmi) for isa in cm.isa_tiers()
+         for vbmi in ((False, True) if _vbmi_supported() else (False,)) if isa in ("avx512", "amx")]
+PATHS += [(isa, None) for isa in cm.isa_tiers() if isa not in ("avx512", "amx")]
+
+
+@pytest.fixture(params=PATHS, ids=lambda p: p[0] + ("" if p[1] is None else "-vbmi" if p[1] else "-novbmi"))
+def isa(request) -> str:
+    """A tier, with the AVX-512 MXFP4 kernels' VBMI path set for the test."""
+    tier, vbmi = request.param
+    before = _core.mxfp4_vbmi()
+    if vbmi is not None:
+        _core.set_mxfp4_vbmi(vbmi)
+    yield tier
+    _core.set_mxfp4_vbmi(before)
+
 
 KVALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float64)
 
@@ -63,7 +93,6 @@ def check_linear(raw: np.ndarray, rows: int, cols: int, T: int, isa: str, rng: n
     assert (np.abs(out - x.astype(np.float64) @ dense.T) <= bound).all(), f"mxfp4 {isa} rows={rows} cols={cols} T={T}"
 
 
-@pytest.mark.parametrize("isa", cm.isa_tiers())
 @pytest.mark.parametrize("rows,cols", [(1, 32), (15, 96), (17, 512), (33, 1056), (20, 2912)])
 def test_linear_tiers_tails_tokens(rows: int, cols: int, isa: str, rng) -> None:
     raw = random_blocks(rows, cols, rng)
@@ -71,7 +100,6 @@ def test_linear_tiers_tails_tokens(rows: int, cols: int, isa: str, rng) -> None:
         check_linear(raw, rows, cols, T, isa, rng)
 
 
-@pytest.mark.parametrize("isa", cm.isa_tiers())
 def test_subnormal_and_extreme_exponents(isa: str, rng) -> None:
     """Exponents 0 and 1 (ggml: 2^-128, 2^-127) give zero; large exponents keep full scale."""
     rows, cols = 18, 640
@@ -105,7 +133,6 @@ def gpt_oss_bank(rng: np.random.Generator, E: int, H: int, I: int) -> list[RawWe
     return out
 
 
-@pytest.mark.parametrize("isa", cm.isa_tiers())
 def test_moe_gpt_oss_shapes(isa: str, rng) -> None:
     """A MoE layer of GPT-OSS's block counts (hidden 2880 + 32 bias columns = 91 blocks,
     an odd number) with swiglu_oai, several T and top-4 routes, against float64."""
