@@ -61,7 +61,7 @@ def test_group_routes_matches_a_python_sort():
     assert used == sorted(used) and experts[:len(used)] == used
 
 
-@pytest.mark.parametrize("mix", ["q4k_q4k_q6k", "q5k", "q8_0", "q6k_q5k_q4k"])
+@pytest.mark.parametrize("mix", ["q4k_q4k_q6k", "q5k", "q8_0", "q6k_q5k_q4k", "mxfp4"])
 @pytest.mark.parametrize("tokens,top_k", [(5, 4), (19, 8)])
 def test_grouped_packed_matches_gguf_reference(mix, tokens, top_k):
     (gate, up, down), (g64, u64, d64) = random_layer(MIXES[mix], seed=100 + tokens)

@@ -48,7 +48,7 @@ if INTERPRET and not triton.knobs.runtime.interpret:
     pytest.skip("no GPU and Triton's interpreter is off (TRITON_INTERPRET unset at import)", allow_module_level=True)
 
 E, H, I = 6, 512, 256
-Q4, Q5, Q6, Q8 = int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K), int(Fmt.Q8_0)
+Q4, Q5, Q6, Q8, MX = int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K), int(Fmt.Q8_0), int(Fmt.MXFP4)
 #: one program per route / token in the interpreter; the GPU's default tiles elsewhere
 WIDE = triton_moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256)
 #: the tiles of the tests that do not choose their own: WIDE in the interpreter, the
@@ -60,7 +60,7 @@ FP32_TOL, BF16_TOL = 1e-5, 1e-2
 #: the large-batch path multiplies BF16 weights and BF16 activations (as GpuExperts does)
 DEQUANT_TOL = 2e-2
 #: scale of the random fp16 block scales, per format, so that weights are O(0.01 .. 0.1)
-SCALES = {Q4: 2e-4, Q5: 1e-4, Q6: 1e-4, Q8: 2e-4}
+SCALES = {Q4: 2e-4, Q5: 1e-4, Q6: 1e-4, Q8: 2e-4, MX: 2e-3}
 
 
 def packed_stack(fmt: int, rows: int, cols: int, rng: np.random.Generator, name: str) -> tuple[RawTensor, torch.Tensor]:
@@ -124,6 +124,7 @@ MIXES = {
     "q5k": (Q5, Q5, Q5),
     "q8_0": (Q8, Q8, Q8),
     "q6k_q5k_q4k": (Q6, Q5, Q4),
+    "mxfp4": (MX, MX, MX),
 }
 
 
@@ -133,7 +134,23 @@ def test_packed_matches_gguf_reference(mix, tokens, top_k):
     run_case(MIXES[mix], tokens, top_k, seed=list(MIXES).index(mix) * 10 + tokens)
 
 
-@pytest.mark.parametrize("mix", ["q4k_q4k_q6k", "q5k", "q8_0"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_mxfp4_swiglu_oai(tokens):
+    """GPT-OSS's experts: MXFP4 with the clamped SwiGLU."""
+    (gate, up, down), (g64, u64, d64) = random_layer((MX, MX, MX), seed=70 + tokens)
+    experts = PackedGpuExperts(gate, up, down, DEV, activation="swiglu_oai", config=BASE)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, H, generator=gen) * 4  # gate/up values past the clamp limit
+    ids = routes(tokens, 4, gen)
+    w = torch.rand(tokens, 4, generator=gen) + 0.1
+    out = torch.full((tokens, H), float("nan"), device=DEV)
+    experts.forward(x.to(DEV), ids.to(DEV), w.to(DEV), out=out)
+    ref = reference_experts(x, ids, w, g64, u64, d64, "swiglu_oai")
+    check_rows(out, ref, FP32_TOL)
+    assert float(x.abs().max()) * float(g64.abs().max()) > 0  # sanity: the inputs are not degenerate
+
+
+@pytest.mark.parametrize("mix", ["q4k_q4k_q6k", "q5k", "q8_0", "mxfp4"])
 def test_narrow_tiles(mix):
     """Several programs per route and several steps per row, steps inside 256-value blocks."""
     run_case(MIXES[mix], 2, 4, seed=len(mix), config=NARROW)
@@ -250,7 +267,7 @@ def rb(f, cols):
 report = {}
 fast = dataclasses.replace(tp.DEFAULT_CONFIG, block_n=2, down_routes_tile=True, word_loads=True)
 for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, tp.DEFAULT_CONFIG), (12, 12, 12, fast),
-                        (13, 13, 14, fast)]:
+                        (13, 13, 14, fast), (39, 39, 39, tp.DEFAULT_CONFIG)]:
     H, I = 2048, 768
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     sig = {"x_ptr": "*bf16", "ids_ptr": "*i32", "g_u8": "*u8", "g_i8": "*i8", "g_f16": "*fp16", "u_u8": "*u8",
@@ -284,7 +301,7 @@ def test_kernels_compile_for_sm90():
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"12_12_14": [True, True], "13_8_13": [True, True], "12_12_12": [True, True],
-                      "13_13_14": [True, True]}
+                      "13_13_14": [True, True], "39_39_39": [True, True]}
 
 
 # --------------------------------------------------------------------------------------

@@ -130,8 +130,8 @@ def write_tokenizer(w: Any, tokenizer_json: str, chat_template: Optional[str], e
 def random_blocks(fmt: int, rows: int, cols: int, rng: np.random.Generator, scale: float = 2e-4) -> np.ndarray:
     """``rows`` packed rows of ``cols`` values in ``fmt`` as uint8 ``[rows, row_bytes]``.
 
-    The quantized bits are uniformly random; every fp16 scale is a small positive
-    finite value around ``scale`` so dequantized weights are O(0.01)."""
+    The quantized bits are uniformly random; every fp16 scale (MXFP4: block exponent) is a
+    small positive finite value around ``scale`` so dequantized weights are O(0.01)."""
     per, nb = BLOCK_SIZES[int(fmt)]
     if cols % per:
         raise ValueError(f"{Fmt(fmt).name} needs cols multiple of {per}, got {cols}")
@@ -149,6 +149,9 @@ def random_blocks(fmt: int, rows: int, cols: int, rng: np.random.Generator, scal
         raw[:, 2:4] = f16(scale * 0.5, scale * 1.5)  # dmin
     elif fmt == Fmt.Q6_K:
         raw[:, 208:210] = f16(scale * 0.25, scale * 0.75)
+    elif fmt == Fmt.MXFP4:  # E8M0 exponent byte: block scales 2^(e - 128) in [1, 4) x 2^floor(log2(scale))
+        e0 = 128 + int(np.floor(np.log2(scale)))
+        raw[:, 0] = rng.integers(e0, e0 + 3, size=nblk, dtype=np.uint8)
     else:
         raise ValueError(f"no random blocks for format {fmt}")
     return raw.reshape(rows, (cols // per) * nb)

@@ -14,8 +14,9 @@ row that multiplies a constant appended to the activations
 more expert bytes for GPT-OSS-20B), the down bias is added after the experts. MXFP4
 experts (the official checkpoints, and llama.cpp's GGUF files) stay MXFP4: the CPU kernels
 read ggml's ``block_mxfp4`` (HF ``*_blocks``/``*_scales`` are rewritten in that layout at
-load, the same bytes); GPU-resident experts are dequantized to the activation dtype
-(the packed GPU kernels do not take MXFP4).
+load, the same bytes); GPU-resident experts stay MXFP4 too (the packed GPU kernels of
+:mod:`freetoken.moe.triton_moe_packed` decode it), or are dequantized to the activation
+dtype with ``--moe-gpu-experts dequantized``.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: ggml types these experts hold (those of :mod:`freetoken.moe.triton_moe_packed`)
-PACKED_FORMATS = frozenset({8, 12, 13, 14})  # Q8_0, Q4_K, Q5_K, Q6_K
+PACKED_FORMATS = frozenset({8, 12, 13, 14, 39})  # Q8_0, Q4_K, Q5_K, Q6_K, MXFP4
 
 #: Values per chunk of the BF16 dequantization (bounds its float32 temporaries: ~32 MiB)
 DEQUANT_CHUNK_VALUES = 8 << 20

@@ -2,7 +2,7 @@
 
 The expert stacks are the file's bytes, moved to the device unchanged: ``gate/up
 [E, I, row_bytes(H)]`` and ``down [E, H, row_bytes(I)]`` uint8, each in one of Q4_K,
-Q5_K, Q6_K or Q8_0 (the three may differ: Q4_K_M files mix Q4_K and Q6_K). Each program
+Q5_K, Q6_K, Q8_0 or MXFP4 (the three may differ: Q4_K_M files mix Q4_K and Q6_K). Each program
 dequantizes its weight tile in registers and multiplies it with the activation in
 float32; nothing is written back but the activations ``h`` and the output ``y``. Two
 per-route kernels, the design of :mod:`freetoken.moe.triton_moe`'s
@@ -35,6 +35,10 @@ of gguf-py's dequantization and :mod:`freetoken.loading.dequant` (``(d*sc) * q -
 and sums are float32. Byte layouts (offsets in a block):
 
 * Q8_0 (32 values, 34 B): f16 ``d`` at 0, int8 codes at 2.
+* MXFP4 (32 values, 17 B): E8M0 exponent ``e`` at 0 (scale ``2^(e - 128)``, as ggml's
+  half-scale with doubled E2M1 values 0 1 2 3 4 6 8 12 and their negatives), 4-bit codes
+  at 1: value ``l < 16`` in the low nibble of byte ``1 + l``, value ``l + 16`` in its high
+  nibble.
 * Q4_K (256 values, 144 B): f16 ``d`` at 0, f16 ``dmin`` at 2, 12 bytes of 6-bit scales
   and mins at 4, nibbles at 16 (byte ``16 + 32*(s//2) + l``, low nibble for even
   sub-block ``s``, high for odd).
@@ -46,7 +50,8 @@ and sums are float32. Byte layouts (offsets in a block):
   byte ``128 + 32*n + l``.
 
 Every field is read through one of three views of the same bytes (uint8, int8, and
-float16: every f16 field lies at an even offset, as every block size is even).
+float16: every f16 field lies at an even offset, as the block sizes of the formats with
+f16 fields are even).
 
 Batches above ``PackedConfig.max_routes`` routes are not served here:
 :class:`freetoken.moe.gpu_packed_experts.PackedGpuExperts` dequantizes the experts to
@@ -67,7 +72,7 @@ import triton.language as tl
 from freetoken.backends import triton_target
 from freetoken.moe.triton_moe import ACT_CODES, activate
 
-FMT_Q8_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = 8, 12, 13, 14  # ggml type ids (freetoken.handoff.Fmt)
+FMT_Q8_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_MXFP4 = 8, 12, 13, 14, 39  # ggml type ids (freetoken.handoff.Fmt)
 
 #: Per block format: (values per block, bytes per block, values per scale group ``G``).
 FORMATS: dict[int, tuple[int, int, int]] = {
@@ -75,8 +80,9 @@ FORMATS: dict[int, tuple[int, int, int]] = {
     FMT_Q4_K: (256, 144, 32),
     FMT_Q5_K: (256, 176, 32),
     FMT_Q6_K: (256, 210, 16),
+    FMT_MXFP4: (32, 17, 32),
 }
-FORMAT_NAMES = {FMT_Q8_0: "Q8_0", FMT_Q4_K: "Q4_K", FMT_Q5_K: "Q5_K", FMT_Q6_K: "Q6_K"}
+FORMAT_NAMES = {FMT_Q8_0: "Q8_0", FMT_Q4_K: "Q4_K", FMT_Q5_K: "Q5_K", FMT_Q6_K: "Q6_K", FMT_MXFP4: "MXFP4"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,11 +173,12 @@ class PackedStack:
         return int(self.data.numel())
 
     def views(self) -> tuple[Any, Any, Any]:
-        """The bytes as uint8, int8 and float16 (flat)."""
+        """The bytes as uint8, int8 and float16 (flat). MXFP4 has no 16-bit field and its
+        17-byte blocks may leave an odd byte count: its third view is the uint8 one."""
         import torch
 
         flat = self.data.view(-1)
-        return flat, flat.view(torch.int8), flat.view(torch.float16)
+        return flat, flat.view(torch.int8), flat if self.fmt == FMT_MXFP4 else flat.view(torch.float16)
 
 
 @triton.jit
@@ -186,7 +193,17 @@ def _dequant_tile(
     m2 = row_ok[:, None] & (cs < NCOLS)[None, :]  # [R, S] (groups are whole: NCOLS % G == 0)
     m3 = m2[:, :, None]
     ro = row_off[:, None]
-    if FMT == 8:  # Q8_0: q * d
+    if FMT == 39:  # MXFP4: code c (sign, 2-bit exponent, 1-bit mantissa) times 2^(e - 128)
+        blk = ro + (cs // 32 * 17)[None, :]
+        e = tl.load(u8_ptr + blk, mask=m2, other=0).to(tl.int32)
+        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)  # subnormal below e=2
+        half = offs_l // 16  # values 0..15: low nibbles of bytes 1..16; 16..31: high nibbles
+        qb = tl.load(u8_ptr + (blk + 1)[:, :, None] + (offs_l % 16)[None, None, :], mask=m3, other=0).to(tl.int32)
+        c = (qb >> (4 * half)[None, None, :]) & 15
+        ex = (c >> 1) & 3
+        mag = tl.where(ex == 0, c & 1, (2 + (c & 1)) << tl.maximum(ex - 1, 0))  # 0 1 2 3 4 6 8 12
+        w = d[:, :, None] * tl.where(c >= 8, -mag, mag).to(tl.float32)
+    elif FMT == 8:  # Q8_0: q * d
         blk = ro + (cs // 32 * 34)[None, :]  # [R, S] byte offset of the group's block
         d = tl.load(f16_ptr + blk // 2, mask=m2, other=0.0).to(tl.float32)
         q = tl.load(i8_ptr + (blk + 2)[:, :, None] + offs_l[None, None, :], mask=m3, other=0).to(tl.float32)
