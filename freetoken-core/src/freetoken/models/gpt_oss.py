@@ -31,6 +31,7 @@ import torch
 from freetoken.handoff import Fmt
 from freetoken.loading.dequant import MXFP4_KVALUES, mxfp4_ggml_from_hf
 from freetoken.loading.hf import CheckpointError
+from freetoken.loading.host_pages import huge_empty
 from freetoken.loading.tensors import RawTensor, fmt_name
 from freetoken.models.config import ModelConfig, gguf_config_fields, hf_config_fields
 from freetoken.models.moe_decoder import BIAS_FINE, BIAS_ONES, BIAS_PAD, Arch, MoeDecoderModel, Names, hf_eos_ids
@@ -210,19 +211,23 @@ def _with_bias(name: str, source: str, fmt: int, rows: Any, bias: torch.Tensor, 
     """``[E, R, H]`` weights (float tensor, or Q8_0/MXFP4 bytes ``[E, R, row bytes]``) with
     the bias as columns ``H .. H + PAD`` (float formats: column ``H``, whose constant is 1)."""
     if int(fmt) in _BIAS_BLOCKS:
-        data = torch.cat([rows.reshape(E, R, -1), _BIAS_BLOCKS[int(fmt)](bias)], dim=-1)
+        body, tail = rows.reshape(E, R, -1), _BIAS_BLOCKS[int(fmt)](bias)
     else:
-        ext = torch.zeros(E, R, PAD, dtype=rows.dtype)
-        ext[..., 0] = bias.to(rows.dtype)
-        data = torch.cat([rows, ext], dim=-1)
-    return RawTensor(name, (E, R, H + PAD), fmt, data.contiguous(), source)
+        body, tail = rows, torch.zeros(E, R, PAD, dtype=rows.dtype)
+        tail[..., 0] = bias.to(rows.dtype)
+    data = huge_empty((E, R, body.shape[-1] + tail.shape[-1]), body.dtype)  # streamed every token
+    data[..., : body.shape[-1]] = body
+    data[..., body.shape[-1] :] = tail
+    return RawTensor(name, (E, R, H + PAD), fmt, data, source)
 
 
 def _with_zero_rows(name: str, source: str, fmt: int, rows: Any, E: int, H: int, I: int) -> RawTensor:
     """``[E, H, I]`` down weights with ``PAD`` zero rows appended (outputs that are dropped)."""
     rows = rows.reshape(E, H, -1)
-    data = torch.cat([rows, torch.zeros(E, PAD, rows.shape[-1], dtype=rows.dtype)], dim=1)
-    return RawTensor(name, (E, H + PAD, I), fmt, data.contiguous(), source)
+    data = huge_empty((E, H + PAD, rows.shape[-1]), rows.dtype)  # streamed every token
+    data[:, :H] = rows
+    data[:, H:] = 0
+    return RawTensor(name, (E, H + PAD, I), fmt, data, source)
 
 
 _FLOAT_FMTS = (int(Fmt.F32), int(Fmt.F16), int(Fmt.BF16))
