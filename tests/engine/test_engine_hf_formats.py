@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -56,10 +57,11 @@ def _fp8_blockwise(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, tor
     return q.view(sr * block, sc * block)[:rows, :cols].contiguous(), scale.float()
 
 
-def test_fp8_block_quantized_checkpoint(tmp_path):
+def write_fp8_checkpoint(tmp_path: Any, seed: int) -> tuple[str, Any]:
+    """A tiny Qwen3-MoE HF checkpoint whose attention and expert projections are FP8 with
+    128 x 128 block scales, and an FP32 HF model holding the decoded values (the reference)."""
     from safetensors.torch import load_file, save_file
 
-    seed = random.randrange(1 << 30)
     src = str(tmp_path / "f32")
     over = dict(hidden_size=256, moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     model = make_hf(src, seed, **over)
@@ -97,7 +99,13 @@ def test_fp8_block_quantized_checkpoint(tmp_path):
                 L.mlp.experts.gate_up_proj[e, :I].copy_(dec[pre + f"mlp.experts.{e}.gate_proj.weight"])
                 L.mlp.experts.gate_up_proj[e, I:].copy_(dec[pre + f"mlp.experts.{e}.up_proj.weight"])
                 L.mlp.experts.down_proj[e].copy_(dec[pre + f"mlp.experts.{e}.down_proj.weight"])
-    eng = engine_for(str(dst))
+    return str(dst), model
+
+
+def test_fp8_block_quantized_checkpoint(tmp_path):
+    seed = random.randrange(1 << 30)
+    dst, model = write_fp8_checkpoint(tmp_path, seed)
+    eng = engine_for(dst)
     rng = random.Random(seed)
     ids = [rng.randrange(160) for _ in range(19)]
     torch.testing.assert_close(eng.prompt_logits(ids), hf_logits(model, ids), **TOL)

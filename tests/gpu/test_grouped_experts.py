@@ -76,6 +76,23 @@ def test_grouped_packed_matches_gguf_reference(mix, tokens, top_k):
     check_rows(out, reference_experts(x, ids, w, g64, u64, d64), TOL)
 
 
+def test_grouped_fp8_block_scaled():
+    """FP8 block-scaled experts (their device rows) through the grouped kernels."""
+    from test_packed_experts import H, I, fp8_stack
+
+    gen = torch.Generator().manual_seed(9)
+    (gate, g64), (up, u64), (down, d64) = (fp8_stack(r, c, gen, n) for r, c, n in ((I, H, "g"), (I, H, "u"), (H, I, "d")))
+    experts = PackedGpuExperts(gate, up, down, DEV, config=SMALL)
+    tokens, top_k = 19, 8
+    x = torch.randn(tokens, H, generator=gen)
+    ids = routes(tokens, top_k, gen)
+    w = torch.rand(tokens, top_k, generator=gen) + 0.1
+    out = torch.full((tokens, H), float("nan"), device=DEV)
+    experts.forward(x.to(DEV), ids.to(DEV), w.to(DEV), out=out)
+    assert any(k[0] == "grouped" for k in experts._compiled), "the grouped kernels did not run"
+    check_rows(out, reference_experts(x, ids, w, g64, u64, d64), TOL)
+
+
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
 def test_grouped_plain_bf16(activation):
     """Dequantized (BF16) experts above the per-route sizes take the grouped kernels too."""

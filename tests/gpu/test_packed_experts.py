@@ -150,6 +150,64 @@ def test_mxfp4_swiglu_oai(tokens):
     assert float(x.abs().max()) * float(g64.abs().max()) > 0  # sanity: the inputs are not degenerate
 
 
+def fp8_stack(rows: int, cols: int, gen: torch.Generator, name: str) -> tuple[RawTensor, torch.Tensor]:
+    """Random FP8 E4M3 experts ``[E, rows, cols]`` with one float32 scale per 128 x 128
+    tile (the HF block-scaled layout), and their float64 values (torch's E4M3 decoding)."""
+    codes = torch.randint(0, 256, (E, rows, cols), generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+    scale = torch.rand(E, -(-rows // 128), cols // 128, generator=gen) * 2e-4 + 1e-4
+    full = scale.double().repeat_interleave(128, 1)[:, :rows].repeat_interleave(128, 2)
+    ref = codes.view(torch.float8_e4m3fn).double() * full
+    raw = RawTensor(name=name, shape=(E, rows, cols), fmt=int(Fmt.FP8_E4M3_B128), data=codes.numpy(), source="random",
+                    scale=scale)
+    return raw, ref
+
+
+@pytest.mark.parametrize("config", ["base", "narrow"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_fp8_block_scaled(tokens, config):
+    """FP8 block-scaled experts (rows of 132-byte blocks on the device) against float64."""
+    gen = torch.Generator().manual_seed(80 + tokens)
+    (gate, g64), (up, u64), (down, d64) = (fp8_stack(r, c, gen, n) for r, c, n in ((I, H, "g"), (I, H, "u"), (H, I, "d")))
+    cfg = BASE if config == "base" else NARROW
+    experts = PackedGpuExperts(gate, up, down, DEV, config=cfg)
+    assert experts.formats == ("FP8_B128",) * 3
+    values = 3 * E * H * I
+    assert experts.device_bytes == values // 128 * 132 < 1.05 * gate.nbytes * 3
+    x = torch.randn(tokens, H, generator=gen)
+    ids = routes(tokens, 8, gen)
+    w = torch.rand(tokens, 8, generator=gen) + 0.1
+    out = torch.full((tokens, H), float("nan"), device=DEV)
+    experts.forward(x.to(DEV), ids.to(DEV), w.to(DEV), out=out)
+    check_rows(out, reference_experts(x, ids, w, g64, u64, d64), FP32_TOL)
+
+
+def test_fp8_rows_dequantized_by_torch_and_triton():
+    """The device rows dequantized (the torch fallback into BF16, the Triton kernel into
+    float32) equal the exact values rounded to float32 (then BF16)."""
+    from freetoken.moe.gpu_packed_experts import _fp8_rows_to
+
+    gen = torch.Generator().manual_seed(3)
+    raw, ref = fp8_stack(I, H, gen, "g")
+    stack = triton_moe_packed.PackedStack.from_fp8(torch.from_numpy(raw.data), raw.scale, DEV)
+    want = ref.float().to(torch.bfloat16)  # the float32 product, then BF16
+    got = _fp8_rows_to(stack, torch.full((E, I, H), float("nan"), dtype=torch.bfloat16, device=DEV))
+    assert torch.equal(got.cpu(), want)
+    got = triton_moe_packed.dequantize_experts(stack, torch.full((E, I, H), float("nan"), dtype=torch.float32,
+                                                                 device=DEV))
+    assert torch.equal(got.cpu(), ref.float())  # one float32 product per value, correctly rounded
+
+
+def test_fp8_layout_refusals():
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.zeros(2, 128, 96, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        triton_moe_packed.PackedStack.from_fp8(codes, torch.ones(2, 1, 1), DEV)
+    raw, _ = fp8_stack(I, H, gen, "g")
+    with pytest.raises(ValueError, match="does not match"):
+        triton_moe_packed.PackedStack.from_fp8(torch.from_numpy(raw.data), torch.ones(E, 1, 1), DEV)
+
+
 @pytest.mark.parametrize("mix", ["q4k_q4k_q6k", "q5k", "q8_0", "mxfp4"])
 def test_narrow_tiles(mix):
     """Several programs per route and several steps per row, steps inside 256-value blocks."""
@@ -400,3 +458,43 @@ def test_gpu_timing_against_bf16(tokens):
         f"packed vs {ne * per_expert_bf16 / 2**30:.3f} GiB BF16"
     )
     print(json.dumps({"tokens": tokens, "packed_us": t_packed, "bf16_us": t_bf16, "distinct": distinct}))
+
+
+# --------------------------------------------------------------------------------------
+# an HF FP8 checkpoint through the engine: its experts packed on the (simulated) GPU
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's run of the fakegpu engine")
+def test_fakegpu_engine_packs_fp8_checkpoint(tmp_path, monkeypatch):
+    """The plan keeps an FP8 block-scaled HF checkpoint's experts packed on the device (its
+    formats read from the checkpoint, the device rows' bytes planned) and the engine's
+    logits equal HF's FP32 model on the decoded values, through the interpreted kernels."""
+    here = os.path.join(os.path.dirname(__file__), "..", "engine")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from helpers import hf_logits
+    from test_engine_hf_formats import TOL, write_fp8_checkpoint
+
+    from freetoken.backends import registry
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import LLMEngine
+    from freetoken.moe import gpu_experts
+
+    path, model = write_fp8_checkpoint(tmp_path, seed=5)
+    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(triton_moe_packed, "DEFAULT_CONFIG", WIDE)
+    registry.reset()
+    eng = LLMEngine(EngineConfig(model=path, backend="fakegpu", dtype="float32", moe_cpu_layers="0",
+                                 max_model_len=64, kv_cache_tokens=256))
+    try:
+        plan = eng.backend_info()["memory_plan"]
+        cfg = model.config
+        layer_bytes = 3 * cfg.num_experts * cfg.hidden_size * cfg.moe_intermediate_size // 128 * 132
+        assert plan["packed_layers"] == cfg.num_hidden_layers, plan
+        assert plan["expert_bytes"] == cfg.num_hidden_layers * layer_bytes, plan
+        ids = [(11 * j) % 150 + 3 for j in range(13)]
+        torch.testing.assert_close(eng.prompt_logits(ids), hf_logits(model, ids), **TOL)
+    finally:
+        eng.close()
+        registry.reset()  # the later tests of this process choose their own backend

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import time
 from typing import Any, Optional
 
@@ -98,7 +99,9 @@ def _load_hf(path: str, session: ModelSession, show: Optional[bool]) -> LoadedMo
     expert_bytes = int(total * _expert_fraction(cfg))
     check_fits(path, weights=total, copies=expert_bytes)
     policy = session.weight_policy
-    session.plan(model_shape(cfg, policy.dtype))
+    shape = model_shape(cfg, policy.dtype)
+    _hf_expert_formats(ck, shape)
+    session.plan(shape)
     policy = session.weight_policy  # the plan may choose the dense part's form
     t0 = time.time()
     show = total > (1 << 30) if show is None else show
@@ -173,6 +176,26 @@ def _gguf_shape(ck: Any, names: Any, cfg: ModelConfig, act: torch.dtype) -> Mode
     _gguf_expert_layout(ck, names, shape)
     _gguf_dense_layout(ck, names, shape, act)
     return shape
+
+
+#: an HF checkpoint's per-expert tensors of expert 0: (layer, projection)
+_HF_EXPERT0 = re.compile(r"layers\.(\d+)\..*experts\.0\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_HF_PROJ = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+
+
+def _hf_expert_formats(ck: Any, shape: ModelShape) -> None:
+    """Fill ``shape.expert_formats`` from an HF checkpoint with one tensor per expert (the
+    formats of expert 0's gate/up/down in each MoE layer), when every MoE layer has them;
+    fused expert tensors leave it unset. (The byte counts stay unset: only formats that the
+    GPU keeps in a layout of its own, FP8, are planned from them.)"""
+    found: dict[int, list[Optional[int]]] = {}
+    for name in ck.names():
+        m = _HF_EXPERT0.search(name)
+        if m:
+            found.setdefault(int(m.group(1)), [None, None, None])[_HF_PROJ[m.group(2)]] = int(ck.get(name).fmt)
+    formats = {i: tuple(found.get(i, ())) for i in shape.moe_layers}
+    if all(len(f) == 3 and None not in f for f in formats.values()):
+        shape.expert_formats = formats  # type: ignore[assignment]
 
 
 def _gguf_expert_layout(ck: Any, names: Any, shape: ModelShape) -> None:

@@ -51,7 +51,7 @@ from freetoken.backends.contract import (
 )
 from freetoken.models.layers import DeviceWeightPolicy
 from freetoken.moe.expert_traffic import ExpertTraffic
-from freetoken.moe.gpu_packed_experts import DequantScratch
+from freetoken.moe.gpu_packed_experts import FMT_FP8_ROWS, PACKED_FORMATS, DequantScratch, resident_bytes
 from freetoken.moe.placement import cpu_layers
 from freetoken.moe.prefill_stream import buffer_count
 
@@ -150,8 +150,9 @@ class GpuModelSession(ModelSession):
         elt = torch.empty((), dtype=self.act_dtype).element_size()
         dequantized = 3 * shape.num_experts * shape.hidden * shape.moe_intermediate * elt
         packed = self._packed_layers(shape)
-        per_layer = {i: (shape.expert_file_bytes or {}).get(i, dequantized) if i in packed else dequantized
+        per_layer = {i: self._packed_bytes(shape, i, dequantized) if i in packed else dequantized
                      for i in shape.moe_layers}
+        as_stored = {i for i in packed if set((shape.expert_formats or {})[i]) <= PACKED_FORMATS}
         n = len(shape.moe_layers)
         mem = self.backend.device_memory()
         total = mem[1] if mem else None
@@ -174,7 +175,7 @@ class GpuModelSession(ModelSession):
         # known to be computable as stored (GGUF blocks the packed kernels read), or when
         # there is no budget to protect; an HF checkpoint on a planned GPU needs `on`.
         mode = o.moe.stream_prefill
-        streams = n > 0 and (mode == "on" or (mode == "auto" and (len(packed) == n or budget is None)))
+        streams = n > 0 and (mode == "on" or (mode == "auto" and (len(as_stored) == n or budget is None)))
         buffers = buffer_count(o.moe.stream_experts) * max(per_layer.values() if shape.expert_file_bytes is None else
                           shape.expert_file_bytes.values()) if streams else 0
         dense = self._dense_form(shape, budget, reserve + kv_min + cache + buffers, per_layer)
@@ -267,10 +268,17 @@ class GpuModelSession(ModelSession):
             fit += 1
         return fit
 
+    def _packed_bytes(self, shape: ModelShape, layer: int, dequantized: int) -> int:
+        """Device bytes of a packed layer's experts: the file's bytes, FP8 in its device rows."""
+        fmts = (shape.expert_formats or {})[layer]
+        if FMT_FP8_ROWS in fmts:
+            return resident_bytes(FMT_FP8_ROWS, 0, 3 * shape.num_experts * shape.hidden * shape.moe_intermediate)
+        return (shape.expert_file_bytes or {}).get(layer, dequantized)
+
     def _packed_layers(self, shape: ModelShape) -> set[int]:
-        """The MoE layers whose experts can stay in the file's block formats on this device."""
+        """The MoE layers whose experts can stay packed on this device: the file's block
+        formats, or FP8 block-scaled (all three stacks) in its device rows."""
         from freetoken.moe.gpu_experts import default_impl
-        from freetoken.moe.gpu_packed_experts import PACKED_FORMATS
 
         mode = self.options.moe.gpu_experts
         if mode not in ("auto", "dequantized"):
@@ -278,7 +286,9 @@ class GpuModelSession(ModelSession):
         self.packed_capable = mode == "auto" and default_impl(self.device)[0] == "triton"
         if not self.packed_capable or not shape.expert_formats:
             return set()
-        return {i for i, f in shape.expert_formats.items() if all(x in PACKED_FORMATS for x in f)}
+        return {i for i, f in shape.expert_formats.items()
+                if set(f) <= PACKED_FORMATS or (set(f) == {FMT_FP8_ROWS} and shape.hidden % 128 == 0
+                                                and shape.moe_intermediate % 128 == 0)}  # whole row blocks
 
     def _refuse(self, shape: ModelShape, per_layer: dict[int, int], gpu: list[int], need: int, budget: int,
                 budget_from: Optional[str], fixed: int, cache: int, buffers: int, kv_min: int,

@@ -2,7 +2,9 @@
 
 The expert stacks are the file's bytes, moved to the device unchanged: ``gate/up
 [E, I, row_bytes(H)]`` and ``down [E, H, row_bytes(I)]`` uint8, each in one of Q4_K,
-Q5_K, Q6_K, Q8_0 or MXFP4 (the three may differ: Q4_K_M files mix Q4_K and Q6_K). Each program
+Q5_K, Q6_K, Q8_0 or MXFP4 (the three may differ: Q4_K_M files mix Q4_K and Q6_K); FP8
+block-scaled experts are rearranged once into rows of blocks of their own
+(:meth:`PackedStack.from_fp8`). Each program
 dequantizes its weight tile in registers and multiplies it with the activation in
 float32; nothing is written back but the activations ``h`` and the output ``y``. Two
 per-route kernels, the design of :mod:`freetoken.moe.triton_moe`'s
@@ -35,6 +37,8 @@ of gguf-py's dequantization and :mod:`freetoken.loading.dequant` (``(d*sc) * q -
 and sums are float32. Byte layouts (offsets in a block):
 
 * Q8_0 (32 values, 34 B): f16 ``d`` at 0, int8 codes at 2.
+* FP8 rows (128 values, 132 B; :meth:`PackedStack.from_fp8`, not a file format): float32
+  scale of the value's 128 x 128 tile at 0, E4M3 codes at 4.
 * MXFP4 (32 values, 17 B): E8M0 exponent ``e`` at 0 (scale ``2^(e - 128)``, as ggml's
   half-scale with doubled E2M1 values 0 1 2 3 4 6 8 12 and their negatives), 4-bit codes
   at 1: value ``l < 16`` in the low nibble of byte ``1 + l``, value ``l + 16`` in its high
@@ -73,6 +77,9 @@ from freetoken.backends import triton_target
 from freetoken.moe.triton_moe import ACT_CODES, activate
 
 FMT_Q8_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_MXFP4 = 8, 12, 13, 14, 39  # ggml type ids (freetoken.handoff.Fmt)
+#: FP8 E4M3 with one float32 scale per 128 x 128 tile (freetoken.handoff.Fmt.FP8_E4M3_B128),
+#: held on the device in rows of 132-byte blocks (:meth:`PackedStack.from_fp8`)
+FMT_FP8_B128 = 100
 
 #: Per block format: (values per block, bytes per block, values per scale group ``G``).
 FORMATS: dict[int, tuple[int, int, int]] = {
@@ -81,8 +88,10 @@ FORMATS: dict[int, tuple[int, int, int]] = {
     FMT_Q5_K: (256, 176, 32),
     FMT_Q6_K: (256, 210, 16),
     FMT_MXFP4: (32, 17, 32),
+    FMT_FP8_B128: (128, 132, 32),
 }
-FORMAT_NAMES = {FMT_Q8_0: "Q8_0", FMT_Q4_K: "Q4_K", FMT_Q5_K: "Q5_K", FMT_Q6_K: "Q6_K", FMT_MXFP4: "MXFP4"}
+FORMAT_NAMES = {FMT_Q8_0: "Q8_0", FMT_Q4_K: "Q4_K", FMT_Q5_K: "Q5_K", FMT_Q6_K: "Q6_K", FMT_MXFP4: "MXFP4",
+                FMT_FP8_B128: "FP8_B128"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +168,27 @@ class PackedStack:
             )
         return cls(data.reshape(num_experts, rows, rb).contiguous(), fmt, rows, cols)
 
+    @classmethod
+    def from_fp8(cls, codes: Any, scale: Any, device: Any) -> "PackedStack":
+        """FP8 E4M3 experts ``codes [E, rows, cols]`` (uint8 or float8_e4m3fn) with their
+        float32 ``scale [E, ceil(rows / 128), cols / 128]`` (one per 128 x 128 tile) as rows
+        of 132-byte blocks on ``device``: each 128 codes of a row preceded by its tile's
+        scale (4 bytes per 128, 3.1% over the codes), so a row is read on its own like the
+        GGUF block formats."""
+        import torch
+
+        e, rows, cols = (int(s) for s in codes.shape)
+        if cols % 128:
+            raise ValueError(f"packed FP8 experts: rows need a multiple of 128 values, got {cols}")
+        tiles = (e, -(-rows // 128), cols // 128)
+        if tuple(scale.shape) != tiles:
+            raise ValueError(f"packed FP8 experts: scale {tuple(scale.shape)} does not match codes "
+                             f"{tuple(codes.shape)} (expected {tiles}: one per 128 x 128 tile)")
+        q = codes.to(device).view(torch.uint8).reshape(e, rows, cols // 128, 128)
+        s = scale.to(device=device, dtype=torch.float32).repeat_interleave(128, dim=1)[:, :rows]
+        s = s.contiguous().view(torch.uint8).reshape(e, rows, cols // 128, 4)
+        return cls(torch.cat([s, q], dim=3).reshape(e, rows, cols // 128 * 132).contiguous(), FMT_FP8_B128, rows, cols)
+
     @property
     def row_bytes(self) -> int:
         per, nbytes, _ = FORMATS[self.fmt]
@@ -193,7 +223,18 @@ def _dequant_tile(
     m2 = row_ok[:, None] & (cs < NCOLS)[None, :]  # [R, S] (groups are whole: NCOLS % G == 0)
     m3 = m2[:, :, None]
     ro = row_off[:, None]
-    if FMT == 39:  # MXFP4: code c (sign, 2-bit exponent, 1-bit mantissa) times 2^(e - 128)
+    if FMT == 100:  # FP8 E4M3 rows of 132-byte blocks: float32 tile scale, then 128 codes
+        blk = ro + (cs // 128 * 132)[None, :]
+        d = tl.load(u8_ptr.to(tl.pointer_type(tl.float32)) + blk // 4, mask=m2, other=0.0)
+        q = tl.load(u8_ptr + (blk + 4 + cs % 128)[:, :, None] + offs_l[None, None, :], mask=m3, other=0).to(tl.int32)
+        ex = (q >> 3) & 15
+        mant = q & 7
+        # normal: 2^(ex - 7) * (1 + mant / 8) (the float32 with those exponent and top mantissa
+        # bits); subnormal (ex = 0): mant * 2^-9. The NaN codes (0x7f, 0xff) read as +-480.
+        normal = ((ex + 120) << 23 | mant << 20).to(tl.float32, bitcast=True)
+        mag = tl.where(ex == 0, mant.to(tl.float32) * 0.001953125, normal)
+        w = d[:, :, None] * tl.where(q >= 128, -mag, mag)
+    elif FMT == 39:  # MXFP4: code c (sign, 2-bit exponent, 1-bit mantissa) times 2^(e - 128)
         blk = ro + (cs // 32 * 17)[None, :]
         e = tl.load(u8_ptr + blk, mask=m2, other=0).to(tl.int32)
         d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)  # subnormal below e=2
