@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run GPU test files (TESTS), write a Qwen3-30B-A3B-shaped
 # Q4_K_M file of LAYERS layers, then `freetoken bench decode` once per run in RUNS, a list of
-# "TAG:FLAGS" items separated by ';' (e.g. "packed:--moe-cpu-layers 0;16g:--gpu-memory-limit 16GiB").
+# "TAG:FLAGS" items separated by ';' (e.g. "packed:--moe-cpu-layers 0;16g:--gpu-memory-limit 16GiB");
+# RUN_ENV_<TAG> adds environment variables to that run only (e.g.
+# RUN_ENV_fast="FREETOKEN_PACKED_EXPERTS=down_routes_tile=1,word_loads=1,block_n=2").
 # Usage (repository root, .whl carried): RUNS="..." TESTS="..." bash tests/gpu/moe_runs.sh [LAYERS]
 set -uo pipefail
 LAYERS=${1:-48}
@@ -19,13 +21,13 @@ M=/tmp/ft-bench/q4km-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
 stamp "make-model rc=$? $(du -h $M | cut -f1)"
 IFS=';' read -ra items <<< "$RUNS"
 for item in "${items[@]}"; do
-  tag=${item%%:*}; flags=${item#*:}
+  tag=${item%%:*}; flags=${item#*:}; envvar="RUN_ENV_$tag"
   # shellcheck disable=SC2086
-  timeout ${RUN_TIMEOUT:-150} python3 -m freetoken.cli.main bench decode --model "$M" --backend cuda --cpu-threads 15 \
+  timeout ${RUN_TIMEOUT:-150} env ${!envvar:-} python3 -m freetoken.cli.main bench decode --model "$M" --backend cuda --cpu-threads 15 \
     --batch ${BATCHES:-1 8} --prompt-len ${PROMPT_LEN:-512} --gen-len ${GEN_LEN:-64} --repeats 1 --max-model-len 1024 \
     --json $flags > "$OUT/run-$tag.json" 2> "$OUT/run-$tag.err"
   rc=$?
-  stamp "run $tag ($flags) rc=$rc"
+  stamp "run $tag (${!envvar:-} $flags) rc=$rc"
   python3 - "$OUT/run-$tag.json" <<'PY' || tail -4 "$OUT/run-$tag.err"
 import json, sys
 d = json.load(open(sys.argv[1]))

@@ -198,6 +198,19 @@ def test_fp8_rows_dequantized_by_torch_and_triton():
     assert torch.equal(got.cpu(), ref.float())  # one float32 product per value, correctly rounded
 
 
+def test_tiles_from_env(monkeypatch):
+    base = triton_moe_packed.PackedConfig()
+    monkeypatch.setenv("FT_TEST_TILES", "down_routes_tile=1, word_loads=1,block_n=2")
+    got = triton_moe_packed.tiles_from_env(base, "FT_TEST_TILES")
+    assert got == dataclasses.replace(base, down_routes_tile=True, word_loads=True, block_n=2)
+    monkeypatch.setenv("FT_TEST_TILES", "")
+    assert triton_moe_packed.tiles_from_env(base, "FT_TEST_TILES") is base
+    for bad, match in (("block_x=2", "block_x"), ("block_n=two", "block_n"), ("block_n=3", "power of two")):
+        monkeypatch.setenv("FT_TEST_TILES", bad)
+        with pytest.raises(ValueError, match=match):
+            triton_moe_packed.tiles_from_env(base, "FT_TEST_TILES")
+
+
 def test_fp8_layout_refusals():
     gen = torch.Generator().manual_seed(1)
     codes = torch.zeros(2, 128, 96, dtype=torch.uint8)

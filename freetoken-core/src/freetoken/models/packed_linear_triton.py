@@ -52,6 +52,7 @@ from freetoken.moe.triton_moe_packed import (
     _dequant_tile,
     _dot_words,
     _load_groups,
+    tiles_from_env,
 )
 
 __all__ = ["FORMATS", "FORMAT_NAMES", "PackedLinearConfig", "DEFAULT_CONFIG", "PackedMatrix", "gemv",
@@ -99,7 +100,8 @@ class PackedLinearConfig:
         return min(max(32, self.block_k // tokens_per_program), triton.next_power_of_2(cols))
 
 
-DEFAULT_CONFIG = PackedLinearConfig()
+#: the tiles every launch uses unless given others (``FREETOKEN_PACKED_DENSE`` overrides fields)
+DEFAULT_CONFIG = tiles_from_env(PackedLinearConfig(), "FREETOKEN_PACKED_DENSE")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,8 @@ selected.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from typing import Any
 
 import triton
@@ -75,6 +77,8 @@ import triton.language as tl
 
 from freetoken.backends import triton_target
 from freetoken.moe.triton_moe import ACT_CODES, activate
+
+log = logging.getLogger(__name__)
 
 FMT_Q8_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_MXFP4 = 8, 12, 13, 14, 39  # ggml type ids (freetoken.handoff.Fmt)
 #: FP8 E4M3 with one float32 scale per 128 x 128 tile (freetoken.handoff.Fmt.FP8_E4M3_B128),
@@ -133,7 +137,28 @@ class PackedConfig:
             raise ValueError(f"max_routes={self.max_routes}: must be >= 0")
 
 
-DEFAULT_CONFIG = PackedConfig()
+def tiles_from_env(config: Any, var: str) -> Any:
+    """``config`` (a frozen tile dataclass with ``validate``) with the fields listed in the
+    environment variable ``var`` replaced: ``name=value,...``, integers, 0/1 for switches.
+    For A/B runs of kernel options on a GPU without code changes."""
+    spec = os.environ.get(var, "").strip()
+    if not spec:
+        return config
+    fields = {f.name for f in dataclasses.fields(config)}
+    changes: dict[str, Any] = {}
+    for item in spec.split(","):
+        name, _, value = (p.strip() for p in item.partition("="))
+        if name not in fields or not value.lstrip("-").isdigit():
+            raise ValueError(f"{var}={spec!r}: {item!r} is not name=integer with name one of {sorted(fields)}")
+        changes[name] = bool(int(value)) if isinstance(getattr(config, name), bool) else int(value)
+    out = dataclasses.replace(config, **changes)
+    out.validate()
+    log.info("%s: %s", var, out)
+    return out
+
+
+#: the tiles every launch uses unless given others (``FREETOKEN_PACKED_EXPERTS`` overrides fields)
+DEFAULT_CONFIG = tiles_from_env(PackedConfig(), "FREETOKEN_PACKED_EXPERTS")
 
 
 @dataclasses.dataclass(frozen=True)
