@@ -30,7 +30,8 @@ gives more programs; ``word_loads`` reads Q4_K/Q5_K codes as 32-bit words
 
 Tiles. A step of ``BLOCK_C`` columns of ``R`` rows is held as ``[R, BLOCK_C / G, G]``,
 ``G`` the values sharing one scale: 32 in Q4_K/Q5_K (a sub-block: 6-bit scale and min),
-Q8_0 (a block: f16 scale), 16 in Q6_K (int8 scale). Scales and mins are decoded once per
+Q8_0 (a block: f16 scale) and MXFP4 (a block: E8M0 exponent), 16 in Q6_K (int8 scale), 32
+in the FP8 rows (a quarter of a block, its scale loaded once per group). Scales and mins are decoded once per
 group (``[R, BLOCK_C / G]``) and broadcast over its ``G`` codes. The arithmetic is that
 of gguf-py's dequantization and :mod:`freetoken.loading.dequant` (``(d*sc) * q - dmin*m``,
 ``(d*sc) * (q - 32)``, ``q * d``), so the weight values equal theirs bit for bit; products
