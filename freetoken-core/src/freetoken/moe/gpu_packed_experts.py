@@ -61,10 +61,9 @@ def _fp8_rows_to(stack: Any, out: Any) -> Any:
     return out
 
 
-def resident_bytes(fmt: int, file_bytes: int, values: int) -> int:
-    """Device bytes of ``values`` expert weights in ``fmt`` kept packed (``file_bytes`` as
-    stored, scales included)."""
-    return values // 128 * 132 if int(fmt) == FMT_FP8_ROWS else int(file_bytes)
+def fp8_rows_bytes(values: int) -> int:
+    """Device bytes of ``values`` FP8 expert weights in their rows of 132-byte blocks."""
+    return values // 128 * 132
 
 #: Values per chunk of the BF16 dequantization (bounds its float32 temporaries: ~32 MiB)
 DEQUANT_CHUNK_VALUES = 8 << 20

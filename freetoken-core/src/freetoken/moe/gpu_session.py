@@ -51,7 +51,7 @@ from freetoken.backends.contract import (
 )
 from freetoken.models.layers import DeviceWeightPolicy
 from freetoken.moe.expert_traffic import ExpertTraffic
-from freetoken.moe.gpu_packed_experts import FMT_FP8_ROWS, PACKED_FORMATS, DequantScratch, resident_bytes
+from freetoken.moe.gpu_packed_experts import FMT_FP8_ROWS, PACKED_FORMATS, DequantScratch, fp8_rows_bytes
 from freetoken.moe.placement import cpu_layers
 from freetoken.moe.prefill_stream import buffer_count
 
@@ -272,7 +272,7 @@ class GpuModelSession(ModelSession):
         """Device bytes of a packed layer's experts: the file's bytes, FP8 in its device rows."""
         fmts = (shape.expert_formats or {})[layer]
         if FMT_FP8_ROWS in fmts:
-            return resident_bytes(FMT_FP8_ROWS, 0, 3 * shape.num_experts * shape.hidden * shape.moe_intermediate)
+            return fp8_rows_bytes(3 * shape.num_experts * shape.hidden * shape.moe_intermediate)
         return (shape.expert_file_bytes or {}).get(layer, dequantized)
 
     def _packed_layers(self, shape: ModelShape) -> set[int]:
