@@ -292,8 +292,8 @@ def _traffic_lines(info: dict[str, Any]) -> list[str]:
     lines = []
     plan = info.get("memory_plan") or {}
     if plan.get("packed_layers"):
-        lines.append(f"  GPU experts: {plan['packed_layers']} layers kept in the file's block formats "
-                     f"({_gib(plan.get('expert_bytes'))})")
+        lines.append(f"  GPU experts: {plan['packed_layers']} layers kept packed (the file's block formats, "
+                     f"FP8 in rows of scaled blocks; {_gib(plan.get('expert_bytes'))})")
     cache = info.get("expert_cache")
     if cache:
         lines.append(f"  expert cache: {cache['slots']} slots ({_gib(cache['bytes'])}) for {cache['layers']} CPU layers, "
