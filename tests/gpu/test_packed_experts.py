@@ -511,3 +511,53 @@ def test_fakegpu_engine_packs_fp8_checkpoint(tmp_path, monkeypatch):
     finally:
         eng.close()
         registry.reset()  # the later tests of this process choose their own backend
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's run of the fakegpu engine")
+def test_fakegpu_engine_packs_gpt_oss_mxfp4_gguf(tmp_path, monkeypatch):
+    """A GPT-OSS GGUF file with MXFP4 experts (gate/up biases folded in as one more block
+    per row): the plan keeps every layer's experts packed on the device at the file's size,
+    and the logits equal transformers' on gguf-py's dequantization of the same blocks
+    (float32 activations: the GPU kernels do not round them as the CPU's do)."""
+    for sub in ("engine", "models_moe_families"):
+        here = os.path.join(os.path.dirname(__file__), "..", sub)
+        if here not in sys.path:
+            sys.path.insert(0, here)
+    import gguf
+    from families import hf_logits, make_model
+    from gguf.quants import quantize
+    from test_gguf import YARN, _as_written, write_gguf
+
+    from freetoken.backends import registry
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import LLMEngine
+    from freetoken.moe import gpu_experts
+
+    model = make_model("gpt_oss", 17, rope_parameters=YARN)
+    path = str(tmp_path / "mxfp4.gguf")
+    write_gguf(model, "gpt_oss", path, mxfp4=True)
+    _as_written(model)
+    mx = gguf.GGMLQuantizationType.MXFP4
+    with torch.no_grad():
+        for L in model.model.layers:
+            ex = L.mlp.experts
+            for p in (ex.gate_up_proj, ex.down_proj):  # rows along the last dim in the file
+                a = np.ascontiguousarray(p.transpose(1, 2).numpy())
+                p.copy_(torch.from_numpy(gguf_dequantize(quantize(a, mx), mx).reshape(a.shape)).transpose(1, 2))
+    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(triton_moe_packed, "DEFAULT_CONFIG", WIDE)
+    registry.reset()
+    eng = LLMEngine(EngineConfig(model=path, backend="fakegpu", dtype="float32", moe_cpu_layers="0",
+                                 max_model_len=64, kv_cache_tokens=256))
+    try:
+        plan = eng.backend_info()["memory_plan"]
+        cfg = model.config
+        assert plan["packed_layers"] == cfg.num_hidden_layers, plan
+        # gate, up [E, I, H + 32] and down [E, H + 32, I] in 17-byte blocks of 32
+        layer_bytes = 3 * cfg.num_local_experts * cfg.intermediate_size * (cfg.hidden_size + 32) // 32 * 17
+        assert plan["expert_bytes"] == cfg.num_hidden_layers * layer_bytes, plan
+        ids = [(13 * j) % 150 + 3 for j in range(21)]
+        torch.testing.assert_close(eng.prompt_logits(ids), hf_logits(model, ids), atol=2e-4, rtol=1e-4)
+    finally:
+        eng.close()
+        registry.reset()

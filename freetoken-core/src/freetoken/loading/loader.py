@@ -198,19 +198,33 @@ def _hf_expert_formats(ck: Any, shape: ModelShape) -> None:
         shape.expert_formats = formats  # type: ignore[assignment]
 
 
+def _gguf_expert_name(names: Any, layer: int, stack: str) -> str:
+    """A GGUF expert stack's name: the family's role if it names one, else llama.cpp's
+    ``blk.{layer}.ffn_{gate,up,down}_exps.weight`` (what every converter writes)."""
+    try:
+        return str(names.layer(layer, f"{stack}_exps"))
+    except (KeyError, AttributeError):
+        return f"blk.{layer}.ffn_{stack}_exps.weight"
+
+
 def _gguf_expert_layout(ck: Any, names: Any, shape: ModelShape) -> None:
     """Fill ``shape.expert_file_bytes``/``expert_formats`` from the file's expert stacks
-    (``gate_exps``/``up_exps``/``down_exps`` of each MoE layer), when it has them all."""
+    (``gate_exps``/``up_exps``/``down_exps`` of each MoE layer), when it has them all. Experts
+    with biases (``ffn_gate_exps.bias``) are held with their biases folded in as ``BIAS_PAD``
+    more columns of gate/up and rows of down (:class:`~freetoken.models.moe_decoder.BiasedMoELayer`),
+    so their bytes are counted in that layout."""
+    from freetoken.models.moe_decoder import BIAS_PAD
+
     sizes: dict[int, int] = {}
     formats: dict[int, tuple[int, int, int]] = {}
     for i in shape.moe_layers:
-        try:
-            parts = [ck.tensor_layout(names.layer(i, r)) for r in ("gate_exps", "up_exps", "down_exps")]
-        except (KeyError, AttributeError):  # a family whose names have no separate stacks
+        parts = [ck.tensor_layout(_gguf_expert_name(names, i, r)) for r in ("gate", "up", "down")]
+        if any(p is None for p in parts):  # a family whose stacks are fused or named otherwise
             return
-        if any(p is None for p in parts):
-            return
-        sizes[i] = sum(p[1] for p in parts)
+        size = sum(p[1] for p in parts)
+        if ck.has(f"blk.{i}.ffn_gate_exps.bias"):
+            size = size * (shape.hidden + BIAS_PAD) // shape.hidden
+        sizes[i] = size
         formats[i] = (parts[0][0], parts[1][0], parts[2][0])
     shape.expert_file_bytes, shape.expert_formats = sizes, formats
 
