@@ -561,3 +561,38 @@ def test_fakegpu_engine_packs_gpt_oss_mxfp4_gguf(tmp_path, monkeypatch):
     finally:
         eng.close()
         registry.reset()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's run of the fakegpu engine")
+def test_fakegpu_engine_packs_gpt_oss_hf_mxfp4(tmp_path, monkeypatch):
+    """GPT-OSS's official HF form (MXFP4 ``*_blocks``/``*_scales``): planned packed from the
+    checkpoint's names, with the bytes as held, and transformers' logits on the same values."""
+    for sub in ("engine", "models_moe_families"):
+        here = os.path.join(os.path.dirname(__file__), "..", sub)
+        if here not in sys.path:
+            sys.path.insert(0, here)
+    from families import hf_logits
+    from test_hf_mxfp4 import write_mxfp4_checkpoint
+
+    from freetoken.backends import registry
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import LLMEngine
+    from freetoken.moe import gpu_experts
+
+    model = write_mxfp4_checkpoint(str(tmp_path), 23)
+    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(triton_moe_packed, "DEFAULT_CONFIG", WIDE)
+    registry.reset()
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), backend="fakegpu", dtype="float32", moe_cpu_layers="0",
+                                 max_model_len=64, kv_cache_tokens=256))
+    try:
+        plan = eng.backend_info()["memory_plan"]
+        cfg = model.config
+        layer_bytes = 3 * cfg.num_local_experts * cfg.intermediate_size * (cfg.hidden_size + 32) // 32 * 17
+        assert plan["packed_layers"] == cfg.num_hidden_layers, plan
+        assert plan["expert_bytes"] == cfg.num_hidden_layers * layer_bytes, plan
+        ids = [(7 * j) % 150 + 3 for j in range(19)]
+        torch.testing.assert_close(eng.prompt_logits(ids), hf_logits(model, ids), atol=2e-4, rtol=1e-4)
+    finally:
+        eng.close()
+        registry.reset()

@@ -27,15 +27,15 @@ def _hf_blocks(ggml: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), ggml[..., 0].copy()
 
 
-def test_gpt_oss_hf_mxfp4_checkpoint(tmp_path):
+def write_mxfp4_checkpoint(path: str, seed: int):
+    """A tiny GPT-OSS HF checkpoint at ``path`` with its experts as MXFP4 blocks/scales, and
+    transformers' model holding the same values (gguf-py's dequantization of the blocks)."""
     import gguf
     from gguf.quants import dequantize, quantize
     from safetensors.torch import load_file, save_file
 
     mx = gguf.GGMLQuantizationType.MXFP4
-    seed = random.randrange(1 << 30)
     model = make_model("gpt_oss", seed)
-    path = str(tmp_path)
     save(model, path)
     (st,) = glob.glob(os.path.join(path, "*.safetensors"))
     sd = load_file(st)
@@ -52,7 +52,6 @@ def test_gpt_oss_hf_mxfp4_checkpoint(tmp_path):
                 sd[key + "_blocks"], sd[key + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
                 vals = dequantize(q.reshape(E * n_out, -1), mx).reshape(E, n_out, n_in)
                 getattr(ex, name).copy_(torch.from_numpy(vals).transpose(1, 2))
-            _quantizing_gpt_oss_experts(ex)
     save_file(sd, st, metadata={"format": "pt"})
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
@@ -60,6 +59,15 @@ def test_gpt_oss_hf_mxfp4_checkpoint(tmp_path):
     cfg["quantization_config"] = {"quant_method": "mxfp4"}
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
+    return model
+
+
+def test_gpt_oss_hf_mxfp4_checkpoint(tmp_path):
+    seed = random.randrange(1 << 30)
+    path = str(tmp_path)
+    model = write_mxfp4_checkpoint(path, seed)
+    for L in model.model.layers:
+        _quantizing_gpt_oss_experts(L.mlp.experts)
 
     eng = engine_for(path, prefill_chunk=10)
     for L in eng.model.layers:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from freetoken.backends.contract import ModelSession, ModelShape
+from freetoken.handoff import Fmt
 from freetoken.loading.hf import CheckpointError, HFCheckpoint, hf_architecture
 from freetoken.loading.memory import check_fits
 from freetoken.loading.tokenizer import IdsOnlyTokenizer, Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
@@ -183,11 +184,27 @@ _HF_EXPERT0 = re.compile(r"layers\.(\d+)\..*experts\.0\.(gate_proj|up_proj|down_
 _HF_PROJ = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 
 
+#: an HF checkpoint's MXFP4 expert blocks (GPT-OSS: ``quant_method = "mxfp4"``)
+_HF_MXFP4_BLOCKS = re.compile(r"layers\.(\d+)\.mlp\.experts\.gate_up_proj_blocks$")
+
+
 def _hf_expert_formats(ck: Any, shape: ModelShape) -> None:
     """Fill ``shape.expert_formats`` from an HF checkpoint with one tensor per expert (the
-    formats of expert 0's gate/up/down in each MoE layer), when every MoE layer has them;
-    fused expert tensors leave it unset. (The byte counts stay unset: only formats that the
-    GPU keeps in a layout of its own, FP8, are planned from them.)"""
+    formats of expert 0's gate/up/down in each MoE layer), when every MoE layer has them.
+    MXFP4 experts (GPT-OSS's ``*_blocks``/``*_scales``, held in ggml's layout with their
+    biases folded in as ``BIAS_PAD`` more columns) also get their bytes as held. Other fused
+    expert tensors leave the formats unset; per-expert float and FP8 tensors leave the bytes
+    unset (the plan counts FP8 in its device rows from the sizes)."""
+    from freetoken.models.moe_decoder import BIAS_PAD
+
+    quant = (ck.config.get("quantization_config") or {}).get("quant_method")
+    mxfp4 = {int(m.group(1)) for m in map(_HF_MXFP4_BLOCKS.search, ck.names()) if m} if quant == "mxfp4" else set()
+    if mxfp4 and set(shape.moe_layers) <= mxfp4:
+        mx = int(Fmt.MXFP4)
+        shape.expert_formats = {i: (mx, mx, mx) for i in shape.moe_layers}
+        held = 3 * shape.num_experts * shape.moe_intermediate * (shape.hidden + BIAS_PAD) // 32 * 17
+        shape.expert_file_bytes = {i: held for i in shape.moe_layers}
+        return
     found: dict[int, list[Optional[int]]] = {}
     for name in ck.names():
         m = _HF_EXPERT0.search(name)

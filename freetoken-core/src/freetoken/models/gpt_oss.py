@@ -14,10 +14,9 @@ row that multiplies a constant appended to the activations
 more expert bytes for GPT-OSS-20B), the down bias is added after the experts. MXFP4
 experts (the official checkpoints, and llama.cpp's GGUF files) stay MXFP4: the CPU kernels
 read ggml's ``block_mxfp4`` (HF ``*_blocks``/``*_scales`` are rewritten in that layout at
-load, the same bytes). A GGUF file's GPU-resident experts stay MXFP4 too (the packed GPU
-kernels of :mod:`freetoken.moe.triton_moe_packed` decode it; ``--moe-gpu-experts
-dequantized`` dequantizes them to the activation dtype); an HF checkpoint's are dequantized
-(the memory plan knows expert formats from GGUF headers and per-expert HF tensors only).
+load, the same bytes). GPU-resident experts stay MXFP4 too (the packed GPU kernels of
+:mod:`freetoken.moe.triton_moe_packed` decode it; ``--moe-gpu-experts dequantized``
+dequantizes them to the activation dtype).
 """
 
 from __future__ import annotations
