@@ -338,7 +338,7 @@ def rb(f, cols):
 report = {}
 fast = dataclasses.replace(tp.DEFAULT_CONFIG, block_n=2, down_routes_tile=True, word_loads=True)
 for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, tp.DEFAULT_CONFIG), (12, 12, 12, fast),
-                        (13, 13, 14, fast), (39, 39, 39, tp.DEFAULT_CONFIG)]:
+                        (13, 13, 14, fast), (39, 39, 39, tp.DEFAULT_CONFIG), (100, 100, 100, tp.DEFAULT_CONFIG)]:
     H, I = 2048, 768
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     sig = {"x_ptr": "*bf16", "ids_ptr": "*i32", "g_u8": "*u8", "g_i8": "*i8", "g_f16": "*fp16", "u_u8": "*u8",
@@ -372,7 +372,7 @@ def test_kernels_compile_for_sm90():
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"12_12_14": [True, True], "13_8_13": [True, True], "12_12_12": [True, True],
-                      "13_13_14": [True, True], "39_39_39": [True, True]}
+                      "13_13_14": [True, True], "39_39_39": [True, True], "100_100_100": [True, True]}
 
 
 # --------------------------------------------------------------------------------------
