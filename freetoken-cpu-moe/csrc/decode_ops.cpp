@@ -73,6 +73,39 @@ void add_rms_norm(const void* h, const void* delta, const void* w, uint32_t w_fm
     FlushDenormalsScope ftz;
     if (!is_act(fmt) || !is_act(w_fmt)) throw std::invalid_argument("add_rms_norm: activations must be f32, f16 or bf16");
     if (!h || !w || !h_out || !x_out || n == 0) throw std::invalid_argument("add_rms_norm: null buffer or empty row");
+    if (fmt == FT_FMT_F32 && w_fmt == FT_FMT_F32) {  // in place, one pass for the sum and its squares
+        const float* wf = (const float*)w;
+        for (uint32_t t = 0; t < T; ++t) {
+            const float* hp = (const float*)h + (size_t)t * n;
+            float* ho = (float*)h_out + (size_t)t * n;
+            float* xo = (float*)x_out + (size_t)t * n;
+            float acc[16] = {};
+            uint32_t i = 0;
+            if (delta) {
+                const float* dp = (const float*)delta + (size_t)t * n;
+                for (; i + 16 <= n; i += 16)
+                    for (int l = 0; l < 16; ++l) {
+                        const float v = hp[i + l] + dp[i + l];
+                        ho[i + l] = v;
+                        acc[l] += v * v;
+                    }
+                for (; i < n; ++i) {
+                    ho[i] = hp[i] + dp[i];
+                    acc[0] += ho[i] * ho[i];
+                }
+            } else {
+                if (ho != hp) std::memcpy(ho, hp, (size_t)n * 4);
+                for (; i + 16 <= n; i += 16)
+                    for (int l = 0; l < 16; ++l) acc[l] += hp[i + l] * hp[i + l];
+                for (; i < n; ++i) acc[0] += hp[i] * hp[i];
+            }
+            float ss = 0.0f;
+            for (int l = 0; l < 16; ++l) ss += acc[l];
+            const float r = 1.0f / std::sqrt(ss / (float)n + eps);
+            for (uint32_t j = 0; j < n; ++j) xo[j] = ho[j] * r * wf[j];
+        }
+        return;
+    }
     Tls& s = tls;
     s.a.resize(n);
     s.b.resize(n);
@@ -127,22 +160,34 @@ void qk_norm_rope_store(const QkRopeCall& c) {
     }
     const size_t es = esize(c.fmt), kvs = esize(c.kv_fmt);
     // one head: load, add the bias, norm, rotate, store to dst in dst_fmt
+    // (float32 activations are read in place and a float32 destination written in place)
     auto head = [&](const void* src, const float* b, const float* w, const float* cs, const float* sn, void* dst,
                     uint32_t dst_fmt) {
-        load(c.fmt, src, s.a.data(), D);
-        if (b) {
-            for (uint32_t i = 0; i < D; ++i) s.a[i] += b[i];
-            round_to(c.fmt, s.a.data(), D);
+        const float* x;
+        if (c.fmt == FT_FMT_F32 && !b) {
+            x = (const float*)src;
+        } else if (c.fmt == FT_FMT_F32) {
+            const float* f = (const float*)src;
+            for (uint32_t i = 0; i < D; ++i) s.a[i] = f[i] + b[i];
+            x = s.a.data();
+        } else {
+            load(c.fmt, src, s.a.data(), D);
+            if (b) {
+                for (uint32_t i = 0; i < D; ++i) s.a[i] += b[i];
+                round_to(c.fmt, s.a.data(), D);
+            }
+            x = s.a.data();
         }
         if (w) {
-            rms(s.a.data(), nullptr, s.b.data(), D, c.eps);
+            rms(x, nullptr, s.b.data(), D, c.eps);
             for (uint32_t i = 0; i < D; ++i) s.b[i] *= w[i];
             round_to(c.fmt, s.b.data(), D);
-        } else {
-            std::memcpy(s.b.data(), s.a.data(), (size_t)D * 4);
+            x = s.b.data();
         }
-        for (uint32_t i = 0; i < D; ++i) s.c[i] = s.b[i] * cs[i] + s.b[i < half ? i + half : i - half] * sn[i];
-        save(dst_fmt, dst, s.c.data(), D);
+        float* y = dst_fmt == FT_FMT_F32 ? (float*)dst : s.c.data();
+        for (uint32_t i = 0; i < half; ++i) y[i] = x[i] * cs[i] + x[i + half] * sn[i];
+        for (uint32_t i = half; i < D; ++i) y[i] = x[i] * cs[i] + x[i - half] * sn[i];
+        if (dst_fmt != FT_FMT_F32) save(dst_fmt, dst, y, D);
     };
     for (uint32_t t = 0; t < c.T; ++t) {
         const float* cs = c.cos + (size_t)c.positions[t] * D;
@@ -181,15 +226,17 @@ void moe_bias_add(const void* y, uint64_t y_tok, uint32_t fmt, uint32_t T, uint3
     s.a.resize(H);
     const size_t es = esize(fmt);
     for (uint32_t t = 0; t < T; ++t) {
-        load(fmt, (const uint8_t*)y + (size_t)t * y_tok * es, s.a.data(), H);
+        // float32: accumulate in the output row itself
+        float* acc = fmt == FT_FMT_F32 ? (float*)out + (size_t)t * H : s.a.data();
+        load(fmt, (const uint8_t*)y + (size_t)t * y_tok * es, acc, H);
         for (uint32_t k = 0; k < K; ++k) {
             const int32_t e = ids[(size_t)t * K + k];
             if (e < 0) continue;
             const float wk = w[(size_t)t * K + k];
             const float* b = bias + (size_t)e * H;
-            for (uint32_t i = 0; i < H; ++i) s.a[i] += wk * b[i];
+            for (uint32_t i = 0; i < H; ++i) acc[i] += wk * b[i];
         }
-        save(fmt, (uint8_t*)out + (size_t)t * H * es, s.a.data(), H);
+        if (fmt != FT_FMT_F32) save(fmt, (uint8_t*)out + (size_t)t * H * es, acc, H);
     }
 }
 
