@@ -362,7 +362,8 @@ class MoEOptions:
     compute the CPU layers' experts on the GPU, their bytes streamed over PCIe; None: the
     threshold from a measured profile), ``on``, ``off``; ``stream_experts``: ``routed`` copies
     only the experts the chunk routes to, once its router has run, ``all`` every expert of
-    the layer, the next layer's copy overlapping this one's compute. ``lock_host``: register (page-lock)
+    the layer, the next layer's copy overlapping this one's compute, ``mapped`` nothing: the
+    kernels read the routed experts from the page-locked banks over PCIe. ``lock_host``: register (page-lock)
     the host expert banks with the driver (``auto``: when streaming or fetching uses them).
     ``locked_fetch``: share of a decode step's missed routes that the GPU computes from the
     page-locked banks in the same step (at most ``locked_max_fetch`` per layer; 0: off).

@@ -238,8 +238,9 @@ _OPTIONS: tuple[_Option, ...] = (
             "memory) or auto (packed when that lets more layers' experts onto the GPU) (default: {default})",
             choice("auto", "packed", "dequantized"), "MODE"),
     _Option("moe_gpu_experts", "--moe-gpu-experts",
-            "form of GPU-resident experts: auto (GGUF Q4_K/Q5_K/Q6_K/Q8_0 stay packed as in the file, other "
-            "formats are dequantized to the activation dtype) or dequantized (default: {default})",
+            "form of GPU-resident experts: auto (GGUF Q4_K/Q5_K/Q6_K/Q8_0/MXFP4 stay packed as in the file, FP8 "
+            "block-scaled in rows of scaled blocks, other formats are dequantized to the activation dtype) or "
+            "dequantized (default: {default})",
             choice("auto", "dequantized"), "MODE"),
     _Option("moe_cache_size", "--moe-cache-size",
             "GPU cache for experts of the CPU layers, from any layer: GiB like 4, a size like 512MiB, or a "
@@ -258,9 +259,11 @@ _OPTIONS: tuple[_Option, ...] = (
             "(default: {default})", positive_int, "N"),
     _Option("moe_stream_experts", "--moe-stream-experts",
             "which experts a streamed prefill chunk copies to the GPU: routed (those its tokens route to, once "
-            "the layer's router has run, copied and computed in overlapping parts) or all (the whole layer, "
-            "the next layer's copy behind this one's compute) (default: {default})",
-            choice("routed", "all"), "MODE"),
+            "the layer's router has run, copied and computed in overlapping parts), all (the whole layer, "
+            "the next layer's copy behind this one's compute) or mapped (nothing copied: the GPU's kernels "
+            "read the routed experts from the page-locked host banks over PCIe; GGUF experts) "
+            "(default: {default})",
+            choice("routed", "all", "mapped"), "MODE"),
     _Option("moe_lock_host", "--moe-lock-host",
             "page-lock the host expert banks and register them with the GPU driver, for copies at full PCIe "
             "speed: auto (when streaming or fetching uses them), on, off (default: {default})",

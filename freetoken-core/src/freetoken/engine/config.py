@@ -101,7 +101,7 @@ class EngineConfig:
         for name, value, allowed in (("gpu_dense", self.gpu_dense, ("auto", "packed", "dequantized")),
                                      ("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
                                      ("moe_stream_prefill", self.moe_stream_prefill, ("auto", "on", "off")),
-                                     ("moe_stream_experts", self.moe_stream_experts, ("routed", "all")),
+                                     ("moe_stream_experts", self.moe_stream_experts, ("routed", "all", "mapped")),
                                      ("moe_lock_host", self.moe_lock_host, ("auto", "on", "off"))):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")

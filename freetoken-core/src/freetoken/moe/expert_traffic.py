@@ -89,22 +89,32 @@ class ExpertTraffic:
             from freetoken.backends.triton_target import for_device
 
             raise ValueError("--moe-locked-fetch: the GPU reads the host banks with its packed kernels, which need "
-                             "GGUF Q4_K/Q5_K/Q6_K/Q8_0 experts, --moe-gpu-experts auto and a GPU where Triton runs "
+                             "GGUF Q4_K/Q5_K/Q6_K/Q8_0/MXFP4 experts, --moe-gpu-experts auto and a GPU where Triton runs "
                              f"(here: {for_device(self.device).reason}); run without it")
         if locked and o.lock_host == "off":
             raise ValueError("--moe-locked-fetch needs page-locked host banks: drop --moe-lock-host off")
+        mapped = o.stream_experts == "mapped"
         stream = self.stream_planned and o.stream_prefill != "off" and bool(cpu_layers) and all(
             streamable(e, self.act_dtype, self.packed_ok) for e in cpu_layers.values())
         if o.stream_prefill == "on" and cpu_layers and not stream:
             raise ValueError("--moe-stream-prefill on: the CPU layers' expert formats cannot be computed on the GPU "
-                             "as stored (GGUF Q4_K/Q5_K/Q6_K/Q8_0, or float experts in the activation dtype)")
+                             "as stored (GGUF Q4_K/Q5_K/Q6_K/Q8_0/MXFP4, or float experts in the activation dtype)")
+        if stream and mapped and not all(locked_fetch_supported(e) for e in cpu_layers.values()):
+            raise ValueError("--moe-stream-experts mapped: the GPU reads the host banks with its packed kernels, which "
+                             "need GGUF Q4_K/Q5_K/Q6_K/Q8_0/MXFP4 experts; use --moe-stream-experts routed")
+        if stream and mapped and o.lock_host == "off":
+            raise ValueError("--moe-stream-experts mapped reads page-locked host banks: drop --moe-lock-host off")
         cache = self.cache_bytes > 0 and bool(cpu_layers)
         if stream or cache:
             self.copies = CopyQueue(self.device)
-        self._register(staging, stream or (cache and o.hybrid_max_fetch > 0) or locked, mapped=locked)
+        self._register(staging, stream or (cache and o.hybrid_max_fetch > 0) or locked,
+                       mapped=locked or (stream and mapped))
         if locked and self.registration is None:
             raise ValueError("--moe-locked-fetch needs page-locked host banks, which could not be registered: "
                              + "; ".join(self.notes))
+        if stream and mapped and self.registration is None:
+            raise ValueError("--moe-stream-experts mapped needs page-locked host banks, which could not be "
+                             "registered: " + "; ".join(self.notes) + " (use --moe-stream-experts routed)")
         self.locked = locked
         if cache:
             self.cache = ExpertCache(cpu_layers, self.cache_bytes, self.device, self.act_dtype, self.activation,
@@ -114,7 +124,7 @@ class ExpertTraffic:
         if stream:
             self.streamer = PrefillStreamer(cpu_layers, self.device, self.act_dtype, self.activation, self.packed_ok,
                                             self.scratch, self.copies, o.stream_prefill,  # type: ignore[arg-type]
-                                            o.stream_min_tokens, o.stream_experts)
+                                            o.stream_min_tokens, o.stream_experts, self.registration)
             first = self.streamer.order[0]
             self.profile = measure_threshold(self.streamer, cpu, banks[first], self.top_k, o.stream_min_tokens)
             log.info("long prompts: prefill chunks of %s tokens stream the CPU layers' experts to the GPU "

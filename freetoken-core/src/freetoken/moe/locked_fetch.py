@@ -51,24 +51,32 @@ def mapped_stack(raw: Any, address: int) -> Any:
     class MappedStack(tp.PackedStack):
         address: int = 0
         size: int = 0
+        experts: int = 0
 
         @property
         def nbytes(self) -> int:
             return self.size
 
+        @property
+        def num_experts(self) -> int:
+            return self.experts
+
         def views(self) -> tuple[Any, Any, Any]:
             return tuple(DevicePointer(self.address, dt) for dt in (torch.uint8, torch.int8, torch.float16))
 
     e, rows, cols = (int(s) for s in raw.shape)
-    return MappedStack(None, int(raw.fmt), rows, cols, address, int(raw.nbytes))
+    return MappedStack(None, int(raw.fmt), rows, cols, address, int(raw.nbytes), e)
 
 
 def locked_fetch_supported(experts: Any) -> bool:
     return {int(t.fmt) for t in (experts.gate, experts.up, experts.down)} <= PACKED_FORMATS
 
 
-def mapped_experts(experts: Any, registration: Any, device: Any, activation: str) -> Any:
-    """One layer's experts as packed kernels over its mapped host banks."""
+def mapped_experts(experts: Any, registration: Any, device: Any, activation: str, prompts: bool = False) -> Any:
+    """One layer's experts as packed kernels over its mapped host banks. Decode batches
+    (``prompts`` False) run the per-route kernels whatever their size; with ``prompts``,
+    batches above the per-route sizes run the grouped kernels (each routed expert's blocks
+    read about once per block of its routes). Nothing is ever dequantized from host memory."""
     import dataclasses as dc
 
     from freetoken.moe import triton_moe_packed as tp
@@ -76,9 +84,9 @@ def mapped_experts(experts: Any, registration: Any, device: Any, activation: str
 
     stacks = tuple(mapped_stack(t, registration.device_address(t.raw_torch())) for t in
                    (experts.gate, experts.up, experts.down))  # fmt: skip
-    # never dequantize the whole layer from host memory: every batch runs the per-route kernels
-    config = dc.replace(tp.DEFAULT_CONFIG, max_routes=1 << 30)
-    return PackedGpuExperts.over_device_bytes(experts, stacks, device, activation=activation, config=config)
+    config = tp.DEFAULT_CONFIG if prompts else dc.replace(tp.DEFAULT_CONFIG, max_routes=1 << 30)
+    return PackedGpuExperts.over_device_bytes(experts, stacks, device, activation=activation, config=config,
+                                              large_batch="grouped")
 
 
 @dataclasses.dataclass

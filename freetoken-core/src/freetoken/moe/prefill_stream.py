@@ -58,8 +58,9 @@ def streamable(experts: Any, act_dtype: torch.dtype, packed_ok: bool) -> bool:
 
 
 def buffer_count(experts: str) -> int:
-    """Layer-sized device buffers the streamer keeps with ``--moe-stream-experts experts``."""
-    return 1 if experts == "routed" else 2
+    """Layer-sized device buffers the streamer keeps with ``--moe-stream-experts experts``
+    (``mapped`` reads the page-locked host banks in place: none)."""
+    return {"routed": 1, "all": 2, "mapped": 0}[experts]
 
 
 @dataclasses.dataclass
@@ -78,10 +79,13 @@ class PrefillStreamer:
     def __init__(
         self, layers: dict[int, Any], device: Any, act_dtype: torch.dtype, activation: str, packed_ok: bool,
         scratch: DequantScratch, copies: CopyQueue, mode: str = "auto", min_tokens: Optional[int] = None,
-        experts: str = "routed",
+        experts: str = "routed", registration: Any = None,
     ) -> None:  # fmt: skip
-        if experts not in ("routed", "all"):
-            raise ValueError(f"streamed experts {experts!r}: expected 'routed' or 'all'")
+        if experts not in ("routed", "all", "mapped"):
+            raise ValueError(f"streamed experts {experts!r}: expected 'routed', 'all' or 'mapped'")
+        if experts == "mapped" and registration is None:
+            raise ValueError("streamed experts 'mapped' read the host banks in place: they need the banks "
+                             "page-locked and mapped (a HostRegistration)")
         self.layers = dict(sorted(layers.items()))
         self.order = list(self.layers)
         self.position = {layer: i for i, layer in enumerate(self.order)}
@@ -94,6 +98,14 @@ class PrefillStreamer:
         self.mode = mode
         self.min_tokens = min_tokens
         self.routed = experts == "routed"
+        self.mapped: dict[int, Any] = {}
+        if experts == "mapped":
+            from freetoken.moe.locked_fetch import mapped_experts
+
+            # the grouped kernels read the routed experts' blocks over PCIe where the banks
+            # are: no copy, no read-back of the routed set, one launch pair per layer
+            self.mapped = {layer: mapped_experts(e, registration, self.device, activation, prompts=True)
+                           for layer, e in self.layers.items()}
         self.profile: Optional[StreamProfile] = None
         size = max(e.nbytes for e in self.layers.values())
         # routed: a layer's copy starts after its router, so after the previous layer's
@@ -133,11 +145,14 @@ class PrefillStreamer:
 
     def start_step(self) -> None:
         """A streaming step begins: with ``all``, the first CPU layer's copy starts now."""
-        if not self.routed:
+        if not self.routed and not self.mapped:
             self.prefetch(self.order[0])
 
     def forward(self, layer: int, x: Any, ids: Any, w: Any) -> Any:
         """The layer's routed experts for a streamed chunk (``x.dtype``)."""
+        if self.mapped:
+            self.streamed_layers += 1  # (the bytes are read by the kernels: not counted)
+            return self.mapped[layer].forward(x, ids, w)
         if self.routed:
             return self._forward_routed(layer, x, ids, w)
         out = self.experts(layer).forward(x, ids, w)
@@ -249,7 +264,9 @@ def measure_threshold(streamer: PrefillStreamer, cpu: Any, bank: Any, top_k: int
     layer = streamer.order[0]
     e = streamer.layers[layer]
     nbytes = e.nbytes
-    pairs = streamer._parts(layer, streamer.buffers[0])
+    # (mapped streaming keeps no buffer: one for this measurement, freed after it)
+    buf = streamer.buffers[0] if streamer.buffers else torch.empty(nbytes, dtype=torch.uint8, device=streamer.device)
+    pairs = streamer._parts(layer, buf)
     streamer.copies.submit(pairs).order_before()  # first touch: page faults, registration
     _sync(streamer.device)
     t0 = time.perf_counter()

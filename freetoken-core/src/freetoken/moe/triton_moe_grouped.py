@@ -217,8 +217,8 @@ class _Weights:
 
 def _weights(stack: Any) -> _Weights:
     if isinstance(stack, PackedStack):
-        return _Weights(stack.views(), stack.fmt, stack.row_bytes, stack.group, int(stack.data.shape[0]),
-                        stack.rows, stack.cols)
+        return _Weights(stack.views(), stack.fmt, stack.row_bytes, stack.group, stack.num_experts, stack.rows,
+                        stack.cols)
     if stack.dim() != 3 or not stack.is_contiguous():
         raise ValueError(f"plain expert weights must be a contiguous [E, rows, cols] tensor, got {tuple(stack.shape)}")
     e, rows, cols = (int(s) for s in stack.shape)

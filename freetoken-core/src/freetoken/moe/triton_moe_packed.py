@@ -216,6 +216,10 @@ class PackedStack:
         return cls(torch.cat([s, q], dim=3).reshape(e, rows, cols // 128 * 132).contiguous(), FMT_FP8_B128, rows, cols)
 
     @property
+    def num_experts(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
     def row_bytes(self) -> int:
         per, nbytes, _ = FORMATS[self.fmt]
         return self.cols // per * nbytes
