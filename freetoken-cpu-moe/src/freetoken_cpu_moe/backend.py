@@ -164,6 +164,10 @@ TORCH_THREADS_ENV = "FREETOKEN_CPU_TORCH_THREADS"
 #: the duration of each step (default 0: unpinned; on the shared 2-core VM a pinned caller
 #: could not move away from another process's thread: 11-21 tok/s against 28-43 unpinned)
 PIN_CALLER_ENV = "FREETOKEN_CPU_PIN_CALLER"
+#: ``1`` (default): routed experts that sit in a file mapping are copied into huge pages at
+#: load while that leaves 4 GiB of RAM available (``freetoken_cpu_moe.dense.huge_page_copy``);
+#: ``0``: read in place
+HUGE_PAGES_ENV = "FREETOKEN_CPU_HUGE_PAGES"
 
 
 def prefill_torch_threads() -> int:
@@ -236,6 +240,10 @@ class CpuModelSession(ModelSession):
             allowed = os.sched_getaffinity(0)
             if cpus[0] in allowed:
                 self._pin, self._unpin = {cpus[0]}, allowed
+        huge_env = os.environ.get(HUGE_PAGES_ENV, "1").strip()
+        if huge_env not in ("0", "1"):
+            raise ValueError(f"{HUGE_PAGES_ENV}={huge_env!r}: expected 1 (experts in huge pages) or 0 (in place)")
+        self._huge_pages = huge_env == "1"
         self._ops_before = use_dense_ops("cpu", CPU_OPS)
         self._ops_installed = True
         log.info("cpu backend: %d pool threads, attention %s (%s), dense ops %s", pool.num_threads,
@@ -247,7 +255,7 @@ class CpuModelSession(ModelSession):
         from freetoken_cpu_moe import _core
         from freetoken_cpu_moe.dense import ACT_FMT
 
-        bank = self.host.bank(spec.experts, spec.activation)
+        bank = self.host.bank(spec.experts, spec.activation, huge_pages=self._huge_pages)
         run = self.host.run
         address, pool = bank.address, self.pool._core
 

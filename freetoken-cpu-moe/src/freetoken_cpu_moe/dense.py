@@ -10,6 +10,8 @@ table stays packed (rows are dequantized as tokens need them).
 
 from __future__ import annotations
 
+import logging
+import mmap
 from typing import Any, Optional
 
 import numpy as np
@@ -17,12 +19,19 @@ import torch
 
 from freetoken.backends.contract import WeightPolicy
 from freetoken.handoff import Fmt
+from freetoken.loading.host_pages import huge_empty
+from freetoken.loading.memory import available_ram, gib
 from freetoken.loading.tensors import RawTensor
 from freetoken.models.layers import Embedding, TorchLinear
 from freetoken_cpu_moe import _core
 from freetoken_cpu_moe.ops import linear as _linear
 from freetoken_cpu_moe.pool import Pool, default_pool
 from freetoken_cpu_moe.weights import Weights
+
+log = logging.getLogger(__name__)
+
+#: RAM (bytes) a huge-page copy of weights must leave available (MemAvailable after the copy)
+HUGE_COPY_RESERVE = 4 << 30
 
 FORMAT_NAMES = {
     int(Fmt.F32): "f32",
@@ -41,13 +50,44 @@ FORMAT_NAMES = {
 ACT_FMT = {torch.float32: int(Fmt.F32), torch.bfloat16: int(Fmt.BF16), torch.float16: int(Fmt.F16)}
 
 
-def weights_of(raw: RawTensor, num_experts: int, rows: int, cols: int) -> Weights:
-    """A :class:`Weights` over the tensor's own bytes (no copy)."""
+def file_mapped(data: Any) -> bool:
+    """Whether ``data`` (a RawTensor's data) is a view of a memory-mapped file."""
+    obj = data
+    while isinstance(obj, np.ndarray):
+        if isinstance(obj, np.memmap):
+            return True
+        obj = obj.base
+    return isinstance(obj, mmap.mmap)
+
+
+def huge_page_copy(raw: RawTensor) -> Optional[torch.Tensor]:
+    """The tensor's bytes copied into 2 MiB pages (:func:`freetoken.loading.host_pages.huge_empty`)
+    when they sit in a file mapping (4 KiB pages: a page walk every 4 KiB of a stream that
+    decode reads once per token) and the copy leaves at least :data:`HUGE_COPY_RESERVE` of
+    RAM available; else None (read in place)."""
+    if not file_mapped(raw.data):
+        return None
+    src = raw.raw_torch()
+    nbytes = src.numel() * src.element_size()
+    avail = available_ram()
+    if avail is None or avail - nbytes < HUGE_COPY_RESERVE:
+        log.info("%s: read in place from the file mapping (%s available, a copy needs %s + %s)", raw.name,
+                 "?" if avail is None else gib(avail), gib(nbytes), gib(HUGE_COPY_RESERVE))
+        return None
+    out = huge_empty(tuple(src.shape), src.dtype)
+    out.copy_(src)
+    return out
+
+
+def weights_of(raw: RawTensor, num_experts: int, rows: int, cols: int, huge_pages: bool = False) -> Weights:
+    """A :class:`Weights` over the tensor's own bytes (no copy; ``huge_pages``: a copy in huge
+    pages where :func:`huge_page_copy` makes one)."""
     try:
         fmt = FORMAT_NAMES[int(raw.fmt)]
     except KeyError:
         raise ValueError(f"{raw.source}: {raw.name} has a format the CPU kernels do not read ({raw.fmt})") from None
-    return Weights(raw.raw_torch(), fmt, num_experts, rows, cols, scale=raw.scale)
+    data = huge_page_copy(raw) if huge_pages else None
+    return Weights(raw.raw_torch() if data is None else data, fmt, num_experts, rows, cols, scale=raw.scale)
 
 
 class PackedLinear:

@@ -19,11 +19,13 @@ class HostExperts(CpuExperts):
     def __init__(self, pool: Optional[Pool] = None) -> None:
         self.pool = pool or default_pool()
 
-    def bank(self, experts: Any, activation: str) -> ExpertBank:
+    def bank(self, experts: Any, activation: str, huge_pages: bool = False) -> ExpertBank:
+        """The layer's bank over the experts' bytes; ``huge_pages``: weights that sit in a
+        file mapping are copied into huge pages first (:func:`freetoken_cpu_moe.dense.huge_page_copy`)."""
         e = experts
-        gate = weights_of(e.gate, e.num_experts, e.intermediate, e.hidden)
-        up = weights_of(e.up, e.num_experts, e.intermediate, e.hidden)
-        down = weights_of(e.down, e.num_experts, e.hidden, e.intermediate)
+        gate = weights_of(e.gate, e.num_experts, e.intermediate, e.hidden, huge_pages)
+        up = weights_of(e.up, e.num_experts, e.intermediate, e.hidden, huge_pages)
+        down = weights_of(e.down, e.num_experts, e.hidden, e.intermediate, huge_pages)
         return ExpertBank(gate, up, down, activation=activation)
 
     def run(self, bank: Any, x: Any, ids: Any, weights: Any, out_dtype: Any = None) -> Any:
