@@ -336,8 +336,10 @@ class ModelShape:
     top_k: int
     dense_bytes: int  # the dense part (attention, norms, routers, embedding, head) at the activation dtype
     kv_bytes_per_token: int
-    #: per MoE layer: its routed experts' bytes in the checkpoint, and the ggml types of
-    #: (gate, up, down) when the checkpoint is a GGUF file (None: unknown, e.g. HF files)
+    #: per MoE layer: its routed experts' bytes as the host holds them (the checkpoint's; with
+    #: folded biases where the family has expert biases), and the formats (ggml types, or
+    #: ``Fmt``) of (gate, up, down), read from a GGUF header or an HF checkpoint's expert
+    #: tensors (None: unknown; an HF checkpoint gives the bytes only for MXFP4 experts)
     expert_file_bytes: Optional[dict[int, int]] = None
     expert_formats: Optional[dict[int, tuple[int, int, int]]] = None
     #: the dense part as it takes device memory when the file's block formats (Q4_K, Q5_K,
