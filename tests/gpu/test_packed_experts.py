@@ -16,11 +16,13 @@ the BF16 kernels (``pytest tests/gpu/test_packed_experts.py -m gpu -k timing -s`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -474,8 +476,38 @@ def test_gpu_timing_against_bf16(tokens):
 
 
 # --------------------------------------------------------------------------------------
-# an HF FP8 checkpoint through the engine: its experts packed on the (simulated) GPU
+# checkpoints through the engine: their experts packed on the (simulated) GPU
 # --------------------------------------------------------------------------------------
+
+
+def _test_dirs(*subs: str) -> None:
+    """Other test folders' helpers importable (tests/<sub>)."""
+    for sub in subs:
+        here = os.path.join(os.path.dirname(__file__), "..", sub)
+        if here not in sys.path:
+            sys.path.insert(0, here)
+
+
+@contextlib.contextmanager
+def _fakegpu_engine(path: str, monkeypatch):
+    """An FP32 engine on the fakegpu plugin with every expert on its "GPU", the experts'
+    kernels Triton's (interpreted, one program per route); closed and the backend registry
+    reset after (the later tests of this process choose their own backend)."""
+    from freetoken.backends import registry
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import LLMEngine
+    from freetoken.moe import gpu_experts
+
+    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(triton_moe_packed, "DEFAULT_CONFIG", WIDE)
+    registry.reset()
+    eng = LLMEngine(EngineConfig(model=path, backend="fakegpu", dtype="float32", moe_cpu_layers="0",
+                                 max_model_len=64, kv_cache_tokens=256))
+    try:
+        yield eng
+    finally:
+        eng.close()
+        registry.reset()
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's run of the fakegpu engine")
@@ -483,24 +515,12 @@ def test_fakegpu_engine_packs_fp8_checkpoint(tmp_path, monkeypatch):
     """The plan keeps an FP8 block-scaled HF checkpoint's experts packed on the device (its
     formats read from the checkpoint, the device rows' bytes planned) and the engine's
     logits equal HF's FP32 model on the decoded values, through the interpreted kernels."""
-    here = os.path.join(os.path.dirname(__file__), "..", "engine")
-    if here not in sys.path:
-        sys.path.insert(0, here)
+    _test_dirs("engine")
     from helpers import hf_logits
     from test_engine_hf_formats import TOL, write_fp8_checkpoint
 
-    from freetoken.backends import registry
-    from freetoken.engine.config import EngineConfig
-    from freetoken.engine.engine import LLMEngine
-    from freetoken.moe import gpu_experts
-
     path, model = write_fp8_checkpoint(tmp_path, seed=5)
-    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
-    monkeypatch.setattr(triton_moe_packed, "DEFAULT_CONFIG", WIDE)
-    registry.reset()
-    eng = LLMEngine(EngineConfig(model=path, backend="fakegpu", dtype="float32", moe_cpu_layers="0",
-                                 max_model_len=64, kv_cache_tokens=256))
-    try:
+    with _fakegpu_engine(path, monkeypatch) as eng:
         plan = eng.backend_info()["memory_plan"]
         cfg = model.config
         layer_bytes = 3 * cfg.num_experts * cfg.hidden_size * cfg.moe_intermediate_size // 128 * 132
@@ -508,30 +528,15 @@ def test_fakegpu_engine_packs_fp8_checkpoint(tmp_path, monkeypatch):
         assert plan["expert_bytes"] == cfg.num_hidden_layers * layer_bytes, plan
         ids = [(11 * j) % 150 + 3 for j in range(13)]
         torch.testing.assert_close(eng.prompt_logits(ids), hf_logits(model, ids), **TOL)
-    finally:
-        eng.close()
-        registry.reset()  # the later tests of this process choose their own backend
 
 
-@pytest.mark.skipif(not INTERPRET, reason="the interpreter's run of the fakegpu engine")
-def test_fakegpu_engine_packs_gpt_oss_mxfp4_gguf(tmp_path, monkeypatch):
-    """A GPT-OSS GGUF file with MXFP4 experts (gate/up biases folded in as one more block
-    per row): the plan keeps every layer's experts packed on the device at the file's size,
-    and the logits equal transformers' on gguf-py's dequantization of the same blocks
-    (float32 activations: the GPU kernels do not round them as the CPU's do)."""
-    for sub in ("engine", "models_moe_families"):
-        here = os.path.join(os.path.dirname(__file__), "..", sub)
-        if here not in sys.path:
-            sys.path.insert(0, here)
+def _gpt_oss_mxfp4_gguf(tmp_path) -> tuple[str, Any]:
+    """A GPT-OSS GGUF file with MXFP4 experts, and transformers' model holding gguf-py's
+    dequantization of the same blocks."""
     import gguf
-    from families import hf_logits, make_model
+    from families import make_model
     from gguf.quants import quantize
     from test_gguf import YARN, _as_written, write_gguf
-
-    from freetoken.backends import registry
-    from freetoken.engine.config import EngineConfig
-    from freetoken.engine.engine import LLMEngine
-    from freetoken.moe import gpu_experts
 
     model = make_model("gpt_oss", 17, rope_parameters=YARN)
     path = str(tmp_path / "mxfp4.gguf")
@@ -544,55 +549,31 @@ def test_fakegpu_engine_packs_gpt_oss_mxfp4_gguf(tmp_path, monkeypatch):
             for p in (ex.gate_up_proj, ex.down_proj):  # rows along the last dim in the file
                 a = np.ascontiguousarray(p.transpose(1, 2).numpy())
                 p.copy_(torch.from_numpy(gguf_dequantize(quantize(a, mx), mx).reshape(a.shape)).transpose(1, 2))
-    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
-    monkeypatch.setattr(triton_moe_packed, "DEFAULT_CONFIG", WIDE)
-    registry.reset()
-    eng = LLMEngine(EngineConfig(model=path, backend="fakegpu", dtype="float32", moe_cpu_layers="0",
-                                 max_model_len=64, kv_cache_tokens=256))
-    try:
-        plan = eng.backend_info()["memory_plan"]
-        cfg = model.config
-        assert plan["packed_layers"] == cfg.num_hidden_layers, plan
-        # gate, up [E, I, H + 32] and down [E, H + 32, I] in 17-byte blocks of 32
-        layer_bytes = 3 * cfg.num_local_experts * cfg.intermediate_size * (cfg.hidden_size + 32) // 32 * 17
-        assert plan["expert_bytes"] == cfg.num_hidden_layers * layer_bytes, plan
-        ids = [(13 * j) % 150 + 3 for j in range(21)]
-        torch.testing.assert_close(eng.prompt_logits(ids), hf_logits(model, ids), atol=2e-4, rtol=1e-4)
-    finally:
-        eng.close()
-        registry.reset()
+    return path, model
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's run of the fakegpu engine")
-def test_fakegpu_engine_packs_gpt_oss_hf_mxfp4(tmp_path, monkeypatch):
-    """GPT-OSS's official HF form (MXFP4 ``*_blocks``/``*_scales``): planned packed from the
-    checkpoint's names, with the bytes as held, and transformers' logits on the same values."""
-    for sub in ("engine", "models_moe_families"):
-        here = os.path.join(os.path.dirname(__file__), "..", sub)
-        if here not in sys.path:
-            sys.path.insert(0, here)
+@pytest.mark.parametrize("form", ["gguf", "hf"])
+def test_fakegpu_engine_packs_gpt_oss_mxfp4(form, tmp_path, monkeypatch):
+    """GPT-OSS with MXFP4 experts, as llama.cpp's GGUF and as the official HF checkpoint
+    (``*_blocks``/``*_scales``), their gate/up biases folded in as one more block per row:
+    the plan keeps every layer's experts packed on the device at the size they are held,
+    and the logits equal transformers' on gguf-py's dequantization of the same blocks
+    (float32 activations: the GPU kernels do not round them as the CPU's do)."""
+    _test_dirs("engine", "models_moe_families")
     from families import hf_logits
     from test_hf_mxfp4 import write_mxfp4_checkpoint
 
-    from freetoken.backends import registry
-    from freetoken.engine.config import EngineConfig
-    from freetoken.engine.engine import LLMEngine
-    from freetoken.moe import gpu_experts
-
-    model = write_mxfp4_checkpoint(str(tmp_path), 23)
-    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
-    monkeypatch.setattr(triton_moe_packed, "DEFAULT_CONFIG", WIDE)
-    registry.reset()
-    eng = LLMEngine(EngineConfig(model=str(tmp_path), backend="fakegpu", dtype="float32", moe_cpu_layers="0",
-                                 max_model_len=64, kv_cache_tokens=256))
-    try:
+    if form == "gguf":
+        path, model = _gpt_oss_mxfp4_gguf(tmp_path)
+    else:
+        path, model = str(tmp_path), write_mxfp4_checkpoint(str(tmp_path), 23)
+    with _fakegpu_engine(path, monkeypatch) as eng:
         plan = eng.backend_info()["memory_plan"]
         cfg = model.config
+        # gate, up [E, I, H + 32] and down [E, H + 32, I] in 17-byte blocks of 32
         layer_bytes = 3 * cfg.num_local_experts * cfg.intermediate_size * (cfg.hidden_size + 32) // 32 * 17
         assert plan["packed_layers"] == cfg.num_hidden_layers, plan
         assert plan["expert_bytes"] == cfg.num_hidden_layers * layer_bytes, plan
-        ids = [(7 * j) % 150 + 3 for j in range(19)]
+        ids = [(13 * j) % 150 + 3 for j in range(21)]
         torch.testing.assert_close(eng.prompt_logits(ids), hf_logits(model, ids), atol=2e-4, rtol=1e-4)
-    finally:
-        eng.close()
-        registry.reset()
