@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from freetoken.moe.copy_queue import CopyQueue, CopyTicket
-from freetoken.moe.gpu_packed_experts import PACKED_FORMATS, DequantScratch
+from freetoken.moe.gpu_packed_experts import FMT_FP8_ROWS, PACKED_FORMATS, DequantScratch, fp8_rows_bytes
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class _Pool:
         self.shapes: list[tuple[int, ...]] = []
         for t in (sample.gate, sample.up, sample.down):
             if packed:
-                per_expert = t.nbytes // t.shape[0]
+                # the file's bytes per expert; FP8 in its device rows (scales inside)
+                per_expert = fp8_rows_bytes(math.prod(t.shape[1:])) if key[0] == "fp8" else t.nbytes // t.shape[0]
                 self.tensors.append(torch.empty(slots, per_expert, dtype=torch.uint8, device=device))
             else:
                 self.tensors.append(torch.empty(slots, *t.shape[1:], dtype=act_dtype, device=device))
@@ -119,13 +121,19 @@ class ExpertCache:
         groups: dict[tuple[Any, ...], list[int]] = {}
         for layer, e in self.layers.items():
             fmts = tuple(int(t.fmt) for t in (e.gate, e.up, e.down))
-            packed = packed_ok and set(fmts) <= PACKED_FORMATS
-            key = ("packed", *fmts) if packed else ("float",)
+            if packed_ok and set(fmts) <= PACKED_FORMATS:
+                key: tuple[Any, ...] = ("packed", *fmts)
+            elif packed_ok and set(fmts) == {FMT_FP8_ROWS} and e.hidden % 128 == 0 and e.intermediate % 128 == 0:
+                key = ("fp8", *fmts)  # FP8 block-scaled: held in the packed kernels' rows, built at each fetch
+            else:
+                key = ("float",)
             groups.setdefault(key, []).append(self.rows[layer])
         elt = torch.empty((), dtype=self.act_dtype).element_size()
 
         def per_expert(key: tuple[Any, ...], row: int) -> int:
             e = self.by_row[row]
+            if key[0] == "fp8":
+                return fp8_rows_bytes(3 * e.hidden * e.intermediate)
             return e.bytes_per_expert if key[0] == "packed" else 3 * e.hidden * e.intermediate * elt
 
         total = sum(per_expert(k, r) * self.num_experts for k, rows in groups.items() for r in rows)
@@ -136,7 +144,7 @@ class ExpertCache:
             slots = min(int(share // per_expert(key, rows[0])), len(rows) * self.num_experts)
             if slots <= 0:
                 continue
-            pool = _Pool(key, rows, self.by_row[rows[0]], slots, self.device, self.act_dtype, key[0] == "packed")
+            pool = _Pool(key, rows, self.by_row[rows[0]], slots, self.device, self.act_dtype, key[0] != "float")
             pool.experts = self._kernels(pool, self.by_row[rows[0]])
             for r in rows:
                 pools[r] = pool
@@ -191,9 +199,20 @@ class ExpertCache:
         return out
 
     def _copy_job(self, pool: _Pool, slot: int, row: int, expert: int) -> Any:
+        e = self.by_row[row]
+        if pool.key[0] == "fp8":
+
+            def rows_job() -> None:  # codes and scales copied, then laid out as the kernels' rows
+                from freetoken.moe.triton_moe_packed import PackedStack
+
+                for i, t in enumerate((e.gate, e.up, e.down)):
+                    one = PackedStack.from_fp8(t.raw_torch()[expert:expert + 1], t.scale[expert:expert + 1],
+                                               self.device)
+                    pool.tensors[i][slot].copy_(one.data.reshape(-1))
+
+            return rows_job
         if pool.packed:
             return [(pool.tensors[i][slot], src) for i, src in enumerate(self._sources(pool, row, expert))]
-        e = self.by_row[row]
 
         def job() -> None:
             import dataclasses as dc

@@ -110,10 +110,9 @@ def _stack_to_device(raw: "RawTensor", device: Any, on_device: Any = None) -> An
             f"{raw.source}: expert stack {raw.name} is ggml type {int(raw.fmt)}; packed GPU experts hold "
             f"{', '.join(tp.FORMAT_NAMES.values())} (dequantize other formats with GpuExperts)"
         )
-    if int(raw.fmt) == tp.FMT_FP8_B128:
-        if on_device is not None or raw.scale is None:
-            raise ValueError(f"{raw.source}: FP8 expert stack {raw.name}: packed GPU experts take FP8 with its "
-                             "block scales from the host (the device layout differs from the file's)")
+    if int(raw.fmt) == tp.FMT_FP8_B128 and on_device is None:  # (bytes on the device: already its rows)
+        if raw.scale is None:
+            raise ValueError(f"{raw.source}: FP8 expert stack {raw.name} has no block scales (weight_scale_inv)")
         return tp.PackedStack.from_fp8(raw.raw_torch(), raw.scale, device)
     if on_device is not None:
         return tp.PackedStack.from_bytes(on_device, raw.fmt, e, rows, cols)
