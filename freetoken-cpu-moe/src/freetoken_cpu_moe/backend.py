@@ -164,9 +164,9 @@ TORCH_THREADS_ENV = "FREETOKEN_CPU_TORCH_THREADS"
 #: the duration of each step (default 0: unpinned; on the shared 2-core VM a pinned caller
 #: could not move away from another process's thread: 11-21 tok/s against 28-43 unpinned)
 PIN_CALLER_ENV = "FREETOKEN_CPU_PIN_CALLER"
-#: ``1`` (default): routed experts that sit in a file mapping are copied into huge pages at
-#: load while that leaves 4 GiB of RAM available (``freetoken_cpu_moe.dense.huge_page_copy``);
-#: ``0``: read in place
+#: ``1`` (default): routed experts and packed dense projections that sit in a file mapping are
+#: copied into huge pages at load while that leaves 4 GiB of RAM available
+#: (``freetoken_cpu_moe.dense.huge_page_copy``); ``0``: read in place
 HUGE_PAGES_ENV = "FREETOKEN_CPU_HUGE_PAGES"
 
 
@@ -200,6 +200,8 @@ class CpuModelSession(ModelSession):
     """
 
     def __init__(self, options: EngineOptions) -> None:
+        import os
+
         import torch
 
         from freetoken.models.dense_ops import use_dense_ops
@@ -215,7 +217,11 @@ class CpuModelSession(ModelSession):
         if options.cpu_threads is not None and options.cpu_threads != pool.num_threads:
             pool = self._own_pool = Pool(options.cpu_threads)
         self.pool = pool
-        self.weight_policy = CpuWeightPolicy(options.act_dtype or torch.float32, pool)
+        huge_env = os.environ.get(HUGE_PAGES_ENV, "1").strip()
+        if huge_env not in ("0", "1"):
+            raise ValueError(f"{HUGE_PAGES_ENV}={huge_env!r}: expected 1 (weights in huge pages) or 0 (in place)")
+        self._huge_pages = huge_env == "1"
+        self.weight_policy = CpuWeightPolicy(options.act_dtype or torch.float32, pool, huge_pages=self._huge_pages)
         self.host = HostExperts(pool)
         self.model: Any = None
         self.kv_caches: list[Any] = []
@@ -231,8 +237,6 @@ class CpuModelSession(ModelSession):
         self._pin: Optional[set[int]] = None
         self._unpin: Optional[set[int]] = None
         cpus = pool.cpus if pool.pin else []
-        import os
-
         pin_env = os.environ.get(PIN_CALLER_ENV, "0").strip()
         if pin_env not in ("0", "1"):
             raise ValueError(f"{PIN_CALLER_ENV}={pin_env!r}: expected 1 (pin the calling thread) or 0")
@@ -240,10 +244,6 @@ class CpuModelSession(ModelSession):
             allowed = os.sched_getaffinity(0)
             if cpus[0] in allowed:
                 self._pin, self._unpin = {cpus[0]}, allowed
-        huge_env = os.environ.get(HUGE_PAGES_ENV, "1").strip()
-        if huge_env not in ("0", "1"):
-            raise ValueError(f"{HUGE_PAGES_ENV}={huge_env!r}: expected 1 (experts in huge pages) or 0 (in place)")
-        self._huge_pages = huge_env == "1"
         self._ops_before = use_dense_ops("cpu", CPU_OPS)
         self._ops_installed = True
         log.info("cpu backend: %d pool threads, attention %s (%s), dense ops %s", pool.num_threads,

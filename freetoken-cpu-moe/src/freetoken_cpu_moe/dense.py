@@ -95,13 +95,14 @@ class PackedLinear:
 
     packed = True
 
-    def __init__(self, raw: RawTensor, pool: Pool, out_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, raw: RawTensor, pool: Pool, out_dtype: Optional[torch.dtype] = None,
+                 huge_pages: bool = False) -> None:  # fmt: skip
         rows, cols = raw.shape
         self.out_features, self.in_features = rows, cols
         self.fmt = int(raw.fmt)
         self.nbytes = raw.nbytes
         self._raw = raw  # keeps the mapping alive
-        self.weights = weights_of(raw, 1, rows, cols)
+        self.weights = weights_of(raw, 1, rows, cols, huge_pages)
         self._pool = pool
         self._out_dtype = out_dtype
         self._address = self.weights.address
@@ -175,10 +176,12 @@ class GroupLinear:
 class CpuWeightPolicy(WeightPolicy):
     """Dense weights in host memory, packed where the file is packed (see the module doc)."""
 
-    def __init__(self, dtype: torch.dtype, pool: Optional[Pool] = None) -> None:
+    def __init__(self, dtype: torch.dtype, pool: Optional[Pool] = None, huge_pages: bool = False) -> None:
         self.device = torch.device("cpu")
         self.dtype = dtype
         self.pool = pool or default_pool()
+        #: packed projections that sit in a file mapping are copied into huge pages (huge_page_copy)
+        self.huge_pages = huge_pages
 
     def tensor(self, raw: RawTensor) -> torch.Tensor:
         return raw.to_float(self.dtype)
@@ -190,7 +193,7 @@ class CpuWeightPolicy(WeightPolicy):
         if fmt == Fmt.F32 and self.dtype == torch.float32:
             return DualLinear(raw, self.pool)
         if fmt in FORMAT_NAMES:
-            return PackedLinear(raw, self.pool)
+            return PackedLinear(raw, self.pool, huge_pages=self.huge_pages)
         return TorchLinear(raw.to_float(self.dtype))
 
     def stacked_linear(self, raws: list[RawTensor]) -> Optional[GroupLinear]:
