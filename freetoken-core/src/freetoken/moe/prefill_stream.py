@@ -264,16 +264,20 @@ def measure_threshold(streamer: PrefillStreamer, cpu: Any, bank: Any, top_k: int
     layer = streamer.order[0]
     e = streamer.layers[layer]
     nbytes = e.nbytes
-    # (mapped streaming keeps no buffer: one for this measurement, freed after it)
-    buf = streamer.buffers[0] if streamer.buffers else torch.empty(nbytes, dtype=torch.uint8, device=streamer.device)
-    pairs = streamer._parts(layer, buf)
+    if streamer.buffers:
+        pairs = streamer._parts(layer, streamer.buffers[0])
+    else:  # mapped streaming keeps no buffer: the rate from a 64 MiB copy into a temporary one
+        src = e.gate.raw_torch().reshape(-1)
+        src = (src.view(torch.uint8) if src.dtype != torch.uint8 else src)[: 64 << 20]
+        pairs = [(torch.empty(src.numel(), dtype=torch.uint8, device=streamer.device), src)]
+    moved = sum(int(src.numel()) for _, src in pairs)
     streamer.copies.submit(pairs).order_before()  # first touch: page faults, registration
     _sync(streamer.device)
     t0 = time.perf_counter()
     streamer.copies.submit(pairs).order_before()
     _sync(streamer.device)
-    copy_s = time.perf_counter() - t0
-    pcie = nbytes / copy_s / 1e9
+    pcie = moved / (time.perf_counter() - t0) / 1e9
+    copy_s = nbytes / (pcie * 1e9)  # one layer's bytes at that rate
     per_token = None
     if given is None:
         gen = torch.Generator().manual_seed(0)
