@@ -251,7 +251,7 @@ _OPTIONS: tuple[_Option, ...] = (
             "stalling the current one (default: {default})", non_negative_int, "N"),
     _Option("moe_stream_prefill", "--moe-stream-prefill",
             "prefill chunks compute the CPU layers' experts on the GPU, streaming their bytes over PCIe: auto "
-            "(GGUF K-quant/Q8_0 experts, chunks of at least --moe-stream-min-tokens), on (also HF checkpoints' "
+            "(GGUF K-quant/Q8_0/MXFP4 experts, chunks of at least --moe-stream-min-tokens), on (also HF checkpoints' "
             "experts in the activation dtype), off (default: {default})",
             choice("auto", "on", "off"), "MODE"),
     _Option("moe_stream_min_tokens", "--moe-stream-min-tokens",
@@ -271,7 +271,7 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option("moe_locked_fetch", "--moe-locked-fetch",
             "share of a decode step's missed expert routes the GPU computes in the same step by reading the "
             "page-locked host banks over PCIe, beside the CPU workers (about PCIe / (PCIe + RAM bandwidth); "
-            "GGUF K-quant/Q8_0 experts; default: {default}, off)", unit_fraction, "FRACTION"),
+            "GGUF K-quant/Q8_0/MXFP4 experts; default: {default}, off)", unit_fraction, "FRACTION"),
     _Option("moe_locked_max_fetch", "--moe-locked-max-fetch",
             "most missed routes per layer and step served that way (default: {default})", non_negative_int, "N"),
     _Option("moe_collect_stats", "--moe-collect-stats",
