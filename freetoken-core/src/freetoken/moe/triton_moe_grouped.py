@@ -35,7 +35,7 @@ import triton.language as tl
 
 from freetoken.backends import triton_target
 from freetoken.moe.triton_moe import ACT_CODES, activate
-from freetoken.moe.triton_moe_packed import PackedStack, _dequant_tile
+from freetoken.moe.triton_moe_packed import PackedStack, _dequant_tile, tiles_from_env
 
 #: format code of a plain (BF16) weight tensor
 PLAIN = 0
@@ -74,7 +74,9 @@ class GroupedConfig:
             raise ValueError(f"block_m={self.block_m}: must be a power of two >= 16 (tl.dot)")
 
 
-DEFAULT_CONFIG = GroupedConfig()
+#: the tiles every launch uses unless given others (``FREETOKEN_GROUPED_EXPERTS`` overrides
+#: fields, as ``FREETOKEN_PACKED_EXPERTS`` those of the per-route kernels)
+DEFAULT_CONFIG = tiles_from_env(GroupedConfig(), "FREETOKEN_GROUPED_EXPERTS")
 
 
 @dataclasses.dataclass
