@@ -399,10 +399,11 @@ def _qwen3_layer(num_experts: int, fmts: tuple[int, int, int], seed: int, refere
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmts", [(Q4, Q4, Q6), (MX, MX, MX)], ids=["q4_k_m", "mxfp4"])
 @pytest.mark.parametrize("tokens,top_k", [(1, 8), (3, 8), (16, 8), (64, 8), (512, 8)])
-def test_gpu_qwen3_sizes(tokens, top_k):
-    """Default tiles at H=2048, I=768 (1, 3, 16 tokens: packed kernels; 64, 512: dequantized BF16)."""
-    (gate, up, down), (g64, u64, d64) = _qwen3_layer(16, (Q4, Q4, Q6), seed=tokens, reference=True)
+def test_gpu_qwen3_sizes(tokens, top_k, fmts):
+    """Default tiles at H=2048, I=768 (1, 3, 16 tokens: per-route kernels; 64, 512: grouped)."""
+    (gate, up, down), (g64, u64, d64) = _qwen3_layer(16, fmts, seed=tokens, reference=True)
     experts = PackedGpuExperts(gate, up, down, "cuda")
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 2048, generator=gen).to(torch.bfloat16)
@@ -411,6 +412,23 @@ def test_gpu_qwen3_sizes(tokens, top_k):
     out = torch.full((tokens, 2048), float("nan"), device="cuda")
     experts.forward(x.cuda(), ids.cuda(), w.cuda(), out=out)
     tol = FP32_TOL * 10 if tokens * top_k <= experts.config.max_routes else DEQUANT_TOL
+    check_rows(out, reference_experts(x, ids, w, g64, u64, d64), tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 512])
+def test_gpu_fp8_qwen3_sizes(tokens):
+    """FP8 rows at H=2048, I=768, compiled: per-route (1, 16 tokens) and grouped (512)."""
+    gen = torch.Generator().manual_seed(tokens)
+    (gate, g64), (up, u64), (down, d64) = (fp8_stack(r, c, gen, n) for r, c, n in
+                                           ((768, 2048, "g"), (768, 2048, "u"), (2048, 768, "d")))  # fmt: skip
+    experts = PackedGpuExperts(gate, up, down, "cuda")
+    x = torch.randn(tokens, 2048, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(-1, E, (tokens, 8), generator=gen).to(torch.int32)
+    w = torch.rand(tokens, 8, generator=gen) + 0.1
+    out = torch.full((tokens, 2048), float("nan"), device="cuda")
+    experts.forward(x.cuda(), ids.cuda(), w.cuda(), out=out)
+    tol = FP32_TOL * 10 if tokens * 8 <= experts.config.max_routes else DEQUANT_TOL
     check_rows(out, reference_experts(x, ids, w, g64, u64, d64), tol)
 
 
