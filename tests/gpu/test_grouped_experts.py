@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 pytest.importorskip("gguf")
 
 from expert_reference import random_experts, reference_experts  # noqa: E402
-from test_packed_experts import DEV, INTERPRET, MIXES, Q4, Q6, check_rows, random_layer, routes  # noqa: E402
+from test_packed_experts import DEV, INTERPRET, MIXES, check_rows, random_layer, routes  # noqa: E402
 
 from freetoken.moe import triton_moe_grouped, triton_moe_packed  # noqa: E402
 from freetoken.moe.gpu_experts import GpuExperts  # noqa: E402
