@@ -36,9 +36,9 @@ def main() -> int:
     base = tp.DEFAULT_CONFIG
     gate_up = [dict(block_i=bi, block_h=bh, num_warps=nw, word_loads=wl) for bi, bh, nw, wl in
                itertools.product((2, 4, 8), (256, 512), (2, 4), (True, False))]
-    down = [dict(block_n=bn, block_r=br, num_warps=nw, word_loads=wl) for bn, br, nw, wl in
+    # the routes as a tile dimension, then the loop over them (the default form)
+    down = [dict(block_n=bn, block_r=br, num_warps=nw, word_loads=wl, down_routes_tile=True) for bn, br, nw, wl in
             itertools.product((1, 2, 4), (128, 256), (2, 4), (True, False))]
-    # the loop over the routes (before the routes became a tile dimension)
     down += [dict(block_n=8, block_r=256, num_warps=4, down_routes_tile=False, word_loads=wl) for wl in (True, False)]
     print(f"default {base}", flush=True)
     for tokens in args.tokens:
@@ -50,15 +50,13 @@ def main() -> int:
         per_route = (gate.nbytes + up.nbytes) / E
         print(f"T={tokens} gate/up Q4_K: {tokens * K * per_route / 1e6:.1f} MB per call "
               f"({tokens * K * per_route / 4.8e12 * 1e6:.1f} us at 4.8 TB/s)", flush=True)
-        timed = [("gate_up", gate_up, lambda cfg: tp.launch_gate_up(x, ids, gate, up, h, "silu", cfg), True)]
+        timed = [("gate_up", gate_up, lambda cfg: tp.launch_gate_up(x, ids, gate, up, h, "silu", cfg))]
         for dname, dstack in downs.items():
             timed.append((f"down {dname} ({tokens * K * dstack.nbytes / E / 1e6:.1f} MB)", down,
-                          lambda cfg, d=dstack: tp.launch_down(h, ids, w, d, y, cfg), dname != "q6_k"))
-        for name, variants, fn, has_words in timed:
+                          lambda cfg, d=dstack: tp.launch_down(h, ids, w, d, y, cfg)))
+        for name, variants, fn in timed:
             results = []
             for v in variants:
-                if not has_words and not v.get("word_loads", True):
-                    continue  # Q6_K has no word path: the same kernel as word_loads=True
                 cfg = dataclasses.replace(base, **v)
                 try:
                     us = graph_time_us(lambda: fn(cfg), iters=100)
@@ -70,10 +68,6 @@ def main() -> int:
             default_us = graph_time_us(lambda: fn(base), iters=100)
             print(f"  {name}: default {default_us:.1f} us; best " + "; ".join(f"{us:.1f} us {v}" for us, v in results[:5])
                   + (f" | worst {results[-1][0]:.1f} us {results[-1][1]}" if results else ""), flush=True)
-            if name == "gate_up":
-                old = dataclasses.replace(base, block_i=4, block_h=512, word_loads=False)
-                print(f"  gate_up as before (4 x 512 byte tiles): {graph_time_us(lambda: fn(old), iters=100):.1f} us",
-                      flush=True)
     return 0
 
 

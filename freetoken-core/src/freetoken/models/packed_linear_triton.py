@@ -51,6 +51,7 @@ from freetoken.moe.triton_moe_packed import (
     _dequant_rows_kernel,
     _dequant_tile,
     _dot_words,
+    _dot_words_q6k,
     _load_groups,
     tiles_from_env,
 )
@@ -69,8 +70,9 @@ class PackedLinearConfig:
     #: program's registers hold block_n x block_k products whatever the token tile
     block_k: int = 512
     block_t: int = 8  # most tokens per program (the weights are read once per token tile)
-    #: one token per program: Q4_K/Q5_K rows read as 32-bit words (``_dot_words``); off
-    #: until measured (tests/gpu/tune_packed_dense.py compares)
+    #: one token per program: Q4_K/Q5_K rows read as 32-bit words (``_dot_words``), Q6_K
+    #: rows as 16-bit half-words (steps of >= 128 columns); off until measured
+    #: (tests/gpu/tune_packed_dense.py compares)
     word_loads: bool = False
     num_warps: int = 4
     num_stages: int = 2
@@ -154,6 +156,12 @@ def _packed_gemv_kernel(
             for k1 in range(0, K, BLOCK_K):
                 accw += _dot_words(w_u8, w_f16, rows, n_ok, x_ptr, x_off, k1, K, FMT, BLOCK_K)
             y = tl.sum(accw, axis=1)
+        elif WORDS and FMT == 14 and BLOCK_K >= 128:
+            x_off6 = tl.zeros([BLOCK_N], dtype=tl.int64) + t * K
+            acc6 = tl.zeros([BLOCK_N, BLOCK_K // 128], dtype=tl.float32)
+            for k2 in range(0, K, BLOCK_K):
+                acc6 += _dot_words_q6k(w_u8, w_f16, rows, n_ok, x_ptr, x_off6, k2, K, BLOCK_K)
+            y = tl.sum(acc6, axis=1)
         else:
             x_row = x_ptr + t * K
             acc = tl.zeros([BLOCK_N, BLOCK_K // G, G], dtype=tl.float32)

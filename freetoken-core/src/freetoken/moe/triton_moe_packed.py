@@ -26,7 +26,8 @@ weights loaded in one step, the sum over ``k`` taken at the end in a fixed order
 of a loop over them, so a step has K times the loads in flight and a smaller ``BLOCK_N``
 gives more programs; ``word_loads`` reads Q4_K/Q5_K codes as 32-bit words
 (:func:`_dot_words`: 8 values per load, the sums factored as ``d*sc * sum(q*x) - dmin*m
-* sum(x)`` per 32-value sub-block) instead of one byte per value.
+* sum(x)`` per 32-value sub-block) and Q6_K codes as 16-bit half-words
+(:func:`_dot_words_q6k`, in the down kernel's route tile) instead of one byte per value.
 
 Tiles. A step of ``BLOCK_C`` columns of ``R`` rows is held as ``[R, BLOCK_C / G, G]``,
 ``G`` the values sharing one scale: 32 in Q4_K/Q5_K (a sub-block: 6-bit scale and min),
@@ -113,8 +114,8 @@ class PackedConfig:
     #: step, 4x the programs at block_n=2) rather than a loop over them. Off until measured
     #: (tests/gpu/tune_packed.py compares both forms and the word loads)
     down_routes_tile: bool = False
-    #: Q4_K/Q5_K weights read as 32-bit words (:func:`_dot_words`) instead of byte tiles;
-    #: off until measured, as ``down_routes_tile``
+    #: Q4_K/Q5_K weights read as 32-bit words (:func:`_dot_words`), Q6_K down weights as
+    #: 16-bit half-words (steps of >= 128 columns), instead of byte tiles; off until measured
     word_loads: bool = False
     num_warps: int = 4
     num_stages: int = 2
@@ -378,6 +379,46 @@ def _dot_words(
 
 
 @triton.jit
+def _dot_words_q6k(
+    u8_ptr, f16_ptr, row_off, row_ok, x_ptr, x_off, c0, NCOLS: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """``[R, BLOCK_C // 128]`` float32: as :func:`_dot_words` for Q6_K rows (byte offsets
+    ``row_off [R]``, even), one sum per half super-block of 128 values. Q6_K blocks are 210
+    bytes, so only 16-bit loads are aligned: 16 half-words each of the low-nibble rows and the
+    high-bit row give a half's 128 values (8 per 3 loads, instead of one byte per value)."""
+    NQ: tl.constexpr = BLOCK_C // 128
+    i16_ptr = u8_ptr.to(tl.pointer_type(tl.int16))
+    hq = c0 // 128 + tl.arange(0, NQ)  # half n = hq % 2 of super-block hq // 2
+    q_ok = hq * 128 < NCOLS
+    n = hq % 2
+    m2 = row_ok[:, None] & q_ok[None, :]
+    m3 = m2[:, :, None]
+    blk = row_off[:, None] + (hq // 2 * 210)[None, :]
+    offs_u = tl.arange(0, 16)  # half-word u: values l = 2u (low byte) and 2u + 1 (high byte)
+    h0 = (blk + (64 * n)[None, :]) // 2
+    ql0 = tl.load(i16_ptr + h0[:, :, None] + offs_u[None, None, :], mask=m3, other=0).to(tl.int32) & 0xFFFF
+    ql1 = tl.load(i16_ptr + (h0 + 16)[:, :, None] + offs_u[None, None, :], mask=m3, other=0).to(tl.int32) & 0xFFFF
+    qh = tl.load(i16_ptr + ((blk + (128 + 32 * n)[None, :]) // 2)[:, :, None] + offs_u[None, None, :], mask=m3,
+                 other=0).to(tl.int32) & 0xFFFF
+    xo = x_off[:, None, None] + (hq * 128)[None, :, None] + 2 * offs_u[None, None, :]
+    sc_off = blk + (192 + 8 * n)[None, :]  # int8 scales of this half: 8n + 2k + l // 16
+    total = tl.zeros(qh.shape, dtype=tl.float32)
+    for k in tl.static_range(4):
+        ql = ql1 if k % 2 else ql0
+        part = tl.zeros(qh.shape, dtype=tl.float32)
+        for b in tl.static_range(2):
+            lo = (ql >> (8 * b + 4 * (k // 2))) & 15
+            hi = (qh >> (8 * b + 2 * k)) & 3
+            xv = tl.load(x_ptr + xo + (32 * k + b), mask=m3, other=0.0).to(tl.float32)
+            part += ((lo | (hi << 4)) - 32).to(tl.float32) * xv
+        sc = tl.load(u8_ptr.to(tl.pointer_type(tl.int8)) + sc_off[:, :, None] + (2 * k + offs_u // 8)[None, None, :],
+                     mask=m3, other=0).to(tl.float32)
+        total += sc * part
+    d = tl.load(f16_ptr + (blk + 208) // 2, mask=m2, other=0.0).to(tl.float32)
+    return d * tl.sum(total, axis=2)
+
+
+@triton.jit
 def _load_groups(ptr, c0, NCOLS: tl.constexpr, BLOCK_C: tl.constexpr, G: tl.constexpr, ok):
     """``[BLOCK_C // G, G]`` float32: ``ptr[c0 .. c0 + BLOCK_C]`` (zero past ``NCOLS`` or when not ``ok``)."""
     offs = c0 + tl.arange(0, BLOCK_C // G)[:, None] * G + tl.arange(0, G)[None, :]
@@ -462,6 +503,11 @@ def _down_packed_kernel(
             for r2 in range(0, I, BLOCK_R):
                 accw += _dot_words(d_u8, d_f16, rows, row_ok, h_ptr, h_rows, r2, I, DOWN_FMT, BLOCK_R)
             part_sum = tl.sum(accw, axis=1)
+        elif WORDS and DOWN_FMT == 14 and BLOCK_R >= 128:
+            acc6 = tl.zeros([KP * BLOCK_N, BLOCK_R // 128], dtype=tl.float32)
+            for r3 in range(0, I, BLOCK_R):
+                acc6 += _dot_words_q6k(d_u8, d_f16, rows, row_ok, h_ptr, h_rows, r3, I, BLOCK_R)
+            part_sum = tl.sum(acc6, axis=1)
         else:
             acc = tl.zeros([KP * BLOCK_N, BLOCK_R // DOWN_G, DOWN_G], dtype=tl.float32)
             for r0 in range(0, I, BLOCK_R):
