@@ -50,11 +50,10 @@ from freetoken.moe.triton_moe_packed import (
     PackedStack,
     _dequant_rows_kernel,
     _dequant_tile,
-    _dot_words,
-    _dot_words_q6k,
     _load_groups,
     tiles_from_env,
 )
+from freetoken.moe.triton_packed_words import _dot_words, _dot_words_q6k
 
 __all__ = ["FORMATS", "FORMAT_NAMES", "PackedLinearConfig", "DEFAULT_CONFIG", "PackedMatrix", "gemv",
            "dequantize_rows", "gather_rows", "variant_key"]
