@@ -34,7 +34,7 @@ from freetoken.loading.hf import CheckpointError
 from freetoken.loading.host_pages import huge_empty
 from freetoken.loading.tensors import RawTensor, fmt_name
 from freetoken.models.config import ModelConfig, gguf_config_fields, hf_config_fields
-from freetoken.models.moe_decoder import BIAS_FINE, BIAS_ONES, BIAS_PAD, Arch, MoeDecoderModel, Names, hf_eos_ids
+from freetoken.models.moe_decoder import BIAS_PAD, Arch, MoeDecoderModel, Names, hf_eos_ids
 from freetoken.models.rope import RopeScaling, scaling_from_hf
 from freetoken.moe.layer import ExpertWeights
 
