@@ -83,11 +83,48 @@ static inline __m512i mxfp4_sum_quads(const __m512i* s) {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
 }
 
+// The 16 doubled E2M1 values biased by 128 (unsigned for vpdpbusd; the bias is taken back
+// through the activations' code sums, ``corr``), in a register's four lanes.
+static inline __m512i mxfp4_lut() {
+    return _mm512_broadcast_i32x4(_mm_setr_epi8((char)128, (char)129, (char)130, (char)131, (char)132, (char)134,
+                                                (char)136, (char)140, (char)128, (char)127, (char)126, (char)125,
+                                                (char)124, (char)122, (char)120, (char)116));
+}
+
+// Quad q of a group at block b: its 4 blocks' code bytes z (block i in lane i) against each
+// token's int8 codes, into s[j][q].
+template <int NT>
+static inline void mxfp4_quad_dots(__m512i z, const __m512i lut, const Mxfp4Act* x, uint32_t b, uint32_t q,
+                                   __m512i (*s)[4]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i wlo = _mm512_shuffle_epi8(lut, _mm512_and_si512(z, m4));
+    const __m512i whi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4));
+    for (int j = 0; j < NT; ++j) {
+        const int8_t* xq = x[j].qs + (size_t)(b + 4 * q) * 32;
+        s[j][q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, _mm512_loadu_si512(xq)), whi,
+                                      _mm512_loadu_si512(xq + 64));
+    }
+}
+
+// A group's sums scaled by its blocks' exponents eb (one per dword, in the quads' order)
+// and each token's block scales, into acc; the bias correction into corr.
+template <int NT>
+static inline void mxfp4_group_finish(__m512i eb, const Mxfp4Act* x, uint32_t b, __m512i (*s)[4], __m512* acc,
+                                      __m512* corr) {
+    // float bits (e - 1) << 23 = 2^(e - 128); e < 2 -> 0
+    const __m512 dw = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_max_epi32(_mm512_sub_epi32(eb, _mm512_set1_epi32(1)), _mm512_setzero_si512()), 23));
+    for (int j = 0; j < NT; ++j) {
+        const __m512 coef = _mm512_mul_ps(dw, _mm512_loadu_ps(x[j].d + b));
+        corr[j] = _mm512_fmadd_ps(dw, _mm512_loadu_ps(x[j].dq + b), corr[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mxfp4_sum_quads(s[j])), coef, acc[j]);
+    }
+}
+
 // One group of m blocks (m = 16 unless TAIL) at g, block index b of the row.
 template <int NT, bool TAIL>
 static inline void mxfp4_group_avx512(const uint8_t* g, uint32_t m, const Mxfp4Act* x, uint32_t b, __m512* acc,
                                       __m512* corr, const __m512i lut) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int o = 0; o < 16 * (int)MXFP4_BYTES; o += 64) _mm_prefetch((const char*)g + FT_MXFP4_PREFETCH + o, _MM_HINT_T0);
     // byte 0 of dword 4i + j <- byte i of lane i (block i of quad j); the other bytes zero
     const __m512i eidx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -115,32 +152,16 @@ static inline void mxfp4_group_avx512(const uint8_t* g, uint32_t m, const Mxfp4A
             z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0x0F00, _mm_loadu_si128((const __m128i*)(p + 1 + 2 * MXFP4_BYTES)));
             z = _mm512_mask_broadcast_i32x4(z, (__mmask16)0xF000, _mm_loadu_si128((const __m128i*)(p + 1 + 3 * MXFP4_BYTES)));
         }
-        const __m512i wlo = _mm512_shuffle_epi8(lut, _mm512_and_si512(z, m4));
-        const __m512i whi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4));
-        for (int j = 0; j < NT; ++j) {
-            const int8_t* xq = x[j].qs + (size_t)(b + 4 * q) * 32;
-            s[j][q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, _mm512_loadu_si512(xq)), whi,
-                                          _mm512_loadu_si512(xq + 64));
-        }
+        mxfp4_quad_dots<NT>(z, lut, x, b, q, s);
     }
-    // float bits (e - 1) << 23 = 2^(e - 128); e < 2 -> 0
-    const __m512 dw = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_max_epi32(_mm512_sub_epi32(eb, _mm512_set1_epi32(1)), _mm512_setzero_si512()), 23));
-    for (int j = 0; j < NT; ++j) {
-        const __m512 coef = _mm512_mul_ps(dw, _mm512_loadu_ps(x[j].d + b));
-        corr[j] = _mm512_fmadd_ps(dw, _mm512_loadu_ps(x[j].dq + b), corr[j]);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mxfp4_sum_quads(s[j])), coef, acc[j]);
-    }
+    mxfp4_group_finish<NT>(eb, x, b, s, acc, corr);
 }
 
 template <int NT>
 static inline void mxfp4_row_avx512(const uint8_t* row, const Mxfp4Act* x, uint32_t nb, __m512* vres) {
     __m512 acc[NT], corr[NT];
     for (int j = 0; j < NT; ++j) acc[j] = corr[j] = _mm512_setzero_ps();
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8((char)128, (char)129, (char)130, (char)131, (char)132,
-                                                             (char)134, (char)136, (char)140, (char)128, (char)127,
-                                                             (char)126, (char)125, (char)124, (char)122, (char)120,
-                                                             (char)116));
+    const __m512i lut = mxfp4_lut();
     const uint32_t full = nb & ~15u;
     uint32_t b = 0;
     for (; b < full; b += 16) mxfp4_group_avx512<NT, false>(row + (size_t)b * MXFP4_BYTES, 16, x, b, acc, corr, lut);
@@ -156,7 +177,6 @@ static inline void mxfp4_row_avx512(const uint8_t* row, const Mxfp4Act* x, uint3
 template <int NT>
 FT_VBMI static inline void mxfp4_group_vbmi(const uint8_t* g, const Mxfp4Act* x, uint32_t b, __m512* acc, __m512* corr,
                                             const __m512i lut, const __m512i cidx) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int o = 0; o < 16 * (int)MXFP4_BYTES; o += 64) _mm_prefetch((const char*)g + FT_MXFP4_PREFETCH + o, _MM_HINT_T0);
     const __m512i eidx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     __m512i eb = _mm512_setzero_si512();
@@ -165,32 +185,16 @@ FT_VBMI static inline void mxfp4_group_vbmi(const uint8_t* g, const Mxfp4Act* x,
         const uint8_t* p = g + (size_t)(4 * q) * MXFP4_BYTES;
         const __m512i a = _mm512_loadu_si512(p), c = _mm512_loadu_si512(p + 4);
         eb = _mm512_mask_shuffle_epi8(eb, (__mmask64)(0x0001000100010001ull << (4 * q)), a, eidx);
-        const __m512i z = _mm512_permutex2var_epi8(a, cidx, c);
-        const __m512i wlo = _mm512_shuffle_epi8(lut, _mm512_and_si512(z, m4));
-        const __m512i whi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4));
-        for (int j = 0; j < NT; ++j) {
-            const int8_t* xq = x[j].qs + (size_t)(b + 4 * q) * 32;
-            s[j][q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, _mm512_loadu_si512(xq)), whi,
-                                          _mm512_loadu_si512(xq + 64));
-        }
+        mxfp4_quad_dots<NT>(_mm512_permutex2var_epi8(a, cidx, c), lut, x, b, q, s);
     }
-    const __m512 dw = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_max_epi32(_mm512_sub_epi32(eb, _mm512_set1_epi32(1)), _mm512_setzero_si512()), 23));
-    for (int j = 0; j < NT; ++j) {
-        const __m512 coef = _mm512_mul_ps(dw, _mm512_loadu_ps(x[j].d + b));
-        corr[j] = _mm512_fmadd_ps(dw, _mm512_loadu_ps(x[j].dq + b), corr[j]);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mxfp4_sum_quads(s[j])), coef, acc[j]);
-    }
+    mxfp4_group_finish<NT>(eb, x, b, s, acc, corr);
 }
 
 template <int NT>
 FT_VBMI static inline void mxfp4_row_vbmi(const uint8_t* row, const Mxfp4Act* x, uint32_t nb, __m512* vres) {
     __m512 acc[NT], corr[NT];
     for (int j = 0; j < NT; ++j) acc[j] = corr[j] = _mm512_setzero_ps();
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8((char)128, (char)129, (char)130, (char)131, (char)132,
-                                                             (char)134, (char)136, (char)140, (char)128, (char)127,
-                                                             (char)126, (char)125, (char)124, (char)122, (char)120,
-                                                             (char)116));
+    const __m512i lut = mxfp4_lut();
     // byte j of lane i <- the quad's byte 17 i + 1 + j: from the first load while < 64, else the second
     alignas(64) static const int8_t kIdx[64] = {
         1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16,  18, 19, 20, 21, 22, 23, 24, 25,
