@@ -261,7 +261,8 @@ _OPTIONS: tuple[_Option, ...] = (
             "which experts a streamed prefill chunk copies to the GPU: routed (those its tokens route to, once "
             "the layer's router has run, copied and computed in overlapping parts), all (the whole layer, "
             "the next layer's copy behind this one's compute) or mapped (nothing copied: the GPU's kernels "
-            "read the routed experts from the page-locked host banks over PCIe; GGUF experts) "
+            "read the routed experts from the page-locked host banks over PCIe; GGUF experts; measured 5.6x "
+            "slower than routed on an H200) "
             "(default: {default})",
             choice("routed", "all", "mapped"), "MODE"),
     _Option("moe_lock_host", "--moe-lock-host",
