@@ -222,6 +222,38 @@ def test_backend_step_report_reads_only_what_the_backend_reports():
     assert decode.backend_step_report({"cpu_wait_share": "n/a", "step_breakdown": 3}) == (None, None)
 
 
+def test_bench_decode_times_runs_without_the_route_counter(capsys, monkeypatch):
+    """The distinct-expert count (a torch.unique per MoE layer and step: a device sync on a
+    GPU) wraps only its own decode-only run, never a timed run or a warm-up."""
+    live: list[object] = []
+    seen: list[tuple[int, int, bool]] = []  # (batch, prompt_len, a counter wraps the routers) per run
+    counter_cls, run_batch = decode._RouteCounter, decode.run_batch
+
+    class Counter(counter_cls):
+        def __init__(self, model):
+            super().__init__(model)
+            live.append(self)
+
+        def remove(self):
+            super().remove()
+            live.remove(self)
+
+    def spy(eng, batch, prompt_len, *args, **kwargs):
+        seen.append((batch, prompt_len, bool(live)))
+        return run_batch(eng, batch, prompt_len, *args, **kwargs)
+
+    monkeypatch.setattr(decode, "_RouteCounter", Counter)
+    monkeypatch.setattr(decode, "run_batch", spy)
+    rc = main(["--log-level", "WARNING", "bench", "decode", "--backend", "cpu", "--batch", "1", "--prompt-len", "16",
+               "--gen-len", "4", "--repeats", "2", "--bandwidth-bytes", "4MiB", "--json"])
+    assert rc == 0 and not live
+    out = json.loads(capsys.readouterr().out)
+    counted = [r for r in seen if r[2]]
+    assert counted == [(1, 1, True)], seen  # the counting run alone: prompt of 1 token
+    assert len(seen) == 1 + 2 + 1  # warm-up, two timed runs, the counting run
+    assert out["batches"]["1"]["distinct_experts_per_layer"] > 0
+
+
 def test_bench_decode_cpu_smoke(capsys):
     """The whole benchmark on the demo model with tiny lengths (a few seconds on the CPU)."""
     rc = main(["--log-level", "WARNING", "bench", "decode", "--backend", "cpu", "--batch", "1", "8",
