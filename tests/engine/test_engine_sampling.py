@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from freetoken.engine.request import Request
-from freetoken.engine.sampling import apply_penalties, sample, sampling_probs
+from freetoken.engine.sampling import apply_penalties, argmax_rows, sample, sampling_probs
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.loading.tokenizer import IdsOnlyTokenizer
 
@@ -127,3 +127,32 @@ def test_logprobs_are_model_log_softmax_with_top_n():
         top_ids = [t for t, _ in lp.top]
         assert top_ids == list(np.argsort(-ref[i])[:4])
         assert all(abs(v - ref[i, t]) < 1e-5 for t, v in lp.top)
+
+
+def test_argmax_rows_is_the_first_largest_value_per_row():
+    """The greedy pick against a plain Python scan: first index of the row's maximum, a NaN
+    counting as the largest (torch's rule), for float32 host rows (numpy's path), other
+    dtypes and non-contiguous views (torch's path)."""
+    rng = np.random.default_rng()
+
+    def scan(row: list[float]) -> int:
+        nan = [i for i, v in enumerate(row) if v != v]
+        if nan:
+            return nan[0]
+        best = max(row)
+        return next(i for i, v in enumerate(row) if v == best)
+
+    x = rng.standard_normal((5, 151_936)).astype(np.float32)
+    x[1, [17, 90_000, 151_935]] = 1e4  # ties: the first wins
+    x[2, [5, 123_456]] = np.nan  # a NaN: the first NaN wins
+    x[3] = -np.inf
+    x[3, 77_777] = -1e30
+    x[4, -1] = np.inf
+    t = torch.from_numpy(x)
+    want = [scan(r) for r in x.tolist()]
+    assert want[1] == 17 and want[2] == 5 and want[3] == 77_777 and want[4] == 151_935
+    assert argmax_rows(t) == want
+    assert argmax_rows(t[1:3]) == want[1:3]
+    assert argmax_rows(t[:, ::2]) == [scan(r) for r in x[:, ::2].tolist()]
+    assert argmax_rows(t.to(torch.bfloat16))[2] == 5  # torch's path, same NaN rule
+    assert argmax_rows(t.double()) == want

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from freetoken.engine.constraints import NoAllowedToken, TokenConstraint
@@ -156,6 +157,17 @@ def _trivial(p: SamplingParams) -> bool:
     return p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The index of each row's largest value of ``logits`` [B, V] (the first of equal ones;
+    a NaN counts as the largest, as in torch). Float32 rows on the host go through numpy's
+    vectorised argmax, about 10x faster than torch's over a 150k-token vocabulary on one
+    thread (13 vs 145 us per row on the CPU machine); anything else is decided by torch
+    where it lives, so only the ids travel."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return np.argmax(logits.detach().numpy(), axis=-1).tolist()
+    return torch.argmax(logits, dim=-1).tolist()
+
+
 def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Generator) -> list[tuple[int, Optional[TokenLogprob]]]:
     """One token (and its log-probability if asked) per row of ``logits`` [B, V] (on any
     device). A constrained request whose constraint allows nothing gets token -1.
@@ -165,17 +177,16 @@ def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Gen
     B = logits.shape[0]
     if all(r.params.greedy and _trivial(r.params) and r.constraint is None and not r.params.logprobs
            and r.params.top_logprobs == 0 for r in requests):
-        return [(int(t), None) for t in torch.argmax(logits, dim=-1).tolist()]
+        return [(int(t), None) for t in argmax_rows(logits)]
     logits = logits.float().cpu()
     tokens: list[Optional[int]] = [None] * B
     done_lp: dict[int, Optional[TokenLogprob]] = {}  # constrained rows: their own log-probabilities
     fast = [i for i, r in enumerate(requests) if r.params.greedy and _trivial(r.params) and r.constraint is None]
     if fast:
         if len(fast) == B:
-            am = torch.argmax(logits, dim=-1).tolist()
-            tokens = list(am)
+            tokens = list(argmax_rows(logits))
         else:
-            am = torch.argmax(logits[fast], dim=-1).tolist()
+            am = argmax_rows(logits[fast])
             for i, t in zip(fast, am):
                 tokens[i] = t
     for i, r in enumerate(requests):
