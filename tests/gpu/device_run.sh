@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build core + cpu-moe + cuda for its python, run the GPU
-# tests (all of tests/gpu: kernels, hand-off, the engine against references, the HTTP server
-# through the openai client), the qualification tests, the GPU dequantization tests, doctor,
-# and the moe-layer benchmark; logs under $OUT. Carried wheels in .whl are installed first.
-# Stage time limits: pytest $PYTEST_TIMEOUT (420 s), doctor 50 s, bench 180 s.
+# tests, the qualification tests, the GPU dequantization tests, doctor, and the moe-layer
+# benchmark; logs under $OUT. Carried wheels in .whl are installed first.
+# The tests run in two stages: the kernel files (no engine, no CPU pool) in $KERNEL_WORKERS
+# pytest-xdist workers (Triton compiles on the CPU, so they share the 16 cores well), then
+# the engine-level files (engine, expert traffic, server, families, hand-off) one at a time
+# in one process: each of their engines starts a pool of spinning CPU threads sized to the
+# machine, and two at once starve each other (in one run four such files in parallel
+# finished no test in 330 s). Time limits: kernel stage $KERNEL_TIMEOUT (210 s), engine
+# stage $ENGINE_TIMEOUT (280 s), doctor 50 s, bench 180 s. Logs: pytest-kernels.log,
+# pytest-engine.log.
 # Usage (from the repository root): bash tests/gpu/device_run.sh [tests|bench|all]
 set -uo pipefail
 WHAT=${1:-all}
@@ -11,17 +17,37 @@ source tests/gpu/device_setup.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee "$OUT/versions.txt"
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
-  timeout ${PYTEST_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -v -rs -m "gpu or not gpu" tests/gpu tests/qualify \
-    tests/engine/test_dequant.py -o addopts="" --timeout 240 --durations=15 -o log_cli=false 2>&1 > "$OUT/pytest.log"
-  stamp "pytest rc=$?"
-  grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/pytest.log" | grep -v test_triton_moe | sed 's/ *\[.*%\]//' | tail -45
-  echo "-- fused MoE kernels (tests/gpu/test_triton_moe*.py):"
-  grep -E "test_triton_moe" "$OUT/pytest.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED" | sed 's/ *\[.*%\]//' \
-    | awk '{print $2}' | sort | uniq -c
-  grep -E "test_triton_moe.*(FAILED|ERROR)" "$OUT/pytest.log" | sed 's/ *\[.*%\]//' | head -20
-  grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/pytest.log" | head -30
-  grep -E "^[0-9.]+s (call|setup)" "$OUT/pytest.log" | head -15
-  tail -3 "$OUT/pytest.log"
+  G=tests/gpu
+  KERNEL_FILES="$G/test_triton_moe.py $G/test_triton_moe_compile.py $G/test_packed_experts.py $G/test_grouped_experts.py
+    $G/test_packed_dense.py $G/test_layer_parts.py $G/test_dense_ops.py $G/test_decode_attention.py tests/engine/test_dequant.py"
+  ENGINE_FILES="$G/test_gpu_engine.py $G/test_gpu_expert_traffic.py $G/test_families_gpu.py $G/test_gpu_server.py
+    $G/test_handoff_gpu.py $G/test_handoff_sync_policy.py $G/test_gpu_packages.py $G/test_bench_moe_layer.py tests/qualify"
+  # shellcheck disable=SC2086
+  timeout ${KERNEL_TIMEOUT:-210} python3 -m pytest -p no:cacheprovider -v -rs -m "gpu or not gpu" -n ${KERNEL_WORKERS:-6} \
+    $KERNEL_FILES -o addopts="" --timeout 200 -o log_cli=false > "$OUT/pytest-kernels.log" 2>&1
+  stamp "kernel tests rc=$?"
+  # shellcheck disable=SC2086
+  timeout ${ENGINE_TIMEOUT:-280} python3 -m pytest -p no:cacheprovider -v -rs -m "gpu or not gpu" $ENGINE_FILES \
+    -o addopts="" --timeout 240 --durations=10 -o log_cli=false > "$OUT/pytest-engine.log" 2>&1
+  stamp "engine tests rc=$?"
+  for log in "$OUT/pytest-kernels.log" "$OUT/pytest-engine.log"; do
+    echo "-- $(basename "$log"): $(grep -cE " PASSED" "$log") passed, $(grep -cE " FAILED| ERROR" "$log") failed/errors, $(grep -cE " SKIPPED" "$log") skipped"
+    grep -E " (FAILED|ERROR) " "$log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//' | sort -u | head -20
+    grep -E "^E " "$log" | head -15
+    tail -1 "$log"
+  done
+  # tests a cut-short stage started but did not finish (verbose lines name each test as it starts)
+  python3 - "$OUT/pytest-kernels.log" "$OUT/pytest-engine.log" <<'PY'
+import re, sys
+for path in sys.argv[1:]:
+    text = open(path, errors="replace").read()
+    done = set(re.findall(r"(?:PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(tests/\S+)", text))
+    done |= set(re.findall(r"(tests/\S+::\S+) (?:PASSED|FAILED|ERROR|SKIPPED)", text))
+    started = set(re.findall(r"^(tests/\S+::\S+)", text, re.M))
+    left = sorted(started - done)
+    if left:
+        print(f"-- {path.rsplit('/', 1)[-1]}: started, not finished: {len(left)}:", " ".join(left[:12]))
+PY
   timeout 50 python3 -m freetoken.cli.main doctor --json > "$OUT/doctor.json" 2> "$OUT/doctor.err"
   stamp "doctor rc=$?"; python3 -c "import json; d=json.load(open('$OUT/doctor.json')); print(json.dumps({k: d.get(k) for k in ('selection', 'capabilities', 'qualification', 'handoff')})[:2500])"
   tail -3 "$OUT/doctor.err"
