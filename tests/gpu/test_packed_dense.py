@@ -61,7 +61,8 @@ CONFIGS = ([plt.PackedLinearConfig(block_n=64, block_k=256, block_t=8, max_gemv_
            if INTERPRET else
            [dataclasses.replace(plt.DEFAULT_CONFIG, max_gemv_tokens=1024),
             plt.PackedLinearConfig(block_n=16, block_k=128, block_t=4, num_warps=2, max_gemv_tokens=1024),
-            dataclasses.replace(plt.DEFAULT_CONFIG, max_gemv_tokens=1024, word_loads=True)])
+            dataclasses.replace(plt.DEFAULT_CONFIG, max_gemv_tokens=1024, word_loads=True),
+            dataclasses.replace(plt.WIDE_CONFIG, max_gemv_tokens=1024)])
 FP32_TOL = 1e-5  # float32 products and sums, relative to the output's scale
 BF16_TOL = 1e-2  # bf16 activations and outputs
 
@@ -153,6 +154,24 @@ def test_packed_linear_both_paths(fmt, impl, monkeypatch):
     got = emb(ids)
     assert got.shape == (2, 2, COLS) and got.dtype == torch.bfloat16
     assert_bf16_rows(got.cpu(), ref[ids.cpu().numpy()])
+
+
+def test_wide_matrices_take_the_wide_tiles():
+    """An output head's row count selects WIDE_CONFIG (8 x 256 tiles), a projection's the
+    default; the wide tiles' GEMV of one token against float64 (Q6_K, the head's format)."""
+    scratch = packed_linear.PrefillScratch(torch.device(DEV), torch.float32)
+    fmt = Q6
+    for rows, want in ((plt.WIDE_ROWS, plt.WIDE_CONFIG), (plt.WIDE_ROWS - 1, plt.DEFAULT_CONFIG)):
+        raw, _ = packed(fmt, rows, 256, seed=rows)
+        data = torch.from_numpy(np.ascontiguousarray(raw.data)).to(DEV)
+        lin = packed_linear.PackedLinear(data, fmt, raw.shape, scratch, "triton")
+        assert lin.config == want, rows
+    assert (plt.WIDE_CONFIG.block_n, plt.WIDE_CONFIG.block_k) == (8, 256)
+    raw, ref = packed(fmt, ROWS, COLS, seed=99)
+    x, x64 = activations(1, torch.float32, seed=5)
+    y = torch.full((1, ROWS), float("nan"), device=DEV)
+    plt.gemv(x, matrix(raw), y, plt.WIDE_CONFIG)
+    assert relative_error(y, x64 @ ref.T) <= FP32_TOL
 
 
 _COMPILE_SCRIPT = r"""

@@ -55,8 +55,8 @@ from freetoken.moe.triton_moe_packed import (
 )
 from freetoken.moe.triton_packed_words import _dot_words, _dot_words_q6k
 
-__all__ = ["FORMATS", "FORMAT_NAMES", "PackedLinearConfig", "DEFAULT_CONFIG", "PackedMatrix", "gemv",
-           "dequantize_rows", "gather_rows", "variant_key"]
+__all__ = ["FORMATS", "FORMAT_NAMES", "PackedLinearConfig", "DEFAULT_CONFIG", "WIDE_CONFIG", "config_for",
+           "PackedMatrix", "gemv", "dequantize_rows", "gather_rows", "variant_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +103,19 @@ class PackedLinearConfig:
 
 #: the tiles every launch uses unless given others (``FREETOKEN_PACKED_DENSE`` overrides fields)
 DEFAULT_CONFIG = tiles_from_env(PackedLinearConfig(), "FREETOKEN_PACKED_DENSE")
+
+#: matrices of at least this many rows (an output head: one row per vocabulary entry) take
+#: :data:`WIDE_CONFIG`: on the H200, one token through the [151936, 2048] Q6_K head took
+#: 254.8 us with 8 x 256 tiles against 336.0 us with the default 4 x 512, while the q/k/v
+#: [5120, 2048] and o [2048, 4096] shapes were as fast or faster with the default
+#: (tests/gpu/tune_packed_dense.py)
+WIDE_ROWS = 32768
+WIDE_CONFIG = tiles_from_env(PackedLinearConfig(block_n=8, block_k=256), "FREETOKEN_PACKED_DENSE")
+
+
+def config_for(rows: int) -> PackedLinearConfig:
+    """The default tiles of a matrix of ``rows`` output rows."""
+    return WIDE_CONFIG if rows >= WIDE_ROWS else DEFAULT_CONFIG
 
 
 @dataclasses.dataclass(frozen=True)
