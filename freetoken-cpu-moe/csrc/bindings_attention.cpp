@@ -1,12 +1,13 @@
-// pybind11 registrations of the attention kernel, the fused decode ops and grouped
-// projections (raw addresses in; freetoken_cpu_moe.attention, .decode_ops and .dense check
-// the arrays).
+// pybind11 registrations of the attention kernel, the fused decode ops (the DeltaNet
+// decode step among them) and grouped projections (raw addresses in;
+// freetoken_cpu_moe.attention, .decode_ops and .dense check the arrays).
 #include <pybind11/pybind11.h>
 
 #include <memory>
 
 #include "attention.h"
 #include "decode_ops.h"
+#include "deltanet.h"
 #include "dispatch.h"
 #include "linear_group.h"
 #include "pool.h"
@@ -135,6 +136,54 @@ void register_attention(py::module_& m) {
         },
         py::arg("descs"), py::arg("n"), py::arg("x"), py::arg("x_fmt"), py::arg("T"), py::arg("y"), py::arg("y_fmt"),
         py::arg("y_stride"), py::arg("cols"), py::arg("pool"), py::arg("isa") = "");
+
+    m.def(
+        "deltanet_decode",
+        [](uint64_t mixed, uint64_t z, uint64_t b, uint64_t a, uint64_t mixed_tok, uint64_t z_tok, uint64_t b_tok,
+           uint64_t a_tok, uint32_t fmt, uint32_t T, uint32_t key_heads, uint32_t value_heads, uint32_t key_dim,
+           uint32_t value_dim, uint32_t conv_kernel, bool tiled, uint64_t conv_w, uint32_t conv_w_fmt, uint64_t A,
+           uint64_t dt_bias, uint64_t norm_w, uint32_t norm_fmt, float eps, uint64_t slots, uint64_t num_slots,
+           uint64_t conv_state, uint32_t conv_fmt, uint64_t ssm_state, uint64_t out, std::shared_ptr<Pool> pool) {
+            if (!pool) throw std::invalid_argument("deltanet_decode: no pool");
+            DeltaNetDecodeCall c;
+            c.mixed = (const void*)(uintptr_t)mixed;
+            c.z = (const void*)(uintptr_t)z;
+            c.b = (const void*)(uintptr_t)b;
+            c.a = (const void*)(uintptr_t)a;
+            c.mixed_tok = mixed_tok;
+            c.z_tok = z_tok;
+            c.b_tok = b_tok;
+            c.a_tok = a_tok;
+            c.fmt = fmt;
+            c.T = T;
+            c.key_heads = key_heads;
+            c.value_heads = value_heads;
+            c.key_dim = key_dim;
+            c.value_dim = value_dim;
+            c.conv_kernel = conv_kernel;
+            c.tiled = tiled;
+            c.conv_w = (const void*)(uintptr_t)conv_w;
+            c.conv_w_fmt = conv_w_fmt;
+            c.A = (const float*)(uintptr_t)A;
+            c.dt_bias = (const float*)(uintptr_t)dt_bias;
+            c.norm_w = (const void*)(uintptr_t)norm_w;
+            c.norm_fmt = norm_fmt;
+            c.eps = eps;
+            c.slots = (const int64_t*)(uintptr_t)slots;
+            c.num_slots = num_slots;
+            c.conv_state = (void*)(uintptr_t)conv_state;
+            c.conv_fmt = conv_fmt;
+            c.ssm_state = (float*)(uintptr_t)ssm_state;
+            c.out = (void*)(uintptr_t)out;
+            py::gil_scoped_release nogil;
+            deltanet_decode(c, *pool);
+        },
+        py::arg("mixed"), py::arg("z"), py::arg("b"), py::arg("a"), py::arg("mixed_tok"), py::arg("z_tok"),
+        py::arg("b_tok"), py::arg("a_tok"), py::arg("fmt"), py::arg("T"), py::arg("key_heads"),
+        py::arg("value_heads"), py::arg("key_dim"), py::arg("value_dim"), py::arg("conv_kernel"), py::arg("tiled"),
+        py::arg("conv_w"), py::arg("conv_w_fmt"), py::arg("A"), py::arg("dt_bias"), py::arg("norm_w"),
+        py::arg("norm_fmt"), py::arg("eps"), py::arg("slots"), py::arg("num_slots"), py::arg("conv_state"),
+        py::arg("conv_fmt"), py::arg("ssm_state"), py::arg("out"), py::arg("pool"));
 
     m.def(
         "router_top_k",

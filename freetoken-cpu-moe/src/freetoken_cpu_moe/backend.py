@@ -206,7 +206,7 @@ class CpuModelSession(ModelSession):
 
         from freetoken.models.dense_ops import use_dense_ops
         from freetoken_cpu_moe.attention import ATTENTION_ENV, CpuAttention
-        from freetoken_cpu_moe.decode_ops import CPU_OPS
+        from freetoken_cpu_moe.decode_ops import CpuDenseOps
         from freetoken_cpu_moe.dense import CpuWeightPolicy
         from freetoken_cpu_moe.host_experts import HostExperts
         from freetoken_cpu_moe.pool import Pool, default_pool
@@ -244,10 +244,11 @@ class CpuModelSession(ModelSession):
             allowed = os.sched_getaffinity(0)
             if cpus[0] in allowed:
                 self._pin, self._unpin = {cpus[0]}, allowed
-        self._ops_before = use_dense_ops("cpu", CPU_OPS)
+        self.ops = CpuDenseOps(pool)
+        self._ops_before = use_dense_ops("cpu", self.ops)
         self._ops_installed = True
         log.info("cpu backend: %d pool threads, attention %s (%s), dense ops %s", pool.num_threads,
-                 self.attention.mode, ATTENTION_ENV, CPU_OPS.name)
+                 self.attention.mode, ATTENTION_ENV, self.ops.name)
 
     def routed_experts(self, spec: MoELayerSpec) -> ExpertsFn:
         import torch

@@ -1,15 +1,17 @@
 """The CPU backend's :class:`freetoken.models.dense_ops.DenseOps`: each per-token operation
 of a decoder layer is one native call (``csrc/decode_ops.cpp``) on the calling thread instead
 of several torch ops (a residual add and RMSNorm: 2 ops; q/k RMSNorm, RoPE and the K/V write:
-about 12; the router's top-k: 3), whose dispatch costs more than their arithmetic at decode
-sizes. Float32 inside, one rounding to the activation dtype, like the torch ops they replace
+about 12; the router's top-k: 3; a Gated DeltaNet layer's gates, convolution, recurrence and
+gated norm: about 40), whose dispatch costs more than their arithmetic at decode sizes.
+The DeltaNet step shares its value heads out across the worker pool; the others run on the
+calling thread. Float32 inside, one rounding to the activation dtype, like the torch ops they replace
 (:data:`freetoken.models.dense_ops.TORCH_OPS`, the reference they are tested against).
 Tensors these calls do not take (other devices, strides, dtypes) go to the torch ops.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -17,6 +19,10 @@ from freetoken.handoff import Fmt
 from freetoken.models.dense_ops import TORCH_OPS, DenseOps
 from freetoken.models.layers import Rotary
 from freetoken_cpu_moe import _core
+from freetoken_cpu_moe.pool import Pool, default_pool
+
+if TYPE_CHECKING:
+    from freetoken.models.gated_deltanet import GatedDeltaNet
 
 _FMT = {torch.float32: int(Fmt.F32), torch.bfloat16: int(Fmt.BF16), torch.float16: int(Fmt.F16)}
 
@@ -28,6 +34,13 @@ def _row_major(t: torch.Tensor) -> bool:
 
 class CpuDenseOps(DenseOps):
     name = "cpu-native"
+
+    def __init__(self, pool: Optional[Pool] = None) -> None:
+        self._pool = pool  # for the calls that use one (None: the package's default pool)
+
+    @property
+    def pool(self) -> Pool:
+        return self._pool if self._pool is not None else default_pool()
 
     def add_rms_norm(self, h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -113,6 +126,38 @@ class CpuDenseOps(DenseOps):
         out = torch.empty((T, hidden), dtype=dtype)
         _core.moe_bias_add(y.data_ptr(), y.stride(0), fmt, T, hidden, ids.data_ptr(), w.data_ptr(), K,
                            bias.data_ptr(), bias.shape[0], out.data_ptr())  # fmt: skip
+        return out
+
+    def deltanet_decode(self, layer: "GatedDeltaNet", mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor,
+                        a: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        s = layer.shape
+        fmt, conv_fmt = _FMT.get(mixed.dtype), _FMT.get(conv_state.dtype)
+        wfmt, nfmt = _FMT.get(layer.conv_weight.dtype), _FMT.get(layer.norm.dtype)
+        T = mixed.shape[0]
+        if (fmt is None or conv_fmt is None or wfmt is None or nfmt is None or mixed.dim() != 2
+                or any(t.dtype != mixed.dtype or t.dim() != 2 or not _row_major(t) or t.shape[0] != T
+                       for t in (mixed, z, b, a))
+                or mixed.shape[1] != s.conv_channels or z.shape[1] != s.value_heads * s.value_dim
+                or b.shape[1] != s.value_heads or a.shape[1] != s.value_heads
+                or conv_state.device.type != "cpu" or not conv_state.is_contiguous()
+                or tuple(conv_state.shape[1:]) != s.conv_state
+                or ssm_state.device.type != "cpu" or ssm_state.dtype != torch.float32
+                or not ssm_state.is_contiguous() or tuple(ssm_state.shape[1:]) != s.ssm_state
+                or slots.device.type != "cpu" or slots.dtype != torch.int64 or not slots.is_contiguous()
+                or not layer.conv_weight.is_contiguous() or layer.conv_weight.device.type != "cpu"
+                or not layer.norm.is_contiguous() or layer.norm.numel() != s.value_dim
+                or any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
+                       or t.numel() != s.value_heads for t in (layer.A, layer.dt_bias))):
+            return super().deltanet_decode(layer, mixed, z, b, a, conv_state, ssm_state, slots)
+        out = torch.empty((T, s.value_heads * s.value_dim), dtype=mixed.dtype)
+        _core.deltanet_decode(
+            mixed.data_ptr(), z.data_ptr(), b.data_ptr(), a.data_ptr(), mixed.stride(0), z.stride(0), b.stride(0),
+            a.stride(0), fmt, T, s.key_heads, s.value_heads, s.key_dim, s.value_dim, s.conv_kernel, s.tiled,
+            layer.conv_weight.data_ptr(), wfmt, layer.A.data_ptr(), layer.dt_bias.data_ptr(), layer.norm.data_ptr(),
+            nfmt, float(layer.eps), slots.data_ptr(), ssm_state.shape[0], conv_state.data_ptr(), conv_fmt,
+            ssm_state.data_ptr(), out.data_ptr(), self.pool._core,
+        )
         return out
 
     def router_top_k(self, logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:

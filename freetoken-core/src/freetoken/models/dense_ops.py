@@ -24,11 +24,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from freetoken.models.layers import Rotary, rms_norm, rms_norm_heads
+
+if TYPE_CHECKING:
+    from freetoken.models.gated_deltanet import GatedDeltaNet
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,18 @@ class DenseOps:
         the routed experts' down-projection biases) in float32, returned in ``dtype``.
         This implementation: plain torch ops (the reference; what the Triton ops use)."""
         return (y[:, :hidden].float() + (w.unsqueeze(-1) * bias[ids.long()]).sum(1)).to(dtype)
+
+
+    def deltanet_decode(self, layer: "GatedDeltaNet", mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor,
+                        a: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """One decode token of a Gated DeltaNet layer per state slot between its projections:
+        from the input projection's outputs (``mixed`` ``[T, conv channels]``, ``z``
+        ``[T, Hv*dv]``, ``b`` and ``a`` ``[T, Hv]``) to the gated RMSNorm's output
+        ``[T, Hv*dv]``, the layer's convolution windows and states (rows ``slots``) updated in
+        place. This implementation: the layer's torch ops
+        (:meth:`freetoken.models.gated_deltanet.GatedDeltaNet.decode_torch`)."""
+        return layer.decode_torch(mixed, z, b, a, conv_state, ssm_state, slots)
 
 
 class TorchDenseOps(DenseOps):

@@ -17,8 +17,9 @@ q/k/v come out of a depthwise causal convolution (kernel 4, SiLU) over the proje
 
 Prefill runs the chunked form (chunks of :data:`CHUNK` tokens: within a chunk the delta
 updates are solved as one unit-lower-triangular system, across chunks the state is carried
-sequentially); decode runs the recurrent form for the whole batch at once. Both start from
-and write back each sequence's state in a
+sequentially); decode runs the recurrent form for the whole batch at once, through the
+model's :meth:`~freetoken.models.dense_ops.DenseOps.deltanet_decode` (torch ops here, one
+native call on the CPU backend). Both start from and write back each sequence's state in a
 :class:`~freetoken.engine.recurrent_state.RecurrentStatePool` slot.
 """
 
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.models.attention import AttentionMetadata
+from freetoken.models.dense_ops import TORCH_OPS, DenseOps
 
 #: tokens per chunk of the chunked (prefill) form
 CHUNK = 64
@@ -169,6 +171,7 @@ class GatedDeltaNet:
         self.out = out
         self.eps = eps
         self.pool: Any = None  # the engine's RecurrentStatePool, attached before the first step
+        self.ops: DenseOps = TORCH_OPS  # the model's per-token ops (decode steps run through them)
 
     @property
     def nbytes(self) -> int:
@@ -182,22 +185,35 @@ class GatedDeltaNet:
         conv_state, ssm_state = self.pool.layers[self.layer]
         mixed, z, b, a = self.proj(x)
         T = x.shape[0]
-        beta = torch.sigmoid(b).float()
-        g = self.A * F.softplus(a.float() + self.dt_bias)
+        if meta.decode:
+            slots = self.pool.decode_slots[:T]
+            return self.out(self.ops.deltanet_decode(self, mixed, z, b, a, conv_state, ssm_state, slots))
+        if meta.state_slots is None:
+            raise RuntimeError("a prefill step of a model with recurrent layers needs meta.state_slots")
+        beta, g = self._gates(b, a)
         with flushed_subnormals():
-            if meta.decode:
-                slots = self.pool.decode_slots[:T]
-                y = self._decode(mixed, g, beta, conv_state, ssm_state, slots)
-            else:
-                if meta.state_slots is None:
-                    raise RuntimeError("a prefill step of a model with recurrent layers needs meta.state_slots")
-                y = torch.empty(T, s.value_heads, s.value_dim, dtype=torch.float32, device=x.device)
-                for seq, slot in zip(meta.seqs, meta.state_slots):
-                    r = slice(seq.q_start, seq.q_start + seq.q_len)
-                    y[r] = self._prefill(mixed[r], g[r], beta[r], conv_state, ssm_state, slot)
+            y = torch.empty(T, s.value_heads, s.value_dim, dtype=torch.float32, device=x.device)
+            for seq, slot in zip(meta.seqs, meta.state_slots):
+                r = slice(seq.q_start, seq.q_start + seq.q_len)
+                y[r] = self._prefill(mixed[r], g[r], beta[r], conv_state, ssm_state, slot)
         return self.out(self._gated_norm(y.to(x.dtype), z))
 
+    def decode_torch(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                     conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """One decode token per state slot, in torch ops (what
+        :meth:`freetoken.models.dense_ops.DenseOps.deltanet_decode` runs unless a backend
+        brings its own): from the input projection's outputs to the gated RMSNorm's output
+        ``[T, value_heads * value_dim]`` in ``z``'s dtype; the states are updated in place."""
+        beta, g = self._gates(b, a)
+        with flushed_subnormals():
+            y = self._decode(mixed, g, beta, conv_state, ssm_state, slots)
+        return self._gated_norm(y.to(z.dtype), z)
+
     # ---------------------------------------------------------------- pieces
+
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``beta = sigmoid(b)`` and the log-decay ``g = A * softplus(a + dt_bias)``, float32."""
+        return torch.sigmoid(b).float(), self.A * F.softplus(a.float() + self.dt_bias)
 
     def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[..., channels]`` -> q, k ``[..., Hv, dk]`` (repeated over their value heads,

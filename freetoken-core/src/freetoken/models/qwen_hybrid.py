@@ -216,6 +216,7 @@ class QwenHybridModel:
             L.kv_index = -1
             if L.kind == LINEAR:
                 L.linear = self._deltanet(i, source, names, policy)
+                L.linear.ops = self.ops
             else:
                 self._attention(L, i, source, names, policy)
                 L.kv_index = kv_index[i]
