@@ -3,6 +3,7 @@ form written the way llama.cpp's converter lays these architectures out."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,19 @@ def make_hf(family: str, path: str, seed: int) -> Any:
 
 
 # ------------------------------------------------------------------------- GGUF
+
+
+@torch.no_grad()
+def hf_logits64(model: Any, ids: list[int]) -> torch.Tensor:
+    """transformers' logits of ``ids`` from a float64 copy of ``model`` (its experts through
+    the eager loop: the grouped matmul takes no float64): the reference both FP32
+    forwards are measured against."""
+    m64 = copy.deepcopy(model).double()
+    for module in m64.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_experts_implementation"):
+            config._experts_implementation = "eager"
+    return m64(torch.tensor([ids])).logits[0]
 
 
 def _tile_v(t: torch.Tensor, dim: int, hk: int, r: int, d: int) -> torch.Tensor:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from freetoken import SamplingParams
-from helpers import LogitsRecorder, assert_close, engine_for, hf_logits
-from qwen35_helpers import FAMILIES, VOCAB, make_hf, round_to_f16, write_gguf
+from helpers import ATOL, LogitsRecorder, engine_for, hf_logits
+from qwen35_helpers import FAMILIES, VOCAB, hf_logits64, make_hf, round_to_f16, write_gguf
 
 
 #: Where the engine and transformers split a sequence differently (prefill pieces against
@@ -52,11 +52,18 @@ def test_config_and_layer_pattern(checkpoint):
 
 
 def test_one_prompt_all_positions(checkpoint):
+    """The engine's FP32 prefill against transformers' float64 forward: at most twice as
+    far from it as transformers' own FP32 forward (or ATOL). These random hybrids are
+    ill-conditioned enough that the two FP32 forwards differ by up to ~4e-4 at some seeds
+    while each stays within ~5e-4 of float64; a wrong piece moves logits by 1e-1."""
     family, model, path, seed = checkpoint
     rng = random.Random(seed)
     eng = engine_for(path)
     ids = _prompt(rng, 23)
-    assert_close(eng.prompt_logits(ids), hf_logits(model, ids), f"{family} seed {seed}")
+    ref = hf_logits64(model, ids)
+    ours = float((eng.prompt_logits(ids).double() - ref).abs().max())
+    theirs = float((hf_logits(model, ids).double() - ref).abs().max())
+    assert ours <= max(2 * theirs, ATOL), f"{family} seed {seed}: {ours:.3g} from float64, transformers FP32 {theirs:.3g}"
 
 
 def test_chunked_prefill_across_deltanet_chunks(checkpoint):
