@@ -122,3 +122,23 @@ def test_deltanet_decode_rejects_bad_slots(rng):
         CPU_OPS.deltanet_decode(layer, mixed, z, b, a, conv, ssm, torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="state slot 1 given to two tokens"):
         CPU_OPS.deltanet_decode(layer, mixed, z, b, a, conv, ssm, torch.tensor([1, 1]))
+
+
+def test_deltanet_decode_padded_rows_share_the_scratch_slot(rng):
+    """A decode graph pads its bucket with rows on the pool's scratch slot (the last row):
+    the real rows' results and states equal an unpadded step; the other slots stay untouched."""
+    shape = DeltaNetShape(key_heads=1, value_heads=2, key_dim=8, value_dim=8, conv_kernel=4)
+    layer = _layer(rng, shape, torch.float32)
+    C, Z = shape.conv_channels, 2 * 8
+    mixed, z, b, a = torch.randn(4, C), torch.randn(4, Z), torch.randn(4, 2), torch.randn(4, 2)
+    mixed[2:], z[2:], b[2:], a[2:] = mixed[0], z[0], b[0], a[0]  # padding repeats row 0
+    conv0 = torch.from_numpy(rng.standard_normal((4, *shape.conv_state)).astype(np.float32))
+    ssm0 = torch.from_numpy(rng.standard_normal((4, *shape.ssm_state)).astype(np.float32) * 0.3)
+    conv, ssm = conv0.clone(), ssm0.clone()
+    out = CPU_OPS.deltanet_decode(layer, mixed, z, b, a, conv, ssm, torch.tensor([2, 0, 3, 3]))
+    want_conv, want_ssm = conv0.clone(), ssm0.clone()
+    want = CPU_OPS.deltanet_decode(layer, mixed[:2], z[:2], b[:2], a[:2], want_conv, want_ssm, torch.tensor([2, 0]))
+    torch.testing.assert_close(out[:2], want)
+    torch.testing.assert_close(conv[:3], want_conv[:3])
+    torch.testing.assert_close(ssm[:3], want_ssm[:3])
+    assert torch.equal(conv[1], conv0[1]) and torch.equal(ssm[1], ssm0[1])

@@ -148,7 +148,11 @@ class CpuDenseOps(DenseOps):
                 or not layer.conv_weight.is_contiguous() or layer.conv_weight.device.type != "cpu"
                 or not layer.norm.is_contiguous() or layer.norm.numel() != s.value_dim
                 or any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
-                       or t.numel() != s.value_heads for t in (layer.A, layer.dt_bias))):
+                       or t.numel() != s.value_heads for t in (layer.A, layer.dt_bias))
+                # the padded rows of a decode graph's bucket (GPU sessions over CPU tensors) all
+                # take the pool's scratch slot, its last row; the native op updates each slot
+                # from one thread and refuses a shared one, so such steps take the torch form
+                or (T > 1 and slots.tolist().count(ssm_state.shape[0] - 1) > 1)):
             return super().deltanet_decode(layer, mixed, z, b, a, conv_state, ssm_state, slots)
         out = torch.empty((T, s.value_heads * s.value_dim), dtype=mixed.dtype)
         _core.deltanet_decode(
