@@ -24,14 +24,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import torch
 
 from freetoken.models.layers import Rotary, rms_norm, rms_norm_heads
-
-if TYPE_CHECKING:
-    from freetoken.models.gated_deltanet import GatedDeltaNet
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +88,12 @@ class DenseOps:
         This implementation: plain torch ops (the reference; what the Triton ops use)."""
         return (y[:, :hidden].float() + (w.unsqueeze(-1) * bias[ids.long()]).sum(1)).to(dtype)
 
-
-    def deltanet_decode(self, layer: "GatedDeltaNet", mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor,
+    def deltanet_decode(self, layer: Any, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor,
                         a: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                         slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """One decode token of a Gated DeltaNet layer per state slot between its projections:
+        """One decode token of a Gated DeltaNet layer (``layer``: a
+        :class:`freetoken.models.gated_deltanet.GatedDeltaNet`, which imports this module)
+        per state slot between its projections:
         from the input projection's outputs (``mixed`` ``[T, conv channels]``, ``z``
         ``[T, Hv*dv]``, ``b`` and ``a`` ``[T, Hv]``) to the gated RMSNorm's output
         ``[T, Hv*dv]``, the layer's convolution windows and states (rows ``slots``) updated in
