@@ -86,7 +86,6 @@ def gguf_tensors(family: str, model: Any) -> dict[str, torch.Tensor]:
     sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     r = hv // hk
-    tiled = family == "qwen3_5_moe"
     out: dict[str, torch.Tensor] = {"token_embd.weight": sd["model.embed_tokens.weight"],
                                     "output_norm.weight": sd["model.norm.weight"] + 1}  # fmt: skip
     if not c.tie_word_embeddings:
