@@ -1,8 +1,9 @@
 """Where a CPU model step's time goes: a timing harness for the benchmarks.
 
 :class:`StepProfiler` wraps the parts of a loaded engine's model (the embedding, each
-layer's fused q/k/v and output projections, paged attention, router, routed experts,
-the output head) and the session's ``forward`` with wall-clock timers, and splits
+layer's fused q/k/v and output projections (a hybrid model's gated-attention and
+DeltaNet projections among them), paged attention, router, routed experts, the output
+head) and the session's ``forward`` with wall-clock timers, and splits
 prefill and decode steps apart. What the wrapped parts do not cover is ``other``:
 norms, rope, the KV cache write, and Python between the calls. ``pool sync`` is an
 estimate: the calls into the worker pool per step times the cost of one call that
@@ -121,15 +122,25 @@ class StepProfiler:
         for L in getattr(model, "layers", []):
             self._wrap_attr(L, "qkv", "qkv")
             self._wrap_attr(L, "o", "o_proj")
+            # hybrid layers (freetoken.models.qwen_hybrid): gated attention's fused q/k/v/gate,
+            # and a Gated DeltaNet layer's input and output projections, count as qkv / o_proj
+            self._wrap_attr(L, "qkvg", "qkv")
+            deltanet = getattr(L, "linear", None)
+            if deltanet is not None:
+                self._wrap_attr(deltanet, "proj", "qkv")
+                self._wrap_attr(deltanet, "out", "o_proj")
             moe = getattr(L, "moe", None)
             if moe is not None:
                 self._wrap_attr(moe, "router", "router")
                 self._wrap_attr(moe, "run_experts", "experts")
-        module = sys.modules.get(type(model).__module__)
-        if module is not None and hasattr(module, "paged_attention"):
-            orig = module.paged_attention
-            module.paged_attention = self._timed("attention", orig)
-            self._undo.append(lambda: setattr(module, "paged_attention", orig))
+        # the attention the model's forward calls, in the module of its class or of a base
+        # class (a family's model class may inherit its forward: qwen_hybrid)
+        modules = {sys.modules.get(cls.__module__) for cls in type(model).__mro__}
+        for module in modules:
+            if module is not None and hasattr(module, "paged_attention"):
+                orig = module.paged_attention
+                module.paged_attention = self._timed("attention", orig)
+                self._undo.append(lambda module=module, orig=orig: setattr(module, "paged_attention", orig))
         orig_forward = session.forward
         session.forward = self._step(orig_forward)
         self._undo.append(lambda: setattr(session, "forward", orig_forward))
