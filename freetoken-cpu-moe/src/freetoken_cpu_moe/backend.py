@@ -170,6 +170,17 @@ PIN_CALLER_ENV = "FREETOKEN_CPU_PIN_CALLER"
 HUGE_PAGES_ENV = "FREETOKEN_CPU_HUGE_PAGES"
 
 
+def env_switch(name: str, default: bool, on: str, off: str) -> bool:
+    """The 0/1 environment variable ``name`` (``default`` when unset); anything else is an
+    error naming what 1 (``on``) and 0 (``off``) mean."""
+    import os
+
+    value = os.environ.get(name, "1" if default else "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 1 ({on}) or 0 ({off})")
+    return value == "1"
+
+
 def prefill_torch_threads() -> int:
     """torch threads for prompt steps: ``$FREETOKEN_CPU_TORCH_THREADS``, else 1."""
     import os
@@ -217,10 +228,7 @@ class CpuModelSession(ModelSession):
         if options.cpu_threads is not None and options.cpu_threads != pool.num_threads:
             pool = self._own_pool = Pool(options.cpu_threads)
         self.pool = pool
-        huge_env = os.environ.get(HUGE_PAGES_ENV, "1").strip()
-        if huge_env not in ("0", "1"):
-            raise ValueError(f"{HUGE_PAGES_ENV}={huge_env!r}: expected 1 (weights in huge pages) or 0 (in place)")
-        self._huge_pages = huge_env == "1"
+        self._huge_pages = env_switch(HUGE_PAGES_ENV, True, "weights in huge pages", "in place")
         self.weight_policy = CpuWeightPolicy(options.act_dtype or torch.float32, pool, huge_pages=self._huge_pages)
         self.host = HostExperts(pool)
         self.model: Any = None
@@ -237,10 +245,8 @@ class CpuModelSession(ModelSession):
         self._pin: Optional[set[int]] = None
         self._unpin: Optional[set[int]] = None
         cpus = pool.cpus if pool.pin else []
-        pin_env = os.environ.get(PIN_CALLER_ENV, "0").strip()
-        if pin_env not in ("0", "1"):
-            raise ValueError(f"{PIN_CALLER_ENV}={pin_env!r}: expected 1 (pin the calling thread) or 0")
-        if pin_env == "1" and pool.num_threads > 1 and len(cpus) >= pool.num_threads and self._prefill_threads == 1:
+        pin = env_switch(PIN_CALLER_ENV, False, "pin the calling thread", "unpinned")
+        if pin and pool.num_threads > 1 and len(cpus) >= pool.num_threads and self._prefill_threads == 1:
             allowed = os.sched_getaffinity(0)
             if cpus[0] in allowed:
                 self._pin, self._unpin = {cpus[0]}, allowed

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from freetoken.moe.copy_queue import CopyQueue, CopyTicket
-from freetoken.moe.gpu_packed_experts import FMT_FP8_ROWS, PACKED_FORMATS, DequantScratch, fp8_rows_bytes
+from freetoken.moe.gpu_packed_experts import PACKED_FORMATS, DequantScratch, fp8_rows_bytes, fp8_rows_fit
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class ExpertCache:
             fmts = tuple(int(t.fmt) for t in (e.gate, e.up, e.down))
             if packed_ok and set(fmts) <= PACKED_FORMATS:
                 key: tuple[Any, ...] = ("packed", *fmts)
-            elif packed_ok and set(fmts) == {FMT_FP8_ROWS} and e.hidden % 128 == 0 and e.intermediate % 128 == 0:
+            elif packed_ok and fp8_rows_fit(fmts, e.hidden, e.intermediate):
                 key = ("fp8", *fmts)  # FP8 block-scaled: held in the packed kernels' rows, built at each fetch
             else:
                 key = ("float",)

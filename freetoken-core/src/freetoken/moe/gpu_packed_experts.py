@@ -65,6 +65,13 @@ def fp8_rows_bytes(values: int) -> int:
     """Device bytes of ``values`` FP8 expert weights in their rows of 132-byte blocks."""
     return values // 128 * 132
 
+
+def fp8_rows_fit(formats: Any, hidden: int, intermediate: int) -> bool:
+    """Whether experts whose (gate, up, down) have ``formats`` are FP8 block-scaled with
+    rows of whole 128-value blocks (``hidden`` and ``intermediate`` multiples of 128): the
+    device rows of :meth:`~freetoken.moe.triton_moe_packed.PackedStack.from_fp8`."""
+    return set(formats) == {FMT_FP8_ROWS} and hidden % 128 == 0 and intermediate % 128 == 0
+
 #: Values per chunk of the BF16 dequantization (bounds its float32 temporaries: ~32 MiB)
 DEQUANT_CHUNK_VALUES = 8 << 20
 

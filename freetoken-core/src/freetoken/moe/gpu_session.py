@@ -51,7 +51,13 @@ from freetoken.backends.contract import (
 )
 from freetoken.models.layers import DeviceWeightPolicy
 from freetoken.moe.expert_traffic import ExpertTraffic
-from freetoken.moe.gpu_packed_experts import FMT_FP8_ROWS, PACKED_FORMATS, DequantScratch, fp8_rows_bytes
+from freetoken.moe.gpu_packed_experts import (
+    FMT_FP8_ROWS,
+    PACKED_FORMATS,
+    DequantScratch,
+    fp8_rows_bytes,
+    fp8_rows_fit,
+)
 from freetoken.moe.placement import cpu_layers
 from freetoken.moe.prefill_stream import buffer_count
 
@@ -287,8 +293,7 @@ class GpuModelSession(ModelSession):
         if not self.packed_capable or not shape.expert_formats:
             return set()
         return {i for i, f in shape.expert_formats.items()
-                if set(f) <= PACKED_FORMATS or (set(f) == {FMT_FP8_ROWS} and shape.hidden % 128 == 0
-                                                and shape.moe_intermediate % 128 == 0)}  # whole row blocks
+                if set(f) <= PACKED_FORMATS or fp8_rows_fit(f, shape.hidden, shape.moe_intermediate)}
 
     def _refuse(self, shape: ModelShape, per_layer: dict[int, int], gpu: list[int], need: int, budget: int,
                 budget_from: Optional[str], fixed: int, cache: int, buffers: int, kv_min: int,
