@@ -293,7 +293,8 @@ class GpuModelSession(ModelSession):
         if not self.packed_capable or not shape.expert_formats:
             return set()
         return {i for i, f in shape.expert_formats.items()
-                if set(f) <= PACKED_FORMATS or fp8_rows_fit(f, shape.hidden, shape.moe_intermediate)}
+                if set(f) <= PACKED_FORMATS
+                or (FMT_FP8_ROWS in f and fp8_rows_fit(f, shape.hidden, shape.moe_intermediate))}
 
     def _refuse(self, shape: ModelShape, per_layer: dict[int, int], gpu: list[int], need: int, budget: int,
                 budget_from: Optional[str], fixed: int, cache: int, buffers: int, kv_min: int,
