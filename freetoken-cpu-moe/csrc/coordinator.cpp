@@ -136,6 +136,8 @@ void Coordinator::start() {
     running_.store(true);
     loop_ = std::thread([this] { loop_main(); });
     watchdog_ = std::thread([this] { watchdog_main(); });
+    (void)pthread_setname_np(loop_.native_handle(), "ft-coordinator");  // as the pool's workers (pool.cpp)
+    (void)pthread_setname_np(watchdog_.native_handle(), "ft-watchdog");
 }
 
 void Coordinator::stop() {

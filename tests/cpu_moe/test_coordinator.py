@@ -22,7 +22,17 @@ from freetoken_cpu_moe.timing import drive_handoffs, time_run_task
 
 
 def thread_count() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """Threads of this process that freetoken_cpu_moe started (its pool workers, coordinator
+    and watchdog name themselves ``ft-*``): other libraries' threads, which earlier tests can
+    leave starting or ending at any time, are not counted."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().startswith("ft-")
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return count
 
 
 def one_handoff(case, task, rng, T: int) -> None:
