@@ -217,6 +217,10 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--cpu-profile", action="store_true",
                    help="cpu backend: also run one batch-1 request with timers around the model's parts and "
                         "print where prefill and decode steps spend their time (freetoken_cpu_moe.step_profile)")
+    p.add_argument("--gpu-profile", action="store_true",
+                   help="also run one batch-1 request under torch.profiler and cProfile and print where its prompt "
+                        "and decode steps spend their time: device busy vs idle, top kernels, top host ops and "
+                        "Python functions (to stderr with --json)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     add_engine_arguments(
         p,
@@ -365,6 +369,11 @@ def _bench(args: argparse.Namespace, eng: Any, config: EngineConfig) -> int:
         print(format_table(results))
     if args.cpu_profile:
         _cpu_profile(eng, args, vocab, dev)
+    if args.gpu_profile:
+        from freetoken.cli.bench.gpu_profile import profile_request
+
+        report = profile_request(eng, args.prompt_len, min(args.gen_len, 16), vocab, args.seed + 5151, dev)
+        print(report, file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
