@@ -13,7 +13,8 @@ namespace py = pybind11;
 using ft::Pool;
 
 namespace ft {
-void register_attention(py::module_& m);  // bindings_attention.cpp
+void register_attention(py::module_& m);    // bindings_attention.cpp
+void register_decode_step(py::module_& m);  // bindings_decode_step.cpp
 }
 
 namespace {
@@ -98,6 +99,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("desc"), py::arg("pool"), py::arg("isa") = "");
 
     ft::register_attention(m);
+    ft::register_decode_step(m);
 
     m.def(
         "validate_bank", [](uint64_t bank) { ft::validate_bank(*(const ft_expert_bank*)(uintptr_t)bank); },

@@ -168,6 +168,9 @@ PIN_CALLER_ENV = "FREETOKEN_CPU_PIN_CALLER"
 #: copied into huge pages at load while that leaves 4 GiB of RAM available
 #: (``freetoken_cpu_moe.dense.huge_page_copy``); ``0``: read in place
 HUGE_PAGES_ENV = "FREETOKEN_CPU_HUGE_PAGES"
+#: ``1`` (default): decode steps of a model :class:`freetoken_cpu_moe.decode_step.NativeDecode`
+#: takes run as one native call; ``0``: the model's per-op forward (A/B measurements)
+NATIVE_DECODE_ENV = "FREETOKEN_CPU_NATIVE_DECODE"
 
 
 def env_switch(name: str, default: bool, on: str, off: str) -> bool:
@@ -251,6 +254,10 @@ class CpuModelSession(ModelSession):
             if cpus[0] in allowed:
                 self._pin, self._unpin = {cpus[0]}, allowed
         self.ops = CpuDenseOps(pool)
+        #: the one-call decode step (set by start() when the model allows it), else None
+        self.native_decode: Any = None
+        self._native_decode_on = env_switch(NATIVE_DECODE_ENV, True, "one native call per decode step",
+                                            "the model's per-op forward")
         self._ops_before = use_dense_ops("cpu", self.ops)
         self._ops_installed = True
         log.info("cpu backend: %d pool threads, attention %s (%s), dense ops %s", pool.num_threads,
@@ -289,8 +296,16 @@ class CpuModelSession(ModelSession):
         return None if avail is None else int(avail * 0.5)
 
     def start(self, model: Any, kv: Any) -> None:
+        from freetoken_cpu_moe.decode_step import NativeDecode
+
         self.model = model
         self.kv_caches = kv.layers
+        self.native_decode = None
+        if self._native_decode_on:
+            self.native_decode, why = NativeDecode.build(model, kv.layers, self.ops, self.attention.mode, self.pool)
+        else:
+            why = f"{NATIVE_DECODE_ENV}=0"
+        log.info("cpu backend: decode steps %s (%s)", "native" if self.native_decode is not None else "per op", why)
 
     def forward(self, input_ids: Any, positions: Any, meta: Any) -> Any:
         import torch
@@ -300,16 +315,23 @@ class CpuModelSession(ModelSession):
             torch.set_num_threads(want)
             self._threads = want
             self.pool.spin_us = self._decode_spin_us if want == 1 else 0.0
-        meta.kernel = self.attention.for_step(meta, int(input_ids.shape[0]))
         if self._pin is None:
-            return self.model.forward(input_ids, positions, meta, self.kv_caches)
+            return self._step(input_ids, positions, meta)
         import os
 
         os.sched_setaffinity(0, self._pin)
         try:
-            return self.model.forward(input_ids, positions, meta, self.kv_caches)
+            return self._step(input_ids, positions, meta)
         finally:
             os.sched_setaffinity(0, self._unpin)
+
+    def _step(self, input_ids: Any, positions: Any, meta: Any) -> Any:
+        if meta.decode and self.native_decode is not None:
+            out = self.native_decode(input_ids, positions, meta)
+            if out is not None:
+                return out
+        meta.kernel = self.attention.for_step(meta, int(input_ids.shape[0]))
+        return self.model.forward(input_ids, positions, meta, self.kv_caches)
 
     def report(self) -> dict[str, Any]:
         return {

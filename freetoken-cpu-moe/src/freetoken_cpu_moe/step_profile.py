@@ -10,6 +10,10 @@ estimate: the calls into the worker pool per step times the cost of one call tha
 computes almost nothing (waking the workers, handing out items, the join), measured
 on the same pool (:func:`pool_call_us`), back to back and after an idle gap.
 
+A decode step the session runs as one native call (:mod:`freetoken_cpu_moe.decode_step`)
+times its parts with its own clock (turned on while the profiler is active); its ``other``
+is the native norms, RoPE + KV write and top-k plus the Python around the call.
+
 Used by ``freetoken bench decode --cpu-profile``; nothing here runs in serving.
 """
 
@@ -102,9 +106,10 @@ class StepProfiler:
         else:
             self._undo.append(lambda: delattr(obj, name))
 
-    def _step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _step(self, fn: Callable[..., Any], native: Any) -> Callable[..., Any]:
         def forward(input_ids: Any, positions: Any, meta: Any) -> Any:
             self._kind = "decode" if getattr(meta, "decode", False) else "prefill"
+            before = native.part_seconds() if native is not None else None
             t0 = time.perf_counter()
             try:
                 return fn(input_ids, positions, meta)
@@ -113,7 +118,21 @@ class StepProfiler:
                 s.step_s += time.perf_counter() - t0
                 s.steps += 1
                 s.tokens += int(input_ids.shape[0])
+                if before is not None:
+                    self._add_native(s, before, native)
         return forward
+
+    @staticmethod
+    def _add_native(s: Split, before: dict[str, float], native: Any) -> None:
+        """A step the native decode ran (freetoken_cpu_moe.decode_step): its parts' time, from
+        its own clock; one call of each part per layer."""
+        after = native.part_seconds()
+        if after["experts"] == before["experts"]:
+            return  # the step took the per-op path
+        for part, t in after.items():
+            if part in s.part_s:
+                s.part_s[part] += t - before[part]
+                s.calls[part] += native.num_layers
 
     def __enter__(self) -> "StepProfiler":
         model, session = self.eng.model, self.eng.session
@@ -141,8 +160,13 @@ class StepProfiler:
                 orig = module.paged_attention
                 module.paged_attention = self._timed("attention", orig)
                 self._undo.append(lambda module=module, orig=orig: setattr(module, "paged_attention", orig))
+        # a decode step that runs as one native call times its parts itself
+        native = getattr(session, "native_decode", None)
+        if native is not None:
+            native.set_profile(True)
+            self._undo.append(lambda: native.set_profile(False))
         orig_forward = session.forward
-        session.forward = self._step(orig_forward)
+        session.forward = self._step(orig_forward, native)
         self._undo.append(lambda: setattr(session, "forward", orig_forward))
         return self
 
