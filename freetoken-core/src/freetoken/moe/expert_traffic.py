@@ -107,8 +107,9 @@ class ExpertTraffic:
         cache = self.cache_bytes > 0 and bool(cpu_layers)
         if stream or cache:
             self.copies = CopyQueue(self.device)
+        # mapped for locked fetch, for mapped streaming and for routed streaming's gather kernels
         self._register(staging, stream or (cache and o.hybrid_max_fetch > 0) or locked,
-                       mapped=locked or (stream and mapped))
+                       mapped=locked or (stream and o.stream_experts != "all"))
         if locked and self.registration is None:
             raise ValueError("--moe-locked-fetch needs page-locked host banks, which could not be registered: "
                              + "; ".join(self.notes))
@@ -246,6 +247,8 @@ class ExpertTraffic:
                                      "streamed_layers": self.streamer.streamed_layers,
                                      "streamed_bytes": self.streamer.streamed_bytes,
                                      "buffer_bytes": self.streamer.nbytes}
+            if self.options.stream_experts == "routed":
+                out["prefill_stream"]["routed_copies"] = "gather kernels" if self.streamer.gathers else "copy engine"
         if self.locked:
             out["locked_fetch"] = {"fraction": self.options.locked_fetch, "max_fetch": self.options.locked_max_fetch,
                                    "routes": self.locked_routes if self.route_log is not None else None}

@@ -9,11 +9,15 @@ copies on the :class:`CopyQueue`'s side
 stream, ordered after the compute that last read the buffer. Two ways to fill them
 (``experts``):
 
-* ``routed`` (default): once the layer's router has run, the set of experts the chunk
-  routes to is read back and only those are copied (runs of consecutive experts, one copy
-  each), in :data:`ROUTED_PARTS` parts: the compute of part ``p`` (its routes only)
-  overlaps the copy of part ``p + 1``. Experts no token routes to cost nothing, which
-  matters for chunks of a few hundred tokens and for models whose routing is uneven.
+* ``routed`` (default): once the layer's router has run, only the experts the chunk
+  routes to are copied. Experts no token routes to cost nothing, which matters for chunks
+  of a few hundred tokens and for models whose routing is uneven. Where the host banks are
+  page-locked and mapped and Triton runs, one gather kernel per stack
+  (:mod:`freetoken.moe.expert_gather`) copies them, the routed set read on the device: the
+  host queues every layer of the prompt without waiting for the GPU. Otherwise the routed
+  set is read back and the copy engine copies the runs of consecutive routed experts, in
+  :data:`ROUTED_PARTS` parts: the compute of part ``p`` (its routes only) overlaps the copy
+  of part ``p + 1``.
 * ``all``: every expert of the layer, layer ``l + 1``'s copy issued while layer ``l``
   computes, so the copies run back to back and the compute hides behind them.
 
@@ -106,6 +110,14 @@ class PrefillStreamer:
             # are: no copy, no read-back of the routed set, one launch pair per layer
             self.mapped = {layer: mapped_experts(e, registration, self.device, activation, prompts=True)
                            for layer, e in self.layers.items()}
+        # routed copies by the gather kernel: each layer's stacks at their mapped host addresses
+        self.gather_src: dict[int, list[Any]] = {}
+        if self.routed and packed_ok and self.device.type == "cuda" and registration is not None \
+                and registration.mapped:  # fmt: skip
+            self.gather_src = {layer: _mapped_sources(e, registration) for layer, e in self.layers.items()}
+            self.gather_src = {k: v for k, v in self.gather_src.items() if v}
+        self._gathered: Any = None  # bytes the gather kernels copied (a device counter)
+        self._views: dict[int, Any] = {}  # layer -> its compute view over the one buffer (routed)
         self.profile: Optional[StreamProfile] = None
         size = max(e.nbytes for e in self.layers.values())
         # routed: a layer's copy starts after its router, so after the previous layer's
@@ -115,11 +127,22 @@ class PrefillStreamer:
         self._released: list[Any] = [None] * count  # compute events after the last reader of each buffer
         self._inflight: dict[int, tuple[int, CopyTicket]] = {}  # layer -> (buffer, its copy)
         self.streamed_layers = 0
-        self.streamed_bytes = 0
+        self._copied_bytes = 0
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers)
+
+    @property
+    def gathers(self) -> bool:
+        """Whether routed copies run as gather kernels over the mapped banks."""
+        return bool(self.gather_src)
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Expert bytes moved to the GPU so far (reads the gather kernels' device counter)."""
+        gathered = int(self._gathered.item()) if self._gathered is not None else 0
+        return self._copied_bytes + gathered
 
     def wants(self, tokens: int, decode: bool) -> bool:
         """Whether a step of ``tokens`` tokens streams (never a decode step)."""
@@ -165,6 +188,8 @@ class PrefillStreamer:
         flat = ids.reshape(-1).long()
         counts = torch.zeros(E, dtype=torch.int32, device=ids.device)
         counts.index_add_(0, flat.clamp(min=0), (flat >= 0).to(torch.int32))
+        if layer in self.gather_src:
+            return self._forward_gathered(layer, x, ids, w, counts)
         used = np.flatnonzero(counts.cpu().numpy())  # waits for this layer's router
         b = self._slot(layer)
         buf = self.buffers[b]
@@ -191,10 +216,30 @@ class PrefillStreamer:
             view.forward(x, ids_p, w, out=scratch if p else y)
             if p:
                 y.add_(scratch)
-            self.streamed_bytes += ticket.nbytes
+            self._copied_bytes += ticket.nbytes
         self.streamed_layers += 1
         self._released[b] = self.copies.compute_event()
         return y.to(x.dtype)
+
+    def _forward_gathered(self, layer: int, x: Any, ids: Any, w: Any, counts: Any) -> Any:
+        """The routed experts copied by gather kernels on the current stream (after the
+        router, before the compute that reads them; the previous layer's compute, the last
+        reader of the buffer, is earlier on the same stream), then computed: nothing here
+        waits for the GPU."""
+        from freetoken.moe.expert_gather import gather_experts
+
+        e = self.layers[layer]
+        buf = self.buffers[0]
+        for (dst, _), src in zip(self._parts(layer, buf), self.gather_src[layer]):
+            gather_experts(src, dst, counts, e.num_experts)
+        if self._gathered is None:
+            self._gathered = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._gathered.add_((counts > 0).sum() * (e.nbytes // e.num_experts))
+        self.streamed_layers += 1
+        view = self._views.get(layer)
+        if view is None:
+            view = self._views[layer] = self._compute_view(layer, buf)
+        return view.forward(x, ids, w)
 
     def _ranges(self, layer: int, buf: torch.Tensor, experts: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(device view, host bytes) pairs copying ``experts`` (sorted ids) of each stack:
@@ -226,7 +271,7 @@ class PrefillStreamer:
         if i + 1 < len(self.order):
             self.prefetch(self.order[i + 1])
         self.streamed_layers += 1
-        self.streamed_bytes += ticket.nbytes
+        self._copied_bytes += ticket.nbytes
         return self._compute_view(layer, self.buffers[b])
 
     def release(self, layer: int) -> None:
@@ -254,6 +299,18 @@ class PrefillStreamer:
             except RuntimeError:
                 pass
         self._inflight.clear()
+
+
+def _mapped_sources(experts: Any, registration: Any) -> list[Any]:
+    """The mapped device addresses of one layer's gate, up and down stacks as uint8
+    pointers (empty when a stack lies outside the registered ranges)."""
+    from freetoken.moe.locked_fetch import DevicePointer
+
+    try:
+        return [DevicePointer(registration.device_address(t.raw_torch()), torch.uint8)
+                for t in (experts.gate, experts.up, experts.down)]
+    except (KeyError, RuntimeError):
+        return []
 
 
 def measure_threshold(streamer: PrefillStreamer, cpu: Any, bank: Any, top_k: int, given: Optional[int],

@@ -1,0 +1,55 @@
+"""The routed-expert gather kernel (``freetoken.moe.expert_gather``): the experts with
+routes copied byte for byte, the others' destination bytes untouched. In Triton's
+interpreter without a GPU; on the H200 also from page-locked host memory read in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.moe.expert_gather import CHUNK_BYTES, gather_experts
+from freetoken.moe.locked_fetch import DevicePointer
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(num_experts: int, per: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, 256, (num_experts * per,), generator=gen, dtype=torch.uint8)
+    counts = torch.randint(0, 3, (num_experts,), generator=gen, dtype=torch.int32)
+    counts[0], counts[-1] = 1, 0  # at least one expert copied, one left alone
+    poison = torch.randint(0, 256, (num_experts * per,), generator=gen, dtype=torch.uint8)
+    return src, counts, poison
+
+
+def _expected(src: torch.Tensor, counts: torch.Tensor, poison: torch.Tensor, per: int) -> torch.Tensor:
+    want = poison.clone().view(-1, per)
+    used = counts > 0
+    want[used] = src.view(-1, per)[used]
+    return want.reshape(-1)
+
+
+# expert sizes: below one chunk, a chunk and a ragged tail, an odd byte count
+@pytest.mark.parametrize("num_experts,per", [(5, 1000), (4, CHUNK_BYTES + 4112), (3, 2 * CHUNK_BYTES + 7)])
+def test_gather_copies_the_routed_experts_only(num_experts, per):
+    src, counts, poison = _case(num_experts, per, seed=per)
+    dst = poison.to(DEV)
+    gather_experts(src.to(DEV), dst, counts.to(DEV), num_experts)
+    assert torch.equal(dst.cpu(), _expected(src, counts, poison, per))
+
+
+def test_gather_refuses_unequal_experts():
+    with pytest.raises(ValueError, match="equal experts"):
+        gather_experts(torch.zeros(10, dtype=torch.uint8), torch.zeros(10, dtype=torch.uint8),
+                       torch.ones(3, dtype=torch.int32), 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (page-locked host memory read in place)")
+def test_gather_reads_page_locked_host_memory_in_place():
+    num_experts, per = 16, 3 * CHUNK_BYTES + 96
+    src, counts, poison = _case(num_experts, per, seed=7)
+    host = src.pin_memory()  # page-locked and, with unified addressing, mapped at the same address
+    dst = poison.to("cuda")
+    gather_experts(DevicePointer(host.data_ptr(), torch.uint8), dst, counts.to("cuda"), num_experts)
+    assert torch.equal(dst.cpu(), _expected(src, counts, poison, per))
