@@ -4,7 +4,8 @@
 # "TAG:FLAGS" items separated by ';' (e.g. "packed:--moe-cpu-layers 0;16g:--gpu-memory-limit 16GiB");
 # RUN_ENV_<TAG> adds environment variables to that run only (e.g.
 # RUN_ENV_fast="FREETOKEN_PACKED_EXPERTS=down_routes_tile=1,word_loads=1,block_n=2").
-# Usage (repository root, .whl carried): RUNS="..." TESTS="..." bash tests/gpu/moe_runs.sh [LAYERS]
+# SKEW=S: the file's routers favour some experts (bench make-model --router-skew S), for cache runs.
+# Usage (repository root, .whl carried): RUNS="..." TESTS="..." [SKEW=4] bash tests/gpu/moe_runs.sh [LAYERS]
 set -uo pipefail
 LAYERS=${1:-48}
 source tests/gpu/device_setup.sh || exit 1
@@ -15,9 +16,10 @@ if [ -n "${TESTS:-}" ]; then
   grep -E "^E " "$OUT/pytest.log" | head -20
 fi
 [ -n "${RUNS:-}" ] || { stamp "no RUNS"; exit 0; }
-M=/tmp/ft-bench/q4km-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
+# SKEW=S writes (and runs) a model whose routers favour some experts (make-model --router-skew S)
+M=/tmp/ft-bench/q4km-L$LAYERS${SKEW:+-skew$SKEW}.gguf; mkdir -p /tmp/ft-bench
 [ -f "$M" ] || timeout 200 python3 -m freetoken.cli.main bench make-model --preset qwen3-30b-a3b --layers "$LAYERS" \
-  --quant q4_k_m --threads 16 --out "$M" > "$OUT/make-model.log" 2>&1
+  --quant q4_k_m --threads 16 ${SKEW:+--router-skew "$SKEW"} --out "$M" > "$OUT/make-model.log" 2>&1
 stamp "make-model rc=$? $(du -h $M | cut -f1)"
 IFS=';' read -ra items <<< "$RUNS"
 for item in "${items[@]}"; do
