@@ -124,6 +124,72 @@ def test_churn_keeps_tables_consistent(copies):
     assert cache.fetched_experts > 0
 
 
+class LruModel:
+    """The cache's replacement policy written out one route and one row at a time: hits
+    touch their slot; each row in turn fetches its most missed experts (ties: the lower id),
+    at most ``max_fetch``, each into the least recently used slot not being written (ties:
+    the lower slot), evicting its owner; a fetched slot joins the tables when its copy ends."""
+
+    def __init__(self, cache):
+        pool = cache.pools[0]
+        self.max_fetch = cache.max_fetch
+        self.owner = {s: tuple(int(v) for v in pool.owner[s]) for s in range(pool.slots)}
+        self.used = {s: int(pool.last_used[s]) for s in range(pool.slots)}
+        self.clock = cache.clock
+        self.filling: dict[int, tuple[int, int]] = {}
+
+    def where(self, row, expert):
+        return next((s for s, o in self.owner.items() if o == (row, expert)), None)
+
+    def land(self):  # the copies ended: fetched slots join the tables
+        for s, (row, expert) in self.filling.items():
+            self.owner[s], self.used[s] = (row, expert), self.clock
+        self.filling = {}
+
+    def step(self, ids):
+        self.clock += 1
+        hit = np.zeros(ids.shape, dtype=bool)
+        missed = []
+        for row in range(ids.shape[0]):
+            counts = {}
+            for e in ids[row].reshape(-1).tolist():
+                if e < 0:
+                    continue
+                s = self.where(row, e)
+                if s is None:
+                    counts[e] = counts.get(e, 0) + 1
+                else:
+                    self.used[s] = self.clock
+            missed.append(counts)
+        for idx in np.ndindex(ids.shape):
+            hit[idx] = ids[idx] >= 0 and self.where(idx[0], int(ids[idx])) is not None
+        for row, counts in enumerate(missed):
+            for e in sorted(counts, key=lambda x: (-counts[x], x))[: self.max_fetch]:
+                free = [s for s in self.used if s not in self.filling]
+                if not free:
+                    break
+                victim = min(free, key=lambda s: (self.used[s], s))
+                self.owner[victim], self.used[victim] = (-1, -1), self.clock
+                self.filling[victim] = (row, e)
+        return hit
+
+
+@pytest.mark.parametrize("max_fetch,slots,tokens", [(1, 5, 1), (2, 7, 2), (3, 9, 3)])
+def test_fetches_follow_the_lru_policy_written_out(copies, max_fetch, slots, tokens):
+    cache, weights = make(copies, layers=3, slots=slots, max_fetch=max_fetch)
+    model = LruModel(cache)
+    rng = np.random.default_rng(slots)
+    for _ in range(40):
+        ids = rng.integers(-1, E, size=(3, tokens, K)).astype(np.int32)
+        want = model.step(ids)
+        assert (cache.after_step(ids) == want).all()
+        settle(cache, copies)
+        model.land()
+        table = {(r, e): int(cache.host_slot[r, e]) for r in range(3) for e in range(E) if cache.host_slot[r, e] >= 0}
+        assert table == {o: s for s, o in model.owner.items() if o[0] >= 0}
+    check_consistent(cache, weights)
+
+
 def test_cached_layer_experts_compute_the_routes_they_serve(copies):
     cache, weights = make(copies, layers=2, slots=8, max_fetch=0)  # 4 experts per layer: 0..3
     g = torch.Generator().manual_seed(3)

@@ -80,12 +80,16 @@ class _Pool:
         return self.slots * self.bytes_per_expert
 
     def victims(self, n: int) -> np.ndarray:
-        """Up to ``n`` least recently used slots that are not being filled."""
+        """Up to ``n`` least recently used slots that are not being filled, least recent
+        first (ties: the lower slot first)."""
         free = np.flatnonzero(~self.filling)
         if free.size == 0 or n <= 0:
             return free[:0]
-        order = np.argsort(self.last_used[free], kind="stable")
-        return free[order[:n]]
+        key = self.last_used[free] * self.slots + free  # (last use, slot) as one int64 order
+        if n < free.size:  # the n smallest in O(slots), then only those sorted
+            pick = np.argpartition(key, n - 1)[:n]
+            return free[pick[np.argsort(key[pick])]]
+        return free[np.argsort(key)]
 
 
 class ExpertCache:
@@ -276,8 +280,12 @@ class ExpertCache:
 
     def _commit(self) -> None:
         done, left = [], []
+        finished: dict[int, bool] = {}  # a step's fetches share one ticket: asked once
         for f in self.pending:
-            (done if f.ticket.done() else left).append(f)
+            key = id(f.ticket)
+            if key not in finished:
+                finished[key] = f.ticket.done()
+            (done if finished[key] else left).append(f)
         self.pending = left
         entries = []
         for f in done:
@@ -291,22 +299,34 @@ class ExpertCache:
             entries.append((f.row, f.expert, f.slot))
         self._write_tables(entries)
 
+    def _wanted(self, ids: np.ndarray, hit: np.ndarray) -> dict[int, list[int]]:
+        """Per table row, the missed experts to fetch: most missed routes first (ties: the
+        lower id), none already being fetched, at most ``max_fetch``."""
+        rows, E = ids.shape[0], self.num_experts
+        miss = ~hit & (ids >= 0)
+        if not miss.any():
+            return {}
+        row_of = np.broadcast_to(np.arange(rows).reshape(-1, *([1] * (ids.ndim - 1))), ids.shape)[miss]
+        counts = np.bincount(row_of * E + ids[miss], minlength=rows * E).reshape(rows, E)
+        for f in self.pending:
+            counts[f.row, f.expert] = 0
+        order = np.argsort(-counts, axis=1, kind="stable")[:, : self.max_fetch]
+        taken = np.take_along_axis(counts, order, axis=1) > 0
+        return {int(r): [int(e) for e in order[r][taken[r]]] for r in np.flatnonzero(taken.any(axis=1))}
+
     def _fetch(self, ids: np.ndarray, hit: np.ndarray) -> None:
-        pending = {(f.row, f.expert) for f in self.pending}
+        wanted = self._wanted(ids, hit)
+        by_pool: dict[int, list[tuple[int, int]]] = {}  # pool index -> (row, expert) in row order
+        for row, experts in wanted.items():
+            pool = self.pool_of_row[row]
+            if pool is not None:
+                by_pool.setdefault(self.pools.index(pool), []).extend((row, e) for e in experts)
         evict: list[tuple[int, int, int]] = []
         jobs: list[tuple[_Pool, int, int, int]] = []
-        for row in range(ids.shape[0]):
-            pool = self.pool_of_row[row]
-            if pool is None:
-                continue
-            missed = ids[row][~hit[row]]
-            missed = missed[missed >= 0]
-            if missed.size == 0:
-                continue
-            experts, counts = np.unique(missed, return_counts=True)
-            want = [int(e) for e in experts[np.argsort(-counts, kind="stable")] if (row, int(e)) not in pending]
-            want = want[: self.max_fetch]
-            for slot, expert in zip(pool.victims(len(want)), want):
+        for index, wants in by_pool.items():
+            pool = self.pools[index]
+            # the rows' victims in row order: as if each row took its share in turn
+            for slot, (row, expert) in zip(pool.victims(len(wants)), wants):
                 slot = int(slot)
                 old_row, old_expert = (int(v) for v in pool.owner[slot])
                 if old_row >= 0:
@@ -319,13 +339,29 @@ class ExpertCache:
         if not jobs:
             return
         self._write_tables(evict)  # no kernel after this point reads the victims' slots
-        after = self.copies.compute_event()
+        # the step's fetches as one job of the copy thread and one ticket (one hand-over and
+        # one end event instead of one per expert: up to layers x max_fetch a step)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        calls: list[Any] = []
         for pool, slot, row, expert in jobs:
-            ticket = self.copies.submit(self._copy_job(pool, slot, row, expert), after=after,
-                                        nbytes=pool.bytes_per_expert)
+            job = self._copy_job(pool, slot, row, expert)
+            if callable(job):
+                calls.append(job)
+            else:
+                pairs.extend(job)
+
+        def all_fetches() -> None:
+            for call in calls:
+                call()
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+
+        nbytes = sum(pool.bytes_per_expert for pool, *_ in jobs)
+        ticket = self.copies.submit(all_fetches if calls else pairs, after=self.copies.compute_event(), nbytes=nbytes)
+        for pool, slot, row, expert in jobs:
             self.pending.append(_Fetch(ticket, pool, slot, row, expert))
-            self.fetched_bytes += pool.bytes_per_expert
-            self.fetched_experts += 1
+        self.fetched_bytes += nbytes
+        self.fetched_experts += len(jobs)
 
     def describe(self) -> dict[str, Any]:
         return {
