@@ -26,9 +26,11 @@ from triton.compiler import ASTSource
 from freetoken.backends.triton_target import TritonTarget, hip_target
 from freetoken.models import decode_attention_triton as dat
 from freetoken.models import dense_ops_triton as dot
+from freetoken.moe import expert_gather as eg
 from freetoken.moe import triton_moe as tm
 from freetoken.moe import triton_moe_grouped as tg
 from freetoken.moe import triton_moe_packed as tp
+from freetoken.moe import triton_route_slots as rs
 
 # Qwen3-30B-A3B's expert shapes (hidden 2048, expert intermediate 768), top-8 routing
 HIDDEN, INTER, TOP_K = 2048, 768, 8
@@ -186,6 +188,20 @@ def grouped_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
     return out
 
 
+def traffic_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
+    """The expert-traffic kernels: the routed experts' gather from mapped host banks (one
+    Q4_K gate stack's expert bytes) and the cache's route -> slot map."""
+    per = INTER * (HIDDEN // tp.FORMATS[tp.FMT_Q4_K][0]) * tp.FORMATS[tp.FMT_Q4_K][1]
+    return {
+        "traffic.gather": lambda: compile_kernel(
+            eg._gather_kernel, target, {"src_ptr": "*u8", "dst_ptr": "*u8", "counts_ptr": "*i32"},
+            dict(EXPERT_BYTES=per, CHUNK=eg.CHUNK_BYTES), 4, 1),
+        "traffic.route_slots": lambda: compile_kernel(
+            rs._route_slots_kernel, target, {"ids_ptr": "*i32", "table_ptr": "*i32", "out_ptr": "*i32", "n": "i32"},
+            dict(BLOCK=rs.BLOCK), 4),
+    }
+
+
 def describe(kernel: Any) -> dict[str, Any]:
     asm = kernel.asm["amdgcn"]
     return {
@@ -226,7 +242,7 @@ def main(args: list[str]) -> int:
     for arch in archs:
         target = hip_target(arch)
         kernels = {**moe_kernels(target), **packed_kernels(target), **dense_kernels(target), **attention_kernels(target),
-                   **grouped_kernels(target)}
+                   **grouped_kernels(target), **traffic_kernels(target)}
         if only is not None:
             kernels = {k: v for k, v in kernels.items() if any(k.startswith(p) for p in only)}
         per_arch: dict[str, Any] = {}

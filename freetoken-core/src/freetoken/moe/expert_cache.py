@@ -40,6 +40,7 @@ import torch
 
 from freetoken.moe.copy_queue import CopyQueue, CopyTicket
 from freetoken.moe.gpu_packed_experts import PACKED_FORMATS, DequantScratch, fp8_rows_bytes, fp8_rows_fit
+from freetoken.moe.route_slots import route_slots
 
 log = logging.getLogger(__name__)
 
@@ -383,16 +384,26 @@ class ExpertCache:
 
 class CachedLayerExperts:
     """One layer's GPU experts: its routes' expert ids mapped to cache slots, then the
-    pool's kernels (``forward(x, gpu_ids, w, out=None)`` as GpuExperts)."""
+    pool's kernels (``forward(x, gpu_ids, w, out=None)`` as GpuExperts).
+
+    :meth:`forward_routes` takes the layer's whole routing instead: a route to an expert
+    that is not cached maps to no slot, so the GPU side needs no split of its own (the
+    hand-off splits by the same residency table)."""
 
     def __init__(self, cache: ExpertCache, row: int, pool: _Pool) -> None:
         self.cache, self.row, self.pool = cache, row, pool
         self.hidden = cache.by_row[row].hidden
 
     def forward(self, x: torch.Tensor, gpu_ids: torch.Tensor, w: torch.Tensor, out: Any = None) -> torch.Tensor:
-        table = self.cache.slot[self.row]
-        slots = torch.where(gpu_ids >= 0, table[gpu_ids.clamp(min=0).long()], -1).to(torch.int32)
-        return self.pool.experts.forward(x, slots, w, out)
+        return self.forward_routes(x, gpu_ids, w, out)
+
+    def forward_routes(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: Any = None) -> torch.Tensor:
+        """The cached experts' share of ``ids [T, K]`` (every route; those to experts not
+        cached, and ids -1, contribute nothing)."""
+        return self.pool.experts.forward(x, route_slots(ids, self.cache.slot[self.row]), w, out)
 
     def warmup(self, batch_sizes: Any, top_k: int, x_dtype: Any = None) -> None:
         self.pool.experts.warmup(batch_sizes, top_k, x_dtype)
+        table = self.cache.slot[self.row]
+        for dtype in (torch.int32, torch.int64):  # routers give either: both slot kernels compiled
+            route_slots(torch.zeros((1, top_k), dtype=dtype, device=table.device), table)

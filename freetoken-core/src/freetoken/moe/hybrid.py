@@ -151,27 +151,44 @@ class HybridMoEExecutor:
             self.kio.publish_routes(stream, task, x.contiguous(), ids.contiguous(), w32, **split)
             if self._all_cpu(cpu_mask):
                 out = torch.zeros_like(x)
+            elif self._own_split(cpu_mask):
+                out = self.experts.forward_routes(x, ids, w).contiguous()
             else:
                 if cpu_mask is None:
                     cpu_mask = self.placement.cpu_mask(ids)
                 out = self.experts.forward(x, split_routes(ids, cpu_mask)[0], w).contiguous()
             self.kio.combine(stream, task, out)
             return out
+        own = self._own_split(cpu_mask)
         if cpu_mask is None:
             cpu_mask = self.placement.cpu_mask(ids)
         gpu_ids, cpu_ids = split_routes(ids, cpu_mask)
+
+        def gpu_side() -> Any:
+            if self.experts is None:
+                return torch.zeros_like(x)
+            return self.experts.forward_routes(x, ids, w) if own else self.experts.forward(x, gpu_ids, w)
+
         if self.kio is not None:
             self.kio.publish(stream, task, x.contiguous(), cpu_ids.contiguous(), w32)
-            out = torch.zeros_like(x) if self.experts is None else self.experts.forward(x, gpu_ids, w).contiguous()
+            out = gpu_side().contiguous()
             self.kio.combine(stream, task, out)
             return out
         self._publish_copies(stream, task, x, cpu_ids, w32)
-        out = torch.zeros_like(x) if self.experts is None else self.experts.forward(x, gpu_ids, w)
+        out = gpu_side()
         self.sync.wait(stream, task)
         y = self.scratch[tokens]
         y.copy_(task.y[:tokens], non_blocking=True)
         out.add_(y)
         return out
+
+    def _own_split(self, cpu_mask: Optional[Any]) -> bool:
+        """The GPU experts take the whole routing and skip what they do not hold (an expert
+        cache's layer), and the split follows the same residency: no split kernels for the
+        GPU side."""
+        return (cpu_mask is None and self.experts is not None and hasattr(self.experts, "forward_routes")
+                and self.placement is not None and self.placement.cpu_routes_per_token is None
+                and not self.placement.explicit_mask)
 
     def _all_cpu(self, cpu_mask: Optional[Any]) -> bool:
         """Statically known that no route runs on the GPU (placement puts all top-k on the CPU)."""
