@@ -129,3 +129,32 @@ def test_router_top_k(ops, T, E, K, norm):
         ref = torch.gather(torch.softmax(lg, dim=-1), 1, order)
     assert float((w.cpu().double() - ref).abs().max()) <= 1e-6
     assert math.isclose(float(w.sum(-1).max()), 1.0, rel_tol=1e-5) or not norm
+
+
+@pytest.mark.parametrize("T,E,H", [(1, 128, 2048), (3, 60, 100), (16, 32, 640)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_logits(T, E, H, dtype):
+    """The router GEMV (bf16 or float32 activations, float32 weights, float32 sums) against
+    float64: ragged expert counts and widths, output poisoned."""
+    from freetoken.models import dense_ops_triton
+
+    gen = torch.Generator().manual_seed(T * E + H)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    w = torch.randn(E, H, generator=gen) * 0.05
+    out = torch.full((T, E), float("nan"), dtype=torch.float32, device=DEV)
+    dense_ops_triton.router_logits(x.to(DEV), w.to(DEV), out)
+    ref = x.double() @ w.double().T  # the activations as given, products and sums in float64
+    _close(out.cpu(), ref, 1e-5, "router logits")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the Triton GEMV runs on CUDA tensors only")
+def test_router_linear_takes_the_gemv_for_decode_and_the_matmul_for_prompts():
+    from freetoken.models.layers import RouterLinear
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(128, 2048, generator=gen) * 0.05
+    router = RouterLinear(w.to(DEV))
+    for T in (1, RouterLinear.gemv_tokens, RouterLinear.gemv_tokens + 1, 64):
+        x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16)
+        _close(router(x.to(DEV)).cpu(), x.double() @ w.double().T, 1e-5, f"router, {T} tokens")

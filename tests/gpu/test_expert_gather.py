@@ -59,9 +59,12 @@ _SM90_SCRIPT = """
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from freetoken.models import dense_ops_triton as dot
 from freetoken.moe import expert_gather as eg, triton_route_slots as rs
 target, report = GPUTarget("cuda", 90, 32), {}
 for name, fn, sig, consts in (
+    ("router_logits", dot._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
+     {"H": 2048, "E": 128, "BLOCK_E": dot.ROUTER_BLOCK_E, "BLOCK_H": 512}),
     ("gather", eg._gather_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8", "counts_ptr": "*i32"},
      {"EXPERT_BYTES": 884736, "CHUNK": eg.CHUNK_BYTES}),
     ("route_slots", rs._route_slots_kernel, {"ids_ptr": "*i64", "table_ptr": "*i32", "out_ptr": "*i32", "n": "i32"},
@@ -75,9 +78,9 @@ print(json.dumps(report))
 """
 
 
-def test_traffic_kernels_compile_for_sm90():
-    """The gather and route-slot kernels compile for the H200 (sm_90) without a GPU (a
-    subprocess without TRITON_INTERPRET); the gather moves 16-byte vectors."""
+def test_gather_slot_and_router_kernels_compile_for_sm90():
+    """The gather, route-slot and router GEMV kernels compile for the H200 (sm_90) without a
+    GPU (a subprocess without TRITON_INTERPRET); the gather moves 16-byte vectors."""
     import json
     import os
     import subprocess
@@ -88,5 +91,5 @@ def test_traffic_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["gather"]["cubin"] and report["route_slots"]["cubin"], report
+    assert all(info["cubin"] for info in report.values()) and len(report) == 3, report
     assert report["gather"]["vector_loads"], report

@@ -125,6 +125,9 @@ def dense_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
         "dense.router_top_k": lambda: compile_kernel(
             dot._router_top_k_kernel, target, {"logits_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*fp32", "E": "i32"},
             dict(K=TOP_K, KP=TOP_K, NORM=True, BLOCK=experts), 1 if experts <= 256 else 4),
+        "dense.router_logits": lambda: compile_kernel(
+            dot._router_logits_kernel, target, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
+            dict(H=HIDDEN, E=experts, BLOCK_E=dot.ROUTER_BLOCK_E, BLOCK_H=512), 4),
     }  # fmt: skip
 
 

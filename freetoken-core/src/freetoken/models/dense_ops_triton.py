@@ -8,6 +8,9 @@ decoder layer fused so that a decode step launches a few kernels per layer, not 
                      their paged cache slot
 * ``router_top_k``   grid (T,): the top-k of the router logits (descending) and their
                      softmax weights (over the top-k, or over every expert)
+* ``router_logits``  grid (E / BLOCK_E, T): a decode step's float32 router logits from the
+                     activations as they are (no float32 copy of them, one launch instead of
+                     a cast and cuBLAS's two-kernel GEMV)
 
 Each kernel rounds to the activation dtype at the points where the torch implementation
 (:class:`freetoken.models.dense_ops.TorchDenseOps`) stores a tensor in that dtype and
@@ -135,3 +138,36 @@ def router_top_k(logits, k: int, norm: bool, ids_out, w_out) -> None:
     opts = triton_target.for_device(logits.device).launch_options(1 if E <= 256 else 4)
     _router_top_k_kernel[(T,)](logits, ids_out, w_out, E, K=k, KP=triton.next_power_of_2(k), NORM=norm,
                                BLOCK=triton.next_power_of_2(E), **opts)  # fmt: skip
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, H: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_H: tl.constexpr):  # fmt: skip
+    t = tl.program_id(1).to(tl.int64)
+    offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    acc = tl.zeros((BLOCK_E, BLOCK_H), tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        xv = tl.load(x_ptr + t * H + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * H + offs_h[None, :], mask=e_ok[:, None] & h_ok[None, :],
+                     other=0.0)
+        acc += wv * xv[None, :]
+    tl.store(out_ptr + t * E + offs_e, tl.sum(acc, axis=1), mask=e_ok)
+
+
+#: experts per program of :func:`router_logits` (Qwen3-30B-A3B: 32 programs of 4 x 2048 float32 weights)
+ROUTER_BLOCK_E = 4
+
+
+def router_logits(x, weight, out) -> None:
+    """``out [T, E]`` float32 = ``x [T, H]`` (any float dtype, contiguous) times the float32
+    ``weight [E, H]`` transposed, accumulated in float32."""
+    T, H = x.shape
+    E = weight.shape[0]
+    if T == 0:
+        return
+    opts = triton_target.for_device(x.device).launch_options(4)
+    _router_logits_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), T)](
+        x, weight, out, H=H, E=E, BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=min(512, triton.next_power_of_2(H)), **opts)

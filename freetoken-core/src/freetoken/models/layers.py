@@ -148,10 +148,30 @@ class DeviceWeightPolicy(WeightPolicy):
 
 
 class RouterLinear(TorchLinear):
-    """A float32 router: logits in float32 whatever the activation dtype."""
+    """A float32 router: logits in float32 whatever the activation dtype.
+
+    On a GPU where Triton runs, a decode step's few tokens (up to :attr:`gemv_tokens`) take
+    one Triton GEMV (``dense_ops_triton.router_logits``) that reads the activations as they
+    are, instead of a float32 copy of them and cuBLAS's GEMV (three launches per layer)."""
+
+    #: the most tokens the Triton GEMV takes (more: a float32 matmul)
+    gemv_tokens = 16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.is_cuda and x.dim() == 2 and x.shape[0] <= self.gemv_tokens and self.weight.is_contiguous()
+                and self._triton(x.device)):
+            from freetoken.models.dense_ops_triton import router_logits
+
+            out = torch.empty(x.shape[0], self.weight.shape[0], dtype=torch.float32, device=x.device)
+            router_logits(x.contiguous(), self.weight, out)
+            return out
         return F.linear(x.float(), self.weight)
+
+    @staticmethod
+    def _triton(device: torch.device) -> bool:
+        from freetoken.backends import triton_target
+
+        return triton_target.for_device(device).usable
 
 
 def _check_matrix(raw: RawTensor) -> None:
