@@ -11,6 +11,7 @@
 
 #include "activation.h"
 #include "fp_env.h"
+#include "row_argmax.h"
 #include "spin_pause.h"
 
 namespace ft {
@@ -122,6 +123,7 @@ struct Workspace {
     std::vector<int32_t> slot_tok, slot_expert, expert_begin, expert_ids, count;
     std::vector<float> slot_w;
     std::vector<const void*> gptr, uptr, dptr, xptr;
+    std::vector<RowBest> best;  // linear_forward's argmax: [row chunk][token]
 };
 thread_local Workspace tls_ws;
 
@@ -351,12 +353,13 @@ void moe_forward(const MoeCall& c, Pool& pool, const KernelTable& k) {
 }
 
 void linear_forward(const ft_weight_desc& w, const void* x, uint32_t x_fmt, uint32_t T, void* y, uint32_t y_fmt,
-                    bool accumulate, Pool& pool, const KernelTable& k) {
+                    bool accumulate, Pool& pool, const KernelTable& k, int64_t* argmax) {
     FlushDenormalsScope ftz;
     validate_weight(w, "weights");
     if (!is_act_dtype(x_fmt) || !is_act_dtype(y_fmt)) throw BadTask("linear: activations must be f32, f16 or bf16");
+    if (argmax && accumulate) throw BadTask("linear: argmax of an accumulated output");
     if (T == 0) return;
-    if (!x || !y) throw BadTask("linear: null buffer");
+    if (!x || (!y && !argmax)) throw BadTask("linear: null buffer");
     const uint32_t R = w.rows, C = w.cols;
     const int nth = pool.num_threads();
     const ActKind kx = act_kind_for(w.format);
@@ -396,14 +399,31 @@ void linear_forward(const ft_weight_desc& w, const void* x, uint32_t x_fmt, uint
     }
     const uint32_t nrow = (R + chunk - 1) / chunk;
     const int items = (int)(nrow * tgroups);
+    if (argmax) ws.best.resize((size_t)nrow * T);
+    RowBest* best = ws.best.data();
     pool.parallel_for(items, [&](int it, int) {
         const uint32_t rc = (uint32_t)it % nrow, tg = (uint32_t)it / nrow;
         const uint32_t r0 = rc * chunk, r1 = std::min(R, r0 + chunk);
         const uint32_t t0 = tg * tchunk, t1 = tg + 1 == tgroups ? T : t0 + tchunk;
         k.dot_rows(w, 0, r0, r1, ws.xptr.data() + t0, t1 - t0, yacc + (size_t)t0 * R + r0, R);
-        for (uint32_t t = t0; t < t1; ++t)
-            store_row(y_fmt, (uint8_t*)y + ((size_t)t * R + r0) * ysz, yacc + (size_t)t * R + r0, r1 - r0, accumulate);
+        for (uint32_t t = t0; t < t1; ++t) {
+            float* acc = yacc + (size_t)t * R + r0;
+            if (y) store_row(y_fmt, (uint8_t*)y + ((size_t)t * R + r0) * ysz, acc, r1 - r0, accumulate);
+            if (!argmax) continue;
+            // compare the values as y holds them
+            if (y_fmt == FT_FMT_BF16)
+                for (uint32_t r = 0; r < r1 - r0; ++r) acc[r] = bf16_to_float(float_to_bf16(acc[r]));
+            else if (y_fmt == FT_FMT_F16)
+                for (uint32_t r = 0; r < r1 - r0; ++r) acc[r] = half_to_float(float_to_half(acc[r]));
+            best[(size_t)rc * T + t] = row_best(acc, r1 - r0, r0);
+        }
     });
+    if (!argmax) return;
+    for (uint32_t t = 0; t < T; ++t) {
+        RowBest b = best[t];
+        for (uint32_t rc = 1; rc < nrow; ++rc) b = row_best_merge(b, best[(size_t)rc * T + t]);
+        argmax[t] = b.index;
+    }
 }
 
 void run_task(const ft_task_desc* d, Pool& pool, const KernelTable& k) {

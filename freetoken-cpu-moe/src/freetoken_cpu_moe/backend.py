@@ -171,6 +171,9 @@ HUGE_PAGES_ENV = "FREETOKEN_CPU_HUGE_PAGES"
 #: ``1`` (default): decode steps of a model :class:`freetoken_cpu_moe.decode_step.NativeDecode`
 #: takes run as one native call; ``0``: the model's per-op forward (A/B measurements)
 NATIVE_DECODE_ENV = "FREETOKEN_CPU_NATIVE_DECODE"
+#: ``1`` (default): plain greedy requests take their tokens from the output head's pool call
+#: (:class:`freetoken_cpu_moe.greedy_head.GreedyHead`); ``0``: from the logits (A/B measurements)
+GREEDY_HEAD_ENV = "FREETOKEN_CPU_GREEDY_HEAD"
 
 
 def env_switch(name: str, default: bool, on: str, off: str) -> bool:
@@ -256,6 +259,8 @@ class CpuModelSession(ModelSession):
         self.ops = CpuDenseOps(pool)
         #: the one-call decode step (set by start() when the model allows it), else None
         self.native_decode: Any = None
+        #: the greedy picks in the output head's pool call (set by start()), else None
+        self.greedy_head: Any = None
         self._native_decode_on = env_switch(NATIVE_DECODE_ENV, True, "one native call per decode step",
                                             "the model's per-op forward")
         self._ops_before = use_dense_ops("cpu", self.ops)
@@ -297,6 +302,7 @@ class CpuModelSession(ModelSession):
 
     def start(self, model: Any, kv: Any) -> None:
         from freetoken_cpu_moe.decode_step import NativeDecode
+        from freetoken_cpu_moe.greedy_head import GreedyHead
 
         self.model = model
         self.kv_caches = kv.layers
@@ -306,6 +312,14 @@ class CpuModelSession(ModelSession):
         else:
             why = f"{NATIVE_DECODE_ENV}=0"
         log.info("cpu backend: decode steps %s (%s)", "native" if self.native_decode is not None else "per op", why)
+        self.greedy_head, why = None, f"{GREEDY_HEAD_ENV}=0"
+        if env_switch(GREEDY_HEAD_ENV, True, "greedy tokens in the output head's pool call", "from the logits"):
+            self.greedy_head, why = GreedyHead.build(model, self.pool)
+        log.info("cpu backend: greedy tokens %s (%s)", "in the head" if self.greedy_head is not None else "from the logits",
+                 why)
+
+    def greedy_tokens(self, hidden: Any) -> Optional[list[int]]:
+        return None if self.greedy_head is None else self.greedy_head(hidden)
 
     def forward(self, input_ids: Any, positions: Any, meta: Any) -> Any:
         import torch

@@ -26,22 +26,12 @@ import torch
 
 from freetoken.handoff import Fmt
 from freetoken_cpu_moe import _core
-from freetoken_cpu_moe.dense import ACT_FMT, DualLinear, GroupLinear, PackedLinear
+from freetoken_cpu_moe.dense import ACT_FMT, DualLinear, GroupLinear, PackedLinear, kernel_desc
 from freetoken_cpu_moe.pool import Pool
 
 #: parts of a profiled step, in the order of ``DecodeStep.part_ns`` (csrc/decode_step.h);
 #: names as :mod:`freetoken_cpu_moe.step_profile` reports them, ``other`` last
 PROFILE_PARTS = ("qkv", "attention", "o_proj", "router", "experts", "other")
-
-
-def _linear_desc(lin: Any) -> tuple[Optional[int], int]:
-    """The one-expert descriptor address of a packed projection and the most tokens for which
-    the per-op path runs it through the kernels (None: not a kernel projection)."""
-    if isinstance(lin, PackedLinear) and lin._out_dtype is None:
-        return lin._address, 1 << 30
-    if isinstance(lin, DualLinear):
-        return lin.packed_lin._address, lin.max_kernel_rows
-    return None, 0
 
 
 def _vector(t: Any, n: int) -> bool:
@@ -127,7 +117,7 @@ class NativeDecode:
             for part in group.parts:
                 if isinstance(part, DualLinear):
                     max_tokens = min(max_tokens, part.max_kernel_rows)
-            o_addr, o_max = _linear_desc(L.o)
+            o_addr, o_max = kernel_desc(L.o)
             if o_addr is None:
                 return None, f"layer {i}'s o projection is not a packed projection"
             max_tokens = min(max_tokens, o_max)

@@ -173,6 +173,16 @@ class GroupLinear:
         return y
 
 
+def kernel_desc(lin: Any) -> tuple[Optional[int], int]:
+    """The one-expert descriptor address of a packed projection and the most tokens for which
+    its call runs them through the kernels (None: not a kernel projection)."""
+    if isinstance(lin, PackedLinear) and lin._out_dtype is None:
+        return lin._address, 1 << 30
+    if isinstance(lin, DualLinear):
+        return lin.packed_lin._address, lin.max_kernel_rows
+    return None, 0
+
+
 class CpuWeightPolicy(WeightPolicy):
     """Dense weights in host memory, packed where the file is packed (see the module doc)."""
 

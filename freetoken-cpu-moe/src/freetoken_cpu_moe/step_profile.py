@@ -165,6 +165,12 @@ class StepProfiler:
         if native is not None:
             native.set_profile(True)
             self._undo.append(lambda: native.set_profile(False))
+        # greedy picks in the head's pool call (freetoken_cpu_moe.greedy_head) are the head's time
+        head = getattr(session, "greedy_head", None)
+        if head is not None:
+            self._wrap_attr(session, "greedy_tokens", "lm_head")
+            head.set_profile(True)
+            self._undo.append(lambda: head.set_profile(False))
         orig_forward = session.forward
         session.forward = self._step(orig_forward, native)
         self._undo.append(lambda: setattr(session, "forward", orig_forward))

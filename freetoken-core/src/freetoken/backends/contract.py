@@ -427,7 +427,8 @@ class ModelSession(abc.ABC):
     sizes and the flag to change), :attr:`weight_policy` while the model loads,
     :meth:`routed_experts` once per MoE layer, :meth:`kv_cache_budget` to size the KV
     cache, :meth:`start` once with the loaded model and its KV cache (qualification,
-    decode-graph preparation), then :meth:`forward` once per step from one thread, and
+    decode-graph preparation), then :meth:`forward` once per step from one thread (after a
+    step whose sampled requests are all plain greedy ones, :meth:`greedy_tokens`), and
     :meth:`close` at the end. :meth:`report` may be called at any time after
     :meth:`start` (``/health``, ``/metrics``, ``freetoken doctor``).
     """
@@ -459,6 +460,16 @@ class ModelSession(abc.ABC):
         """One step: the model's final hidden states for ``input_ids`` at ``positions``
         (``meta``: :class:`freetoken.models.attention.AttentionMetadata`). Eager or by
         graph replay; the result is valid until the next call."""
+
+    def greedy_tokens(self, hidden: Any) -> Optional[list[int]]:
+        """The greedy token of each row of ``hidden`` (final hidden states ``[B, hidden]`` from
+        :meth:`forward`, the rows that sample): the index of the first largest value of the
+        row of ``model.compute_logits(hidden)``, a NaN counting as the largest (as
+        :func:`freetoken.engine.sampling.argmax_rows`), found without handing the logits to
+        the engine; or None (the default: no such way), and the engine computes the logits
+        and samples from them. The engine asks only when every sampled request is greedy with
+        no penalty, constraint or log-probabilities, and no logits observer is registered."""
+        return None
 
     @abc.abstractmethod
     def report(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from freetoken.engine.outputs import StreamDelta
 from freetoken.engine.prefix_cache import PrefixCache
 from freetoken.engine.recurrent_state import RecurrentStatePool
 from freetoken.engine.request import Request, Status, new_request_id
-from freetoken.engine.sampling import sample
+from freetoken.engine.sampling import plain_greedy, sample
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.engine.scheduler import Scheduled, Scheduler
 from freetoken.models.attention import AttentionMetadata, SeqSlice
@@ -284,6 +284,15 @@ class LLMEngine:
             meta.mask = (torch.arange(maxb * bs)[None, :] < ctx[:, None]).view(len(batch), 1, 1, maxb * bs).to(dev)
         return packed[0], packed[1], meta
 
+    def _greedy_picks(self, h: torch.Tensor, reqs: list[Request]) -> Optional[list[tuple[int, None]]]:
+        """The tokens of a step whose sampled requests are all plain greedy, from the session
+        (:meth:`~freetoken.backends.contract.ModelSession.greedy_tokens`: no logits row comes
+        back), or None: the logits are computed and sampled."""
+        if self._logits_observers or not all(plain_greedy(r) for r in reqs):
+            return None
+        tokens = self.session.greedy_tokens(h)
+        return None if tokens is None else [(t, None) for t in tokens]
+
     @torch.inference_mode()
     def prompt_logits(self, prompt_ids: list[int], chunk: Optional[int] = None) -> torch.Tensor:
         """Logits (float32 [N, vocab]) at every position of a prompt, computed through
@@ -331,11 +340,14 @@ class LLMEngine:
         if samplers:
             rows = [seq.q_start + seq.q_len - 1 for seq, s in zip(meta.seqs, batch) if s.sample]
             h = hidden if len(rows) == hidden.shape[0] else hidden[rows]
-            logits = self.model.compute_logits(h)
             reqs = [s.request for s in samplers]
-            for observer in self._logits_observers:
-                observer([r.request_id for r in reqs], logits)
-            for r, (tok, lp) in zip(reqs, sample(logits, reqs, self.generator)):
+            picked = self._greedy_picks(h, reqs)
+            if picked is None:
+                logits = self.model.compute_logits(h)
+                for observer in self._logits_observers:
+                    observer([r.request_id for r in reqs], logits)
+                picked = sample(logits, reqs, self.generator)
+            for r, (tok, lp) in zip(reqs, picked):
                 if tok < 0:  # its constraint allowed no token
                     logger.error("request %s: its constraint allows no token; finishing it", r.request_id)
                     r.finish("error")

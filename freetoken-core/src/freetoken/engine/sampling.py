@@ -157,6 +157,13 @@ def _trivial(p: SamplingParams) -> bool:
     return p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
 
 
+def plain_greedy(r: Request) -> bool:
+    """Whether ``r`` takes the largest logit as it is: greedy, with no penalty, no
+    constraint and no log-probabilities."""
+    p = r.params
+    return p.greedy and _trivial(p) and r.constraint is None and not p.logprobs and p.top_logprobs == 0
+
+
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The index of each row's largest value of ``logits`` [B, V] (the first of equal ones;
     a NaN counts as the largest, as in torch). Float32 rows on the host go through numpy's
@@ -175,8 +182,7 @@ def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Gen
     A batch of plain greedy requests is decided where the logits are (only the token ids
     travel); anything else is sampled on the host."""
     B = logits.shape[0]
-    if all(r.params.greedy and _trivial(r.params) and r.constraint is None and not r.params.logprobs
-           and r.params.top_logprobs == 0 for r in requests):
+    if all(plain_greedy(r) for r in requests):
         return [(int(t), None) for t in argmax_rows(logits)]
     logits = logits.float().cpu()
     tokens: list[Optional[int]] = [None] * B
