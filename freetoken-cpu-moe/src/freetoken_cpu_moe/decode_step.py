@@ -56,6 +56,14 @@ class NativeDecode:
         self._keep = keep  # tensors whose addresses the native step holds
         self._tables = np.zeros(64, dtype=np.int32)  # q_start, q_len, ctx_len, block table rows
         self._tables_addr = self._tables.ctypes.data
+        self._outs: dict[int, torch.Tensor] = {}  # the output buffer per number of tokens
+        # the embedding as built: a one-token step reads its row in place (_one_row)
+        from freetoken.models.layers import Embedding
+
+        self._embed = model.embed if isinstance(model.embed, Embedding) else None
+        table = getattr(self._embed, "table", None)
+        self._table = table if (isinstance(table, torch.Tensor) and table.is_contiguous() and table.dim() == 2
+                                and table.dtype == model.dtype and table.shape[1] == self._hidden) else None
 
     @classmethod
     def build(cls, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: Any, attention_mode: str,
@@ -165,9 +173,12 @@ class NativeDecode:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                  out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:  # fmt: skip
-        """The final-normed hidden states ``[T, hidden]`` of a decode step (into ``out``, a
-        contiguous tensor of that shape and the activation dtype, when given), or None for a
-        step this call does not take (the caller runs the per-op path)."""
+        """The final-normed hidden states ``[T, hidden]`` of a decode step, or None for a step
+        this call does not take (the caller runs the per-op path). Into ``out`` (a contiguous
+        tensor of that shape and the activation dtype) when given, else into this object's
+        buffer for T tokens, which the next step of T tokens overwrites (a session's step
+        result is valid until its next step; an allocation per step costs ~14 us on the
+        caches the weight stream leaves)."""
         T = input_ids.shape[0]
         slots = meta.slot_mapping
         if (T > self.max_tokens or positions.dtype != torch.int64 or slots.dtype != torch.int64
@@ -175,29 +186,71 @@ class NativeDecode:
             return None
         seqs = meta.seqs
         S = len(seqs)
-        rows = [s.blocks if s.blocks is not None else s.block_table.tolist() for s in seqs]
-        width = max(1, max(len(r) for r in rows))
-        vals = [s.q_start for s in seqs] + [s.q_len for s in seqs] + [s.ctx_len for s in seqs]
-        for r in rows:
-            vals += r
-            if len(r) < width:
-                vals += [0] * (width - len(r))
+        width = self._fill_tables(seqs)
+        x_addr = self._one_row(meta.host_ids) if T == 1 else 0
+        if not x_addr:
+            x = self._model.embed(input_ids)
+            if x.dtype != self._dtype or not x.is_contiguous():
+                return None
+            x_addr = x.data_ptr()
+        if out is None:
+            out = self._outs.get(T)
+            if out is None:
+                out = self._outs[T] = torch.empty((T, self._hidden), dtype=self._dtype)
+        elif out.shape != (T, self._hidden) or out.dtype != self._dtype or not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous [{T}, {self._hidden}] {self._dtype} tensor")
+        a = self._tables_addr
+        self._step.run(T, x_addr, positions.data_ptr(), slots.data_ptr(), S, a, a + 4 * S, a + 8 * S,
+                       a + 12 * S, width, out.data_ptr(), self._pool)
+        return out
+
+    def _fill_tables(self, seqs: list[Any]) -> int:
+        """Write the step's per-sequence q_start, q_len, ctx_len and block-table rows (padded
+        to the longest) into the native step's table; returns the rows' width."""
+        S = len(seqs)
+        if S == 1:  # batch-1 decode: no per-column lists
+            s = seqs[0]
+            r = s.blocks if s.blocks is not None else s.block_table.tolist()
+            width = max(1, len(r))
+            vals = [s.q_start, s.q_len, s.ctx_len, *r] if r else [s.q_start, s.q_len, s.ctx_len, 0]
+        else:
+            rows = [s.blocks if s.blocks is not None else s.block_table.tolist() for s in seqs]
+            width = max(1, max(len(r) for r in rows))
+            vals = [s.q_start for s in seqs] + [s.q_len for s in seqs] + [s.ctx_len for s in seqs]
+            for r in rows:
+                vals += r
+                if len(r) < width:
+                    vals += [0] * (width - len(r))
         n = len(vals)
         if n > self._tables.shape[0]:
             self._tables = np.zeros(2 * n, dtype=np.int32)
             self._tables_addr = self._tables.ctypes.data
         self._tables[:n] = vals
-        x = self._model.embed(input_ids)
-        if x.dtype != self._dtype or not x.is_contiguous():
-            return None
-        if out is None:
-            out = torch.empty((T, self._hidden), dtype=self._dtype)
-        elif out.shape != (T, self._hidden) or out.dtype != self._dtype or not out.is_contiguous():
-            raise ValueError(f"out: expected a contiguous [{T}, {self._hidden}] {self._dtype} tensor")
-        a = self._tables_addr
-        self._step.run(T, x.data_ptr(), positions.data_ptr(), slots.data_ptr(), S, a, a + 4 * S, a + 8 * S,
-                       a + 12 * S, width, out.data_ptr(), self._pool)
-        return out
+        return width
+
+    def _one_row(self, host_ids: Optional[list[int]]) -> int:
+        """The address of a one-token step's embedding row where the native step can read it
+        in place, or 0 (the caller runs the embedding). The lookup's torch ops (an index or
+        a stack) cost ~50 us on the caches the weight stream leaves: a float table's row is
+        read where it is, a packed table's row where its cache of dequantized rows keeps it
+        (a hit, moved to the cache's end as :class:`freetoken.models.layers.Embedding` moves
+        it). An embedding replaced since build (the step profiler's timer) is called."""
+        emb = self._embed
+        if emb is None or host_ids is None or self._model.embed is not emb:
+            return 0
+        tok = host_ids[0]
+        table = self._table
+        if table is not None:
+            if emb.table is not table or not 0 <= tok < table.shape[0]:
+                return 0
+            return table.data_ptr() + tok * self._hidden * table.element_size()
+        if emb.table is not None:
+            return 0
+        row = emb.cache.get(tok)
+        if row is None or row.dtype != self._dtype or row.shape != (self._hidden,) or not row.is_contiguous():
+            return 0
+        emb.cache.move_to_end(tok)
+        return row.data_ptr()
 
     # -------------------------------------------------------------- profiling
 
