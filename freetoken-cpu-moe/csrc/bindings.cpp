@@ -88,22 +88,28 @@ PYBIND11_MODULE(_core, m) {
         py::arg("wdesc"), py::arg("x"), py::arg("x_fmt"), py::arg("T"), py::arg("y"), py::arg("y_fmt"),
         py::arg("accumulate"), py::arg("pool"), py::arg("isa") = "");
 
-    // linear without accumulate, and argmax[t] (int64) = the first position of the largest
-    // value of y's row t (moe.h); y = 0: the values are not stored
+    // linear without accumulate, returning argmax[t] = the first position of the largest value of
+    // y's row t (moe.h) as a list (no buffer for the caller to read back); y = 0: the values
+    // are not stored
     m.def(
         "linear_argmax",
-        [](uint64_t wdesc, uint64_t x, uint32_t x_fmt, uint32_t T, uint64_t y, uint32_t y_fmt, uint64_t argmax,
+        [](uint64_t wdesc, uint64_t x, uint32_t x_fmt, uint32_t T, uint64_t y, uint32_t y_fmt,
            std::shared_ptr<Pool> pool, const std::string& isa) {
             check_isa(isa);
             if (!wdesc) throw std::invalid_argument("linear_argmax: null weight descriptor");
-            if (!argmax) throw std::invalid_argument("linear_argmax: null argmax buffer");
             const ft::KernelTable& k = kernels_for(isa);
-            py::gil_scoped_release nogil;
-            ft::linear_forward(*(const ft_weight_desc*)(uintptr_t)wdesc, (const void*)(uintptr_t)x, x_fmt, T,
-                               (void*)(uintptr_t)y, y_fmt, false, *pool, k, (int64_t*)(uintptr_t)argmax);
+            std::vector<int64_t> ids(T);
+            {
+                py::gil_scoped_release nogil;
+                ft::linear_forward(*(const ft_weight_desc*)(uintptr_t)wdesc, (const void*)(uintptr_t)x, x_fmt, T,
+                                   (void*)(uintptr_t)y, y_fmt, false, *pool, k, ids.data());
+            }
+            py::list out(T);
+            for (uint32_t t = 0; t < T; ++t) out[t] = py::int_(ids[t]);
+            return out;
         },
         py::arg("wdesc"), py::arg("x"), py::arg("x_fmt"), py::arg("T"), py::arg("y"), py::arg("y_fmt"),
-        py::arg("argmax"), py::arg("pool"), py::arg("isa") = "");
+        py::arg("pool"), py::arg("isa") = "");
 
     m.def(
         "run_task",
