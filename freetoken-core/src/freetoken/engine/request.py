@@ -84,6 +84,7 @@ class Request:
         #: its slot of the recurrent state (models with linear-attention layers; None: none held)
         self.state_slot: Optional[int] = None
         self._table: Optional[torch.Tensor] = None
+        self._table_len = 0  # len(self.blocks) when _table was made (its numel(), without a torch call)
         self.block_keys: list[bytes] = []  # prefix-cache keys of its full blocks (engine/prefix_cache.py)
         self.num_registered = 0  # leading blocks registered in (or attached from) the prefix cache
         self.cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache at first admission
@@ -120,8 +121,9 @@ class Request:
         return self.num_tokens - self.num_computed
 
     def block_table(self, device: torch.device) -> torch.Tensor:
-        if self._table is None or self._table.numel() != len(self.blocks):
+        if self._table is None or self._table_len != len(self.blocks):
             self._table = torch.tensor(self.blocks, dtype=torch.int64, device=device)
+            self._table_len = len(self.blocks)
         return self._table
 
     def reset_blocks(self) -> list[int]:
