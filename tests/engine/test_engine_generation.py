@@ -127,8 +127,9 @@ def test_async_stream_deltas_abort_and_queue(demo):
                     break
                 await asyncio.sleep(0.02)
             assert eng.stats().kv_used_tokens == 0 and eng.stats().num_running == 0
-            # queue limit: 2 running + 1 waiting, the next is refused
-            long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+            # queue limit: 2 running + 1 waiting, the next is refused (the requests run to the end
+            # of the context, ~500 steps: two of 300 could finish within the wait on this model)
+            long = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
             gens = [eng.stream(ids, long) for _ in range(3)]
             tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
             await asyncio.sleep(0.3)
