@@ -109,7 +109,9 @@ def test_deltanet_decode_matches_float64_and_torch(rng, dtype, tiled, tier, monk
         assert (conv[others] == POISON).all() and (ssm[others] == POISON).all(), f"{name}: other slots written"
         results[name] = out
     assert len(calls) == 1, "the native op did not run"
-    _close(results["native"], results["torch"].double().numpy(), tol, "native against torch")
+    # each is within tol of float64, so of each other within twice that (bfloat16: the two round
+    # at different points; one seed in ~10^3 put them 0.033 apart with each within 0.022 of float64)
+    _close(results["native"], results["torch"].double().numpy(), 2 * tol, "native against torch")
 
 
 def test_deltanet_decode_rejects_bad_slots(rng):
