@@ -5,7 +5,6 @@ the demo model's own properties."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 
 import pytest
