@@ -9,7 +9,8 @@ L2 and much of L3, so the interpreter's and torch's code and data come back from
 the same order on the same values -- residual add + RMSNorm, fused q/k/v (``linear_group``),
 q/k RMSNorm + RoPE + K/V write, paged attention, o, residual add + RMSNorm, the float32
 router, top-k, the experts; the final norm -- so the result is bit-identical to the per-op
-path. The embedding lookup and the output head stay in Python.
+path. The output head stays in Python, and so does the embedding lookup of steps of
+several tokens (a one-token step's row is read in place: ``NativeDecode._one_row``).
 
 It takes models of :class:`freetoken.models.qwen3_moe.Qwen3MoeModel` whose every layer is
 a MoE layer with packed projections (:class:`freetoken_cpu_moe.dense.GroupLinear` q/k/v),
@@ -233,8 +234,8 @@ class NativeDecode:
         in place, or 0 (the caller runs the embedding). The lookup's torch ops (an index or
         a stack) cost ~50 us on the caches the weight stream leaves: a float table's row is
         read where it is, a packed table's row where its cache of dequantized rows keeps it
-        (a hit, moved to the cache's end as :class:`freetoken.models.layers.Embedding` moves
-        it). An embedding replaced since build (the step profiler's timer) is called."""
+        (a hit, through :meth:`freetoken.models.layers.Embedding.cached_row`). An embedding
+        replaced since build (the step profiler's timer) is called."""
         emb = self._embed
         if emb is None or host_ids is None or self._model.embed is not emb:
             return 0
@@ -246,10 +247,9 @@ class NativeDecode:
             return table.data_ptr() + tok * self._hidden * table.element_size()
         if emb.table is not None:
             return 0
-        row = emb.cache.get(tok)
+        row = emb.cached_row(tok)
         if row is None or row.dtype != self._dtype or row.shape != (self._hidden,) or not row.is_contiguous():
-            return 0
-        emb.cache.move_to_end(tok)
+            return 0  # (the embedding call that follows marks a hit as used too)
         return row.data_ptr()
 
     # -------------------------------------------------------------- profiling

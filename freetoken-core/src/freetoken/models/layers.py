@@ -108,6 +108,14 @@ class Embedding:
             self.cache.popitem(last=False)
         return out
 
+    def cached_row(self, token: int) -> Optional[torch.Tensor]:
+        """A packed table's dequantized row of ``token`` if the row cache holds it, marked as
+        just used as a lookup marks it; else None (the row is dequantized by a lookup)."""
+        row = self.cache.get(token)
+        if row is not None:
+            self.cache.move_to_end(token)
+        return row
+
 
 class DeviceWeightPolicy(WeightPolicy):
     """Every dense weight dequantized once, at load, to the activation dtype on the dense
