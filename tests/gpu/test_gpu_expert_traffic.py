@@ -44,9 +44,14 @@ def reference(backend):
     return out
 
 
-def test_cache_churn_in_graphs_matches_cpu(backend, reference):
+def test_cache_churn_in_graphs_matches_cpu(backend, reference, monkeypatch):
     """200 decode steps per request, every layer's experts in host memory, a cache of 12 of
-    the 64 experts with 2 fetches per layer and step: the slots change under the graphs."""
+    the 64 experts with 2 fetches per layer and step, the fetch policy's hysteresis off (any
+    expert at least as hot as a cached one replaces it): the slots change under the graphs."""
+    from freetoken.moe import expert_cache
+
+    monkeypatch.setattr(expert_cache, "FETCH_RATIO", 1.0)
+    monkeypatch.setattr(expert_cache, "FETCH_MARGIN", 0.0)
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_cache_size=float(12 * EXPERT_BYTES),
                   moe_hybrid_max_fetch=2, moe_collect_stats=True, moe_stream_prefill="off")
     try:

@@ -142,3 +142,32 @@ def test_mapped_streaming_needs_packed_experts_and_locked_banks():
     assert [buffer_count(m) for m in ("routed", "all", "mapped")] == [1, 2, 0]
     with pytest.raises(ValueError, match="page-locked and mapped"):
         PrefillStreamer({}, "cpu", torch.float32, "silu", True, None, None, experts="mapped")  # type: ignore[arg-type]
+
+
+def test_prompt_routes_reach_the_cache_heat(monkeypatch):
+    """The cached layers' routes of the prompt steps, counted on the device, reach the cache
+    once (at the first decode step's bookkeeping) and equal counts of the router's outputs."""
+    from freetoken.moe.expert_cache import ExpertCache
+
+    seen: list[np.ndarray] = []
+    observe = ExpertCache.observe
+
+    def recording(self, counts, *args, **kw):
+        seen.append(np.array(counts, copy=True))
+        return observe(self, counts, *args, **kw)
+
+    monkeypatch.setattr(ExpertCache, "observe", recording)
+    _, _, steps, routes, traffic = _run(
+        "fakegpu", record_routes=True, moe_cpu_layers="all", moe_cache_size=float(20 * EXPERT_BYTES),
+        moe_hybrid_max_fetch=1, moe_stream_prefill="off")
+    cache = traffic.cache
+    prompt_calls = [i for i, (decode, _) in enumerate(steps) if not decode]
+    assert prompt_calls and len(seen) >= 1
+    want = np.zeros_like(seen[0])
+    for layer, calls in routes.items():
+        for i in prompt_calls:
+            ids = calls[i].reshape(-1)
+            want[cache.rows[layer]] += np.bincount(ids[ids >= 0], minlength=want.shape[1])
+    # every prompt is scheduled before the first decode step here: one observation holds them all
+    top_k = next(iter(routes.values()))[0].shape[1]
+    assert sum(seen).tolist() == want.tolist() and want.sum() == sum(len(p) for p in PROMPTS) * top_k * len(routes)

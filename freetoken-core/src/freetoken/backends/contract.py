@@ -358,8 +358,9 @@ class MoEOptions:
     the GPU kernels read (Q4_K, Q5_K, Q6_K, Q8_0) packed, as in the file, and dequantizes
     the others to the activation dtype; ``dequantized`` always dequantizes.
     ``cache_bytes`` / ``cache_fraction``: the global expert cache for the CPU layers' experts
-    (bytes, or a fraction of the memory budget; 0: none). ``hybrid_max_fetch``: missed
-    experts per layer and step copied into the cache for later steps.
+    (bytes, or a fraction of the memory budget; 0: none). ``hybrid_max_fetch``: experts
+    per layer and step copied into the cache for later steps (the most routed uncached ones,
+    each replacing a clearly less routed cached one; ``freetoken.moe.expert_cache``).
     ``stream_prefill``: ``auto`` (prefill chunks of at least ``stream_min_tokens`` tokens
     compute the CPU layers' experts on the GPU, their bytes streamed over PCIe; None: the
     threshold from a measured profile), ``on``, ``off``; ``stream_experts``: ``routed`` copies

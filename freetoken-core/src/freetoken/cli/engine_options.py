@@ -247,8 +247,10 @@ _OPTIONS: tuple[_Option, ...] = (
             "fraction of the GPU memory budget like 0.25; routes to cached experts run on the GPU "
             "(default: {default})", cache_size, "SIZE"),
     _Option("moe_hybrid_max_fetch", "--moe-hybrid-max-fetch",
-            "missed experts per layer and decode step copied into the expert cache for later steps, without "
-            "stalling the current one (default: {default})", non_negative_int, "N"),
+            "experts per layer and decode step copied into the expert cache for later steps, without "
+            "stalling the current one: the most routed ones not cached (recent decode routes, a quarter weight "
+            "for prompt routes), each replacing the least routed cached expert when clearly hotter "
+            "(default: {default})", non_negative_int, "N"),
     _Option("moe_stream_prefill", "--moe-stream-prefill",
             "prefill chunks compute the CPU layers' experts on the GPU, streaming their bytes over PCIe: auto "
             "(GGUF K-quant/Q8_0/MXFP4 experts, chunks of at least --moe-stream-min-tokens), on (also HF checkpoints' "

@@ -15,14 +15,20 @@ between steps keeps the decode graphs valid.
 After each decode step (:meth:`ExpertCache.after_step`, on the engine thread, once the
 step's routes are read back from the :class:`~freetoken.moe.moe_stats.RouteLog`):
 
-1. slots of routes that hit are marked used (LRU clock);
+1. every route adds one to its expert's *heat*, a route count that decays by half every
+   :data:`HEAT_HALF_LIFE` steps (prompt routes, counted on the device while a prompt runs,
+   are added with the weight :data:`PROMPT_WEIGHT` through :meth:`ExpertCache.observe`);
 2. copies finished since the last step are committed: table entries written on the
    compute stream, so the next step uses them;
-3. with ``max_fetch`` > 0, up to that many missed experts per layer (most routed first)
-   take the least recently used slots not being filled: the victims' table entries are
-   cleared on the compute stream first, then the :class:`CopyQueue` copies the new bytes
-   into the slots after that point, on its side stream. The current and next steps never
-   wait for a copy; a slot is in no table while it is being written.
+3. with ``max_fetch`` > 0, each layer's hottest experts that are not cached (at most
+   ``max_fetch`` per layer) are matched, hottest first, with the pool's coldest cached
+   experts (empty slots first); a pair is swapped only when the newcomer's heat is at least
+   :data:`FETCH_RATIO` times the victim's plus :data:`FETCH_MARGIN` routes, so experts of
+   equal popularity do not chase each other through the slots (uniform routing settles
+   instead of copying every step). The victims' table entries are cleared on the compute
+   stream first, then the :class:`CopyQueue` copies the new bytes into the slots after that
+   point, on its side stream. The current and next steps never wait for a copy; a slot is
+   in no table while it is being written.
 
 The cache starts filled: each layer gets an equal share of its pool, lowest expert ids
 first (random-weight models route uniformly; real ones are then corrected by fetching).
@@ -43,6 +49,16 @@ from freetoken.moe.gpu_packed_experts import PACKED_FORMATS, DequantScratch, fp8
 from freetoken.moe.route_slots import route_slots
 
 log = logging.getLogger(__name__)
+
+#: decode steps after which an expert's heat (its decayed route count) has halved
+HEAT_HALF_LIFE = 256
+#: a prompt route's share of heat against a decode route's (prompts hint at popularity;
+#: the decode steps are what the cache serves)
+PROMPT_WEIGHT = 0.25
+#: an uncached expert replaces a cached one when its heat is >= FETCH_RATIO x the victim's
+#: + FETCH_MARGIN (hysteresis: near-equal experts stay where they are)
+FETCH_RATIO = 1.25
+FETCH_MARGIN = 2.0
 
 
 @dataclasses.dataclass
@@ -71,7 +87,6 @@ class _Pool:
                 self.tensors.append(torch.empty(slots, *t.shape[1:], dtype=act_dtype, device=device))
             self.shapes.append(tuple(int(s) for s in t.shape[1:]))
         self.bytes_per_expert = sum(x[0].numel() * x.element_size() for x in self.tensors)
-        self.last_used = np.full(slots, -1, dtype=np.int64)
         self.owner = np.full((slots, 2), -1, dtype=np.int64)  # (row, expert) or -1 (free or being filled)
         self.filling = np.zeros(slots, dtype=bool)
         self.experts: Any = None  # the kernels' object over the pool
@@ -80,17 +95,20 @@ class _Pool:
     def nbytes(self) -> int:
         return self.slots * self.bytes_per_expert
 
-    def victims(self, n: int) -> np.ndarray:
-        """Up to ``n`` least recently used slots that are not being filled, least recent
-        first (ties: the lower slot first)."""
+    def victims(self, heat: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``n`` slots not being filled, coldest first (an empty slot counts as -inf;
+        ties: the lower slot), and their heat."""
         free = np.flatnonzero(~self.filling)
         if free.size == 0 or n <= 0:
-            return free[:0]
-        key = self.last_used[free] * self.slots + free  # (last use, slot) as one int64 order
-        if n < free.size:  # the n smallest in O(slots), then only those sorted
-            pick = np.argpartition(key, n - 1)[:n]
-            return free[pick[np.argsort(key[pick])]]
-        return free[np.argsort(key)]
+            return free[:0], np.zeros(0)
+        owner = self.owner[free]
+        h = np.where(owner[:, 0] >= 0, heat[owner[:, 0], np.maximum(owner[:, 1], 0)], -np.inf)
+        if n < free.size:  # the n coldest in O(slots), then only those sorted
+            pick = np.argpartition(h, n - 1)[:n]
+            pick = pick[np.lexsort((free[pick], h[pick]))]
+        else:
+            pick = np.lexsort((free, h))
+        return free[pick], h[pick]
 
 
 class ExpertCache:
@@ -115,7 +133,10 @@ class ExpertCache:
         self.host_slot = np.full((n, self.num_experts), -1, dtype=np.int64)
         self.pool_of_row: list[_Pool] = []
         self.pools = self._make_pools(capacity, packed_ok)
-        self.clock = 0
+        self.steps = 0
+        self.heat = np.zeros((n, self.num_experts))  # decayed route counts per (row, expert)
+        self.decay = 0.5 ** (1.0 / HEAT_HALF_LIFE)
+        self.fetching = np.zeros((n, self.num_experts), dtype=bool)
         self.pending: list[_Fetch] = []
         self.fetched_bytes = 0
         self.fetched_experts = 0
@@ -241,7 +262,6 @@ class ExpertCache:
                 for expert in range(min(self.num_experts, per_row + (1 if i < extra else 0))):
                     self.copies.submit(self._copy_job(pool, slot, row, expert), nbytes=pool.bytes_per_expert)
                     pool.owner[slot] = (row, expert)
-                    pool.last_used[slot] = self.clock
                     self.host_slot[row, expert] = slot
                     entries.append((row, expert, slot))
                     slot += 1
@@ -263,20 +283,25 @@ class ExpertCache:
         self.resident.view(-1).index_copy_(0, flat, slots >= 0)
 
     # ---- after a decode step ----------------------------------------------------------------
+    def observe(self, counts: np.ndarray, weight: float = PROMPT_WEIGHT) -> None:
+        """Add routes counted elsewhere (``counts [rows, E]``, a prompt's) to the heat."""
+        self.heat += weight * np.asarray(counts, dtype=np.float64)
+
     def after_step(self, ids: np.ndarray) -> np.ndarray:
         """``ids [rows, T, K]``: the step's routes of the cached layers (in row order).
         Returns which of them ran on the GPU (bool, same shape); commits finished copies
         and starts new fetches."""
-        self.clock += 1
-        slots = np.where(ids >= 0, self.host_slot[np.arange(ids.shape[0])[:, None, None], np.maximum(ids, 0)], -1)
-        hit = slots >= 0
-        for pool in self.pools:
-            rows = pool.rows
-            used = slots[rows][hit[rows]]
-            pool.last_used[used] = self.clock
+        self.steps += 1
+        rows, E = ids.shape[0], self.num_experts
+        hit = (ids >= 0) & (self.host_slot[np.arange(rows).reshape(-1, *([1] * (ids.ndim - 1))),
+                                           np.maximum(ids, 0)] >= 0)
+        routed = ids >= 0
+        row_of = np.broadcast_to(np.arange(rows).reshape(-1, *([1] * (ids.ndim - 1))), ids.shape)[routed]
+        self.heat *= self.decay
+        self.heat += np.bincount(row_of * E + ids[routed], minlength=rows * E).reshape(rows, E)
         self._commit()
         if self.max_fetch:
-            self._fetch(ids, hit)
+            self._fetch()
         return hit
 
     def _commit(self) -> None:
@@ -291,51 +316,46 @@ class ExpertCache:
         entries = []
         for f in done:
             f.pool.filling[f.slot] = False
-            if self.host_slot[f.row, f.expert] >= 0:  # cached meanwhile: the slot stays free
-                f.pool.last_used[f.slot] = -1
-                continue
+            self.fetching[f.row, f.expert] = False
             f.pool.owner[f.slot] = (f.row, f.expert)
-            f.pool.last_used[f.slot] = self.clock
             self.host_slot[f.row, f.expert] = f.slot
             entries.append((f.row, f.expert, f.slot))
         self._write_tables(entries)
 
-    def _wanted(self, ids: np.ndarray, hit: np.ndarray) -> dict[int, list[int]]:
-        """Per table row, the missed experts to fetch: most missed routes first (ties: the
-        lower id), none already being fetched, at most ``max_fetch``."""
-        rows, E = ids.shape[0], self.num_experts
-        miss = ~hit & (ids >= 0)
-        if not miss.any():
-            return {}
-        row_of = np.broadcast_to(np.arange(rows).reshape(-1, *([1] * (ids.ndim - 1))), ids.shape)[miss]
-        counts = np.bincount(row_of * E + ids[miss], minlength=rows * E).reshape(rows, E)
-        for f in self.pending:
-            counts[f.row, f.expert] = 0
-        order = np.argsort(-counts, axis=1, kind="stable")[:, : self.max_fetch]
-        taken = np.take_along_axis(counts, order, axis=1) > 0
-        return {int(r): [int(e) for e in order[r][taken[r]]] for r in np.flatnonzero(taken.any(axis=1))}
+    def _candidates(self) -> list[tuple[float, int, int]]:
+        """Per row, its hottest experts neither cached nor being fetched (at most
+        ``max_fetch``, heat > 0) as (heat, row, expert)."""
+        heat = np.where((self.host_slot >= 0) | self.fetching, -np.inf, self.heat)
+        k = min(self.max_fetch, heat.shape[1])
+        top = np.argpartition(-heat, k - 1, axis=1)[:, :k] if k < heat.shape[1] else \
+            np.broadcast_to(np.arange(heat.shape[1]), heat.shape)
+        h = np.take_along_axis(heat, top, axis=1)
+        r, j = np.nonzero(h > 0)
+        return [(float(h[a, b]), int(a), int(top[a, b])) for a, b in zip(r, j)]
 
-    def _fetch(self, ids: np.ndarray, hit: np.ndarray) -> None:
-        wanted = self._wanted(ids, hit)
-        by_pool: dict[int, list[tuple[int, int]]] = {}  # pool index -> (row, expert) in row order
-        for row, experts in wanted.items():
-            pool = self.pool_of_row[row]
+    def _fetch(self) -> None:
+        by_pool: dict[int, list[tuple[float, int, int]]] = {}
+        for cand in self._candidates():
+            pool = self.pool_of_row[cand[1]]
             if pool is not None:
-                by_pool.setdefault(self.pools.index(pool), []).extend((row, e) for e in experts)
+                by_pool.setdefault(self.pools.index(pool), []).append(cand)
         evict: list[tuple[int, int, int]] = []
         jobs: list[tuple[_Pool, int, int, int]] = []
-        for index, wants in by_pool.items():
+        for index, cands in by_pool.items():
             pool = self.pools[index]
-            # the rows' victims in row order: as if each row took its share in turn
-            for slot, (row, expert) in zip(pool.victims(len(wants)), wants):
+            cands.sort(key=lambda c: (-c[0], c[1], c[2]))  # hottest first (ties: lower row, lower id)
+            slots, cold = pool.victims(self.heat, len(cands))
+            for (h, row, expert), slot, v in zip(cands, slots, cold):
+                if h < FETCH_RATIO * v + FETCH_MARGIN:
+                    break  # the rest are no hotter, the remaining victims no colder
                 slot = int(slot)
-                old_row, old_expert = (int(v) for v in pool.owner[slot])
+                old_row, old_expert = (int(x) for x in pool.owner[slot])
                 if old_row >= 0:
                     self.host_slot[old_row, old_expert] = -1
                     evict.append((old_row, old_expert, -1))
                 pool.owner[slot] = (-1, -1)
                 pool.filling[slot] = True
-                pool.last_used[slot] = self.clock
+                self.fetching[row, expert] = True
                 jobs.append((pool, slot, row, expert))
         if not jobs:
             return
@@ -367,6 +387,8 @@ class ExpertCache:
     def describe(self) -> dict[str, Any]:
         return {
             "bytes": self.nbytes, "slots": self.slots, "layers": len(self.layers), "max_fetch": self.max_fetch,
+            "policy": {"heat_half_life_steps": HEAT_HALF_LIFE, "prompt_weight": PROMPT_WEIGHT,
+                       "fetch_ratio": FETCH_RATIO, "fetch_margin": FETCH_MARGIN},
             "pools": [{"formats": list(p.key), "slots": p.slots, "layers": len(p.rows),
                        "bytes_per_expert": p.bytes_per_expert} for p in self.pools],
             "cached_experts": int((self.host_slot >= 0).sum()), "fetched_experts": self.fetched_experts,
@@ -380,6 +402,7 @@ class ExpertCache:
             except RuntimeError:
                 pass
         self.pending.clear()
+        self.fetching[:] = False
 
 
 class CachedLayerExperts:

@@ -73,6 +73,9 @@ class ExpertTraffic:
         self.locked = False
         self.locked_routes = 0
         self._streaming = False
+        self._decode = True  # the current step decodes (prompt steps count routes for the cache)
+        self._prompt_counts: Optional[torch.Tensor] = None  # [cache rows, E] on the device
+        self._prompt_counted = False
         self._last: Optional[tuple[int, bool]] = None  # (tokens, decode) of the previous step
         self._busy_ns: Optional[int] = None
 
@@ -133,6 +136,9 @@ class ExpertTraffic:
                      "any number of" if o.stream_prefill == "on" else f">= {self.profile.min_tokens}",
                      self.profile.layer_bytes / 2**20, self.profile.pcie_gb_s,
                      self.profile.cpu_us_per_token if self.profile.cpu_us_per_token is not None else "-")
+        if self.cache is not None and o.hybrid_max_fetch > 0:
+            self._prompt_counts = torch.zeros((len(self.cache.layers), self.cache.num_experts), dtype=torch.int32,
+                                              device=self.device)
         if self.cache is not None or o.collect_stats:
             self.route_log = RouteLog(self.moe_layers, self.max_decode_tokens, self.top_k, self.device)
         if o.collect_stats:
@@ -181,12 +187,21 @@ class ExpertTraffic:
         def experts_fn(x: Any, ids: Any, w: Any) -> Any:
             if self.route_log is not None:
                 self.route_log.record(layer, ids)
+            if not self._decode and self._prompt_counts is not None and layer in self.cache.rows:  # type: ignore[union-attr]
+                self._count_prompt_routes(layer, ids)
             st = self.streamer
             if self._streaming and st is not None and layer in st.layers:
                 return st.forward(layer, x, ids, w)
             return fn()(x, ids, w)
 
         return experts_fn
+
+    def _count_prompt_routes(self, layer: int, ids: Any) -> None:
+        """Add a prompt step's routes of a cached layer to the device-side counts (no sync)."""
+        flat = ids.reshape(-1).long()
+        self._prompt_counts[self.cache.rows[layer]].index_add_(  # type: ignore[index, union-attr]
+            0, flat.clamp(min=0), (flat >= 0).to(torch.int32))
+        self._prompt_counted = True
 
     # ---- each step ------------------------------------------------------------------------------
     def before_step(self, tokens: int, decode: bool, busy_ns: Optional[int]) -> None:
@@ -198,6 +213,7 @@ class ExpertTraffic:
                 self.stats.cpu_expert_ns += busy_ns - self._busy_ns
             self._busy_ns = busy_ns
         self._last = (tokens, decode)
+        self._decode = decode
         st = self.streamer
         self._streaming = st is not None and st.wants(tokens, decode)
         if self._streaming:
@@ -209,6 +225,7 @@ class ExpertTraffic:
         """Graph capture ran the layers with a dummy batch: forget it as a step."""
         self._last = None
         self._streaming = False
+        self._decode = True
 
     def _after_decode(self, tokens: int) -> None:
         ids = self.route_log.read(tokens)  # type: ignore[union-attr]
@@ -217,6 +234,10 @@ class ExpertTraffic:
         for layer in self.cpu_layers:
             on_gpu[self.route_log.index[layer]] = False  # type: ignore[union-attr]
         if cache is not None:
+            if self._prompt_counted and self._prompt_counts is not None:  # the prompts since the last decode step
+                cache.observe(self._prompt_counts.cpu().numpy())
+                self._prompt_counts.zero_()
+                self._prompt_counted = False
             rows = [self.route_log.index[layer] for layer in cache.layers]  # type: ignore[union-attr]
             on_gpu[rows] = cache.after_step(ids[rows])
         if self.locked:
