@@ -260,7 +260,7 @@ def test_bench_decode_cpu_smoke(capsys):
                "--prompt-len", "16", "--gen-len", "4", "--repeats", "1", "--bandwidth-bytes", "4MiB", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["prompt_len"] == 16 and out["gen_len"] == 4
+    assert out["prompt_len"] == 16 and out["gen_len"] == 4 and out["temperature"] == 0.0
     assert set(out["batches"]) == {"1", "8"}
     assert set(out["decode_tok_s"]) == {"1", "8"} and set(out["prompt_tok_s"]) == {"1", "8"}
     for b, r in out["batches"].items():
@@ -277,6 +277,7 @@ def test_bench_decode_cpu_smoke(capsys):
     table = decode.format_table(out)
     row8 = next(line for line in table.splitlines() if line.split()[:1] == ["8"])
     assert "-" in row8.split() and "GPU memory: - " in table and "step breakdown: -" in table
+    assert "4 tokens generated per request (greedy)" in table
     # what a backend that reports the wait and the breakdown gets
     out["batches"]["8"].update(cpu_wait_share=0.25, step_breakdown={"attention": 120.0, "cpu_wait": 400.0})
     out.update(gpu_max_allocated_bytes=3 * 2**30, gpu_reserved_bytes=4 * 2**30, gpu_total_bytes=80 * 2**30)
@@ -285,3 +286,45 @@ def test_bench_decode_cpu_smoke(capsys):
     assert "25%" in row8.split()
     assert "attention 120 us, cpu_wait 400 us" in table
     assert "peak allocated 3.00 GiB, reserved 4.00 GiB of 80.00 GiB" in table
+
+
+def test_bench_decode_temperature_samples_seeded_random_tokens(capsys, monkeypatch):
+    """``--temperature 1000``: every request samples (near-uniformly) with its own seed, the
+    same for the same --seed; the temperature is in the JSON and the table's run line."""
+    from freetoken.engine.engine import LLMEngine
+
+    add_request = LLMEngine.add_request
+    reqs: list = []
+
+    def spy(self, prompt_ids, params, *args, **kwargs):
+        reqs.append(add_request(self, prompt_ids, params, *args, **kwargs))
+        return reqs[-1]
+
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
+    argv = ["--log-level", "WARNING", "bench", "decode", "--backend", "cpu", "--batch", "2", "--prompt-len", "4",
+            "--gen-len", "12", "--repeats", "1", "--bandwidth-bytes", "4MiB", "--temperature", "1000", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["temperature"] == 1000.0
+
+    def timed_runs() -> list:  # the timed run's requests (the route-counting run's prompt is 1 token)
+        return [r for r in reqs if len(r.prompt_ids) == 4 and len(r.output_ids) == 12]
+
+    timed = timed_runs()
+    assert len(timed) == 2
+    for r in reqs:
+        assert r.params.temperature == 1000.0 and r.params.seed is not None
+    assert len({r.params.seed for r in timed}) == 2
+    for r in timed:
+        # near-uniform draws from the demo model's vocabulary (thousands of tokens): almost never a
+        # repeat, where greedy decoding of its random weights repeats a few tokens
+        assert len(set(r.output_ids)) >= 10, r.output_ids
+    first = [r.output_ids for r in timed]
+    reqs.clear()
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert [r.output_ids for r in timed_runs()] == first  # seeded from --seed
+    assert "12 tokens generated per request (temperature 1000, a seed per request)" in decode.format_table(out)
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["bench", "decode", "--temperature", "-1"])
+    assert exc.value.code == 2

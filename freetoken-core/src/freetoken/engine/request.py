@@ -89,6 +89,9 @@ class Request:
         self.num_registered = 0  # leading blocks registered in (or attached from) the prefix cache
         self.cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache at first admission
         self.generator = generator
+        #: the generator of its draws on the logits' device (engine/sampling.py: plain sampled
+        #: requests on a GPU), made at its first such draw, seeded from ``generator``; None: none yet
+        self.device_generator: torch.Generator | None = None
         limit = max_model_len - len(self.prompt_ids)
         self.max_new = limit if params.max_tokens is None else min(params.max_tokens, limit)
         self.stop_ids = set(params.stop_token_ids)

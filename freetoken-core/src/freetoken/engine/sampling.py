@@ -12,6 +12,19 @@ filters. Its log-probabilities are those of the distribution it was actually dra
 from before the knobs: the model's log-softmax renormalised over the allowed
 tokens (``top_logprobs`` lists allowed tokens only). Unconstrained requests take
 exactly the same path as before.
+
+Where each request is sampled (:func:`sample`):
+
+- a batch of plain greedy requests (:func:`plain_greedy`) is decided where the logits
+  are, by argmax; only the token ids travel;
+- on a device other than the CPU, plain sampled requests (:func:`plain_sampled`:
+  temperature > 0, top-k allowed, nothing else) and the plain greedy ones beside them
+  are drawn on that device with the Gumbel-max trick (:func:`gumbel_pick`), each from
+  its own device generator (:func:`device_generator`), whatever else runs in the batch;
+  their ids come back in one transfer;
+- everything else (penalties, constraints, log-probabilities, top-p, min-p, and every
+  request whose logits are on the CPU) is sampled on the host: its rows are copied
+  there and drawn with ``torch.multinomial`` from the request's CPU generator.
 """
 
 from __future__ import annotations
@@ -175,15 +188,124 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return torch.argmax(logits, dim=-1).tolist()
 
 
+def plain_sampled(r: Request) -> bool:
+    """Whether ``r`` draws from softmax(logits / temperature), at most top-k filtered: a
+    temperature above 0, no penalty, no constraint, no log-probabilities, no top-p and
+    no min-p."""
+    p = r.params
+    return (not p.greedy and _trivial(p) and r.constraint is None and not p.logprobs and p.top_logprobs == 0
+            and p.top_p == 1.0 and p.min_p == 0.0)
+
+
+def device_rows(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    """The rows of ``logits`` that :func:`sample` draws where the logits are, with
+    :func:`gumbel_pick`: none for logits on the CPU or a batch without a plain sampled
+    request (a plain greedy batch keeps its argmax path, anything else the host path),
+    else every plain sampled and plain greedy row."""
+    if logits.device.type == "cpu" or not any(plain_sampled(r) for r in requests):
+        return []
+    return [i for i, r in enumerate(requests) if plain_sampled(r) or plain_greedy(r)]
+
+
+#: a 63-bit seed, drawn from the request's (or the engine's) host generator
+_SEED_BOUND = 2**63 - 1
+
+
+def device_generator(r: Request, device: torch.device, default_gen: torch.Generator) -> torch.Generator:
+    """``r``'s generator on ``device``, made at its first use and seeded with one 63-bit
+    draw from its own host generator (``default_gen`` for a request without one), so a
+    seeded request's device draws follow from its seed alone."""
+    g = r.device_generator
+    if g is None or g.device != device:
+        src = r.generator if r.generator is not None else default_gen
+        seed = int(torch.randint(0, _SEED_BOUND, (1,), generator=src))
+        g = torch.Generator(device=device)
+        g.manual_seed(seed)
+        r.device_generator = g
+    return g
+
+
+#: the uniform draws are kept inside [_U_MIN, _U_MAX] (float32): both logs of the Gumbel
+#: noise -log(-log u) stay finite (u = 0 or 1 would give an infinite score)
+_U_MIN = torch.finfo(torch.float32).tiny
+_U_MAX = 1.0 - 2.0**-24
+
+
+def gumbel_pick(rows: torch.Tensor, temperatures: Sequence[float], top_ks: Sequence[int],
+                generators: Sequence[torch.Generator | None]) -> list[int]:
+    """One token per row of ``rows`` [B, V] (on any device), computed where the rows are;
+    only the ids travel (one transfer).
+
+    A row with a temperature above 0 takes argmax(rows / T + G), G standard Gumbel noise
+    (-log(-log u), u uniform from the row's generator, which lives on the rows' device),
+    after the values below the k-th largest of rows / T are set to -inf (``top_ks[i]``
+    between 1 and V - 1; ties with the k-th are kept, as :func:`sampling_probs`): exactly
+    a draw from softmax(rows / T) over the kept tokens (the Gumbel-max trick; in float32,
+    u's steps of 2**-24 keep the noise within about [-4.5, 16.6]: a token more than ~21
+    nats below the best, under 1e-9 of its probability, is never drawn, and tokens of
+    probability below ~1e-7 come slightly less often than they should). A row with
+    temperature 0 takes its largest value (its generator may be None)."""
+    B, V = rows.shape
+    x = rows.float()
+    sampled = [i for i in range(B) if temperatures[i] > 0]
+    if not sampled:
+        return torch.argmax(x, dim=-1).tolist()
+    dev = x.device
+    idx = None if len(sampled) == B else torch.tensor(sampled, dtype=torch.int64, device=dev)
+    xs = x if idx is None else x.index_select(0, idx)
+    temps = [float(temperatures[i]) for i in sampled]
+    if all(t == temps[0] for t in temps):
+        score = xs / temps[0]
+    else:
+        score = xs / torch.tensor(temps, dtype=torch.float32, device=dev)[:, None]
+    u = torch.empty_like(score)
+    for j, i in enumerate(sampled):
+        k = top_ks[i]
+        if k is not None and 0 < k < V:
+            row = score[j]
+            row.masked_fill_(row < torch.topk(row, k).values[-1], float("-inf"))
+        u[j].uniform_(generator=generators[i])
+    u.clamp_(_U_MIN, _U_MAX)
+    score -= torch.log(-torch.log(u))  # + Gumbel noise (equivalently: - log of an Exponential(1) draw)
+    picks = torch.argmax(score, dim=-1)
+    if idx is not None:
+        picks = torch.argmax(x, dim=-1).index_copy_(0, idx, picks)
+    return picks.tolist()
+
+
 def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Generator) -> list[tuple[int, Optional[TokenLogprob]]]:
     """One token (and its log-probability if asked) per row of ``logits`` [B, V] (on any
     device). A constrained request whose constraint allows nothing gets token -1.
 
     A batch of plain greedy requests is decided where the logits are (only the token ids
-    travel); anything else is sampled on the host."""
-    B = logits.shape[0]
+    travel). On a device other than the CPU, the plain sampled requests and the plain
+    greedy ones beside them are drawn there too (:func:`device_rows`,
+    :func:`gumbel_pick`); anything else is sampled on the host."""
     if all(plain_greedy(r) for r in requests):
         return [(int(t), None) for t in argmax_rows(logits)]
+    rows = device_rows(logits, requests)
+    if not rows:
+        return _sample_host(logits, requests, default_gen)
+    reqs = [requests[i] for i in rows]
+    gens = [device_generator(r, logits.device, default_gen) if plain_sampled(r) else None for r in reqs]
+    picks = gumbel_pick(logits if len(rows) == len(requests) else logits[rows],
+                        [r.params.temperature for r in reqs], [r.params.top_k for r in reqs], gens)
+    if len(rows) == len(requests):
+        return [(t, None) for t in picks]
+    on_device = set(rows)
+    rest = [i for i in range(len(requests)) if i not in on_device]
+    out: list[tuple[int, TokenLogprob | None]] = [(-1, None)] * len(requests)
+    for i, t in zip(rows, picks):
+        out[i] = (t, None)
+    for i, picked in zip(rest, _sample_host(logits[rest], [requests[i] for i in rest], default_gen)):
+        out[i] = picked
+    return out
+
+
+def _sample_host(logits: torch.Tensor, requests: list[Request],
+                 default_gen: torch.Generator) -> list[tuple[int, TokenLogprob | None]]:
+    """:func:`sample` on the host: ``logits`` are copied there as float32."""
+    B = logits.shape[0]
     logits = logits.float().cpu()
     tokens: list[Optional[int]] = [None] * B
     done_lp: dict[int, Optional[TokenLogprob]] = {}  # constrained rows: their own log-probabilities

@@ -1,10 +1,11 @@
 """``freetoken bench decode``: prompt and decode tokens/s of the whole engine, with
 the memory-bandwidth ceiling measured in the same run.
 
-Greedy decoding from random prompt token ids (fixed seed): one short request warms
-up, then for every batch size ``--batch`` (default 1 and 8 concurrent requests) each
-run times the ``engine.step()`` loops with ``time.perf_counter``: prompt tokens/s up to
-every request's first token, decode tokens/s after it. Beside the speed it reports the
+Greedy decoding (or, with ``--temperature``, sampling with a seed per request) from
+random prompt token ids (fixed seed): one short request warms up, then for every batch
+size ``--batch`` (default 1 and 8 concurrent requests) each run times the
+``engine.step()`` loops with ``time.perf_counter``: prompt tokens/s up to every
+request's first token, decode tokens/s after it. Beside the speed it reports the
 GPU memory torch's allocator used (peak allocated, reserved) when the engine runs on a
 CUDA/HIP device, and what the backend's report (``engine.backend_info()``) says about
 the decode steps: ``cpu_wait_share`` (the share of step time spent waiting for the
@@ -143,17 +144,21 @@ def _sync(dev: Optional[torch.device]) -> None:
 
 
 def run_batch(eng: Any, batch: int, prompt_len: int, tokens: int, vocab: int, seed: int,
-              dev: Optional[torch.device] = None) -> dict[str, float]:
-    """``batch`` concurrent greedy requests of ``prompt_len`` random token ids, ``tokens``
-    generated each: prompt tokens/s up to every request's first token, decode tokens/s
-    after it."""
+              dev: Optional[torch.device] = None, temperature: float = 0.0) -> dict[str, float]:
+    """``batch`` concurrent requests of ``prompt_len`` random token ids, ``tokens``
+    generated each (greedy at ``temperature`` 0, else sampled at that temperature, each
+    request with its own seed drawn from ``seed`` after the prompts): prompt tokens/s up
+    to every request's first token, decode tokens/s after it."""
     from freetoken.engine.sampling_params import SamplingParams
 
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    seeds = [rng.randrange(1 << 63) if temperature > 0 else None for _ in range(batch)]
     _sync(dev)
     busy0, mine0 = _cpu_ticks()
-    reqs = [eng.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params) for _ in range(batch)]
+    reqs = [eng.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=temperature, ignore_eos=True,
+                                                   seed=request_seed))
+            for prompt, request_seed in zip(prompts, seeds)]
     t0 = time.perf_counter()
     while any(not r.output_ids for r in reqs):
         eng.step()
@@ -191,11 +196,22 @@ def backend_step_report(info: dict[str, Any]) -> tuple[Optional[float], Optional
     return share, breakdown
 
 
+def _temperature(text: str) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a number >= 0") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a number >= 0 (0: greedy)")
+    return value
+
+
 def add_parser(subparsers: "argparse._SubParsersAction") -> None:
     p = subparsers.add_parser(
         "decode",
         help="engine prompt/decode tokens/s at batch 1 and 8, GPU memory, CPU-expert wait, bandwidth ceiling",
-        description="Prompt and decode tokens/s of the whole engine at batch 1 and 8 (greedy, random prompt ids), "
+        description="Prompt and decode tokens/s of the whole engine at batch 1 and 8 (greedy unless --temperature, "
+        "random prompt ids), "
         "the GPU memory it used, the share of decode step time spent waiting for the CPU experts (as the backend "
         "reports it) and the memory-bandwidth ceiling, as one table (or --json).",
     )
@@ -205,6 +221,12 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
                    help="prompt tokens per request (default: 512)")
     p.add_argument("--gen-len", "--tokens", dest="gen_len", type=int_at_least(2), default=64, metavar="N",
                    help="tokens generated per request (default: 64; --tokens is the same option)")
+    p.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
+                   help="sampling temperature of every request (default: 0, greedy), each request seeded from --seed "
+                        "and its index. Greedy decoding of a random-weight model repeats one token, so every decode "
+                        "step routes the same experts (a best case for an expert cache); a high temperature (e.g. "
+                        "1000) draws near-uniformly random tokens, as llama-bench's generation test feeds random "
+                        "tokens")
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="torch threads (dense layers, prefill on the CPU) (default: torch's)")
     p.add_argument("--repeats", type=positive_int, default=3, metavar="N",
@@ -230,7 +252,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
             "prefill_chunk": "the largest --batch times --prompt-len: a batch's prompts in one step",
             "max_model_len": "--prompt-len + --gen-len + 1",
             "kv_cache_tokens": "enough for the largest --batch at --max-model-len",
-            "seed": "0; also seeds the random prompts",
+            "seed": "0; also seeds the random prompts and, with --temperature, the requests",
         },
     )
     p.set_defaults(func=run)
@@ -292,9 +314,9 @@ def _bench(args: argparse.Namespace, eng: Any, config: EngineConfig) -> int:
     # warm-up: one short request pages the weights in and pays first-call costs; one request
     # of the timed prompt's length compiles the prompt-sized kernels (Triton compiles a
     # variant on its first launch, seconds that are no part of a prompt's speed)
-    run_batch(eng, 1, min(16, args.prompt_len), 4, vocab, args.seed + 99, dev)
+    run_batch(eng, 1, min(16, args.prompt_len), 4, vocab, args.seed + 99, dev, args.temperature)
     if args.prompt_len > 16:
-        run_batch(eng, 1, args.prompt_len, 1, vocab, args.seed + 98, dev)
+        run_batch(eng, 1, args.prompt_len, 1, vocab, args.seed + 98, dev, args.temperature)
     gpu_peak = _gpu_memory(dev)["gpu_max_allocated_bytes"]
     bw, bw_how = measure_bandwidth(args.bandwidth_bytes)
     info = eng.backend_info()
@@ -310,6 +332,7 @@ def _bench(args: argparse.Namespace, eng: Any, config: EngineConfig) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "prompt_len": args.prompt_len,
         "gen_len": args.gen_len,
+        "temperature": args.temperature,
         "repeats": args.repeats,
         "engine_config": dataclasses.asdict(config),
         "bandwidth_GBs": bw / 1e9,
@@ -324,7 +347,8 @@ def _bench(args: argparse.Namespace, eng: Any, config: EngineConfig) -> int:
         if dev is not None:
             torch.cuda.reset_peak_memory_stats(dev)
         # a distinct seed per run and batch size: no prompt repeats, so no run reads the prefix cache
-        runs = sorted((run_batch(eng, b, args.prompt_len, args.gen_len, vocab, args.seed + 7 * i + 1000 * b, dev)
+        runs = sorted((run_batch(eng, b, args.prompt_len, args.gen_len, vocab, args.seed + 7 * i + 1000 * b, dev,
+                                 args.temperature)
                        for i in range(args.repeats)), key=lambda x: x["decode_tok_s"])
         r: dict[str, Any] = dict(runs[len(runs) // 2])
         r["decode_tok_s_runs"] = [round(x["decode_tok_s"], 2) for x in runs]
@@ -339,7 +363,7 @@ def _bench(args: argparse.Namespace, eng: Any, config: EngineConfig) -> int:
         # stays out of the timed runs)
         counter = _RouteCounter(model)
         try:
-            run_batch(eng, b, 1, min(args.gen_len, 16), vocab, args.seed + 1000 + b, dev)
+            run_batch(eng, b, 1, min(args.gen_len, 16), vocab, args.seed + 1000 + b, dev, args.temperature)
         finally:
             counter.remove()
         uniq = counter.mean_unique()
@@ -386,7 +410,7 @@ def _cpu_profile(eng: Any, args: argparse.Namespace, vocab: int, dev: Optional[t
         return
     pool = getattr(eng.session, "pool", None)
     with StepProfiler(eng) as prof:
-        run_batch(eng, 1, args.prompt_len, args.gen_len, vocab, args.seed + 4242, dev)
+        run_batch(eng, 1, args.prompt_len, args.gen_len, vocab, args.seed + 4242, dev, args.temperature)
     call_us = pool_call_us(pool) if pool is not None else None
     gap_us = pool_call_us(pool, repeats=100, gap_us=300.0) if pool is not None else None
     attention = getattr(getattr(eng.session, "attention", None), "mode", "-")
@@ -401,7 +425,7 @@ def _stages(eng: Any, args: argparse.Namespace, vocab: int, dev: Optional[torch.
     """One batch-1 run (``--prompt-len``, ``--gen-len`` tokens) with the session's stage trace."""
     if not eng.session.start_stage_trace():
         return None
-    run_batch(eng, 1, args.prompt_len, args.gen_len, vocab, args.seed + 999, dev)  # no timed run's prompt
+    run_batch(eng, 1, args.prompt_len, args.gen_len, vocab, args.seed + 999, dev, args.temperature)  # no timed run's prompt
     return eng.session.stage_split()
 
 
@@ -428,6 +452,10 @@ def _columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return out
 
 
+def _sampling_text(temperature: float) -> str:
+    return "greedy" if not temperature else f"temperature {temperature:g}, a seed per request"
+
+
 def format_table(results: dict[str, Any]) -> str:
     """The results as text a person reads: the setting, one row per batch size, notes."""
     rep = results.get("backend_report") or {}
@@ -441,7 +469,7 @@ def format_table(results: dict[str, Any]) -> str:
         f"{results['torch_threads']})",
         f"machine {results['machine']}; {results['date']}",
         f"prompt {results['prompt_len']} random token ids, {results['gen_len']} tokens generated per request "
-        f"(greedy); median of {results['repeats']} run(s) per batch size",
+        f"({_sampling_text(results.get('temperature', 0.0))}); median of {results['repeats']} run(s) per batch size",
         f"read bandwidth {results['bandwidth_GBs']:.1f} GB/s ({results['bandwidth_method']}; "
         f"{results['bandwidth_GBs_after']:.1f} GB/s after the runs, the ceiling uses the first); weights read: "
         f"dense {results['dense_bytes_per_step'] / 1e6:.1f} MB/step, experts "
