@@ -477,3 +477,59 @@ def test_router_skew_scales_router_rows_only(tmp_path):
         assert low["skewed"] > 2 * low["base"], low  # the first quarter of the experts takes most routes
     assert main(["bench", "make-model", "--preset", "qwen3-moe-tiny", "--router-skew", "-1",
                  "--out", str(tmp_path / "bad.gguf")]) == 2
+
+
+@pytest.mark.parametrize("fmt", [Fmt.Q4_K, Fmt.Q5_K])
+def test_centered_kquant_blocks_are_zero_mean(fmt):
+    """gguf-py's dequantization of centered Q4_K/Q5_K blocks: zero-mean weights; the
+    uncentered ones (independent random scales and mins) have a mean near their spread."""
+    import gguf
+
+    from freetoken.loading.gguf_writer import random_blocks
+
+    gq = gguf.GGMLQuantizationType[Fmt(fmt).name]
+    for centered, bound in ((True, 0.02), (False, None)):
+        w = gguf.quants.dequantize(random_blocks(fmt, 64, 2048, np.random.default_rng(1), centered=centered), gq)
+        ratio = float(np.mean(w) / np.std(w))
+        assert np.isfinite(w).all() and np.std(w) > 0
+        if bound is None:
+            assert ratio > 0.5
+        else:
+            assert abs(ratio) < bound
+
+
+def test_synthetic_model_routes_tokens_apart(tmp_path):
+    """Each layer's router sends random tokens to many different experts (a random-weight
+    file whose hidden states collapse onto one direction routed every token of its deeper
+    layers to the same few experts): the prompt's routes of a 6-layer file cover at least
+    three quarters of the experts in every layer, and no expert takes over a quarter."""
+    from freetoken.cli.bench.make_model import PRESETS, write
+    from freetoken.moe.layer import MoELayer
+
+    cfg = dataclasses.replace(PRESETS["qwen3-moe-tiny"], num_layers=6)
+    path = str(tmp_path / "six.gguf")
+    write(path, cfg, "q4_k_m", seed=5, progress=False, threads=1)
+    routes: dict[int, list[np.ndarray]] = {}
+    route = MoELayer.route
+
+    def recording(self, x):
+        ids, w = route(self, x)
+        routes.setdefault(self.layer, []).append(ids.cpu().numpy().copy())
+        return ids, w
+
+    MoELayer.route = recording
+    try:
+        eng = engine_for(path, max_model_len=256)
+        rng = np.random.default_rng(2)
+        eng.add_request(rng.integers(0, cfg.vocab_size, size=96).tolist(), SamplingParams(max_tokens=1))
+        while eng.has_work():
+            eng.step()
+        eng.close()
+    finally:
+        MoELayer.route = route
+    assert sorted(routes) == list(range(cfg.num_layers))
+    for layer, calls in routes.items():
+        ids = np.concatenate([c.reshape(-1) for c in calls])
+        counts = np.bincount(ids, minlength=cfg.num_experts)
+        assert (counts > 0).sum() >= 0.75 * cfg.num_experts, (layer, counts.tolist())
+        assert counts.max() <= 0.25 * ids.size, (layer, counts.tolist())

@@ -127,11 +127,18 @@ def write_tokenizer(w: Any, tokenizer_json: str, chat_template: Optional[str], e
         w.add_string("tokenizer.chat_template", chat_template)
 
 
-def random_blocks(fmt: int, rows: int, cols: int, rng: np.random.Generator, scale: float = 2e-4) -> np.ndarray:
+def random_blocks(fmt: int, rows: int, cols: int, rng: np.random.Generator, scale: float = 2e-4,
+                  centered: bool = False) -> np.ndarray:
     """``rows`` packed rows of ``cols`` values in ``fmt`` as uint8 ``[rows, row_bytes]``.
 
     The quantized bits are uniformly random; every fp16 scale (MXFP4: block exponent) is a
-    small positive finite value around ``scale`` so dequantized weights are O(0.01)."""
+    small positive finite value around ``scale`` so dequantized weights are O(0.01).
+
+    Q4_K/Q5_K values are d x sc x q - dmin x m with q >= 0, so independent random scales
+    and mins give every weight a positive mean: a matrix of them maps any input mostly onto
+    one fixed direction. ``centered`` makes each sub-block's min equal its scale and dmin
+    7.5 d (Q5_K: 15.5 d), the mean of q: zero-mean weights, as trained ones are (Q6_K's
+    signed scales, Q8_0 and MXFP4 are zero-mean as drawn)."""
     per, nb = BLOCK_SIZES[int(fmt)]
     if cols % per:
         raise ValueError(f"{Fmt(fmt).name} needs cols multiple of {per}, got {cols}")
@@ -144,6 +151,16 @@ def random_blocks(fmt: int, rows: int, cols: int, rng: np.random.Generator, scal
 
     if fmt == Fmt.Q8_0:
         raw[:, 0:2] = f16(scale * 2, scale * 6)
+    elif fmt in (Fmt.Q4_K, Fmt.Q5_K) and centered:
+        d = rng.uniform(scale * 0.5, scale * 1.5, size=nblk)
+        raw[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(nblk, 2)
+        raw[:, 2:4] = (d * (7.5 if fmt == Fmt.Q4_K else 15.5)).astype(np.float16).view(np.uint8).reshape(nblk, 2)
+        # the 12 scale bytes: sub-block j < 4 takes scale bits 0-5 of byte j and min bits of
+        # byte j + 4; j >= 4 the low / high nibble of byte j + 4 plus the top bits of byte
+        # j - 4 / j: equal bytes 0-3 and 4-7 and equal nibbles in 8-11 give min == scale
+        raw[:, 8:12] = raw[:, 4:8]
+        low = raw[:, 12:16] & 0x0F
+        raw[:, 12:16] = low | (low << 4)
     elif fmt in (Fmt.Q4_K, Fmt.Q5_K):
         raw[:, 0:2] = f16(scale * 0.5, scale * 1.5)  # d
         raw[:, 2:4] = f16(scale * 0.5, scale * 1.5)  # dmin
@@ -166,8 +183,11 @@ class RandomBlockPool:
     ``scale``, so dequantized weights vary block to block), and each tensor is that pool
     repeated from a random starting block. The default pool length is prime, so rows,
     experts and tensors start at different pool positions; the same block sequence comes
-    back only every ``pool_blocks`` blocks. Meant for speed measurements, whose cost does
-    not depend on the values; tests of numerics use :func:`random_blocks`."""
+    back only every ``pool_blocks`` blocks. The blocks are ``centered`` (zero-mean weights,
+    see :func:`random_blocks`): with the positive mean of uncentered K-quant blocks every
+    token's hidden state is dominated by one shared direction, and the routers send every
+    token to the same few experts. Meant for speed measurements; tests of numerics use
+    :func:`random_blocks`."""
 
     POOL_BLOCKS = 65521  # prime; ~9 MiB of Q4_K, ~13 MiB of Q6_K
 
@@ -177,25 +197,27 @@ class RandomBlockPool:
         self._rng = rng
         self._scale = scale
         self._n = pool_blocks
-        self._pools: dict[int, np.ndarray] = {}
+        self._pools: dict[tuple[int, float], np.ndarray] = {}
 
-    def pool(self, fmt: int) -> np.ndarray:
-        """The pool of ``fmt`` as uint8 ``[pool_blocks, block_bytes]``."""
-        fmt = int(fmt)
-        p = self._pools.get(fmt)
+    def pool(self, fmt: int, gain: float = 1.0) -> np.ndarray:
+        """The pool of ``fmt`` (block scales ``gain`` x the pool's ``scale``) as uint8
+        ``[pool_blocks, block_bytes]``."""
+        key = (int(fmt), float(gain))
+        p = self._pools.get(key)
         if p is None:
-            per, nb = BLOCK_SIZES[fmt]
-            p = random_blocks(fmt, 1, self._n * per, self._rng, self._scale).reshape(self._n, nb)
-            self._pools[fmt] = p
+            per, nb = BLOCK_SIZES[key[0]]
+            p = random_blocks(key[0], 1, self._n * per, self._rng, self._scale * gain, centered=True)
+            p = p.reshape(self._n, nb)
+            self._pools[key] = p
         return p
 
-    def segments(self, fmt: int, rows: int, cols: int) -> list[np.ndarray]:
+    def segments(self, fmt: int, rows: int, cols: int, gain: float = 1.0) -> list[np.ndarray]:
         """The bytes of ``rows`` packed rows as consecutive views into the pool (no copy):
         written one after the other they are the tensor :meth:`blocks` returns."""
         per, nb = BLOCK_SIZES[int(fmt)]
         if cols % per:
             raise ValueError(f"{Fmt(fmt).name} needs cols multiple of {per}, got {cols}")
-        pool = self.pool(fmt)
+        pool = self.pool(fmt, gain)
         nblk = rows * (cols // per)
         start = int(self._rng.integers(self._n))
         out: list[np.ndarray] = []
@@ -206,9 +228,9 @@ class RandomBlockPool:
             start = 0
         return out
 
-    def blocks(self, fmt: int, rows: int, cols: int) -> np.ndarray:
+    def blocks(self, fmt: int, rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
         """``rows`` packed rows of ``cols`` values in ``fmt`` as uint8 ``[rows, row_bytes]``."""
-        segs = self.segments(fmt, rows, cols)
+        segs = self.segments(fmt, rows, cols, gain)
         return np.concatenate(segs).reshape(rows, -1)
 
 

@@ -9,6 +9,15 @@ what the page cache and the disk cost. Its vocabulary has no text
 (``tokenizer.ggml.model = "none"`` with ``{arch}.vocab_size``): FreeToken and llama.cpp
 both load it and take token ids, so one file serves both in a benchmark.
 
+The values are chosen so that routing behaves like a trained model's, not collapsed:
+K-quant blocks are zero-mean (``RandomBlockPool``'s centered blocks), the q/k norms
+sharpen attention (``QK_NORM_GAIN``: with near-uniform attention every position's
+output is the context's mean value vector) and the matrices writing into the residual
+stream are scaled down (``RESIDUAL_GAIN``). Without these the hidden states of all tokens
+converge on one direction and the routers of the deeper layers send every token to the
+same few experts, which makes an expert cache look perfect; with them, random tokens
+spread over nearly all experts of every layer (tests/engine/test_make_model_gguf.py).
+
 Q4_K_M follows llama.cpp's mix (llama_tensor_get_type): Q4_K everywhere, except the
 output head Q6_K, and attn_v and ffn_down(_exps) Q6_K in the layers where
 ``use_more_bits(i, n)`` holds (i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2, n = the
@@ -131,6 +140,7 @@ class Planned:
     shape: tuple[int, ...]  # row-major
     fmt: int
     make: Callable[[np.random.Generator, RandomBlockPool], np.ndarray]
+    gain: float = 1.0  # packed blocks: scale of the block scales (the residual branches' outputs are smaller)
 
     @property
     def nbytes(self) -> int:
@@ -152,9 +162,21 @@ def _uniform(shape: tuple[int, ...], lo: float, hi: float) -> Maker:
     return lambda rng, pool: rng.uniform(lo, hi, size=shape).astype(np.float32)
 
 
-def _packed(shape: tuple[int, ...], fmt: int) -> Maker:
+def _packed(shape: tuple[int, ...], fmt: int, gain: float = 1.0) -> Maker:
     rows = int(np.prod(shape[:-1]))
-    return lambda rng, pool: pool.blocks(fmt, rows, shape[-1]).reshape(*shape[:-1], -1)
+    return lambda rng, pool: pool.blocks(fmt, rows, shape[-1], gain).reshape(*shape[:-1], -1)
+
+
+#: the block-scale gain of the matrices that write into the residual stream (attention
+#: output, expert down projections): with weights of one scale everywhere, each layer's
+#: output outweighs the token embedding, the hidden states of all tokens drift toward a
+#: shared direction and the deeper layers' routers pick the same few experts for every
+#: token; scaled down, every layer still sees mostly its token's own state and routing
+#: varies from token to token, as in a trained model
+RESIDUAL_GAIN = 0.1
+#: the q/k RMSNorm weights' mean: attention logits of standard deviation ~4, so each query
+#: attends to a few positions instead of averaging the whole context
+QK_NORM_GAIN = 4.0
 
 
 def skew_routers(tensors: list[Planned], skew: float) -> list[Planned]:
@@ -300,8 +322,8 @@ def plan(cfg: ModelConfig, quant: str) -> list[Planned]:
     H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
     out: list[Planned] = []
 
-    def add(name: str, shape: tuple[int, ...], fmt: int, make=None) -> None:
-        out.append(Planned(name, shape, fmt, make or packed(shape, fmt)))
+    def add(name: str, shape: tuple[int, ...], fmt: int, make=None, gain: float = 1.0) -> None:
+        out.append(Planned(name, shape, fmt, make or packed(shape, fmt, gain), gain))
 
     add("token_embd.weight", (cfg.vocab_size, H), tensor_format(quant, "token_embd", 0, L))
     for i in range(L):
@@ -310,14 +332,15 @@ def plan(cfg: ModelConfig, quant: str) -> list[Planned]:
         add(b + "attn_q.weight", (cfg.num_heads * D, H), tensor_format(quant, "attn_q", i, L))
         add(b + "attn_k.weight", (cfg.num_kv_heads * D, H), tensor_format(quant, "attn_k", i, L))
         add(b + "attn_v.weight", (cfg.num_kv_heads * D, H), tensor_format(quant, "attn_v", i, L))
-        add(b + "attn_output.weight", (H, cfg.num_heads * D), tensor_format(quant, "attn_output", i, L))
-        add(b + "attn_q_norm.weight", (D,), Fmt.F32, f32((D,), 1.0, 0.05))
-        add(b + "attn_k_norm.weight", (D,), Fmt.F32, f32((D,), 1.0, 0.05))
+        add(b + "attn_output.weight", (H, cfg.num_heads * D), tensor_format(quant, "attn_output", i, L),
+            gain=RESIDUAL_GAIN)
+        add(b + "attn_q_norm.weight", (D,), Fmt.F32, f32((D,), QK_NORM_GAIN, 0.05))
+        add(b + "attn_k_norm.weight", (D,), Fmt.F32, f32((D,), QK_NORM_GAIN, 0.05))
         add(b + "ffn_norm.weight", (H,), Fmt.F32, f32((H,), 1.0, 0.05))
         add(b + "ffn_gate_inp.weight", (E, H), Fmt.F32, f32((E, H), 0.0, 0.02))
         add(b + "ffn_gate_exps.weight", (E, I, H), tensor_format(quant, "ffn_gate_exps", i, L))
         add(b + "ffn_up_exps.weight", (E, I, H), tensor_format(quant, "ffn_up_exps", i, L))
-        add(b + "ffn_down_exps.weight", (E, H, I), tensor_format(quant, "ffn_down_exps", i, L))
+        add(b + "ffn_down_exps.weight", (E, H, I), tensor_format(quant, "ffn_down_exps", i, L), gain=RESIDUAL_GAIN)
     add("output_norm.weight", (H,), Fmt.F32, f32((H,), 1.0, 0.05))
     add("output.weight", (cfg.vocab_size, H), tensor_format(quant, "output", L, L))
     return out
@@ -396,7 +419,7 @@ def write(path: str, cfg: ModelConfig, quant: str, seed: int = 0, progress: bool
                 if t.fmt in (Fmt.F32, Fmt.F16, MXFP4):
                     segs = [np.ascontiguousarray(t.make(rng, pool))]
                 else:
-                    segs = pool.segments(t.fmt, int(np.prod(t.shape[:-1])), t.shape[-1])
+                    segs = pool.segments(t.fmt, int(np.prod(t.shape[:-1])), t.shape[-1], t.gain)
                 if sum(a.nbytes for a in segs) != t.nbytes:
                     raise AssertionError(f"{t.name}: made {sum(a.nbytes for a in segs)} bytes, planned {t.nbytes}")
                 pos = offset
