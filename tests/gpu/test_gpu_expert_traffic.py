@@ -46,10 +46,12 @@ def reference(backend):
 
 def test_cache_churn_in_graphs_matches_cpu(backend, reference, monkeypatch):
     """200 decode steps per request, every layer's experts in host memory, a cache of 12 of
-    the 64 experts with 2 fetches per layer and step, the fetch policy's hysteresis off (any
-    expert at least as hot as a cached one replaces it): the slots change under the graphs."""
+    the 64 experts with 2 fetches per layer and step, the fetch policy made restless (heat
+    halving every step, no hysteresis: the last step's routes replace the coldest slots, as
+    least recently used would): the slots change under the graphs."""
     from freetoken.moe import expert_cache
 
+    monkeypatch.setattr(expert_cache, "HEAT_HALF_LIFE", 1)
     monkeypatch.setattr(expert_cache, "FETCH_RATIO", 1.0)
     monkeypatch.setattr(expert_cache, "FETCH_MARGIN", 0.0)
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_cache_size=float(12 * EXPERT_BYTES),
@@ -62,7 +64,8 @@ def test_cache_churn_in_graphs_matches_cpu(backend, reference, monkeypatch):
     assert rep["graphs"] is True
     assert rep["expert_cache"]["slots"] == 12 and rep["expert_cache"]["pools"][0]["formats"][0] == "packed"
     stats = rep["moe_stats"]
-    assert rep["expert_cache"]["fetched_experts"] > 100 and 0 < stats["gpu_routes"] < stats["routes"]
+    assert rep["expert_cache"]["fetched_experts"] > 100, rep["expert_cache"]
+    assert 0 < stats["gpu_routes"] < stats["routes"], stats
     assert check_logits(got, reference, TOL) > 100
 
 
