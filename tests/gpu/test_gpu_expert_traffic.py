@@ -52,7 +52,7 @@ def test_cache_churn_in_graphs_matches_cpu(backend, reference, monkeypatch):
     from freetoken.moe import expert_cache
 
     monkeypatch.setattr(expert_cache, "HEAT_HALF_LIFE", 1)
-    monkeypatch.setattr(expert_cache, "FETCH_RATIO", 1.0)
+    monkeypatch.setattr(expert_cache, "FETCH_Z", 0.0)
     monkeypatch.setattr(expert_cache, "FETCH_MARGIN", 0.0)
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_cache_size=float(12 * EXPERT_BYTES),
                   moe_hybrid_max_fetch=2, moe_collect_stats=True, moe_stream_prefill="off")

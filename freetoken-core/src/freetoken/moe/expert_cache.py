@@ -22,10 +22,11 @@ step's routes are read back from the :class:`~freetoken.moe.moe_stats.RouteLog`)
    compute stream, so the next step uses them;
 3. with ``max_fetch`` > 0, each layer's hottest experts that are not cached (at most
    ``max_fetch`` per layer) are matched, hottest first, with the pool's coldest cached
-   experts (empty slots first); a pair is swapped only when the newcomer's heat is at least
-   :data:`FETCH_RATIO` times the victim's plus :data:`FETCH_MARGIN` routes, so experts of
-   equal popularity do not chase each other through the slots (uniform routing settles
-   instead of copying every step). The victims' table entries are cleared on the compute
+   experts (empty slots first); a pair is swapped only when the newcomer's heat exceeds the
+   victim's by :data:`FETCH_Z` standard deviations of the difference of two route counts
+   (Poisson: ``sqrt(h_new + h_victim)``) plus :data:`FETCH_MARGIN` routes, so experts of
+   equal popularity do not chase each other through the slots on count noise (uniform
+   routing settles instead of copying every step). The victims' table entries are cleared on the compute
    stream first, then the :class:`CopyQueue` copies the new bytes into the slots after that
    point, on its side stream. The current and next steps never wait for a copy; a slot is
    in no table while it is being written.
@@ -55,9 +56,10 @@ HEAT_HALF_LIFE = 256
 #: a prompt route's share of heat against a decode route's (prompts hint at popularity;
 #: the decode steps are what the cache serves)
 PROMPT_WEIGHT = 0.25
-#: an uncached expert replaces a cached one when its heat is >= FETCH_RATIO x the victim's
-#: + FETCH_MARGIN (hysteresis: near-equal experts stay where they are)
-FETCH_RATIO = 1.25
+#: an uncached expert of heat h replaces a cached one of heat v when
+#: h - v >= FETCH_Z * sqrt(h + v) + FETCH_MARGIN: the difference is beyond the noise of two
+#: route counts (hysteresis: experts of near-equal popularity stay where they are)
+FETCH_Z = 3.0
 FETCH_MARGIN = 2.0
 
 
@@ -346,7 +348,7 @@ class ExpertCache:
             cands.sort(key=lambda c: (-c[0], c[1], c[2]))  # hottest first (ties: lower row, lower id)
             slots, cold = pool.victims(self.heat, len(cands))
             for (h, row, expert), slot, v in zip(cands, slots, cold):
-                if h < FETCH_RATIO * v + FETCH_MARGIN:
+                if v != -np.inf and h - v < FETCH_Z * math.sqrt(h + v) + FETCH_MARGIN:
                     break  # the rest are no hotter, the remaining victims no colder
                 slot = int(slot)
                 old_row, old_expert = (int(x) for x in pool.owner[slot])
@@ -388,7 +390,7 @@ class ExpertCache:
         return {
             "bytes": self.nbytes, "slots": self.slots, "layers": len(self.layers), "max_fetch": self.max_fetch,
             "policy": {"heat_half_life_steps": HEAT_HALF_LIFE, "prompt_weight": PROMPT_WEIGHT,
-                       "fetch_ratio": FETCH_RATIO, "fetch_margin": FETCH_MARGIN},
+                       "fetch_z": FETCH_Z, "fetch_margin": FETCH_MARGIN},
             "pools": [{"formats": list(p.key), "slots": p.slots, "layers": len(p.rows),
                        "bytes_per_expert": p.bytes_per_expert} for p in self.pools],
             "cached_experts": int((self.host_slot >= 0).sum()), "fetched_experts": self.fetched_experts,
