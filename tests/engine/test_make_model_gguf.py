@@ -447,9 +447,11 @@ def test_qwen35_tiny_file_runs_in_freetoken(qwen35_tiny_file):
 
 
 def test_router_skew_scales_router_rows_only(tmp_path):
-    """--router-skew S: each router row e is the unskewed file's row times exp(-S e / E)
-    (same seed, same draws), every other tensor is byte-identical, and random hidden states
-    then route mostly to the low-numbered experts."""
+    """--router-skew S: each router row is the unskewed file's row times exp(-S r / E) for a
+    rank r, the ranks a permutation of the experts that differs between layers and is not
+    the identity (the hot experts are not the lowest ids); every other tensor is
+    byte-identical (same seed, same draws), and random hidden states then route mostly to
+    the quarter of the experts with the lowest ranks."""
     import gguf
 
     from freetoken.cli.main import main
@@ -462,19 +464,25 @@ def test_router_skew_scales_router_rows_only(tmp_path):
     b = {t.name: t for t in gguf.GGUFReader(skewed).tensors}
     assert a.keys() == b.keys()
     routers = [n for n in a if n.endswith("ffn_gate_inp.weight")]
-    assert routers
+    assert len(routers) > 1
+    ranks = []
     for name in a:
         x, y = np.asarray(a[name].data), np.asarray(b[name].data)
         if name not in routers:
             assert np.array_equal(x, y), name
             continue
         e = x.shape[0]
-        scale = np.exp(-3.0 * np.arange(e, dtype=np.float32) / e)[:, None]
-        np.testing.assert_array_equal(y, (x * scale).astype(np.float32))
+        scales = np.exp(-3.0 * np.arange(e, dtype=np.float32) / e)
+        ratio = np.median(y / x, axis=1)  # each row's factor
+        rank = np.abs(ratio[:, None] - scales[None, :]).argmin(axis=1)
+        assert sorted(rank.tolist()) == list(range(e))  # a permutation of the ranks
+        np.testing.assert_array_equal(y, (x * scales[rank][:, None]).astype(np.float32))
+        ranks.append(tuple(rank.tolist()))
         h = np.random.default_rng(0).standard_normal((4000, x.shape[1]), dtype=np.float32)
         top = {"base": np.argsort(-(h @ x.T), axis=1)[:, :2], "skewed": np.argsort(-(h @ y.T), axis=1)[:, :2]}
-        low = {k: float((v < e // 4).mean()) for k, v in top.items()}
-        assert low["skewed"] > 2 * low["base"], low  # the first quarter of the experts takes most routes
+        hot = {k: float((rank[v] < e // 4).mean()) for k, v in top.items()}
+        assert hot["skewed"] > 2 * hot["base"], hot  # the lowest-ranked quarter takes most routes
+    assert len(set(ranks)) == len(ranks) and tuple(range(len(ranks[0]))) not in ranks
     assert main(["bench", "make-model", "--preset", "qwen3-moe-tiny", "--router-skew", "-1",
                  "--out", str(tmp_path / "bad.gguf")]) == 2
 

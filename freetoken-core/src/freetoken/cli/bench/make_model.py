@@ -39,6 +39,7 @@ import dataclasses
 import os
 import sys
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Callable, Optional
 
@@ -181,16 +182,21 @@ QK_NORM_GAIN = 4.0
 
 def skew_routers(tensors: list[Planned], skew: float) -> list[Planned]:
     """The plan with every router (``*ffn_gate_inp.weight``, ``[E, H]``) drawn as before and
-    its row ``e`` scaled by ``exp(-skew * e / E)``: a router logit's spread grows with its
-    row's norm, so top-k picks the low-numbered experts more often (skew 0: uniform routing,
-    as random weights route; about 3: a few experts take most routes, like a trained model's
-    hot experts). Other tensors and the draws' order are unchanged."""
+    the row of the expert of rank ``r`` scaled by ``exp(-skew * r / E)``: a router logit's
+    spread grows with its row's norm, so top-k picks the low-ranked experts more often (skew
+    0: uniform routing; about 3: a few experts take most routes, like a trained model's hot
+    experts). The ranks are a permutation of the experts drawn per router from its tensor
+    name, so each layer has its own hot experts and they are not the lowest ids (an expert
+    cache that starts with the lowest ids has to find them). Other tensors and the draws'
+    order are unchanged."""
     if skew == 0:
         return tensors
     out = []
     for t in tensors:
         if t.name.endswith("ffn_gate_inp.weight") and len(t.shape) == 2:
-            scale = np.exp(-skew * np.arange(t.shape[0], dtype=np.float32) / t.shape[0])[:, None]
+            e = t.shape[0]
+            rank = np.random.default_rng(zlib.crc32(t.name.encode())).permutation(e)
+            scale = np.exp(-skew * rank.astype(np.float32) / e)[:, None]
             t = dataclasses.replace(t, make=lambda rng, pool, make=t.make, scale=scale: (make(rng, pool) * scale)
                                     .astype(np.float32))
         out.append(t)
@@ -451,8 +457,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--threads", type=int, default=None,
                    help=f"writer threads (default min(8, cores) = {default_threads()}); the file does not depend on it")
     p.add_argument("--router-skew", type=float, default=0.0, metavar="S",
-                   help="scale router row e by exp(-S * e / E) so routing concentrates on some experts, as a "
-                        "trained model's does (default 0: random weights route uniformly); for expert-cache runs")
+                   help="scale router row e by exp(-S * rank(e) / E), the ranks a per-layer permutation of the "
+                        "experts, so routing concentrates on some experts, as a trained model's does (default 0: "
+                        "random weights route uniformly); for expert-cache runs")
     p.add_argument("--out", required=True, help="output .gguf path")
     p.set_defaults(func=run)
 
