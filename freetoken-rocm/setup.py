@@ -145,7 +145,10 @@ class HipccBuildExt(build_ext):
             str(HERE / SOURCE), "-o", str(out),
         ]  # fmt: skip
         print(" ".join(cmd), file=sys.stderr)
-        subprocess.run(cmd, check=True, cwd=HERE, env=hip_env())
+        # hipcc leaves an empty <source>-XXXXXX folder in TMPDIR after each build: give it one
+        # that goes away
+        with tempfile.TemporaryDirectory(prefix="freetoken-rocm-build-") as tmp:
+            subprocess.run(cmd, check=True, cwd=HERE, env={**hip_env(), "TMPDIR": tmp})
 
 
 setup(
