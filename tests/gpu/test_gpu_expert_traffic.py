@@ -128,6 +128,24 @@ def test_streamed_prefill_matches_cpu(backend, reference, lock):
     assert check_logits(got, reference, TOL) > 100
 
 
+@pytest.mark.parametrize("lock", ["on", "off"])
+def test_streamed_prefill_with_a_cache_matches_cpu(backend, reference, lock):
+    """Streamed prompt chunks with an expert cache (12 of 64 experts, 1 fetch per layer and
+    step): routes to cached experts run on the cache's slots, the rest are copied (gather
+    kernels with page-locked banks, the copy engine without); decode hands off as usual."""
+    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_stream_prefill="on", moe_lock_host=lock,
+                  moe_cache_size=float(12 * EXPERT_BYTES), moe_hybrid_max_fetch=1)
+    try:
+        got = run_greedy(eng, PROMPTS, 200)
+        rep = eng.session.report()
+    finally:
+        eng.close()
+    stream = rep["prefill_stream"]
+    assert stream["streamed_layers"] >= 4 and stream["streamed_bytes"] > 0
+    assert stream["routed_copies"] == ("gather kernels" if lock == "on" else "copy engine")
+    assert check_logits(got, reference, TOL) > 100
+
+
 def test_streamed_prefill_mapped_matches_cpu(backend, reference):
     """``--moe-stream-experts mapped``: prefill chunks' grouped kernels read the CPU layers'
     routed experts from the page-locked, mapped banks in place (no buffer, no copy)."""

@@ -171,3 +171,28 @@ def test_prompt_routes_reach_the_cache_heat(monkeypatch):
     # every prompt is scheduled before the first decode step here: one observation holds them all
     top_k = next(iter(routes.values()))[0].shape[1]
     assert sum(seen).tolist() == want.tolist() and want.sum() == sum(len(p) for p in PROMPTS) * top_k * len(routes)
+
+
+def test_streamed_prefill_with_a_cache_copies_only_uncached_experts():
+    """Streamed prompt chunks of layers with cached experts: the routes to cached experts
+    run on the cache's slots and only the other routed experts are copied (counted from
+    the router's own outputs and the cache's residency, which no fetch changes here); the
+    tokens equal the cpu backend's."""
+    want, _, _, _, _ = _run("cpu")
+    got, info, steps, routes, traffic = _run(
+        "fakegpu", record_routes=True, moe_cpu_layers="all", moe_stream_prefill="on",
+        moe_cache_size=float(20 * EXPERT_BYTES), moe_hybrid_max_fetch=0)
+    assert got == want
+    cache = traffic.cache
+    stream = info["prefill_stream"]
+    prefill_calls = [i for i, (decode, _) in enumerate(steps) if not decode]
+    assert prefill_calls and stream["streamed_layers"] == len(prefill_calls) * len(routes)
+    copied = held = 0
+    for layer, calls in routes.items():
+        cached = set(np.flatnonzero(cache.host_slot[cache.rows[layer]] >= 0).tolist())
+        for i in prefill_calls:
+            used = set(np.unique(calls[i][calls[i] >= 0]).tolist())
+            copied += len(used - cached)
+            held += len(used & cached)
+    assert held > 0 and copied > 0
+    assert stream["streamed_bytes"] == copied * EXPERT_BYTES

@@ -136,6 +136,8 @@ class ExpertTraffic:
                      "any number of" if o.stream_prefill == "on" else f">= {self.profile.min_tokens}",
                      self.profile.layer_bytes / 2**20, self.profile.pcie_gb_s,
                      self.profile.cpu_us_per_token if self.profile.cpu_us_per_token is not None else "-")
+        if self.streamer is not None and self.cache is not None and self.streamer.routed:
+            self.streamer.cached = self._cached_experts
         if self.cache is not None and o.hybrid_max_fetch > 0:
             self._prompt_counts = torch.zeros((len(self.cache.layers), self.cache.num_experts), dtype=torch.int32,
                                               device=self.device)
@@ -195,6 +197,14 @@ class ExpertTraffic:
             return fn()(x, ids, w)
 
         return experts_fn
+
+    def _cached_experts(self, layer: int) -> Optional[tuple[Any, Any]]:
+        """(the cache's experts of ``layer``, their residency row) for streamed prompts."""
+        cache = self.cache
+        if cache is None or layer not in cache.rows:
+            return None
+        experts = cache.layer_experts(layer)
+        return None if experts is None else (experts, cache.resident[cache.rows[layer]])
 
     def _count_prompt_routes(self, layer: int, ids: Any) -> None:
         """Add a prompt step's routes of a cached layer to the device-side counts (no sync)."""

@@ -10,7 +10,8 @@ stream, ordered after the compute that last read the buffer. Two ways to fill th
 (``experts``):
 
 * ``routed`` (default): once the layer's router has run, only the experts the chunk
-  routes to are copied. Experts no token routes to cost nothing, which matters for chunks
+  routes to are copied (and of a layer with experts in the expert cache, only those the
+  cache does not hold: its routes to cached experts run on the cache's slots). Experts no token routes to cost nothing, which matters for chunks
   of a few hundred tokens and for models whose routing is uneven. Where the host banks are
   page-locked and mapped and Triton runs, one gather kernel per stack
   (:mod:`freetoken.moe.expert_gather`) copies them, the routed set read on the device: the
@@ -37,7 +38,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -118,6 +119,9 @@ class PrefillStreamer:
             self.gather_src = {k: v for k, v in self.gather_src.items() if v}
         self._gathered: Any = None  # bytes the gather kernels copied (a device counter)
         self._views: dict[int, Any] = {}  # layer -> its compute view over the one buffer (routed)
+        #: layer -> (its cached experts, their residency [E] on the device) or None: set by
+        #: the owner of an expert cache over these layers (routed streaming copies the rest)
+        self.cached: Optional[Callable[[int], Optional[tuple[Any, Any]]]] = None
         self.profile: Optional[StreamProfile] = None
         size = max(e.nbytes for e in self.layers.values())
         # routed: a layer's copy starts after its router, so after the previous layer's
@@ -172,12 +176,20 @@ class PrefillStreamer:
             self.prefetch(self.order[0])
 
     def forward(self, layer: int, x: Any, ids: Any, w: Any) -> Any:
-        """The layer's routed experts for a streamed chunk (``x.dtype``)."""
+        """The layer's routed experts for a streamed chunk (``x.dtype``). With ``routed``
+        and an expert cache holding some of the layer's experts (:attr:`cached`), the routes
+        to those are computed from the cache's slots and only the others are copied."""
         if self.mapped:
             self.streamed_layers += 1  # (the bytes are read by the kernels: not counted)
             return self.mapped[layer].forward(x, ids, w)
         if self.routed:
-            return self._forward_routed(layer, x, ids, w)
+            held = self.cached(layer) if self.cached is not None else None
+            if held is None:
+                return self._forward_routed(layer, x, ids, w)
+            experts, resident = held
+            rest = torch.where(resident[ids.clamp(min=0).long()], torch.full_like(ids, -1), ids)
+            y = self._forward_routed(layer, x, rest, w)
+            return y.add_(experts.forward_routes(x, ids, w))
         out = self.experts(layer).forward(x, ids, w)
         self.release(layer)
         return out
