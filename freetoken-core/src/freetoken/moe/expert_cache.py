@@ -26,10 +26,10 @@ step's routes are read back from the :class:`~freetoken.moe.moe_stats.RouteLog`)
    victim's by :data:`FETCH_Z` standard deviations of the difference of two route counts
    (Poisson: ``sqrt(h_new + h_victim)``) plus :data:`FETCH_MARGIN` routes, so experts of
    equal popularity do not chase each other through the slots on count noise (uniform
-   routing settles instead of copying every step). The victims' table entries are cleared on the compute
-   stream first, then the :class:`CopyQueue` copies the new bytes into the slots after that
-   point, on its side stream. The current and next steps never wait for a copy; a slot is
-   in no table while it is being written.
+   routing settles instead of copying every step). The victims' table entries are cleared
+   on the compute stream first, then the :class:`CopyQueue` copies the new bytes into the
+   slots after that point, on its side stream. The current and next steps never wait for a
+   copy; a slot is in no table while it is being written.
 
 The cache starts filled: each layer gets an equal share of its pool, lowest expert ids
 first (random-weight models route uniformly; real ones are then corrected by fetching).
@@ -135,7 +135,6 @@ class ExpertCache:
         self.host_slot = np.full((n, self.num_experts), -1, dtype=np.int64)
         self.pool_of_row: list[_Pool] = []
         self.pools = self._make_pools(capacity, packed_ok)
-        self.steps = 0
         self.heat = np.zeros((n, self.num_experts))  # decayed route counts per (row, expert)
         self.decay = 0.5 ** (1.0 / HEAT_HALF_LIFE)
         self.fetching = np.zeros((n, self.num_experts), dtype=bool)
@@ -293,7 +292,6 @@ class ExpertCache:
         """``ids [rows, T, K]``: the step's routes of the cached layers (in row order).
         Returns which of them ran on the GPU (bool, same shape); commits finished copies
         and starts new fetches."""
-        self.steps += 1
         rows, E = ids.shape[0], self.num_experts
         hit = (ids >= 0) & (self.host_slot[np.arange(rows).reshape(-1, *([1] * (ids.ndim - 1))),
                                            np.maximum(ids, 0)] >= 0)

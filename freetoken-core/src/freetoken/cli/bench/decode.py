@@ -223,10 +223,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
                    help="tokens generated per request (default: 64; --tokens is the same option)")
     p.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
                    help="sampling temperature of every request (default: 0, greedy), each request seeded from --seed "
-                        "and its index. Greedy decoding of a random-weight model repeats one token, so every decode "
-                        "step routes the same experts (a best case for an expert cache); a high temperature (e.g. "
-                        "1000) draws near-uniformly random tokens, as llama-bench's generation test feeds random "
-                        "tokens")
+                        "and its index; a high temperature (e.g. 1000) draws near-uniformly random tokens, as "
+                        "llama-bench's generation test feeds random tokens (greedy decoding of a random-weight model "
+                        "tends to repeat a few tokens)")
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="torch threads (dense layers, prefill on the CPU) (default: torch's)")
     p.add_argument("--repeats", type=positive_int, default=3, metavar="N",
