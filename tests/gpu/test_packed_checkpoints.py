@@ -92,6 +92,11 @@ def test_fakegpu_engine_caches_fp8_experts_as_rows(tmp_path, monkeypatch):
     from helpers import hf_logits
     from test_engine_hf_formats import TOL, write_fp8_checkpoint
 
+    from freetoken.moe import expert_cache
+
+    # a restless fetch policy (heat halving each step, no hysteresis): six decode steps fetch
+    for name, value in (("HEAT_HALF_LIFE", 1), ("FETCH_Z", 0.0), ("FETCH_MARGIN", 0.0)):
+        monkeypatch.setattr(expert_cache, name, value)
     path, model = write_fp8_checkpoint(tmp_path, seed=9)
     cfg = model.config
     rows_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size // 128 * 132

@@ -62,7 +62,12 @@ def _run(backend: str, record_routes: bool = False, **kw):
     return [r.output_ids for r in reqs], info, steps, routes, traffic
 
 
-def test_cache_with_fetches_equals_cpu_backend_and_stats_count_the_router():
+def test_cache_with_fetches_equals_cpu_backend_and_stats_count_the_router(monkeypatch):
+    from freetoken.moe import expert_cache
+
+    # a restless fetch policy (heat halving each step, no hysteresis): slots change every step
+    for name, value in (("HEAT_HALF_LIFE", 1), ("FETCH_Z", 0.0), ("FETCH_MARGIN", 0.0)):
+        monkeypatch.setattr(expert_cache, name, value)
     want, _, _, _, _ = _run("cpu")
     got, info, steps, routes, _ = _run(
         "fakegpu", record_routes=True, moe_cpu_layers="all", moe_cache_size=float(20 * EXPERT_BYTES),
