@@ -207,7 +207,10 @@ class ExpertTraffic:
         return None if experts is None else (experts, cache.resident[cache.rows[layer]])
 
     def _count_prompt_routes(self, layer: int, ids: Any) -> None:
-        """Add a prompt step's routes of a cached layer to the device-side counts (no sync)."""
+        """Add a prompt step's routes of a cached layer to the device-side counts (no sync;
+        never inside a graph capture, whose replays are decode steps)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
         flat = ids.reshape(-1).long()
         self._prompt_counts[self.cache.rows[layer]].index_add_(  # type: ignore[index, union-attr]
             0, flat.clamp(min=0), (flat >= 0).to(torch.int32))
