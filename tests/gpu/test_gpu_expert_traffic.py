@@ -110,11 +110,16 @@ def test_stats_equal_router_counts(backend):
             assert per["gpu_routes"] + per["cpu_routes"] == per["routes"]
 
 
+@pytest.mark.parametrize("cache", [0, 12])
 @pytest.mark.parametrize("lock", ["on", "off"])
-def test_streamed_prefill_matches_cpu(backend, reference, lock):
+def test_streamed_prefill_matches_cpu(backend, reference, lock, cache):
     """Every prefill chunk computes the CPU layers' experts on the GPU from streamed bytes
-    (page-locked or pageable banks); decode steps hand off to the CPU as usual."""
-    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_stream_prefill="on", moe_lock_host=lock)
+    (page-locked or pageable banks); decode steps hand off to the CPU as usual. With an
+    expert cache (12 of 64 experts, 1 fetch per layer and step) the chunks' routes to
+    cached experts run on the cache's slots and only the others are copied."""
+    extra = {"moe_cache_size": float(cache * EXPERT_BYTES), "moe_hybrid_max_fetch": 1} if cache else {}
+    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_stream_prefill="on", moe_lock_host=lock,
+                  **extra)
     try:
         got = run_greedy(eng, PROMPTS, 200)
         rep = eng.session.report()
@@ -124,24 +129,6 @@ def test_streamed_prefill_matches_cpu(backend, reference, lock):
     assert stream["streamed_layers"] >= 4 and stream["streamed_bytes"] > 0
     assert (rep.get("host_locked_bytes", 0) > 0) == (lock == "on")
     # page-locked (mapped) banks: the gather kernels copy the routed experts, no read-back
-    assert stream["routed_copies"] == ("gather kernels" if lock == "on" else "copy engine")
-    assert check_logits(got, reference, TOL) > 100
-
-
-@pytest.mark.parametrize("lock", ["on", "off"])
-def test_streamed_prefill_with_a_cache_matches_cpu(backend, reference, lock):
-    """Streamed prompt chunks with an expert cache (12 of 64 experts, 1 fetch per layer and
-    step): routes to cached experts run on the cache's slots, the rest are copied (gather
-    kernels with page-locked banks, the copy engine without); decode hands off as usual."""
-    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_stream_prefill="on", moe_lock_host=lock,
-                  moe_cache_size=float(12 * EXPERT_BYTES), moe_hybrid_max_fetch=1)
-    try:
-        got = run_greedy(eng, PROMPTS, 200)
-        rep = eng.session.report()
-    finally:
-        eng.close()
-    stream = rep["prefill_stream"]
-    assert stream["streamed_layers"] >= 4 and stream["streamed_bytes"] > 0
     assert stream["routed_copies"] == ("gather kernels" if lock == "on" else "copy engine")
     assert check_logits(got, reference, TOL) > 100
 
