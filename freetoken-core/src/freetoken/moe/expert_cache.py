@@ -78,6 +78,7 @@ class _Pool:
     def __init__(self, key: tuple[Any, ...], rows: list[int], sample: Any, slots: int, device: torch.device,
                  act_dtype: torch.dtype, packed: bool) -> None:  # fmt: skip
         self.key, self.rows, self.slots, self.packed = key, rows, slots, packed
+        self.row_index = np.asarray(rows, dtype=np.int64)
         self.tensors: list[torch.Tensor] = []
         self.shapes: list[tuple[int, ...]] = []
         for t in (sample.gate, sample.up, sample.down):
@@ -322,28 +323,37 @@ class ExpertCache:
             entries.append((f.row, f.expert, f.slot))
         self._write_tables(entries)
 
-    def _candidates(self) -> list[tuple[float, int, int]]:
-        """Per row, its hottest experts neither cached nor being fetched (at most
-        ``max_fetch``, heat > 0) as (heat, row, expert)."""
-        heat = np.where((self.host_slot >= 0) | self.fetching, -np.inf, self.heat)
+    def _candidates(self, rows: np.ndarray, heat: np.ndarray) -> list[tuple[float, int, int]]:
+        """Per row of ``rows``, its hottest experts neither cached nor being fetched (at most
+        ``max_fetch``, heat > 0) as (heat, row, expert), hottest first (ties: lower row, lower
+        id); ``heat`` is those rows' heat with the others at -inf."""
         k = min(self.max_fetch, heat.shape[1])
         top = np.argpartition(-heat, k - 1, axis=1)[:, :k] if k < heat.shape[1] else \
             np.broadcast_to(np.arange(heat.shape[1]), heat.shape)
         h = np.take_along_axis(heat, top, axis=1)
         r, j = np.nonzero(h > 0)
-        return [(float(h[a, b]), int(a), int(top[a, b])) for a, b in zip(r, j)]
+        cands = [(float(h[a, b]), int(rows[a]), int(top[a, b])) for a, b in zip(r, j)]
+        cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+        return cands
 
     def _fetch(self) -> None:
-        by_pool: dict[int, list[tuple[float, int, int]]] = {}
-        for cand in self._candidates():
-            pool = self.pool_of_row[cand[1]]
-            if pool is not None:
-                by_pool.setdefault(self.pools.index(pool), []).append(cand)
+        cached = self.host_slot >= 0
         evict: list[tuple[int, int, int]] = []
         jobs: list[tuple[_Pool, int, int, int]] = []
-        for index, cands in by_pool.items():
-            pool = self.pools[index]
-            cands.sort(key=lambda c: (-c[0], c[1], c[2]))  # hottest first (ties: lower row, lower id)
+        for pool in self.pools:
+            rows = pool.row_index
+            heat = self.heat[rows]
+            open_heat = np.where(cached[rows] | self.fetching[rows], -np.inf, heat)
+            hottest = float(open_heat.max())
+            if hottest <= 0:
+                continue
+            if not ((pool.owner[:, 0] < 0) & ~pool.filling).any():  # no empty slot: is any swap worth it?
+                coldest = float(np.where(cached[rows], heat, np.inf).min())
+                # the best pair decides: where the rule can hold at all, h - v - z sqrt(h + v)
+                # grows with h and falls with v
+                if hottest - coldest < FETCH_Z * math.sqrt(hottest + coldest) + FETCH_MARGIN:
+                    continue
+            cands = self._candidates(rows, open_heat)
             slots, cold = pool.victims(self.heat, len(cands))
             for (h, row, expert), slot, v in zip(cands, slots, cold):
                 if v != -np.inf and h - v < FETCH_Z * math.sqrt(h + v) + FETCH_MARGIN:
