@@ -296,12 +296,12 @@ class ExpertCache:
         rows, E = ids.shape[0], self.num_experts
         hit = (ids >= 0) & (self.host_slot[np.arange(rows).reshape(-1, *([1] * (ids.ndim - 1))),
                                            np.maximum(ids, 0)] >= 0)
-        routed = ids >= 0
-        row_of = np.broadcast_to(np.arange(rows).reshape(-1, *([1] * (ids.ndim - 1))), ids.shape)[routed]
-        self.heat *= self.decay
-        self.heat += np.bincount(row_of * E + ids[routed], minlength=rows * E).reshape(rows, E)
         self._commit()
-        if self.max_fetch:
+        if self.max_fetch:  # (the heat serves only the fetch decisions)
+            routed = ids >= 0
+            row_of = np.broadcast_to(np.arange(rows).reshape(-1, *([1] * (ids.ndim - 1))), ids.shape)[routed]
+            self.heat *= self.decay
+            self.heat += np.bincount(row_of * E + ids[routed], minlength=rows * E).reshape(rows, E)
             self._fetch()
         return hit
 
