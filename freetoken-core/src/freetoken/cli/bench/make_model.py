@@ -169,14 +169,15 @@ def _packed(shape: tuple[int, ...], fmt: int, gain: float = 1.0) -> Maker:
 
 
 #: the block-scale gain of the matrices that write into the residual stream (attention
-#: output, expert down projections): with weights of one scale everywhere, each layer's
-#: output outweighs the token embedding, the hidden states of all tokens drift toward a
-#: shared direction and the deeper layers' routers pick the same few experts for every
-#: token; scaled down, every layer still sees mostly its token's own state and routing
-#: varies from token to token, as in a trained model
+#: output, expert down projections): with weights of one scale everywhere each layer's
+#: output is ~10x the token embedding; scaled down, the token's own embedding keeps a
+#: larger share of the hidden state (on its own this did not spread the deeper layers'
+#: routing over the experts; the sharper attention below did)
 RESIDUAL_GAIN = 0.1
 #: the q/k RMSNorm weights' mean: attention logits of standard deviation ~4, so each query
-#: attends to a few positions instead of averaging the whole context
+#: attends to a few positions instead of averaging the whole context (near-uniform
+#: attention gives every position the context's mean value vector, the same for all tokens,
+#: and the routers then pick the same few experts for every token)
 QK_NORM_GAIN = 4.0
 
 
