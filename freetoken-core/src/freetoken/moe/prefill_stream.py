@@ -10,9 +10,10 @@ stream, ordered after the compute that last read the buffer. Two ways to fill th
 (``experts``):
 
 * ``routed`` (default): once the layer's router has run, only the experts the chunk
-  routes to are copied (and of a layer with experts in the expert cache, only those the
-  cache does not hold: its routes to cached experts run on the cache's slots). Experts no token routes to cost nothing, which matters for chunks
-  of a few hundred tokens and for models whose routing is uneven. Where the host banks are
+  routes to are copied (of a layer with experts in the expert cache, only those the cache
+  does not hold: its routes to cached experts run on the cache's slots). Experts no token
+  routes to cost nothing, which matters for chunks of a few hundred tokens and for models
+  whose routing is uneven. Where the host banks are
   page-locked and mapped and Triton runs, one gather kernel per stack
   (:mod:`freetoken.moe.expert_gather`) copies them, the routed set read on the device: the
   host queues every layer of the prompt without waiting for the GPU. Otherwise the routed
