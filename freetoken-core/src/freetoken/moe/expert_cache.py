@@ -194,10 +194,12 @@ class ExpertCache:
             shaped = ExpertWeights(*(dc.replace(t, shape=(pool.slots, *t.shape[1:])) for t in
                                      (sample.gate, sample.up, sample.down)),
                                    num_experts=pool.slots, hidden=sample.hidden, intermediate=sample.intermediate)
-            # slots are never dequantized wholesale: every batch runs the per-route kernels
-            config = dc.replace(tp.DEFAULT_CONFIG, max_routes=1 << 30)
+            # GGUF blocks: decode batches run the per-route kernels, prompt-sized ones the
+            # grouped kernels, which read each routed slot's blocks once; FP8 rows: every batch
+            # the per-route kernels (slots are never dequantized wholesale)
+            config = tp.DEFAULT_CONFIG if pool.key[0] == "packed" else dc.replace(tp.DEFAULT_CONFIG, max_routes=1 << 30)
             return PackedGpuExperts.over_device_bytes(shaped, views, self.device, activation=self.activation,
-                                                      config=config, scratch=self.scratch)
+                                                      config=config, large_batch="grouped", scratch=self.scratch)
         return GpuExperts(*pool.tensors, activation=self.activation)
 
     @property
