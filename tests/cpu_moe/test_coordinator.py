@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from cpu_moe_cases import cm
-from freetoken import handoff
 from freetoken.backends.contract import HandoffError
 from cpu_moe_reference import moe_error, random_routes
 from cpu_moe_tasks import err_name, fill_inputs, gpu_handoff, new_task
