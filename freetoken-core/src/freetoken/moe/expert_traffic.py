@@ -167,11 +167,7 @@ class ExpertTraffic:
     def gpu_side(self, layer: int) -> tuple[Any, Optional[Placement]]:
         """(GPU experts, placement) of a CPU layer: the cache's experts and residency, plus
         the mapped banks with locked fetch; (None, None) when every route goes to the CPU."""
-        cached, resident = None, None
-        if self.cache is not None and layer in self.cache.rows:
-            cached = self.cache.layer_experts(layer)
-            if cached is not None:
-                resident = self.cache.resident[self.cache.rows[layer]]
+        cached, resident = self._cached_experts(layer) or (None, None)
         if not self.locked:
             return (cached, Placement(resident)) if cached is not None else (None, None)
         e = self.cpu_layers[layer]
@@ -199,7 +195,7 @@ class ExpertTraffic:
         return experts_fn
 
     def _cached_experts(self, layer: int) -> Optional[tuple[Any, Any]]:
-        """(the cache's experts of ``layer``, their residency row) for streamed prompts."""
+        """(the cache's experts of ``layer``, their residency row), or None (no slots for it)."""
         cache = self.cache
         if cache is None or layer not in cache.rows:
             return None
