@@ -16,7 +16,7 @@ import torch
 from freetoken.models.layers import Embedding
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from helpers import engine_for, make_hf  # noqa: E402
+from helpers import engine_for, make_hf, run_random_greedy  # noqa: E402
 from test_engine_gguf import write_tiny_gguf  # noqa: E402
 
 
@@ -35,8 +35,6 @@ def _compare_steps(eng, seed: int, lens: list[tuple[int, int]]) -> tuple[list[in
     """Run greedy requests; every decode step runs the per-op path into a fresh tensor, then the
     native step into a NaN-poisoned copy of it and into its own buffer, all equal bit for bit.
     Returns each compared step's token count and the embedding calls the native steps made."""
-    from freetoken import SamplingParams
-
     native = eng.session.native_decode
     per_op = eng.session._step
     sizes: list[int] = []
@@ -68,13 +66,8 @@ def _compare_steps(eng, seed: int, lens: list[tuple[int, int]]) -> tuple[list[in
         return got
 
     eng.session._step = both
-    rng = random.Random(seed)
-    V = eng.model_config.vocab_size
     try:
-        reqs = [eng.add_request([rng.randrange(V) for _ in range(n)],
-                                SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)) for n, m in lens]
-        while eng.has_work():
-            eng.step()
+        reqs = run_random_greedy(eng, seed, lens)
         assert all(len(r.output_ids) == m for r, (_, m) in zip(reqs, lens))
     finally:
         del eng.session._step

@@ -19,7 +19,7 @@ from freetoken_cpu_moe import _core
 from freetoken_cpu_moe.decode_step import NativeDecode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from helpers import assert_close, engine_for, hf_logits, make_hf  # noqa: E402
+from helpers import assert_close, engine_for, hf_logits, make_hf, run_random_greedy  # noqa: E402
 from test_engine_gguf import write_tiny_gguf  # noqa: E402
 
 
@@ -156,8 +156,6 @@ def _run_both(path: str, dtype: str, seed: int) -> tuple[list[int], dict[str, li
     """Greedy requests whose decode steps (1-3 sequences) run both paths: the per-op forward,
     then the native step into a NaN-filled output over the same cache; returns the batch
     size of each compared step and the tokens."""
-    from freetoken import SamplingParams
-
     eng = engine_for(path, dtype=dtype, prefill_chunk=64, max_running_requests=3)
     native = eng.session.native_decode
     assert native is not None
@@ -178,15 +176,9 @@ def _run_both(path: str, dtype: str, seed: int) -> tuple[list[int], dict[str, li
         return got
 
     eng.session._step = both
-    rng = random.Random(seed)
-    V = eng.model_config.vocab_size
     try:
         # different lengths: decode steps of 3, 2 and 1 sequences
-        reqs = [eng.add_request([rng.randrange(V) for _ in range(n)],
-                                SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
-                for n, m in ((5, 8), (21, 4), (12, 11))]
-        while eng.has_work():
-            eng.step()
+        reqs = run_random_greedy(eng, seed, [(5, 8), (21, 4), (12, 11)])
         return sizes, {r.request_id: r.output_ids for r in reqs}
     finally:
         eng.close()

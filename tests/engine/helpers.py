@@ -96,3 +96,19 @@ class LogitsRecorder:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def run_random_greedy(eng: Any, seed: int, lens: list[tuple[int, int]]) -> list[Any]:
+    """One greedy request per ``(prompt tokens, max tokens)`` of ``lens``, random prompt ids
+    from ``seed``, all added at once and run to completion; the requests."""
+    import random
+
+    from freetoken.engine.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    V = eng.model_config.vocab_size
+    reqs = [eng.add_request([rng.randrange(V) for _ in range(n)],
+                            SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)) for n, m in lens]
+    while eng.has_work():
+        eng.step()
+    return reqs
