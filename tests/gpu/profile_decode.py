@@ -80,13 +80,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--cpu-threads", type=int, default=15)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--gpu-dense", default="auto", choices=["auto", "packed", "dequantized"])
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--kernels", type=int, default=30, help="rows of the kernel table")
     args = ap.parse_args()
 
     eng = LLMEngine(EngineConfig(model=args.model, backend=args.backend, max_model_len=1024, max_running_requests=8,
                                  moe_cpu_layers=args.moe_cpu_layers, cpu_threads=args.cpu_threads,
-                                 enforce_eager=args.eager))
+                                 enforce_eager=args.eager, gpu_dense=args.gpu_dense))
     info = eng.backend_info()
     print("backend:", json.dumps({k: info.get(k) for k in ("io_path", "sync_mode", "graphs", "moe_cpu_layers",
                                                            "attention", "reason")}))

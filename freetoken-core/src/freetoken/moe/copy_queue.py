@@ -63,6 +63,8 @@ class CopyQueue:
     def __init__(self, device: Any, name: str = "expert-copies") -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # "cuda": the caller's current device, fixed now
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._jobs: "queue.Queue[Optional[tuple[CopyTicket, Job]]]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -109,14 +111,21 @@ class CopyQueue:
         self.copied_bytes += ticket.nbytes
 
     def _run(self) -> None:
+        broken: Optional[BaseException] = None  # the thread could not start: every ticket gets this error
         if self.cuda:
-            torch.cuda.set_device(self.device)
+            try:
+                torch.cuda.set_device(self.device)
+            except BaseException as exc:  # noqa: BLE001 - reported through each ticket
+                log.error("expert copy thread cannot use %s: %s", self.device, exc)
+                broken = exc
         while True:
             item = self._jobs.get()
             if item is None:
                 return
             ticket, job = item
             try:
+                if broken is not None:
+                    raise RuntimeError(f"copy thread cannot use {self.device}: {broken}") from broken
                 self._issue(ticket, job)
             except BaseException as exc:  # noqa: BLE001 - reported through the ticket
                 log.error("expert copy failed: %s", exc)
