@@ -200,12 +200,13 @@ def test_fp8_rows_dequantized_by_torch_and_triton():
 
 def test_tiles_from_env(monkeypatch):
     base = triton_moe_packed.PackedConfig()
-    monkeypatch.setenv("FT_TEST_TILES", "down_routes_tile=1, word_loads=1,block_n=2")
+    monkeypatch.setenv("FT_TEST_TILES", "down_routes_tile=0, word_loads=1,block_n=2,down_num_warps=8")
     got = triton_moe_packed.tiles_from_env(base, "FT_TEST_TILES")
-    assert got == dataclasses.replace(base, down_routes_tile=True, word_loads=True, block_n=2)
+    assert got == dataclasses.replace(base, down_routes_tile=False, word_loads=True, block_n=2, down_num_warps=8)
     monkeypatch.setenv("FT_TEST_TILES", "")
     assert triton_moe_packed.tiles_from_env(base, "FT_TEST_TILES") is base
-    for bad, match in (("block_x=2", "block_x"), ("block_n=two", "block_n"), ("block_n=3", "power of two")):
+    for bad, match in (("block_x=2", "block_x"), ("block_n=two", "block_n"), ("block_n=3", "power of two"),
+                       ("down_num_warps=3", "down_num_warps=3"), ("num_warps=0", "num_warps=0")):
         monkeypatch.setenv("FT_TEST_TILES", bad)
         with pytest.raises(ValueError, match=match):
             triton_moe_packed.tiles_from_env(base, "FT_TEST_TILES")

@@ -1,6 +1,7 @@
 """Time the packed expert kernels of freetoken.moe.triton_moe_packed over tile configs at
 Qwen3-30B-A3B sizes (128 experts, H=2048, I=768, Q4_K gate/up, Q6_K or Q4_K down), one layer
-per call, 8 routes per token, every route on the GPU; graph replay, CUDA events.
+per call, 8 routes per token, every route on the GPU; graph replay, CUDA events. Every replay
+reads the same experts, which stay in the L2: tune_cold.py times the kernels as a model runs them.
 Usage (GPU machine): python3 tests/gpu/tune_packed.py [--tokens 1 4]"""
 
 from __future__ import annotations

@@ -20,16 +20,17 @@ gguf-py's bit for bit, products and sums are float32.
 
 Performance model (decode on the H200, ~4.3 TB/s HBM): a Qwen3-30B-A3B layer's attention
 in BF16 reads 37.7 MB (~9 us at HBM speed; ~12 us measured per layer), as Q4_K 10.6 MB
-(~2.5 us at HBM speed). The kernel is memory bound at T = 1 when each program streams
-several KB of blocks (``block_n`` rows x ``block_k`` columns per step; 4 rows of 2048
-Q4_K values are 4.6 KB) with enough programs in flight to cover the latency: q/k/v fused
-(5120 rows) gives 1280 programs of 4 rows, o (2048 rows) 512. The weights are read once
+(~2.5 us at HBM speed). The kernel approaches memory speed at T = 1 when each program
+streams a whole row's blocks in one step (``block_n`` rows x ``block_k`` columns; a row of
+2048 Q4_K values is 1.1 KB) and there are enough programs in flight to cover the latency:
+one program per row, 5120 for q/k/v fused and 2048 for o (measured 9.1 and 7.3 us, about
+650 GB/s: the latency of a single pass, not the bandwidth, still bounds them). The weights are read once
 per token tile of ``block_t`` tokens, so the kernel serves small T only
 (``PackedLinearConfig.max_gemv_tokens``); larger batches dequantize into a scratch and
 run a cuBLAS matmul, which reads the BF16 copy once. No split-K: every output row's sum is
 one program's, so there are no atomics and the result does not depend on scheduling.
-Tile sizes are untuned defaults; ``tests/gpu/tune_packed_dense.py`` sweeps them on the
-Qwen3-30B-A3B shapes.
+``tests/gpu/tune_cold.py`` sweeps the tiles on the Qwen3-30B-A3B shapes with the weights read
+from HBM (``tests/gpu/tune_packed_dense.py`` replays one matrix, which stays in the L2).
 
 triton is optional: import this module lazily, only when the Triton implementation is
 selected.
@@ -63,11 +64,14 @@ __all__ = ["FORMATS", "FORMAT_NAMES", "PackedLinearConfig", "DEFAULT_CONFIG", "W
 class PackedLinearConfig:
     """Tile sizes of the packed GEMV and the batch sizes it serves."""
 
-    block_n: int = 4  # output rows per program
+    #: output rows per program. One row of 2048-column steps: q/k/v [5120, 2048] 9.1 us and o
+    #: [2048, 4096] 7.3 us on the H200 with the weights read from HBM, against 12.2 and 11.8 us
+    #: for 4 x 512 tiles (tests/gpu/tune_cold.py)
+    block_n: int = 1
     #: input columns per step for one token (a multiple of the 32 or 16 values sharing a
     #: scale); a tile of t tokens steps over block_k / t columns (at least 32), so a
     #: program's registers hold block_n x block_k products whatever the token tile
-    block_k: int = 512
+    block_k: int = 2048
     block_t: int = 8  # most tokens per program (the weights are read once per token tile)
     #: one token per program: Q4_K/Q5_K rows read as 32-bit words (``_dot_words``), Q6_K
     #: rows as 16-bit half-words (steps of >= 128 columns); off until measured
@@ -106,11 +110,11 @@ DEFAULT_CONFIG = tiles_from_env(PackedLinearConfig(), "FREETOKEN_PACKED_DENSE")
 
 #: matrices of at least this many rows (an output head: one row per vocabulary entry) take
 #: :data:`WIDE_CONFIG`: on the H200, one token through the [151936, 2048] Q6_K head took
-#: 254.8 us with 8 x 256 tiles against 336.0 us with the default 4 x 512, while the q/k/v
-#: [5120, 2048] and o [2048, 4096] shapes were as fast or faster with the default
-#: (tests/gpu/tune_packed_dense.py)
+#: 254.8 us with 8 x 256 tiles against 336.0 us with 4 x 512 (tests/gpu/tune_packed_dense.py),
+#: 256.9 us with its 255 MB read from HBM (~990 GB/s; the best of 16 tiles, tests/gpu/tune_cold.py)
 WIDE_ROWS = 32768
-WIDE_CONFIG = tiles_from_env(PackedLinearConfig(block_n=8, block_k=256), "FREETOKEN_PACKED_DENSE")
+#: ``FREETOKEN_PACKED_DENSE_WIDE`` overrides its fields (``FREETOKEN_PACKED_DENSE`` does not)
+WIDE_CONFIG = tiles_from_env(PackedLinearConfig(block_n=8, block_k=256), "FREETOKEN_PACKED_DENSE_WIDE")
 
 
 def config_for(rows: int) -> PackedLinearConfig:

@@ -19,8 +19,8 @@ per-route kernels, the design of :mod:`freetoken.moe.triton_moe`'s
 Weights are read once per route (once per distinct expert when a batch's routes share
 no expert, the common case at small ``T``).
 
-Two options of :class:`PackedConfig` change how, not what, and are off until measured on
-a GPU (``tests/gpu/tune_packed.py`` times every combination): ``down_routes_tile`` makes
+Two options of :class:`PackedConfig` change how, not what (``tests/gpu/tune_cold.py`` times
+them with the weights read from HBM; the routes tile is on by default): ``down_routes_tile`` makes
 the token's K routes a tile dimension of the down kernel (rows ``(k, n)``, all routes'
 weights loaded in one step, the sum over ``k`` taken at the end in a fixed order) instead
 of a loop over them, so a step has K times the loads in flight and a smaller ``BLOCK_N``
@@ -105,21 +105,24 @@ FORMAT_NAMES = {FMT_Q8_0: "Q8_0", FMT_Q4_K: "Q4_K", FMT_Q5_K: "Q5_K", FMT_Q6_K: 
 class PackedConfig:
     """Tile sizes of the packed kernels and the batch size they serve."""
 
-    # measured on the H200 (tests/gpu/tune_packed.py, one Qwen3-30B-A3B layer, T=1, K=8):
-    # Q4_K gate/up 4 x 512 tiles and Q6_K down 8 x 256 tiles beat 16 x 256 by 8-13%
-    block_i: int = 4  # gate_up: intermediate rows per program
-    block_h: int = 512  # gate_up: hidden columns per step
-    block_n: int = 8  # down: hidden rows per program
+    # measured on the H200 with the weights read from HBM, as in a model (tests/gpu/tune_cold.py:
+    # a Qwen3-30B-A3B layer, T=1, K=8, each launch on other experts): gate/up 2 x 2048 tiles
+    # with 2 warps 15.9 us against 17.7 us for 4 x 512 with 4; down (Q6_K) with the routes as
+    # a tile dimension and 4 x 256 tiles 21.7 us against 24.8 us for the loop over the routes
+    block_i: int = 2  # gate_up: intermediate rows per program
+    block_h: int = 2048  # gate_up: hidden columns per step
+    block_n: int = 4  # down: hidden rows per program
     block_r: int = 256  # down: intermediate columns per step
     #: down: the token's K routes as a tile dimension (all routes' weights loaded in one
-    #: step, 4x the programs at block_n=2) rather than a loop over them. Off until measured
-    #: (tests/gpu/tune_packed.py compares both forms and the word loads)
-    down_routes_tile: bool = False
+    #: step, K times the loads in flight) rather than a loop over them
+    down_routes_tile: bool = True
     #: Q4_K/Q5_K weights read as 32-bit words, Q6_K down weights as 16-bit half-words (steps
     #: of >= 128 columns; freetoken.moe.triton_packed_words), instead of byte tiles; off
     #: until measured
     word_loads: bool = False
-    num_warps: int = 4
+    num_warps: int = 2
+    #: warps of the down kernel's programs (0: ``num_warps``)
+    down_num_warps: int = 4
     num_stages: int = 2
     #: batches of at most this many routes (T * K) run the packed kernels; larger ones
     #: are dequantized to BF16 (see PackedGpuExperts)
@@ -137,6 +140,10 @@ class PackedConfig:
         if self.word_loads and min(self.block_h, self.block_r) < 64:
             raise ValueError(f"block_h={self.block_h}, block_r={self.block_r}: word loads step over whole "
                              "pairs of 32-value sub-blocks (>= 64); pass word_loads=False for smaller steps")
+        for name in ("num_warps", "down_num_warps"):
+            v = getattr(self, name)
+            if v < 0 or v & (v - 1) or (v == 0 and name == "num_warps"):
+                raise ValueError(f"{name}={v}: must be a power of two" + (" or 0" if name == "down_num_warps" else ""))
         if self.max_routes < 0:
             raise ValueError(f"max_routes={self.max_routes}: must be >= 0")
 
@@ -530,7 +537,8 @@ def launch_gate_up(
 def launch_down(h: Any, ids: Any, w: Any, down: PackedStack, y: Any, config: PackedConfig = DEFAULT_CONFIG) -> None:
     """The second of :func:`launch`'s two kernels alone (``y`` from ``h``); no checks."""
     tokens, top_k = ids.shape
-    opts = triton_target.for_device(h.device).launch_options(config.num_warps, config.num_stages)
+    opts = triton_target.for_device(h.device).launch_options(config.down_num_warps or config.num_warps,
+                                                             config.num_stages)
     _down_packed_kernel[(tokens, triton.cdiv(down.rows, config.block_n))](
         h, ids, w, *down.views(), y, tokens, K=top_k, H=down.rows, I=down.cols,
         DOWN_FMT=down.fmt, DOWN_RB=down.row_bytes, DOWN_G=down.group,
