@@ -134,6 +134,38 @@ def test_packed_matches_gguf_reference(mix, tokens, top_k):
     run_case(MIXES[mix], tokens, top_k, seed=list(MIXES).index(mix) * 10 + tokens)
 
 
+@pytest.mark.parametrize("config", ["base", "loop"])
+def test_output_stored_in_its_dtype(config):
+    """The down kernel stores its float32 sums once in the output's dtype: a BF16 output (a
+    caller's, or the one returned for BF16 activations, with no conversion after the kernel)
+    equals the float32 output rounded to BF16, value for value, compiled (round to nearest
+    even, as torch converts); Triton's interpreter truncates instead, so there it is within
+    one BF16 step."""
+    cfg = BASE if config == "base" else dataclasses.replace(BASE, down_routes_tile=False)
+    (gate, up, down), (g64, u64, d64) = random_layer((Q4, Q4, Q6), seed=61)
+    experts = PackedGpuExperts(gate, up, down, DEV, config=cfg)
+    gen = torch.Generator().manual_seed(62)
+    x = torch.randn(3, H, generator=gen).to(torch.bfloat16).to(DEV)
+    ids, w = routes(3, 8, gen).to(DEV), (torch.rand(3, 8, generator=gen) + 0.1).to(DEV)
+    y32 = torch.full((3, H), float("nan"), device=DEV)
+    experts.forward(x, ids, w, out=y32)
+    check_rows(y32, reference_experts(x.cpu().float(), ids.cpu(), w.cpu(), g64, u64, d64), FP32_TOL)
+    y16 = torch.full((3, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+    assert experts.forward(x, ids, w, out=y16) is y16
+    if INTERPRET:
+        step = y32.cpu().abs() * 2.0**-7  # one BF16 step at each value (7 stored mantissa bits)
+        assert bool(((y16.cpu().float() - y32.cpu()).abs() <= step).all())
+        assert not torch.equal(y32.cpu(), y16.cpu().float())  # rounded, not kept in float32
+    else:
+        assert torch.equal(y16.cpu(), y32.cpu().to(torch.bfloat16))
+    got = experts.forward(x, ids, w)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.cpu(), y16.cpu())
+    with pytest.raises(ValueError, match="float32/bfloat16/float16"):
+        triton_moe_packed.launch(x, ids, w, experts.gate, experts.up, experts.down,
+                                 torch.empty(3, H, dtype=torch.float64, device=DEV),
+                                 torch.empty(3, 8, I, device=DEV), "silu", cfg)
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_mxfp4_swiglu_oai(tokens):
     """GPT-OSS's experts: MXFP4 with the clamped SwiGLU."""
@@ -308,7 +340,8 @@ def test_device_bytes_construction_and_warmup():
     assert experts.formats == ("Q4_K", "Q4_K", "Q6_K")
     experts.warmup([1], 8)
     keys = set(experts._compiled)
-    assert len(keys) == 1
+    # the output in the activations' dtype, and in a caller's float32 buffer
+    assert len(keys) == 2 and {k[6] for k in keys} == {torch.bfloat16, torch.float32}
     experts.warmup([1], 8)
     assert experts._compiled == keys
 
@@ -351,14 +384,15 @@ for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, tp.DEFAULT_
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
     gu = triton.compile(ASTSource(tp._gate_up_packed_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                         options=opts)
+    # the output in the activations' dtype (the default tiles) or float32 (a caller's buffer)
     sig = {"h_ptr": "*fp32", "ids_ptr": "*i32", "w_ptr": "*fp32", "d_u8": "*u8", "d_i8": "*i8", "d_f16": "*fp16",
-           "y_ptr": "*fp32", "T": "i32"}
+           "y_ptr": "*bf16" if cfg is tp.DEFAULT_CONFIG else "*fp32", "T": "i32"}
     consts = dict(K=8, H=H, I=I, DOWN_FMT=df, DOWN_RB=rb(df, I), DOWN_G=tp.FORMATS[df][2], BLOCK_N=cfg.block_n,
                   BLOCK_R=cfg.block_r, KP=8, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
     dn = triton.compile(ASTSource(tp._down_packed_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                        options=opts)
+                        options={**opts, "num_warps": cfg.down_num_warps or cfg.num_warps})
     report[f"{gf}_{uf}_{df}"] = [bool(k.asm.get("cubin")) for k in (gu, dn)]
 print(json.dumps(report))
 """

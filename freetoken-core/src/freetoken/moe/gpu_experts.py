@@ -89,16 +89,31 @@ def float32_output(out: Optional[Any], x: Any, tokens: int, hidden: int, device:
     return (out if direct else torch.empty(tokens, hidden, dtype=torch.float32, device=device)), direct
 
 
-def finish_output(y: Any, out: Optional[Any], direct: bool, x_dtype: Any) -> Any:
-    """The experts' result from the float32 buffer ``y``: in ``out`` when given, else in ``x_dtype``."""
+def stored_output(out: Optional[Any], x: Any, tokens: int, hidden: int, device: Any) -> tuple[Any, bool]:
+    """The ``[tokens, hidden]`` buffer of kernels that sum in float32 and store each value
+    once, in float32, bfloat16 or float16: ``out`` itself when it qualifies (contiguous, one
+    of those dtypes, that shape, on x's device, not aliasing x), else a new tensor in x's
+    dtype (float32 for other dtypes), so that no conversion follows; and whether it is ``out``."""
     import torch
 
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    direct = (
+        out is not None and out.dtype in dtypes and out.is_contiguous() and out.device == x.device
+        and tuple(out.shape) == (tokens, hidden) and out.data_ptr() != x.data_ptr()
+    )  # fmt: skip
+    if direct:
+        return out, True
+    return torch.empty(tokens, hidden, dtype=x.dtype if x.dtype in dtypes else torch.float32, device=device), False
+
+
+def finish_output(y: Any, out: Optional[Any], direct: bool, x_dtype: Any) -> Any:
+    """The experts' result from the buffer ``y``: in ``out`` when given, else in ``x_dtype``."""
     if direct:
         return out
     if out is not None:
         out.copy_(y)
         return out
-    return y if x_dtype == torch.float32 else y.to(x_dtype)
+    return y if y.dtype == x_dtype else y.to(x_dtype)
 
 
 class GpuExperts:

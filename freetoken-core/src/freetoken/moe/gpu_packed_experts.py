@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from freetoken.moe.gpu_experts import ACTIVATIONS, GpuExperts, finish_output, float32_output
+from freetoken.moe.gpu_experts import ACTIVATIONS, GpuExperts, finish_output, float32_output, stored_output
 
 if TYPE_CHECKING:
     from freetoken.loading.tensors import RawTensor
@@ -212,8 +212,9 @@ class PackedGpuExperts:
 
         tokens, top_k = gpu_ids.shape
         x, ids, w = x.contiguous(), gpu_ids.contiguous(), w.contiguous()
-        y, direct = float32_output(out, x, tokens, self.hidden, self.device)
         packed = tokens * top_k <= self.config.max_routes
+        # the packed kernels store the output once, in its dtype: no conversion kernel after them
+        y, direct = (stored_output if packed else float32_output)(out, x, tokens, self.hidden, self.device)
         bf16_config = self.bf16_config or triton_moe.DEFAULT_CONFIG
         grouped = not packed and self.large_batch == "grouped"
         if packed:
@@ -251,7 +252,9 @@ class PackedGpuExperts:
         self, batch_sizes: Iterable[int], top_k: int, x_dtype: Any = None, ids_dtype: Any = None, w_dtype: Any = None
     ) -> None:
         """Compile the Triton variants these shapes use (eagerly, on random inputs) so that
-        a later stream capture finds them; defaults: bfloat16 x, int32 ids, float32 weights."""
+        a later stream capture finds them; defaults: bfloat16 x, int32 ids, float32 weights.
+        The packed kernels' output is x's dtype, or float32 for a caller's float32 ``out``:
+        both are compiled."""
         import torch
 
         dev = self.device
@@ -260,6 +263,8 @@ class PackedGpuExperts:
             ids = torch.randint(-1, self.num_experts, (tokens, top_k), device=dev).to(ids_dtype or torch.int32)
             w = torch.rand(tokens, top_k, device=dev).to(w_dtype or torch.float32)
             self.forward(x, ids, w)
+            if tokens * top_k <= self.config.max_routes and x.dtype != torch.float32:
+                self.forward(x, ids, w, out=torch.empty(tokens, self.hidden, dtype=torch.float32, device=dev))
 
     # ---- the large-batch path -----------------------------------------------------------
     def _grouped(self, x: Any, ids: Any, w: Any, y: Any, config: Any) -> None:

@@ -428,7 +428,8 @@ def _down_packed_kernel(
             part_sum = tl.sum(tl.sum(acc, axis=2), axis=1)
         wrow = tl.reshape(wk[:, None] + tl.zeros([BLOCK_N], dtype=tl.float32)[None, :], [KP * BLOCK_N])
         part = part_sum * wrow
-        tl.store(y_ptr + t * H + offs_n, tl.sum(tl.reshape(part, [KP, BLOCK_N]), axis=0), mask=n_ok)
+        tl.store(y_ptr + t * H + offs_n, tl.sum(tl.reshape(part, [KP, BLOCK_N]), axis=0).to(y_ptr.dtype.element_ty),
+                 mask=n_ok)
     else:
         acc2 = tl.zeros([BLOCK_N, BLOCK_R // DOWN_G, DOWN_G], dtype=tl.float32)
         # one route after another; a skipped route's loads are masked off and its weight is 0
@@ -442,7 +443,7 @@ def _down_packed_kernel(
                 hv1 = _load_groups(h_row, r1, I, BLOCK_R, DOWN_G, ok1)
                 d1 = _dequant_tile(d_u8, d_i8, d_f16, rows1, n_ok & ok1, r1, I, DOWN_FMT, BLOCK_R, DOWN_G)
                 acc2 += d1 * (hv1 * wk1)[None, :, :]
-        tl.store(y_ptr + t * H + offs_n, tl.sum(tl.sum(acc2, axis=2), axis=1), mask=n_ok)
+        tl.store(y_ptr + t * H + offs_n, tl.sum(tl.sum(acc2, axis=2), axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -484,14 +485,16 @@ def variant_key(x: Any, ids: Any, w: Any, y: Any, config: PackedConfig = DEFAULT
     """What selects the compiled variant of a launch beyond the stacks' fixed formats and
     shapes: the config, the route count K, argument dtypes and 16-byte pointer alignment
     (the token count is not specialised). Equal keys: no new compilation."""
-    return (config, ids.shape[1], x.dtype, ids.dtype, w.dtype, tuple(t.data_ptr() % 16 == 0 for t in (x, ids, w, y)))
+    return (config, ids.shape[1], x.dtype, ids.dtype, w.dtype, y.dtype,
+            tuple(t.data_ptr() % 16 == 0 for t in (x, ids, w, y)))
 
 
 def launch(
     x: Any, ids: Any, w: Any, gate: PackedStack, up: PackedStack, down: PackedStack, y: Any, h: Any,
     activation: str, config: PackedConfig = DEFAULT_CONFIG, alpha: float = 1.702, limit: float = 7.0,
 ) -> None:  # fmt: skip
-    """``y [T, H]`` float32 (contiguous, overwritten) = the routed experts' output.
+    """``y [T, H]`` (contiguous, overwritten) = the routed experts' output, summed in float32
+    and stored once in y's dtype (float32, bfloat16 or float16).
 
     ``x [T, H]`` (any float dtype), ``ids [T, K]`` (int32/int64, -1 = skip), ``w [T, K]``,
     all contiguous; ``gate/up`` stacks of ``[E, I, H]``, ``down`` of ``[E, H, I]``; ``h
@@ -506,8 +509,9 @@ def launch(
             f"packed stacks: gate [{gate.rows}, {gate.cols}], up [{up.rows}, {up.cols}], "
             f"down [{down.rows}, {down.cols}]: expected [I, H], [I, H], [H, I]"
         )
-    if y.dtype != torch.float32 or not y.is_contiguous() or tuple(y.shape) != (tokens, hidden):
-        raise ValueError(f"y must be a contiguous float32 [{tokens}, {hidden}] tensor, got {y.dtype} {tuple(y.shape)}")
+    if y.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not y.is_contiguous() or tuple(y.shape) != (tokens, hidden):
+        raise ValueError(f"y must be a contiguous float32/bfloat16/float16 [{tokens}, {hidden}] tensor, "
+                         f"got {y.dtype} {tuple(y.shape)}")
     if h.dtype != torch.float32 or not h.is_contiguous() or h.numel() < tokens * top_k * inter:
         raise ValueError(f"h must be a contiguous float32 tensor of >= {tokens * top_k * inter} values")
     if not (ids.is_contiguous() and w.is_contiguous() and x.is_contiguous()):
