@@ -19,7 +19,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   G=tests/gpu
   KERNEL_FILES=${KERNEL_FILES:-"$G/test_triton_moe.py $G/test_triton_moe_compile.py $G/test_packed_experts.py $G/test_grouped_experts.py
-    $G/test_packed_dense.py $G/test_layer_parts.py $G/test_dense_ops.py $G/test_decode_attention.py tests/engine/test_dequant.py"}
+    $G/test_packed_dense.py $G/test_layer_parts.py $G/test_dense_ops.py $G/test_decode_attention.py tests/engine/test_dequant.py
+    $G/test_cache_pool_kernels.py $G/test_route_slots.py $G/test_expert_gather.py tests/engine/test_device_sampling.py"}
   ENGINE_FILES=${ENGINE_FILES:-"$G/test_gpu_engine.py $G/test_gpu_expert_traffic.py $G/test_families_gpu.py $G/test_gpu_server.py
     $G/test_handoff_gpu.py $G/test_handoff_sync_policy.py $G/test_gpu_packages.py $G/test_bench_moe_layer.py tests/qualify"}
   # shellcheck disable=SC2086
