@@ -59,6 +59,9 @@ NARROW = triton_moe_packed.PackedConfig(block_i=128, block_h=128, block_n=256, b
 FP32_TOL, BF16_TOL = 1e-5, 1e-2
 #: the large-batch path multiplies BF16 weights and BF16 activations (as GpuExperts does)
 DEQUANT_TOL = 2e-2
+#: the grouped kernels (BF16 products, ``h`` in BF16): test_grouped_experts.py's bound, whose
+#: interpreter runs round BF16 by truncation
+GROUPED_TOL = 3e-2 if INTERPRET else 2e-2
 #: scale of the random fp16 block scales, per format, so that weights are O(0.01 .. 0.1)
 SCALES = {Q4: 2e-4, Q5: 1e-4, Q6: 1e-4, Q8: 2e-4, MX: 2e-3}
 
@@ -164,6 +167,32 @@ def test_output_stored_in_its_dtype(config):
         triton_moe_packed.launch(x, ids, w, experts.gate, experts.up, experts.down,
                                  torch.empty(3, H, dtype=torch.float64, device=DEV),
                                  torch.empty(3, 8, I, device=DEV), "silu", cfg)
+
+
+@pytest.mark.parametrize("config", ["base", "loop"])
+def test_ids_through_a_slot_table(config):
+    """With a slot table the kernels run expert ``table[id]`` for each route (an expert
+    cache's slots, the table read on the device) and skip routes whose table entry is -1,
+    as the float64 reference over the mapped ids; prompt-sized batches map the ids before
+    the other kernels."""
+    cfg = BASE if config == "base" else dataclasses.replace(BASE, down_routes_tile=False)
+    (gate, up, down), (g64, u64, d64) = random_layer((Q4, Q5, Q6), seed=63)
+    experts = PackedGpuExperts(gate, up, down, DEV, config=cfg, large_batch="grouped")
+    gen = torch.Generator().manual_seed(64)
+    n = 3 * E  # ids of a larger numbering, most of them in no slot
+    table = torch.full((n,), -1, dtype=torch.int32)
+    table[torch.randperm(n, generator=gen)[:E]] = torch.randperm(E, generator=gen).to(torch.int32)
+    for tokens in (3, 40):  # 24 routes: the per-route kernels; 320: the grouped kernels
+        x = torch.randn(tokens, H, generator=gen)
+        ids = torch.randint(-1, n, (tokens, 8), generator=gen).to(torch.int32)
+        ids[0, :3] = torch.nonzero(table >= 0)[:3, 0].to(torch.int32)  # some routes surely hit
+        w = torch.rand(tokens, 8, generator=gen) + 0.1
+        mapped = torch.where(ids >= 0, table[ids.clamp(min=0).long()], -1)
+        assert 0 < int((mapped >= 0).sum()) < int((ids >= 0).sum())
+        out = torch.full((tokens, H), float("nan"), device=DEV)
+        experts.forward(x.to(DEV), ids.to(DEV), w.to(DEV), out=out, slot_table=table.to(DEV))
+        tol = FP32_TOL if tokens * 8 <= cfg.max_routes else GROUPED_TOL
+        check_rows(out, reference_experts(x, mapped, w, g64, u64, d64), tol)
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
@@ -375,22 +404,24 @@ for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, tp.DEFAULT_
                         (13, 13, 14, fast), (39, 39, 39, tp.DEFAULT_CONFIG), (100, 100, 100, tp.DEFAULT_CONFIG)]:
     H, I = 2048, 768
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    sig = {"x_ptr": "*bf16", "ids_ptr": "*i32", "g_u8": "*u8", "g_i8": "*i8", "g_f16": "*fp16", "u_u8": "*u8",
-           "u_i8": "*i8", "u_f16": "*fp16", "h_ptr": "*fp32", "T": "i32"}
+    # ids through an expert cache's slot table with the default tiles (a cached layer's decode)
+    slots = cfg is tp.DEFAULT_CONFIG
+    sig = {"x_ptr": "*bf16", "ids_ptr": "*i32", "table_ptr": "*i32", "g_u8": "*u8", "g_i8": "*i8", "g_f16": "*fp16",
+           "u_u8": "*u8", "u_i8": "*i8", "u_f16": "*fp16", "h_ptr": "*fp32", "T": "i32"}
     consts = dict(K=8, H=H, I=I, GATE_FMT=gf, GATE_RB=rb(gf, H), GATE_G=tp.FORMATS[gf][2], UP_FMT=uf,
                   UP_RB=rb(uf, H), UP_G=tp.FORMATS[uf][2], ACT=0, ALPHA=1.702, LIMIT=7.0,
-                  BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h, WORDS=cfg.word_loads)
+                  BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h, WORDS=cfg.word_loads, SLOTS=slots)
     sig.update({k: "constexpr" for k in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
     gu = triton.compile(ASTSource(tp._gate_up_packed_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                         options=opts)
     # the output in the activations' dtype (the default tiles) or float32 (a caller's buffer)
-    sig = {"h_ptr": "*fp32", "ids_ptr": "*i32", "w_ptr": "*fp32", "d_u8": "*u8", "d_i8": "*i8", "d_f16": "*fp16",
-           "y_ptr": "*bf16" if cfg is tp.DEFAULT_CONFIG else "*fp32", "T": "i32"}
+    sig = {"h_ptr": "*fp32", "ids_ptr": "*i32", "table_ptr": "*i32", "w_ptr": "*fp32", "d_u8": "*u8", "d_i8": "*i8",
+           "d_f16": "*fp16", "y_ptr": "*bf16" if cfg is tp.DEFAULT_CONFIG else "*fp32", "T": "i32"}
     consts = dict(K=8, H=H, I=I, DOWN_FMT=df, DOWN_RB=rb(df, I), DOWN_G=tp.FORMATS[df][2], BLOCK_N=cfg.block_n,
-                  BLOCK_R=cfg.block_r, KP=8, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads)
+                  BLOCK_R=cfg.block_r, KP=8, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads, SLOTS=slots)
     sig.update({k: "constexpr" for k in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
     dn = triton.compile(ASTSource(tp._down_packed_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                         options={**opts, "num_warps": cfg.down_num_warps or cfg.num_warps})
     report[f"{gf}_{uf}_{df}"] = [bool(k.asm.get("cubin")) for k in (gu, dn)]

@@ -434,11 +434,18 @@ class CachedLayerExperts:
 
     def forward_routes(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: Any = None) -> torch.Tensor:
         """The cached experts' share of ``ids [T, K]`` (every route; those to experts not
-        cached, and ids -1, contribute nothing)."""
-        return self.pool.experts.forward(x, route_slots(ids, self.cache.slot[self.row]), w, out)
+        cached, and ids -1, contribute nothing). Packed pools' kernels read the layer's slot
+        table themselves (no mapping kernel before them)."""
+        table = self.cache.slot[self.row]
+        if self.pool.packed:
+            return self.pool.experts.forward(x, ids, w, out, slot_table=table)
+        return self.pool.experts.forward(x, route_slots(ids, table), w, out)
 
     def warmup(self, batch_sizes: Any, top_k: int, x_dtype: Any = None) -> None:
-        self.pool.experts.warmup(batch_sizes, top_k, x_dtype)
         table = self.cache.slot[self.row]
+        if self.pool.packed:
+            self.pool.experts.warmup(batch_sizes, top_k, x_dtype, slot_table=table)
+        else:
+            self.pool.experts.warmup(batch_sizes, top_k, x_dtype)
         for dtype in (torch.int32, torch.int64):  # routers give either: both slot kernels compiled
             route_slots(torch.zeros((1, top_k), dtype=dtype, device=table.device), table)

@@ -203,22 +203,28 @@ class PackedGpuExperts:
 
         return tuple(FORMAT_NAMES[s.fmt] for s in (self.gate, self.up, self.down))  # type: ignore[return-value]
 
-    def forward(self, x: Any, gpu_ids: Any, w: Any, out: Optional[Any] = None) -> Any:
+    def forward(self, x: Any, gpu_ids: Any, w: Any, out: Optional[Any] = None, slot_table: Optional[Any] = None) -> Any:
         """``x [T, H]`` (any float dtype), ``gpu_ids [T, K]`` (-1 = not on the GPU), ``w [T, K]``.
-        Returns ``[T, H]`` in ``x.dtype`` (written into ``out`` when given)."""
+        Returns ``[T, H]`` in ``x.dtype`` (written into ``out`` when given). With
+        ``slot_table`` (int32 ``[n]`` on the device, -1 = none) the ids index the table, which
+        gives this stack's experts (an expert cache's slots); the decode kernels read it
+        themselves, larger batches map the ids first."""
         import torch
 
         from freetoken.moe import triton_moe, triton_moe_grouped, triton_moe_packed
+        from freetoken.moe.route_slots import route_slots
 
         tokens, top_k = gpu_ids.shape
         x, ids, w = x.contiguous(), gpu_ids.contiguous(), w.contiguous()
         packed = tokens * top_k <= self.config.max_routes
+        if slot_table is not None and not packed:
+            ids, slot_table = route_slots(ids, slot_table), None
         # the packed kernels store the output once, in its dtype: no conversion kernel after them
         y, direct = (stored_output if packed else float32_output)(out, x, tokens, self.hidden, self.device)
         bf16_config = self.bf16_config or triton_moe.DEFAULT_CONFIG
         grouped = not packed and self.large_batch == "grouped"
         if packed:
-            key: tuple[Any, ...] = ("packed", *triton_moe_packed.variant_key(x, ids, w, y, self.config))
+            key: tuple[Any, ...] = ("packed", *triton_moe_packed.variant_key(x, ids, w, y, self.config, slot_table))
         elif grouped:
             key = triton_moe_grouped.variant_key(x, ids, w)
         else:
@@ -233,10 +239,12 @@ class PackedGpuExperts:
                 )  # fmt: skip
             self.capture_fallbacks += 1
             g, u, d = self._dequantized()
-            return GpuExperts(g, u, d, self.activation, impl="torch")._forward_torch(x, gpu_ids, w, out)
+            own = ids if slot_table is None else route_slots(ids, slot_table)
+            return GpuExperts(g, u, d, self.activation, impl="torch")._forward_torch(x, own, w, out)
         if packed:
             h = torch.empty(tokens, top_k, self.intermediate, dtype=torch.float32, device=self.device)
-            triton_moe_packed.launch(x, ids, w, self.gate, self.up, self.down, y, h, self.activation, self.config)
+            triton_moe_packed.launch(x, ids, w, self.gate, self.up, self.down, y, h, self.activation, self.config,
+                                     table=slot_table)
         elif grouped:
             triton_moe_grouped.launch(x, ids, w, self.gate, self.up, self.down, y, self.activation)
         elif self.dequant_group >= self.num_experts:
@@ -249,22 +257,26 @@ class PackedGpuExperts:
         return finish_output(y, out, direct, x.dtype)
 
     def warmup(
-        self, batch_sizes: Iterable[int], top_k: int, x_dtype: Any = None, ids_dtype: Any = None, w_dtype: Any = None
-    ) -> None:
+        self, batch_sizes: Iterable[int], top_k: int, x_dtype: Any = None, ids_dtype: Any = None, w_dtype: Any = None,
+        slot_table: Optional[Any] = None,
+    ) -> None:  # fmt: skip
         """Compile the Triton variants these shapes use (eagerly, on random inputs) so that
-        a later stream capture finds them; defaults: bfloat16 x, int32 ids, float32 weights.
-        The packed kernels' output is x's dtype, or float32 for a caller's float32 ``out``:
-        both are compiled."""
+        a later stream capture finds them; defaults: bfloat16 x, int32 ids, float32 weights,
+        ids of this stack (else through ``slot_table``, as :meth:`forward`). The packed
+        kernels' output is x's dtype, or float32 for a caller's float32 ``out``: both are
+        compiled."""
         import torch
 
         dev = self.device
+        n = self.num_experts if slot_table is None else int(slot_table.numel())
         for tokens in batch_sizes:
             x = torch.randn(tokens, self.hidden, device=dev).to(x_dtype or torch.bfloat16)
-            ids = torch.randint(-1, self.num_experts, (tokens, top_k), device=dev).to(ids_dtype or torch.int32)
+            ids = torch.randint(-1, n, (tokens, top_k), device=dev).to(ids_dtype or torch.int32)
             w = torch.rand(tokens, top_k, device=dev).to(w_dtype or torch.float32)
-            self.forward(x, ids, w)
+            self.forward(x, ids, w, slot_table=slot_table)
             if tokens * top_k <= self.config.max_routes and x.dtype != torch.float32:
-                self.forward(x, ids, w, out=torch.empty(tokens, self.hidden, dtype=torch.float32, device=dev))
+                self.forward(x, ids, w, out=torch.empty(tokens, self.hidden, dtype=torch.float32, device=dev),
+                             slot_table=slot_table)
 
     # ---- the large-batch path -----------------------------------------------------------
     def _grouped(self, x: Any, ids: Any, w: Any, y: Any, config: Any) -> None:

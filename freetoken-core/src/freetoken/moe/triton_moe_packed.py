@@ -336,18 +336,20 @@ def _load_groups(ptr, c0, NCOLS: tl.constexpr, BLOCK_C: tl.constexpr, G: tl.cons
 
 @triton.jit(do_not_specialize=["T"])
 def _gate_up_packed_kernel(
-    x_ptr, ids_ptr,
+    x_ptr, ids_ptr, table_ptr,
     g_u8, g_i8, g_f16, u_u8, u_i8, u_f16,
     h_ptr,
     T, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     GATE_FMT: tl.constexpr, GATE_RB: tl.constexpr, GATE_G: tl.constexpr,
     UP_FMT: tl.constexpr, UP_RB: tl.constexpr, UP_G: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, WORDS: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, WORDS: tl.constexpr, SLOTS: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     pid_i = tl.program_id(1)
     e = tl.load(ids_ptr + r).to(tl.int64)
+    if SLOTS:  # ids number the experts of another table: table_ptr maps them to this stack's (-1: none)
+        e = tl.load(table_ptr + tl.maximum(e, 0), mask=e >= 0, other=-1).to(tl.int64)
     if e >= 0:
         t = r // K
         offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -383,13 +385,13 @@ def _gate_up_packed_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _down_packed_kernel(
-    h_ptr, ids_ptr, w_ptr,
+    h_ptr, ids_ptr, table_ptr, w_ptr,
     d_u8, d_i8, d_f16,
     y_ptr,
     T, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     DOWN_FMT: tl.constexpr, DOWN_RB: tl.constexpr, DOWN_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, KP: tl.constexpr, ROUTES_TILE: tl.constexpr,
-    WORDS: tl.constexpr,
+    WORDS: tl.constexpr, SLOTS: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -401,6 +403,8 @@ def _down_packed_kernel(
         # over the routes); the sum over the routes is the program's, in a fixed order
         offs_k = tl.arange(0, KP)
         e = tl.load(ids_ptr + t * K + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
+        if SLOTS:
+            e = tl.load(table_ptr + tl.maximum(e, 0), mask=e >= 0, other=-1).to(tl.int64)
         ok = e >= 0
         wk = tl.load(w_ptr + t * K + offs_k, mask=ok, other=0.0).to(tl.float32)
         rows = tl.reshape((tl.maximum(e, 0) * H)[:, None] + offs_n.to(tl.int64)[None, :], [KP * BLOCK_N]) * DOWN_RB
@@ -435,6 +439,8 @@ def _down_packed_kernel(
         # one route after another; a skipped route's loads are masked off and its weight is 0
         for k in tl.static_range(K):
             e1 = tl.load(ids_ptr + t * K + k).to(tl.int64)
+            if SLOTS:
+                e1 = tl.load(table_ptr + tl.maximum(e1, 0), mask=e1 >= 0, other=-1).to(tl.int64)
             ok1 = e1 >= 0
             wk1 = tl.where(ok1, tl.load(w_ptr + t * K + k).to(tl.float32), 0.0)
             rows1 = (tl.maximum(e1, 0) * H + offs_n.to(tl.int64)) * DOWN_RB
@@ -481,20 +487,26 @@ def dequantize_experts(stack: PackedStack, out: Any, first: int = 0, count: Any 
     return out
 
 
-def variant_key(x: Any, ids: Any, w: Any, y: Any, config: PackedConfig = DEFAULT_CONFIG) -> tuple[Any, ...]:
+def variant_key(x: Any, ids: Any, w: Any, y: Any, config: PackedConfig = DEFAULT_CONFIG,
+                table: Any = None) -> tuple[Any, ...]:  # fmt: skip
     """What selects the compiled variant of a launch beyond the stacks' fixed formats and
-    shapes: the config, the route count K, argument dtypes and 16-byte pointer alignment
-    (the token count is not specialised). Equal keys: no new compilation."""
-    return (config, ids.shape[1], x.dtype, ids.dtype, w.dtype, y.dtype,
+    shapes: the config, the route count K, argument dtypes, whether ids go through a slot
+    table, and 16-byte pointer alignment (the token count is not specialised). Equal keys:
+    no new compilation."""
+    return (config, ids.shape[1], x.dtype, ids.dtype, w.dtype, y.dtype, table is not None,
             tuple(t.data_ptr() % 16 == 0 for t in (x, ids, w, y)))
 
 
 def launch(
     x: Any, ids: Any, w: Any, gate: PackedStack, up: PackedStack, down: PackedStack, y: Any, h: Any,
     activation: str, config: PackedConfig = DEFAULT_CONFIG, alpha: float = 1.702, limit: float = 7.0,
+    table: Any = None,
 ) -> None:  # fmt: skip
     """``y [T, H]`` (contiguous, overwritten) = the routed experts' output, summed in float32
-    and stored once in y's dtype (float32, bfloat16 or float16).
+    and stored once in y's dtype (float32, bfloat16 or float16). With ``table`` (int32
+    ``[n]``, contiguous) the ids are not this stack's experts but indices into it: route
+    ``(t, k)`` runs expert ``table[ids[t, k]]``, none where that is -1 (an expert cache's
+    slots, read by the kernels, so a captured graph follows changes to the table).
 
     ``x [T, H]`` (any float dtype), ``ids [T, K]`` (int32/int64, -1 = skip), ``w [T, K]``,
     all contiguous; ``gate/up`` stacks of ``[E, I, H]``, ``down`` of ``[E, H, I]``; ``h
@@ -516,36 +528,39 @@ def launch(
         raise ValueError(f"h must be a contiguous float32 tensor of >= {tokens * top_k * inter} values")
     if not (ids.is_contiguous() and w.is_contiguous() and x.is_contiguous()):
         raise ValueError("x, ids and w must be contiguous")
+    if table is not None and (table.dtype != torch.int32 or not table.is_contiguous()):
+        raise ValueError(f"table must be a contiguous int32 tensor, got {table.dtype}")
     if tokens == 0:
         return
-    launch_gate_up(x, ids, gate, up, h, activation, config, alpha, limit)
-    launch_down(h, ids, w, down, y, config)
+    launch_gate_up(x, ids, gate, up, h, activation, config, alpha, limit, table)
+    launch_down(h, ids, w, down, y, config, table)
 
 
 def launch_gate_up(
     x: Any, ids: Any, gate: PackedStack, up: PackedStack, h: Any, activation: str,
-    config: PackedConfig = DEFAULT_CONFIG, alpha: float = 1.702, limit: float = 7.0,
+    config: PackedConfig = DEFAULT_CONFIG, alpha: float = 1.702, limit: float = 7.0, table: Any = None,
 ) -> None:  # fmt: skip
     """The first of :func:`launch`'s two kernels alone (``h`` from ``x``); no checks."""
     tokens, top_k = ids.shape
     opts = triton_target.for_device(x.device).launch_options(config.num_warps, config.num_stages)
     _gate_up_packed_kernel[(tokens * top_k, triton.cdiv(gate.rows, config.block_i))](
-        x, ids, *gate.views(), *up.views(), h, tokens, K=top_k, H=gate.cols, I=gate.rows,
+        x, ids, ids if table is None else table, *gate.views(), *up.views(), h, tokens, K=top_k, H=gate.cols, I=gate.rows,
         GATE_FMT=gate.fmt, GATE_RB=gate.row_bytes, GATE_G=gate.group,
         UP_FMT=up.fmt, UP_RB=up.row_bytes, UP_G=up.group,
         ACT=ACT_CODES[activation], ALPHA=float(alpha), LIMIT=float(limit),
-        BLOCK_I=config.block_i, BLOCK_H=config.block_h, WORDS=config.word_loads, **opts,
+        BLOCK_I=config.block_i, BLOCK_H=config.block_h, WORDS=config.word_loads, SLOTS=table is not None, **opts,
     )  # fmt: skip
 
 
-def launch_down(h: Any, ids: Any, w: Any, down: PackedStack, y: Any, config: PackedConfig = DEFAULT_CONFIG) -> None:
+def launch_down(h: Any, ids: Any, w: Any, down: PackedStack, y: Any, config: PackedConfig = DEFAULT_CONFIG,
+                table: Any = None) -> None:  # fmt: skip
     """The second of :func:`launch`'s two kernels alone (``y`` from ``h``); no checks."""
     tokens, top_k = ids.shape
     opts = triton_target.for_device(h.device).launch_options(config.down_num_warps or config.num_warps,
                                                              config.num_stages)
     _down_packed_kernel[(tokens, triton.cdiv(down.rows, config.block_n))](
-        h, ids, w, *down.views(), y, tokens, K=top_k, H=down.rows, I=down.cols,
+        h, ids, ids if table is None else table, w, *down.views(), y, tokens, K=top_k, H=down.rows, I=down.cols,
         DOWN_FMT=down.fmt, DOWN_RB=down.row_bytes, DOWN_G=down.group,
         BLOCK_N=config.block_n, BLOCK_R=config.block_r, KP=triton.next_power_of_2(top_k),
-        ROUTES_TILE=config.down_routes_tile, WORDS=config.word_loads, **opts,
+        ROUTES_TILE=config.down_routes_tile, WORDS=config.word_loads, SLOTS=table is not None, **opts,
     )  # fmt: skip
