@@ -6,7 +6,9 @@ not cached (the CPU takes it) or for a skipped route (id ``-1``). As torch ops t
 chain of five small kernels (compare, clamp, widen, gather, select) on top of the
 placement's own mask and split (another five); in a decode graph each of them costs a
 launch's worth of GPU time per layer. Where Triton runs this is one kernel; elsewhere (the
-fake GPU plugin's host "device") the torch ops compute the same.
+fake GPU plugin's host "device") the torch ops compute the same. A packed pool's per-route
+kernels need neither: they read the table themselves
+(:func:`freetoken.moe.triton_moe_packed.launch`'s ``table``).
 """
 
 from __future__ import annotations
