@@ -17,10 +17,12 @@ import argparse
 import dataclasses
 import itertools
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from graph_timing import graph_sequence_time_us
 
 from freetoken.loading.gguf_writer import random_blocks
 from freetoken.models import packed_linear_triton as plt
@@ -29,27 +31,6 @@ from freetoken.moe import triton_moe_packed as tp
 H, I, E, K = 2048, 768, 128, 8
 HBM = 4.3e12  # bytes/s: the device-to-device copy rate measured on these machines
 Q4_K, Q6_K = 12, 14
-
-
-def cold_time_us(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
-    """Microseconds per call: every call once eagerly (compiles), then a graph of the whole
-    sequence replayed ``replays`` times between CUDA events."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * len(calls))
 
 
 def stack(fmt: int, rows: int, cols: int, rng: np.random.Generator) -> tp.PackedStack:
@@ -65,7 +46,7 @@ def sweep(name: str, variants: list[dict[str, Any]], make_calls: Callable[[Any],
         cfg = dataclasses.replace(base, **v)
         try:
             cfg.validate()
-            us = cold_time_us(make_calls(cfg))
+            us = graph_sequence_time_us(make_calls(cfg))
         except Exception as exc:  # noqa: BLE001 - a tile that does not compile or fit
             print(f"  {name} {v}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
             continue
@@ -91,6 +72,9 @@ def env_fields(v: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer tile configs")
+    ap.add_argument("--launch-only", action="store_true",
+                    help="no sweep: each kernel with the default tiles launched 4 times on other weights, "
+                         "eagerly (for a profiler: tests/gpu/ncu_packed.sh)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     base = tp.DEFAULT_CONFIG
@@ -104,6 +88,22 @@ def main() -> int:
     h = torch.randn(1, K, I, device="cuda")
     per_route_gu = (gate.nbytes + up.nbytes) / E
     per_route_d = down.nbytes / E
+
+    if args.launch_only:
+        for i in ids[:4]:
+            tp.launch_gate_up(x, i, gate, up, h, "silu", base)
+        for i in ids[:4]:
+            tp.launch_down(h, i, w, down, y, base)
+        for rows, cols, fmt in ((4096 + 512 + 512, 2048, Q4_K), (2048, 4096, Q4_K)):
+            b = random_blocks(fmt, rows * 4, cols, rng, scale=1e-4)
+            data = torch.from_numpy(np.ascontiguousarray(b)).reshape(-1).cuda()
+            per = data.numel() // 4
+            xd = torch.randn(1, cols, device="cuda").to(torch.bfloat16)
+            yd = torch.empty(1, rows, dtype=torch.bfloat16, device="cuda")
+            for j in range(4):
+                plt.gemv(xd, plt.PackedMatrix.from_bytes(data[j * per:(j + 1) * per], fmt, rows, cols), yd)
+        torch.cuda.synchronize()
+        return 0
 
     gu_variants = [dict(block_i=bi, block_h=bh, num_warps=nw, word_loads=wl) for bi, bh, nw, wl in
                    itertools.product((1, 2, 4, 8), (512, 2048), (2, 4), (False, True))]
