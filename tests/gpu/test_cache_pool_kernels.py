@@ -6,6 +6,8 @@ machine, in Triton's interpreter elsewhere."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,15 +15,19 @@ pytest.importorskip("gguf")
 
 from expert_reference import reference_experts  # noqa: E402
 from test_grouped_experts import TOL as GROUPED_TOL  # noqa: E402
-from test_packed_experts import DEV, FP32_TOL, Q4, Q6, check_rows, random_layer  # noqa: E402
+from test_packed_experts import DEV, FP32_TOL, INTERPRET, Q4, Q6, WIDE, check_rows, random_layer  # noqa: E402
 
+from freetoken.moe import triton_moe_packed  # noqa: E402
 from freetoken.moe.copy_queue import CopyQueue  # noqa: E402
 from freetoken.moe.expert_cache import ExpertCache  # noqa: E402
 from freetoken.moe.layer import ExpertWeights  # noqa: E402
 
 
 @pytest.mark.parametrize("tokens", [2, 34])
-def test_cached_layer_routes_match_gguf_reference(tokens):
+def test_cached_layer_routes_match_gguf_reference(tokens, monkeypatch):
+    if INTERPRET:  # one program per route and token in the interpreter (its cost is per program)
+        monkeypatch.setattr(triton_moe_packed, "DEFAULT_CONFIG",
+                            dataclasses.replace(WIDE, max_routes=triton_moe_packed.DEFAULT_CONFIG.max_routes))
     layers, refs = {}, {}
     for i, seed in enumerate((31, 32)):
         (gate, up, down), ref = random_layer((Q4, Q4, Q6), seed)
