@@ -300,6 +300,15 @@ def test_down_routes_tile_and_loop(routes_tile, top_k, words):
     run_case((Q4, Q4, Q4), 3, top_k, seed=40 + top_k, config=cfg)
 
 
+@pytest.mark.parametrize("mix", ["q4k_q4k_q6k", "mxfp4"])
+@pytest.mark.parametrize("top_k", [3, 8])
+def test_routes_tile_with_h_loaded_once(mix, top_k):
+    """The routes tile with each route's h loaded once and broadcast over its rows, several
+    rows per route (block_n > 1), padded route counts, several steps per row."""
+    cfg = dataclasses.replace(NARROW, down_routes_tile=True, down_h_once=True, block_n=4, block_r=64)
+    run_case(MIXES[mix], 3, top_k, seed=90 + top_k, config=cfg)
+
+
 @pytest.mark.parametrize("mix", ["q4k_q4k_q6k", "q5k", "q6k_q5k_q4k"])
 def test_word_loads_and_routes_tile(mix):
     """Q4_K and Q5_K read as words and the routes as the down kernel's tile dimension (Q6_K
@@ -400,7 +409,8 @@ def rb(f, cols):
 
 report = {}
 fast = dataclasses.replace(tp.DEFAULT_CONFIG, block_n=2, down_routes_tile=True, word_loads=True)
-for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, tp.DEFAULT_CONFIG), (12, 12, 12, fast),
+once = dataclasses.replace(tp.DEFAULT_CONFIG, down_h_once=True)
+for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, once), (12, 12, 12, fast),
                         (13, 13, 14, fast), (39, 39, 39, tp.DEFAULT_CONFIG), (100, 100, 100, tp.DEFAULT_CONFIG)]:
     H, I = 2048, 768
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -419,7 +429,8 @@ for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, tp.DEFAULT_
     sig = {"h_ptr": "*fp32", "ids_ptr": "*i32", "table_ptr": "*i32", "w_ptr": "*fp32", "d_u8": "*u8", "d_i8": "*i8",
            "d_f16": "*fp16", "y_ptr": "*bf16" if cfg is tp.DEFAULT_CONFIG else "*fp32", "T": "i32"}
     consts = dict(K=8, H=H, I=I, DOWN_FMT=df, DOWN_RB=rb(df, I), DOWN_G=tp.FORMATS[df][2], BLOCK_N=cfg.block_n,
-                  BLOCK_R=cfg.block_r, KP=8, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads, SLOTS=slots)
+                  BLOCK_R=cfg.block_r, KP=8, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads, SLOTS=slots,
+                  H_ONCE=cfg.down_h_once)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
     dn = triton.compile(ASTSource(tp._down_packed_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

@@ -110,6 +110,8 @@ def main() -> int:
     d_variants = [dict(block_n=bn, block_r=br, down_num_warps=nw, word_loads=wl, down_routes_tile=True)
                   for bn, br, nw, wl in itertools.product((1, 2, 4, 8), (256, 1024), (2, 4), (False, True))]
     d_variants += [dict(block_n=bn, down_num_warps=4, down_routes_tile=False) for bn in (2, 4, 16)]
+    d_variants += [dict(block_n=bn, block_r=br, down_num_warps=nw, down_h_once=True, down_routes_tile=True)
+                   for bn, br, nw in itertools.product((2, 4, 8), (256, 1024), (2, 4))]
     if args.quick:
         gu_variants, d_variants = gu_variants[::4], d_variants[::4]
 

@@ -102,7 +102,8 @@ def packed_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
             {"h_ptr": "*fp32", "ids_ptr": "*i32", "table_ptr": "*i32", "w_ptr": "*fp32", **dt, "y_ptr": "*bf16",
              "T": "i32"},
             dict(K=TOP_K, H=HIDDEN, I=INTER, DOWN_FMT=fmt, DOWN_RB=rb, DOWN_G=g, BLOCK_N=cfg.block_n,
-                 BLOCK_R=cfg.block_r, KP=TOP_K, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads, SLOTS=True),
+                 BLOCK_R=cfg.block_r, KP=TOP_K, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads, SLOTS=True,
+                 H_ONCE=cfg.down_h_once),
             cfg.down_num_warps or cfg.num_warps, cfg.num_stages)  # fmt: skip
         out[f"packed.dequant_rows.{name}"] = lambda fmt=fmt, rb=rb_h, g=group: compile_kernel(
             tp._dequant_rows_kernel, target,

@@ -123,6 +123,10 @@ class PackedConfig:
     num_warps: int = 2
     #: warps of the down kernel's programs (0: ``num_warps``)
     down_num_warps: int = 4
+    #: down with the routes tile (byte loads): each route's ``h`` columns loaded once per step
+    #: and broadcast over its ``block_n`` rows, instead of once per row; off until measured
+    #: (tests/gpu/tune_cold.py)
+    down_h_once: bool = False
     num_stages: int = 2
     #: batches of at most this many routes (T * K) run the packed kernels; larger ones
     #: are dequantized to BF16 (see PackedGpuExperts)
@@ -391,7 +395,7 @@ def _down_packed_kernel(
     T, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     DOWN_FMT: tl.constexpr, DOWN_RB: tl.constexpr, DOWN_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, KP: tl.constexpr, ROUTES_TILE: tl.constexpr,
-    WORDS: tl.constexpr, SLOTS: tl.constexpr,
+    WORDS: tl.constexpr, SLOTS: tl.constexpr, H_ONCE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -425,8 +429,14 @@ def _down_packed_kernel(
             acc = tl.zeros([KP * BLOCK_N, BLOCK_R // DOWN_G, DOWN_G], dtype=tl.float32)
             for r0 in range(0, I, BLOCK_R):
                 c = r0 + cols
-                hv = tl.load(h_ptr + h_rows[:, None, None] + c[None, :, :],
-                             mask=row_ok[:, None, None] & (c < I)[None, :, :], other=0.0)
+                if H_ONCE:  # each route's h loaded once, broadcast over the tile's BLOCK_N rows of that route
+                    hk = tl.load(h_ptr + ((t * K + offs_k) * I)[:, None, None] + c[None, :, :],
+                                 mask=ok[:, None, None] & (c < I)[None, :, :], other=0.0)
+                    hv = tl.reshape(tl.broadcast_to(hk[:, None, :, :], (KP, BLOCK_N, BLOCK_R // DOWN_G, DOWN_G)),
+                                    (KP * BLOCK_N, BLOCK_R // DOWN_G, DOWN_G))
+                else:
+                    hv = tl.load(h_ptr + h_rows[:, None, None] + c[None, :, :],
+                                 mask=row_ok[:, None, None] & (c < I)[None, :, :], other=0.0)
                 d = _dequant_tile(d_u8, d_i8, d_f16, rows, row_ok, r0, I, DOWN_FMT, BLOCK_R, DOWN_G)
                 acc += d * hv
             part_sum = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -562,5 +572,6 @@ def launch_down(h: Any, ids: Any, w: Any, down: PackedStack, y: Any, config: Pac
         h, ids, ids if table is None else table, w, *down.views(), y, tokens, K=top_k, H=down.rows, I=down.cols,
         DOWN_FMT=down.fmt, DOWN_RB=down.row_bytes, DOWN_G=down.group,
         BLOCK_N=config.block_n, BLOCK_R=config.block_r, KP=triton.next_power_of_2(top_k),
-        ROUTES_TILE=config.down_routes_tile, WORDS=config.word_loads, SLOTS=table is not None, **opts,
+        ROUTES_TILE=config.down_routes_tile, WORDS=config.word_loads, SLOTS=table is not None,
+        H_ONCE=config.down_h_once, **opts,
     )  # fmt: skip
