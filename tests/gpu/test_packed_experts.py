@@ -300,12 +300,11 @@ def test_down_routes_tile_and_loop(routes_tile, top_k, words):
     run_case((Q4, Q4, Q4), 3, top_k, seed=40 + top_k, config=cfg)
 
 
-@pytest.mark.parametrize("mix", ["q4k_q4k_q6k", "mxfp4"])
-@pytest.mark.parametrize("top_k", [3, 8])
+@pytest.mark.parametrize("mix,top_k", [("q4k_q4k_q6k", 3), ("mxfp4", 8)])
 def test_routes_tile_with_h_loaded_once(mix, top_k):
     """The routes tile with each route's h loaded once and broadcast over its rows, several
-    rows per route (block_n > 1), padded route counts, several steps per row."""
-    cfg = dataclasses.replace(NARROW, down_routes_tile=True, down_h_once=True, block_n=4, block_r=64)
+    rows per route (block_n > 1), a padded route count, several steps per row."""
+    cfg = dataclasses.replace(NARROW, down_routes_tile=True, down_h_once=True, block_n=16, block_r=128)
     run_case(MIXES[mix], 3, top_k, seed=90 + top_k, config=cfg)
 
 
