@@ -107,6 +107,9 @@ def main() -> int:
 
     gu_variants = [dict(block_i=bi, block_h=bh, num_warps=nw, word_loads=wl) for bi, bh, nw, wl in
                    itertools.product((1, 2, 4, 8), (512, 2048), (2, 4), (False, True))]
+    # steps of a loop pipelined deeper (num_stages is shared with down: the pair below keeps it equal)
+    gu_variants += [dict(block_i=bi, block_h=bh, num_stages=ns) for bi, bh, ns in
+                    itertools.product((2, 4), (512, 1024), (1, 3, 4))]
     d_variants = [dict(block_n=bn, block_r=br, down_num_warps=nw, word_loads=wl, down_routes_tile=True)
                   for bn, br, nw, wl in itertools.product((1, 2, 4, 8), (256, 1024), (2, 4), (False, True))]
     d_variants += [dict(block_n=bn, down_num_warps=4, down_routes_tile=False) for bn in (2, 4, 16)]
@@ -127,7 +130,8 @@ def main() -> int:
     # a down variant timed with the default warps keeps them when the gate/up variant changes num_warps
     pairs = [(g_us + d_us, {**g, "down_num_warps": base.down_num_warps or base.num_warps, **d})
              for g_us, g in gu for d_us, d in dn
-             if g.get("word_loads", base.word_loads) == d.get("word_loads", base.word_loads)]
+             if g.get("word_loads", base.word_loads) == d.get("word_loads", base.word_loads)
+             and g.get("num_stages", base.num_stages) == d.get("num_stages", base.num_stages)]
     best_us, best_v = min(pairs, key=lambda p: p[0])
     print(f"experts: default {default_pair:.1f} us per layer, best pair {best_us:.1f} us {best_v}", flush=True)
     fields = {k: v for k, v in best_v.items() if getattr(base, k) != v}
