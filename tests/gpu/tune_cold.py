@@ -107,7 +107,8 @@ def main() -> int:
 
     gu_variants = [dict(block_i=bi, block_h=bh, num_warps=nw, word_loads=wl) for bi, bh, nw, wl in
                    itertools.product((1, 2, 4, 8), (512, 2048), (2, 4), (False, True))]
-    # steps of a loop pipelined deeper (num_stages is shared with down: the pair below keeps it equal)
+    # steps of a loop pipelined deeper: printed only (num_stages is shared with down, whose variants keep
+    # the default, and the chosen pair must agree on it)
     gu_variants += [dict(block_i=bi, block_h=bh, num_stages=ns) for bi, bh, ns in
                     itertools.product((2, 4), (512, 1024), (1, 3, 4))]
     d_variants = [dict(block_n=bn, block_r=br, down_num_warps=nw, word_loads=wl, down_routes_tile=True)
