@@ -15,6 +15,7 @@ import torch
 
 from freetoken.handoff import Fmt
 from freetoken.loading.tensors import RawTensor
+from freetoken.moe import expert_cache
 from freetoken.moe.copy_queue import CopyQueue
 from freetoken.moe.expert_cache import ExpertCache
 from freetoken.moe.layer import ExpertWeights
@@ -229,11 +230,17 @@ def test_settles_on_the_most_routed_experts_and_stops_under_uniform_routing(copi
     p = np.stack([rng.permutation(np.exp(-0.6 * np.arange(E))) for _ in range(rows)])
     p /= p.sum(axis=1, keepdims=True)
     static_hit = float(np.mean([p[r, cache.host_slot[r] >= 0].sum() for r in range(rows)]))  # the initial fill's
-    hits = []
+    hits, fetches = [], []
     for step in range(steps):
         ids = np.stack([rng.choice(E, size=(1, K), p=p[r]) for r in range(rows)]).astype(np.int32)
+        before = cache.fetched_experts
         hits.append(cache.after_step(ids).mean())
+        fetches.append(cache.fetched_experts - before)
         settle(cache, copies)
+    d = cache.describe()  # the report's window: the fetches of the last RECENT_STEPS steps
+    assert (d["decode_steps"], d["recent_steps"]) == (steps, expert_cache.RECENT_STEPS)
+    assert d["fetched_experts_recent"] == sum(fetches[-expert_cache.RECENT_STEPS:])
+    assert sum(fetches) > d["fetched_experts_recent"]  # the learning's fetches are outside it
     oracle = np.argsort(-p, axis=None)[:slots]  # the globally most routed (row, expert) pairs
     oracle_hit = p.reshape(-1)[oracle].sum() / rows
     held = {(r, e) for r in range(rows) for e in range(E) if cache.host_slot[r, e] >= 0}

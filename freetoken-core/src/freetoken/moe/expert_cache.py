@@ -37,6 +37,7 @@ first (random-weight models route uniformly; real ones are then corrected by fet
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 
 #: decode steps after which an expert's heat (its decayed route count) has halved
 HEAT_HALF_LIFE = 256
+#: the report's window of recent decode steps (fetches in it: does the cache still copy?)
+RECENT_STEPS = 256
 #: a prompt route's share of heat against a decode route's (prompts hint at popularity;
 #: the decode steps are what the cache serves)
 PROMPT_WEIGHT = 0.25
@@ -141,6 +144,8 @@ class ExpertCache:
         self.fetching = np.zeros((n, self.num_experts), dtype=bool)
         self.pending: list[_Fetch] = []
         self.fetched_bytes = 0
+        self.decode_steps = 0
+        self._recent_fetches: collections.deque[int] = collections.deque(maxlen=RECENT_STEPS)
         self.fetched_experts = 0
         self._fill()
 
@@ -299,12 +304,15 @@ class ExpertCache:
         hit = (ids >= 0) & (self.host_slot[np.arange(rows).reshape(-1, *([1] * (ids.ndim - 1))),
                                            np.maximum(ids, 0)] >= 0)
         self._commit()
+        self.decode_steps += 1
+        before = self.fetched_experts
         if self.max_fetch:  # (the heat serves only the fetch decisions)
             routed = ids >= 0
             row_of = np.broadcast_to(np.arange(rows).reshape(-1, *([1] * (ids.ndim - 1))), ids.shape)[routed]
             self.heat *= self.decay
             self.heat += np.bincount(row_of * E + ids[routed], minlength=rows * E).reshape(rows, E)
             self._fetch()
+        self._recent_fetches.append(self.fetched_experts - before)
         return hit
 
     def _commit(self) -> None:
@@ -404,6 +412,8 @@ class ExpertCache:
             "pools": [{"formats": list(p.key), "slots": p.slots, "layers": len(p.rows),
                        "bytes_per_expert": p.bytes_per_expert} for p in self.pools],
             "cached_experts": int((self.host_slot >= 0).sum()), "fetched_experts": self.fetched_experts,
+            "decode_steps": self.decode_steps, "recent_steps": len(self._recent_fetches),
+            "fetched_experts_recent": int(sum(self._recent_fetches)),
             "fetched_bytes": self.fetched_bytes, "fetches_in_flight": len(self.pending),
         }  # fmt: skip
 
