@@ -76,16 +76,22 @@ def _act(gate: Any, up: Any, activation: str, alpha: float = 1.702, limit: float
     raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
 
 
+def _writable_output(out: Optional[Any], x: Any, tokens: int, hidden: int, dtypes: tuple[Any, ...]) -> bool:
+    """``out`` can take the kernels' result as it is: contiguous ``[tokens, hidden]`` in one of
+    ``dtypes`` on x's device, not aliasing x."""
+    return (
+        out is not None and out.dtype in dtypes and out.is_contiguous() and out.device == x.device
+        and tuple(out.shape) == (tokens, hidden) and out.data_ptr() != x.data_ptr()
+    )  # fmt: skip
+
+
 def float32_output(out: Optional[Any], x: Any, tokens: int, hidden: int, device: Any) -> tuple[Any, bool]:
     """The float32 ``[tokens, hidden]`` buffer the kernels accumulate into: ``out`` itself
     when it qualifies (contiguous float32 of that shape on x's device, not aliasing x),
     else a new tensor; and whether it is ``out``."""
     import torch
 
-    direct = (
-        out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.device == x.device
-        and tuple(out.shape) == (tokens, hidden) and out.data_ptr() != x.data_ptr()
-    )  # fmt: skip
+    direct = _writable_output(out, x, tokens, hidden, (torch.float32,))
     return (out if direct else torch.empty(tokens, hidden, dtype=torch.float32, device=device)), direct
 
 
@@ -97,11 +103,7 @@ def stored_output(out: Optional[Any], x: Any, tokens: int, hidden: int, device: 
     import torch
 
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    direct = (
-        out is not None and out.dtype in dtypes and out.is_contiguous() and out.device == x.device
-        and tuple(out.shape) == (tokens, hidden) and out.data_ptr() != x.data_ptr()
-    )  # fmt: skip
-    if direct:
+    if _writable_output(out, x, tokens, hidden, dtypes):
         return out, True
     return torch.empty(tokens, hidden, dtype=x.dtype if x.dtype in dtypes else torch.float32, device=device), False
 
