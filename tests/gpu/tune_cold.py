@@ -190,11 +190,9 @@ def main() -> int:
     if n_us < 0.95 * n_default and fields and same_outputs("qkv", n_v) and same_outputs("o", n_v):
         env["FREETOKEN_PACKED_DENSE"] = env_fields(fields)
     h_us, h_v = dense["head"][0]
-    if h_us < 0.95 * timed(dense["head"], {}) and same_outputs("head", h_v):
-        # the wide config reads FREETOKEN_PACKED_DENSE first: name every field it should have
-        wcfg = dataclasses.replace(plt.WIDE_CONFIG, **h_v)
-        env["FREETOKEN_PACKED_DENSE_WIDE"] = env_fields({k: getattr(wcfg, k) for k in
-                                                         ("block_n", "block_k", "num_warps", "word_loads")})
+    fields = {k: v for k, v in h_v.items() if getattr(plt.WIDE_CONFIG, k) != v}
+    if h_us < 0.95 * timed(dense["head"], {}) and fields and same_outputs("head", h_v):
+        env["FREETOKEN_PACKED_DENSE_WIDE"] = env_fields(fields)
     for k, v in env.items():
         print(f"ENV {k}={v}", flush=True)
     return 0
