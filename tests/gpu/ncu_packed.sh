@@ -12,8 +12,8 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 "$NCU" --clock-control none --cache-control all \
   --kernel-name regex:"_gate_up_packed_kernel|_down_packed_kernel|_packed_gemv_kernel" --launch-count 16 \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
-  --section MemoryWorkloadAnalysis \
+  --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats \
   python3 tests/gpu/tune_cold.py --launch-only > "$OUT/ncu-packed.txt" 2>&1
 echo "ncu rc=$?"
-grep -E "^  _|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Block Limit Registers|Grid Size|Block Size|Stall|Issued Warp|No Eligible" \
+grep -E "^  _|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Block Limit Registers|Grid Size|Block Size|Stall|Issued Warp|No Eligible|Executed Ipc|Issue Slots Busy|Executed Instructions" \
   "$OUT/ncu-packed.txt" | head -150
