@@ -22,13 +22,24 @@ def _activate(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: floa
     raise ValueError(f"unknown activation {activation!r}")
 
 
+def int8_groups(v: torch.Tensor) -> torch.Tensor:
+    """``v`` (last dimension a multiple of 32) as int8 dots quantize activations, in float64:
+    per 32 values ``floor(v * (127 / amax) + 1/2) * (amax / 127)``, the arithmetic float32."""
+    g = v.detach().cpu().float().reshape(*v.shape[:-1], -1, 32)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    return (torch.floor(g * inv + 0.5) * (amax / 127.0)).reshape(v.shape).double()
+
+
 def reference_experts(
     x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-    activation: str = "silu",
+    activation: str = "silu", int8_x: bool = False, int8_h: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """``sum_k w[t,k] * down_e(act(gate_e x_t) * up_e x_t)`` over routes with id >= 0, in
-    float64 on the CPU, one route at a time; ``[T, H]`` float64."""
-    x64 = x.detach().cpu().double()
+    float64 on the CPU, one route at a time; ``[T, H]`` float64. ``int8_x`` / ``int8_h``: the
+    tokens / each route's ``h`` (rounded to float32 first, as the kernels keep it) quantized
+    by :func:`int8_groups` before their products."""
+    x64 = int8_groups(x) if int8_x else x.detach().cpu().double()
     g64, u64, d64 = (t.detach().cpu().double() for t in (gate, up, down))
     ids_c, w_c = ids.detach().cpu(), w.detach().cpu().double()
     y = torch.zeros(x64.shape[0], d64.shape[1], dtype=torch.float64)
@@ -38,6 +49,8 @@ def reference_experts(
             if e < 0:
                 continue
             h = _activate(g64[e] @ x64[t], u64[e] @ x64[t], activation)
+            if int8_h:
+                h = int8_groups(h.float())
             y[t] += w_c[t, k] * (d64[e] @ h)
     return y
 

@@ -316,6 +316,43 @@ def test_word_loads_and_routes_tile(mix):
     run_case(MIXES[mix], 3, 8, seed=60 + len(mix), config=cfg)
 
 
+#: int8 dots: gate/up steps of 2 pairs of sub-blocks, down steps of 1 half block (several steps
+#: per row in the interpreter's sizes), several rows per route in the down tile
+INT8_CFG = dataclasses.replace(BASE, int8_dot=True, down_routes_tile=True, block_h=128, block_r=128,
+                               block_n=min(BASE.block_n, 64))  # fmt: skip
+#: a row's relative error against the reference with the same quantized activations: float32
+#: sums in another order, and a code rounded the other way where h differs in its last bits
+#: (one code off moves a row by ~1e-4); the unquantized float64 result is ~1e-2 away
+INT8_TOL = 1e-3
+
+
+@pytest.mark.parametrize("fmts,int8_x,int8_h", [((Q4, Q4, Q6), True, True), ((Q4, Q4, Q4), True, True),
+                                                ((Q5, Q5, Q6), False, True), ((Q4, Q4, Q8), True, False)])
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (3, 6)])
+def test_int8_dots(fmts, int8_x, int8_h, tokens, top_k):
+    """Q4_K gate/up and Q4_K/Q6_K down with int8-quantized activations against float64 over
+    the same quantized activations (tests/gpu/expert_reference.int8_groups), and against the
+    unquantized result (the quantization's error only); other formats keep their byte tiles
+    in the same launch (Q5_K gate/up, Q8_0 down)."""
+    (gate, up, down), (g64, u64, d64) = random_layer(fmts, seed=70 + tokens + top_k)
+    experts = PackedGpuExperts(gate, up, down, DEV, config=INT8_CFG)
+    gen = torch.Generator().manual_seed(tokens * top_k)
+    x = torch.randn(tokens, H, generator=gen)
+    x[0, :32] = 0.0  # a group of zeros: scale 0, no division by it
+    ids = routes(tokens, top_k, gen)
+    w = torch.rand(tokens, top_k, generator=gen) + 0.1
+    out = torch.full((tokens, H), float("nan"), device=DEV)
+    experts.forward(x.to(DEV), ids.to(DEV), w.to(DEV), out=out)
+    check_rows(out, reference_experts(x, ids, w, g64, u64, d64, int8_x=int8_x, int8_h=int8_h), INT8_TOL)
+    err = check_rows(out, reference_experts(x, ids, w, g64, u64, d64), 5e-2)
+    assert err > INT8_TOL or not (int8_x or int8_h), "no quantization error: were the activations quantized?"
+
+
+def test_int8_dots_need_whole_pairs():
+    with pytest.raises(ValueError, match="int8 dots"):
+        dataclasses.replace(BASE, int8_dot=True, block_r=64).validate()
+
+
 def test_bf16_activations_and_output_small_top_k():
     run_case((Q4, Q8, Q6), 1, 1, seed=3, xdtype=torch.bfloat16, outdtype=torch.bfloat16, tol=BF16_TOL)
     experts = run_case((Q4, Q4, Q6), 3, 2, seed=4, xdtype=torch.bfloat16, tol=FP32_TOL)
@@ -409,8 +446,10 @@ def rb(f, cols):
 report = {}
 fast = dataclasses.replace(tp.DEFAULT_CONFIG, block_n=2, down_routes_tile=True, word_loads=True)
 once = dataclasses.replace(tp.DEFAULT_CONFIG, down_h_once=True)
+int8 = dataclasses.replace(tp.DEFAULT_CONFIG, int8_dot=True, block_i=8, block_n=8)
 for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, once), (12, 12, 12, fast),
-                        (13, 13, 14, fast), (39, 39, 39, tp.DEFAULT_CONFIG), (100, 100, 100, tp.DEFAULT_CONFIG)]:
+                        (13, 13, 14, fast), (39, 39, 39, tp.DEFAULT_CONFIG), (100, 100, 100, tp.DEFAULT_CONFIG),
+                        (12, 12, 14, int8), (12, 12, 12, int8)]:
     H, I = 2048, 768
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     # ids through an expert cache's slot table with the default tiles (a cached layer's decode)
@@ -419,7 +458,8 @@ for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, once), (12,
            "u_u8": "*u8", "u_i8": "*i8", "u_f16": "*fp16", "h_ptr": "*fp32", "T": "i32"}
     consts = dict(K=8, H=H, I=I, GATE_FMT=gf, GATE_RB=rb(gf, H), GATE_G=tp.FORMATS[gf][2], UP_FMT=uf,
                   UP_RB=rb(uf, H), UP_G=tp.FORMATS[uf][2], ACT=0, ALPHA=1.702, LIMIT=7.0,
-                  BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h, WORDS=cfg.word_loads, SLOTS=slots)
+                  BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h, WORDS=cfg.word_loads, SLOTS=slots, INT8=cfg.int8_dot,
+                  DP4A=cfg.int8_dot)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
     gu = triton.compile(ASTSource(tp._gate_up_packed_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -429,12 +469,13 @@ for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, once), (12,
            "d_f16": "*fp16", "y_ptr": "*bf16" if cfg is tp.DEFAULT_CONFIG else "*fp32", "T": "i32"}
     consts = dict(K=8, H=H, I=I, DOWN_FMT=df, DOWN_RB=rb(df, I), DOWN_G=tp.FORMATS[df][2], BLOCK_N=cfg.block_n,
                   BLOCK_R=cfg.block_r, KP=8, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads, SLOTS=slots,
-                  H_ONCE=cfg.down_h_once)
+                  H_ONCE=cfg.down_h_once, INT8=cfg.int8_dot, DP4A=cfg.int8_dot)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
     dn = triton.compile(ASTSource(tp._down_packed_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                         options={**opts, "num_warps": cfg.down_num_warps or cfg.num_warps})
-    report[f"{gf}_{uf}_{df}"] = [bool(k.asm.get("cubin")) for k in (gu, dn)]
+    name = f"{gf}_{uf}_{df}" + ("_int8" if cfg.int8_dot else "")
+    report[name] = [bool(k.asm.get("cubin")) and (not cfg.int8_dot or "dp4a.s32.s32" in k.asm["ptx"]) for k in (gu, dn)]
 print(json.dumps(report))
 """
 
@@ -442,13 +483,14 @@ print(json.dumps(report))
 def test_kernels_compile_for_sm90():
     """The packed kernels compile for the H200 (sm_90) with Triton's bundled ptxas, no GPU
     needed (a subprocess without TRITON_INTERPRET): catches what the interpreter accepts
-    and the compiler does not."""
+    and the compiler does not; the int8 dots' kernels hold the dp4a instruction."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"12_12_14": [True, True], "13_8_13": [True, True], "12_12_12": [True, True],
-                      "13_13_14": [True, True], "39_39_39": [True, True], "100_100_100": [True, True]}
+                      "13_13_14": [True, True], "39_39_39": [True, True], "100_100_100": [True, True],
+                      "12_12_14_int8": [True, True], "12_12_12_int8": [True, True]}
 
 
 # --------------------------------------------------------------------------------------

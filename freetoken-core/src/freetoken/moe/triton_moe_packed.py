@@ -79,6 +79,7 @@ import triton.language as tl
 
 from freetoken.backends import triton_target
 from freetoken.moe.triton_moe import ACT_CODES, activate
+from freetoken.moe.triton_packed_int8 import _dot_q4k_int8, _q4k_rows_int8, _q6k_rows_int8, _quantize_groups
 from freetoken.moe.triton_packed_words import _dot_words, _dot_words_q6k
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,11 @@ class PackedConfig:
     #: and broadcast over its ``block_n`` rows, instead of once per row; off until measured
     #: (tests/gpu/tune_cold.py)
     down_h_once: bool = False
+    #: Q4_K gate/up and Q4_K/Q6_K down (the routes tile) multiply int8-quantized activations
+    #: with the weights' integer codes, four products per instruction
+    #: (freetoken.moe.triton_packed_int8): a fraction of the byte tiles' instructions, at the
+    #: activations' int8 rounding (~1e-3 of a row's sum); other formats keep the byte tiles
+    int8_dot: bool = False
     num_stages: int = 2
     #: batches of at most this many routes (T * K) run the packed kernels; larger ones
     #: are dequantized to BF16 (see PackedGpuExperts)
@@ -144,6 +150,9 @@ class PackedConfig:
         if self.word_loads and min(self.block_h, self.block_r) < 64:
             raise ValueError(f"block_h={self.block_h}, block_r={self.block_r}: word loads step over whole "
                              "pairs of 32-value sub-blocks (>= 64); pass word_loads=False for smaller steps")
+        if self.int8_dot and (self.block_h < 64 or self.block_r < 128):
+            raise ValueError(f"block_h={self.block_h}, block_r={self.block_r}: int8 dots step over whole pairs of "
+                             "Q4_K sub-blocks (block_h >= 64) and Q6_K half blocks (block_r >= 128)")
         for name in ("num_warps", "down_num_warps"):
             v = getattr(self, name)
             if v < 0 or v & (v - 1) or (v == 0 and name == "num_warps"):
@@ -348,6 +357,7 @@ def _gate_up_packed_kernel(
     UP_FMT: tl.constexpr, UP_RB: tl.constexpr, UP_G: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, WORDS: tl.constexpr, SLOTS: tl.constexpr,
+    INT8: tl.constexpr, DP4A: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     pid_i = tl.program_id(1)
@@ -361,7 +371,20 @@ def _gate_up_packed_kernel(
         rows = e * I + offs_i.to(tl.int64)
         g_rows = rows * GATE_RB
         u_rows = rows * UP_RB
-        if WORDS and (GATE_FMT == 12 or GATE_FMT == 13) and (UP_FMT == 12 or UP_FMT == 13):
+        if INT8 and GATE_FMT == 12 and UP_FMT == 12:  # the activations quantized once per step for both
+            x_off = tl.zeros([1], dtype=tl.int64) + t * H
+            acc_g8 = tl.zeros([BLOCK_I, BLOCK_H // 64], dtype=tl.float32)
+            acc_u8 = tl.zeros([BLOCK_I, BLOCK_H // 64], dtype=tl.float32)
+            for h2 in range(0, H, BLOCK_H):
+                pg = h2 // 64 + tl.arange(0, BLOCK_H // 64)
+                p_ok = pg * 64 < H
+                x_lo, d_lo, s_lo = _quantize_groups(x_ptr, x_off, x_off >= 0, 2 * pg, p_ok)
+                x_hi, d_hi, s_hi = _quantize_groups(x_ptr, x_off, x_off >= 0, 2 * pg + 1, p_ok)
+                acc_g8 += _dot_q4k_int8(g_u8, g_f16, g_rows, i_ok, pg, p_ok, x_lo, d_lo, s_lo, x_hi, d_hi, s_hi, DP4A)
+                acc_u8 += _dot_q4k_int8(u_u8, u_f16, u_rows, i_ok, pg, p_ok, x_lo, d_lo, s_lo, x_hi, d_hi, s_hi, DP4A)
+            gs = tl.sum(acc_g8, axis=1)
+            us = tl.sum(acc_u8, axis=1)
+        elif WORDS and (GATE_FMT == 12 or GATE_FMT == 13) and (UP_FMT == 12 or UP_FMT == 13):
             x_off = tl.zeros([BLOCK_I], dtype=tl.int64) + t * H
             acc_gw = tl.zeros([BLOCK_I, BLOCK_H // 64], dtype=tl.float32)
             acc_uw = tl.zeros([BLOCK_I, BLOCK_H // 64], dtype=tl.float32)
@@ -395,7 +418,7 @@ def _down_packed_kernel(
     T, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     DOWN_FMT: tl.constexpr, DOWN_RB: tl.constexpr, DOWN_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, KP: tl.constexpr, ROUTES_TILE: tl.constexpr,
-    WORDS: tl.constexpr, SLOTS: tl.constexpr, H_ONCE: tl.constexpr,
+    WORDS: tl.constexpr, SLOTS: tl.constexpr, H_ONCE: tl.constexpr, INT8: tl.constexpr, DP4A: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -415,7 +438,16 @@ def _down_packed_kernel(
         row_ok = tl.reshape(ok[:, None] & n_ok[None, :], [KP * BLOCK_N])
         h_rows = tl.reshape((t * K + offs_k)[:, None] + tl.zeros([BLOCK_N], dtype=tl.int64)[None, :], [KP * BLOCK_N]) * I
         cols = tl.arange(0, BLOCK_R // DOWN_G)[:, None] * DOWN_G + tl.arange(0, DOWN_G)[None, :]
-        if WORDS and (DOWN_FMT == 12 or DOWN_FMT == 13):
+        if INT8 and (DOWN_FMT == 12 or DOWN_FMT == 14):  # each route's h quantized, serving its BLOCK_N rows
+            h_off = (t * K + offs_k) * I
+            acc8 = tl.zeros([KP * BLOCK_N], dtype=tl.float32)
+            for r4 in range(0, I, BLOCK_R):
+                if DOWN_FMT == 12:
+                    acc8 += _q4k_rows_int8(d_u8, d_f16, rows, row_ok, h_ptr, h_off, ok, r4, I, BLOCK_R, BLOCK_N, DP4A)
+                else:
+                    acc8 += _q6k_rows_int8(d_u8, d_f16, rows, row_ok, h_ptr, h_off, ok, r4, I, BLOCK_R, BLOCK_N, DP4A)
+            part_sum = acc8
+        elif WORDS and (DOWN_FMT == 12 or DOWN_FMT == 13):
             accw = tl.zeros([KP * BLOCK_N, BLOCK_R // 64], dtype=tl.float32)
             for r2 in range(0, I, BLOCK_R):
                 accw += _dot_words(d_u8, d_f16, rows, row_ok, h_ptr, h_rows, r2, I, DOWN_FMT, BLOCK_R)
@@ -546,6 +578,11 @@ def launch(
     launch_down(h, ids, w, down, y, config, table)
 
 
+def _dp4a_asm(device: Any) -> bool:
+    """Whether int8 dots use the ``dp4a`` instruction (NVIDIA) rather than byte extractions."""
+    return triton_target.for_device(device).backend == "cuda"
+
+
 def launch_gate_up(
     x: Any, ids: Any, gate: PackedStack, up: PackedStack, h: Any, activation: str,
     config: PackedConfig = DEFAULT_CONFIG, alpha: float = 1.702, limit: float = 7.0, table: Any = None,
@@ -558,7 +595,8 @@ def launch_gate_up(
         GATE_FMT=gate.fmt, GATE_RB=gate.row_bytes, GATE_G=gate.group,
         UP_FMT=up.fmt, UP_RB=up.row_bytes, UP_G=up.group,
         ACT=ACT_CODES[activation], ALPHA=float(alpha), LIMIT=float(limit),
-        BLOCK_I=config.block_i, BLOCK_H=config.block_h, WORDS=config.word_loads, SLOTS=table is not None, **opts,
+        BLOCK_I=config.block_i, BLOCK_H=config.block_h, WORDS=config.word_loads, SLOTS=table is not None,
+        INT8=config.int8_dot, DP4A=config.int8_dot and _dp4a_asm(x.device), **opts,
     )  # fmt: skip
 
 
@@ -573,5 +611,6 @@ def launch_down(h: Any, ids: Any, w: Any, down: PackedStack, y: Any, config: Pac
         DOWN_FMT=down.fmt, DOWN_RB=down.row_bytes, DOWN_G=down.group,
         BLOCK_N=config.block_n, BLOCK_R=config.block_r, KP=triton.next_power_of_2(top_k),
         ROUTES_TILE=config.down_routes_tile, WORDS=config.word_loads, SLOTS=table is not None,
-        H_ONCE=config.down_h_once, **opts,
+        H_ONCE=config.down_h_once, INT8=config.int8_dot and config.down_routes_tile,
+        DP4A=config.int8_dot and _dp4a_asm(h.device), **opts,
     )  # fmt: skip
