@@ -30,6 +30,7 @@ pytest.importorskip("triton")
 pytest.importorskip("gguf")
 
 import triton  # noqa: E402
+from expert_reference import int8_groups  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from graph_timing import graph_time_us  # noqa: E402
@@ -118,6 +119,25 @@ def test_gemv_matches_float64(fmt, tokens, dtype):
         assert err <= (FP32_TOL if dtype == torch.float32 else BF16_TOL), (config, err)
 
 
+@pytest.mark.parametrize("block_n,block_k", [(4, 128), (32, 512)])
+@pytest.mark.parametrize("fmt", FORMATS, ids=[NAMES[f] for f in FORMATS])
+def test_gemv_int8_dots(fmt, block_n, block_k):
+    """One token with ``int8_dot``: Q4_K and Q6_K rows against float64 over the token quantized
+    as the kernels do (tests/gpu/expert_reference.int8_groups), and against the unquantized
+    product (the quantization's error only); Q5_K and Q8_0 keep their byte tiles. Steps of
+    one and of several half blocks, masked rows."""
+    raw, ref = packed(fmt, ROWS, COLS, seed=fmt * 10 + block_n)
+    x, x64 = activations(1, torch.bfloat16, seed=block_k)
+    config = plt.PackedLinearConfig(block_n=block_n, block_k=block_k, int8_dot=True)
+    y = torch.full((1, ROWS), float("nan"), device=DEV)
+    plt.gemv(x, matrix(raw), y, config)
+    quantized = fmt in (Q4, Q6)
+    want = (int8_groups(x.cpu()).numpy() if quantized else x64) @ ref.T
+    assert relative_error(y, want) <= 1e-5
+    if quantized:
+        assert 1e-4 < relative_error(y, x64 @ ref.T) < 5e-2
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=[NAMES[f] for f in FORMATS])
 def test_dequantize_and_gather_rows_equal_gguf(fmt):
     """Bit for bit: the kernels' weight values are gguf-py's."""
@@ -186,15 +206,18 @@ report = {}
 cfg = plt.DEFAULT_CONFIG
 for fmt in (12, 13, 14, 8):
     per, nb, g = tp.FORMATS[fmt]
-    for bt, words in ((1, False), (1, True), (2, False), (8, False)):
+    for bt, words, int8 in ((1, False, False), (1, True, False), (2, False, False), (8, False, False),
+                            (1, False, True)):
         sig = {"x_ptr": "*bf16", "w_u8": "*u8", "w_i8": "*i8", "w_f16": "*fp16", "y_ptr": "*bf16", "T": "i32"}
-        consts = dict(N=5120, K=2048, FMT=fmt, RB=2048 // per * nb, G=g, BLOCK_N=cfg.block_n,
-                      BLOCK_K=cfg.step_columns(bt, 2048), BLOCK_T=bt, WORDS=words)
+        consts = dict(N=5120, K=2048, FMT=fmt, RB=2048 // per * nb, G=g, BLOCK_N=8 if int8 else cfg.block_n,
+                      BLOCK_K=cfg.step_columns(bt, 2048), BLOCK_T=bt, WORDS=words, INT8=int8, DP4A=int8)
         sig.update({k: "constexpr" for k in consts})
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
         k = triton.compile(ASTSource(plt._packed_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-        report[f"gemv_{fmt}_t{bt}{'_words' if words else ''}"] = bool(k.asm.get("cubin"))
+        dp4a = "dp4a.s32.s32" in k.asm["ptx"]
+        report[f"gemv_{fmt}_t{bt}{'_words' if words else ''}{'_int8' if int8 else ''}"] = (
+            bool(k.asm.get("cubin")) and dp4a == (int8 and fmt in (12, 14)))
     sig = {"ids_ptr": "*i64", "w_u8": "*u8", "w_i8": "*i8", "w_f16": "*fp16", "out_ptr": "*bf16", "T": "i32"}
     consts = dict(V=151936, K=2048, FMT=fmt, RB=2048 // per * nb, G=g, BLOCK_T=4, BLOCK_C=1024)
     sig.update({k: "constexpr" for k in consts})
@@ -209,12 +232,13 @@ print(json.dumps(report))
 def test_kernels_compile_for_sm90():
     """The GEMV (one token and token tiles) and the embedding gather compile for the H200
     (sm_90) with Triton's bundled ptxas, no GPU needed (a subprocess without
-    TRITON_INTERPRET): catches what the interpreter accepts and the compiler does not."""
+    TRITON_INTERPRET): catches what the interpreter accepts and the compiler does not; with
+    int8 dots, Q4_K and Q6_K rows use dp4a."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 20 and all(report.values()), report
+    assert len(report) == 24 and all(report.values()), report
 
 
 # --------------------------------------------------------------------------------------

@@ -317,25 +317,30 @@ def test_word_loads_and_routes_tile(mix):
 
 
 #: int8 dots: gate/up steps of 2 pairs of sub-blocks, down steps of 1 half block (several steps
-#: per row in the interpreter's sizes), several rows per route in the down tile
-INT8_CFG = dataclasses.replace(BASE, int8_dot=True, down_routes_tile=True, block_h=128, block_r=128,
-                               block_n=min(BASE.block_n, 64))  # fmt: skip
+#: per row in the interpreter's sizes), several rows per route in the down tile; gate/up programs
+#: of whole 32-value groups of h leave it quantized for the down kernel (quantized_h)
+INT8_CFG = dataclasses.replace(BASE, int8_dot=True, down_routes_tile=True, block_i=max(32, BASE.block_i),
+                               block_h=128, block_r=128, block_n=min(BASE.block_n, 64))  # fmt: skip
 #: a row's relative error against the reference with the same quantized activations: float32
 #: sums in another order, and a code rounded the other way where h differs in its last bits
 #: (one code off moves a row by ~1e-4); the unquantized float64 result is ~1e-2 away
 INT8_TOL = 1e-3
 
 
-@pytest.mark.parametrize("fmts,int8_x,int8_h", [((Q4, Q4, Q6), True, True), ((Q4, Q4, Q4), True, True),
-                                                ((Q5, Q5, Q6), False, True), ((Q4, Q4, Q8), True, False)])
+@pytest.mark.parametrize("fmts,int8_x,int8_h,block_i", [
+    ((Q4, Q4, Q6), True, True, None), ((Q4, Q4, Q4), True, True, None), ((Q4, Q4, Q6), True, True, 16),
+    ((Q5, Q5, Q6), False, True, None), ((Q4, Q4, Q8), True, False, None)])
 @pytest.mark.parametrize("tokens,top_k", [(1, 8), (3, 6)])
-def test_int8_dots(fmts, int8_x, int8_h, tokens, top_k):
+def test_int8_dots(fmts, int8_x, int8_h, block_i, tokens, top_k):
     """Q4_K gate/up and Q4_K/Q6_K down with int8-quantized activations against float64 over
     the same quantized activations (tests/gpu/expert_reference.int8_groups), and against the
     unquantized result (the quantization's error only); other formats keep their byte tiles
-    in the same launch (Q5_K gate/up, Q8_0 down)."""
+    in the same launch (Q5_K gate/up, Q8_0 down). h quantized by the gate/up kernel (whole
+    groups per program), or (``block_i=16``) by every down program."""
+    config = INT8_CFG if block_i is None else dataclasses.replace(INT8_CFG, block_i=block_i)
+    assert triton_moe_packed.quantized_h(config, fmts[2]) == (int8_h and block_i is None)
     (gate, up, down), (g64, u64, d64) = random_layer(fmts, seed=70 + tokens + top_k)
-    experts = PackedGpuExperts(gate, up, down, DEV, config=INT8_CFG)
+    experts = PackedGpuExperts(gate, up, down, DEV, config=config)
     gen = torch.Generator().manual_seed(tokens * top_k)
     x = torch.randn(tokens, H, generator=gen)
     x[0, :32] = 0.0  # a group of zeros: scale 0, no division by it
@@ -345,7 +350,7 @@ def test_int8_dots(fmts, int8_x, int8_h, tokens, top_k):
     experts.forward(x.to(DEV), ids.to(DEV), w.to(DEV), out=out)
     check_rows(out, reference_experts(x, ids, w, g64, u64, d64, int8_x=int8_x, int8_h=int8_h), INT8_TOL)
     err = check_rows(out, reference_experts(x, ids, w, g64, u64, d64), 5e-2)
-    assert err > INT8_TOL or not (int8_x or int8_h), "no quantization error: were the activations quantized?"
+    assert err > INT8_TOL, "no quantization error: were the activations quantized?"
 
 
 def test_int8_dots_need_whole_pairs():

@@ -54,6 +54,7 @@ from freetoken.moe.triton_moe_packed import (
     _load_groups,
     tiles_from_env,
 )
+from freetoken.moe.triton_packed_int8 import _q4k_rows_int8, _q6k_rows_int8
 from freetoken.moe.triton_packed_words import _dot_words, _dot_words_q6k
 
 __all__ = ["FORMATS", "FORMAT_NAMES", "PackedLinearConfig", "DEFAULT_CONFIG", "WIDE_CONFIG", "config_for",
@@ -77,6 +78,10 @@ class PackedLinearConfig:
     #: rows as 16-bit half-words (steps of >= 128 columns); off until measured
     #: (tests/gpu/tune_packed_dense.py compares)
     word_loads: bool = False
+    #: one token per program: Q4_K and Q6_K rows multiplied with the token quantized to int8,
+    #: four products per instruction (freetoken.moe.triton_packed_int8; steps of >= 128
+    #: columns); off until measured
+    int8_dot: bool = False
     num_warps: int = 4
     num_stages: int = 2
     #: batches of at most this many tokens run the GEMV; larger ones are dequantized into
@@ -93,6 +98,8 @@ class PackedLinearConfig:
         if self.word_loads and self.block_k < 64:
             raise ValueError(f"block_k={self.block_k}: word loads step over whole pairs of sub-blocks (>= 64); "
                              "pass word_loads=False for smaller steps")
+        if self.int8_dot and self.block_k < 128:
+            raise ValueError(f"block_k={self.block_k}: int8 dots step over whole Q6_K half blocks (>= 128)")
         if self.max_gemv_tokens < 0:
             raise ValueError(f"max_gemv_tokens={self.max_gemv_tokens}: must be >= 0")
 
@@ -155,6 +162,7 @@ def _packed_gemv_kernel(
     x_ptr, w_u8, w_i8, w_f16, y_ptr, T,
     N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, RB: tl.constexpr, G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, WORDS: tl.constexpr,
+    INT8: tl.constexpr, DP4A: tl.constexpr,
 ):  # fmt: skip
     """``y[t, n] = sum_k x[t, k] * W[n, k]`` for the program's ``BLOCK_N`` rows and
     ``BLOCK_T`` tokens (x ``[T, K]``, y ``[T, N]``, contiguous)."""
@@ -166,7 +174,18 @@ def _packed_gemv_kernel(
     if BLOCK_T == 1:
         # one token: the tile stays in its [rows, groups, G] layout, no reshape
         t = pid_t.to(tl.int64)
-        if WORDS and (FMT == 12 or FMT == 13):
+        if INT8 and (FMT == 12 or FMT == 14):  # the token quantized per step, once for the program's rows
+            x_row = tl.zeros([1], dtype=tl.int64) + t
+            acc8 = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k3 in range(0, K, BLOCK_K):
+                if FMT == 12:
+                    acc8 += _q4k_rows_int8(w_u8, w_f16, rows, n_ok, x_ptr, x_row, x_row >= 0, k3, K, BLOCK_K, 1, DP4A,
+                                           False, 0)  # fmt: skip
+                else:
+                    acc8 += _q6k_rows_int8(w_u8, w_f16, rows, n_ok, x_ptr, x_row, x_row >= 0, k3, K, BLOCK_K, 1, DP4A,
+                                           False, 0)  # fmt: skip
+            y = acc8
+        elif WORDS and (FMT == 12 or FMT == 13):
             x_off = tl.zeros([BLOCK_N], dtype=tl.int64) + t * K
             accw = tl.zeros([BLOCK_N, BLOCK_K // 64], dtype=tl.float32)
             for k1 in range(0, K, BLOCK_K):
@@ -237,10 +256,12 @@ def gemv(x: Any, w: PackedMatrix, y: Any, config: PackedLinearConfig = DEFAULT_C
         return y
     bt = config.tokens_per_program(tokens)
     st = w.stack
+    target = triton_target.for_device(x.device)
     _packed_gemv_kernel[(triton.cdiv(w.rows, config.block_n), triton.cdiv(tokens, bt))](
         x, *st.views(), y, tokens, N=w.rows, K=w.cols, FMT=st.fmt, RB=st.row_bytes, G=st.group,
         BLOCK_N=config.block_n, BLOCK_K=config.step_columns(bt, w.cols), BLOCK_T=bt, WORDS=config.word_loads,
-        **triton_target.for_device(x.device).launch_options(config.num_warps, config.num_stages),
+        INT8=config.int8_dot, DP4A=config.int8_dot and target.backend == "cuda",
+        **target.launch_options(config.num_warps, config.num_stages),
     )  # fmt: skip
     return y
 

@@ -79,7 +79,7 @@ import triton.language as tl
 
 from freetoken.backends import triton_target
 from freetoken.moe.triton_moe import ACT_CODES, activate
-from freetoken.moe.triton_packed_int8 import _dot_q4k_int8, _q4k_rows_int8, _q6k_rows_int8, _quantize_groups
+from freetoken.moe.triton_packed_int8 import _dot_q4k_int8, _q4k_rows_int8, _q6k_rows_int8, _store_quantized, _x_groups
 from freetoken.moe.triton_packed_words import _dot_words, _dot_words_q6k
 
 log = logging.getLogger(__name__)
@@ -357,7 +357,7 @@ def _gate_up_packed_kernel(
     UP_FMT: tl.constexpr, UP_RB: tl.constexpr, UP_G: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, WORDS: tl.constexpr, SLOTS: tl.constexpr,
-    INT8: tl.constexpr, DP4A: tl.constexpr,
+    INT8: tl.constexpr, DP4A: tl.constexpr, H_INT8: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     pid_i = tl.program_id(1)
@@ -372,14 +372,14 @@ def _gate_up_packed_kernel(
         g_rows = rows * GATE_RB
         u_rows = rows * UP_RB
         if INT8 and GATE_FMT == 12 and UP_FMT == 12:  # the activations quantized once per step for both
-            x_off = tl.zeros([1], dtype=tl.int64) + t * H
+            x_row = tl.zeros([1], dtype=tl.int64) + t
             acc_g8 = tl.zeros([BLOCK_I, BLOCK_H // 64], dtype=tl.float32)
             acc_u8 = tl.zeros([BLOCK_I, BLOCK_H // 64], dtype=tl.float32)
             for h2 in range(0, H, BLOCK_H):
                 pg = h2 // 64 + tl.arange(0, BLOCK_H // 64)
                 p_ok = pg * 64 < H
-                x_lo, d_lo, s_lo = _quantize_groups(x_ptr, x_off, x_off >= 0, 2 * pg, p_ok)
-                x_hi, d_hi, s_hi = _quantize_groups(x_ptr, x_off, x_off >= 0, 2 * pg + 1, p_ok)
+                x_lo, d_lo, s_lo = _x_groups(x_ptr, x_row, x_row >= 0, 2 * pg, p_ok, H, False, 0)
+                x_hi, d_hi, s_hi = _x_groups(x_ptr, x_row, x_row >= 0, 2 * pg + 1, p_ok, H, False, 0)
                 acc_g8 += _dot_q4k_int8(g_u8, g_f16, g_rows, i_ok, pg, p_ok, x_lo, d_lo, s_lo, x_hi, d_hi, s_hi, DP4A)
                 acc_u8 += _dot_q4k_int8(u_u8, u_f16, u_rows, i_ok, pg, p_ok, x_lo, d_lo, s_lo, x_hi, d_hi, s_hi, DP4A)
             gs = tl.sum(acc_g8, axis=1)
@@ -407,7 +407,10 @@ def _gate_up_packed_kernel(
             gs = tl.sum(tl.sum(acc_g, axis=2), axis=1)
             us = tl.sum(tl.sum(acc_u, axis=2), axis=1)
         act = activate(gs, us, ACT, ALPHA, LIMIT)
-        tl.store(h_ptr + r.to(tl.int64) * I + offs_i, act, mask=i_ok)
+        if H_INT8:  # h quantized here for the down kernel's int8 dots (BLOCK_I: whole groups of 32)
+            _store_quantized(h_ptr, r, T * K, I, pid_i * BLOCK_I, tl.where(i_ok, act, 0.0))
+        else:
+            tl.store(h_ptr + r.to(tl.int64) * I + offs_i, act, mask=i_ok)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -419,6 +422,7 @@ def _down_packed_kernel(
     DOWN_FMT: tl.constexpr, DOWN_RB: tl.constexpr, DOWN_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, KP: tl.constexpr, ROUTES_TILE: tl.constexpr,
     WORDS: tl.constexpr, SLOTS: tl.constexpr, H_ONCE: tl.constexpr, INT8: tl.constexpr, DP4A: tl.constexpr,
+    H_INT8: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -438,14 +442,17 @@ def _down_packed_kernel(
         row_ok = tl.reshape(ok[:, None] & n_ok[None, :], [KP * BLOCK_N])
         h_rows = tl.reshape((t * K + offs_k)[:, None] + tl.zeros([BLOCK_N], dtype=tl.int64)[None, :], [KP * BLOCK_N]) * I
         cols = tl.arange(0, BLOCK_R // DOWN_G)[:, None] * DOWN_G + tl.arange(0, DOWN_G)[None, :]
-        if INT8 and (DOWN_FMT == 12 or DOWN_FMT == 14):  # each route's h quantized, serving its BLOCK_N rows
-            h_off = (t * K + offs_k) * I
+        if INT8 and (DOWN_FMT == 12 or DOWN_FMT == 14):
+            # each route's h quantized (here, or by the gate/up kernel: H_INT8), serving its BLOCK_N rows
+            h_row = t * K + offs_k
             acc8 = tl.zeros([KP * BLOCK_N], dtype=tl.float32)
             for r4 in range(0, I, BLOCK_R):
                 if DOWN_FMT == 12:
-                    acc8 += _q4k_rows_int8(d_u8, d_f16, rows, row_ok, h_ptr, h_off, ok, r4, I, BLOCK_R, BLOCK_N, DP4A)
+                    acc8 += _q4k_rows_int8(d_u8, d_f16, rows, row_ok, h_ptr, h_row, ok, r4, I, BLOCK_R, BLOCK_N, DP4A,
+                                           H_INT8, T * K)  # fmt: skip
                 else:
-                    acc8 += _q6k_rows_int8(d_u8, d_f16, rows, row_ok, h_ptr, h_off, ok, r4, I, BLOCK_R, BLOCK_N, DP4A)
+                    acc8 += _q6k_rows_int8(d_u8, d_f16, rows, row_ok, h_ptr, h_row, ok, r4, I, BLOCK_R, BLOCK_N, DP4A,
+                                           H_INT8, T * K)  # fmt: skip
             part_sum = acc8
         elif WORDS and (DOWN_FMT == 12 or DOWN_FMT == 13):
             accw = tl.zeros([KP * BLOCK_N, BLOCK_R // 64], dtype=tl.float32)
@@ -574,7 +581,7 @@ def launch(
         raise ValueError(f"table must be a contiguous int32 tensor, got {table.dtype}")
     if tokens == 0:
         return
-    launch_gate_up(x, ids, gate, up, h, activation, config, alpha, limit, table)
+    launch_gate_up(x, ids, gate, up, h, activation, config, alpha, limit, table, quantized_h(config, down.fmt))
     launch_down(h, ids, w, down, y, config, table)
 
 
@@ -583,11 +590,21 @@ def _dp4a_asm(device: Any) -> bool:
     return triton_target.for_device(device).backend == "cuda"
 
 
+def quantized_h(config: PackedConfig, down_fmt: int) -> bool:
+    """Whether the gate/up kernel leaves ``h`` quantized to int8 for the down kernel (int8
+    dots, a down format they serve, gate/up programs of whole 32-value groups of ``h``)
+    rather than in float32, which the down kernel's programs would each quantize again."""
+    return (config.int8_dot and config.down_routes_tile and config.block_i % 32 == 0
+            and down_fmt in (FMT_Q4_K, FMT_Q6_K))  # fmt: skip
+
+
 def launch_gate_up(
     x: Any, ids: Any, gate: PackedStack, up: PackedStack, h: Any, activation: str,
     config: PackedConfig = DEFAULT_CONFIG, alpha: float = 1.702, limit: float = 7.0, table: Any = None,
+    h_int8: bool = False,
 ) -> None:  # fmt: skip
-    """The first of :func:`launch`'s two kernels alone (``h`` from ``x``); no checks."""
+    """The first of :func:`launch`'s two kernels alone (``h`` from ``x``; with ``h_int8``,
+    :func:`quantized_h` of the down stack, quantized in ``h``'s buffer); no checks."""
     tokens, top_k = ids.shape
     opts = triton_target.for_device(x.device).launch_options(config.num_warps, config.num_stages)
     _gate_up_packed_kernel[(tokens * top_k, triton.cdiv(gate.rows, config.block_i))](
@@ -596,7 +613,7 @@ def launch_gate_up(
         UP_FMT=up.fmt, UP_RB=up.row_bytes, UP_G=up.group,
         ACT=ACT_CODES[activation], ALPHA=float(alpha), LIMIT=float(limit),
         BLOCK_I=config.block_i, BLOCK_H=config.block_h, WORDS=config.word_loads, SLOTS=table is not None,
-        INT8=config.int8_dot, DP4A=config.int8_dot and _dp4a_asm(x.device), **opts,
+        INT8=config.int8_dot, DP4A=config.int8_dot and _dp4a_asm(x.device), H_INT8=h_int8, **opts,
     )  # fmt: skip
 
 
@@ -612,5 +629,5 @@ def launch_down(h: Any, ids: Any, w: Any, down: PackedStack, y: Any, config: Pac
         BLOCK_N=config.block_n, BLOCK_R=config.block_r, KP=triton.next_power_of_2(top_k),
         ROUTES_TILE=config.down_routes_tile, WORDS=config.word_loads, SLOTS=table is not None,
         H_ONCE=config.down_h_once, INT8=config.int8_dot and config.down_routes_tile,
-        DP4A=config.int8_dot and _dp4a_asm(h.device), **opts,
+        DP4A=config.int8_dot and _dp4a_asm(h.device), H_INT8=quantized_h(config, down.fmt), **opts,
     )  # fmt: skip

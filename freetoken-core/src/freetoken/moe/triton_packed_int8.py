@@ -1,22 +1,29 @@
 """Integer dot products of packed K-quant rows with activations quantized to int8.
 
 The byte tiles of :mod:`freetoken.moe.triton_moe_packed` dequantize every weight to float32
-before its product: a dozen integer and conversion instructions per value, so the one-token
-kernels are bound by instruction issue, not by memory. Here the activations are quantized
+before its product: about a dozen instructions per value (Nsight Compute on the H200: 9.5
+million warp instructions for the 25 million weights of a Qwen3-30B-A3B layer's gate/up at one
+token, the integer pipe the busiest), so the one-token kernels are bound by instruction issue,
+not by memory. Here the activations are quantized
 once per 32 values and the weights' codes stay integers, four to a 32-bit word, multiplied
 four at a time (``dp4a``: four int8 products summed into an int32 in one instruction):
 
 * activations: per group of 32 values ``q = floor(x * 127 / amax + 1/2)`` in -127..127,
   scale ``dx = amax / 127``, kept as words of four codes (value ``4w + b`` in byte ``b`` of
-  word ``w``) with the group's sum ``dx * sum(q)`` (:func:`_quantize_groups`). Every result
+  word ``w``) with the group's sum ``dx * sum(q)`` (:func:`_quantize_values`). Every result
   is the exact weights times these quantized activations ``dx * q``. The CPU kernels of
   freetoken-cpu-moe multiply K-quant weights with int8 activations too.
-* Q4_K rows (:func:`_dot_q4k_int8`): per 32-value sub-block ``d*sc * dx * sum(q*xq) -
-  dmin*m * dx * sum(xq)``; the nibbles read as 32-bit words (blocks of 144 bytes keep rows
-  4-byte aligned), low and high nibbles of a word masked out four at a time.
-* Q6_K rows (:func:`_dot_q6k_int8`): per 16 values ``d*sc * dx * (sum(q*xq) - 32 *
+* Q4_K rows (:func:`_dot_q4k_int8`, :func:`_q4k_rows_int8`): per 32-value sub-block
+  ``d*sc * dx * sum(q*xq) - dmin*m * dx * sum(xq)``; the nibbles read as 32-bit words
+  (blocks of 144 bytes keep rows 4-byte aligned), low and high nibbles of a word masked out
+  four at a time.
+* Q6_K rows (:func:`_q6k_rows_int8`): per 16 values ``d*sc * dx * (sum(q*xq) - 32 *
   sum(xq))``; its 210-byte blocks align to 2 bytes only, so words are put together from
-  16-bit loads.
+  16-bit loads, and the products of each word position are chained through ``dp4a``'s
+  accumulator (no reduction across threads).
+* ``h`` between the expert kernels (:func:`_store_quantized`): a gate/up program that
+  computes whole groups of 32 values of ``h`` stores them quantized, and the down kernel
+  loads the codes instead of quantizing ``h`` again in each of its programs.
 
 The weights are exact; the activations carry the int8 rounding (a relative error of ~1e-2
 per product, ~1e-3 on a row's sum). ``dp4a`` is PTX's ``dp4a.s32.s32`` on NVIDIA; on other
@@ -34,35 +41,72 @@ import triton.language as tl
 
 
 @triton.jit
-def _dp4a(a, b, ASM: tl.constexpr):
-    """Elementwise ``sum_i int8(a, byte i) * int8(b, byte i)`` (int32), ``a`` and ``b`` int32
-    words of four signed bytes, broadcast to one shape."""
-    a, b = tl.broadcast(a, b)
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """Elementwise ``c + sum_i int8(a, byte i) * int8(b, byte i)`` (int32): ``a`` int32 words
+    of four signed bytes, ``b`` and ``c`` int32 words or scalars broadcast to its shape."""
+    b = b + tl.zeros_like(a)
+    c = c + tl.zeros_like(a)
     if ASM:
-        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, tl.zeros_like(a)],
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
                                          dtype=tl.int32, is_pure=True, pack=1)
     else:
-        s = tl.zeros_like(a)
+        s = c
         for i in tl.static_range(4):
             s += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
         return s
 
 
 @triton.jit
-def _quantize_groups(x_ptr, x_off, x_ok, grp, g_ok):
-    """Activations ``x_ptr[x_off[a] + 32 * grp[n] + c]`` (``c < 32``) quantized per group:
+def _quantize_values(xf):
+    """``xf [A, N, 8, 4]`` float32 (``N`` groups of 32 values per row) quantized per group:
     ``(words [A, N, 8] int32, scale [A, N], sum [A, N])``, the sum that of the quantized
-    values (scale times the codes' sum), float32; masked groups are zero."""
-    offs = ((grp.to(tl.int64) * 32)[None, :, None, None] + (tl.arange(0, 8) * 4)[None, None, :, None]
-            + tl.arange(0, 4)[None, None, None, :])  # fmt: skip
-    m = (x_ok[:, None] & g_ok[None, :])[:, :, None, None]
-    xf = tl.load(x_ptr + x_off[:, None, None, None] + offs, mask=m, other=0.0).to(tl.float32)  # [A, N, 8, 4]
+    values (scale times the codes' sum); groups of zeros have scale 0."""
     amax = tl.max(tl.max(tl.abs(xf), axis=3), axis=2)  # [A, N]
     inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
     q = tl.floor(xf * inv[:, :, None, None] + 0.5).to(tl.int32)
     words = tl.sum((q & 255) << (tl.arange(0, 4) * 8)[None, None, None, :], axis=3)
     scale = amax / 127.0
     return words, scale, scale * tl.sum(tl.sum(q, axis=3), axis=2).to(tl.float32)
+
+
+@triton.jit
+def _x_groups(x_ptr, x_row, x_ok, grp, g_ok, NCOLS: tl.constexpr, PRE: tl.constexpr, ROWS):
+    """The activation groups ``grp [N]`` (32 values each) of the rows ``x_row [A]`` as
+    ``(words [A, N, 8], scale [A, N], sum [A, N])`` (masked ones zero): quantized here from
+    float rows ``x_ptr[row * NCOLS + c]``, or with ``PRE`` loaded as :func:`_store_quantized`
+    left them in the buffer at ``x_ptr`` (``ROWS`` rows)."""
+    m2 = x_ok[:, None] & g_ok[None, :]
+    if PRE:
+        base = x_row.to(tl.int64)[:, None] * (NCOLS // 32) + grp[None, :]  # [A, N]: group index
+        words = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + (base * 8)[:, :, None] + tl.arange(0, 8)[None, None, :],
+                        mask=m2[:, :, None], other=0)  # fmt: skip
+        scales = x_ptr + ROWS.to(tl.int64) * (NCOLS // 4)
+        return words, tl.load(scales + base, mask=m2, other=0.0), tl.load(scales + ROWS.to(tl.int64) * (NCOLS // 32) + base,
+                                                                          mask=m2, other=0.0)  # fmt: skip
+    else:
+        offs = ((grp.to(tl.int64) * 32)[None, :, None, None] + (tl.arange(0, 8) * 4)[None, None, :, None]
+                + tl.arange(0, 4)[None, None, None, :])  # fmt: skip
+        xf = tl.load(x_ptr + (x_row.to(tl.int64) * NCOLS)[:, None, None, None] + offs, mask=m2[:, :, None, None],
+                     other=0.0).to(tl.float32)  # fmt: skip
+        return _quantize_values(xf)
+
+
+@triton.jit
+def _store_quantized(x_ptr, row, ROWS, NCOLS: tl.constexpr, c0, v):
+    """Values ``v [B]`` (``B`` a multiple of 32; zero past ``NCOLS``) of columns ``c0 .. c0 +
+    B`` of row ``row`` quantized into the buffer at ``x_ptr`` (float32, >= ``ROWS * NCOLS *
+    5 / 16`` values): words of the codes ``[ROWS, NCOLS / 4]`` (int32), then scales and sums
+    ``[ROWS, NCOLS / 32]``, as :func:`_x_groups` loads them with ``PRE``."""
+    B: tl.constexpr = v.shape[0]
+    words, scale, total = _quantize_values(tl.reshape(v, (1, B // 32, 8, 4)))
+    g = c0 // 32 + tl.arange(0, B // 32)
+    g_ok = g * 32 < NCOLS
+    base = row.to(tl.int64) * (NCOLS // 32) + g  # [B / 32]
+    tl.store(x_ptr.to(tl.pointer_type(tl.int32)) + (base * 8)[:, None] + tl.arange(0, 8)[None, :],
+             tl.reshape(words, (B // 32, 8)), mask=g_ok[:, None])
+    scales = x_ptr + ROWS.to(tl.int64) * (NCOLS // 4)
+    tl.store(scales + base, tl.reshape(scale, (B // 32,)), mask=g_ok)
+    tl.store(scales + ROWS.to(tl.int64) * (NCOLS // 32) + base, tl.reshape(total, (B // 32,)), mask=g_ok)
 
 
 @triton.jit
@@ -85,10 +129,21 @@ def _repeat_rows3(v, REP: tl.constexpr):
 
 
 @triton.jit
-def _words16(i16_ptr, off, m3, R: tl.constexpr, NQ: tl.constexpr):
-    """``[R, NQ, 8]`` int32 words put together from 16 half-words at byte offsets ``off [R, NQ]`` (even)."""
-    v = tl.load(i16_ptr + (off // 2)[:, :, None] + tl.arange(0, 16)[None, None, :], mask=m3, other=0).to(tl.int32)
-    return tl.sum(tl.reshape(v & 0xFFFF, (R, NQ, 8, 2)) << (tl.arange(0, 2) * 16)[None, None, None, :], axis=3)
+def _words16(i16_ptr, hw, m):
+    """int32 words put together from the half-words ``hw`` (low) and ``hw + 1`` (high):
+    ``hw`` a tensor of half-word indices, ``m`` its mask."""
+    lo = tl.load(i16_ptr + hw, mask=m, other=0).to(tl.int32) & 0xFFFF
+    return lo | (tl.load(i16_ptr + hw + 1, mask=m, other=0).to(tl.int32) << 16)
+
+
+@triton.jit
+def _quarters(w):
+    """``w [A, N, 8]`` (words ``4 h + u`` of a group) as four ``[A, N, 2]`` tensors, one per ``u``."""
+    w5 = tl.reshape(w, (w.shape[0], w.shape[1], 2, 2, 2))  # [A, N, h, u // 2, u % 2]
+    even, odd = tl.split(w5)
+    w0, w2 = tl.split(even)
+    w1, w3 = tl.split(odd)
+    return w0, w1, w2, w3
 
 
 @triton.jit
@@ -98,7 +153,7 @@ def _dot_q4k_int8(
     """``[R, P]`` float32: Q4_K rows (byte offsets ``row_off [R]``, multiples of 4) dotted with
     quantized activations over the pairs of sub-blocks ``pg [P]`` (pair ``pg``: sub-blocks
     ``2 pg`` and ``2 pg + 1``, values ``64 pg .. 64 pg + 63`` of a row). ``x_lo/d_lo/s_lo``:
-    :func:`_quantize_groups` of groups ``2 pg``, ``x_hi...`` of ``2 pg + 1``, each with one row
+    :func:`_x_groups` of groups ``2 pg``, ``x_hi...`` of ``2 pg + 1``, each with one row
     or ``R`` rows."""
     i32_ptr = u8_ptr.to(tl.pointer_type(tl.int32))
     sb = pg // 4
@@ -107,8 +162,8 @@ def _dot_q4k_int8(
     w0 = (row_off[:, None] + (sb * 144)[None, :]) // 4  # [R, P]: the block's first word
     words = tl.load(i32_ptr + (w0 + 4 + 8 * p)[:, :, None] + tl.arange(0, 8)[None, None, :], mask=m2[:, :, None],
                     other=0)  # [R, P, 8]: the pair's 32 nibble bytes
-    i_lo = tl.sum(_dp4a(words & 0x0F0F0F0F, x_lo, ASM), axis=2)
-    i_hi = tl.sum(_dp4a((words >> 4) & 0x0F0F0F0F, x_hi, ASM), axis=2)
+    i_lo = tl.sum(_dp4a(words & 0x0F0F0F0F, x_lo, 0, ASM), axis=2)
+    i_hi = tl.sum(_dp4a((words >> 4) & 0x0F0F0F0F, x_hi, 0, ASM), axis=2)
     # 6-bit scales and mins (bytes 4..15 as words a, b, c; see triton_moe_packed._dequant_tile):
     # sub-block s < 4: sc = byte s of a & 63, m = byte s of b & 63; s >= 4: low 4 bits from
     # byte s - 4 of c, top 2 from the top bits of byte s - 4 of a (sc) or b (m)
@@ -129,16 +184,17 @@ def _dot_q4k_int8(
 
 @triton.jit
 def _q4k_rows_int8(
-    u8_ptr, f16_ptr, row_off, row_ok, x_ptr, x_off, x_ok, c0, NCOLS: tl.constexpr, BLOCK_C: tl.constexpr,
-    REP: tl.constexpr, ASM: tl.constexpr,
+    u8_ptr, f16_ptr, row_off, row_ok, x_ptr, x_row, x_ok, c0, NCOLS: tl.constexpr, BLOCK_C: tl.constexpr,
+    REP: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr, ROWS,
 ):  # fmt: skip
     """``[R]`` float32: Q4_K rows dotted with activations over columns ``c0 .. c0 + BLOCK_C``
-    (a multiple of 64), the activations quantized here: rows ``x_off [A]``, each serving
-    ``REP`` consecutive rows of the tile (``R = A * REP``; ``A = 1``: one row for all)."""
+    (a multiple of 64): activation rows ``x_row [A]`` (:func:`_x_groups`: quantized here, or
+    with ``PRE`` already), each serving ``REP`` consecutive rows of the tile (``R = A *
+    REP``; ``A = 1``: one row for all)."""
     pg = c0 // 64 + tl.arange(0, BLOCK_C // 64)
     p_ok = pg * 64 < NCOLS
-    x_lo, d_lo, s_lo = _quantize_groups(x_ptr, x_off, x_ok, 2 * pg, p_ok)
-    x_hi, d_hi, s_hi = _quantize_groups(x_ptr, x_off, x_ok, 2 * pg + 1, p_ok)
+    x_lo, d_lo, s_lo = _x_groups(x_ptr, x_row, x_ok, 2 * pg, p_ok, NCOLS, PRE, ROWS)
+    x_hi, d_hi, s_hi = _x_groups(x_ptr, x_row, x_ok, 2 * pg + 1, p_ok, NCOLS, PRE, ROWS)
     part = _dot_q4k_int8(u8_ptr, f16_ptr, row_off, row_ok, pg, p_ok,
                          _repeat_rows3(x_lo, REP), _repeat_rows(d_lo, REP), _repeat_rows(s_lo, REP),
                          _repeat_rows3(x_hi, REP), _repeat_rows(d_hi, REP), _repeat_rows(s_hi, REP), ASM)  # fmt: skip
@@ -147,8 +203,8 @@ def _q4k_rows_int8(
 
 @triton.jit
 def _q6k_rows_int8(
-    u8_ptr, f16_ptr, row_off, row_ok, x_ptr, x_off, x_ok, c0, NCOLS: tl.constexpr, BLOCK_C: tl.constexpr,
-    REP: tl.constexpr, ASM: tl.constexpr,
+    u8_ptr, f16_ptr, row_off, row_ok, x_ptr, x_row, x_ok, c0, NCOLS: tl.constexpr, BLOCK_C: tl.constexpr,
+    REP: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr, ROWS,
 ):  # fmt: skip
     """``[R]`` float32: as :func:`_q4k_rows_int8` for Q6_K rows (byte offsets ``row_off [R]``,
     even), ``BLOCK_C`` a multiple of 128 (half super-blocks). Value ``j = 128 n + 32 k + l``
@@ -163,18 +219,24 @@ def _q6k_rows_int8(
     m2 = row_ok[:, None] & q_ok[None, :]
     m3 = m2[:, :, None]
     blk = row_off[:, None] + (hq // 2 * 210)[None, :]  # [R, NQ]
-    R: tl.constexpr = row_off.shape[0]
-    ql0 = _words16(i16_ptr, blk + 64 * n, m3, R, NQ)
-    ql1 = _words16(i16_ptr, blk + 64 * n + 32, m3, R, NQ)
-    qh = _words16(i16_ptr, blk + 128 + 32 * n, m3, R, NQ)
-    ones = tl.full((1, 1, 1), 0x01010101, tl.int32)
-    total = tl.zeros((R, NQ), dtype=tl.float32)
+    # [R, NQ, 2]: half-word index of word u = 4 h of each 16-value half h of a 32-byte run (word
+    # u + 4 h: l = 16 h + 4 u .. + 3); the words of one u are chained through dp4a, no reduction
+    h8 = (8 * tl.arange(0, 2))[None, None, :]
+    ql_hw = ((blk + 64 * n) // 2)[:, :, None] + h8
+    qh_hw = ((blk + 128 + 32 * n) // 2)[:, :, None] + h8
+    total = tl.zeros(m2.shape, dtype=tl.float32)
     for k in tl.static_range(4):
-        ql = ql1 if k % 2 else ql0
-        q = ((ql >> (4 * (k // 2))) & 0x0F0F0F0F) | (((qh >> (2 * k)) & 0x03030303) << 4)
-        xw, dx, _ = _quantize_groups(x_ptr, x_off, x_ok, 4 * hq + k, q_ok)  # [A, NQ, 8], [A, NQ]
-        sx = tl.sum(tl.reshape(_dp4a(xw, ones, ASM), (xw.shape[0], NQ, 2, 4)), axis=3)  # [A, NQ, 2]: sum(xq) per 16
-        prod = tl.sum(tl.reshape(_dp4a(q, _repeat_rows3(xw, REP), ASM), (R, NQ, 2, 4)), axis=3)  # [R, NQ, 2]
+        xw, dx, _ = _x_groups(x_ptr, x_row, x_ok, 4 * hq + k, q_ok, NCOLS, PRE, ROWS)  # [A, NQ, 8], [A, NQ]
+        x0, x1, x2, x3 = _quarters(xw)
+        prod = tl.zeros(m3.shape, dtype=tl.int32) + tl.zeros((1, 1, 2), dtype=tl.int32)  # [R, NQ, 2]
+        sx = tl.zeros(x0.shape, dtype=tl.int32)  # sum(xq) per 16
+        for u in tl.static_range(4):
+            xu = x0 if u == 0 else (x1 if u == 1 else (x2 if u == 2 else x3))
+            ql = _words16(i16_ptr, ql_hw + (16 * (k % 2) + 2 * u), m3)
+            qh = _words16(i16_ptr, qh_hw + 2 * u, m3)
+            q = ((ql >> (4 * (k // 2))) & 0x0F0F0F0F) | (((qh >> (2 * k)) & 0x03030303) << 4)
+            prod = _dp4a(q, _repeat_rows3(xu, REP), prod, ASM)
+            sx = _dp4a(xu, 0x01010101, sx, ASM)
         sc = tl.load(i8_ptr + (blk + 192 + 8 * n + 2 * k)[:, :, None] + tl.arange(0, 2)[None, None, :], mask=m3,
                      other=0).to(tl.float32)  # fmt: skip
         isum = (prod - 32 * _repeat_rows3(sx, REP)).to(tl.float32)
