@@ -327,10 +327,12 @@ INT8_CFG = dataclasses.replace(BASE, int8_dot=True, down_routes_tile=True, block
 INT8_TOL = 1e-3
 
 
-@pytest.mark.parametrize("fmts,int8_x,int8_h,block_i", [
-    ((Q4, Q4, Q6), True, True, None), ((Q4, Q4, Q4), True, True, None), ((Q4, Q4, Q6), True, True, 16),
-    ((Q5, Q5, Q6), False, True, None), ((Q4, Q4, Q8), True, False, None)])
-@pytest.mark.parametrize("tokens,top_k", [(1, 8), (3, 6)])
+@pytest.mark.parametrize("fmts,int8_x,int8_h,block_i,tokens,top_k", [
+    ((Q4, Q4, Q6), True, True, None, 1, 8), ((Q4, Q4, Q6), True, True, None, 3, 6),
+    ((Q4, Q4, Q4), True, True, None, 1, 8), ((Q4, Q4, Q4), True, True, None, 3, 6),
+    ((Q5, Q5, Q6), False, True, None, 1, 8), ((Q5, Q5, Q6), False, True, None, 3, 6),
+    ((Q4, Q4, Q8), True, False, None, 1, 8), ((Q4, Q4, Q8), True, False, None, 3, 6),
+    ((Q4, Q4, Q6), True, True, 16, 2, 2)])  # fmt: skip
 def test_int8_dots(fmts, int8_x, int8_h, block_i, tokens, top_k):
     """Q4_K gate/up and Q4_K/Q6_K down with int8-quantized activations against float64 over
     the same quantized activations (tests/gpu/expert_reference.int8_groups), and against the
@@ -452,9 +454,10 @@ report = {}
 fast = dataclasses.replace(tp.DEFAULT_CONFIG, block_n=2, down_routes_tile=True, word_loads=True)
 once = dataclasses.replace(tp.DEFAULT_CONFIG, down_h_once=True)
 int8 = dataclasses.replace(tp.DEFAULT_CONFIG, int8_dot=True, block_i=8, block_n=8)
+int8_h = dataclasses.replace(tp.DEFAULT_CONFIG, int8_dot=True, block_i=32, num_warps=8)  # h quantized by gate/up
 for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, once), (12, 12, 12, fast),
                         (13, 13, 14, fast), (39, 39, 39, tp.DEFAULT_CONFIG), (100, 100, 100, tp.DEFAULT_CONFIG),
-                        (12, 12, 14, int8), (12, 12, 12, int8)]:
+                        (12, 12, 14, int8), (12, 12, 12, int8), (12, 12, 14, int8_h)]:
     H, I = 2048, 768
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     # ids through an expert cache's slot table with the default tiles (a cached layer's decode)
@@ -464,7 +467,7 @@ for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, once), (12,
     consts = dict(K=8, H=H, I=I, GATE_FMT=gf, GATE_RB=rb(gf, H), GATE_G=tp.FORMATS[gf][2], UP_FMT=uf,
                   UP_RB=rb(uf, H), UP_G=tp.FORMATS[uf][2], ACT=0, ALPHA=1.702, LIMIT=7.0,
                   BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h, WORDS=cfg.word_loads, SLOTS=slots, INT8=cfg.int8_dot,
-                  DP4A=cfg.int8_dot)
+                  DP4A=cfg.int8_dot, H_INT8=tp.quantized_h(cfg, df))
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
     gu = triton.compile(ASTSource(tp._gate_up_packed_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -474,12 +477,12 @@ for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, once), (12,
            "d_f16": "*fp16", "y_ptr": "*bf16" if cfg is tp.DEFAULT_CONFIG else "*fp32", "T": "i32"}
     consts = dict(K=8, H=H, I=I, DOWN_FMT=df, DOWN_RB=rb(df, I), DOWN_G=tp.FORMATS[df][2], BLOCK_N=cfg.block_n,
                   BLOCK_R=cfg.block_r, KP=8, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads, SLOTS=slots,
-                  H_ONCE=cfg.down_h_once, INT8=cfg.int8_dot, DP4A=cfg.int8_dot)
+                  H_ONCE=cfg.down_h_once, INT8=cfg.int8_dot, DP4A=cfg.int8_dot, H_INT8=tp.quantized_h(cfg, df))
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
     dn = triton.compile(ASTSource(tp._down_packed_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                         options={**opts, "num_warps": cfg.down_num_warps or cfg.num_warps})
-    name = f"{gf}_{uf}_{df}" + ("_int8" if cfg.int8_dot else "")
+    name = f"{gf}_{uf}_{df}" + ("_int8" if cfg.int8_dot else "") + ("_h" if tp.quantized_h(cfg, df) else "")
     report[name] = [bool(k.asm.get("cubin")) and (not cfg.int8_dot or "dp4a.s32.s32" in k.asm["ptx"]) for k in (gu, dn)]
 print(json.dumps(report))
 """
@@ -495,7 +498,7 @@ def test_kernels_compile_for_sm90():
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"12_12_14": [True, True], "13_8_13": [True, True], "12_12_12": [True, True],
                       "13_13_14": [True, True], "39_39_39": [True, True], "100_100_100": [True, True],
-                      "12_12_14_int8": [True, True], "12_12_12_int8": [True, True]}
+                      "12_12_14_int8": [True, True], "12_12_12_int8": [True, True], "12_12_14_int8_h": [True, True]}
 
 
 # --------------------------------------------------------------------------------------

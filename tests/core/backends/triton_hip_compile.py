@@ -82,7 +82,8 @@ def moe_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
 def packed_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
     """The packed-expert kernels (also those of the expert cache and locked fetch) for each
     block format, as :func:`triton_moe_packed.launch` runs them, and the dequantization; Q4_K
-    and Q6_K also with int8 dots (``PackedConfig.int8_dot``, without the NVIDIA-only dp4a)."""
+    and Q6_K also with int8 dots (``PackedConfig.int8_dot``, without the NVIDIA-only dp4a; h
+    quantized by gate/up, read so by the Q4_K down kernel, quantized by the Q6_K one itself)."""
     cfg = tp.DEFAULT_CONFIG
     out: dict[str, Callable[[], Any]] = {}
     views = ("u8", "i8", "fp16")
@@ -95,7 +96,7 @@ def packed_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
             {"x_ptr": "*bf16", "ids_ptr": "*i32", "table_ptr": "*i32", **gt, "h_ptr": "*fp32", "T": "i32"},
             dict(K=TOP_K, H=HIDDEN, I=INTER, GATE_FMT=fmt, GATE_RB=rb, GATE_G=g, UP_FMT=fmt, UP_RB=rb, UP_G=g,
                  ACT=0, ALPHA=1.702, LIMIT=7.0, BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h, WORDS=cfg.word_loads,
-                 SLOTS=True, INT8=False, DP4A=False),
+                 SLOTS=True, INT8=False, DP4A=False, H_INT8=False),
             cfg.num_warps, cfg.num_stages)  # fmt: skip
         down_types = {f"d_{v}": f"*{t}" for v, t in zip(("u8", "i8", "f16"), views)}
         out[f"packed.down.{name}"] = lambda fmt=fmt, rb=rb_i, g=group, dt=down_types: compile_kernel(
@@ -104,22 +105,23 @@ def packed_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
              "T": "i32"},
             dict(K=TOP_K, H=HIDDEN, I=INTER, DOWN_FMT=fmt, DOWN_RB=rb, DOWN_G=g, BLOCK_N=cfg.block_n,
                  BLOCK_R=cfg.block_r, KP=TOP_K, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads, SLOTS=True,
-                 H_ONCE=cfg.down_h_once, INT8=False, DP4A=False),
+                 H_ONCE=cfg.down_h_once, INT8=False, DP4A=False, H_INT8=False),
             cfg.down_num_warps or cfg.num_warps, cfg.num_stages)  # fmt: skip
         if fmt in (tp.FMT_Q4_K, tp.FMT_Q6_K):
             out[f"packed.gate_up_int8.{name}"] = lambda fmt=fmt, rb=rb_h, g=group, gt=gate_types: compile_kernel(
                 tp._gate_up_packed_kernel, target,
                 {"x_ptr": "*bf16", "ids_ptr": "*i32", "table_ptr": "*i32", **gt, "h_ptr": "*fp32", "T": "i32"},
                 dict(K=TOP_K, H=HIDDEN, I=INTER, GATE_FMT=fmt, GATE_RB=rb, GATE_G=g, UP_FMT=fmt, UP_RB=rb, UP_G=g,
-                     ACT=0, ALPHA=1.702, LIMIT=7.0, BLOCK_I=8, BLOCK_H=cfg.block_h, WORDS=False, SLOTS=True,
-                     INT8=True, DP4A=False),
+                     ACT=0, ALPHA=1.702, LIMIT=7.0, BLOCK_I=32, BLOCK_H=cfg.block_h, WORDS=False, SLOTS=True,
+                     INT8=True, DP4A=False, H_INT8=True),
                 cfg.num_warps, cfg.num_stages)  # fmt: skip
             out[f"packed.down_int8.{name}"] = lambda fmt=fmt, rb=rb_i, g=group, dt=down_types: compile_kernel(
                 tp._down_packed_kernel, target,
                 {"h_ptr": "*fp32", "ids_ptr": "*i32", "table_ptr": "*i32", "w_ptr": "*fp32", **dt, "y_ptr": "*bf16",
                  "T": "i32"},
                 dict(K=TOP_K, H=HIDDEN, I=INTER, DOWN_FMT=fmt, DOWN_RB=rb, DOWN_G=g, BLOCK_N=8, BLOCK_R=cfg.block_r,
-                     KP=TOP_K, ROUTES_TILE=True, WORDS=False, SLOTS=True, H_ONCE=False, INT8=True, DP4A=False),
+                     KP=TOP_K, ROUTES_TILE=True, WORDS=False, SLOTS=True, H_ONCE=False, INT8=True, DP4A=False,
+                     H_INT8=fmt == tp.FMT_Q4_K),
                 cfg.down_num_warps or cfg.num_warps, cfg.num_stages)  # fmt: skip
         out[f"packed.dequant_rows.{name}"] = lambda fmt=fmt, rb=rb_h, g=group: compile_kernel(
             tp._dequant_rows_kernel, target,
