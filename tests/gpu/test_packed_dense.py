@@ -119,13 +119,21 @@ def test_gemv_matches_float64(fmt, tokens, dtype):
         assert err <= (FP32_TOL if dtype == torch.float32 else BF16_TOL), (config, err)
 
 
+#: the int8 GEMV against float64 over the same quantized token: float32 sums in another order,
+#: and where the GPU fuses the rounding's multiply and add (one rounding, not two) a code that
+#: lies within an ulp of a rounding boundary may come out one step off (~1e-4 of the output's
+#: scale each); the unquantized product is >= ~2e-3 away
+INT8_TOL = 3e-4
+
+
 @pytest.mark.parametrize("block_n,block_k", [(4, 128), (32, 512)])
 @pytest.mark.parametrize("fmt", FORMATS, ids=[NAMES[f] for f in FORMATS])
 def test_gemv_int8_dots(fmt, block_n, block_k):
     """One token with ``int8_dot``: Q4_K and Q6_K rows against float64 over the token quantized
     as the kernels do (tests/gpu/expert_reference.int8_groups), and against the unquantized
     product (the quantization's error only); Q5_K and Q8_0 keep their byte tiles. Steps of
-    one and of several half blocks, masked rows."""
+    one and of several half blocks, masked rows; BF16 tokens (exact ties of x * 127 / amax
+    are common: the kernels divide correctly rounded, as the reference does)."""
     raw, ref = packed(fmt, ROWS, COLS, seed=fmt * 10 + block_n)
     x, x64 = activations(1, torch.bfloat16, seed=block_k)
     config = plt.PackedLinearConfig(block_n=block_n, block_k=block_k, int8_dot=True)
@@ -133,9 +141,9 @@ def test_gemv_int8_dots(fmt, block_n, block_k):
     plt.gemv(x, matrix(raw), y, config)
     quantized = fmt in (Q4, Q6)
     want = (int8_groups(x.cpu()).numpy() if quantized else x64) @ ref.T
-    assert relative_error(y, want) <= 1e-5
+    assert relative_error(y, want) <= (INT8_TOL if quantized else FP32_TOL)
     if quantized:
-        assert 1e-4 < relative_error(y, x64 @ ref.T) < 5e-2
+        assert relative_error(y, x64 @ ref.T) > 1e-3, "no quantization error: was the token quantized?"
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=[NAMES[f] for f in FORMATS])
