@@ -62,12 +62,12 @@ def _quantize_values(xf):
     ``(words [A, N, 8] int32, scale [A, N], sum [A, N])``, the sum that of the quantized
     values (scale times the codes' sum); groups of zeros have scale 0."""
     amax = tl.max(tl.max(tl.abs(xf), axis=3), axis=2)  # [A, N]
-    # correctly rounded divisions (``/`` is an approximate one on NVIDIA): 16-bit activations make
-    # exact ties of x * 127 / amax common, and a reciprocal an ulp off rounds them the other way
+    # a correctly rounded division (``/`` is an approximate one on NVIDIA): 16-bit activations make
+    # exact ties of x * 127 / amax common, and a factor an ulp off rounds them the other way
     inv = tl.where(amax > 0, tl.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
     q = tl.floor(xf * inv[:, :, None, None] + 0.5).to(tl.int32)
     words = tl.sum((q & 255) << (tl.arange(0, 4) * 8)[None, None, None, :], axis=3)
-    scale = tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+    scale = amax * (1.0 / 127.0)
     return words, scale, scale * tl.sum(tl.sum(q, axis=3), axis=2).to(tl.float32)
 
 
