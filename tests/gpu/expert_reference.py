@@ -22,10 +22,11 @@ def _activate(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: floa
     raise ValueError(f"unknown activation {activation!r}")
 
 
-def int8_groups(v: torch.Tensor) -> torch.Tensor:
-    """``v`` (last dimension a multiple of 32) as int8 dots quantize activations, in float64:
-    per 32 values ``floor(v * (127 / amax) + 1/2) * (amax / 127)``, the arithmetic float32."""
-    g = v.detach().cpu().float().reshape(*v.shape[:-1], -1, 32)
+def int8_groups(v: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """``v`` (last dimension a multiple of ``group``) as int8 dots quantize activations, in
+    float64: per ``group`` values ``floor(v * (127 / amax) + 1/2) * (amax / 127)``, the
+    arithmetic float32."""
+    g = v.detach().cpu().float().reshape(*v.shape[:-1], -1, group)
     amax = g.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax.clamp_min(1e-30), torch.zeros_like(amax))
     return (torch.floor(g * inv + 0.5) * (amax / 127.0)).reshape(v.shape).double()
@@ -33,12 +34,12 @@ def int8_groups(v: torch.Tensor) -> torch.Tensor:
 
 def reference_experts(
     x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-    activation: str = "silu", int8_x: bool = False, int8_h: bool = False,
+    activation: str = "silu", int8_x: bool = False, int8_h: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """``sum_k w[t,k] * down_e(act(gate_e x_t) * up_e x_t)`` over routes with id >= 0, in
-    float64 on the CPU, one route at a time; ``[T, H]`` float64. ``int8_x`` / ``int8_h``: the
-    tokens / each route's ``h`` (rounded to float32 first, as the kernels keep it) quantized
-    by :func:`int8_groups` before their products."""
+    float64 on the CPU, one route at a time; ``[T, H]`` float64. ``int8_x``: the tokens
+    quantized by :func:`int8_groups` before their products; ``int8_h``: each route's ``h``
+    (rounded to float32 first, as the kernels keep it) quantized per that many values."""
     x64 = int8_groups(x) if int8_x else x.detach().cpu().double()
     g64, u64, d64 = (t.detach().cpu().double() for t in (gate, up, down))
     ids_c, w_c = ids.detach().cpu(), w.detach().cpu().double()
@@ -50,7 +51,7 @@ def reference_experts(
                 continue
             h = _activate(g64[e] @ x64[t], u64[e] @ x64[t], activation)
             if int8_h:
-                h = int8_groups(h.float())
+                h = int8_groups(h.float(), int8_h)
             y[t] += w_c[t, k] * (d64[e] @ h)
     return y
 

@@ -317,9 +317,9 @@ def test_word_loads_and_routes_tile(mix):
 
 
 #: int8 dots: gate/up steps of 2 pairs of sub-blocks, down steps of 1 half block (several steps
-#: per row in the interpreter's sizes), several rows per route in the down tile; gate/up programs
-#: of whole 32-value groups of h leave it quantized for the down kernel (quantized_h)
-INT8_CFG = dataclasses.replace(BASE, int8_dot=True, down_routes_tile=True, block_i=max(32, BASE.block_i),
+#: per row in the interpreter's sizes), several rows per route in the down tile; h quantized per
+#: 16 values by the gate/up kernel for the down kernel (int8_h), or per 32 by every down program
+INT8_CFG = dataclasses.replace(BASE, int8_dot=True, down_routes_tile=True, block_i=max(16, BASE.block_i),
                                block_h=128, block_r=128, block_n=min(BASE.block_n, 64))  # fmt: skip
 #: a row's relative error against the reference with the same quantized activations: float32
 #: sums in another order, and a code rounded the other way where h differs in its last bits
@@ -327,20 +327,21 @@ INT8_CFG = dataclasses.replace(BASE, int8_dot=True, down_routes_tile=True, block
 INT8_TOL = 1e-3
 
 
-@pytest.mark.parametrize("fmts,int8_x,int8_h,block_i,tokens,top_k", [
-    ((Q4, Q4, Q6), True, True, None, 1, 8), ((Q4, Q4, Q6), True, True, None, 3, 6),
-    ((Q4, Q4, Q4), True, True, None, 1, 8), ((Q4, Q4, Q4), True, True, None, 3, 6),
-    ((Q5, Q5, Q6), False, True, None, 1, 8), ((Q5, Q5, Q6), False, True, None, 3, 6),
-    ((Q4, Q4, Q8), True, False, None, 1, 8), ((Q4, Q4, Q8), True, False, None, 3, 6),
-    ((Q4, Q4, Q6), True, True, 16, 2, 2)])  # fmt: skip
-def test_int8_dots(fmts, int8_x, int8_h, block_i, tokens, top_k):
+@pytest.mark.parametrize("fmts,int8_x,down_int8,int8_h,tokens,top_k", [
+    ((Q4, Q4, Q6), True, True, True, 1, 8), ((Q4, Q4, Q6), True, True, True, 3, 3),
+    ((Q4, Q4, Q4), True, True, True, 1, 8), ((Q4, Q4, Q4), True, True, True, 3, 3),
+    ((Q5, Q5, Q6), False, True, True, 1, 8), ((Q5, Q5, Q6), False, True, False, 3, 3),
+    ((Q4, Q4, Q8), True, False, True, 1, 8), ((Q4, Q4, Q8), True, False, False, 3, 3),
+    ((Q4, Q4, Q6), True, True, False, 1, 8), ((Q4, Q4, Q4), True, True, False, 3, 3)])  # fmt: skip
+def test_int8_dots(fmts, int8_x, down_int8, int8_h, tokens, top_k):
     """Q4_K gate/up and Q4_K/Q6_K down with int8-quantized activations against float64 over
     the same quantized activations (tests/gpu/expert_reference.int8_groups), and against the
     unquantized result (the quantization's error only); other formats keep their byte tiles
-    in the same launch (Q5_K gate/up, Q8_0 down). h quantized by the gate/up kernel (whole
-    groups per program), or (``block_i=16``) by every down program."""
-    config = INT8_CFG if block_i is None else dataclasses.replace(INT8_CFG, block_i=block_i)
-    assert triton_moe_packed.quantized_h(config, fmts[2]) == (int8_h and block_i is None)
+    in the same launch (Q5_K gate/up, Q8_0 down). h quantized per 16 values by the gate/up
+    kernel (``int8_h``), or per 32 by every down program."""
+    config = dataclasses.replace(INT8_CFG, int8_h=int8_h)
+    by_gate_up = triton_moe_packed.quantized_h(config, fmts[2])
+    assert by_gate_up == (down_int8 and int8_h)
     (gate, up, down), (g64, u64, d64) = random_layer(fmts, seed=70 + tokens + top_k)
     experts = PackedGpuExperts(gate, up, down, DEV, config=config)
     gen = torch.Generator().manual_seed(tokens * top_k)
@@ -350,7 +351,8 @@ def test_int8_dots(fmts, int8_x, int8_h, block_i, tokens, top_k):
     w = torch.rand(tokens, top_k, generator=gen) + 0.1
     out = torch.full((tokens, H), float("nan"), device=DEV)
     experts.forward(x.to(DEV), ids.to(DEV), w.to(DEV), out=out)
-    check_rows(out, reference_experts(x, ids, w, g64, u64, d64, int8_x=int8_x, int8_h=int8_h), INT8_TOL)
+    h_group = (16 if by_gate_up else 32) if down_int8 else 0
+    check_rows(out, reference_experts(x, ids, w, g64, u64, d64, int8_x=int8_x, int8_h=h_group), INT8_TOL)
     err = check_rows(out, reference_experts(x, ids, w, g64, u64, d64), 5e-2)
     assert err > INT8_TOL, "no quantization error: were the activations quantized?"
 
@@ -358,6 +360,10 @@ def test_int8_dots(fmts, int8_x, int8_h, block_i, tokens, top_k):
 def test_int8_dots_need_whole_pairs():
     with pytest.raises(ValueError, match="int8 dots"):
         dataclasses.replace(BASE, int8_dot=True, block_r=64).validate()
+    with pytest.raises(ValueError, match="16-value groups"):
+        dataclasses.replace(BASE, int8_dot=True, int8_h=True, block_i=8).validate()
+    with pytest.raises(ValueError, match="16-value groups"):
+        dataclasses.replace(BASE, int8_h=True).validate()
 
 
 def test_bf16_activations_and_output_small_top_k():
@@ -454,7 +460,7 @@ report = {}
 fast = dataclasses.replace(tp.DEFAULT_CONFIG, block_n=2, down_routes_tile=True, word_loads=True)
 once = dataclasses.replace(tp.DEFAULT_CONFIG, down_h_once=True)
 int8 = dataclasses.replace(tp.DEFAULT_CONFIG, int8_dot=True, block_i=8, block_n=8)
-int8_h = dataclasses.replace(tp.DEFAULT_CONFIG, int8_dot=True, block_i=32, num_warps=8)  # h quantized by gate/up
+int8_h = dataclasses.replace(tp.DEFAULT_CONFIG, int8_dot=True, int8_h=True, block_i=16, num_warps=4)
 for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, once), (12, 12, 12, fast),
                         (13, 13, 14, fast), (39, 39, 39, tp.DEFAULT_CONFIG), (100, 100, 100, tp.DEFAULT_CONFIG),
                         (12, 12, 14, int8), (12, 12, 12, int8), (12, 12, 14, int8_h)]:

@@ -119,12 +119,15 @@ def main() -> int:
                    for bn, br, nw in itertools.product((2, 4, 8), (256, 1024), (2, 4))]
     if args.quick:
         gu_variants, d_variants = gu_variants[::4], d_variants[::4]
-    # int8 dots: gate/up programs of >= 32 rows leave h quantized for the down kernel (quantized_h);
-    # the down variants that read it carry block_i=32, the others quantize h in every program
+    # int8 dots: with int8_h the gate/up kernel leaves h quantized for the down kernel (quantized_h);
+    # the down variants that read it carry int8_h (and a block_i that allows it), the others quantize h
+    # in every program
     int8_gu = [dict(block_i=bi, block_h=bh, num_warps=nw, int8_dot=True) for bi, bh, nw in
-               ((8, 2048, 4), (16, 2048, 4), (32, 2048, 4), (32, 2048, 8), (32, 512, 8), (64, 512, 8))]
+               ((8, 2048, 4), (16, 2048, 4), (16, 2048, 2), (32, 2048, 4))]
+    int8_gu += [dict(block_i=bi, block_h=2048, num_warps=nw, int8_dot=True, int8_h=True) for bi, nw in
+                ((16, 4), (16, 2), (32, 4))]
     int8_d = [dict(block_n=4, down_num_warps=4, int8_dot=True, down_routes_tile=True)]
-    int8_d += [dict(block_i=32, block_n=bn, down_num_warps=nw, int8_dot=True, down_routes_tile=True)
+    int8_d += [dict(block_i=16, int8_h=True, block_n=bn, down_num_warps=nw, int8_dot=True, down_routes_tile=True)
                for bn, nw in ((2, 2), (4, 2), (4, 4), (8, 4), (16, 8))]
     if args.int8:
         gu_variants, d_variants = int8_gu, int8_d

@@ -112,7 +112,7 @@ def packed_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
                 tp._gate_up_packed_kernel, target,
                 {"x_ptr": "*bf16", "ids_ptr": "*i32", "table_ptr": "*i32", **gt, "h_ptr": "*fp32", "T": "i32"},
                 dict(K=TOP_K, H=HIDDEN, I=INTER, GATE_FMT=fmt, GATE_RB=rb, GATE_G=g, UP_FMT=fmt, UP_RB=rb, UP_G=g,
-                     ACT=0, ALPHA=1.702, LIMIT=7.0, BLOCK_I=32, BLOCK_H=cfg.block_h, WORDS=False, SLOTS=True,
+                     ACT=0, ALPHA=1.702, LIMIT=7.0, BLOCK_I=16, BLOCK_H=cfg.block_h, WORDS=False, SLOTS=True,
                      INT8=True, DP4A=False, H_INT8=True),
                 cfg.num_warps, cfg.num_stages)  # fmt: skip
             out[f"packed.down_int8.{name}"] = lambda fmt=fmt, rb=rb_i, g=group, dt=down_types: compile_kernel(

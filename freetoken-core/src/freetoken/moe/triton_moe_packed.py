@@ -133,6 +133,9 @@ class PackedConfig:
     #: (freetoken.moe.triton_packed_int8): a fraction of the byte tiles' instructions, at the
     #: activations' int8 rounding (~1e-3 of a row's sum); other formats keep the byte tiles
     int8_dot: bool = False
+    #: with int8_dot: the gate/up kernel stores h quantized per 16 values and the down kernel
+    #: reads the codes, instead of every down program quantizing h (block_i a multiple of 16)
+    int8_h: bool = False
     num_stages: int = 2
     #: batches of at most this many routes (T * K) run the packed kernels; larger ones
     #: are dequantized to BF16 (see PackedGpuExperts)
@@ -153,6 +156,9 @@ class PackedConfig:
         if self.int8_dot and (self.block_h < 64 or self.block_r < 128):
             raise ValueError(f"block_h={self.block_h}, block_r={self.block_r}: int8 dots step over whole pairs of "
                              "Q4_K sub-blocks (block_h >= 64) and Q6_K half blocks (block_r >= 128)")
+        if self.int8_h and (not self.int8_dot or self.block_i % 16):
+            raise ValueError(f"int8_h with int8_dot={self.int8_dot}, block_i={self.block_i}: h is quantized by "
+                             "gate/up programs of whole 16-value groups (int8_dot=1 and block_i a multiple of 16)")
         for name in ("num_warps", "down_num_warps"):
             v = getattr(self, name)
             if v < 0 or v & (v - 1) or (v == 0 and name == "num_warps"):
@@ -407,7 +413,7 @@ def _gate_up_packed_kernel(
             gs = tl.sum(tl.sum(acc_g, axis=2), axis=1)
             us = tl.sum(tl.sum(acc_u, axis=2), axis=1)
         act = activate(gs, us, ACT, ALPHA, LIMIT)
-        if H_INT8:  # h quantized here for the down kernel's int8 dots (BLOCK_I: whole groups of 32)
+        if H_INT8:  # h quantized here for the down kernel's int8 dots (BLOCK_I: whole groups of 16)
             _store_quantized(h_ptr, r, T * K, I, pid_i * BLOCK_I, tl.where(i_ok, act, 0.0))
         else:
             tl.store(h_ptr + r.to(tl.int64) * I + offs_i, act, mask=i_ok)
@@ -591,10 +597,10 @@ def _dp4a_asm(device: Any) -> bool:
 
 
 def quantized_h(config: PackedConfig, down_fmt: int) -> bool:
-    """Whether the gate/up kernel leaves ``h`` quantized to int8 for the down kernel (int8
-    dots, a down format they serve, gate/up programs of whole 32-value groups of ``h``)
-    rather than in float32, which the down kernel's programs would each quantize again."""
-    return (config.int8_dot and config.down_routes_tile and config.block_i % 32 == 0
+    """Whether the gate/up kernel leaves ``h`` quantized to int8 per 16 values for the down
+    kernel (``int8_h``, and a down format and form the int8 dots serve) rather than in
+    float32, which the down kernel's programs would each quantize again."""
+    return (config.int8_dot and config.int8_h and config.down_routes_tile and config.block_i % 16 == 0
             and down_fmt in (FMT_Q4_K, FMT_Q6_K))  # fmt: skip
 
 

@@ -22,8 +22,8 @@ four at a time (``dp4a``: four int8 products summed into an int32 in one instruc
   16-bit loads, and the products of each word position are chained through ``dp4a``'s
   accumulator (no reduction across threads).
 * ``h`` between the expert kernels (:func:`_store_quantized`): a gate/up program that
-  computes whole groups of 32 values of ``h`` stores them quantized, and the down kernel
-  loads the codes instead of quantizing ``h`` again in each of its programs.
+  computes whole groups of 16 values of ``h`` stores them quantized per 16 values, and the
+  down kernel loads the codes instead of quantizing ``h`` again in each of its programs.
 
 The weights are exact; the activations carry the int8 rounding (a relative error of ~1e-2
 per product, ~1e-3 on a row's sum). ``dp4a`` is PTX's ``dp4a.s32.s32`` on NVIDIA; on other
@@ -58,8 +58,8 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 
 @triton.jit
 def _quantize_values(xf):
-    """``xf [A, N, 8, 4]`` float32 (``N`` groups of 32 values per row) quantized per group:
-    ``(words [A, N, 8] int32, scale [A, N], sum [A, N])``, the sum that of the quantized
+    """``xf [A, N, W, 4]`` float32 (``N`` groups of ``4 W`` values per row) quantized per group:
+    ``(words [A, N, W] int32, scale [A, N], sum [A, N])``, the sum that of the quantized
     values (scale times the codes' sum); groups of zeros have scale 0."""
     amax = tl.max(tl.max(tl.abs(xf), axis=3), axis=2)  # [A, N]
     # a correctly rounded division (``/`` is an approximate one on NVIDIA): 16-bit activations make
@@ -74,41 +74,44 @@ def _quantize_values(xf):
 @triton.jit
 def _x_groups(x_ptr, x_row, x_ok, grp, g_ok, NCOLS: tl.constexpr, PRE: tl.constexpr, ROWS):
     """The activation groups ``grp [N]`` (32 values each) of the rows ``x_row [A]`` as
-    ``(words [A, N, 8], scale [A, N], sum [A, N])`` (masked ones zero): quantized here from
-    float rows ``x_ptr[row * NCOLS + c]``, or with ``PRE`` loaded as :func:`_store_quantized`
-    left them in the buffer at ``x_ptr`` (``ROWS`` rows)."""
+    ``(words [A, N, 8], scales [A, N, S], sum [A, N])`` (masked ones zero): quantized here per
+    32 values (``S = 1``) from float rows ``x_ptr[row * NCOLS + c]``, or with ``PRE`` loaded
+    as :func:`_store_quantized` left them in the buffer at ``x_ptr`` (``ROWS`` rows), one scale
+    per 16 values (``S = 2``)."""
     m2 = x_ok[:, None] & g_ok[None, :]
     if PRE:
-        base = x_row.to(tl.int64)[:, None] * (NCOLS // 32) + grp[None, :]  # [A, N]: group index
-        words = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + (base * 8)[:, :, None] + tl.arange(0, 8)[None, None, :],
-                        mask=m2[:, :, None], other=0)  # fmt: skip
+        row = x_row.to(tl.int64)[:, None]
+        words = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + (row * (NCOLS // 4) + grp[None, :] * 8)[:, :, None]
+                        + tl.arange(0, 8)[None, None, :], mask=m2[:, :, None], other=0)  # fmt: skip
+        half = (row * (NCOLS // 16) + grp[None, :] * 2)[:, :, None] + tl.arange(0, 2)[None, None, :]  # [A, N, 2]
         scales = x_ptr + ROWS.to(tl.int64) * (NCOLS // 4)
-        return words, tl.load(scales + base, mask=m2, other=0.0), tl.load(scales + ROWS.to(tl.int64) * (NCOLS // 32) + base,
-                                                                          mask=m2, other=0.0)  # fmt: skip
+        sums = tl.load(scales + ROWS.to(tl.int64) * (NCOLS // 16) + half, mask=m2[:, :, None], other=0.0)
+        return words, tl.load(scales + half, mask=m2[:, :, None], other=0.0), tl.sum(sums, axis=2)
     else:
         offs = ((grp.to(tl.int64) * 32)[None, :, None, None] + (tl.arange(0, 8) * 4)[None, None, :, None]
                 + tl.arange(0, 4)[None, None, None, :])  # fmt: skip
         xf = tl.load(x_ptr + (x_row.to(tl.int64) * NCOLS)[:, None, None, None] + offs, mask=m2[:, :, None, None],
                      other=0.0).to(tl.float32)  # fmt: skip
-        return _quantize_values(xf)
+        words, scale, total = _quantize_values(xf)
+        return words, scale[:, :, None], total
 
 
 @triton.jit
 def _store_quantized(x_ptr, row, ROWS, NCOLS: tl.constexpr, c0, v):
-    """Values ``v [B]`` (``B`` a multiple of 32; zero past ``NCOLS``) of columns ``c0 .. c0 +
-    B`` of row ``row`` quantized into the buffer at ``x_ptr`` (float32, >= ``ROWS * NCOLS *
-    5 / 16`` values): words of the codes ``[ROWS, NCOLS / 4]`` (int32), then scales and sums
-    ``[ROWS, NCOLS / 32]``, as :func:`_x_groups` loads them with ``PRE``."""
+    """Values ``v [B]`` (``B`` a multiple of 16; zero past ``NCOLS``) of columns ``c0 .. c0 +
+    B`` of row ``row`` quantized per 16 values into the buffer at ``x_ptr`` (float32, >=
+    ``ROWS * NCOLS * 3 / 8`` values): words of the codes ``[ROWS, NCOLS / 4]`` (int32), then
+    scales and sums ``[ROWS, NCOLS / 16]``, as :func:`_x_groups` loads them with ``PRE``."""
     B: tl.constexpr = v.shape[0]
-    words, scale, total = _quantize_values(tl.reshape(v, (1, B // 32, 8, 4)))
-    g = c0 // 32 + tl.arange(0, B // 32)
-    g_ok = g * 32 < NCOLS
-    base = row.to(tl.int64) * (NCOLS // 32) + g  # [B / 32]
-    tl.store(x_ptr.to(tl.pointer_type(tl.int32)) + (base * 8)[:, None] + tl.arange(0, 8)[None, :],
-             tl.reshape(words, (B // 32, 8)), mask=g_ok[:, None])
+    words, scale, total = _quantize_values(tl.reshape(v, (1, B // 16, 4, 4)))
+    g = c0 // 16 + tl.arange(0, B // 16)
+    g_ok = g * 16 < NCOLS
+    base = row.to(tl.int64) * (NCOLS // 16) + g  # [B / 16]
+    tl.store(x_ptr.to(tl.pointer_type(tl.int32)) + (base * 4)[:, None] + tl.arange(0, 4)[None, :],
+             tl.reshape(words, (B // 16, 4)), mask=g_ok[:, None])
     scales = x_ptr + ROWS.to(tl.int64) * (NCOLS // 4)
-    tl.store(scales + base, tl.reshape(scale, (B // 32,)), mask=g_ok)
-    tl.store(scales + ROWS.to(tl.int64) * (NCOLS // 32) + base, tl.reshape(total, (B // 32,)), mask=g_ok)
+    tl.store(scales + base, tl.reshape(scale, (B // 16,)), mask=g_ok)
+    tl.store(scales + ROWS.to(tl.int64) * (NCOLS // 16) + base, tl.reshape(total, (B // 16,)), mask=g_ok)
 
 
 @triton.jit
@@ -155,8 +158,8 @@ def _dot_q4k_int8(
     """``[R, P]`` float32: Q4_K rows (byte offsets ``row_off [R]``, multiples of 4) dotted with
     quantized activations over the pairs of sub-blocks ``pg [P]`` (pair ``pg``: sub-blocks
     ``2 pg`` and ``2 pg + 1``, values ``64 pg .. 64 pg + 63`` of a row). ``x_lo/d_lo/s_lo``:
-    :func:`_x_groups` of groups ``2 pg``, ``x_hi...`` of ``2 pg + 1``, each with one row
-    or ``R`` rows."""
+    :func:`_x_groups` of groups ``2 pg`` (scales ``[., P, S]``, one per ``32 / S`` values),
+    ``x_hi...`` of ``2 pg + 1``, each with one row or ``R`` rows."""
     i32_ptr = u8_ptr.to(tl.pointer_type(tl.int32))
     sb = pg // 4
     p = (pg % 4)[None, :]
@@ -164,8 +167,12 @@ def _dot_q4k_int8(
     w0 = (row_off[:, None] + (sb * 144)[None, :]) // 4  # [R, P]: the block's first word
     words = tl.load(i32_ptr + (w0 + 4 + 8 * p)[:, :, None] + tl.arange(0, 8)[None, None, :], mask=m2[:, :, None],
                     other=0)  # [R, P, 8]: the pair's 32 nibble bytes
-    i_lo = tl.sum(_dp4a(words & 0x0F0F0F0F, x_lo, 0, ASM), axis=2)
-    i_hi = tl.sum(_dp4a((words >> 4) & 0x0F0F0F0F, x_hi, 0, ASM), axis=2)
+    R: tl.constexpr = row_off.shape[0]
+    P: tl.constexpr = pg.shape[0]
+    S: tl.constexpr = d_lo.shape[2]
+    # sums per scale of the activations: S of them per sub-block, each over 8 / S words
+    i_lo = tl.sum(tl.reshape(_dp4a(words & 0x0F0F0F0F, x_lo, 0, ASM), (R, P, S, 8 // S)), axis=3).to(tl.float32)
+    i_hi = tl.sum(tl.reshape(_dp4a((words >> 4) & 0x0F0F0F0F, x_hi, 0, ASM), (R, P, S, 8 // S)), axis=3).to(tl.float32)
     # 6-bit scales and mins (bytes 4..15 as words a, b, c; see triton_moe_packed._dequant_tile):
     # sub-block s < 4: sc = byte s of a & 63, m = byte s of b & 63; s >= 4: low 4 bits from
     # byte s - 4 of c, top 2 from the top bits of byte s - 4 of a (sc) or b (m)
@@ -180,7 +187,7 @@ def _dot_q4k_int8(
     m_hi = tl.where(hi, ((c >> (sh + 12)) & 15) | (((b >> (sh + 14)) & 3) << 4), (b >> (sh + 8)) & 63)
     d = tl.load(f16_ptr + w0 * 2, mask=m2, other=0.0).to(tl.float32)
     dmin = tl.load(f16_ptr + w0 * 2 + 1, mask=m2, other=0.0).to(tl.float32)
-    return (d * (sc_lo.to(tl.float32) * d_lo * i_lo.to(tl.float32) + sc_hi.to(tl.float32) * d_hi * i_hi.to(tl.float32))
+    return (d * (sc_lo.to(tl.float32) * tl.sum(d_lo * i_lo, axis=2) + sc_hi.to(tl.float32) * tl.sum(d_hi * i_hi, axis=2))
             - dmin * (m_lo.to(tl.float32) * s_lo + m_hi.to(tl.float32) * s_hi))  # fmt: skip
 
 
@@ -198,8 +205,8 @@ def _q4k_rows_int8(
     x_lo, d_lo, s_lo = _x_groups(x_ptr, x_row, x_ok, 2 * pg, p_ok, NCOLS, PRE, ROWS)
     x_hi, d_hi, s_hi = _x_groups(x_ptr, x_row, x_ok, 2 * pg + 1, p_ok, NCOLS, PRE, ROWS)
     part = _dot_q4k_int8(u8_ptr, f16_ptr, row_off, row_ok, pg, p_ok,
-                         _repeat_rows3(x_lo, REP), _repeat_rows(d_lo, REP), _repeat_rows(s_lo, REP),
-                         _repeat_rows3(x_hi, REP), _repeat_rows(d_hi, REP), _repeat_rows(s_hi, REP), ASM)  # fmt: skip
+                         _repeat_rows3(x_lo, REP), _repeat_rows3(d_lo, REP), _repeat_rows(s_lo, REP),
+                         _repeat_rows3(x_hi, REP), _repeat_rows3(d_hi, REP), _repeat_rows(s_hi, REP), ASM)  # fmt: skip
     return tl.sum(part, axis=1)
 
 
@@ -228,7 +235,7 @@ def _q6k_rows_int8(
     qh_hw = ((blk + 128 + 32 * n) // 2)[:, :, None] + h8
     total = tl.zeros(m2.shape, dtype=tl.float32)
     for k in tl.static_range(4):
-        xw, dx, _ = _x_groups(x_ptr, x_row, x_ok, 4 * hq + k, q_ok, NCOLS, PRE, ROWS)  # [A, NQ, 8], [A, NQ]
+        xw, dx, _ = _x_groups(x_ptr, x_row, x_ok, 4 * hq + k, q_ok, NCOLS, PRE, ROWS)  # [A, NQ, 8], [A, NQ, S]
         x0, x1, x2, x3 = _quarters(xw)
         prod = tl.zeros(m3.shape, dtype=tl.int32) + tl.zeros((1, 1, 2), dtype=tl.int32)  # [R, NQ, 2]
         sx = tl.zeros(x0.shape, dtype=tl.int32)  # sum(xq) per 16
@@ -242,6 +249,6 @@ def _q6k_rows_int8(
         sc = tl.load(i8_ptr + (blk + 192 + 8 * n + 2 * k)[:, :, None] + tl.arange(0, 2)[None, None, :], mask=m3,
                      other=0).to(tl.float32)  # fmt: skip
         isum = (prod - 32 * _repeat_rows3(sx, REP)).to(tl.float32)
-        total += _repeat_rows(dx, REP) * tl.sum(sc * isum, axis=2)
+        total += tl.sum(_repeat_rows3(dx, REP) * sc * isum, axis=2)
     d = tl.load(f16_ptr + (blk + 208) // 2, mask=m2, other=0.0).to(tl.float32)
     return tl.sum(d * total, axis=1)
