@@ -357,6 +357,17 @@ def test_int8_dots(fmts, int8_x, down_int8, int8_h, tokens, top_k):
     assert err > INT8_TOL, "no quantization error: were the activations quantized?"
 
 
+def test_int8_dots_only_where_they_run(monkeypatch):
+    """int8 dots run on NVIDIA and in the interpreter; an AMD device gets the byte tiles."""
+    from freetoken.backends import triton_target
+
+    cfg = dataclasses.replace(BASE, int8_dot=True, int8_h=True, block_i=max(16, BASE.block_i))
+    assert triton_moe_packed.for_target(cfg, DEV) is cfg
+    monkeypatch.setattr(triton_target, "for_device", lambda device: triton_target.hip_target("gfx942"))
+    amd = triton_moe_packed.for_target(cfg, DEV)
+    assert (amd.int8_dot, amd.int8_h) == (False, False) and amd.block_i == cfg.block_i
+
+
 def test_int8_dots_need_whole_pairs():
     with pytest.raises(ValueError, match="int8 dots"):
         dataclasses.replace(BASE, int8_dot=True, block_r=64).validate()

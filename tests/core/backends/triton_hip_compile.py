@@ -81,9 +81,8 @@ def moe_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
 
 def packed_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
     """The packed-expert kernels (also those of the expert cache and locked fetch) for each
-    block format, as :func:`triton_moe_packed.launch` runs them, and the dequantization; Q4_K
-    and Q6_K also with int8 dots (``PackedConfig.int8_dot``, without the NVIDIA-only dp4a; h
-    quantized by gate/up, read so by the Q4_K down kernel, quantized by the Q6_K one itself)."""
+    block format, as :func:`triton_moe_packed.launch` runs them (int8 dots do not run on AMD:
+    ``triton_moe_packed.for_target``), and the dequantization."""
     cfg = tp.DEFAULT_CONFIG
     out: dict[str, Callable[[], Any]] = {}
     views = ("u8", "i8", "fp16")
@@ -107,22 +106,6 @@ def packed_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
                  BLOCK_R=cfg.block_r, KP=TOP_K, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads, SLOTS=True,
                  H_ONCE=cfg.down_h_once, INT8=False, DP4A=False, H_INT8=False),
             cfg.down_num_warps or cfg.num_warps, cfg.num_stages)  # fmt: skip
-        if fmt in (tp.FMT_Q4_K, tp.FMT_Q6_K):
-            out[f"packed.gate_up_int8.{name}"] = lambda fmt=fmt, rb=rb_h, g=group, gt=gate_types: compile_kernel(
-                tp._gate_up_packed_kernel, target,
-                {"x_ptr": "*bf16", "ids_ptr": "*i32", "table_ptr": "*i32", **gt, "h_ptr": "*fp32", "T": "i32"},
-                dict(K=TOP_K, H=HIDDEN, I=INTER, GATE_FMT=fmt, GATE_RB=rb, GATE_G=g, UP_FMT=fmt, UP_RB=rb, UP_G=g,
-                     ACT=0, ALPHA=1.702, LIMIT=7.0, BLOCK_I=16, BLOCK_H=cfg.block_h, WORDS=False, SLOTS=True,
-                     INT8=True, DP4A=False, H_INT8=True),
-                cfg.num_warps, cfg.num_stages)  # fmt: skip
-            out[f"packed.down_int8.{name}"] = lambda fmt=fmt, rb=rb_i, g=group, dt=down_types: compile_kernel(
-                tp._down_packed_kernel, target,
-                {"h_ptr": "*fp32", "ids_ptr": "*i32", "table_ptr": "*i32", "w_ptr": "*fp32", **dt, "y_ptr": "*bf16",
-                 "T": "i32"},
-                dict(K=TOP_K, H=HIDDEN, I=INTER, DOWN_FMT=fmt, DOWN_RB=rb, DOWN_G=g, BLOCK_N=8, BLOCK_R=cfg.block_r,
-                     KP=TOP_K, ROUTES_TILE=True, WORDS=False, SLOTS=True, H_ONCE=False, INT8=True, DP4A=False,
-                     H_INT8=fmt == tp.FMT_Q4_K),
-                cfg.down_num_warps or cfg.num_warps, cfg.num_stages)  # fmt: skip
         out[f"packed.dequant_rows.{name}"] = lambda fmt=fmt, rb=rb_h, g=group: compile_kernel(
             tp._dequant_rows_kernel, target,
             {"u8": "*u8", "i8": "*i8", "f16": "*fp16", "out_ptr": "*bf16", "first_row": "i32", "ROWS": "i32"},

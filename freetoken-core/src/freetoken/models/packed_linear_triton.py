@@ -80,7 +80,7 @@ class PackedLinearConfig:
     word_loads: bool = False
     #: one token per program: Q4_K and Q6_K rows multiplied with the token quantized to int8,
     #: four products per instruction (freetoken.moe.triton_packed_int8; steps of >= 128
-    #: columns); off until measured
+    #: columns; NVIDIA and the interpreter: AMD keeps the byte tiles); off by default
     int8_dot: bool = False
     num_warps: int = 4
     num_stages: int = 2
@@ -260,7 +260,7 @@ def gemv(x: Any, w: PackedMatrix, y: Any, config: PackedLinearConfig = DEFAULT_C
     _packed_gemv_kernel[(triton.cdiv(w.rows, config.block_n), triton.cdiv(tokens, bt))](
         x, *st.views(), y, tokens, N=w.rows, K=w.cols, FMT=st.fmt, RB=st.row_bytes, G=st.group,
         BLOCK_N=config.block_n, BLOCK_K=config.step_columns(bt, w.cols), BLOCK_T=bt, WORDS=config.word_loads,
-        INT8=config.int8_dot, DP4A=config.int8_dot and target.backend == "cuda",
+        INT8=config.int8_dot and target.backend in ("cuda", "none"), DP4A=config.int8_dot and target.backend == "cuda",
         **target.launch_options(config.num_warps, config.num_stages),
     )  # fmt: skip
     return y

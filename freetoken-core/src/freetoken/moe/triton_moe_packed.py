@@ -131,7 +131,8 @@ class PackedConfig:
     #: Q4_K gate/up and Q4_K/Q6_K down (the routes tile) multiply int8-quantized activations
     #: with the weights' integer codes, four products per instruction
     #: (freetoken.moe.triton_packed_int8): a fraction of the byte tiles' instructions, at the
-    #: activations' int8 rounding (~1e-3 of a row's sum); other formats keep the byte tiles
+    #: activations' int8 rounding (~1e-3 of a row's sum); other formats keep the byte tiles, as
+    #: does AMD (for_target)
     int8_dot: bool = False
     #: with int8_dot: the gate/up kernel stores h quantized per 16 values and the down kernel
     #: reads the codes, instead of every down program quantizing h (block_i a multiple of 16)
@@ -587,8 +588,25 @@ def launch(
         raise ValueError(f"table must be a contiguous int32 tensor, got {table.dtype}")
     if tokens == 0:
         return
+    config = for_target(config, x.device)
     launch_gate_up(x, ids, gate, up, h, activation, config, alpha, limit, table, quantized_h(config, down.fmt))
     launch_down(h, ids, w, down, y, config, table)
+
+
+def int8_dots_run_on(device: Any) -> bool:
+    """Whether ``int8_dot`` configs keep their int8 dots on ``device``: on NVIDIA (the ``dp4a``
+    instruction) and in Triton's interpreter (the same sums from byte extractions, for the
+    tests). Elsewhere (AMD) the byte tiles run: the byte-extraction form has no measured gain
+    there, and Triton's AMD backend spent over 10 minutes compiling its Q6_K down kernel."""
+    return triton_target.for_device(device).backend in ("cuda", "none")
+
+
+def for_target(config: PackedConfig, device: Any) -> PackedConfig:
+    """``config`` as it runs on ``device``: without int8 dots where they do not
+    (:func:`int8_dots_run_on`)."""
+    if config.int8_dot and not int8_dots_run_on(device):
+        return dataclasses.replace(config, int8_dot=False, int8_h=False)
+    return config
 
 
 def _dp4a_asm(device: Any) -> bool:
@@ -612,6 +630,7 @@ def launch_gate_up(
     """The first of :func:`launch`'s two kernels alone (``h`` from ``x``; with ``h_int8``,
     :func:`quantized_h` of the down stack, quantized in ``h``'s buffer); no checks."""
     tokens, top_k = ids.shape
+    config = for_target(config, x.device)
     opts = triton_target.for_device(x.device).launch_options(config.num_warps, config.num_stages)
     _gate_up_packed_kernel[(tokens * top_k, triton.cdiv(gate.rows, config.block_i))](
         x, ids, ids if table is None else table, *gate.views(), *up.views(), h, tokens, K=top_k, H=gate.cols, I=gate.rows,
@@ -627,6 +646,7 @@ def launch_down(h: Any, ids: Any, w: Any, down: PackedStack, y: Any, config: Pac
                 table: Any = None) -> None:  # fmt: skip
     """The second of :func:`launch`'s two kernels alone (``y`` from ``h``); no checks."""
     tokens, top_k = ids.shape
+    config = for_target(config, h.device)
     opts = triton_target.for_device(h.device).launch_options(config.down_num_warps or config.num_warps,
                                                              config.num_stages)
     _down_packed_kernel[(tokens, triton.cdiv(down.rows, config.block_n))](
