@@ -19,7 +19,9 @@ per-route kernels, the design of :mod:`freetoken.moe.triton_moe`'s
 Weights are read once per route (once per distinct expert when a batch's routes share
 no expert, the common case at small ``T``).
 
-Two options of :class:`PackedConfig` change how, not what (``tests/gpu/tune_cold.py`` times
+``int8_dot`` (with ``int8_h``) changes what is multiplied: activations quantized to int8 and
+the codes multiplied as integers (:mod:`freetoken.moe.triton_packed_int8`). Two options of
+:class:`PackedConfig` change how, not what (``tests/gpu/tune_cold.py`` times
 them with the weights read from HBM; the routes tile is on by default): ``down_routes_tile`` makes
 the token's K routes a tile dimension of the down kernel (rows ``(k, n)``, all routes'
 weights loaded in one step, the sum over ``k`` taken at the end in a fixed order) instead
@@ -631,6 +633,7 @@ def launch_gate_up(
     :func:`quantized_h` of the down stack, quantized in ``h``'s buffer); no checks."""
     tokens, top_k = ids.shape
     config = for_target(config, x.device)
+    h_int8 = h_int8 and config.int8_dot  # where int8 dots do not run, neither does the down kernel read codes
     opts = triton_target.for_device(x.device).launch_options(config.num_warps, config.num_stages)
     _gate_up_packed_kernel[(tokens * top_k, triton.cdiv(gate.rows, config.block_i))](
         x, ids, ids if table is None else table, *gate.views(), *up.views(), h, tokens, K=top_k, H=gate.cols, I=gate.rows,
