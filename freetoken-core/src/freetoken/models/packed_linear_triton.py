@@ -52,6 +52,7 @@ from freetoken.moe.triton_moe_packed import (
     _dequant_rows_kernel,
     _dequant_tile,
     _load_groups,
+    int8_dots_run_on,
     tiles_from_env,
 )
 from freetoken.moe.triton_packed_int8 import _q4k_rows_int8, _q6k_rows_int8
@@ -260,7 +261,7 @@ def gemv(x: Any, w: PackedMatrix, y: Any, config: PackedLinearConfig = DEFAULT_C
     _packed_gemv_kernel[(triton.cdiv(w.rows, config.block_n), triton.cdiv(tokens, bt))](
         x, *st.views(), y, tokens, N=w.rows, K=w.cols, FMT=st.fmt, RB=st.row_bytes, G=st.group,
         BLOCK_N=config.block_n, BLOCK_K=config.step_columns(bt, w.cols), BLOCK_T=bt, WORDS=config.word_loads,
-        INT8=config.int8_dot and target.backend in ("cuda", "none"), DP4A=config.int8_dot and target.backend == "cuda",
+        INT8=config.int8_dot and int8_dots_run_on(x.device), DP4A=config.int8_dot and target.backend == "cuda",
         **target.launch_options(config.num_warps, config.num_stages),
     )  # fmt: skip
     return y
