@@ -611,11 +611,6 @@ def for_target(config: PackedConfig, device: Any) -> PackedConfig:
     return config
 
 
-def _dp4a_asm(device: Any) -> bool:
-    """Whether int8 dots use the ``dp4a`` instruction (NVIDIA) rather than byte extractions."""
-    return triton_target.for_device(device).backend == "cuda"
-
-
 def quantized_h(config: PackedConfig, down_fmt: int) -> bool:
     """Whether the gate/up kernel leaves ``h`` quantized to int8 per 16 values for the down
     kernel (``int8_h``, and a down format and form the int8 dots serve) rather than in
@@ -634,14 +629,15 @@ def launch_gate_up(
     tokens, top_k = ids.shape
     config = for_target(config, x.device)
     h_int8 = h_int8 and config.int8_dot  # where int8 dots do not run, neither does the down kernel read codes
-    opts = triton_target.for_device(x.device).launch_options(config.num_warps, config.num_stages)
+    target = triton_target.for_device(x.device)
+    opts = target.launch_options(config.num_warps, config.num_stages)
     _gate_up_packed_kernel[(tokens * top_k, triton.cdiv(gate.rows, config.block_i))](
         x, ids, ids if table is None else table, *gate.views(), *up.views(), h, tokens, K=top_k, H=gate.cols, I=gate.rows,
         GATE_FMT=gate.fmt, GATE_RB=gate.row_bytes, GATE_G=gate.group,
         UP_FMT=up.fmt, UP_RB=up.row_bytes, UP_G=up.group,
         ACT=ACT_CODES[activation], ALPHA=float(alpha), LIMIT=float(limit),
         BLOCK_I=config.block_i, BLOCK_H=config.block_h, WORDS=config.word_loads, SLOTS=table is not None,
-        INT8=config.int8_dot, DP4A=config.int8_dot and _dp4a_asm(x.device), H_INT8=h_int8, **opts,
+        INT8=config.int8_dot, DP4A=config.int8_dot and target.backend == "cuda", H_INT8=h_int8, **opts,
     )  # fmt: skip
 
 
@@ -650,13 +646,13 @@ def launch_down(h: Any, ids: Any, w: Any, down: PackedStack, y: Any, config: Pac
     """The second of :func:`launch`'s two kernels alone (``y`` from ``h``); no checks."""
     tokens, top_k = ids.shape
     config = for_target(config, h.device)
-    opts = triton_target.for_device(h.device).launch_options(config.down_num_warps or config.num_warps,
-                                                             config.num_stages)
+    target = triton_target.for_device(h.device)
+    opts = target.launch_options(config.down_num_warps or config.num_warps, config.num_stages)
     _down_packed_kernel[(tokens, triton.cdiv(down.rows, config.block_n))](
         h, ids, ids if table is None else table, w, *down.views(), y, tokens, K=top_k, H=down.rows, I=down.cols,
         DOWN_FMT=down.fmt, DOWN_RB=down.row_bytes, DOWN_G=down.group,
         BLOCK_N=config.block_n, BLOCK_R=config.block_r, KP=triton.next_power_of_2(top_k),
         ROUTES_TILE=config.down_routes_tile, WORDS=config.word_loads, SLOTS=table is not None,
         H_ONCE=config.down_h_once, INT8=config.int8_dot and config.down_routes_tile,
-        DP4A=config.int8_dot and _dp4a_asm(h.device), H_INT8=quantized_h(config, down.fmt), **opts,
+        DP4A=config.int8_dot and target.backend == "cuda", H_INT8=quantized_h(config, down.fmt), **opts,
     )  # fmt: skip

@@ -237,7 +237,7 @@ def _q6k_rows_int8(
     for k in tl.static_range(4):
         xw, dx, _ = _x_groups(x_ptr, x_row, x_ok, 4 * hq + k, q_ok, NCOLS, PRE, ROWS)  # [A, NQ, 8], [A, NQ, S]
         x0, x1, x2, x3 = _quarters(xw)
-        prod = tl.zeros(m3.shape, dtype=tl.int32) + tl.zeros((1, 1, 2), dtype=tl.int32)  # [R, NQ, 2]
+        prod = tl.zeros(ql_hw.shape, dtype=tl.int32)  # [R, NQ, 2]
         sx = tl.zeros(x0.shape, dtype=tl.int32)  # sum(xq) per 16
         for u in tl.static_range(4):
             xu = x0 if u == 0 else (x1 if u == 1 else (x2 if u == 2 else x3))
