@@ -209,3 +209,77 @@ def test_cuda_engine_gguf_kquants_match_float64_reference(backend, tiny_gguf, pl
         else:
             err = float((logits - want).abs().max() / want.abs().max())
             assert err <= 1e-3, f"all experts on the GPU: logits differ by {err:.3g} of their scale"
+
+
+# ---------------------------------------------------------------- int8 dots in the engine
+
+#: every GPU layer's expert stacks in the formats the int8 dots serve: Q4_K gate/up pairs,
+#: Q6_K and Q4_K down
+INT8_MIX = [
+    {"attn_q": "Q8_0", "attn_k": "F16", "attn_v": "Q6_K", "attn_output": "Q4_K",
+     "ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6_K"},
+    {"attn_q": "Q4_K", "attn_k": "BF16", "attn_v": "Q8_0", "attn_output": "Q6_K",
+     "ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q4_K"},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def int8_gguf(tmp_path_factory):
+    tg = _gguf_helpers()
+    tg.MIX = [{name: getattr(tg.Fmt, fmt) for name, fmt in layer.items()} for layer in INT8_MIX]
+    path = str(tmp_path_factory.mktemp("gguf8") / "int8.gguf")
+    return tg, path, tg.write_tiny_gguf(path, seed=12)
+
+
+@pytest.mark.parametrize("placement,cpu_layers,eager,int8_h", [
+    ("0", set(), True, False), ("0", set(), True, True), ("0", set(), False, True), ("1", {0}, False, True),
+], ids=["all-gpu-eager", "all-gpu-eager-int8h", "all-gpu-graphs-int8h", "mixed-graphs-int8h"])  # fmt: skip
+def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monkeypatch, placement, cpu_layers,
+                                                        eager, int8_h):  # fmt: skip
+    """FP32, the packed experts' int8 dots (``PackedConfig.int8_dot``): the engine's logits
+    against the float64 forward of the K-quant test above whose GPU layers' expert inputs are
+    rounded as the kernels round them (tests/gpu/expert_reference.int8_groups: gate/up inputs
+    per 32 values, h per 16 when the gate/up kernel quantizes it, else per 32 by the down
+    kernel) and whose CPU layers' as the CPU kernels do. Bound: 3e-3 of the logits' scale
+    (float32 summation order and the rare rounding-boundary flip it causes); the same
+    reference without the GPU layers' rounding must miss by more (the int8 dots ran)."""
+    import dataclasses
+
+    import qwen3_reference
+    from expert_reference import int8_groups
+
+    from freetoken.moe import triton_moe_packed
+
+    tg, path, tensors = int8_gguf
+    config = dataclasses.replace(triton_moe_packed.DEFAULT_CONFIG, int8_dot=True, int8_h=int8_h, block_i=16,
+                                 num_warps=4)  # fmt: skip
+    monkeypatch.setattr(triton_moe_packed, "DEFAULT_CONFIG", config)
+
+    def expert_input(rounded_gpu: bool):
+        def pre(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
+            if layer in cpu_layers:
+                return tg.quantize_activations(x.float(), tg.MIX[layer][f"ffn_{name}_exps"]).double()
+            if not rounded_gpu:
+                return x
+            return int8_groups(x, 16 if (name == "down" and int8_h) else 32)
+
+        return pre
+
+    eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
+                                 moe_cpu_layers=placement, enforce_eager=eager, cuda_graph_max_bs=8),
+                    backend=backend)  # fmt: skip
+    try:
+        prompts = [[(5 * i + 3 * j) % (tg.V - 10) + 5 for j in range(n)] for i, n in enumerate((6, 21, 11, 37))]
+        got = run_greedy(eng, prompts)
+    finally:
+        eng.close()
+    errs, plain = [], []
+    for prompt, (out, logits) in zip(prompts, got):
+        ids = prompt + out
+        span = slice(len(prompt) - 1, len(ids) - 1)
+        for rounded, sink in ((True, errs), (False, plain)):
+            want = qwen3_reference.logits(tensors, ids, tg.LAYERS, tg.HEADS, tg.KVH, tg.HD, tg.K, theta=1e6,
+                                          expert_input=expert_input(rounded))[span].float()  # fmt: skip
+            sink.append(float((logits - want).abs().max() / want.abs().max()))
+    assert max(errs) <= 3e-3, f"int8 dots against the rounding reference: {errs} of the logits' scale"
+    assert min(plain) > 2 * max(errs), f"the unrounded reference fits as well ({plain} vs {errs}): no int8 dots ran?"
