@@ -4,6 +4,7 @@ per-route loop on the CPU that the implementations of ``GpuExperts`` are compare
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional
 
 import torch
@@ -22,14 +23,19 @@ def _activate(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: floa
     raise ValueError(f"unknown activation {activation!r}")
 
 
-def int8_groups(v: torch.Tensor, group: int = 32) -> torch.Tensor:
+def int8_groups(v: torch.Tensor, group: int = 32, fused: Optional[bool] = None) -> torch.Tensor:
     """``v`` (last dimension a multiple of ``group``) as int8 dots quantize activations, in
     float64: per ``group`` values ``floor(v * (127 / amax) + 1/2) * (amax / 127)``, the
-    arithmetic float32."""
+    arithmetic float32. ``fused``: ``v * inv + 1/2`` rounded once (the compiled kernels' fma;
+    the product is exact in float64) rather than the product and the sum each (Triton's
+    interpreter); default: fused unless ``TRITON_INTERPRET=1``."""
+    if fused is None:
+        fused = os.environ.get("TRITON_INTERPRET", "0") != "1"
     g = v.detach().cpu().float().reshape(*v.shape[:-1], -1, group)
     amax = g.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax.clamp_min(1e-30), torch.zeros_like(amax))
-    return (torch.floor(g * inv + 0.5) * (amax / 127.0)).reshape(v.shape).double()
+    t = (g.double() * inv.double() + 0.5).float() if fused else g * inv + 0.5
+    return (torch.floor(t) * (amax / 127.0)).reshape(v.shape).double()
 
 
 def reference_experts(

@@ -171,7 +171,8 @@ def tiny_gguf(tmp_path_factory):
 @pytest.mark.parametrize("placement,cpu_layers", [("all", {0, 1}), ("1", {0}), ("0", set())],
                          ids=["all-cpu", "mixed", "all-gpu"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
-def test_cuda_engine_gguf_kquants_match_float64_reference(backend, tiny_gguf, placement, cpu_layers, eager):
+def test_cuda_engine_gguf_kquants_match_float64_reference(backend, tiny_gguf, monkeypatch, placement, cpu_layers,
+                                                          eager):  # fmt: skip
     """FP32, a GGUF with Q4_K/Q5_K/Q6_K/Q8_0/F16/BF16 tensors: the GPU engine's logits at
     every generated position equal a float64 forward (tests/gpu/qwen3_reference.py) over
     the tensors as gguf-py dequantizes them, run on the engine's own tokens (teacher
@@ -179,9 +180,13 @@ def test_cuda_engine_gguf_kquants_match_float64_reference(backend, tiny_gguf, pl
     32 values: the reference applies that rounding to those layers' expert inputs (the
     scheme of tests/engine/test_engine_gguf.py), and the bound is that file's documented one
     for rounding-boundary flips. GPU-resident layers dequantize everything: float32
-    summation order only (1e-3 of the logits' scale, the bound of the FP32 demo-model test)."""
+    summation order only (1e-3 of the logits' scale, the bound of the FP32 demo-model test):
+    the packed experts' byte tiles (NVIDIA's default int8 dots: the test below)."""
     import qwen3_reference
 
+    from freetoken.moe import triton_moe_packed
+
+    monkeypatch.setattr(triton_moe_packed, "NVIDIA_CONFIG", triton_moe_packed.DEFAULT_CONFIG)
     tg, path, tensors = tiny_gguf
 
     def expert_input(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -231,18 +236,17 @@ def int8_gguf(tmp_path_factory):
     return tg, path, tg.write_tiny_gguf(path, seed=12)
 
 
-@pytest.mark.parametrize("placement,cpu_layers,eager,int8_h", [
-    ("0", set(), True, False), ("0", set(), True, True), ("0", set(), False, True), ("1", {0}, False, True),
-], ids=["all-gpu-eager", "all-gpu-eager-int8h", "all-gpu-graphs-int8h", "mixed-graphs-int8h"])  # fmt: skip
-def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monkeypatch, placement, cpu_layers,
-                                                        eager, int8_h):  # fmt: skip
-    """FP32, the packed experts' int8 dots (``PackedConfig.int8_dot``): the engine's logits
-    against the float64 forward of the K-quant test above whose GPU layers' expert inputs are
-    rounded as the kernels round them (tests/gpu/expert_reference.int8_groups: gate/up inputs
-    per 32 values, h per 16 when the gate/up kernel quantizes it, else per 32 by the down
-    kernel) and whose CPU layers' as the CPU kernels do. Bound: 3e-3 of the logits' scale
-    (float32 summation order and the rare rounding-boundary flip it causes); the same
-    reference without the GPU layers' rounding must miss by more (the int8 dots ran)."""
+@pytest.mark.parametrize("eager,int8_h", [(True, False), (True, True), (False, True)],
+                         ids=["eager-h-float", "eager", "graphs"])  # fmt: skip
+def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monkeypatch, eager, int8_h):
+    """FP32, every expert on the GPU with NVIDIA's default tiles (int8 dots,
+    ``triton_moe_packed.NVIDIA_CONFIG``; also with h left in float32 for the down kernel):
+    the engine's logits against the float64 forward of the K-quant test above whose expert
+    inputs are rounded as the kernels round them (tests/gpu/expert_reference.int8_groups:
+    gate/up inputs per 32 values, h per 16 when the gate/up kernel quantizes it, else per 32
+    by the down kernel). Bound: 3e-3 of the logits' scale (float32 summation order and the
+    rare rounding-boundary flip it causes); the same reference without the rounding must
+    miss by more (the int8 dots ran)."""
     import dataclasses
 
     import qwen3_reference
@@ -251,22 +255,18 @@ def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monk
     from freetoken.moe import triton_moe_packed
 
     tg, path, tensors = int8_gguf
-    config = dataclasses.replace(triton_moe_packed.DEFAULT_CONFIG, int8_dot=True, int8_h=int8_h, block_i=16,
-                                 num_warps=4)  # fmt: skip
-    monkeypatch.setattr(triton_moe_packed, "DEFAULT_CONFIG", config)
+    config = dataclasses.replace(triton_moe_packed.NVIDIA_CONFIG, int8_h=int8_h)
+    assert config.int8_dot, "NVIDIA's default expert tiles are the int8 dots"
+    monkeypatch.setattr(triton_moe_packed, "NVIDIA_CONFIG", config)
 
-    def expert_input(rounded_gpu: bool):
+    def expert_input(rounded: bool):
         def pre(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
-            if layer in cpu_layers:
-                return tg.quantize_activations(x.float(), tg.MIX[layer][f"ffn_{name}_exps"]).double()
-            if not rounded_gpu:
-                return x
-            return int8_groups(x, 16 if (name == "down" and int8_h) else 32)
+            return int8_groups(x, 16 if (name == "down" and int8_h) else 32) if rounded else x
 
         return pre
 
     eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
-                                 moe_cpu_layers=placement, enforce_eager=eager, cuda_graph_max_bs=8),
+                                 moe_cpu_layers="0", enforce_eager=eager, cuda_graph_max_bs=8),
                     backend=backend)  # fmt: skip
     try:
         prompts = [[(5 * i + 3 * j) % (tg.V - 10) + 5 for j in range(n)] for i, n in enumerate((6, 21, 11, 37))]

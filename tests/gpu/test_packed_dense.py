@@ -185,11 +185,17 @@ def test_packed_linear_both_paths(fmt, impl, monkeypatch):
 
 
 def test_wide_matrices_take_the_wide_tiles():
-    """An output head's row count selects WIDE_CONFIG (8 x 256 tiles), a projection's the
-    default; the wide tiles' GEMV of one token against float64 (Q6_K, the head's format)."""
+    """An output head's row count selects the wide tiles (WIDE_CONFIG, 8 x 256; on NVIDIA
+    NVIDIA_WIDE_CONFIG, int8 dots), a projection's the default ones; the wide byte tiles'
+    GEMV of one token against float64 (Q6_K, the head's format)."""
+    from freetoken.backends import triton_target
+
     scratch = packed_linear.PrefillScratch(torch.device(DEV), torch.float32)
     fmt = Q6
-    for rows, want in ((plt.WIDE_ROWS, plt.WIDE_CONFIG), (plt.WIDE_ROWS - 1, plt.DEFAULT_CONFIG)):
+    nvidia = DEV == "cuda" and triton_target.for_device(DEV).backend == "cuda"
+    wide, narrow = (plt.NVIDIA_WIDE_CONFIG, plt.NVIDIA_CONFIG) if nvidia else (plt.WIDE_CONFIG, plt.DEFAULT_CONFIG)
+    assert not nvidia or (wide.int8_dot and narrow.int8_dot)
+    for rows, want in ((plt.WIDE_ROWS, wide), (plt.WIDE_ROWS - 1, narrow)):
         raw, _ = packed(fmt, rows, 256, seed=rows)
         data = torch.from_numpy(np.ascontiguousarray(raw.data)).to(DEV)
         lin = packed_linear.PackedLinear(data, fmt, raw.shape, scratch, "triton")

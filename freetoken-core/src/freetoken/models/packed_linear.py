@@ -108,7 +108,7 @@ class PackedLinear:
 
             self.matrix = plt.PackedMatrix.from_bytes(self.data.reshape(-1), self.fmt, self.out_features,
                                                       self.in_features)
-            self.config = config or plt.config_for(self.out_features)
+            self.config = config or plt.config_for(self.out_features, data.device)
             self.config.validate()
         elif impl != "torch":
             raise ValueError(f"packed linear: impl must be 'triton' or 'torch', got {impl!r}")

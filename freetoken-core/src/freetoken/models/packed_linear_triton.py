@@ -58,8 +58,8 @@ from freetoken.moe.triton_moe_packed import (
 from freetoken.moe.triton_packed_int8 import _q4k_rows_int8, _q6k_rows_int8
 from freetoken.moe.triton_packed_words import _dot_words, _dot_words_q6k
 
-__all__ = ["FORMATS", "FORMAT_NAMES", "PackedLinearConfig", "DEFAULT_CONFIG", "WIDE_CONFIG", "config_for",
-           "PackedMatrix", "gemv", "dequantize_rows", "gather_rows", "variant_key"]
+__all__ = ["FORMATS", "FORMAT_NAMES", "PackedLinearConfig", "DEFAULT_CONFIG", "WIDE_CONFIG", "NVIDIA_CONFIG",
+           "NVIDIA_WIDE_CONFIG", "config_for", "PackedMatrix", "gemv", "dequantize_rows", "gather_rows", "variant_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +125,22 @@ WIDE_ROWS = 32768
 WIDE_CONFIG = tiles_from_env(PackedLinearConfig(block_n=8, block_k=256), "FREETOKEN_PACKED_DENSE_WIDE")
 
 
-def config_for(rows: int) -> PackedLinearConfig:
-    """The default tiles of a matrix of ``rows`` output rows."""
-    return WIDE_CONFIG if rows >= WIDE_ROWS else DEFAULT_CONFIG
+#: NVIDIA: one token's Q4_K/Q6_K rows through int8 dots. Measured on the H200 with cold weights
+#: (tests/gpu/tune_cold.py --int8): q/k/v [5120, 2048] Q4_K 7.0 us and o [2048, 4096] 7.6 us
+#: against 9.1 and 7.2 (one config serves both: 14.6 against 16.3 us per layer); the
+#: [151936, 2048] Q6_K head 234.7 us against 256.1 us
+NVIDIA_CONFIG = tiles_from_env(PackedLinearConfig(block_n=8, num_warps=2, int8_dot=True), "FREETOKEN_PACKED_DENSE")
+NVIDIA_WIDE_CONFIG = tiles_from_env(PackedLinearConfig(block_n=64, block_k=512, num_warps=8, int8_dot=True),
+                                    "FREETOKEN_PACKED_DENSE_WIDE")  # fmt: skip
+
+
+def config_for(rows: int, device: Any = None) -> PackedLinearConfig:
+    """The default tiles of a matrix of ``rows`` output rows on ``device``: the int8 ones on
+    NVIDIA GPUs, the byte tiles elsewhere (and without a device)."""
+    nvidia = device is not None and triton_target.for_device(device).backend == "cuda"
+    if rows >= WIDE_ROWS:
+        return NVIDIA_WIDE_CONFIG if nvidia else WIDE_CONFIG
+    return NVIDIA_CONFIG if nvidia else DEFAULT_CONFIG
 
 
 @dataclasses.dataclass(frozen=True)

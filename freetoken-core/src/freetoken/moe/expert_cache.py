@@ -202,7 +202,8 @@ class ExpertCache:
             # GGUF blocks: decode batches run the per-route kernels, prompt-sized ones the
             # grouped kernels, which read each routed slot's blocks once; FP8 rows: every batch
             # the per-route kernels (slots are never dequantized wholesale)
-            config = tp.DEFAULT_CONFIG if pool.key[0] == "packed" else dc.replace(tp.DEFAULT_CONFIG, max_routes=1 << 30)
+            base = tp.default_config(self.device)
+            config = base if pool.key[0] == "packed" else dc.replace(base, max_routes=1 << 30)
             return PackedGpuExperts.over_device_bytes(shaped, views, self.device, activation=self.activation,
                                                       config=config, large_batch="grouped", scratch=self.scratch)
         return GpuExperts(*pool.tensors, activation=self.activation)

@@ -157,7 +157,7 @@ class PackedGpuExperts:
         )  # fmt: skip
         self.file_bytes = int(gate.nbytes + up.nbytes + down.nbytes)
         self.activation = activation
-        self.config = config or tp.DEFAULT_CONFIG
+        self.config = config or tp.default_config(self.device)
         self.config.validate()
         self.bf16_config = bf16_config
         self.scratch = scratch if scratch is not None else DequantScratch()

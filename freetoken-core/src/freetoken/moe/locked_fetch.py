@@ -84,7 +84,8 @@ def mapped_experts(experts: Any, registration: Any, device: Any, activation: str
 
     stacks = tuple(mapped_stack(t, registration.device_address(t.raw_torch())) for t in
                    (experts.gate, experts.up, experts.down))  # fmt: skip
-    config = tp.DEFAULT_CONFIG if prompts else dc.replace(tp.DEFAULT_CONFIG, max_routes=1 << 30)
+    base = tp.default_config(device)
+    config = base if prompts else dc.replace(base, max_routes=1 << 30)
     return PackedGpuExperts.over_device_bytes(experts, stacks, device, activation=activation, config=config,
                                               large_batch="grouped")
 

@@ -65,7 +65,9 @@ def _quantize_values(xf):
     # a correctly rounded division (``/`` is an approximate one on NVIDIA): 16-bit activations make
     # exact ties of x * 127 / amax common, and a factor an ulp off rounds them the other way
     inv = tl.where(amax > 0, tl.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
-    q = tl.floor(xf * inv[:, :, None, None] + 0.5).to(tl.int32)
+    # one rounding of x * inv + 1/2 where the kernels are compiled (an fma, as the compiler would
+    # contract it anyway; the interpreter rounds the product and the sum)
+    q = tl.floor(tl.fma(xf, inv[:, :, None, None], tl.full(xf.shape, 0.5, tl.float32))).to(tl.int32)
     words = tl.sum((q & 255) << (tl.arange(0, 4) * 8)[None, None, None, :], axis=3)
     scale = amax * (1.0 / 127.0)
     return words, scale, scale * tl.sum(tl.sum(q, axis=3), axis=2).to(tl.float32)
