@@ -33,7 +33,10 @@ def int8_groups(v: torch.Tensor, group: int = 32, fused: Optional[bool] = None) 
         fused = os.environ.get("TRITON_INTERPRET", "0") != "1"
     g = v.detach().cpu().float().reshape(*v.shape[:-1], -1, group)
     amax = g.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    # a tensor divided by a tensor: correctly rounded, as the kernels' division (torch computes a
+    # scalar divided by a tensor through the reciprocal, an ulp off at times, and BF16
+    # activations make exact ties of v * 127 / amax, which such a factor rounds the other way)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax.clamp_min(1e-30), torch.zeros_like(amax))
     t = (g.double() * inv.double() + 0.5).float() if fused else g * inv + 0.5
     return (torch.floor(t) * (amax / 127.0)).reshape(v.shape).double()
 

@@ -328,9 +328,16 @@ def test_fakegpu_engine_through_the_interpreted_kernels(tiny_gguf, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
-def test_gpu_engine_packed_matches_float64(backend, tiny_gguf, eager):
+def test_gpu_engine_packed_matches_float64(backend, tiny_gguf, eager, monkeypatch):
     """FP32, every expert on the GPU, dense packed (Q8_0/Q4_K/Q6_K attention and head, Q8_0
-    embedding, F16/BF16 k projections as floats): logits against the float64 forward."""
+    embedding, F16/BF16 k projections as floats): logits against the float64 forward, with
+    the byte tiles (AMD's; NVIDIA's default int8 dots round the activations: their GEMV is
+    tested above against the rounding reference, their experts in test_gpu_engine.py)."""
+    from freetoken.moe import triton_moe_packed
+
+    monkeypatch.setattr(triton_moe_packed, "NVIDIA_CONFIG", triton_moe_packed.DEFAULT_CONFIG)
+    monkeypatch.setattr(plt, "NVIDIA_CONFIG", plt.DEFAULT_CONFIG)
+    monkeypatch.setattr(plt, "NVIDIA_WIDE_CONFIG", plt.WIDE_CONFIG)
     tg, reference, path, tensors = tiny_gguf
     eng = _engine(path, backend, dtype="float32", moe_cpu_layers="0", gpu_dense="packed",
                   enforce_eager=eager, cuda_graph_max_bs=8)  # fmt: skip
