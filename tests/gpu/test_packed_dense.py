@@ -185,9 +185,9 @@ def test_packed_linear_both_paths(fmt, impl, monkeypatch):
 
 
 def test_wide_matrices_take_the_wide_tiles():
-    """An output head's row count selects the wide tiles (WIDE_CONFIG, 8 x 256; on NVIDIA
-    NVIDIA_WIDE_CONFIG, int8 dots), a projection's the default ones; the wide byte tiles'
-    GEMV of one token against float64 (Q6_K, the head's format)."""
+    """An output head's row count selects the wide tiles (WIDE_CONFIG, 8 x 256; for one token
+    on NVIDIA NVIDIA_WIDE_CONFIG, int8 dots), a projection's the default ones; the wide byte
+    tiles' GEMV of one token against float64 (Q6_K, the head's format)."""
     from freetoken.backends import triton_target
 
     scratch = packed_linear.PrefillScratch(torch.device(DEV), torch.float32)
@@ -200,6 +200,8 @@ def test_wide_matrices_take_the_wide_tiles():
         data = torch.from_numpy(np.ascontiguousarray(raw.data)).to(DEV)
         lin = packed_linear.PackedLinear(data, fmt, raw.shape, scratch, "triton")
         assert lin.config == want, rows
+        # batches of several tokens: the byte tiles whatever the device (int8 dots serve one token)
+        assert lin.batch_config == (plt.WIDE_CONFIG if rows >= plt.WIDE_ROWS else plt.DEFAULT_CONFIG), rows
     assert (plt.WIDE_CONFIG.block_n, plt.WIDE_CONFIG.block_k) == (8, 256)
     raw, ref = packed(fmt, ROWS, COLS, seed=99)
     x, x64 = activations(1, torch.float32, seed=5)

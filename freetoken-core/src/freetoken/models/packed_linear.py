@@ -102,14 +102,19 @@ class PackedLinear:
         self.impl = impl
         self.scratch = scratch
         self.matrix: Any = None
-        self.config: Any = None
+        self.config: Any = None  # one token
+        self.batch_config: Any = None  # several
         if impl == "triton":
             from freetoken.models import packed_linear_triton as plt
 
             self.matrix = plt.PackedMatrix.from_bytes(self.data.reshape(-1), self.fmt, self.out_features,
                                                       self.in_features)
             self.config = config or plt.config_for(self.out_features, data.device)
+            # the device's tiles (NVIDIA: int8 dots) serve one token; batches of several run
+            # the byte tiles, timed for them, unless a config is given
+            self.batch_config = config or plt.config_for(self.out_features)
             self.config.validate()
+            self.batch_config.validate()
         elif impl != "torch":
             raise ValueError(f"packed linear: impl must be 'triton' or 'torch', got {impl!r}")
         self.chunk_rows = chunk_rows(self.out_features, self.in_features)
@@ -122,10 +127,11 @@ class PackedLinear:
             x2 = x2.contiguous()
         tokens = x2.shape[0]
         y = torch.empty((tokens, self.out_features), dtype=x.dtype, device=x.device)
-        if tokens and self.matrix is not None and tokens <= self.config.max_gemv_tokens:
+        config = self.config if tokens == 1 else self.batch_config
+        if tokens and self.matrix is not None and tokens <= config.max_gemv_tokens:
             from freetoken.models import packed_linear_triton as plt
 
-            plt.gemv(x2, self.matrix, y, self.config)
+            plt.gemv(x2, self.matrix, y, config)
         elif tokens:
             self._dequantized_matmul(x2, y)
         return y.reshape(*lead, self.out_features)

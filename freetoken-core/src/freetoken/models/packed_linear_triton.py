@@ -81,7 +81,7 @@ class PackedLinearConfig:
     word_loads: bool = False
     #: one token per program: Q4_K and Q6_K rows multiplied with the token quantized to int8,
     #: four products per instruction (freetoken.moe.triton_packed_int8; steps of >= 128
-    #: columns; NVIDIA and the interpreter: AMD keeps the byte tiles); off by default
+    #: columns; NVIDIA and the interpreter: AMD keeps the byte tiles); NVIDIA_CONFIG's, off here
     int8_dot: bool = False
     num_warps: int = 4
     num_stages: int = 2

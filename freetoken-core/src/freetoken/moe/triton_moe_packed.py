@@ -20,7 +20,8 @@ Weights are read once per route (once per distinct expert when a batch's routes 
 no expert, the common case at small ``T``).
 
 ``int8_dot`` (with ``int8_h``) changes what is multiplied: activations quantized to int8 and
-the codes multiplied as integers (:mod:`freetoken.moe.triton_packed_int8`). Two options of
+the codes multiplied as integers (:mod:`freetoken.moe.triton_packed_int8`); NVIDIA GPUs
+run them by default (:func:`default_config`, :data:`NVIDIA_CONFIG`). Two options of
 :class:`PackedConfig` change how, not what (``tests/gpu/tune_cold.py`` times
 them with the weights read from HBM; the routes tile is on by default): ``down_routes_tile`` makes
 the token's K routes a tile dimension of the down kernel (rows ``(k, n)``, all routes'
@@ -134,7 +135,7 @@ class PackedConfig:
     #: with the weights' integer codes, four products per instruction
     #: (freetoken.moe.triton_packed_int8): a fraction of the byte tiles' instructions, at the
     #: activations' int8 rounding (~1e-3 of a row's sum); other formats keep the byte tiles, as
-    #: does AMD (for_target)
+    #: does AMD (for_target). NVIDIA_CONFIG's, off here
     int8_dot: bool = False
     #: with int8_dot: the gate/up kernel stores h quantized per 16 values and the down kernel
     #: reads the codes, instead of every down program quantizing h (block_i a multiple of 16)
