@@ -8,7 +8,9 @@ each read different weights (launch j: experts 8j .. 8j+7 of a 128-expert stack;
 dense matrix), more bytes than the L2 per replay, so every launch reads cold weights.
 
 Prints each kernel's best tiles and, last, ``ENV <variable>=<fields>`` lines: the fields that beat
-the defaults, for whole-model A/B runs (tiles_from_env). T = 1, Qwen3-30B-A3B shapes.
+the byte tiles (``DEFAULT_CONFIG`` / ``WIDE_CONFIG``; NVIDIA's defaults are int8 tiles of the
+``--int8`` sweep, ``NVIDIA_CONFIG``), for whole-model A/B runs (tiles_from_env, which changes both).
+T = 1, Qwen3-30B-A3B shapes.
 Usage (GPU machine): python3 tests/gpu/tune_cold.py [--quick] [--int8]"""
 
 from __future__ import annotations
