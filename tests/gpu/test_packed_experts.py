@@ -322,6 +322,12 @@ def test_word_loads_and_routes_tile(mix):
 #: 16 values by the gate/up kernel for the down kernel (int8_h), or per 32 by every down program
 INT8_CFG = dataclasses.replace(BASE, int8_dot=True, down_routes_tile=True, block_i=max(16, BASE.block_i),
                                block_h=128, block_r=128, block_n=min(BASE.block_n, 64))  # fmt: skip
+#: a row's relative error against the reference with the same quantized activations: float32
+#: sums in another order, and a code rounded the other way where h differs in its last bits
+#: (one code off moves a row by ~1e-4); the unquantized float64 result is ~1e-2 away
+INT8_TOL = 1e-3
+
+
 def int8_rounding(config: triton_moe_packed.PackedConfig, fmts: tuple[int, int, int]) -> dict[str, Any]:
     """:func:`reference_experts`'s arguments for the activations' rounding of ``config``'s
     per-route kernels here: int8 dots round Q4_K gate/up pairs' inputs per 32 values and a
@@ -332,12 +338,6 @@ def int8_rounding(config: triton_moe_packed.PackedConfig, fmts: tuple[int, int, 
     down = config.down_routes_tile and fmts[2] in (Q4, Q6)
     return {"int8_x": fmts[0] == fmts[1] == Q4,
             "int8_h": (16 if triton_moe_packed.quantized_h(config, fmts[2]) else 32) if down else 0}
-
-
-#: a row's relative error against the reference with the same quantized activations: float32
-#: sums in another order, and a code rounded the other way where h differs in its last bits
-#: (one code off moves a row by ~1e-4); the unquantized float64 result is ~1e-2 away
-INT8_TOL = 1e-3
 
 
 @pytest.mark.parametrize("fmts,int8_x,down_int8,int8_h,tokens,top_k", [
@@ -568,16 +568,16 @@ def test_gpu_qwen3_sizes(tokens, top_k, fmts):
     w = torch.rand(tokens, top_k, generator=gen) + 0.1
     out = torch.full((tokens, 2048), float("nan"), device="cuda")
     experts.forward(x.cuda(), ids.cuda(), w.cuda(), out=out)
-    rounding = int8_rounding(experts.config, fmts)
-    if tokens * top_k <= experts.config.max_routes and rounding:
-        check_rows(out, reference_experts(x, ids, w, g64, u64, d64, **rounding), INT8_TOL)
-        plain, got = reference_experts(x, ids, w, g64, u64, d64), out.double().cpu()
-        rows = plain.abs().amax(dim=1) > 0
-        away = (got[rows] - plain[rows]).norm(dim=1) / plain[rows].norm(dim=1)
-        assert float(away.max()) > INT8_TOL, f"{float(away.max()):.3g} from the unrounded result: not rounded?"
-        return
     per_route = tokens * top_k <= experts.config.max_routes
-    check_rows(out, reference_experts(x, ids, w, g64, u64, d64), FP32_TOL * 10 if per_route else DEQUANT_TOL)
+    rounding = int8_rounding(experts.config, fmts) if per_route else {}
+    plain = reference_experts(x, ids, w, g64, u64, d64)
+    if not rounding:
+        check_rows(out, plain, FP32_TOL * 10 if per_route else DEQUANT_TOL)
+        return
+    check_rows(out, reference_experts(x, ids, w, g64, u64, d64, **rounding), INT8_TOL)
+    got, rows = out.double().cpu(), plain.abs().amax(dim=1) > 0
+    away = (got[rows] - plain[rows]).norm(dim=1) / plain[rows].norm(dim=1)
+    assert float(away.max()) > INT8_TOL, f"{float(away.max()):.3g} from the unrounded result: not rounded?"
 
 
 @pytest.mark.gpu
