@@ -381,6 +381,33 @@ def test_int8_dots_only_where_they_run(monkeypatch):
     assert (amd.int8_dot, amd.int8_h) == (False, False) and amd.block_i == cfg.block_i
 
 
+@pytest.mark.parametrize("target", ["cuda", "hip", "none"])
+def test_default_tiles_by_device(target, monkeypatch):
+    """NVIDIA's default tiles are the int8 dots (experts, and the one-token GEMV of packed
+    dense weights, whose batches keep the byte tiles); AMD and the interpreter get the byte
+    tiles (DEFAULT_CONFIG / WIDE_CONFIG)."""
+    from freetoken.backends import triton_target
+    from freetoken.models import packed_linear
+    from freetoken.models import packed_linear_triton as plt
+
+    made = {"cuda": lambda: triton_target.cuda_target((9, 0)), "hip": lambda: triton_target.hip_target("gfx1030"),
+            "none": lambda: triton_target.no_target("the interpreter")}[target]()  # fmt: skip
+    monkeypatch.setattr(triton_target, "for_device", lambda device: made)
+    nvidia = target == "cuda"
+    experts = triton_moe_packed.default_config(DEV)
+    assert experts is (triton_moe_packed.NVIDIA_CONFIG if nvidia else triton_moe_packed.DEFAULT_CONFIG)
+    assert experts.int8_dot == experts.int8_h == nvidia
+    assert triton_moe_packed.NVIDIA_CONFIG.int8_dot and not triton_moe_packed.DEFAULT_CONFIG.int8_dot
+    for rows, byte in ((plt.WIDE_ROWS, plt.WIDE_CONFIG), (64, plt.DEFAULT_CONFIG)):
+        one = plt.config_for(rows, DEV)
+        assert one.int8_dot == nvidia and (one is byte) != nvidia, (rows, one)
+        assert plt.config_for(rows) is byte  # no device: the byte tiles
+        data = torch.zeros(rows, 256 // 256 * 144, dtype=torch.uint8)
+        lin = packed_linear.PackedLinear(data, Q4, (rows, 256), packed_linear.PrefillScratch(torch.device("cpu"),
+                                         torch.float32), "triton")  # fmt: skip
+        assert lin.config is one and lin.batch_config is byte
+
+
 def test_int8_dots_need_whole_pairs():
     with pytest.raises(ValueError, match="int8 dots"):
         dataclasses.replace(BASE, int8_dot=True, block_r=64).validate()
