@@ -4,7 +4,9 @@ Independent of freetoken's model code: full-sequence causal attention (no cache)
 per-head q/k RMSNorm, NeoX rotary embeddings, top-k softmax routing renormalised over the
 top-k, SwiGLU experts, all in float64 over tensors named as in GGUF files
 (``blk.{i}.attn_q.weight`` ...). ``expert_input`` may transform an expert matrix's input
-(e.g. the CPU kernels' int8 activation rounding) per (layer, matrix).
+(e.g. the CPU kernels' int8 activation rounding) per (layer, matrix), ``linear_input`` the
+input rows ``[positions, features]`` of a dense projection (``attn_q``, ``attn_k``,
+``attn_v``, ``attn_output``; the output head as layer -1, ``output``).
 """
 
 from __future__ import annotations
@@ -31,24 +33,26 @@ def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 def logits(t: dict[str, torch.Tensor], ids: list[int], layers: int, heads: int, kv_heads: int, head_dim: int,
            top_k: int, theta: float, eps: float = 1e-6,
-           expert_input: Optional[Callable[[int, str, torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:  # fmt: skip
+           expert_input: Optional[Callable[[int, str, torch.Tensor], torch.Tensor]] = None,
+           linear_input: Optional[Callable[[int, str, torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:  # fmt: skip
     """Logits (float64 ``[len(ids), vocab]``) of every position of ``ids``."""
     g = {k: v.double() for k, v in t.items()}
     pre = expert_input or (lambda layer, name, x: x)
+    lin = linear_input or (lambda layer, name, x: x)
     N, D, G = len(ids), head_dim, heads // kv_heads
     x = g["token_embd.weight"][torch.tensor(ids)]
     causal = torch.ones(N, N, dtype=torch.bool).tril()
     for i in range(layers):
         w = lambda n: g[f"blk.{i}.{n}.weight"]  # noqa: E731
         h = _rms(x, w("attn_norm"), eps)
-        q = _rope(_rms((h @ w("attn_q").T).view(N, heads, D), w("attn_q_norm"), eps), theta)
-        k = _rope(_rms((h @ w("attn_k").T).view(N, kv_heads, D), w("attn_k_norm"), eps), theta)
-        v = (h @ w("attn_v").T).view(N, kv_heads, D)
+        q = _rope(_rms((lin(i, "attn_q", h) @ w("attn_q").T).view(N, heads, D), w("attn_q_norm"), eps), theta)
+        k = _rope(_rms((lin(i, "attn_k", h) @ w("attn_k").T).view(N, kv_heads, D), w("attn_k_norm"), eps), theta)
+        v = (lin(i, "attn_v", h) @ w("attn_v").T).view(N, kv_heads, D)
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
         s = torch.einsum("qhd,khd->hqk", q, k) / D**0.5
         p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
         att = torch.einsum("hqk,khd->qhd", p, v).reshape(N, heads * D)
-        x = x + att @ w("attn_output").T
+        x = x + lin(i, "attn_output", att) @ w("attn_output").T
         h = _rms(x, w("ffn_norm"), eps)
         top, sel = torch.topk(h @ w("ffn_gate_inp").T, top_k, dim=-1)
         rw = torch.softmax(top, dim=-1)
@@ -62,4 +66,4 @@ def logits(t: dict[str, torch.Tensor], ids: list[int], layers: int, heads: int, 
                 act = a * torch.sigmoid(a) * b
                 moe[n] += rw[n, j] * (pre(i, "down", act) @ down[e].T)
         x = x + moe
-    return _rms(x, g["output_norm.weight"], eps) @ g["output.weight"].T
+    return lin(-1, "output", _rms(x, g["output_norm.weight"], eps)) @ g["output.weight"].T

@@ -242,15 +242,15 @@ def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monk
     """FP32, every expert on the GPU with NVIDIA's default tiles (int8 dots,
     ``triton_moe_packed.NVIDIA_CONFIG``; also with h left in float32 for the down kernel):
     the engine's logits against the float64 forward of the K-quant test above whose expert
-    inputs are rounded as the kernels round them (tests/gpu/expert_reference.int8_groups:
-    gate/up inputs per 32 values, h per 16 when the gate/up kernel quantizes it, else per 32
-    by the down kernel). Bound: 3e-3 of the logits' scale (float32 summation order and the
+    inputs are rounded as the kernels round them (tests/gpu/int8_model_reference.py: gate/up
+    inputs per 32 values, h per 16 when the gate/up kernel quantizes it, else per 32 by the
+    down kernel). Bound: 3e-3 of the logits' scale (float32 summation order and the
     rare rounding-boundary flip it causes); the same reference without the rounding must
     miss by more (the int8 dots ran)."""
     import dataclasses
 
     import qwen3_reference
-    from expert_reference import int8_groups
+    from int8_model_reference import expert_hook
 
     from freetoken.moe import triton_moe_packed
 
@@ -260,10 +260,7 @@ def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monk
     monkeypatch.setattr(triton_moe_packed, "NVIDIA_CONFIG", config)
 
     def expert_input(rounded: bool):
-        def pre(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
-            return int8_groups(x, 16 if (name == "down" and int8_h) else 32) if rounded else x
-
-        return pre
+        return expert_hook(tg.MIX, int8_h) if rounded else None
 
     eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
                                  moe_cpu_layers="0", enforce_eager=eager, cuda_graph_max_bs=8),
@@ -283,3 +280,44 @@ def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monk
             sink.append(float((logits - want).abs().max() / want.abs().max()))
     assert max(errs) <= 3e-3, f"int8 dots against the rounding reference: {errs} of the logits' scale"
     assert min(plain) > 2 * max(errs), f"the unrounded reference fits as well ({plain} vs {errs}): no int8 dots ran?"
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_cuda_engine_int8_dense_match_rounding_reference(backend, int8_gguf, eager):
+    """FP32, every expert on the GPU and the dense weights packed, NVIDIA's default tiles: the
+    one-token GEMV of Q4_K/Q6_K projections and of the Q6_K head runs int8 dots (the
+    activations quantized per 32 values), batches of several tokens the byte tiles. One
+    request, so the prompt's projections are one batch and every decode step and every logits
+    row is one token: the float64 reference rounds the dense inputs of the positions after the
+    prompt and every head input, and the experts' inputs as above. Bound 3e-3 of the logits'
+    scale; the reference without the dense rounding must miss by more (the int8 GEMV ran)."""
+    import qwen3_reference
+    from int8_model_reference import dense_hook, expert_hook
+
+    from freetoken.models import packed_linear_triton as plt
+
+    tg, path, tensors = int8_gguf
+    assert plt.config_for(tg.V, "cuda").int8_dot, "NVIDIA's default GEMV tiles are the int8 dots"
+    prompt = [(11 * j) % (tg.V - 10) + 5 for j in range(21)]  # above the GEMV's batch sizes: one matmul
+    experts = expert_hook(tg.MIX, int8_h=True)
+
+    eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
+                                 moe_cpu_layers="0", gpu_dense="packed", enforce_eager=eager,
+                                 cuda_graph_max_bs=8),
+                    backend=backend)  # fmt: skip
+    try:
+        assert eng.backend_info()["dense_form"] == "packed"
+        ((out, logits),) = run_greedy(eng, [prompt], max_tokens=12)
+    finally:
+        eng.close()
+    ids = prompt + out
+
+    def error(rounded_dense: bool) -> float:
+        hook = dense_hook(tg.MIX, tg.OUTPUT_FMT, len(prompt)) if rounded_dense else None
+        want = qwen3_reference.logits(tensors, ids, tg.LAYERS, tg.HEADS, tg.KVH, tg.HD, tg.K, theta=1e6,
+                                      expert_input=experts, linear_input=hook)[len(prompt) - 1 : len(ids) - 1]
+        return float((logits - want.float()).abs().max() / want.abs().max())
+
+    err, plain = error(True), error(False)
+    assert err <= 3e-3, f"int8 GEMV against the rounding reference: {err:.3g} of the logits' scale"
+    assert plain > 2 * err, f"the reference without the dense rounding fits as well ({plain:.3g} vs {err:.3g})"

@@ -328,6 +328,53 @@ def test_fakegpu_engine_through_the_interpreted_kernels(tiny_gguf, monkeypatch):
     _check_float64(tg, reference, tensors, prompts, got)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's run (the GPU runs test_gpu_engine.py's int8 tests)")
+def test_fakegpu_engine_int8_dots_through_the_interpreter(tiny_gguf, monkeypatch):
+    """The int8 dots inside an engine, in the interpreter (the byte extractions that stand for
+    dp4a): the fakegpu plugin given NVIDIA's choices (int8 dots for the packed experts and for
+    one-token GEMVs, the byte tiles for batches) with the interpreter's tiles, one request,
+    against the float64 forward with the activations rounded as tests/gpu/int8_model_reference.py
+    writes the rules (the same float32 arithmetic: 1e-3 of the logits' scale leaves room for
+    a rare rounding flip, ~1e-6 measured); the reference without the dense rounding must miss
+    by more."""
+    import dataclasses
+
+    from int8_model_reference import dense_hook, expert_hook
+    from test_packed_experts import WIDE
+
+    from freetoken.moe import gpu_experts, triton_moe_packed
+
+    tg, reference, path, tensors = tiny_gguf
+    one = plt.PackedLinearConfig(block_n=512, block_k=256, block_t=4, int8_dot=True)
+    batch = dataclasses.replace(one, int8_dot=False)
+    monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(plt, "config_for", lambda rows, device=None: batch if device is None else one)
+    monkeypatch.setattr(triton_moe_packed, "default_config",
+                        lambda device: dataclasses.replace(WIDE, int8_dot=True, int8_h=True))
+    eng = _engine(path, None, backend="fakegpu", dtype="float32", moe_cpu_layers="0", gpu_dense="packed")
+    prompt = [(11 * j) % (tg.V - 10) + 5 for j in range(21)]
+    try:
+        ((out, logits),) = run_greedy(eng, [prompt], max_tokens=4)
+    finally:
+        eng.close()
+        from freetoken.backends import registry
+
+        registry.reset()
+    ids = prompt + out
+    experts = expert_hook(tg.MIX, int8_h=True)
+
+    def error(rounded_dense: bool) -> float:
+        hook = dense_hook(tg.MIX, tg.OUTPUT_FMT, len(prompt)) if rounded_dense else None
+        want = reference.logits(tensors, ids, tg.LAYERS, tg.HEADS, tg.KVH, tg.HD, tg.K, theta=1e6,
+                                expert_input=experts, linear_input=hook)[len(prompt) - 1 : len(ids) - 1]
+        return float((logits - want.float()).abs().max() / want.abs().max())
+
+    err, plain = error(True), error(False)
+    assert err <= 1e-3, f"int8 dots against the rounding reference: {err:.3g} of the logits' scale"
+    assert plain > 2 * err, f"the reference without the dense rounding fits as well ({plain:.3g} vs {err:.3g})"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_gpu_engine_packed_matches_float64(backend, tiny_gguf, eager, monkeypatch):

@@ -1,0 +1,54 @@
+"""The activation rounding of the int8 dots, as hooks of the float64 model forward
+(tests/gpu/qwen3_reference.py), for engines whose packed kernels run them.
+
+The rules written out here, independent of the kernels' code: the per-route expert kernels
+round a layer's gate/up input per 32 values when gate and up are both Q4_K, and its down
+input ``h`` (float32 first) when down is Q4_K or Q6_K: per 16 values when the gate/up kernel
+quantizes it (``int8_h``), else per 32. The packed dense GEMV rounds the input of a Q4_K or
+Q6_K projection per 32 values when it multiplies one token; a batch of several keeps the
+float products. For one request, the prompt's projections are one batch and every later
+position is one token, as is every row of the output head."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from expert_reference import int8_groups
+
+from freetoken.handoff import Fmt
+
+Hook = Callable[[int, str, torch.Tensor], torch.Tensor]
+INT8 = (Fmt.Q4_K, Fmt.Q6_K)
+
+
+def expert_hook(mix: list[dict[str, Fmt]], int8_h: bool, cpu_layers: frozenset[int] = frozenset(),
+                cpu_rounding: Callable[[torch.Tensor, Fmt], torch.Tensor] | None = None) -> Hook:  # fmt: skip
+    """``expert_input``: the GPU layers' expert inputs rounded as the int8 dots do (and those of
+    ``cpu_layers`` by ``cpu_rounding``, the CPU kernels' scheme, given the matrix's format)."""
+
+    def pre(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        fmt = mix[layer][f"ffn_{name}_exps"]
+        if layer in cpu_layers:
+            assert cpu_rounding is not None
+            return cpu_rounding(x.float(), fmt).double()
+        if name in ("gate", "up"):
+            pair = mix[layer]["ffn_gate_exps"] == mix[layer]["ffn_up_exps"] == Fmt.Q4_K
+            return int8_groups(x, 32) if pair else x
+        return int8_groups(x, 16 if int8_h else 32) if fmt in INT8 else x
+
+    return pre
+
+
+def dense_hook(mix: list[dict[str, Fmt]], output_fmt: Fmt, prompt_len: int) -> Hook:
+    """``linear_input`` of one request whose prompt of ``prompt_len`` tokens ran as one batch:
+    Q4_K/Q6_K projections' inputs rounded at the later positions, the head's at every row."""
+
+    def pre(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        fmt = output_fmt if layer < 0 else mix[layer][name]
+        if fmt not in INT8:
+            return x
+        first = 0 if layer < 0 else prompt_len
+        return torch.cat([x[:first], int8_groups(x[first:], 32)])
+
+    return pre
