@@ -381,7 +381,7 @@ def test_gpu_engine_packed_matches_float64(backend, tiny_gguf, eager, monkeypatc
     """FP32, every expert on the GPU, dense packed (Q8_0/Q4_K/Q6_K attention and head, Q8_0
     embedding, F16/BF16 k projections as floats): logits against the float64 forward, with
     the byte tiles (AMD's; NVIDIA's default int8 dots round the activations: their GEMV is
-    tested above against the rounding reference, their experts in test_gpu_engine.py)."""
+    tested above against the rounding reference, engines with them in test_gpu_engine.py)."""
     from freetoken.moe import triton_moe_packed
 
     monkeypatch.setattr(triton_moe_packed, "NVIDIA_CONFIG", triton_moe_packed.DEFAULT_CONFIG)
