@@ -126,12 +126,16 @@ def test_async_stream_deltas_abort_and_queue(demo):
                     break
                 await asyncio.sleep(0.02)
             assert eng.stats().kv_used_tokens == 0 and eng.stats().num_running == 0
-            # queue limit: 2 running + 1 waiting, the next is refused (the requests run to the end
-            # of the context, ~500 steps: two of 300 could finish within the wait on this model)
+            # queue limit: 2 running + 1 waiting, the next is refused. The three are submitted
+            # (counted as waiting until the engine thread admits them) in one turn of the loop
+            # and the fourth right after: the requests run to the end of the context (~500
+            # steps), which a fast machine finishes in a fraction of a second, so no sleep.
             long = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
             gens = [eng.stream(ids, long) for _ in range(3)]
             tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0)
+            st = eng.stats()
+            assert st.num_running + st.num_waiting == 3, st
             with pytest.raises(QueueFull):
                 await eng.stream(ids, long).__anext__()
             for t in tasks:  # cancellation (a client disconnect) aborts the requests

@@ -50,8 +50,10 @@ def _deq(fmt, data, shape):
     return torch.from_numpy(dequantize(data, gguf.GGMLQuantizationType(int(fmt))).astype(np.float32)).reshape(shape)
 
 
-def write_tiny_gguf(path: str, seed: int, tokenizer: bool = False) -> dict[str, torch.Tensor]:
-    """Write the file; return the dequantized tensors by GGUF name."""
+def write_tiny_gguf(path: str, seed: int, tokenizer: bool = False,
+                    mix: list[dict[str, Fmt]] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Write the file, each layer's tensors in the formats of ``mix`` (default ``MIX``);
+    return the dequantized tensors by GGUF name."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -70,13 +72,13 @@ def write_tiny_gguf(path: str, seed: int, tokenizer: bool = False) -> dict[str, 
     add("token_embd.weight", Fmt.Q8_0, _packed(Fmt.Q8_0, (V, H), rng), (V, H))
     add("output_norm.weight", Fmt.F32, (1 + 0.1 * rng.standard_normal(H)).astype(np.float32), (H,))
     add("output.weight", OUTPUT_FMT, _packed(OUTPUT_FMT, (V, H), rng), (V, H))
-    for i, mix in enumerate(MIX):
+    for i, layer_mix in enumerate(MIX if mix is None else mix):
         for n in ("attn_norm", "ffn_norm"):
             add(f"blk.{i}.{n}.weight", Fmt.F32, (1 + 0.1 * rng.standard_normal(H)).astype(np.float32), (H,))
         for n in ("attn_q_norm", "attn_k_norm"):
             add(f"blk.{i}.{n}.weight", Fmt.F32, (1 + 0.1 * rng.standard_normal(HD)).astype(np.float32), (HD,))
         add(f"blk.{i}.ffn_gate_inp.weight", Fmt.F32, (0.5 * rng.standard_normal((E, H))).astype(np.float32), (E, H))
-        for n, fmt in mix.items():
+        for n, fmt in layer_mix.items():
             add(f"blk.{i}.{n}.weight", fmt, _packed(fmt, SHAPES[n], rng), SHAPES[n])
     w.write_header_to_file()
     w.write_kv_data_to_file()

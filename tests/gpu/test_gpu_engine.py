@@ -231,9 +231,9 @@ INT8_MIX = [
 @pytest.fixture(scope="module")
 def int8_gguf(tmp_path_factory):
     tg = _gguf_helpers()
-    tg.MIX = [{name: getattr(tg.Fmt, fmt) for name, fmt in layer.items()} for layer in INT8_MIX]
+    mix = [{name: getattr(tg.Fmt, fmt) for name, fmt in layer.items()} for layer in INT8_MIX]
     path = str(tmp_path_factory.mktemp("gguf8") / "int8.gguf")
-    return tg, path, tg.write_tiny_gguf(path, seed=12)
+    return tg, mix, path, tg.write_tiny_gguf(path, seed=12, mix=mix)
 
 
 @pytest.mark.parametrize("eager,int8_h", [(True, False), (True, True), (False, True)],
@@ -254,13 +254,13 @@ def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monk
 
     from freetoken.moe import triton_moe_packed
 
-    tg, path, tensors = int8_gguf
+    tg, mix, path, tensors = int8_gguf
     config = dataclasses.replace(triton_moe_packed.NVIDIA_CONFIG, int8_h=int8_h)
     assert config.int8_dot, "NVIDIA's default expert tiles are the int8 dots"
     monkeypatch.setattr(triton_moe_packed, "NVIDIA_CONFIG", config)
 
     def expert_input(rounded: bool):
-        return expert_hook(tg.MIX, int8_h) if rounded else None
+        return expert_hook(mix, int8_h) if rounded else None
 
     eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
                                  moe_cpu_layers="0", enforce_eager=eager, cuda_graph_max_bs=8),
@@ -289,17 +289,21 @@ def test_cuda_engine_int8_dense_match_rounding_reference(backend, int8_gguf, eag
     activations quantized per 32 values), batches of several tokens the byte tiles. One
     request, so the prompt's projections are one batch and every decode step and every logits
     row is one token: the float64 reference rounds the dense inputs of the positions after the
-    prompt and every head input, and the experts' inputs as above. Bound 3e-3 of the logits'
-    scale; the reference without the dense rounding must miss by more (the int8 GEMV ran)."""
+    prompt and every head input, and the experts' inputs as above. Position by position, as
+    test_packed_dense.py's interpreter run of the same rules: a position's error is float32
+    noise (bound 3e-3 of the logits' scale, as above) unless that noise moved an activation
+    across a rounding boundary (one flip: up to 4e-2), so at least 9 of the 12 positions
+    within 3e-3 and all within 4e-2; the reference without the dense rounding within 3e-3 at
+    fewer than half of them (the int8 GEMV ran)."""
     import qwen3_reference
     from int8_model_reference import dense_hook, expert_hook
 
     from freetoken.models import packed_linear_triton as plt
 
-    tg, path, tensors = int8_gguf
+    tg, mix, path, tensors = int8_gguf
     assert plt.config_for(tg.V, "cuda").int8_dot, "NVIDIA's default GEMV tiles are the int8 dots"
     prompt = [(11 * j) % (tg.V - 10) + 5 for j in range(21)]  # above the GEMV's batch sizes: one matmul
-    experts = expert_hook(tg.MIX, int8_h=True)
+    experts = expert_hook(mix, int8_h=True)
 
     eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
                                  moe_cpu_layers="0", gpu_dense="packed", enforce_eager=eager,
@@ -312,12 +316,15 @@ def test_cuda_engine_int8_dense_match_rounding_reference(backend, int8_gguf, eag
         eng.close()
     ids = prompt + out
 
-    def error(rounded_dense: bool) -> float:
-        hook = dense_hook(tg.MIX, tg.OUTPUT_FMT, len(prompt)) if rounded_dense else None
+    def errors(rounded_dense: bool) -> list[float]:
+        """Each position's largest logit difference, in units of the logits' scale."""
+        hook = dense_hook(mix, tg.OUTPUT_FMT, len(prompt)) if rounded_dense else None
         want = qwen3_reference.logits(tensors, ids, tg.LAYERS, tg.HEADS, tg.KVH, tg.HD, tg.K, theta=1e6,
                                       expert_input=experts, linear_input=hook)[len(prompt) - 1 : len(ids) - 1]
-        return float((logits - want.float()).abs().max() / want.abs().max())
+        return ((logits - want.float()).abs().amax(-1) / want.abs().max()).tolist()
 
-    err, plain = error(True), error(False)
-    assert err <= 3e-3, f"int8 GEMV against the rounding reference: {err:.3g} of the logits' scale"
-    assert plain > 2 * err, f"the reference without the dense rounding fits as well ({plain:.3g} vs {err:.3g})"
+    err, plain = errors(True), errors(False)
+    assert len(err) == 12, err
+    assert sum(e <= 3e-3 for e in err) >= 9, f"int8 GEMV against the rounding reference, per position: {err}"
+    assert max(err) <= 4e-2, f"int8 GEMV against the rounding reference, per position: {err}"
+    assert sum(e <= 3e-3 for e in plain) < 6, f"the reference without the dense rounding fits as well: {plain}"

@@ -334,9 +334,14 @@ def test_fakegpu_engine_int8_dots_through_the_interpreter(tiny_gguf, monkeypatch
     dp4a): the fakegpu plugin given NVIDIA's choices (int8 dots for the packed experts and for
     one-token GEMVs, the byte tiles for batches) with the interpreter's tiles, one request,
     against the float64 forward with the activations rounded as tests/gpu/int8_model_reference.py
-    writes the rules (the same float32 arithmetic: 1e-3 of the logits' scale leaves room for
-    a rare rounding flip, ~1e-6 measured); the reference without the dense rounding must miss
-    by more."""
+    writes the rules, position by position. Where the engine rounds every activation as the
+    reference does a position agrees to ~1e-6 of the logits' scale (float32 summation order).
+    That noise can move an activation that sits on a rounding boundary to the other step
+    (seen: one position of five at 5.3e-3 after other tests had run in the same process,
+    which moved the engine's float32 logits by a few ulps; the next position, which reads
+    the flipped K/V, at 7e-6). So: at least 6 of the 8 positions within 1e-4,
+    every one within 4e-2 (the largest one-flip change measured on these files), and the
+    reference without the dense rounding (6e-3..9e-2 here) within 1e-4 at none."""
     import dataclasses
 
     from int8_model_reference import dense_hook, expert_hook
@@ -355,7 +360,7 @@ def test_fakegpu_engine_int8_dots_through_the_interpreter(tiny_gguf, monkeypatch
     eng = _engine(path, None, backend="fakegpu", dtype="float32", moe_cpu_layers="0", gpu_dense="packed")
     prompt = [(11 * j) % (tg.V - 10) + 5 for j in range(21)]
     try:
-        ((out, logits),) = run_greedy(eng, [prompt], max_tokens=4)
+        ((out, logits),) = run_greedy(eng, [prompt], max_tokens=8)
     finally:
         eng.close()
         from freetoken.backends import registry
@@ -364,15 +369,18 @@ def test_fakegpu_engine_int8_dots_through_the_interpreter(tiny_gguf, monkeypatch
     ids = prompt + out
     experts = expert_hook(tg.MIX, int8_h=True)
 
-    def error(rounded_dense: bool) -> float:
+    def errors(rounded_dense: bool) -> list[float]:
+        """Each position's largest logit difference, in units of the logits' scale."""
         hook = dense_hook(tg.MIX, tg.OUTPUT_FMT, len(prompt)) if rounded_dense else None
         want = reference.logits(tensors, ids, tg.LAYERS, tg.HEADS, tg.KVH, tg.HD, tg.K, theta=1e6,
                                 expert_input=experts, linear_input=hook)[len(prompt) - 1 : len(ids) - 1]
-        return float((logits - want.float()).abs().max() / want.abs().max())
+        return ((logits - want.float()).abs().amax(-1) / want.abs().max()).tolist()
 
-    err, plain = error(True), error(False)
-    assert err <= 1e-3, f"int8 dots against the rounding reference: {err:.3g} of the logits' scale"
-    assert plain > 2 * err, f"the reference without the dense rounding fits as well ({plain:.3g} vs {err:.3g})"
+    err, plain = errors(True), errors(False)
+    assert len(err) == 8, err
+    assert sum(e <= 1e-4 for e in err) >= 6, f"int8 dots against the rounding reference, per position: {err}"
+    assert max(err) <= 4e-2, f"int8 dots against the rounding reference, per position: {err}"
+    assert min(plain) > 1e-4, f"the reference without the dense rounding fits a position: {plain}"
 
 
 @pytest.mark.gpu
