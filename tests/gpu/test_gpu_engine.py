@@ -293,8 +293,8 @@ def test_cuda_engine_int8_dense_match_rounding_reference(backend, int8_gguf, eag
     test_packed_dense.py's interpreter run of the same rules: a position's error is float32
     noise (bound 3e-3 of the logits' scale, as above) unless that noise moved an activation
     across a rounding boundary (one flip: up to 4e-2), so at least 9 of the 12 positions
-    within 3e-3 and all within 4e-2; the reference without the dense rounding within 3e-3 at
-    fewer than half of them (the int8 GEMV ran)."""
+    within 3e-3 and all within 4e-2; the reference without the dense rounding at least twice
+    as far off at 9 of them too (the int8 GEMV ran)."""
     import qwen3_reference
     from int8_model_reference import dense_hook, expert_hook
 
@@ -327,4 +327,5 @@ def test_cuda_engine_int8_dense_match_rounding_reference(backend, int8_gguf, eag
     assert len(err) == 12, err
     assert sum(e <= 3e-3 for e in err) >= 9, f"int8 GEMV against the rounding reference, per position: {err}"
     assert max(err) <= 4e-2, f"int8 GEMV against the rounding reference, per position: {err}"
-    assert sum(e <= 3e-3 for e in plain) < 6, f"the reference without the dense rounding fits as well: {plain}"
+    closer = sum(p > 2 * e for p, e in zip(plain, err))
+    assert closer >= 9, f"the reference without the dense rounding fits as well: {plain} vs {err}"
