@@ -187,11 +187,16 @@ def tiny_gguf(tmp_path_factory):
 # kernel is checked tightly (1e-4, boundary flips forgiven element by element) in
 # tests/cpu_moe, and why test_gguf_tensors_as_the_engine_runs_them below checks every
 # tensor of the file as the engine runs it, layer by layer, so that no flip propagates.
-def assert_close_rounding(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+#
+# ``one_flip`` raises the bound of the single worst position for a family whose one flip moves
+# its position further (every other position keeps 8e-2, the mean 3e-2).
+def assert_close_rounding(got: torch.Tensor, ref: torch.Tensor, what: str, one_flip: float = 8e-2) -> None:
     assert got.shape == ref.shape, what
     scale = max(1.0, float(ref.abs().max()))
     row_err = (got - ref).abs().amax(-1) / scale
-    assert float(row_err.max()) <= 8e-2, f"{what}: max error {float(row_err.max()):.3g} of scale: {row_err.tolist()}"
+    worst, second = (sorted(row_err.tolist(), reverse=True) + [0.0])[:2]
+    assert worst <= one_flip, f"{what}: max error {worst:.3g} of scale: {row_err.tolist()}"
+    assert second <= 8e-2, f"{what}: second-largest error {second:.3g} of scale: {row_err.tolist()}"
     assert float(row_err.mean()) <= 3e-2, f"{what}: mean error {float(row_err.mean()):.3g} of scale: {row_err.tolist()}"
 
 

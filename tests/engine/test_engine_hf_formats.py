@@ -136,7 +136,11 @@ def test_bfloat16_activations(tmp_path):
     within ~1-3% of the FP32 reference. The routers are scaled up so that top-k
     choices are rarely within BF16 noise of each other; single positions can still
     deviate more (a near-tie in routing or attention), so the bound is on the median
-    position, which a real BF16 bug (a wrong cast, a dropped scale) moves by far more."""
+    position, which a real BF16 bug (a wrong cast, a dropped scale) moves by far more.
+    A near-tie early in a prompt moves every later position too, through its K/V: one random
+    file in 150 had positions 5-19 of 20 at 0.05-0.29 of the scale, position 5's top-k router
+    margins being 0.27 and 0.33 logits next to top logits of ~21 (1.3-1.5%, the size of BF16's
+    accumulated rounding). So three prompts run and two must pass; a real bug fails all three."""
     seed = random.randrange(1 << 30)
     model = make_hf(str(tmp_path / "ref"), seed)
     with torch.no_grad():
@@ -145,11 +149,14 @@ def test_bfloat16_activations(tmp_path):
     model.save_pretrained(str(tmp_path / "m"))
     eng = engine_for(str(tmp_path / "m"), dtype="bfloat16")
     rng = random.Random(seed)
-    ids = [rng.randrange(160) for _ in range(20)]
-    got, ref = eng.prompt_logits(ids), hf_logits(model, ids)
-    row_err = (got - ref).abs().amax(-1) / float(ref.abs().max())
-    assert float(row_err.median()) < 0.03, f"seed {seed}: {row_err.tolist()}"
-    assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.75
+    verdicts = []
+    for _ in range(3):
+        ids = [rng.randrange(160) for _ in range(20)]
+        got, ref = eng.prompt_logits(ids), hf_logits(model, ids)
+        row_err = (got - ref).abs().amax(-1) / float(ref.abs().max())
+        agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+        verdicts.append((float(row_err.median()) < 0.03 and agree >= 0.75, row_err.tolist(), agree))
+    assert sum(ok for ok, _, _ in verdicts) >= 2, f"seed {seed}: (passed, row errors, argmax agreement) {verdicts}"
     _ = eng.add_request(ids[:5], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     while eng.has_work():
         eng.step()

@@ -183,7 +183,10 @@ def test_gpt_oss_mxfp4_gguf(tmp_path):
         ex = L.moe.experts
         assert {int(ex.gate.fmt), int(ex.up.fmt), int(ex.down.fmt)} == {int(Fmt.MXFP4)}
         assert ex.gate.data.shape[-1] == (ex.hidden // 32) * 17
-    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}")
+    # a rounding flip moves a GPT-OSS position further than a Qwen3 one: of 240 random files
+    # 3 had one position at 0.18-0.24 of the logits' scale (a CI run's file 0.12), the other
+    # positions of those files within 2e-2
+    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}", one_flip=0.5)
 
 
 def test_dense_llama_gguf_is_refused(tmp_path):

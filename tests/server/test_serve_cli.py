@@ -18,6 +18,9 @@ pytestmark = pytest.mark.timeout(300)
 
 KEY = "sk-test-0123456789"
 MODEL = "demo"
+#: long enough that the requests waiting behind the running one are seen waiting by a
+#: /metrics poll every 20 ms on a fast machine (24 tokens ran through in two polls)
+QUEUE_TOKENS = 200
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,7 @@ def test_queue_bound_gives_429_and_requests_wait(server: Any) -> None:
 
     async def one(client: httpx.AsyncClient, i: int) -> httpx.Response:
         return await client.post("/v1/completions", headers=headers, json={
-            "model": MODEL, "prompt": f"Queue test {i}", "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+            "model": MODEL, "prompt": f"Queue test {i}", "max_tokens": QUEUE_TOKENS, "temperature": 0, "ignore_eos": True})
 
     async def watch(client: httpx.AsyncClient, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -99,7 +102,7 @@ def test_queue_bound_gives_429_and_requests_wait(server: Any) -> None:
             err = assert_error(r, 429)
             assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
         else:
-            assert r.json()["usage"]["completion_tokens"] == 24
+            assert r.json()["usage"]["completion_tokens"] == QUEUE_TOKENS
     assert max(waiting_seen) >= 1  # beyond --max-running-requests, requests waited
     # the server recovers once the queue drains
     with httpx.Client(base_url=server.base_url, timeout=60, headers=headers) as http:
