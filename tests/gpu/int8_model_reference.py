@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import qwen3_reference
 import torch
 from expert_reference import int8_groups
 
@@ -52,3 +53,13 @@ def dense_hook(mix: list[dict[str, Fmt]], output_fmt: Fmt, prompt_len: int) -> H
         return torch.cat([x[:first], int8_groups(x[first:], 32)])
 
     return pre
+
+
+def position_errors(tg, tensors: dict[str, torch.Tensor], ids: list[int], prompt_len: int, logits: torch.Tensor,
+                    expert_input: Hook | None, linear_input: Hook | None = None) -> list[float]:  # fmt: skip
+    """Each generated position's largest logit difference from the float64 forward of the tiny
+    K-quant file (``tg``: tests/engine/test_engine_gguf.py) over ``ids`` with these hooks, in
+    units of the reference logits' scale (their largest magnitude over those positions)."""
+    want = qwen3_reference.logits(tensors, ids, tg.LAYERS, tg.HEADS, tg.KVH, tg.HD, tg.K, theta=1e6,
+                                  expert_input=expert_input, linear_input=linear_input)[prompt_len - 1 : len(ids) - 1]
+    return ((logits - want.float()).abs().amax(-1) / want.abs().max()).tolist()

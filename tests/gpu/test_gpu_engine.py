@@ -249,8 +249,7 @@ def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monk
     miss by more (the int8 dots ran)."""
     import dataclasses
 
-    import qwen3_reference
-    from int8_model_reference import expert_hook
+    from int8_model_reference import expert_hook, position_errors
 
     from freetoken.moe import triton_moe_packed
 
@@ -272,12 +271,8 @@ def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monk
         eng.close()
     errs, plain = [], []
     for prompt, (out, logits) in zip(prompts, got):
-        ids = prompt + out
-        span = slice(len(prompt) - 1, len(ids) - 1)
         for rounded, sink in ((True, errs), (False, plain)):
-            want = qwen3_reference.logits(tensors, ids, tg.LAYERS, tg.HEADS, tg.KVH, tg.HD, tg.K, theta=1e6,
-                                          expert_input=expert_input(rounded))[span].float()  # fmt: skip
-            sink.append(float((logits - want).abs().max() / want.abs().max()))
+            sink.append(max(position_errors(tg, tensors, prompt + out, len(prompt), logits, expert_input(rounded))))
     assert max(errs) <= 3e-3, f"int8 dots against the rounding reference: {errs} of the logits' scale"
     assert min(plain) > 2 * max(errs), f"the unrounded reference fits as well ({plain} vs {errs}): no int8 dots ran?"
 
@@ -295,8 +290,7 @@ def test_cuda_engine_int8_dense_match_rounding_reference(backend, int8_gguf, eag
     across a rounding boundary (one flip: up to 4e-2), so at least 9 of the 12 positions
     within 3e-3 and all within 4e-2; the reference without the dense rounding at least twice
     as far off at 9 of them too (the int8 GEMV ran)."""
-    import qwen3_reference
-    from int8_model_reference import dense_hook, expert_hook
+    from int8_model_reference import dense_hook, expert_hook, position_errors
 
     from freetoken.models import packed_linear_triton as plt
 
@@ -316,14 +310,8 @@ def test_cuda_engine_int8_dense_match_rounding_reference(backend, int8_gguf, eag
         eng.close()
     ids = prompt + out
 
-    def errors(rounded_dense: bool) -> list[float]:
-        """Each position's largest logit difference, in units of the logits' scale."""
-        hook = dense_hook(mix, tg.OUTPUT_FMT, len(prompt)) if rounded_dense else None
-        want = qwen3_reference.logits(tensors, ids, tg.LAYERS, tg.HEADS, tg.KVH, tg.HD, tg.K, theta=1e6,
-                                      expert_input=experts, linear_input=hook)[len(prompt) - 1 : len(ids) - 1]
-        return ((logits - want.float()).abs().amax(-1) / want.abs().max()).tolist()
-
-    err, plain = errors(True), errors(False)
+    err, plain = (position_errors(tg, tensors, ids, len(prompt), logits, experts, hook)
+                  for hook in (dense_hook(mix, tg.OUTPUT_FMT, len(prompt)), None))  # fmt: skip
     assert len(err) == 12, err
     assert sum(e <= 3e-3 for e in err) >= 9, f"int8 GEMV against the rounding reference, per position: {err}"
     assert max(err) <= 4e-2, f"int8 GEMV against the rounding reference, per position: {err}"

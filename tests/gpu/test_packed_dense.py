@@ -344,12 +344,12 @@ def test_fakegpu_engine_int8_dots_through_the_interpreter(tiny_gguf, monkeypatch
     reference without the dense rounding (6e-3..9e-2 here) within 1e-4 at none."""
     import dataclasses
 
-    from int8_model_reference import dense_hook, expert_hook
+    from int8_model_reference import dense_hook, expert_hook, position_errors
     from test_packed_experts import WIDE
 
     from freetoken.moe import gpu_experts, triton_moe_packed
 
-    tg, reference, path, tensors = tiny_gguf
+    tg, _, path, tensors = tiny_gguf
     one = plt.PackedLinearConfig(block_n=512, block_k=256, block_t=4, int8_dot=True)
     batch = dataclasses.replace(one, int8_dot=False)
     monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("triton", "the interpreter"))
@@ -369,14 +369,8 @@ def test_fakegpu_engine_int8_dots_through_the_interpreter(tiny_gguf, monkeypatch
     ids = prompt + out
     experts = expert_hook(tg.MIX, int8_h=True)
 
-    def errors(rounded_dense: bool) -> list[float]:
-        """Each position's largest logit difference, in units of the logits' scale."""
-        hook = dense_hook(tg.MIX, tg.OUTPUT_FMT, len(prompt)) if rounded_dense else None
-        want = reference.logits(tensors, ids, tg.LAYERS, tg.HEADS, tg.KVH, tg.HD, tg.K, theta=1e6,
-                                expert_input=experts, linear_input=hook)[len(prompt) - 1 : len(ids) - 1]
-        return ((logits - want.float()).abs().amax(-1) / want.abs().max()).tolist()
-
-    err, plain = errors(True), errors(False)
+    err, plain = (position_errors(tg, tensors, ids, len(prompt), logits, experts, hook)
+                  for hook in (dense_hook(tg.MIX, tg.OUTPUT_FMT, len(prompt)), None))  # fmt: skip
     assert len(err) == 8, err
     assert sum(e <= 1e-4 for e in err) >= 6, f"int8 dots against the rounding reference, per position: {err}"
     assert max(err) <= 4e-2, f"int8 dots against the rounding reference, per position: {err}"
