@@ -7,6 +7,11 @@ trace, the top host functions (cProfile) and the top GPU kernels and host ops
 (torch.profiler) over batch-1 decode steps.
 
     python3 tests/gpu/profile_decode.py MODEL.gguf --moe-cpu-layers all [--steps 48] [--eager]
+    python3 tests/gpu/profile_decode.py MODEL.gguf --gpu-memory-limit 16GiB [--moe-stream-experts mapped]
+
+The GPU timeline of the profiled steps is also summed by kernel kind (per step: busy time
+per kind, the idle time between kernels and the largest idle gaps), which separates the
+GPU layers' work from the waits on the CPU layers.
 """
 
 from __future__ import annotations
@@ -84,14 +89,23 @@ def main() -> None:
     ap.add_argument("--gpu-dense", default="auto", choices=["auto", "packed", "dequantized"])
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--kernels", type=int, default=30, help="rows of the kernel table")
+    ap.add_argument("--gpu-memory-limit", default=None, help="e.g. 16GiB (the default placement under it)")
+    ap.add_argument("--moe-stream-experts", default="routed")
     args = ap.parse_args()
 
+    from freetoken.cli.engine_options import parse_size
+
+    limit = parse_size(args.gpu_memory_limit) if args.gpu_memory_limit else None
     eng = LLMEngine(EngineConfig(model=args.model, backend=args.backend, max_model_len=1024, max_running_requests=8,
-                                 moe_cpu_layers=args.moe_cpu_layers, cpu_threads=args.cpu_threads,
-                                 enforce_eager=args.eager, gpu_dense=args.gpu_dense))
+                                 moe_cpu_layers=None if limit and args.moe_cpu_layers == "all" else args.moe_cpu_layers,
+                                 cpu_threads=args.cpu_threads, enforce_eager=args.eager, gpu_dense=args.gpu_dense,
+                                 gpu_memory_limit=limit, moe_stream_experts=args.moe_stream_experts))
     info = eng.backend_info()
     print("backend:", json.dumps({k: info.get(k) for k in ("io_path", "sync_mode", "graphs", "moe_cpu_layers",
                                                            "attention", "reason")}))
+    plan = info.get("memory_plan") or {}
+    print("plan:", json.dumps({k: plan.get(k) for k in ("budget", "dense", "gpu_layers", "cpu_layers", "scratch",
+                                                        "kv_budget", "dense_form")}))
     timer = StepTimer(eng)
     run(eng, 16, 8, timer)  # warm-up
     traced = eng.session.start_stage_trace()
@@ -119,7 +133,59 @@ def main() -> None:
     print(table)
     table = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
     print(table)
+    print_timeline(p, 12)
     eng.close()
+
+
+#: kernel kinds by name fragment, first match wins
+KINDS = (("gate/up experts", ("gate_up",)), ("down experts", ("_down",)),
+         ("hand-off (KernelIO)", ("kio_", "ft_flag")), ("attention", ("attention", "_partial", "_reduce")),
+         ("dense GEMV", ("gemv", "linear", "gemm", "xmma")), ("norm/rope/kv", ("norm", "rope", "store")),
+         ("router/top-k", ("router", "route_slots", "top")), ("sampling", ("sample", "argmax", "greedy")))
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, parts in KINDS:
+        if any(p in low for p in parts):
+            return kind
+    return "other: " + name[:50]
+
+
+def print_timeline(p: Any, steps: int) -> None:
+    """GPU kernels of the profiled decode steps summed by kind, per step, and the idle time
+    between consecutive kernels (the GPU waiting on the CPU layers or the host)."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in p.events()
+                      if e.device_type == DeviceType.CUDA), key=lambda k: k[0])
+    if not kernels:
+        print("timeline: no GPU kernels recorded")
+        return
+    span = kernels[-1][1] - kernels[0][0]
+    busy: dict[str, float] = {}
+    names: dict[str, set[str]] = {}
+    gaps: list[tuple[float, str, str]] = []
+    end = kernels[0][0]
+    prev = ""
+    for start, stop, name in kernels:
+        k = kind_of(name)
+        busy[k] = busy.get(k, 0.0) + (stop - start)
+        names.setdefault(k, set()).add(name[:70])
+        if start > end:
+            gaps.append((start - end, prev, name))
+        end = max(end, stop)
+        prev = name
+    idle = sum(g for g, _, _ in gaps)
+    print(f"timeline: {len(kernels)} kernels over {span:.0f} us in {steps} steps: "
+          f"{span / steps:.0f} us/step, busy {(span - idle) / steps:.0f}, idle {idle / steps:.0f}")
+    for k, v in sorted(busy.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:28s} {v / steps:8.1f} us/step  ({len(names[k])} kernel names: {sorted(names[k])[:3]})")
+    gaps.sort(reverse=True)
+    small = [g for g, _, _ in gaps if g < 20]
+    print(f"  idle gaps: {len(gaps)}, {len(small)} under 20 us summing {sum(small) / steps:.0f} us/step; largest:")
+    for g, a, b in gaps[:12]:
+        print(f"    {g:8.1f} us after {a[:50]} before {b[:50]}")
 
 
 if __name__ == "__main__":

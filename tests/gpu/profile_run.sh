@@ -1,27 +1,37 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, write a Qwen3-30B-A3B-shaped Q4_K_M file of LAYERS
 # layers, then tests/gpu/profile_decode.py for each placement and `bench cpu-moe` (T=1)
-# at a few thread counts: where a decode step's time goes. TESTS (GPU test files) run first.
+# at a few thread counts: where a decode step's time goes. TESTS (GPU test files and pytest
+# arguments) run while the file is written. A placement is a --moe-cpu-layers value, or
+# limit:SIZE (the default placement under --gpu-memory-limit SIZE); @mapped after either adds
+# --moe-stream-experts mapped.
 # Usage (repository root, .whl carried): bash tests/gpu/profile_run.sh [LAYERS] [PLACEMENTS...]
 set -uo pipefail
 LAYERS=${1:-24}; shift || true
 PLACEMENTS=${*:-all 0}
 source tests/gpu/device_setup.sh || exit 1
-if [ -n "${TESTS:-}" ]; then  # GPU test files to run first, e.g. TESTS="tests/gpu/test_dense_ops.py"
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -q -rs -m "gpu or not gpu" $TESTS -o addopts="" \
-    > "$OUT/pytest.log" 2>&1
-  stamp "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -15
+M=/tmp/ft-bench/q4km-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
+[ -f "$M" ] || { timeout 240 python3 -m freetoken.cli.main bench make-model --preset qwen3-30b-a3b --layers "$LAYERS" \
+  --quant q4_k_m --threads 16 --out "$M" > "$OUT/make-model.log" 2>&1; echo "rc=$?" >> "$OUT/make-model.log"; } &
+MAKE=$!
+if [ -n "${TESTS:-}" ]; then  # pytest arguments, quoted as in a shell: TESTS="tests/gpu/x.py -k 'a or b'"
+  eval "timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -v -rs -m 'gpu or not gpu' $TESTS \
+    -o addopts='' > '$OUT/pytest.log' 2>&1"
+  stamp "pytest rc=$?"; grep -E " (FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -15
   grep -E "^E " "$OUT/pytest.log" | head -20
 fi
-M=/tmp/ft-bench/q4km-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
-[ -f "$M" ] || timeout 200 python3 -m freetoken.cli.main bench make-model --preset qwen3-30b-a3b --layers "$LAYERS" \
-  --quant q4_k_m --threads 16 --out "$M" > "$OUT/make-model.log" 2>&1
-stamp "make-model rc=$? $(du -h $M | cut -f1)"
+wait $MAKE
+stamp "make-model $(tail -1 "$OUT/make-model.log" 2>/dev/null) $(du -h $M | cut -f1)"
 for spec in $PLACEMENTS; do
-  timeout ${PROFILE_TIMEOUT:-150} python3 tests/gpu/profile_decode.py "$M" --moe-cpu-layers "$spec" ${PROFILE_ARGS:-} \
-    > "$OUT/profile-$spec.txt" 2> "$OUT/profile-$spec.err"
-  stamp "profile moe-cpu-layers=$spec rc=$?"
-  grep -E "^(backend|step|host split|hand-off)" "$OUT/profile-$spec.txt" || tail -5 "$OUT/profile-$spec.err"
+  args=()
+  case $spec in *@mapped) args+=(--moe-stream-experts mapped); spec=${spec%@mapped}; tag=$spec-mapped ;; *) tag=$spec ;; esac
+  case $spec in limit:*) args+=(--gpu-memory-limit "${spec#limit:}"); tag=${tag/:/-} ;; *) args+=(--moe-cpu-layers "$spec") ;; esac
+  # shellcheck disable=SC2086
+  timeout ${PROFILE_TIMEOUT:-150} python3 tests/gpu/profile_decode.py "$M" "${args[@]}" ${PROFILE_ARGS:-} \
+    > "$OUT/profile-$tag.txt" 2> "$OUT/profile-$tag.err"
+  stamp "profile $tag rc=$?"
+  grep -E "^(backend|plan|step|host split|hand-off)" "$OUT/profile-$tag.txt" || tail -5 "$OUT/profile-$tag.err"
+  sed -n '/^timeline/,$p' "$OUT/profile-$tag.txt" | head -30
 done
 if [ -n "${CPU_MOE_THREADS:-}" ]; then
   for t in $CPU_MOE_THREADS; do
