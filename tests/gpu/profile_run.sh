@@ -22,6 +22,16 @@ if [ -n "${TESTS:-}" ]; then  # pytest arguments, quoted as in a shell: TESTS="t
 fi
 wait $MAKE
 stamp "make-model $(tail -1 "$OUT/make-model.log" 2>/dev/null) $(du -h $M | cut -f1)"
+if [ -n "${DMA:-}" ]; then  # host memory shared by the CPU experts and PCIe reads (tests/gpu/dma_contention.py)
+  cpu() { timeout 60 python3 -m freetoken.cli.main bench cpu-moe --formats q4_k q6_k --tokens 1 --threads 15 --seconds 3 \
+    2>&1 | grep -iE "GB/s|q4_k|q6_k" | head -6; }
+  { echo "## CPU alone"; cpu
+    for g in $DMA; do echo "## gather $g alone"; timeout 30 python3 tests/gpu/dma_contention.py --gather "$g" --seconds 3; done
+    echo "## CPU beside copy-engine copies"; timeout 40 python3 tests/gpu/dma_contention.py --seconds 16 & sleep 6; cpu; wait
+    for g in $DMA; do echo "## CPU beside gather $g"; timeout 40 python3 tests/gpu/dma_contention.py --gather "$g" --seconds 16 & sleep 9; cpu; wait; done
+  } > "$OUT/dma.txt" 2>&1
+  stamp "dma contention"; cat "$OUT/dma.txt"
+fi
 for spec in $PLACEMENTS; do
   args=()
   case $spec in *@mapped) args+=(--moe-stream-experts mapped); spec=${spec%@mapped}; tag=$spec-mapped ;; *) tag=$spec ;; esac
