@@ -1,6 +1,7 @@
-"""Locked fetch's route choice: the device rule (LockedPlacement, captured in graphs) and its
-host mirror (used by the statistics) against a plain Python count; and the clear refusal
-where the GPU cannot read the host banks."""
+"""Locked fetch's route choice: the device rule (LockedPlacement, captured in graphs), its
+host mirror (used by the statistics) and the constants of the copy mode without a cache
+(first_routes) against a plain Python count; and the clear refusal where the GPU cannot
+read the host banks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from freetoken.backends import registry
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
-from freetoken.moe.locked_fetch import LockedPlacement, locked_routes
+from freetoken.moe.locked_fetch import LockedPlacement, first_routes, locked_routes
 
 
 def expected(ids: np.ndarray, resident: np.ndarray, fraction: float, max_fetch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -36,6 +37,21 @@ def test_locked_choice_device_and_host(fraction, max_fetch):
         miss = ~resident.numpy()[ids.numpy()]
         assert (locked_routes(miss, fraction, max_fetch) == want_locked).all()
         assert not (cpu & locked).any() and not (locked & resident[ids.long()]).any()
+
+
+@pytest.mark.parametrize("fraction,max_fetch", [(0.0, 2), (0.25, 2), (0.3, 8), (0.5, 1), (1.0, 64)])
+def test_first_routes_are_the_rule_with_every_route_missed(fraction, max_fetch):
+    """Copy mode without a cache: the CPU mask and the slots of a batch size are the locked
+    rule's split when no expert is resident, whatever the ids; slot j is the j-th locked route."""
+    g = torch.Generator().manual_seed(int(fraction * 100) + max_fetch)
+    none = torch.zeros(16, dtype=torch.bool)
+    for tokens in (1, 2, 3, 8):
+        ids = torch.randint(0, 16, (tokens, 4), generator=g).to(torch.int32)
+        n, cpu, slots = first_routes(tokens, 4, fraction, max_fetch)
+        want_cpu, want_locked = expected(ids.numpy(), none.numpy(), fraction, max_fetch)
+        assert (cpu.numpy() == want_cpu).all() and n == int(want_locked.sum())
+        assert sorted(slots[torch.from_numpy(want_locked)].tolist()) == list(range(n))
+        assert (slots[cpu] == -1).all()
 
 
 def test_locked_fetch_refused_where_the_gpu_cannot_read_the_banks():

@@ -1,13 +1,14 @@
-"""The routed-expert gather kernel (``freetoken.moe.expert_gather``): the experts with
-routes copied byte for byte, the others' destination bytes untouched. In Triton's
-interpreter without a GPU; on the H200 also from page-locked host memory read in place."""
+"""The routed-expert gather kernels (``freetoken.moe.expert_gather``): the experts with
+routes copied byte for byte, the others' destination bytes untouched; a step's fetched
+routes copied into their slots. In Triton's interpreter without a GPU; on the H200 also
+from page-locked host memory read in place."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from freetoken.moe.expert_gather import CHUNK_BYTES, gather_experts
+from freetoken.moe.expert_gather import CHUNK_BYTES, gather_experts, gather_routes
 from freetoken.moe.locked_fetch import DevicePointer
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,6 +56,43 @@ def test_gather_reads_page_locked_host_memory_in_place():
     assert torch.equal(dst.cpu(), _expected(src, counts, poison, per))
 
 
+@pytest.mark.parametrize("per,count", [(1000, 3), (CHUNK_BYTES + 4112, 2), (2 * CHUNK_BYTES + 7, 4)])
+def test_gather_routes_fills_the_slots(per, count):
+    """Slot j gets expert ``experts[j]``'s bytes for j < count; a slot whose expert is -1 and
+    the slots past ``count`` keep their bytes."""
+    num_experts, slots = 9, 5
+    gen = torch.Generator().manual_seed(per + count)
+    src = torch.randint(0, 256, (num_experts * per,), generator=gen, dtype=torch.uint8)
+    poison = torch.randint(0, 256, (slots * per,), generator=gen, dtype=torch.uint8)
+    experts = torch.randperm(num_experts, generator=gen)[:slots].to(torch.int32)
+    experts[1] = -1
+    dst = poison.to(DEV)
+    gather_routes(src.to(DEV), dst, experts.to(DEV), count, per)
+    want = poison.clone().view(slots, per)
+    for j in range(count):
+        if experts[j] >= 0:
+            want[j] = src.view(num_experts, per)[experts[j]]
+    assert torch.equal(dst.cpu(), want.reshape(-1))
+
+
+def test_gather_routes_refuses_too_few_slots():
+    with pytest.raises(ValueError, match="fewer than 3 experts"):
+        gather_routes(torch.zeros(40, dtype=torch.uint8), torch.zeros(20, dtype=torch.uint8),
+                      torch.zeros(3, dtype=torch.int32), 3, 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (page-locked host memory read in place)")
+def test_gather_routes_reads_page_locked_host_memory():
+    num_experts, per = 12, 2 * CHUNK_BYTES + 48
+    src = torch.randint(0, 256, (num_experts * per,), dtype=torch.uint8)
+    host = src.pin_memory()
+    experts = torch.tensor([7, 2, 11], dtype=torch.int32)
+    dst = torch.zeros(3 * per, dtype=torch.uint8, device="cuda")
+    gather_routes(DevicePointer(host.data_ptr(), torch.uint8), dst, experts.cuda(), 3, per)
+    assert torch.equal(dst.cpu(), src.view(num_experts, per)[experts.long()].reshape(-1))
+
+
 _SM90_SCRIPT = """
 import json, triton
 from triton.backends.compiler import GPUTarget
@@ -67,6 +105,8 @@ for name, fn, sig, consts in (
      {"H": 2048, "E": 128, "BLOCK_E": dot.ROUTER_BLOCK_E, "BLOCK_H": 512}),
     ("gather", eg._gather_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8", "counts_ptr": "*i32"},
      {"EXPERT_BYTES": 884736, "CHUNK": eg.CHUNK_BYTES}),
+    ("gather_routes", eg._gather_routes_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8", "experts_ptr": "*i32"},
+     {"EXPERT_BYTES": 1290240, "CHUNK": eg.CHUNK_BYTES}),
     ("route_slots", rs._route_slots_kernel, {"ids_ptr": "*i64", "table_ptr": "*i32", "out_ptr": "*i32", "n": "i32"},
      {"BLOCK": rs.BLOCK}),
 ):
@@ -80,7 +120,7 @@ print(json.dumps(report))
 
 def test_gather_slot_and_router_kernels_compile_for_sm90():
     """The gather, route-slot and router GEMV kernels compile for the H200 (sm_90) without a
-    GPU (a subprocess without TRITON_INTERPRET); the gather moves 16-byte vectors."""
+    GPU (a subprocess without TRITON_INTERPRET); the gathers move 16-byte vectors."""
     import json
     import os
     import subprocess
@@ -91,5 +131,5 @@ def test_gather_slot_and_router_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert all(info["cubin"] for info in report.values()) and len(report) == 3, report
-    assert report["gather"]["vector_loads"], report
+    assert all(info["cubin"] for info in report.values()) and len(report) == 4, report
+    assert report["gather"]["vector_loads"] and report["gather_routes"]["vector_loads"], report

@@ -149,21 +149,24 @@ def test_streamed_prefill_mapped_matches_cpu(backend, reference):
     assert check_logits(got, reference, TOL) > 100
 
 
+@pytest.mark.parametrize("mode", ["read", "copy"])
 @pytest.mark.parametrize("cache_experts", [0, 12])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
-def test_locked_fetch_matches_cpu(backend, reference, cache_experts, eager):
+def test_locked_fetch_matches_cpu(backend, reference, cache_experts, eager, mode):
     """Half of each step's missed routes (at most 2 per layer) read by the GPU from the
-    page-locked, mapped host banks, beside the cache when there is one."""
+    page-locked, mapped host banks, in place or copied into device slots first, beside the
+    cache when there is one."""
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_locked_fetch=0.5, moe_locked_max_fetch=2,
                   moe_cache_size=float(cache_experts * EXPERT_BYTES), moe_hybrid_max_fetch=1 if cache_experts else 0,
-                  moe_collect_stats=True, moe_stream_prefill="off", enforce_eager=eager)
+                  moe_collect_stats=True, moe_stream_prefill="off", enforce_eager=eager, moe_locked_fetch_mode=mode)
     try:
         got = run_greedy(eng, PROMPTS, 200)
         rep = eng.session.report()
     finally:
         eng.close()
     assert rep["graphs"] is (not eager) and rep["host_locked_bytes"] > 0
-    assert rep["locked_fetch"]["routes"] > 100
+    assert rep["locked_fetch"]["routes"] > 100 and rep["locked_fetch"]["mode"] == mode
+    assert (rep["locked_fetch"]["staging_bytes"] == 2 * EXPERT_BYTES) == (mode == "copy")
     stats = rep["moe_stats"]
     assert 0 < stats["gpu_routes"] < stats["routes"]
     assert check_logits(got, reference, TOL) > 100

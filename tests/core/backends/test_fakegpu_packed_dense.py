@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from freetoken.backends import registry
-from freetoken.backends.contract import EngineOptions, MemoryPlanError
+from freetoken.backends.contract import EngineOptions, MemoryPlanError, MoEOptions
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
 from freetoken.engine.sampling_params import SamplingParams
@@ -196,3 +196,18 @@ def test_engine_with_packed_dense_equals_cpu_backend(tiny):
         same = next((i for i, (a, b) in enumerate(zip(got_ids, ref_ids)) if a != b), len(ref_ids) - 1)
         scale = max(1.0, float(ref.abs().max()))
         assert float((got[: same + 1] - ref[: same + 1]).abs().max()) <= 8e-2 * scale
+
+
+def test_locked_fetch_by_copy_plans_its_slots(tiny):
+    """``--moe-locked-fetch-mode copy`` keeps device slots for the experts a step fetches
+    (``locked_max_fetch`` of the largest layer's experts) in the plan; ``read`` keeps none."""
+    tiny, _ = tiny
+    shape = gguf_model_shape(tiny, torch.float32)
+    layer = 3 * tg.E * tg.H * tg.I * 4  # one layer's experts as the plan counts them here (dequantized)
+    scratch = {}
+    for mode in ("read", "copy"):
+        s = _session(1 << 40, moe_cpu_layers="all",
+                     moe=MoEOptions(stream_prefill="off", locked_fetch=0.5, locked_max_fetch=3, locked_fetch_mode=mode))
+        s.plan(shape)
+        scratch[mode] = s.plan_result.scratch
+    assert scratch == {"read": 0, "copy": 3 * layer // tg.E}

@@ -369,7 +369,9 @@ class MoEOptions:
     kernels read the routed experts from the page-locked banks over PCIe. ``lock_host``: register (page-lock)
     the host expert banks with the driver (``auto``: when streaming or fetching uses them).
     ``locked_fetch``: share of a decode step's missed routes that the GPU computes from the
-    page-locked banks in the same step (at most ``locked_max_fetch`` per layer; 0: off).
+    page-locked banks in the same step (at most ``locked_max_fetch`` per layer; 0: off), its
+    kernels reading them in place (``locked_fetch_mode`` ``read``) or from device slots they
+    are first copied into (``copy``).
     ``collect_stats`` with the log summary every ``stats_interval_s`` seconds.
     """
 
@@ -383,6 +385,7 @@ class MoEOptions:
     lock_host: str = "auto"
     locked_fetch: float = 0.0
     locked_max_fetch: int = 2
+    locked_fetch_mode: str = "read"
     collect_stats: bool = False
     stats_interval_s: float = 60.0
 

@@ -277,6 +277,10 @@ _OPTIONS: tuple[_Option, ...] = (
             "GGUF K-quant/Q8_0/MXFP4 experts; default: {default}, off)", unit_fraction, "FRACTION"),
     _Option("moe_locked_max_fetch", "--moe-locked-max-fetch",
             "most missed routes per layer and step served that way (default: {default})", non_negative_int, "N"),
+    _Option("moe_locked_fetch_mode", "--moe-locked-fetch-mode",
+            "how the GPU reads those experts: read (its kernels read the blocks in place over PCIe) or copy (one "
+            "gather kernel per stack first copies them into device slots, then the kernels compute from there; "
+            "a few MiB of GPU memory) (default: {default})", choice("read", "copy"), "MODE"),
     _Option("moe_collect_stats", "--moe-collect-stats",
             "collect MoE statistics (active experts, cache hits and misses per layer, fetched bytes, CPU expert "
             "time) for /metrics and a periodic log line (default: off)", flag_only=True),

@@ -53,6 +53,7 @@ class EngineConfig:
     moe_lock_host: str = "auto"
     moe_locked_fetch: float = 0.0
     moe_locked_max_fetch: int = 2
+    moe_locked_fetch_mode: str = "read"
     moe_collect_stats: bool = False
     moe_stats_interval: float = 60.0
 
@@ -73,6 +74,7 @@ class EngineConfig:
                 stream_min_tokens=self.moe_stream_min_tokens, stream_experts=self.moe_stream_experts,
                 lock_host=self.moe_lock_host,
                 locked_fetch=self.moe_locked_fetch, locked_max_fetch=self.moe_locked_max_fetch,
+                locked_fetch_mode=self.moe_locked_fetch_mode,
                 collect_stats=self.moe_collect_stats, stats_interval_s=self.moe_stats_interval,
             ),
         )
@@ -102,7 +104,8 @@ class EngineConfig:
                                      ("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
                                      ("moe_stream_prefill", self.moe_stream_prefill, ("auto", "on", "off")),
                                      ("moe_stream_experts", self.moe_stream_experts, ("routed", "all", "mapped")),
-                                     ("moe_lock_host", self.moe_lock_host, ("auto", "on", "off"))):
+                                     ("moe_lock_host", self.moe_lock_host, ("auto", "on", "off")),
+                                     ("moe_locked_fetch_mode", self.moe_locked_fetch_mode, ("read", "copy"))):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if not self.moe_cache_size >= 0:

@@ -10,6 +10,9 @@ chunk ``c`` of expert ``e``'s bytes when ``counts[e] > 0`` and returns at once o
 The launch goes on the compute stream after the router, so the host never waits and the
 destination is never overwritten while an earlier kernel still reads it.
 
+:func:`gather_routes` is the decode step's form: a few routes' experts copied into as many
+staging slots (locked fetch by copy, :mod:`freetoken.moe.locked_fetch`).
+
 triton is optional: import this module lazily, only where Triton runs.
 """
 
@@ -51,3 +54,31 @@ def gather_experts(src: Any, dst: Any, counts: Any, num_experts: int) -> None:
     grid = (num_experts, triton.cdiv(per, CHUNK_BYTES))
     opts = triton_target.for_device(dst.device).launch_options(4, 1)
     _gather_kernel[grid](src, dst, counts, EXPERT_BYTES=per, CHUNK=CHUNK_BYTES, **opts)
+
+
+@triton.jit
+def _gather_routes_kernel(src_ptr, dst_ptr, experts_ptr, EXPERT_BYTES: tl.constexpr, CHUNK: tl.constexpr):
+    j = tl.program_id(0)
+    e = tl.load(experts_ptr + j)
+    if e >= 0:
+        offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+        ok = offs < EXPERT_BYTES
+        src = src_ptr + e.to(tl.int64) * EXPERT_BYTES
+        tl.store(dst_ptr + j.to(tl.int64) * EXPERT_BYTES + offs, tl.load(src + offs, mask=ok), mask=ok)
+
+
+def gather_routes(src: Any, dst: Any, experts: Any, count: int, expert_bytes: int) -> None:
+    """``dst[j] = src[experts[j]]`` for ``j < count`` (``expert_bytes`` each); slots whose
+    ``experts[j]`` is negative are left as they are. One launch, the expert ids read on the
+    device: a decode step's fetched routes copied into a few staging slots.
+
+    ``src``: a stack of experts of ``expert_bytes`` each (uint8 tensor, or a pointer object as
+    for :func:`gather_experts`); ``dst``: uint8 device tensor of at least ``count`` slots;
+    ``experts``: int32 (or int64) device tensor of at least ``count`` expert ids."""
+    if count <= 0:
+        return
+    if int(dst.numel()) < count * expert_bytes:
+        raise ValueError(f"{dst.numel()} staging bytes hold fewer than {count} experts of {expert_bytes} bytes")
+    grid = (count, triton.cdiv(expert_bytes, CHUNK_BYTES))
+    opts = triton_target.for_device(dst.device).launch_options(4, 1)
+    _gather_routes_kernel[grid](src, dst, experts, EXPERT_BYTES=expert_bytes, CHUNK=CHUNK_BYTES, **opts)

@@ -29,8 +29,11 @@ from freetoken.moe.expert_cache import ExpertCache
 from freetoken.moe.gpu_packed_experts import DequantScratch
 from freetoken.moe.host_pinning import HostRegistration, register_banks
 from freetoken.moe.locked_fetch import (
+    FetchStaging,
+    FirstRoutesPlacement,
     LockedPlacement,
     SplitGpuExperts,
+    StagedFetch,
     locked_fetch_supported,
     locked_routes,
     mapped_experts,
@@ -72,6 +75,7 @@ class ExpertTraffic:
         self.notes: list[str] = []
         self.locked = False
         self.locked_routes = 0
+        self.fetch_staging: Optional[FetchStaging] = None  # locked fetch by copy
         self._streaming = False
         self._decode = True  # the current step decodes (prompt steps count routes for the cache)
         self._prompt_counts: Optional[torch.Tensor] = None  # [cache rows, E] on the device
@@ -151,6 +155,8 @@ class ExpertTraffic:
         if mode == "off" or not self.cpu_layers or self.device.type != "cuda":
             if mode == "on" and self.device.type != "cuda":
                 raise ValueError(f"--moe-lock-host on: device {self.device} is not a CUDA/HIP GPU")
+            if wanted and self.device.type != "cuda":
+                self.notes.append(f"host banks are page-locked for CUDA/HIP devices only, not {self.device}")
             return
         if mode == "auto" and not wanted:
             return
@@ -171,11 +177,19 @@ class ExpertTraffic:
         if not self.locked:
             return (cached, Placement(resident)) if cached is not None else (None, None)
         e = self.cpu_layers[layer]
+        o = self.options
+        if o.locked_fetch_mode == "copy":
+            if self.fetch_staging is None:  # one set of slots: the CPU layers run one after another
+                self.fetch_staging = FetchStaging(self.cpu_layers, o.locked_max_fetch, self.device)
+            gpu: Any = StagedFetch(e, self.registration, self.fetch_staging, self.activation, self.top_k,
+                                   o.locked_fetch, o.locked_max_fetch)  # fmt: skip
+            if cached is None:  # every route missed: the first ones of the step are fetched
+                return gpu, FirstRoutesPlacement(None, fetch=gpu)
+        else:
+            gpu = mapped_experts(e, self.registration, self.device, self.activation)
         if resident is None:
             resident = torch.zeros(e.num_experts, dtype=torch.bool, device=self.device)
-        mapped = mapped_experts(e, self.registration, self.device, self.activation)
-        o = self.options
-        return (SplitGpuExperts(cached, resident, mapped, e.hidden),
+        return (SplitGpuExperts(cached, resident, gpu, e.hidden),
                 LockedPlacement(resident, fraction=o.locked_fetch, max_fetch=o.locked_max_fetch))
 
     def wrap(self, layer: int, fn: Callable[[], ExpertsFn]) -> ExpertsFn:
@@ -281,6 +295,8 @@ class ExpertTraffic:
                 out["prefill_stream"]["routed_copies"] = "gather kernels" if self.streamer.gathers else "copy engine"
         if self.locked:
             out["locked_fetch"] = {"fraction": self.options.locked_fetch, "max_fetch": self.options.locked_max_fetch,
+                                   "mode": self.options.locked_fetch_mode,
+                                   "staging_bytes": self.fetch_staging.nbytes if self.fetch_staging else 0,
                                    "routes": self.locked_routes if self.route_log is not None else None}
         if self.stats is not None:
             out["moe_stats"] = self.stats.snapshot()

@@ -58,6 +58,7 @@ from freetoken.moe.gpu_packed_experts import (
     fp8_rows_bytes,
     fp8_rows_fit,
 )
+from freetoken.moe.locked_fetch import FetchStaging
 from freetoken.moe.placement import cpu_layers
 from freetoken.moe.prefill_stream import buffer_count
 
@@ -184,6 +185,10 @@ class GpuModelSession(ModelSession):
         streams = n > 0 and (mode == "on" or (mode == "auto" and (len(as_stored) == n or budget is None)))
         buffers = buffer_count(o.moe.stream_experts) * max(per_layer.values() if shape.expert_file_bytes is None else
                           shape.expert_file_bytes.values()) if streams else 0
+        m = o.moe
+        if m.locked_fetch > 0 and m.locked_max_fetch > 0 and m.locked_fetch_mode == "copy" and n > 0:
+            # locked fetch by copy: device slots for the experts a step fetches
+            buffers += FetchStaging.bytes_for(max(per_layer.values()) // max(shape.num_experts, 1), m.locked_max_fetch)
         dense = self._dense_form(shape, budget, reserve + kv_min + cache + buffers, per_layer)
         fixed = reserve + dense + kv_min + cache + buffers
         if budget is None:

@@ -184,8 +184,10 @@ class HybridMoEExecutor:
 
     def _own_split(self, cpu_mask: Optional[Any]) -> bool:
         """The GPU experts take the whole routing and skip what they do not hold (an expert
-        cache's layer), and the split follows the same residency: no split kernels for the
-        GPU side."""
+        cache's layer), and the split follows the same residency; or they split it themselves
+        (``splits_routes``: locked fetch by position): no split kernels for the GPU side."""
+        if self.experts is not None and getattr(self.experts, "splits_routes", False):
+            return True
         return (cpu_mask is None and self.experts is not None and hasattr(self.experts, "forward_routes")
                 and self.placement is not None and self.placement.cpu_routes_per_token is None
                 and not self.placement.explicit_mask)

@@ -1,5 +1,5 @@
-"""Locked fetch: some of a step's missed experts read by the GPU straight from page-locked
-host memory, in the same step, while the CPU workers compute the others.
+"""Locked fetch: some of a step's missed experts read by the GPU from page-locked host
+memory, in the same step, while the CPU workers compute the others.
 
 A decode step's missed experts (routes of a CPU layer whose expert is not in the cache)
 are normally all computed by the CPU workers, whose speed is the host's memory bandwidth.
@@ -14,12 +14,25 @@ about PCIe bandwidth / (PCIe + host memory bandwidth).
 
 :class:`SplitGpuExperts` is then the layer's GPU side: cached routes through the cache's
 pool, locked routes through the mapped banks.
+
+Two ways for the GPU to read the locked routes' experts (``mode``):
+
+* ``read``: the packed kernels read the blocks in place over PCIe, as they compute;
+* ``copy``: one gather kernel per stack first copies the locked routes' experts into a few
+  device staging slots (:class:`FetchStaging`, shared by every CPU layer: the layers run one
+  after another on one stream), wide 16-byte reads that keep many requests in flight, and
+  the packed kernels then compute from the slots (:class:`StagedFetch`). Without an expert
+  cache every route of a CPU layer is missed, so the locked routes are the first ones of
+  the step in (token, k) order, known from the batch size alone: the masks and slot ids
+  are constants of each batch size (:class:`FirstRoutesPlacement`), and a step costs the
+  gather launches and the expert kernels, nothing else on the GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any, ClassVar, Optional
 
 import numpy as np
@@ -145,3 +158,149 @@ class SplitGpuExperts:
         if self.cached is not None:
             self.cached.warmup(batch_sizes, top_k, x_dtype)
         self.mapped.warmup(batch_sizes, top_k, x_dtype)
+
+
+def fetch_count(tokens: int, top_k: int, fraction: float, max_fetch: int) -> int:
+    """Locked routes of a step whose ``tokens * top_k`` routes all missed (the rule of
+    :meth:`LockedPlacement.split`)."""
+    return int(min(math.floor(float(np.float32(tokens * top_k) * np.float32(fraction) + np.float32(0.5))), max_fetch))
+
+
+def first_routes(tokens: int, top_k: int, fraction: float, max_fetch: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(locked routes ``n``, CPU mask bool ``[T, K]``, slot ids int32 ``[T, K]``) of a step
+    whose routes all missed: the first ``n`` routes in (token, k) order go to slots 0..n-1,
+    the others (slot -1) to the CPU. Host tensors."""
+    n = fetch_count(tokens, top_k, fraction, max_fetch)
+    flat = torch.arange(tokens * top_k, dtype=torch.int32)
+    slots = torch.where(flat < n, flat, torch.full_like(flat, -1)).reshape(tokens, top_k)
+    return n, slots < 0, slots
+
+
+class FetchStaging:
+    """Device slots for the experts a step fetches, one buffer per stack role (gate, up,
+    down), each sized for ``slots`` experts of the largest such stack among the layers."""
+
+    def __init__(self, layers: dict[int, Any], slots: int, device: Any) -> None:
+        self.slots = int(slots)
+        self.device = torch.device(device)
+        per = [max(int(getattr(e, role).nbytes) // int(e.num_experts) for e in layers.values())
+               for role in ("gate", "up", "down")]  # fmt: skip
+        self.buffers = tuple(torch.empty(self.slots * b, dtype=torch.uint8, device=self.device) for b in per)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.numel()) for b in self.buffers)
+
+    @staticmethod
+    def bytes_for(expert_bytes: int, slots: int) -> int:
+        """Device bytes of the slots for experts of ``expert_bytes`` (gate + up + down)."""
+        return int(expert_bytes) * int(slots)
+
+
+class StagedFetch:
+    """A CPU layer's locked routes computed on the GPU from staging slots: their experts
+    copied from the mapped host banks by :func:`~freetoken.moe.expert_gather.gather_routes`,
+    then the packed kernels over the slots.
+
+    :meth:`forward_routes` takes a whole step's routing and computes its first
+    ``fetch_count`` routes (no expert cache: every route missed); :meth:`forward` takes ids
+    that are -1 but for the locked routes (beside a cache, in :class:`SplitGpuExperts`)."""
+
+    #: the executor hands :meth:`forward_routes` the whole routing (the split is by position)
+    splits_routes: ClassVar[bool] = True
+
+    def __init__(self, experts: Any, registration: Any, staging: FetchStaging, activation: str, top_k: int,
+                 fraction: float, max_fetch: int) -> None:  # fmt: skip
+        import dataclasses as dc
+
+        from freetoken.moe import triton_moe_packed as tp
+        from freetoken.moe.gpu_packed_experts import PackedGpuExperts
+
+        self.device = staging.device
+        self.top_k = int(top_k)
+        self.fraction = float(fraction)
+        self.max_fetch = min(int(max_fetch), staging.slots)
+        self.hidden = int(experts.hidden)
+        raws = (experts.gate, experts.up, experts.down)
+        self.expert_bytes = [int(t.nbytes) // int(experts.num_experts) for t in raws]
+        # where the device is the host (a simulated GPU) the banks are read as they are
+        self.sources = [t.raw_torch().reshape(-1).view(torch.uint8) if self.device.type == "cpu" else
+                        DevicePointer(registration.device_address(t.raw_torch()), torch.uint8) for t in raws]
+        self.slots = []
+        for t, buf, per in zip(raws, staging.buffers, self.expert_bytes):
+            _, rows, cols = (int(s) for s in t.shape)
+            self.slots.append(tp.PackedStack.from_bytes(buf[: self.max_fetch * per], int(t.fmt), self.max_fetch,
+                                                        rows, cols))  # fmt: skip
+        # per-route kernels for any batch: a step computes at most max_fetch routes
+        config = dc.replace(tp.default_config(self.device), max_routes=1 << 30)
+        self.packed = PackedGpuExperts.over_device_bytes(experts, tuple(self.slots), self.device,
+                                                         activation=activation, config=config)
+        self.packed.num_experts = self.packed.dequant_group = self.max_fetch  # ids index the slots
+        self._per_tokens: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+
+    # ---- the constants of a batch size ---------------------------------------------------
+    def for_tokens(self, tokens: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(locked routes, CPU mask bool ``[T, K]``, slot ids int32 ``[T, K]``) of a step of
+        ``tokens`` with no expert cache: the first routes in (token, k) order are locked."""
+        got = self._per_tokens.get(tokens)
+        if got is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"locked fetch: no constants for batch size {tokens} during graph capture "
+                                   "(warmup() with every captured batch size first)")
+            n, cpu, slots = first_routes(tokens, self.top_k, self.fraction, self.max_fetch)
+            got = (n, cpu.to(self.device), slots.to(self.device))
+            self._per_tokens[tokens] = got
+        return got
+
+    # ---- a step ----------------------------------------------------------------------------
+    def _gather(self, experts: torch.Tensor, count: int) -> None:
+        from freetoken.moe.expert_gather import gather_routes
+
+        for src, dst, per in zip(self.sources, self.slots, self.expert_bytes):
+            gather_routes(src, dst.data.view(-1), experts, count, per)
+
+    def forward_routes(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The step's first ``fetch_count`` routes (every route missed), ``[T, H]`` in x's dtype."""
+        n, _, slot_ids = self.for_tokens(int(x.shape[0]))
+        if n:
+            self._gather(ids.reshape(-1), n)  # route j's expert into slot j
+        return self.packed.forward(x, slot_ids, w)
+
+    def forward(self, x: torch.Tensor, gpu_ids: torch.Tensor, w: torch.Tensor, out: Any = None) -> torch.Tensor:
+        """``gpu_ids`` -1 but for the locked routes (at most ``max_fetch``), each copied into
+        the slot of its rank in (token, k) order."""
+        locked = gpu_ids >= 0
+        flat = locked.reshape(-1)
+        rank = torch.cumsum(flat.to(torch.int32), 0) - 1
+        minus = torch.full_like(rank, -1)
+        slot_ids = torch.where(flat, rank, minus).reshape(gpu_ids.shape)
+        experts = torch.full((self.max_fetch + 1,), -1, dtype=torch.int32, device=gpu_ids.device)
+        experts.scatter_(0, torch.where(flat, rank, torch.full_like(rank, self.max_fetch)).long(),
+                         gpu_ids.reshape(-1).to(torch.int32))  # fmt: skip
+        self._gather(experts, self.max_fetch)
+        return self.packed.forward(x, slot_ids, w, out)
+
+    def warmup(self, batch_sizes: Any, top_k: int, x_dtype: Any = None) -> None:
+        """Compile the kernels and make the batch sizes' constants before a graph capture."""
+        for tokens in batch_sizes:
+            n, _, slot_ids = self.for_tokens(int(tokens))
+            x = torch.randn(tokens, self.hidden, device=self.device).to(x_dtype or torch.bfloat16)
+            w = torch.rand(tokens, top_k, device=self.device)
+            ids = torch.randint(-1, self.max_fetch, (tokens, top_k), device=self.device, dtype=torch.int32)
+            for slots in (slot_ids, ids):
+                self.packed.forward(x, slots, w)
+                # beside a cache the slots' sums go into SplitGpuExperts' float32 output
+                self.packed.forward(x, slots, w, out=torch.empty(tokens, self.hidden, device=self.device))
+            self._gather(ids.clamp(min=0).reshape(-1), min(max(n, 1), tokens * top_k))
+
+
+@dataclasses.dataclass
+class FirstRoutesPlacement(Placement):
+    """CPU routes = all but the first ``fetch_count`` routes of the step (no expert cache:
+    every route missed); the masks are :class:`StagedFetch`'s constants of the batch size."""
+
+    fetch: Any = None  # the layer's StagedFetch
+    explicit_mask: ClassVar[bool] = True
+
+    def cpu_mask(self, ids: Any) -> Any:
+        return self.fetch.for_tokens(int(ids.shape[0]))[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 import time
 from typing import Any, Optional
 
@@ -82,7 +83,9 @@ class FakeStaging(Staging):
         return HostBuffer(tensor=tensor, host_ptr=ptr, device_ptr=ptr if mapped else 0, nbytes=nbytes, mapped=mapped)
 
     def register_host(self, tensor: Any, mapped: bool = False, read_only: bool = False) -> Any:
-        return tensor  # nothing to register with a simulated driver; the handle keeps it alive
+        # nothing to register with a simulated driver; the handle keeps the tensor alive and,
+        # mapped, gives the address kernels read it at (host memory is this device's memory)
+        return types.SimpleNamespace(tensor=tensor, device_ptr=tensor.data_ptr() if mapped else 0)
 
     def fetch(self, stream: int, dst: Any, src: Any) -> None:
         stream_for(stream).enqueue(lambda: dst.copy_(src))
