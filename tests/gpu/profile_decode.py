@@ -7,7 +7,7 @@ trace, the top host functions (cProfile) and the top GPU kernels and host ops
 (torch.profiler) over batch-1 decode steps.
 
     python3 tests/gpu/profile_decode.py MODEL.gguf --moe-cpu-layers all [--steps 48] [--eager]
-    python3 tests/gpu/profile_decode.py MODEL.gguf --gpu-memory-limit 16GiB [--moe-stream-experts mapped]
+    python3 tests/gpu/profile_decode.py MODEL.gguf --gpu-memory-limit 16GiB [--set moe_stream_experts=mapped]
 
 The GPU timeline of the profiled steps is also summed by kernel kind (per step: busy time
 per kind, the idle time between kernels and the largest idle gaps), which separates the
@@ -90,18 +90,28 @@ def main() -> None:
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--kernels", type=int, default=30, help="rows of the kernel table")
     ap.add_argument("--gpu-memory-limit", default=None, help="e.g. 16GiB (the default placement under it)")
-    ap.add_argument("--moe-stream-experts", default="routed")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="another EngineConfig field, e.g. moe_locked_fetch=0.25 (repeatable)")
     args = ap.parse_args()
 
     from freetoken.cli.engine_options import parse_size
 
+    def value(text: str) -> Any:
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return text
+
+    more = {k: value(v) for k, v in (item.split("=", 1) for item in args.set)}
     limit = parse_size(args.gpu_memory_limit) if args.gpu_memory_limit else None
     eng = LLMEngine(EngineConfig(model=args.model, backend=args.backend, max_model_len=1024, max_running_requests=8,
                                  moe_cpu_layers=None if limit and args.moe_cpu_layers == "all" else args.moe_cpu_layers,
                                  cpu_threads=args.cpu_threads, enforce_eager=args.eager, gpu_dense=args.gpu_dense,
-                                 gpu_memory_limit=limit, moe_stream_experts=args.moe_stream_experts))
+                                 gpu_memory_limit=limit, **more))
     info = eng.backend_info()
-    print("backend:", json.dumps({k: info.get(k) for k in ("io_path", "sync_mode", "graphs", "moe_cpu_layers",
+    print("backend:", json.dumps({k: info.get(k) for k in ("io_path", "sync_mode", "graphs", "moe_cpu_layers", "locked_fetch",
                                                            "attention", "reason")}))
     plan = info.get("memory_plan") or {}
     print("plan:", json.dumps({k: plan.get(k) for k in ("budget", "dense", "gpu_layers", "cpu_layers", "scratch",

@@ -3,8 +3,8 @@
 # layers, then tests/gpu/profile_decode.py for each placement and `bench cpu-moe` (T=1)
 # at a few thread counts: where a decode step's time goes. TESTS (GPU test files and pytest
 # arguments) run while the file is written. A placement is a --moe-cpu-layers value, or
-# limit:SIZE (the default placement under --gpu-memory-limit SIZE); @mapped after either adds
-# --moe-stream-experts mapped.
+# limit:SIZE (the default placement under --gpu-memory-limit SIZE), then optionally
+# @FIELD=VALUE,... (EngineConfig fields, e.g. limit:16GiB@moe_stream_experts=mapped).
 # Usage (repository root, .whl carried): bash tests/gpu/profile_run.sh [LAYERS] [PLACEMENTS...]
 set -uo pipefail
 LAYERS=${1:-24}; shift || true
@@ -34,8 +34,10 @@ if [ -n "${DMA:-}" ]; then  # host memory shared by the CPU experts and PCIe rea
 fi
 for spec in $PLACEMENTS; do
   args=()
-  case $spec in *@mapped) args+=(--moe-stream-experts mapped); spec=${spec%@mapped}; tag=$spec-mapped ;; *) tag=$spec ;; esac
-  case $spec in limit:*) args+=(--gpu-memory-limit "${spec#limit:}"); tag=${tag/:/-} ;; *) args+=(--moe-cpu-layers "$spec") ;; esac
+  tag=${spec//[^a-zA-Z0-9.=_-]/_}
+  case $spec in *@*) IFS=',' read -ra sets <<< "${spec#*@}"; for kv in "${sets[@]}"; do args+=(--set "$kv"); done
+    spec=${spec%%@*} ;; esac
+  case $spec in limit:*) args+=(--gpu-memory-limit "${spec#limit:}") ;; *) args+=(--moe-cpu-layers "$spec") ;; esac
   # shellcheck disable=SC2086
   timeout ${PROFILE_TIMEOUT:-150} python3 tests/gpu/profile_decode.py "$M" "${args[@]}" ${PROFILE_ARGS:-} \
     > "$OUT/profile-$tag.txt" 2> "$OUT/profile-$tag.err"
