@@ -117,12 +117,12 @@ class ExpertTraffic:
         # mapped for locked fetch, for mapped streaming and for routed streaming's gather kernels
         self._register(staging, stream or (cache and o.hybrid_max_fetch > 0) or locked,
                        mapped=locked or (stream and o.stream_experts != "all"))
+        why = "; ".join(self.notes) or f"banks are page-locked for CUDA/HIP devices only, not {self.device}"
         if locked and self.registration is None:
-            raise ValueError("--moe-locked-fetch needs page-locked host banks, which could not be registered: "
-                             + "; ".join(self.notes))
+            raise ValueError(f"--moe-locked-fetch needs page-locked host banks, which could not be registered: {why}")
         if stream and mapped and self.registration is None:
-            raise ValueError("--moe-stream-experts mapped needs page-locked host banks, which could not be "
-                             "registered: " + "; ".join(self.notes) + " (use --moe-stream-experts routed)")
+            raise ValueError(f"--moe-stream-experts mapped needs page-locked host banks, which could not be "
+                             f"registered: {why} (use --moe-stream-experts routed)")
         self.locked = locked
         if cache:
             self.cache = ExpertCache(cpu_layers, self.cache_bytes, self.device, self.act_dtype, self.activation,
@@ -155,8 +155,6 @@ class ExpertTraffic:
         if mode == "off" or not self.cpu_layers or self.device.type != "cuda":
             if mode == "on" and self.device.type != "cuda":
                 raise ValueError(f"--moe-lock-host on: device {self.device} is not a CUDA/HIP GPU")
-            if wanted and self.device.type != "cuda":
-                self.notes.append(f"host banks are page-locked for CUDA/HIP devices only, not {self.device}")
             return
         if mode == "auto" and not wanted:
             return
