@@ -21,7 +21,7 @@
 # --layers N: cut the model to its first N layers when time is short (48 = full, ~17.3 GiB).
 # --cpu-only: build llama.cpp without CUDA (a smoke test of this script on a machine without a GPU).
 # Environment: OUT, MODEL_DIR, THREADS (16), NCMOE (24), BUDGET_S (530), REPS (llama-bench -r, 2),
-# LLAMA_HOST_EXPERTS (1; 0 skips llama-bench's all-experts-on-the-CPU configuration),
+# LLAMA_HOST_EXPERTS, LLAMA_ALL_GPU (1; 0 skips llama-bench's all-experts-on-the-CPU or all-on-the-GPU run),
 # FT_TESTS (GPU test files run while llama.cpp compiles; FT_TESTS_TIMEOUT 180), FT_PLACEMENTS (FreeToken's
 # --moe-cpu-layers values, or limit:SIZE; SPEC@FLAG,VALUE,... adds flags; default "all $NCMOE 0"), FT_BATCHES ("1 8"), LLAMACPP_SRC
 # (.bench/llama.cpp), LLAMACPP_BUILD (/tmp/llamacpp-build: an existing llama-bench there is
@@ -170,7 +170,7 @@ bench() {  # bench "TITLE" LIMIT_S ARGS...
 if [ -x "$B/bin/llama-bench" ] && [ -f "$MODEL.ok" ]; then
   [ "${LLAMA_HOST_EXPERTS:-1}" = 1 ] && bench "all routed experts on the CPU, the rest on the GPU" 150 -ngl 99 -ot exps=CPU
   bench "experts of the first $NCMOE layers on the CPU" 120 -ngl 99 -ncmoe "$NCMOE"
-  bench "everything on the GPU" 90 -ngl 99
+  [ "${LLAMA_ALL_GPU:-1}" = 1 ] && bench "everything on the GPU" 90 -ngl 99
   tee -a "$SUM" < "$MD"
 else
   say "llama-bench not run: binary $( [ -x "$B/bin/llama-bench" ] && echo ok || echo missing ), model $( [ -f "$MODEL.ok" ] && echo ok || echo missing )"

@@ -598,7 +598,7 @@ def test_gpu_qwen3_sizes(tokens, top_k, fmts):
     per_route = tokens * top_k <= experts.config.max_routes
     rounding = int8_rounding(experts.config, fmts) if per_route else {}
     plain = reference_experts(x, ids, w, g64, u64, d64)
-    if not rounding:
+    if not any(rounding.values()):  # grouped kernels, or formats the int8 dots do not serve (MXFP4)
         check_rows(out, plain, FP32_TOL * 10 if per_route else DEQUANT_TOL)
         return
     check_rows(out, reference_experts(x, ids, w, g64, u64, d64, **rounding), INT8_TOL)
