@@ -211,8 +211,6 @@ class StagedFetch:
 
     def __init__(self, experts: Any, registration: Any, staging: FetchStaging, activation: str, top_k: int,
                  fraction: float, max_fetch: int) -> None:  # fmt: skip
-        import dataclasses as dc
-
         from freetoken.moe import triton_moe_packed as tp
         from freetoken.moe.gpu_packed_experts import PackedGpuExperts
 
@@ -232,7 +230,7 @@ class StagedFetch:
             self.slots.append(tp.PackedStack.from_bytes(buf[: self.max_fetch * per], int(t.fmt), self.max_fetch,
                                                         rows, cols))  # fmt: skip
         # per-route kernels for any batch: a step computes at most max_fetch routes
-        config = dc.replace(tp.default_config(self.device), max_routes=1 << 30)
+        config = dataclasses.replace(tp.default_config(self.device), max_routes=1 << 30)
         self.packed = PackedGpuExperts.over_device_bytes(experts, tuple(self.slots), self.device,
                                                          activation=activation, config=config)
         self.packed.num_experts = self.packed.dequant_group = self.max_fetch  # ids index the slots
