@@ -90,7 +90,7 @@ class MemoryPlan:
     packed_layers: list[int] = dataclasses.field(default_factory=list)  # GPU layers kept in the file's blocks
     expert_bytes: int = 0  # all GPU layers' experts on the device
     cache: int = 0  # the global expert cache
-    scratch: int = 0  # the streaming buffers (one or two layers' expert bytes)
+    scratch: int = 0  # the streaming buffers (one or two layers' expert bytes) and locked fetch's copy slots
     dense_form: str = "dequantized"  # or "packed": the file's block formats kept on the device
 
     def as_dict(self) -> dict[str, Any]:
