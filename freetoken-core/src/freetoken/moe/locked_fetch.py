@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Any, ClassVar, Optional
 
 import numpy as np
@@ -126,12 +125,29 @@ class LockedPlacement(Placement):
         return (flat & ~locked).reshape(ids.shape), locked.reshape(ids.shape)
 
 
+def fetch_budget(missed: int, fraction: float, max_fetch: int) -> int:
+    """Locked routes of a step with ``missed`` missed routes: ``round(fraction * missed)``
+    (float32, halves up, as :meth:`LockedPlacement.split` computes it on the device), at most
+    ``max_fetch``."""
+    return int(min(np.floor(np.float32(missed) * np.float32(fraction) + np.float32(0.5)), max_fetch))
+
+
 def locked_routes(miss: np.ndarray, fraction: float, max_fetch: int) -> np.ndarray:
     """Host form of :meth:`LockedPlacement.split`'s locked mask, for one layer's ``miss [T, K]``."""
     flat = miss.reshape(-1)
     rank = np.cumsum(flat) - 1
-    budget = min(float(np.floor(np.float32(flat.sum()) * np.float32(fraction) + np.float32(0.5))), max_fetch)
-    return (flat & (rank < budget)).reshape(miss.shape)
+    return (flat & (rank < fetch_budget(int(flat.sum()), fraction, max_fetch))).reshape(miss.shape)
+
+
+def mapped_sources(experts: Any, registration: Any, device: Any) -> list[Any]:
+    """One layer's gate, up and down stacks where kernels read them in the registered host
+    banks: their mapped device addresses as uint8 pointers, or, where the device is the host
+    (a simulated GPU), the bank tensors themselves. Raises KeyError or RuntimeError for a
+    stack outside the mapped ranges."""
+    raws = (experts.gate, experts.up, experts.down)
+    if torch.device(device).type == "cpu":
+        return [t.raw_torch().reshape(-1).view(torch.uint8) for t in raws]
+    return [DevicePointer(registration.device_address(t.raw_torch()), torch.uint8) for t in raws]
 
 
 class SplitGpuExperts:
@@ -160,17 +176,11 @@ class SplitGpuExperts:
         self.mapped.warmup(batch_sizes, top_k, x_dtype)
 
 
-def fetch_count(tokens: int, top_k: int, fraction: float, max_fetch: int) -> int:
-    """Locked routes of a step whose ``tokens * top_k`` routes all missed (the rule of
-    :meth:`LockedPlacement.split`)."""
-    return int(min(math.floor(float(np.float32(tokens * top_k) * np.float32(fraction) + np.float32(0.5))), max_fetch))
-
-
 def first_routes(tokens: int, top_k: int, fraction: float, max_fetch: int) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(locked routes ``n``, CPU mask bool ``[T, K]``, slot ids int32 ``[T, K]``) of a step
     whose routes all missed: the first ``n`` routes in (token, k) order go to slots 0..n-1,
     the others (slot -1) to the CPU. Host tensors."""
-    n = fetch_count(tokens, top_k, fraction, max_fetch)
+    n = fetch_budget(tokens * top_k, fraction, max_fetch)
     flat = torch.arange(tokens * top_k, dtype=torch.int32)
     slots = torch.where(flat < n, flat, torch.full_like(flat, -1)).reshape(tokens, top_k)
     return n, slots < 0, slots
@@ -203,7 +213,7 @@ class StagedFetch:
     then the packed kernels over the slots.
 
     :meth:`forward_routes` takes a whole step's routing and computes its first
-    ``fetch_count`` routes (no expert cache: every route missed); :meth:`forward` takes ids
+    ``fetch_budget`` routes (no expert cache: every route missed); :meth:`forward` takes ids
     that are -1 but for the locked routes (beside a cache, in :class:`SplitGpuExperts`)."""
 
     #: the executor hands :meth:`forward_routes` the whole routing (the split is by position)
@@ -221,9 +231,7 @@ class StagedFetch:
         self.hidden = int(experts.hidden)
         raws = (experts.gate, experts.up, experts.down)
         self.expert_bytes = [int(t.nbytes) // int(experts.num_experts) for t in raws]
-        # where the device is the host (a simulated GPU) the banks are read as they are
-        self.sources = [t.raw_torch().reshape(-1).view(torch.uint8) if self.device.type == "cpu" else
-                        DevicePointer(registration.device_address(t.raw_torch()), torch.uint8) for t in raws]
+        self.sources = mapped_sources(experts, registration, self.device)
         self.slots = []
         for t, buf, per in zip(raws, staging.buffers, self.expert_bytes):
             _, rows, cols = (int(s) for s in t.shape)
@@ -258,7 +266,7 @@ class StagedFetch:
             gather_routes(src, dst.data.view(-1), experts, count, per)
 
     def forward_routes(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The step's first ``fetch_count`` routes (every route missed), ``[T, H]`` in x's dtype."""
+        """The step's first ``fetch_budget`` routes (every route missed), ``[T, H]`` in x's dtype."""
         n, _, slot_ids = self.for_tokens(int(x.shape[0]))
         if n:
             self._gather(ids.reshape(-1), n)  # route j's expert into slot j
@@ -294,7 +302,7 @@ class StagedFetch:
 
 @dataclasses.dataclass
 class FirstRoutesPlacement(Placement):
-    """CPU routes = all but the first ``fetch_count`` routes of the step (no expert cache:
+    """CPU routes = all but the first ``fetch_budget`` routes of the step (no expert cache:
     every route missed); the masks are :class:`StagedFetch`'s constants of the batch size."""
 
     fetch: Any = None  # the layer's StagedFetch

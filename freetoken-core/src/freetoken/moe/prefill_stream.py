@@ -116,7 +116,8 @@ class PrefillStreamer:
         self.gather_src: dict[int, list[Any]] = {}
         if self.routed and packed_ok and self.device.type == "cuda" and registration is not None \
                 and registration.mapped:  # fmt: skip
-            self.gather_src = {layer: _mapped_sources(e, registration) for layer, e in self.layers.items()}
+            self.gather_src = {layer: _mapped_sources(e, registration, self.device)
+                               for layer, e in self.layers.items()}
             self.gather_src = {k: v for k, v in self.gather_src.items() if v}
         self._gathered: Any = None  # bytes the gather kernels copied (a device counter)
         self._views: dict[int, Any] = {}  # layer -> its compute view over the one buffer (routed)
@@ -314,14 +315,13 @@ class PrefillStreamer:
         self._inflight.clear()
 
 
-def _mapped_sources(experts: Any, registration: Any) -> list[Any]:
-    """The mapped device addresses of one layer's gate, up and down stacks as uint8
-    pointers (empty when a stack lies outside the registered ranges)."""
-    from freetoken.moe.locked_fetch import DevicePointer
+def _mapped_sources(experts: Any, registration: Any, device: Any) -> list[Any]:
+    """:func:`~freetoken.moe.locked_fetch.mapped_sources`, empty when a stack lies outside
+    the registered ranges."""
+    from freetoken.moe.locked_fetch import mapped_sources
 
     try:
-        return [DevicePointer(registration.device_address(t.raw_torch()), torch.uint8)
-                for t in (experts.gate, experts.up, experts.down)]
+        return mapped_sources(experts, registration, device)
     except (KeyError, RuntimeError):
         return []
 

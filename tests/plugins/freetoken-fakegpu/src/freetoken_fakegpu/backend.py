@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import types
 import time
+import types
 from typing import Any, Optional
 
 import torch
