@@ -193,9 +193,10 @@ run_freetoken_bench() {
     esac
     if [ -n "$extra" ]; then IFS=',' read -ra more <<< "$extra"; args+=("${more[@]}"); tag=$tag-$(echo "$extra" | tr -c 'a-zA-Z0-9\n' '_'); fi
     echo "# freetoken bench decode ${args[*]}"
-    python3 -m freetoken.cli.main bench decode --model "$MODEL" --backend cuda "${args[@]}" --stages \
+    # (the placement's flags last: they override these defaults, e.g. --cpu-threads)
+    python3 -m freetoken.cli.main bench decode --model "$MODEL" --backend cuda --stages \
       --cpu-threads "$((THREADS - 1))" --batch ${FT_BATCHES:-1 8} --prompt-len 512 --gen-len 64 --repeats 1 \
-      --max-model-len 1024 --json > "/tmp/ft-bench/decode-$tag.json" || continue
+      --max-model-len 1024 "${args[@]}" --json > "/tmp/ft-bench/decode-$tag.json" || continue
     python3 -c "import json; d=json.load(open('/tmp/ft-bench/decode-$tag.json'))
 rep = d['backend_report']; plan = rep.get('memory_plan') or {}
 print('SUMMARY freetoken $tag host read bandwidth %.1f GB/s before, %.1f after' % (d.get('bandwidth_GBs') or 0, d.get('bandwidth_GBs_after') or 0))
@@ -205,7 +206,8 @@ for k in ('expert_cache', 'prefill_stream', 'moe_stats'):
 for b, v in d['batches'].items():
     print('SUMMARY freetoken $tag batch', b, 'prompt %.1f tok/s decode %.1f tok/s' % (v['prompt_tok_s'], v['decode_tok_s']),
           'gpu_max_alloc %.2f GiB' % ((v.get('gpu_max_allocated_bytes') or 0) / 2**30), 'cpu_layers', rep.get('moe_cpu_layers'),
-          'dense %.2f GiB' % ((plan.get('dense') or 0) / 2**30))
+          'dense %.2f GiB' % ((plan.get('dense') or 0) / 2**30), 'embedding', plan.get('embedding'),
+          'buffers %.3f GiB' % ((plan.get('scratch') or 0) / 2**30), 'kv %.3f GiB' % ((plan.get('kv_budget') or 0) / 2**30))
 st = d.get('stages_b1_us')
 if st: print('SUMMARY freetoken $tag stages_b1_us', json.dumps({k: round(v, 1) for k, v in st.items()}))"
   done

@@ -378,12 +378,14 @@ def test_fakegpu_engine_int8_dots_through_the_interpreter(tiny_gguf, monkeypatch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
-def test_gpu_engine_packed_matches_float64(backend, tiny_gguf, eager, monkeypatch):
+@pytest.mark.parametrize("eager,embedding", [(True, "device"), (False, "device"), (False, "host")],
+                         ids=["eager", "graphs", "graphs-host-embedding"])
+def test_gpu_engine_packed_matches_float64(backend, tiny_gguf, eager, embedding, monkeypatch):
     """FP32, every expert on the GPU, dense packed (Q8_0/Q4_K/Q6_K attention and head, Q8_0
     embedding, F16/BF16 k projections as floats): logits against the float64 forward, with
     the byte tiles (AMD's; NVIDIA's default int8 dots round the activations: their GEMV is
-    tested above against the rounding reference, engines with them in test_gpu_engine.py)."""
+    tested above against the rounding reference, engines with them in test_gpu_engine.py).
+    ``--gpu-embedding host``: the table in page-locked host memory, read inside the graphs."""
     from freetoken.moe import triton_moe_packed
 
     monkeypatch.setattr(triton_moe_packed, "NVIDIA_CONFIG", triton_moe_packed.DEFAULT_CONFIG)
@@ -391,10 +393,12 @@ def test_gpu_engine_packed_matches_float64(backend, tiny_gguf, eager, monkeypatc
     monkeypatch.setattr(plt, "NVIDIA_WIDE_CONFIG", plt.WIDE_CONFIG)
     tg, reference, path, tensors = tiny_gguf
     eng = _engine(path, backend, dtype="float32", moe_cpu_layers="0", gpu_dense="packed",
-                  enforce_eager=eager, cuda_graph_max_bs=8)  # fmt: skip
+                  enforce_eager=eager, cuda_graph_max_bs=8, gpu_embedding=embedding)  # fmt: skip
     try:
         info = eng.backend_info()
         assert info["graphs"] is (not eager) and info["dense_form"] == "packed", info
+        assert info["memory_plan"]["embedding"] == embedding, info["memory_plan"]
+        assert ("host memory" in info["weights"]["embedding"]) is (embedding == "host"), info["weights"]
         assert "triton" in info["weights"]["dense"], info["weights"]
         prompts = _prompts(tg.V)
         got = run_greedy(eng, prompts, max_tokens=12)
@@ -440,7 +444,8 @@ def test_gpu_engine_packed_equals_dequantized_bf16(backend, tiny_gguf, placement
 @pytest.mark.parametrize("tokens", [1, 3, 64, 512])
 @pytest.mark.parametrize("fmt", FORMATS, ids=[NAMES[f] for f in FORMATS])
 def test_gpu_linear_in_cuda_graph(fmt, tokens):
-    """PackedLinear (GEMV up to 16 tokens, scratch + matmul above) and PackedEmbedding
+    """PackedLinear (GEMV up to 16 tokens, scratch + matmul above) and PackedEmbedding, its
+    table on the device and in page-locked host memory (read over PCIe by the same kernel),
     captured in a CUDA graph after one eager call, replayed with new inputs: equal to
     float64 each time (no host sync, no allocation that depends on values)."""
     raw, ref = packed(fmt, ROWS, COLS, seed=fmt * 7 + tokens)
@@ -448,6 +453,8 @@ def test_gpu_linear_in_cuda_graph(fmt, tokens):
     scratch = packed_linear.PrefillScratch(torch.device("cuda"), torch.bfloat16)
     lin = packed_linear.PackedLinear(data, fmt, raw.shape, scratch)
     emb = packed_linear.PackedEmbedding(raw, data, torch.bfloat16)
+    host = torch.from_numpy(np.ascontiguousarray(raw.data)).pin_memory()
+    emb_host = packed_linear.PackedEmbedding(raw, host, torch.bfloat16, device="cuda")
     x = torch.zeros(tokens, COLS, dtype=torch.bfloat16, device="cuda")
     ids = torch.zeros(tokens, dtype=torch.int64, device="cuda")
     out: dict[str, torch.Tensor] = {}
@@ -455,6 +462,7 @@ def test_gpu_linear_in_cuda_graph(fmt, tokens):
     def step() -> None:
         out["y"] = lin(x)
         out["rows"] = emb(ids)
+        out["host_rows"] = emb_host(ids)
 
     step()  # compiles the variants, allocates the scratch
     torch.cuda.synchronize()
@@ -468,10 +476,13 @@ def test_gpu_linear_in_cuda_graph(fmt, tokens):
         x.copy_(xs)
         ids.copy_(rows)
         out["y"].fill_(float("nan"))
+        out["host_rows"].fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(out["y"], xs.double().numpy() @ ref.T) <= BF16_TOL
         assert_bf16_rows(out["rows"].cpu(), ref[rows.numpy()])
+        assert out["host_rows"].device.type == "cuda"
+        assert_bf16_rows(out["host_rows"].cpu(), ref[rows.numpy()])
 
 
 #: Qwen3-30B-A3B: (name, rows, cols, format) of a layer's q/k/v (fused) and o, and the head

@@ -102,10 +102,15 @@ def test_auto_packs_exactly_when_it_frees_room_for_expert_layers(tiny, monkeypat
         (other + pk + layer, "packed", 1),  # dequantized: no layer
         (other + pk, "packed", 0),  # dequantized: not even the dense part fits
     ]
+    emb = shape.embedding_file_bytes
+    assert 0 < emb < layer
     for budget, form, layers in cases:
         s = plan(budget)
         assert (s.dense_form, len(s.plan_result.gpu_layers)) == (form, layers), budget - other
-        assert s.plan_result.dense == (pk if form == "packed" else deq)
+        # --gpu-embedding auto: a packed table goes to host memory when layers stay on the CPU
+        host = form == "packed" and layers < 2
+        assert s.plan_result.embedding == ("host" if host else "device")
+        assert s.plan_result.dense == (deq if form == "dequantized" else pk - emb if host else pk)
         assert s.plan_result.dense_form == form
         assert isinstance(s.weight_policy, packed_linear.PackedWeightPolicy) is (form == "packed")
     # explicit placement: packed only when needed to fit it
@@ -118,6 +123,44 @@ def test_auto_packs_exactly_when_it_frees_room_for_expert_layers(tiny, monkeypat
     # where the kernels do not run, auto never packs
     monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("torch", "no GPU"))
     assert plan(other + pk + 2 * layer).dense_form == "dequantized"
+
+
+def test_embedding_table_on_the_host(tiny, monkeypatch):
+    """``--gpu-embedding``: the table's file bytes (counted here from gguf-py's reader) leave
+    the plan's dense part with ``host``, and with ``auto`` exactly when layers' experts would
+    stay on the CPU; a budget one layer short of all layers fits them all once the table is on
+    the host. ``host`` is refused, naming the flag, where it cannot apply."""
+    tiny, _ = tiny
+    monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("triton", "as on a GPU"))
+    shape = gguf_model_shape(tiny, torch.float32)
+    ck = GGUFCheckpoint(tiny)
+    table = next(int(t.n_bytes) for t in ck.reader.tensors if t.name == "token_embd.weight")
+    assert shape.embedding_file_bytes == table > 0
+    layer = 3 * tg.E * tg.H * tg.I * 4
+    other = RESERVE_BYTES + MAX_LEN * shape.kv_bytes_per_token
+    pk = shape.dense_file_bytes + shape.dense_scratch_bytes
+
+    def plan(budget, **kw):
+        s = _session(budget, gpu_dense="packed", **kw)
+        s.plan(shape)
+        return s.plan_result
+
+    tight = other + pk - table + 2 * layer  # both layers fit only with the table on the host
+    for mode, where, layers in (("auto", "host", 2), ("host", "host", 2), ("device", "device", 1)):
+        p = plan(tight, gpu_embedding=mode)
+        assert (p.embedding, len(p.gpu_layers)) == (where, layers), mode
+        assert p.dense == pk - (table if where == "host" else 0)
+    # room for everything: auto keeps the table on the device; so does a placement given
+    # that fits with it there, while one that does not fit takes it to the host
+    assert plan(other + pk + 2 * layer).embedding == "device"
+    assert plan(tight, moe_cpu_layers="1").embedding == "device"
+    assert plan(tight, moe_cpu_layers="0").embedding == "host"
+    with pytest.raises(MemoryPlanError, match="--gpu-embedding host.*--gpu-dense packed"):
+        _session(tight, gpu_dense="dequantized", gpu_embedding="host").plan(shape)
+    monkeypatch.setattr(shape, "embedding_file_bytes", 0)  # an embedding that is also the head
+    with pytest.raises(MemoryPlanError, match="--gpu-embedding host: this model's embedding is also its output"):
+        plan(tight, gpu_embedding="host")
+    assert plan(tight).embedding == "device"
 
 
 def test_refusal_names_the_packed_form(tiny):

@@ -348,6 +348,9 @@ class ModelShape:
     dense_file_bytes: Optional[int] = None
     #: the prefill scratch of that form (the largest packed linear's chunk of rows dequantized)
     dense_scratch_bytes: int = 0
+    #: of ``dense_file_bytes``: the token embedding's packed bytes when it is not also the
+    #: output head (what ``gpu_embedding`` ``host`` keeps off the device; 0: none such)
+    embedding_file_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -366,7 +369,9 @@ class MoEOptions:
     threshold from a measured profile), ``on``, ``off``; ``stream_experts``: ``routed`` copies
     only the experts the chunk routes to, once its router has run, ``all`` every expert of
     the layer, the next layer's copy overlapping this one's compute, ``mapped`` nothing: the
-    kernels read the routed experts from the page-locked banks over PCIe. ``lock_host``: register (page-lock)
+    kernels read the routed experts from the page-locked banks over PCIe; ``stream_windows``:
+    ``routed`` streams a layer in this many windows of experts through one buffer of a
+    window's bytes (more windows: less device memory). ``lock_host``: register (page-lock)
     the host expert banks with the driver (``auto``: when streaming or fetching uses them).
     ``locked_fetch``: share of a decode step's missed routes that the GPU computes from the
     page-locked banks in the same step (at most ``locked_max_fetch`` per layer; 0: off), its
@@ -382,6 +387,7 @@ class MoEOptions:
     stream_prefill: str = "auto"
     stream_min_tokens: Optional[int] = None
     stream_experts: str = "routed"
+    stream_windows: int = 4
     lock_host: str = "auto"
     locked_fetch: float = 0.0
     locked_max_fetch: int = 2
@@ -406,6 +412,10 @@ class EngineOptions:
     ``gpu_dense``: the form of the dense part on the device: ``dequantized`` (the activation
     dtype), ``packed`` (a GGUF file's block formats kept as in the file), or ``auto``
     (packed when that lets more layers' experts onto the device, or is needed to fit).
+    ``gpu_embedding``: where a packed token embedding's table lives: ``device``, ``host``
+    (page-locked host memory the GPU reads a step's rows from over PCIe; not for an embedding
+    that is also the output head), or ``auto`` (host when the memory plan leaves layers'
+    experts on the CPU, so its bytes go to expert layers instead).
     """
 
     act_dtype: Any = None
@@ -421,6 +431,7 @@ class EngineOptions:
     kv_block_size: int = 16
     kv_cache_tokens: Optional[int] = None  # an explicit KV cache size (the plan keeps room for it)
     gpu_dense: str = "auto"
+    gpu_embedding: str = "auto"
     moe: MoEOptions = dataclasses.field(default_factory=lambda: MoEOptions())
 
 

@@ -237,6 +237,11 @@ _OPTIONS: tuple[_Option, ...] = (
             "activation dtype), packed (GGUF Q4_K/Q5_K/Q6_K/Q8_0 kept as in the file, about a third of the "
             "memory) or auto (packed when that lets more layers' experts onto the GPU) (default: {default})",
             choice("auto", "packed", "dequantized"), "MODE"),
+    _Option("gpu_embedding", "--gpu-embedding",
+            "where a packed token embedding table lives: device, host (page-locked host memory; the GPU reads "
+            "each step's rows over PCIe, a few microseconds, and its bytes hold experts instead) or auto (host "
+            "when some layers' experts would run on the CPU) (default: {default})",
+            choice("auto", "device", "host"), "MODE"),
     _Option("moe_gpu_experts", "--moe-gpu-experts",
             "form of GPU-resident experts: auto (GGUF Q4_K/Q5_K/Q6_K/Q8_0/MXFP4 stay packed as in the file, FP8 "
             "block-scaled in rows of scaled blocks, other formats are dequantized to the activation dtype) or "
@@ -267,6 +272,10 @@ _OPTIONS: tuple[_Option, ...] = (
             "slower than routed on an H200) "
             "(default: {default})",
             choice("routed", "all", "mapped"), "MODE"),
+    _Option("moe_stream_windows", "--moe-stream-windows",
+            "routed streaming copies and computes a layer in this many windows of its experts through one GPU "
+            "buffer of a window's size: more windows, less GPU memory for the buffer and more for resident "
+            "expert layers (default: {default}, a quarter of a layer)", positive_int, "N"),
     _Option("moe_lock_host", "--moe-lock-host",
             "page-lock the host expert banks and register them with the GPU driver, for copies at full PCIe "
             "speed: auto (when streaming or fetching uses them), on, off (default: {default})",

@@ -43,6 +43,7 @@ class EngineConfig:
     gpu_memory_limit: Optional[int] = None
     enable_prefix_cache: bool = True
     gpu_dense: str = "auto"
+    gpu_embedding: str = "auto"
     moe_gpu_experts: str = "auto"
     #: bytes when >= 1, a fraction of the GPU memory budget when below 1
     moe_cache_size: float = 0.0
@@ -50,6 +51,7 @@ class EngineConfig:
     moe_stream_prefill: str = "auto"
     moe_stream_min_tokens: Optional[int] = None
     moe_stream_experts: str = "routed"
+    moe_stream_windows: int = 4
     moe_lock_host: str = "auto"
     moe_locked_fetch: float = 0.0
     moe_locked_max_fetch: int = 2
@@ -66,12 +68,14 @@ class EngineConfig:
             gpu_memory_utilization=self.gpu_memory_utilization, max_running_requests=self.max_running_requests,
             max_model_len=self.max_model_len or 0, kv_block_size=self.kv_block_size,
             kv_cache_tokens=self.kv_cache_tokens, gpu_dense=self.gpu_dense,
+            gpu_embedding=self.gpu_embedding,
             moe=MoEOptions(
                 gpu_experts=self.moe_gpu_experts,
                 cache_bytes=int(self.moe_cache_size) if self.moe_cache_size >= 1 else 0,
                 cache_fraction=self.moe_cache_size if self.moe_cache_size < 1 else 0.0,
                 hybrid_max_fetch=self.moe_hybrid_max_fetch, stream_prefill=self.moe_stream_prefill,
                 stream_min_tokens=self.moe_stream_min_tokens, stream_experts=self.moe_stream_experts,
+                stream_windows=self.moe_stream_windows,
                 lock_host=self.moe_lock_host,
                 locked_fetch=self.moe_locked_fetch, locked_max_fetch=self.moe_locked_max_fetch,
                 locked_fetch_mode=self.moe_locked_fetch_mode,
@@ -101,6 +105,7 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name, value, allowed in (("gpu_dense", self.gpu_dense, ("auto", "packed", "dequantized")),
+                                     ("gpu_embedding", self.gpu_embedding, ("auto", "device", "host")),
                                      ("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
                                      ("moe_stream_prefill", self.moe_stream_prefill, ("auto", "on", "off")),
                                      ("moe_stream_experts", self.moe_stream_experts, ("routed", "all", "mapped")),
@@ -116,6 +121,8 @@ class EngineConfig:
             raise ValueError(f"moe_locked_max_fetch must be >= 0, got {self.moe_locked_max_fetch}")
         if self.moe_hybrid_max_fetch < 0:
             raise ValueError(f"moe_hybrid_max_fetch must be >= 0, got {self.moe_hybrid_max_fetch}")
+        if self.moe_stream_windows < 1:
+            raise ValueError(f"moe_stream_windows must be >= 1, got {self.moe_stream_windows}")
         if self.moe_stream_min_tokens is not None and self.moe_stream_min_tokens < 1:
             raise ValueError(f"moe_stream_min_tokens must be >= 1, got {self.moe_stream_min_tokens}")
         if not self.moe_stats_interval > 0:

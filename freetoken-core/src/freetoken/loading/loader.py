@@ -255,7 +255,8 @@ def _gguf_dense_layout(ck: Any, names: Any, shape: ModelShape, act: torch.dtype)
     as :class:`freetoken.models.packed_linear.PackedWeightPolicy` places it on the device:
     block formats as their bytes in the file, routers float32, the rest at ``act``; and
     ``shape.dense_scratch_bytes``, its prefill scratch (the largest chunk of a packed linear:
-    every packed matrix but an embedding that is not also the output head)."""
+    every packed matrix but an embedding that is not also the output head); and
+    ``shape.embedding_file_bytes``, such an embedding's packed bytes."""
     from freetoken.models.packed_linear import chunk_rows
 
     elt = torch.empty((), dtype=act).element_size()
@@ -280,6 +281,8 @@ def _gguf_dense_layout(ck: Any, names: Any, shape: ModelShape, act: torch.dtype)
         ttype, nbytes = layout
         if ttype in _PACKED_DENSE_TYPES:
             total += nbytes
+            if name == embed_only:
+                shape.embedding_file_bytes = nbytes
             dims = ck.tensor_shape(name)
             if len(dims) == 2 and name != embed_only:
                 scratch = max(scratch, chunk_rows(dims[0], dims[1]) * dims[1] * elt)

@@ -164,12 +164,17 @@ class PackedLinear:
 
 
 class PackedEmbedding:
-    """Token embedding over a packed table on the device: the rows of a step's tokens are
-    dequantized there (one launch, only their blocks read, capturable in graphs)."""
+    """Token embedding over a packed table: the rows of a step's tokens are dequantized on
+    ``device`` (one launch, only their blocks read, capturable in graphs). The table is on
+    the device, or (``data`` in page-locked host memory, Triton kernels) read from the host
+    over PCIe by the same kernel: a step's few rows cost microseconds, and the table's bytes
+    stay free for other weights."""
 
-    def __init__(self, raw: RawTensor, data: torch.Tensor, dtype: torch.dtype, impl: str = "triton") -> None:
+    def __init__(self, raw: RawTensor, data: torch.Tensor, dtype: torch.dtype, impl: str = "triton",
+                 device: Any = None) -> None:  # fmt: skip
         _check_matrix(raw)
         self.raw = raw
+        self.device = torch.device(device) if device is not None else data.device
         self.dtype = dtype
         self.rows, self.cols = (int(s) for s in raw.shape)
         self.fmt = int(raw.fmt)
@@ -183,7 +188,7 @@ class PackedEmbedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        out = torch.empty((flat.shape[0], self.cols), dtype=self.dtype, device=self.data.device)
+        out = torch.empty((flat.shape[0], self.cols), dtype=self.dtype, device=self.device)
         if self.matrix is not None:
             from freetoken.models import packed_linear_triton as plt
 
@@ -201,9 +206,13 @@ class PackedWeightPolicy(DeviceWeightPolicy):
     everything else as :class:`DeviceWeightPolicy`. ``device_bytes`` counts what it
     placed: equal to the checkpoint's ``ModelShape.dense_file_bytes`` for a GGUF file."""
 
-    def __init__(self, device: Any, dtype: torch.dtype, impl: Optional[str] = None, config: Any = None) -> None:
+    def __init__(self, device: Any, dtype: torch.dtype, impl: Optional[str] = None, config: Any = None,
+                 host_embedding: bool = False) -> None:  # fmt: skip
         super().__init__(device, dtype)
         self.impl = impl or packed_dense_impl(self.device)[0]
+        #: a packed embedding table stays in page-locked host memory (read by the Triton kernel)
+        self.host_embedding = host_embedding and self.impl == "triton"
+        self.host_bytes = 0
         if self.impl == "torch":
             log.warning("packed dense weights on %s run through torch dequantization (%s): slow",
                         self.device, packed_dense_impl(self.device)[1])
@@ -222,7 +231,7 @@ class PackedWeightPolicy(DeviceWeightPolicy):
         """The raw tensor's bytes on the device (shared with the embedding of the same tensor)."""
         if self._embedding is not None and self._embedding[0] == self._key(raw):
             held = self._embedding[1]
-            if isinstance(held, PackedEmbedding):
+            if isinstance(held, PackedEmbedding) and held.data.device == self.device:
                 return held.data
         data = raw.raw_torch()
         if data.dtype != torch.uint8:
@@ -261,14 +270,29 @@ class PackedWeightPolicy(DeviceWeightPolicy):
         return None  # matrices of one format are concatenated by the caller; formats stay apart
 
     def embedding(self, raw: RawTensor) -> Any:
-        if int(raw.fmt) in PACKED_FORMATS:
-            emb: Any = PackedEmbedding(raw, self._packed_bytes(raw), self.dtype, self.impl)
+        if int(raw.fmt) in PACKED_FORMATS and self.host_embedding:
+            emb: Any = PackedEmbedding(raw, self._host_table(raw), self.dtype, self.impl, self.device)
+        elif int(raw.fmt) in PACKED_FORMATS:
+            emb = PackedEmbedding(raw, self._packed_bytes(raw), self.dtype, self.impl)
         else:
             emb = Embedding(raw, self.device, self.dtype, keep_packed=False)
             assert emb.table is not None
             self.float_bytes += emb.table.numel() * emb.table.element_size()
         self._embedding = (self._key(raw), emb)
         return emb
+
+    def _host_table(self, raw: RawTensor) -> torch.Tensor:
+        """The raw table's bytes in page-locked host memory (a simulated GPU whose device is
+        the host: its own memory)."""
+        data = raw.raw_torch()
+        if data.dtype != torch.uint8:
+            data = data.view(torch.uint8)
+        data = data.reshape(int(raw.shape[0]), -1)
+        pinned = self.device.type != "cpu"
+        table = torch.empty(data.shape, dtype=torch.uint8, pin_memory=pinned)
+        table.copy_(data)
+        self.host_bytes += table.numel()
+        return table
 
     @property
     def device_bytes(self) -> int:
@@ -279,5 +303,7 @@ class PackedWeightPolicy(DeviceWeightPolicy):
         act = str(self.dtype).replace("torch.", "")
         return {"dense": f"GGUF blocks kept on {self.device} ({kept}; {self.packed_bytes / 2**30:.2f} GiB), "
                          f"run by {self.impl} kernels; other formats as {act} ({self.float_bytes / 2**30:.2f} GiB)",
-                "embedding": "packed rows dequantized on the device per step",
+                "embedding": (f"packed table in page-locked host memory ({self.host_bytes / 2**30:.2f} GiB), its "
+                              "rows read over PCIe and dequantized on the device per step" if self.host_bytes else
+                              "packed rows dequantized on the device per step"),
                 "dense_form": "packed", "dense_device_bytes": self.device_bytes}

@@ -132,7 +132,8 @@ class ExpertTraffic:
         if stream:
             self.streamer = PrefillStreamer(cpu_layers, self.device, self.act_dtype, self.activation, self.packed_ok,
                                             self.scratch, self.copies, o.stream_prefill,  # type: ignore[arg-type]
-                                            o.stream_min_tokens, o.stream_experts, self.registration)
+                                            o.stream_min_tokens, o.stream_experts, self.registration,
+                                            o.stream_windows)
             first = self.streamer.order[0]
             self.profile = measure_threshold(self.streamer, cpu, banks[first], self.top_k, o.stream_min_tokens)
             log.info("long prompts: prefill chunks of %s tokens stream the CPU layers' experts to the GPU "

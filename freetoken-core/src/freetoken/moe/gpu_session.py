@@ -59,8 +59,8 @@ from freetoken.moe.gpu_packed_experts import (
     fp8_rows_fit,
 )
 from freetoken.moe.locked_fetch import FetchStaging
-from freetoken.moe.placement import cpu_layers
-from freetoken.moe.prefill_stream import buffer_count
+from freetoken.moe.placement import cpu_layers, layers_that_fit
+from freetoken.moe.prefill_stream import buffer_bytes
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,9 @@ class MemoryPlan:
     packed_layers: list[int] = dataclasses.field(default_factory=list)  # GPU layers kept in the file's blocks
     expert_bytes: int = 0  # all GPU layers' experts on the device
     cache: int = 0  # the global expert cache
-    scratch: int = 0  # the streaming buffers (one or two layers' expert bytes) and locked fetch's copy slots
+    scratch: int = 0  # the streaming buffers (a window of a layer's experts, or two layers) and locked fetch's copy slots
     dense_form: str = "dequantized"  # or "packed": the file's block formats kept on the device
+    embedding: str = "device"  # or "host": a packed embedding table in page-locked host memory
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -125,6 +126,7 @@ class GpuModelSession(ModelSession):
         self.device = torch.device(backend.device())
         self.weight_policy: Any = DeviceWeightPolicy(self.device, self.act_dtype)
         self.dense_form = "dequantized"
+        self.embedding_place = "device"  # or "host": the packed embedding table in page-locked host memory
         self.plan_result: Optional[MemoryPlan] = None
         self.shape: Optional[ModelShape] = None
         self.layer_fns: dict[int, ExpertsFn] = {}
@@ -177,31 +179,27 @@ class GpuModelSession(ModelSession):
         cache = o.moe.cache_bytes or (int(o.moe.cache_fraction * budget) if budget else 0)
         # the prefill of packed (or streamed) experts runs the grouped kernels, which read the
         # blocks where they are (their temporaries, ~70 MB per 1024 tokens, fit the reserve):
-        # no dequantization scratch; streaming keeps one layer's bytes (two with
-        # --moe-stream-experts all). `auto` streams when the file's expert formats are
+        # no dequantization scratch; streaming keeps a window of a layer's experts (two
+        # layers with --moe-stream-experts all). `auto` streams when the file's expert formats are
         # known to be computable as stored (GGUF blocks the packed kernels read), or when
         # there is no budget to protect; an HF checkpoint on a planned GPU needs `on`.
         mode = o.moe.stream_prefill
         streams = n > 0 and (mode == "on" or (mode == "auto" and (len(as_stored) == n or budget is None)))
-        buffers = buffer_count(o.moe.stream_experts) * max(per_layer.values() if shape.expert_file_bytes is None else
-                          shape.expert_file_bytes.values()) if streams else 0
+        layer_bytes = list(per_layer.values() if shape.expert_file_bytes is None else shape.expert_file_bytes.values())
+        buffers = buffer_bytes(o.moe.stream_experts, layer_bytes, shape.num_experts, o.moe.stream_windows) \
+            if streams else 0
         m = o.moe
         if m.locked_fetch > 0 and m.locked_max_fetch > 0 and m.locked_fetch_mode == "copy" and n > 0:
             # locked fetch by copy: device slots for the experts a step fetches
             buffers += FetchStaging.bytes_for(max(per_layer.values()) // max(shape.num_experts, 1), m.locked_max_fetch)
         dense = self._dense_form(shape, budget, reserve + kv_min + cache + buffers, per_layer)
         fixed = reserve + dense + kv_min + cache + buffers
-        if budget is None:
-            default_cpu = n  # nothing to plan against: keep the experts on the host
-        else:
-            room, default_cpu = budget - fixed, n
-            for i in reversed(shape.moe_layers):  # the last layers go to the GPU first (as llama.cpp's -ncmoe)
-                if per_layer[i] > room:
-                    break
-                room -= per_layer[i]
-                default_cpu -= 1
         try:
-            cpu = cpu_layers(o.moe_cpu_layers, shape.moe_layers, default_cpu)
+            if o.moe_cpu_layers is None and budget is not None:
+                fit = set(layers_that_fit(per_layer, budget - fixed))
+                cpu = [i for i in shape.moe_layers if i not in fit]
+            else:  # nothing to plan against: the experts stay on the host
+                cpu = cpu_layers(o.moe_cpu_layers, shape.moe_layers, n)
         except ValueError as exc:
             raise MemoryPlanError(str(exc)) from None
         cpu_set = set(cpu)
@@ -221,13 +219,14 @@ class GpuModelSession(ModelSession):
                 torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
         self.plan_result = MemoryPlan(budget, dense, max(per_layer.values(), default=0), gpu, cpu,
                                       kv_budget, reserve, sorted(set(gpu) & packed), experts, cache, buffers,
-                                      self.dense_form)
+                                      self.dense_form, self.embedding_place)
         self.traffic = ExpertTraffic(o.moe, self.device, self.act_dtype, shape.moe_layers, shape.top_k,
                                      max(o.max_running_requests, 1), cache, self.packed_capable, self.dequant_scratch,
                                      stream_planned=streams and bool(cpu))
-        log.info("GPU memory plan: budget %s, dense %s (%s), experts of %d layers on the GPU (%s, %d packed), "
-                 "expert cache %s, CPU layers %s", _gib(budget) if budget else "-", _gib(dense), self.dense_form,
-                 len(gpu), _gib(experts), len(self.plan_result.packed_layers), _gib(cache), _ranges(cpu))
+        log.info("GPU memory plan: budget %s, dense %s (%s, embedding on the %s), experts of %d layers on the GPU "
+                 "(%s, %d packed), expert cache %s, streaming buffers %s, CPU layers %s",
+                 _gib(budget) if budget else "-", _gib(dense), self.dense_form, self.embedding_place, len(gpu),
+                 _gib(experts), len(self.plan_result.packed_layers), _gib(cache), _gib(buffers), _ranges(cpu))
 
     def _dense_form(self, shape: ModelShape, budget: Optional[int], other: int, per_layer: dict[int, int]) -> int:
         """Choose the dense part's form (``--gpu-dense``), install its weight policy and
@@ -253,10 +252,38 @@ class GpuModelSession(ModelSession):
                     self._layers_fit(shape, budget - other - shape.dense_bytes, per_layer) else "dequantized"
         self.dense_form = form
         if form == "packed":
-            self.weight_policy = PackedWeightPolicy(self.device, self.act_dtype)
             assert packed is not None
-            return packed
+            host = self._embedding_on_host(shape, budget, other, packed, per_layer)
+            self.embedding_place = "host" if host else "device"
+            self.weight_policy = PackedWeightPolicy(self.device, self.act_dtype, host_embedding=host)
+            return packed - (shape.embedding_file_bytes if host else 0)
+        if self.options.gpu_embedding == "host":
+            raise MemoryPlanError("--gpu-embedding host keeps a packed embedding table in host memory; the dense "
+                                  "part here is dequantized (--gpu-dense packed keeps a GGUF file's blocks)")
         return shape.dense_bytes
+
+    def _embedding_on_host(self, shape: ModelShape, budget: Optional[int], other: int, packed: int,
+                           per_layer: dict[int, int]) -> bool:  # fmt: skip
+        """``--gpu-embedding``: whether the packed embedding table stays in host memory.
+        ``auto``: when the default plan, with the table on the device, leaves some layers'
+        experts on the CPU (or nothing fits): each of its bytes then holds experts instead,
+        for a few microseconds of PCIe reads per step."""
+        from freetoken.models.packed_linear import packed_dense_impl
+
+        mode = self.options.gpu_embedding
+        if mode not in ("auto", "device", "host"):
+            raise MemoryPlanError(f"--gpu-embedding {mode!r}: expected 'auto', 'device' or 'host'")
+        usable = shape.embedding_file_bytes > 0 and packed_dense_impl(self.device)[0] == "triton"
+        if mode == "host" and not usable:
+            raise MemoryPlanError("--gpu-embedding host: " + (
+                "this model's embedding is also its output head, or not in a packed block format"
+                if shape.embedding_file_bytes <= 0 else
+                f"the table is read by Triton kernels, which do not run here ({packed_dense_impl(self.device)[1]})")
+                + "; use --gpu-embedding auto or device")
+        if mode != "auto" or not usable or budget is None:
+            return mode == "host"
+        fit = self._layers_fit(shape, budget - other - packed, per_layer)
+        return fit < 0 or (self.options.moe_cpu_layers is None and fit < len(shape.moe_layers))
 
     def _layers_fit(self, shape: ModelShape, room: int, per_layer: dict[int, int]) -> int:
         """How many MoE layers' experts the plan puts on the device with ``room`` bytes for
@@ -271,13 +298,7 @@ class GpuModelSession(ModelSession):
                 return 0  # the plan reports the bad spec
             gpu = [i for i in shape.moe_layers if i not in cpu]
             return len(gpu) if sum(per_layer[i] for i in gpu) <= room else -1
-        fit = 0
-        for i in reversed(shape.moe_layers):  # as the plan places them: the last layers first
-            if per_layer[i] > room:
-                break
-            room -= per_layer[i]
-            fit += 1
-        return fit
+        return len(layers_that_fit(per_layer, room))
 
     def _packed_bytes(self, shape: ModelShape, layer: int, dequantized: int) -> int:
         """Device bytes of a packed layer's experts: the file's bytes, FP8 in its device rows."""
@@ -318,7 +339,8 @@ class GpuModelSession(ModelSession):
         if cache:
             parts.append(f"expert cache {_gib(cache)} (--moe-cache-size)")
         if buffers:
-            parts.append(f"streaming buffers {_gib(buffers)} (--moe-stream-prefill off saves them)")
+            parts.append(f"streaming buffers {_gib(buffers)} (--moe-stream-prefill off saves them, "
+                         "--moe-stream-windows N shrinks them)")
         if self.dense_form == "dequantized" and shape.dense_file_bytes is not None:
             parts[0] += (f"; --gpu-dense packed keeps the file's blocks: about "
                          f"{_gib(shape.dense_file_bytes + shape.dense_scratch_bytes)}")

@@ -122,3 +122,38 @@ def cpu_layers(spec: Optional[str], moe_layers: list[int], default_count: int) -
             f"(MoE layers: {moe_layers[0]}..{moe_layers[-1]})" if moe_layers else "--moe-cpu-layers: the model has no MoE layers"
         )
     return list(value)
+
+
+def layers_that_fit(per_layer: dict[int, int], room: int) -> list[int]:
+    """The MoE layers whose experts go to the device when ``room`` bytes hold them
+    (``per_layer``: each layer's expert bytes), sorted: as many layers as fit, and of those
+    sets the one with the most bytes, so that the layers left to the CPU read the fewest
+    bytes per token (a GGUF file's quantization mix makes some layers larger: Q4_K_M keeps
+    every third layer's down projections in Q6_K). Among layers of one size the last go to
+    the device first (as llama.cpp's ``-ncmoe``). Largest count: the smallest layers;
+    then a chosen layer is swapped for a larger one left out while the sum still fits."""
+    # smallest first; of one size, the last layer first
+    by_size = sorted(per_layer, key=lambda i: (per_layer[i], -i))
+    chosen: list[int] = []
+    used = 0
+    for i in by_size:
+        if used + per_layer[i] > room:
+            break
+        chosen.append(i)
+        used += per_layer[i]
+    kept = set(chosen)
+    left = [i for i in per_layer if i not in kept]
+    swapped = True
+    while swapped:  # each swap adds bytes: it ends
+        swapped = False
+        left.sort(key=lambda i: (-per_layer[i], -i))  # largest first; of one size the last layer
+        chosen.sort(key=lambda i: (per_layer[i], i))  # smallest first; of one size the first layer
+        for out in left:
+            inside = next((c for c in chosen if 0 < per_layer[out] - per_layer[c] <= room - used), None)
+            if inside is not None:
+                chosen[chosen.index(inside)] = out
+                left[left.index(out)] = inside
+                used += per_layer[out] - per_layer[inside]
+                swapped = True
+                break
+    return sorted(chosen)

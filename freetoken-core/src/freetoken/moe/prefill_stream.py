@@ -13,13 +13,17 @@ stream, ordered after the compute that last read the buffer. Two ways to fill th
   routes to are copied (of a layer with experts in the expert cache, only those the cache
   does not hold: its routes to cached experts run on the cache's slots). Experts no token
   routes to cost nothing, which matters for chunks of a few hundred tokens and for models
-  whose routing is uneven. Where the host banks are
-  page-locked and mapped and Triton runs, one gather kernel per stack
-  (:mod:`freetoken.moe.expert_gather`) copies them, the routed set read on the device: the
-  host queues every layer of the prompt without waiting for the GPU. Otherwise the routed
-  set is read back and the copy engine copies the runs of consecutive routed experts, in
-  :data:`ROUTED_PARTS` parts: the compute of part ``p`` (its routes only) overlaps the copy
-  of part ``p + 1``.
+  whose routing is uneven. The one buffer holds a *window* of ``ceil(E / windows)``
+  experts, not a whole layer: the layer is copied and computed window by window (experts
+  ``0 .. W-1``, then ``W .. 2W-1``, ...), each window's routes only, their outputs summed.
+  Every byte is still copied once and the windows' compute is small beside their copies,
+  so a prompt costs about the same while the buffer takes a fraction of a layer's device
+  memory (4 windows: a quarter), room the memory plan gives to resident expert layers.
+  Where the host banks are page-locked and mapped and Triton runs, one gather kernel per
+  stack and window (:mod:`freetoken.moe.expert_gather`) copies them, the routed set read
+  on the device: the host queues every layer of the prompt without waiting for the GPU.
+  Otherwise the routed set is read back and the copy engine copies the runs of
+  consecutive routed experts of each window, the window computed once they arrived.
 * ``all``: every expert of the layer, layer ``l + 1``'s copy issued while layer ``l``
   computes, so the copies run back to back and the compute hides behind them.
 
@@ -49,8 +53,9 @@ from freetoken.moe.gpu_packed_experts import PACKED_FORMATS, DequantScratch
 
 log = logging.getLogger(__name__)
 
-#: parts a routed layer's copy is split into, each computed once it has arrived
-ROUTED_PARTS = 4
+#: windows a routed layer is streamed in by default (``--moe-stream-windows``): the buffer
+#: holds a quarter of a layer's experts
+STREAM_WINDOWS = 4
 
 _FLOAT_FMTS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # ggml F32, F16, BF16
 
@@ -64,9 +69,29 @@ def streamable(experts: Any, act_dtype: torch.dtype, packed_ok: bool) -> bool:
 
 
 def buffer_count(experts: str) -> int:
-    """Layer-sized device buffers the streamer keeps with ``--moe-stream-experts experts``
-    (``mapped`` reads the page-locked host banks in place: none)."""
+    """Device buffers the streamer keeps with ``--moe-stream-experts experts`` (``routed``:
+    one of a window of experts; ``all``: two of a layer each; ``mapped`` reads the
+    page-locked host banks in place: none)."""
     return {"routed": 1, "all": 2, "mapped": 0}[experts]
+
+
+def window_experts(num_experts: int, windows: int) -> int:
+    """Experts of one window when a layer of ``num_experts`` is streamed in ``windows``."""
+    if windows < 1:
+        raise ValueError(f"stream windows must be >= 1, got {windows}")
+    return -(-int(num_experts) // min(int(windows), max(int(num_experts), 1)))
+
+
+def buffer_bytes(experts: str, layer_bytes: list[int], num_experts: int, windows: int = STREAM_WINDOWS) -> int:
+    """Device bytes of the streamer's buffers for layers of ``layer_bytes`` (each
+    ``num_experts`` experts of equal size): ``routed`` one window of the largest layer's
+    experts, ``all`` two of its layers, ``mapped`` none."""
+    if not layer_bytes or experts == "mapped":
+        return 0
+    largest = max(int(b) for b in layer_bytes)
+    if experts == "all":
+        return 2 * largest
+    return window_experts(num_experts, windows) * (largest // max(int(num_experts), 1))
 
 
 @dataclasses.dataclass
@@ -85,7 +110,7 @@ class PrefillStreamer:
     def __init__(
         self, layers: dict[int, Any], device: Any, act_dtype: torch.dtype, activation: str, packed_ok: bool,
         scratch: DequantScratch, copies: CopyQueue, mode: str = "auto", min_tokens: Optional[int] = None,
-        experts: str = "routed", registration: Any = None,
+        experts: str = "routed", registration: Any = None, windows: int = STREAM_WINDOWS,
     ) -> None:  # fmt: skip
         if experts not in ("routed", "all", "mapped"):
             raise ValueError(f"streamed experts {experts!r}: expected 'routed', 'all' or 'mapped'")
@@ -113,22 +138,27 @@ class PrefillStreamer:
             self.mapped = {layer: mapped_experts(e, registration, self.device, activation, prompts=True)
                            for layer, e in self.layers.items()}
         # routed copies by the gather kernel: each layer's stacks at their mapped host addresses
+        # (a simulated GPU whose device memory is the host's: the bank tensors themselves)
         self.gather_src: dict[int, list[Any]] = {}
-        if self.routed and packed_ok and self.device.type == "cuda" and registration is not None \
+        if self.routed and packed_ok and self.device.type in ("cuda", "cpu") and registration is not None \
                 and registration.mapped:  # fmt: skip
             self.gather_src = {layer: _mapped_sources(e, registration, self.device)
                                for layer, e in self.layers.items()}
             self.gather_src = {k: v for k, v in self.gather_src.items() if v}
         self._gathered: Any = None  # bytes the gather kernels copied (a device counter)
-        self._views: dict[int, Any] = {}  # layer -> its compute view over the one buffer (routed)
+        self._views: dict[tuple[int, int], Any] = {}  # (layer, first expert) -> a window's view (routed)
         #: layer -> (its cached experts, their residency [E] on the device) or None: set by
         #: the owner of an expert cache over these layers (routed streaming copies the rest)
         self.cached: Optional[Callable[[int], Optional[tuple[Any, Any]]]] = None
         self.profile: Optional[StreamProfile] = None
-        size = max(e.nbytes for e in self.layers.values())
+        num_experts = max((e.num_experts for e in self.layers.values()), default=1)
+        #: experts per window of a routed layer (all of them with ``all``)
+        self.window = window_experts(num_experts, windows) if self.routed else num_experts
         # routed: a layer's copy starts after its router, so after the previous layer's
-        # experts were computed; one buffer serves every layer. all: two alternate.
+        # experts were computed; one buffer of a window serves every layer. all: two
+        # layer-sized buffers alternate.
         count = buffer_count(experts)
+        size = buffer_bytes(experts, [e.nbytes for e in self.layers.values()], num_experts, windows) // max(count, 1)
         self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(count)]
         self._released: list[Any] = [None] * count  # compute events after the last reader of each buffer
         self._inflight: dict[int, tuple[int, CopyTicket]] = {}  # layer -> (buffer, its copy)
@@ -160,17 +190,27 @@ class PrefillStreamer:
     def _slot(self, layer: int) -> int:
         return self.position[layer] % len(self.buffers)
 
-    def _parts(self, layer: int, buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(device view, host bytes) of the layer's gate, up and down stacks inside ``buf``."""
+    def _parts(self, layer: int, buf: torch.Tensor, first: int = 0, count: Optional[int] = None,
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """(device view, host bytes) of experts ``first .. first + count`` (default: all) of
+        the layer's gate, up and down stacks, one stack after the other inside ``buf``."""
         e = self.layers[layer]
+        count = e.num_experts - first if count is None else count
         pairs, off = [], 0
         for t in (e.gate, e.up, e.down):
             src = t.raw_torch().reshape(-1)
             src = src.view(torch.uint8) if src.dtype != torch.uint8 else src
+            per = src.numel() // e.num_experts
+            src = src[first * per:(first + count) * per]
             n = src.numel()
             pairs.append((buf[off:off + n], src))
             off += n
         return pairs
+
+    def _windows(self, layer: int) -> list[tuple[int, int]]:
+        """(first expert, experts) of each window of the layer."""
+        E = self.layers[layer].num_experts
+        return [(a, min(self.window, E - a)) for a in range(0, E, self.window)]
 
     def start_step(self) -> None:
         """A streaming step begins: with ``all``, the first CPU layer's copy starts now."""
@@ -205,65 +245,74 @@ class PrefillStreamer:
         if layer in self.gather_src:
             return self._forward_gathered(layer, x, ids, w, counts)
         used = np.flatnonzero(counts.cpu().numpy())  # waits for this layer's router
-        b = self._slot(layer)
-        buf = self.buffers[b]
+        buf = self.buffers[0]
         y = torch.zeros(x.shape[0], e.hidden, dtype=torch.float32, device=self.device)
-        if used.size == 0:
-            return y.to(x.dtype)
-        parts = np.array_split(used, min(ROUTED_PARTS, used.size))
-        part_of = np.full(E, -1, dtype=np.int32)
-        tickets = []
-        after = self._released[b]
-        for p, experts in enumerate(parts):
-            part_of[experts] = p
-            # issued here, not by the copy thread: the compute waits for them next
-            tickets.append(self.copies.submit_now(self._ranges(layer, buf, experts), after=after))
-            after = None
-        part_of_dev = torch.from_numpy(part_of).to(self.device)
-        view = self._compute_view(layer, buf)
-        part_ids = part_of_dev[ids.clamp(min=0).long()]
-        minus = torch.full_like(ids, -1)
-        scratch = torch.empty_like(y) if len(parts) > 1 else None
-        for p, ticket in enumerate(tickets):
+        part, done = torch.empty_like(y), 0
+        for first, n in self._windows(layer):
+            mine = used[(used >= first) & (used < first + n)] - first
+            if mine.size == 0:
+                continue
+            # issued here, not by the copy thread: the compute waits for it next; the copy
+            # waits for the compute that last read the buffer (the previous window's)
+            ticket = self.copies.submit_now(self._ranges(layer, buf, first, n, mine), after=self._released[0])
             ticket.order_before()
-            ids_p = torch.where((part_ids == p) & (ids >= 0), ids, minus)
-            view.forward(x, ids_p, w, out=scratch if p else y)
-            if p:
-                y.add_(scratch)
+            self._window_view(layer, first, n).forward(x, _local_ids(ids, first, n), w, out=part if done else y)
+            if done:
+                y.add_(part)
+            done += 1
+            self._released[0] = self.copies.compute_event()
             self._copied_bytes += ticket.nbytes
         self.streamed_layers += 1
-        self._released[b] = self.copies.compute_event()
         return y.to(x.dtype)
 
     def _forward_gathered(self, layer: int, x: Any, ids: Any, w: Any, counts: Any) -> Any:
-        """The routed experts copied by gather kernels on the current stream (after the
-        router, before the compute that reads them; the previous layer's compute, the last
-        reader of the buffer, is earlier on the same stream), then computed: nothing here
-        waits for the GPU."""
+        """The routed experts copied window by window by gather kernels on the current
+        stream (after the router, before the compute that reads them; the previous
+        window's compute, the last reader of the buffer, is earlier on the same stream),
+        each window computed once copied: nothing here waits for the GPU."""
         from freetoken.moe.expert_gather import gather_experts
 
         e = self.layers[layer]
         buf = self.buffers[0]
-        for (dst, _), src in zip(self._parts(layer, buf), self.gather_src[layer]):
-            gather_experts(src, dst, counts, e.num_experts)
+        windows = self._windows(layer)
+        y = torch.zeros(x.shape[0], e.hidden, dtype=torch.float32, device=self.device) if len(windows) > 1 else None
+        part = torch.empty_like(y) if y is not None else None
+        out = None
+        for k, (first, n) in enumerate(windows):
+            for (dst, src_bytes), src in zip(self._parts(layer, buf, first, n), self.gather_src[layer]):
+                per = src_bytes.numel() // n
+                gather_experts(_offset(src, first * per), dst, counts[first:first + n], n)
+            view = self._window_view(layer, first, n)
+            if y is None:
+                out = view.forward(x, ids, w)
+            else:
+                view.forward(x, _local_ids(ids, first, n), w, out=y if k == 0 else part)
+                if k:
+                    y.add_(part)
         if self._gathered is None:
             self._gathered = torch.zeros((), dtype=torch.int64, device=self.device)
         self._gathered.add_((counts > 0).sum() * (e.nbytes // e.num_experts))
         self.streamed_layers += 1
-        view = self._views.get(layer)
-        if view is None:
-            view = self._views[layer] = self._compute_view(layer, buf)
-        return view.forward(x, ids, w)
+        return out if y is None else y.to(x.dtype)
 
-    def _ranges(self, layer: int, buf: torch.Tensor, experts: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(device view, host bytes) pairs copying ``experts`` (sorted ids) of each stack:
-        one pair per run of consecutive experts."""
-        e = self.layers[layer]
+    def _window_view(self, layer: int, first: int, n: int) -> Any:
+        """The compute view of experts ``first .. first + n`` of ``layer`` in the buffer
+        (made once per layer and window)."""
+        view = self._views.get((layer, first))
+        if view is None:
+            view = self._views[(layer, first)] = self._compute_view(layer, self.buffers[0], first, n)
+        return view
+
+    def _ranges(self, layer: int, buf: torch.Tensor, first: int, n: int, experts: np.ndarray,
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """(device view, host bytes) pairs copying ``experts`` (sorted ids within the window
+        of experts ``first .. first + n``) of each stack: one pair per run of consecutive
+        experts."""
         starts = np.flatnonzero(np.diff(experts, prepend=-2) != 1)
         runs = [(int(experts[a]), int(experts[z - 1]) + 1) for a, z in zip(starts, list(starts[1:]) + [experts.size])]
         pairs = []
-        for dst, src in self._parts(layer, buf):
-            per = src.numel() // e.num_experts
+        for dst, src in self._parts(layer, buf, first, n):
+            per = src.numel() // n
             pairs += [(dst[a * per:z * per], src[a * per:z * per]) for a, z in runs]
         return pairs
 
@@ -293,17 +342,29 @@ class PrefillStreamer:
         b, _ = self._inflight.pop(layer)
         self._released[b] = self.copies.compute_event()
 
-    def _compute_view(self, layer: int, buf: torch.Tensor) -> Any:
+    def _compute_view(self, layer: int, buf: torch.Tensor, first: int = 0, n: Optional[int] = None) -> Any:
+        """Experts ``first .. first + n`` (default: all) of ``layer`` as they lie in ``buf``:
+        ids ``0 .. n - 1`` of the view are experts ``first ..`` of the layer."""
+        from freetoken.moe import triton_moe_packed as tp
         from freetoken.moe.gpu_experts import GpuExperts
         from freetoken.moe.gpu_packed_experts import PackedGpuExperts
 
         e = self.layers[layer]
-        (g, _), (u, _), (d, _) = self._parts(layer, buf)
-        if {int(t.fmt) for t in (e.gate, e.up, e.down)} <= PACKED_FORMATS and self.packed_ok:
-            return PackedGpuExperts.over_device_bytes(e, (g, u, d), self.device, activation=self.activation,
+        n = e.num_experts - first if n is None else n
+        (g, _), (u, _), (d, _) = self._parts(layer, buf, first, n)
+        raws = (e.gate, e.up, e.down)
+        if {int(t.fmt) for t in raws} <= PACKED_FORMATS and self.packed_ok:
+            if n == e.num_experts:
+                return PackedGpuExperts.over_device_bytes(e, (g, u, d), self.device, activation=self.activation,
+                                                          scratch=self.scratch)
+            stacks = tuple(tp.PackedStack.from_bytes(b, int(t.fmt), n, *(int(s) for s in t.shape[1:]))
+                           for b, t in zip((g, u, d), raws))
+            view = PackedGpuExperts.over_device_bytes(e, stacks, self.device, activation=self.activation,
                                                       scratch=self.scratch)
+            view.num_experts = view.dequant_group = n  # ids index the window
+            return view
         dt = _FLOAT_FMTS[int(e.gate.fmt)]
-        views = [x.view(dt).view(*t.shape) for x, t in ((g, e.gate), (u, e.up), (d, e.down))]
+        views = [x.view(dt).view(n, *t.shape[1:]) for x, t in ((g, e.gate), (u, e.up), (d, e.down))]
         return GpuExperts(*views, activation=self.activation)
 
     def close(self) -> None:
@@ -313,6 +374,21 @@ class PrefillStreamer:
             except RuntimeError:
                 pass
         self._inflight.clear()
+
+
+def _local_ids(ids: Any, first: int, n: int) -> Any:
+    """``ids`` as ids of the window of experts ``first .. first + n`` (-1 outside it)."""
+    return torch.where((ids >= first) & (ids < first + n), ids - first, torch.full_like(ids, -1))
+
+
+def _offset(src: Any, nbytes: int) -> Any:
+    """``src`` (a uint8 tensor or a mapped :class:`~freetoken.moe.locked_fetch.DevicePointer`)
+    from its byte ``nbytes`` on."""
+    if isinstance(src, torch.Tensor):
+        return src[nbytes:]
+    from freetoken.moe.locked_fetch import DevicePointer
+
+    return DevicePointer(src.data_ptr() + nbytes, src.dtype)
 
 
 def _mapped_sources(experts: Any, registration: Any, device: Any) -> list[Any]:
@@ -334,8 +410,8 @@ def measure_threshold(streamer: PrefillStreamer, cpu: Any, bank: Any, top_k: int
     layer = streamer.order[0]
     e = streamer.layers[layer]
     nbytes = e.nbytes
-    if streamer.buffers:
-        pairs = streamer._parts(layer, streamer.buffers[0])
+    if streamer.buffers:  # (a window of the layer with routed streaming; the rate is the same)
+        pairs = streamer._parts(layer, streamer.buffers[0], 0, streamer.window)
     else:  # mapped streaming keeps no buffer: the rate from a 64 MiB copy into a temporary one
         src = e.gate.raw_torch().reshape(-1)
         src = (src.view(torch.uint8) if src.dtype != torch.uint8 else src)[: 64 << 20]
