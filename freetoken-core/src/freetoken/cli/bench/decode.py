@@ -28,6 +28,7 @@ import logging
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -165,11 +166,16 @@ def run_batch(eng: Any, batch: int, prompt_len: int, tokens: int, vocab: int, se
     _sync(dev)
     t1 = time.perf_counter()
     steps = 0
+    ends = [t1]  # each decode step's end on the host clock (a step returns once its tokens are known)
     while eng.has_work():
         eng.step()
         steps += 1
+        ends.append(time.perf_counter())
     _sync(dev)
     t2 = time.perf_counter()
+    ms = [1000 * (b - a) for a, b in zip(ends, ends[1:])]
+    median = statistics.median(ms) if ms else 0.0
+    slowest = sorted(range(len(ms)), key=lambda i: -ms[i])[:3]
     busy1, mine1 = _cpu_ticks()
     hz = os.sysconf("SC_CLK_TCK")
     others = max(0, (busy1 - busy0) - (mine1 - mine0)) / hz / (t2 - t0) / (os.cpu_count() or 1)
@@ -180,6 +186,10 @@ def run_batch(eng: Any, batch: int, prompt_len: int, tokens: int, vocab: int, se
         "decode_tok_s": decoded / (t2 - t1) if steps else 0.0,
         "decode_step_ms": 1000 * (t2 - t1) / max(1, steps),
         "decode_steps": steps,
+        # the steps' spread: the median step, and the time above it (one slow step, or many)
+        "decode_step_ms_median": median,
+        "decode_ms_above_median": sum(max(0.0, m - median) for m in ms),
+        "decode_slowest_steps": [[i, round(ms[i], 2)] for i in slowest],
     }
 
 
