@@ -198,7 +198,7 @@ class GpuModelSession(ModelSession):
             if o.moe_cpu_layers is None and budget is not None:
                 fit = set(layers_that_fit(per_layer, budget - fixed))
                 cpu = [i for i in shape.moe_layers if i not in fit]
-            else:  # nothing to plan against: the experts stay on the host
+            else:  # the placement given, or (no budget to plan against) every layer's experts on the host
                 cpu = cpu_layers(o.moe_cpu_layers, shape.moe_layers, n)
         except ValueError as exc:
             raise MemoryPlanError(str(exc)) from None
