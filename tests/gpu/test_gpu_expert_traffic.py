@@ -46,7 +46,7 @@ def reference(backend):
 
 def test_cache_churn_in_graphs_matches_cpu(backend, reference, monkeypatch):
     """200 decode steps per request, every layer's experts in host memory, a cache of 12 of
-    the 64 experts with 2 fetches per layer and step, the fetch policy made restless (heat
+    the 16 experts with 2 fetches per layer and step, the fetch policy made restless (heat
     halving every step, no hysteresis: the last step's routes replace the coldest slots, as
     least recently used would): the slots change under the graphs."""
     from freetoken.moe import expert_cache
@@ -116,7 +116,7 @@ def test_streamed_prefill_matches_cpu(backend, reference, lock, cache):
     """Every prefill chunk computes the CPU layers' experts on the GPU from streamed bytes
     (page-locked or pageable banks), window by window through a buffer of a quarter of the
     layer's experts (the default 4 windows); decode steps hand off to the CPU as usual. With an
-    expert cache (12 of 64 experts, 1 fetch per layer and step) the chunks' routes to
+    expert cache (12 of 16 experts, 1 fetch per layer and step) the chunks' routes to
     cached experts run on the cache's slots and only the others are copied."""
     extra = {"moe_cache_size": float(cache * EXPERT_BYTES), "moe_hybrid_max_fetch": 1} if cache else {}
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_stream_prefill="on", moe_lock_host=lock,
