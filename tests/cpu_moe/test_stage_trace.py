@@ -41,3 +41,26 @@ def test_split_trace_parts_add_up_to_the_gap():
     assert out["k_publish_body"] == pytest.approx(0.4)
     assert out["k_signal_latency"] == pytest.approx(1.9)
     assert out["k_step_gap"] == pytest.approx(10.3)
+    # every stage equal to its median: nothing above it
+    assert out["k_serve_above_median_ms"] == out["k_gpu_gap_above_median_ms"] == 0.0
+    assert out["k_serve_max"] == pytest.approx(50.0) and out["k_step_gap_max"] == pytest.approx(10.3)
+
+
+def test_split_trace_sums_the_time_above_the_median():
+    """Four steps of two layers with one stalled CPU task (+4 ms) and one slow step boundary
+    (+2 ms): each shows in its own kind's time above the median, nowhere else."""
+    from freetoken_cpu_moe.coordinator import ServeRecord
+
+    recs, t = [], 0
+    for step in range(4):
+        for layer in range(2):
+            serve = 50_000 + (4_000_000 if (step, layer) == (1, 0) else 0)
+            recs.append(ServeRecord(100 + layer, t, t + serve - 10, t + serve, 0, 0, 0, 0))
+            t += serve + 5_000  # the GPU side between two layers: 5 us
+        t += 100_000 + (2_000_000 if step == 1 else 0) - 5_000  # the step boundary: 100 us (one 2.1 ms)
+    out = stage_trace.split_trace(recs, {100: 0, 101: 1}, step_us=1000.0, key="k")
+    assert out["k_serve"] == pytest.approx(50.0) and out["k_serve_max"] == pytest.approx(4050.0)
+    assert out["k_serve_above_median_ms"] == pytest.approx(4.0)
+    assert out["k_gpu_gap"] == pytest.approx(5.0) and out["k_gpu_gap_above_median_ms"] == pytest.approx(0.0)
+    assert out["k_step_gap"] == pytest.approx(100.0) and out["k_step_gap_max"] == pytest.approx(2100.0)
+    assert out["k_step_gap_above_median_ms"] == pytest.approx(2.0)

@@ -22,6 +22,7 @@
 # --cpu-only: build llama.cpp without CUDA (a smoke test of this script on a machine without a GPU).
 # Environment: OUT, MODEL_DIR, THREADS (16), NCMOE (24), BUDGET_S (530), REPS (llama-bench -r, 2),
 # LLAMA_HOST_EXPERTS, LLAMA_ALL_GPU (1; 0 skips llama-bench's all-experts-on-the-CPU or all-on-the-GPU run),
+# LLAMA_AFTER (0; 1 runs llama-bench -ncmoe again after FreeToken's runs),
 # FT_TESTS (GPU test files run while llama.cpp compiles; FT_TESTS_TIMEOUT 180), FT_PLACEMENTS (FreeToken's
 # --moe-cpu-layers values, or limit:SIZE; SPEC@FLAG,VALUE,... adds flags; default "all $NCMOE 0"), FT_BATCHES ("1 8"), LLAMACPP_SRC
 # (.bench/llama.cpp), LLAMACPP_BUILD (/tmp/llamacpp-build: an existing llama-bench there is
@@ -223,5 +224,12 @@ if [ "$(left 60)" -ge 20 ]; then
   say "run_freetoken_bench rc=$rc in $(( $(date +%s) - t ))s"
 else
   say "run_freetoken_bench skipped: out of time"
+fi
+if [ "${LLAMA_AFTER:-0}" = 1 ] && [ -x "$B/bin/llama-bench" ] && [ -f "$MODEL.ok" ]; then
+  # the same -ncmoe run again after FreeToken's: the host's speed drifts within a call, and a
+  # reference on both sides of the runs brackets it
+  : > "$MD"
+  bench "experts of the first $NCMOE layers on the CPU, after FreeToken's runs" 60 -ngl 99 -ncmoe "$NCMOE"
+  tee -a "$SUM" < "$MD"
 fi
 say "done (this output is also $OUT/summary.txt)"

@@ -26,6 +26,10 @@ def split_trace(trace: list[Any], order: dict[int, int], step_us: float, key: st
     launches), ``publish_body`` (route split, x/ids/w stores) and ``signal_latency``
     (ready reaching the CPU plus done reaching the GPU); ``{key}_step_gap``: the gap across
     a step boundary (the rest of the model, the output head, sampling, the host's step).
+
+    Where a few slow steps come from: ``{key}_{serve,gpu_gap,step_gap}_above_median_ms``,
+    the time of each kind above its median summed over the trace (a stalled CPU task, a slow
+    GPU side, a slow step boundary), and ``{key}_{...}_max`` the slowest one (us).
     """
     trace = [r for r in trace if r.desc in order]
     serve = [(r.done_ns - r.claim_ns) / 1e3 for r in trace]
@@ -60,4 +64,9 @@ def split_trace(trace: list[Any], order: dict[int, int], step_us: float, key: st
         # the layer latency is a mean over the block, so the CPU work it holds is the mean serve
         out[f"{key}_overhead_vs_serve"] = layer_us - statistics.fmean(serve)
     out.update({f"{key}_{name}": statistics.median(v) for name, v in parts.items() if v})
+    for name, v in (("serve", serve), ("gpu_gap", parts["gpu_gap"]), ("step_gap", parts["step_gap"])):
+        if v:
+            mid = statistics.median(v)
+            out[f"{key}_{name}_above_median_ms"] = sum(max(0.0, x - mid) for x in v) / 1e3
+            out[f"{key}_{name}_max"] = max(v)
     return out
