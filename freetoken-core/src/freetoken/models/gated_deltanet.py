@@ -254,9 +254,9 @@ class GatedDeltaNet:
         window = torch.cat([conv_state.index_select(0, slots), mixed.to(conv_state.dtype).unsqueeze(1)], 1)  # [B, K, C]
         conv_state.index_copy_(0, slots, window[:, 1:])
         # products and sum in float32 (a BF16 sum of the kernel's products loses a channel
-        # that nearly cancels, and its q/k normalisation then amplifies that error), the
-        # output in the activation dtype
-        conv = F.silu((window.float() * self.conv_weight.float().t().unsqueeze(0)).sum(1)).to(mixed.dtype)
+        # that nearly cancels, and its q/k normalisation then amplifies that error; the
+        # weights are promoted inside the product, not copied), the output in the activation dtype
+        conv = F.silu((window.float() * self.conv_weight.t().unsqueeze(0)).sum(1)).to(mixed.dtype)
         q, k, v = self._split(conv)  # [B, H, d]
         if slots.device.type == "cpu":
             # slots readable on the host: each state is updated where it lives (a gather and a

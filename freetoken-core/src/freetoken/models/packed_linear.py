@@ -288,9 +288,7 @@ class PackedWeightPolicy(DeviceWeightPolicy):
         if data.dtype != torch.uint8:
             data = data.view(torch.uint8)
         data = data.reshape(int(raw.shape[0]), -1)
-        pinned = self.device.type != "cpu"
-        table = torch.empty(data.shape, dtype=torch.uint8, pin_memory=pinned)
-        table.copy_(data)
+        table = data.pin_memory() if self.device.type != "cpu" else data
         self.host_bytes += table.numel()
         return table
 

@@ -192,6 +192,20 @@ class PackedGpuExperts:
         memory), nothing copied; the capture fallback's constants are not prepared."""
         return cls(experts.gate, experts.up, experts.down, device, on_device=data, warm=False, **kwargs)
 
+    @classmethod
+    def over_slots(cls, experts: "ExpertWeights", data: Any, count: int, device: Any,
+                   **kwargs: Any) -> "PackedGpuExperts":  # fmt: skip
+        """``count`` experts of the layer's stacks laid one after another in ``data`` (uint8
+        gate, up, down on the device: a streaming window, locked fetch's staging slots), ids
+        ``0 .. count - 1`` indexing them; as :meth:`over_device_bytes`."""
+        from freetoken.moe import triton_moe_packed as tp
+
+        stacks = tuple(tp.PackedStack.from_bytes(b, int(t.fmt), count, *(int(s) for s in t.shape[1:]))
+                       for b, t in zip(data, (experts.gate, experts.up, experts.down)))
+        view = cls.over_device_bytes(experts, stacks, device, **kwargs)
+        view.num_experts = view.dequant_group = count
+        return view
+
     @property
     def device_bytes(self) -> int:
         """Bytes the expert stacks take on the device (the file's bytes; scratch excluded)."""

@@ -232,16 +232,11 @@ class StagedFetch:
         raws = (experts.gate, experts.up, experts.down)
         self.expert_bytes = [int(t.nbytes) // int(experts.num_experts) for t in raws]
         self.sources = mapped_sources(experts, registration, self.device)
-        self.slots = []
-        for t, buf, per in zip(raws, staging.buffers, self.expert_bytes):
-            _, rows, cols = (int(s) for s in t.shape)
-            self.slots.append(tp.PackedStack.from_bytes(buf[: self.max_fetch * per], int(t.fmt), self.max_fetch,
-                                                        rows, cols))  # fmt: skip
         # per-route kernels for any batch: a step computes at most max_fetch routes
         config = dataclasses.replace(tp.default_config(self.device), max_routes=1 << 30)
-        self.packed = PackedGpuExperts.over_device_bytes(experts, tuple(self.slots), self.device,
-                                                         activation=activation, config=config)
-        self.packed.num_experts = self.packed.dequant_group = self.max_fetch  # ids index the slots
+        slots = tuple(buf[: self.max_fetch * per] for buf, per in zip(staging.buffers, self.expert_bytes))
+        self.packed = PackedGpuExperts.over_slots(experts, slots, self.max_fetch, self.device,
+                                                  activation=activation, config=config)
         self._per_tokens: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
 
     # ---- the constants of a batch size ---------------------------------------------------
@@ -262,7 +257,8 @@ class StagedFetch:
     def _gather(self, experts: torch.Tensor, count: int) -> None:
         from freetoken.moe.expert_gather import gather_routes
 
-        for src, dst, per in zip(self.sources, self.slots, self.expert_bytes):
+        p = self.packed
+        for src, dst, per in zip(self.sources, (p.gate, p.up, p.down), self.expert_bytes):
             gather_routes(src, dst.data.view(-1), experts, count, per)
 
     def forward_routes(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -345,24 +345,15 @@ class PrefillStreamer:
     def _compute_view(self, layer: int, buf: torch.Tensor, first: int = 0, n: Optional[int] = None) -> Any:
         """Experts ``first .. first + n`` (default: all) of ``layer`` as they lie in ``buf``:
         ids ``0 .. n - 1`` of the view are experts ``first ..`` of the layer."""
-        from freetoken.moe import triton_moe_packed as tp
         from freetoken.moe.gpu_experts import GpuExperts
         from freetoken.moe.gpu_packed_experts import PackedGpuExperts
 
         e = self.layers[layer]
         n = e.num_experts - first if n is None else n
         (g, _), (u, _), (d, _) = self._parts(layer, buf, first, n)
-        raws = (e.gate, e.up, e.down)
-        if {int(t.fmt) for t in raws} <= PACKED_FORMATS and self.packed_ok:
-            if n == e.num_experts:
-                return PackedGpuExperts.over_device_bytes(e, (g, u, d), self.device, activation=self.activation,
-                                                          scratch=self.scratch)
-            stacks = tuple(tp.PackedStack.from_bytes(b, int(t.fmt), n, *(int(s) for s in t.shape[1:]))
-                           for b, t in zip((g, u, d), raws))
-            view = PackedGpuExperts.over_device_bytes(e, stacks, self.device, activation=self.activation,
-                                                      scratch=self.scratch)
-            view.num_experts = view.dequant_group = n  # ids index the window
-            return view
+        if {int(t.fmt) for t in (e.gate, e.up, e.down)} <= PACKED_FORMATS and self.packed_ok:
+            return PackedGpuExperts.over_slots(e, (g, u, d), n, self.device, activation=self.activation,
+                                               scratch=self.scratch)
         dt = _FLOAT_FMTS[int(e.gate.fmt)]
         views = [x.view(dt).view(n, *t.shape[1:]) for x, t in ((g, e.gate), (u, e.up), (d, e.down))]
         return GpuExperts(*views, activation=self.activation)
