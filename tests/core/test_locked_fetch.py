@@ -12,7 +12,7 @@ import torch
 from freetoken.backends import registry
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
-from freetoken.moe.locked_fetch import LockedPlacement, first_routes, locked_routes
+from freetoken.moe.locked_fetch import AUTO_FRACTION, LockedPlacement, first_routes, locked_routes, planned_fraction
 
 
 def expected(ids: np.ndarray, resident: np.ndarray, fraction: float, max_fetch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -101,3 +101,17 @@ def test_split_experts_add_cached_and_mapped_routes():
         assert split.forward(x, ids, w, out=out) is out and torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6)
     finally:
         copies.close()
+
+
+def test_auto_share_only_where_measured(monkeypatch):
+    """``--moe-locked-fetch auto`` (None): the measured share on a CUDA device whose layers can
+    be fetched; off on a host device, on ROCm and for layers the GPU cannot fetch; a given
+    share is kept as given (refusals where it cannot apply are the session's)."""
+    assert planned_fraction(None, "cuda", True) == (AUTO_FRACTION, "auto")
+    assert planned_fraction(None, "cuda", False)[0] == 0.0
+    assert planned_fraction(None, "cpu", True) == (0.0, "auto: off on cpu")
+    assert planned_fraction(0.4, "cpu", False) == (0.4, "given")
+    assert planned_fraction(0.0, "cuda", True) == (0.0, "given")
+    monkeypatch.setattr(torch.version, "hip", "6.2.0")
+    off, why = planned_fraction(None, "cuda", True)
+    assert off == 0.0 and "ROCm" in why

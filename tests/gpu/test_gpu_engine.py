@@ -176,8 +176,8 @@ def test_cuda_engine_gguf_kquants_match_float64_reference(backend, tiny_gguf, mo
     """FP32, a GGUF with Q4_K/Q5_K/Q6_K/Q8_0/F16/BF16 tensors: the GPU engine's logits at
     every generated position equal a float64 forward (tests/gpu/qwen3_reference.py) over
     the tensors as gguf-py dequantizes them, run on the engine's own tokens (teacher
-    forcing). Experts of CPU layers run the CPU kernels, which round activations to int8 per
-    32 values: the reference applies that rounding to those layers' expert inputs (the
+    forcing). Experts of CPU layers run the CPU kernels (no locked fetch: every route of a
+    CPU layer on the CPU), which round activations to int8 per 32 values: the reference applies that rounding to those layers' expert inputs (the
     scheme of tests/engine/test_engine_gguf.py), and the bound is that file's documented one
     for rounding-boundary flips. GPU-resident layers dequantize everything: float32
     summation order only (1e-3 of the logits' scale, the bound of the FP32 demo-model test):
@@ -196,8 +196,8 @@ def test_cuda_engine_gguf_kquants_match_float64_reference(backend, tiny_gguf, mo
         return tg.quantize_activations(x.float(), fmt).double()
 
     eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
-                                 moe_cpu_layers=placement, enforce_eager=eager, cuda_graph_max_bs=8),
-                    backend=backend)  # fmt: skip
+                                 moe_cpu_layers=placement, enforce_eager=eager, cuda_graph_max_bs=8,
+                                 moe_locked_fetch=0), backend=backend)  # fmt: skip
     try:
         info = eng.backend_info()
         assert info["graphs"] is (not eager), info

@@ -3,10 +3,13 @@ GPU machine, against the all-CPU placement of the same engine (every routed expe
 by the CPU kernels through the hand-off) on the same GGUF file: the demo model's Q8_0 file,
 so the cache's pool holds the file's Q8_0 blocks and the packed GPU kernels read them.
 
-Bounds: BF16 activations, GPU float32 arithmetic on the weights against the CPU kernels'
-8-bit activation rounding: the logits agree to 5e-2 of their scale, and a greedy token may
-differ from the reference's only where the reference's top-2 margin is within that bound
-(random weights give flat logits); the comparison runs up to that point.
+Bounds: BF16 activations, GPU arithmetic (int8 dots per 32 activations) against the CPU
+kernels' own 8-bit activation rounding: every expert on the GPU against every expert on the
+CPU differed by up to 6.0e-2 of the logits' scale, already within the first 25 steps, on the
+H200 (tests/gpu/churn_spread.py); a placement that mixes the two is held to 1e-1, up to the
+first differing greedy token, which may differ from the reference's only where the
+reference's top-2 margin is within 2e-1 (random weights give flat logits); the comparison
+runs up to that point.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ pytestmark = pytest.mark.gpu
 PROMPTS = [[(11 * i + 5 * j) % 300 + 3 for j in range(n)] for i, n in enumerate((7, 45, 19, 3))]
 #: one demo expert in Q8_0: 3 matrices of 256 x 256 values, 34 bytes per 32
 EXPERT_BYTES = 3 * 256 * 256 * 34 // 32
-TOL = 5e-2
+TOL = 1e-1
 
 
 def _engine(backend, **kw):
@@ -38,7 +41,7 @@ def reference(backend):
     """The same GPU engine and dtype with every expert computed by the CPU workers (the
     all-CPU placement: no cache, nothing streamed); it is itself checked against the CPU
     backend by test_gpu_engine."""
-    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_stream_prefill="off")
+    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_stream_prefill="off", moe_locked_fetch=0)
     out = run_greedy(eng, PROMPTS, 200)
     eng.close()
     return out
@@ -55,7 +58,7 @@ def test_cache_churn_in_graphs_matches_cpu(backend, reference, monkeypatch):
     monkeypatch.setattr(expert_cache, "FETCH_Z", 0.0)
     monkeypatch.setattr(expert_cache, "FETCH_MARGIN", 0.0)
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_cache_size=float(12 * EXPERT_BYTES),
-                  moe_hybrid_max_fetch=2, moe_collect_stats=True, moe_stream_prefill="off")
+                  moe_hybrid_max_fetch=2, moe_collect_stats=True, moe_stream_prefill="off", moe_locked_fetch=0)
     try:
         got = run_greedy(eng, PROMPTS, 200)
         rep = eng.session.report()
@@ -73,7 +76,7 @@ def test_stats_equal_router_counts(backend):
     """Eager (the router's outputs are observable in Python): the statistics equal counts
     taken from the router's own outputs of the decode steps."""
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="0-1", moe_cache_size=float(6 * EXPERT_BYTES),
-                  moe_hybrid_max_fetch=1, moe_collect_stats=True, enforce_eager=True)
+                  moe_hybrid_max_fetch=1, moe_collect_stats=True, enforce_eager=True, moe_locked_fetch=0)
     steps: list[bool] = []
     routes: dict[int, list[np.ndarray]] = {}
     forward = eng.session.forward
@@ -151,23 +154,28 @@ def test_streamed_prefill_mapped_matches_cpu(backend, reference):
     assert check_logits(got, reference, TOL) > 100
 
 
-@pytest.mark.parametrize("mode", ["read", "copy"])
+@pytest.mark.parametrize("mode", ["read", "copy", "auto"])
 @pytest.mark.parametrize("cache_experts", [0, 12])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_locked_fetch_matches_cpu(backend, reference, cache_experts, eager, mode):
     """Half of each step's missed routes (at most 2 per layer) read by the GPU from the
     page-locked, mapped host banks, in place or copied into device slots first, beside the
-    cache when there is one."""
-    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_locked_fetch=0.5, moe_locked_max_fetch=2,
+    cache when there is one; ``auto``: no locked-fetch option given (the default: a quarter
+    of the missed routes, at most 2, by copy)."""
+    given = {} if mode == "auto" else {"moe_locked_fetch": 0.5, "moe_locked_fetch_mode": mode}
+    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_locked_max_fetch=2,
                   moe_cache_size=float(cache_experts * EXPERT_BYTES), moe_hybrid_max_fetch=1 if cache_experts else 0,
-                  moe_collect_stats=True, moe_stream_prefill="off", enforce_eager=eager, moe_locked_fetch_mode=mode)
+                  moe_collect_stats=True, moe_stream_prefill="off", enforce_eager=eager, **given)
     try:
         got = run_greedy(eng, PROMPTS, 200)
         rep = eng.session.report()
     finally:
         eng.close()
     assert rep["graphs"] is (not eager) and rep["host_locked_bytes"] > 0
-    assert rep["locked_fetch"]["routes"] > 100 and rep["locked_fetch"]["mode"] == mode
+    fetch = rep["locked_fetch"]
+    assert fetch["routes"] > 100 and fetch["mode"] == ("copy" if mode == "auto" else mode)
+    assert (fetch["setting"], fetch["fraction"]) == (("auto", 0.25) if mode == "auto" else ("given", 0.5))
+    mode = fetch["mode"]
     assert (rep["locked_fetch"]["staging_bytes"] == 2 * EXPERT_BYTES) == (mode == "copy")
     stats = rep["moe_stats"]
     assert 0 < stats["gpu_routes"] < stats["routes"]

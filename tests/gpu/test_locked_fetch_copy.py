@@ -33,3 +33,32 @@ def test_fakegpu_locked_fetch_copy_matches_the_cpu_workers(cache_experts, monkey
     assert fetch["routes"] > 0 and rep["host_locked_bytes"] > 0, rep
     assert 0 < rep["moe_stats"]["gpu_routes"] < rep["moe_stats"]["routes"], rep["moe_stats"]
     assert check_logits(got, reference, TOL) >= 5
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's run on the fakegpu plugin (the GPU runs the cuda one)")
+def test_fakegpu_locked_fetch_auto(monkeypatch):
+    """No locked-fetch option given (``auto``), the plugin standing in for an NVIDIA device
+    (the plan's device check answered as for CUDA): where the host banks cannot be mapped the
+    engine runs with every missed route on the CPU and says why; where they can, a quarter of
+    the missed routes (at most 2 per layer) by copy."""
+    from test_packed_experts import WIDE
+
+    from freetoken.moe import gpu_experts, gpu_session, locked_fetch, triton_moe_packed
+
+    planned = locked_fetch.planned_fraction
+    monkeypatch.setattr(gpu_session, "planned_fraction", lambda f, device, ok: planned(f, "cuda", ok))
+    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(triton_moe_packed, "default_config", lambda device: WIDE)
+    reference, _, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_locked_fetch=0)
+    got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off")  # the plugin registers no banks
+    fetch = rep["locked_fetch"]
+    assert fetch["fraction"] == 0 and fetch["setting"].startswith("auto: off (the host banks could not be"), fetch
+    assert any("locked fetch auto: off" in note for note in rep["moe_notes"]), rep
+    assert check_logits(got, reference, 1e-6) >= 5  # every route on the CPU workers, as the reference
+    mapped_banks_in_the_interpreter(monkeypatch)
+    got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_collect_stats=True)
+    fetch = rep["locked_fetch"]
+    assert (fetch["setting"], fetch["fraction"], fetch["mode"]) == ("auto", locked_fetch.AUTO_FRACTION, "copy"), fetch
+    assert fetch["staging_bytes"] == 2 * EXPERT_BYTES and fetch["routes"] > 0, fetch
+    assert 0 < rep["moe_stats"]["gpu_routes"] < rep["moe_stats"]["routes"], rep["moe_stats"]
+    assert check_logits(got, reference, TOL) >= 5

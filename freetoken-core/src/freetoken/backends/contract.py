@@ -374,9 +374,10 @@ class MoEOptions:
     window's bytes (more windows: less device memory). ``lock_host``: register (page-lock)
     the host expert banks with the driver (``auto``: when streaming or fetching uses them).
     ``locked_fetch``: share of a decode step's missed routes that the GPU computes from the
-    page-locked banks in the same step (at most ``locked_max_fetch`` per layer; 0: off), its
-    kernels reading them in place (``locked_fetch_mode`` ``read``) or from device slots they
-    are first copied into (``copy``).
+    page-locked banks in the same step (at most ``locked_max_fetch`` per layer; 0: off; None:
+    ``auto``, :func:`freetoken.moe.locked_fetch.planned_fraction`), its kernels reading them
+    from device slots they are first copied into (``locked_fetch_mode`` ``copy``) or in place
+    over PCIe (``read``).
     ``collect_stats`` with the log summary every ``stats_interval_s`` seconds.
     """
 
@@ -389,9 +390,9 @@ class MoEOptions:
     stream_experts: str = "routed"
     stream_windows: int = 4
     lock_host: str = "auto"
-    locked_fetch: float = 0.0
+    locked_fetch: Optional[float] = None
     locked_max_fetch: int = 2
-    locked_fetch_mode: str = "read"
+    locked_fetch_mode: str = "copy"
     collect_stats: bool = False
     stats_interval_s: float = 60.0
 

@@ -309,8 +309,11 @@ def _traffic_lines(info: dict[str, Any]) -> list[str]:
     if info.get("host_locked_bytes"):
         lines.append(f"  page-locked host banks: {_gib(info['host_locked_bytes'])}")
     locked = info.get("locked_fetch")
-    if locked:
-        lines.append(f"  locked fetch: {locked['fraction']} of missed routes, at most {locked['max_fetch']} per layer")
+    if locked and locked["fraction"] > 0:
+        lines.append(f"  locked fetch ({locked['setting']}): {locked['fraction']} of missed routes, at most "
+                     f"{locked['max_fetch']} per layer, {locked['mode']} mode")
+    elif locked:
+        lines.append(f"  locked fetch: {locked['setting']}")
     return lines
 
 

@@ -159,6 +159,16 @@ def unit_fraction(text: str) -> float:
     return value
 
 
+def fraction_or_auto(text: str) -> Optional[float]:
+    """``auto`` (None) or a fraction in [0, 1]."""
+    if str(text).strip().lower() == "auto":
+        return None
+    try:
+        return unit_fraction(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected auto or a fraction in [0, 1]") from None
+
+
 def choice(*values: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         t = str(text).strip().lower()
@@ -281,15 +291,16 @@ _OPTIONS: tuple[_Option, ...] = (
             "speed: auto (when streaming or fetching uses them), on, off (default: {default})",
             choice("auto", "on", "off"), "MODE"),
     _Option("moe_locked_fetch", "--moe-locked-fetch",
-            "share of a decode step's missed expert routes the GPU computes in the same step by reading the "
-            "page-locked host banks over PCIe, beside the CPU workers (about PCIe / (PCIe + RAM bandwidth); "
-            "GGUF K-quant/Q8_0/MXFP4 experts; default: {default}, off)", unit_fraction, "FRACTION"),
+            "share of a decode step's missed expert routes the GPU computes in the same step from the "
+            "page-locked host banks, over PCIe, beside the CPU workers (about PCIe / (PCIe + RAM bandwidth); "
+            "GGUF K-quant/Q8_0/MXFP4 experts); 0: off; auto: 0.25 on an NVIDIA GPU when the banks can be "
+            "page-locked, else off (default: {default})", fraction_or_auto, "auto|FRACTION"),
     _Option("moe_locked_max_fetch", "--moe-locked-max-fetch",
             "most missed routes per layer and step served that way (default: {default})", non_negative_int, "N"),
     _Option("moe_locked_fetch_mode", "--moe-locked-fetch-mode",
-            "how the GPU reads those experts: read (its kernels read the blocks in place over PCIe) or copy (one "
-            "gather kernel per stack first copies them into device slots, then the kernels compute from there; "
-            "a few MiB of GPU memory) (default: {default})", choice("read", "copy"), "MODE"),
+            "how the GPU reads those experts: copy (one gather kernel per stack first copies them into device "
+            "slots, then the kernels compute from there; a few MiB of GPU memory) or read (its kernels read the "
+            "blocks in place over PCIe; measured slower) (default: {default})", choice("copy", "read"), "MODE"),
     _Option("moe_collect_stats", "--moe-collect-stats",
             "collect MoE statistics (active experts, cache hits and misses per layer, fetched bytes, CPU expert "
             "time) for /metrics and a periodic log line (default: off)", flag_only=True),
@@ -315,6 +326,7 @@ _DEFAULT_TEXT: dict[str, str] = {
     "gpu_memory_limit": "no limit",
     "moe_cache_size": "0, no cache",
     "moe_stream_min_tokens": "measured at startup from PCIe and CPU expert speed",
+    "moe_locked_fetch": "auto",
 }
 
 _ENGINE_DESTS = "_engine_option_fields"

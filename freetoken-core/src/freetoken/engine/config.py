@@ -53,9 +53,10 @@ class EngineConfig:
     moe_stream_experts: str = "routed"
     moe_stream_windows: int = 4
     moe_lock_host: str = "auto"
-    moe_locked_fetch: float = 0.0
+    #: a fraction, or None: auto (on where the GPU can fetch, NVIDIA only)
+    moe_locked_fetch: Optional[float] = None
     moe_locked_max_fetch: int = 2
-    moe_locked_fetch_mode: str = "read"
+    moe_locked_fetch_mode: str = "copy"
     moe_collect_stats: bool = False
     moe_stats_interval: float = 60.0
 
@@ -115,7 +116,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if not self.moe_cache_size >= 0:
             raise ValueError(f"moe_cache_size must be >= 0 (bytes, or a fraction below 1), got {self.moe_cache_size}")
-        if not 0 <= self.moe_locked_fetch <= 1:
+        if self.moe_locked_fetch is not None and not 0 <= self.moe_locked_fetch <= 1:
             raise ValueError(f"moe_locked_fetch must be a fraction in [0, 1], got {self.moe_locked_fetch}")
         if self.moe_locked_max_fetch < 0:
             raise ValueError(f"moe_locked_max_fetch must be >= 0, got {self.moe_locked_max_fetch}")

@@ -51,9 +51,12 @@ class ExpertTraffic:
     def __init__(
         self, options: MoEOptions, device: Any, act_dtype: torch.dtype, moe_layers: list[int], top_k: int,
         max_decode_tokens: int, cache_bytes: int, packed_ok: bool, scratch: DequantScratch,
-        stream_planned: bool = True,
+        stream_planned: bool = True, locked_setting: str = "given",
     ) -> None:  # fmt: skip
         self.options = options
+        #: how ``options.locked_fetch`` was chosen: "given", or "auto..." (then it turns itself
+        #: off, with a note, where the banks cannot be fetched from)
+        self.locked_setting = locked_setting
         self.device = torch.device(device)
         self.act_dtype = act_dtype
         self.moe_layers = list(moe_layers)
@@ -92,6 +95,10 @@ class ExpertTraffic:
         o = self.options
         cpu_layers = self.cpu_layers
         locked = o.locked_fetch > 0 and o.locked_max_fetch > 0 and bool(cpu_layers)
+        auto = self.locked_setting.startswith("auto")
+        if locked and auto and not (self.packed_ok and all(locked_fetch_supported(e) for e in cpu_layers.values())):
+            locked = False
+            self.locked_setting = "auto: off (the CPU layers' expert formats are not read by the GPU's kernels)"
         if locked and not (self.packed_ok and all(locked_fetch_supported(e) for e in cpu_layers.values())):
             from freetoken.backends.triton_target import for_device
 
@@ -118,6 +125,10 @@ class ExpertTraffic:
         self._register(staging, stream or (cache and o.hybrid_max_fetch > 0) or locked,
                        mapped=locked or (stream and o.stream_experts != "all"))
         why = "; ".join(self.notes) or f"banks are page-locked for CUDA/HIP devices only, not {self.device}"
+        if locked and auto and self.registration is None:
+            locked = False
+            self.locked_setting = f"auto: off (the host banks could not be page-locked and mapped: {why})"
+            self.notes.append(f"locked fetch {self.locked_setting}")
         if locked and self.registration is None:
             raise ValueError(f"--moe-locked-fetch needs page-locked host banks, which could not be registered: {why}")
         if stream and mapped and self.registration is None:
@@ -294,9 +305,12 @@ class ExpertTraffic:
                 out["prefill_stream"]["routed_copies"] = "gather kernels" if self.streamer.gathers else "copy engine"
         if self.locked:
             out["locked_fetch"] = {"fraction": self.options.locked_fetch, "max_fetch": self.options.locked_max_fetch,
-                                   "mode": self.options.locked_fetch_mode,
+                                   "mode": self.options.locked_fetch_mode, "setting": self.locked_setting,
                                    "staging_bytes": self.fetch_staging.nbytes if self.fetch_staging else 0,
                                    "routes": self.locked_routes if self.route_log is not None else None}
+        elif self.cpu_layers:
+            out["locked_fetch"] = {"fraction": 0.0, "setting": self.locked_setting if self.locked_setting != "given"
+                                   else "off (--moe-locked-fetch 0)"}
         if self.stats is not None:
             out["moe_stats"] = self.stats.snapshot()
         if self.notes:

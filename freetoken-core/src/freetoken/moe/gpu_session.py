@@ -58,7 +58,7 @@ from freetoken.moe.gpu_packed_experts import (
     fp8_rows_bytes,
     fp8_rows_fit,
 )
-from freetoken.moe.locked_fetch import FetchStaging
+from freetoken.moe.locked_fetch import FetchStaging, planned_fraction
 from freetoken.moe.placement import cpu_layers, layers_that_fit
 from freetoken.moe.prefill_stream import buffer_bytes
 
@@ -189,7 +189,9 @@ class GpuModelSession(ModelSession):
         buffers = buffer_bytes(o.moe.stream_experts, layer_bytes, shape.num_experts, o.moe.stream_windows) \
             if streams else 0
         m = o.moe
-        if m.locked_fetch > 0 and m.locked_max_fetch > 0 and m.locked_fetch_mode == "copy" and n > 0:
+        locked, locked_setting = planned_fraction(m.locked_fetch, self.device,
+                                                       n > 0 and len(as_stored) == n and m.lock_host != "off")
+        if locked > 0 and m.locked_max_fetch > 0 and m.locked_fetch_mode == "copy" and n > 0:
             # locked fetch by copy: device slots for the experts a step fetches
             buffers += FetchStaging.bytes_for(max(per_layer.values()) // max(shape.num_experts, 1), m.locked_max_fetch)
         dense = self._dense_form(shape, budget, reserve + kv_min + cache + buffers, per_layer)
@@ -220,9 +222,9 @@ class GpuModelSession(ModelSession):
         self.plan_result = MemoryPlan(budget, dense, max(per_layer.values(), default=0), gpu, cpu,
                                       kv_budget, reserve, sorted(set(gpu) & packed), experts, cache, buffers,
                                       self.dense_form, self.embedding_place)
-        self.traffic = ExpertTraffic(o.moe, self.device, self.act_dtype, shape.moe_layers, shape.top_k,
+        self.traffic = ExpertTraffic(dataclasses.replace(m, locked_fetch=locked), self.device, self.act_dtype, shape.moe_layers, shape.top_k,
                                      max(o.max_running_requests, 1), cache, self.packed_capable, self.dequant_scratch,
-                                     stream_planned=streams and bool(cpu))
+                                     stream_planned=streams and bool(cpu), locked_setting=locked_setting)
         log.info("GPU memory plan: budget %s, dense %s (%s, embedding on the %s), experts of %d layers on the GPU "
                  "(%s, %d packed), expert cache %s, streaming buffers %s, CPU layers %s",
                  _gib(budget) if budget else "-", _gib(dense), self.dense_form, self.embedding_place, len(gpu),

@@ -80,6 +80,29 @@ def mapped_stack(raw: Any, address: int) -> Any:
     return MappedStack(None, int(raw.fmt), rows, cols, address, int(raw.nbytes), e)
 
 
+#: ``--moe-locked-fetch auto``: the share of a step's missed routes fetched where the GPU can
+#: take it (about a quarter: PCIe's ~55 GB/s against the host's ~100 GB/s of the CPU workers
+#: on the H200 machine this was measured on; docs/benchmarks.md)
+AUTO_FRACTION = 0.25
+
+
+def planned_fraction(fraction: Optional[float], device: Any, eligible: bool) -> tuple[float, str]:
+    """The locked-fetch share a session plans with, and why: ``fraction`` as given, or for
+    ``auto`` (None) :data:`AUTO_FRACTION` where the layers' experts can be fetched
+    (``eligible``: GGUF formats the packed kernels read, Triton on the device, banks that
+    may be page-locked) on an NVIDIA GPU (where it was measured; 0 on ROCm and elsewhere)."""
+    if fraction is not None:
+        return float(fraction), "given"
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return 0.0, f"auto: off on {dev.type}"
+    if torch.version.hip is not None:
+        return 0.0, "auto: off on ROCm (not measured there; give a fraction to use it)"
+    if not eligible:
+        return 0.0, "auto: off (the CPU layers' experts are not in formats the GPU reads as stored, or --moe-lock-host off)"
+    return AUTO_FRACTION, "auto"
+
+
 def locked_fetch_supported(experts: Any) -> bool:
     return {int(t.fmt) for t in (experts.gate, experts.up, experts.down)} <= PACKED_FORMATS
 
