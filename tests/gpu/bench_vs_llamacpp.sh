@@ -210,7 +210,8 @@ for b, v in d['batches'].items():
           'dense %.2f GiB' % ((plan.get('dense') or 0) / 2**30), 'embedding', plan.get('embedding'),
           'buffers %.3f GiB' % ((plan.get('scratch') or 0) / 2**30), 'kv %.3f GiB' % ((plan.get('kv_budget') or 0) / 2**30))
     print('SUMMARY freetoken $tag batch', b, 'decode runs', v.get('decode_tok_s_runs'), 'median step %.2f ms' % (v.get('decode_step_ms_median') or 0),
-          'above median %.1f ms' % (v.get('decode_ms_above_median') or 0), 'slowest', v.get('decode_slowest_steps'))
+          'above median %.1f ms' % (v.get('decode_ms_above_median') or 0), 'slowest', v.get('decode_slowest_steps'),
+          'other processes cpu', v.get('other_processes_cpu_runs'))
 st = d.get('stages_b1_us')
 if st: print('SUMMARY freetoken $tag stages_b1_us', json.dumps({k: round(v, 1) for k, v in st.items()}))"
   done

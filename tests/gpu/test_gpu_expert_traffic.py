@@ -4,12 +4,13 @@ by the CPU kernels through the hand-off) on the same GGUF file: the demo model's
 so the cache's pool holds the file's Q8_0 blocks and the packed GPU kernels read them.
 
 Bounds: BF16 activations, GPU arithmetic (int8 dots per 32 activations) against the CPU
-kernels' own 8-bit activation rounding: every expert on the GPU against every expert on the
-CPU differed by up to 6.0e-2 of the logits' scale, already within the first 25 steps, on the
-H200 (tests/gpu/churn_spread.py); a placement that mixes the two is held to 1e-1, up to the
-first differing greedy token, which may differ from the reference's only where the
-reference's top-2 margin is within 2e-1 (random weights give flat logits); the comparison
-runs up to that point.
+kernels' own 8-bit activation rounding. Measured on the H200, already within the first 25
+steps: every expert on the GPU against the all-CPU placement (then with a quarter of its
+routes fetched to the GPU) up to 6.0e-2 of the logits' scale (tests/gpu/churn_spread.py),
+prompts whose experts the GPU computed (streamed) against the all-CPU placement 5.2e-2. A
+placement that mixes the two is held to 1e-1, up to the first differing greedy token, which
+may differ from the reference's only where the reference's top-2 margin is within 2e-1
+(random weights give flat logits); the comparison runs up to that point.
 """
 
 from __future__ import annotations
