@@ -309,8 +309,9 @@ class ExpertTraffic:
                                    "staging_bytes": self.fetch_staging.nbytes if self.fetch_staging else 0,
                                    "routes": self.locked_routes if self.route_log is not None else None}
         elif self.cpu_layers:
-            out["locked_fetch"] = {"fraction": 0.0, "setting": self.locked_setting if self.locked_setting != "given"
-                                   else "off (--moe-locked-fetch 0)"}
+            given = "off (--moe-locked-max-fetch 0)" if self.options.locked_fetch else "off (--moe-locked-fetch 0)"
+            out["locked_fetch"] = {"fraction": 0.0,
+                                   "setting": given if self.locked_setting == "given" else self.locked_setting}
         if self.stats is not None:
             out["moe_stats"] = self.stats.snapshot()
         if self.notes:

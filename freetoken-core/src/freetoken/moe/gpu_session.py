@@ -189,8 +189,8 @@ class GpuModelSession(ModelSession):
         buffers = buffer_bytes(o.moe.stream_experts, layer_bytes, shape.num_experts, o.moe.stream_windows) \
             if streams else 0
         m = o.moe
-        locked, locked_setting = planned_fraction(m.locked_fetch, self.device,
-                                                       n > 0 and len(as_stored) == n and m.lock_host != "off")
+        fetchable = n > 0 and len(as_stored) == n and m.lock_host != "off"
+        locked, locked_setting = planned_fraction(m.locked_fetch, self.device, fetchable)
         if locked > 0 and m.locked_max_fetch > 0 and m.locked_fetch_mode == "copy" and n > 0:
             # locked fetch by copy: device slots for the experts a step fetches
             buffers += FetchStaging.bytes_for(max(per_layer.values()) // max(shape.num_experts, 1), m.locked_max_fetch)
@@ -222,9 +222,10 @@ class GpuModelSession(ModelSession):
         self.plan_result = MemoryPlan(budget, dense, max(per_layer.values(), default=0), gpu, cpu,
                                       kv_budget, reserve, sorted(set(gpu) & packed), experts, cache, buffers,
                                       self.dense_form, self.embedding_place)
-        self.traffic = ExpertTraffic(dataclasses.replace(m, locked_fetch=locked), self.device, self.act_dtype, shape.moe_layers, shape.top_k,
-                                     max(o.max_running_requests, 1), cache, self.packed_capable, self.dequant_scratch,
-                                     stream_planned=streams and bool(cpu), locked_setting=locked_setting)
+        self.traffic = ExpertTraffic(dataclasses.replace(m, locked_fetch=locked), self.device, self.act_dtype,
+                                     shape.moe_layers, shape.top_k, max(o.max_running_requests, 1), cache,
+                                     self.packed_capable, self.dequant_scratch, stream_planned=streams and bool(cpu),
+                                     locked_setting=locked_setting)
         log.info("GPU memory plan: budget %s, dense %s (%s, embedding on the %s), experts of %d layers on the GPU "
                  "(%s, %d packed), expert cache %s, streaming buffers %s, CPU layers %s",
                  _gib(budget) if budget else "-", _gib(dense), self.dense_form, self.embedding_place, len(gpu),

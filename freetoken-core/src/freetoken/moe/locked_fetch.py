@@ -99,7 +99,8 @@ def planned_fraction(fraction: Optional[float], device: Any, eligible: bool) -> 
     if torch.version.hip is not None:
         return 0.0, "auto: off on ROCm (not measured there; give a fraction to use it)"
     if not eligible:
-        return 0.0, "auto: off (the CPU layers' experts are not in formats the GPU reads as stored, or --moe-lock-host off)"
+        return 0.0, ("auto: off (the CPU layers' experts are not in formats the GPU reads as stored, "
+                     "or --moe-lock-host off)")
     return AUTO_FRACTION, "auto"
 
 
