@@ -23,7 +23,7 @@ def test_fakegpu_locked_fetch_copy_matches_the_cpu_workers(cache_experts, monkey
     """Half of each step's missed routes, at most 2 per layer, copied into the slots and
     computed there: without a cache the first routes of the step (constant masks), beside a
     cache of 6 of the 16 experts the first missed ones (slots ranked on the device)."""
-    reference, _, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off")
+    reference, _, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_locked_fetch=0)
     mapped_banks_in_the_interpreter(monkeypatch)
     got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_locked_fetch=0.5, moe_locked_max_fetch=2,
                            moe_locked_fetch_mode="copy", moe_cache_size=float(cache_experts * EXPERT_BYTES),
