@@ -31,7 +31,7 @@ COMMANDS = {
 EVERY_FLAG = [
     "--model", "/models/x.gguf", "--backend", "cpu", "--dtype", "bf16", "--max-model-len", "4096",
     "--max-running-requests", "8", "--kv-cache-tokens", "65536", "--prefill-chunk", "1024", "--seed", "7",
-    "--moe-cpu-layers", "0-11,40", "--cpu-threads", "12", "--enforce-eager", "--cuda-graph-max-bs", "32",
+    "--moe-cpu-layers", "0-11,40", "--cpu-threads", "12", "--enforce-eager", "--decode-ahead", "--cuda-graph-max-bs", "32",
     "--cuda-graph-bs", "8,1,4,4", "--gpu-memory-utilization", "0.85", "--gpu-memory-limit", "1.5GiB",
     "--no-prefix-cache", "--gpu-dense", "packed", "--gpu-embedding", "host", "--moe-gpu-experts", "dequantized", "--moe-cache-size", "6", "--moe-hybrid-max-fetch", "2",
     "--moe-stream-prefill", "on", "--moe-stream-min-tokens", "96", "--moe-stream-experts", "all", "--moe-stream-windows", "8", "--moe-lock-host", "off", "--moe-locked-fetch", "0.3", "--moe-locked-max-fetch", "3", "--moe-locked-fetch-mode", "copy", "--moe-collect-stats",
@@ -40,7 +40,7 @@ EVERY_FLAG = [
 EXPECTED = {
     "model": "/models/x.gguf", "backend": "cpu", "dtype": "bfloat16", "max_model_len": 4096,
     "max_running_requests": 8, "kv_cache_tokens": 65536, "prefill_chunk": 1024, "seed": 7,
-    "moe_cpu_layers": "0-11,40", "cpu_threads": 12, "enforce_eager": True, "cuda_graph_max_bs": 32,
+    "moe_cpu_layers": "0-11,40", "cpu_threads": 12, "enforce_eager": True, "decode_ahead": True, "cuda_graph_max_bs": 32,
     "cuda_graph_bs": [1, 4, 8], "gpu_memory_utilization": 0.85, "gpu_memory_limit": 3 * 2**29,
     "enable_prefix_cache": False, "gpu_dense": "packed", "gpu_embedding": "host", "moe_gpu_experts": "dequantized", "moe_cache_size": 6 * 2**30,
     "moe_hybrid_max_fetch": 2, "moe_stream_prefill": "on", "moe_stream_min_tokens": 96, "moe_stream_experts": "all", "moe_stream_windows": 8, "moe_lock_host": "off",
@@ -70,6 +70,13 @@ def test_every_engine_field_has_a_flag_on_every_command():
         assert all(hasattr(args, field) for field in FLAGS)
 
 
+def test_locked_fetch_auto_is_the_default_and_can_be_given():
+    assert EngineConfig().moe_locked_fetch is None and _config(["serve"]).moe_locked_fetch is None
+    assert _config(["serve", "--moe-locked-fetch", "AUTO"]).moe_locked_fetch is None
+    assert _config(["serve", "--moe-locked-fetch", "0"]).moe_locked_fetch == 0.0
+    assert _config(["serve"]).backend_options(None).moe.locked_fetch_mode == "copy"
+
+
 def test_defaults_are_engine_config_defaults():
     assert vars(_config(["serve"])) == vars(EngineConfig())
     gen = _config(["generate", "--prompt", "hi"])
@@ -89,7 +96,8 @@ def test_moe_cache_size_is_gib_size_or_fraction(text, expected):
 @pytest.mark.parametrize("argv", [["--moe-cache-size", "-1"], ["--moe-cache-size", "lots"],
                                   ["--moe-gpu-experts", "fp4"], ["--moe-stream-prefill", "maybe"],
                                   ["--moe-hybrid-max-fetch", "-2"], ["--moe-stats-interval", "0"],
-                                  ["--moe-locked-fetch", "1.5"], ["--moe-locked-fetch-mode", "stream"],
+                                  ["--moe-locked-fetch", "1.5"], ["--moe-locked-fetch", "most"],
+                                  ["--moe-locked-fetch-mode", "stream"],
                                   ["--moe-stream-windows", "0"], ["--gpu-embedding", "cpu"]])
 def test_bad_moe_flags_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:

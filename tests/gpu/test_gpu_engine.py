@@ -66,6 +66,28 @@ def test_concurrent_equals_alone(backend):
         assert float((la - lb).abs().max() / lb.abs().max()) < 5e-2
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_decode_ahead_equals_steps_read_back(backend, eager, monkeypatch):
+    """``--decode-ahead`` on the GPU with two layers' experts on the CPU (the next step's
+    hand-offs queued while the host reads this step's tokens): the same greedy tokens as the
+    engine that reads every step's tokens first, logits within float32 summation order."""
+    runs = {}
+    for ahead in (False, True):
+        eng = _engine(backend, dtype="float32", moe_cpu_layers="0-1", enforce_eager=eager, cuda_graph_max_bs=8,
+                      decode_ahead=ahead)
+        launched = []
+        real = eng.session.decode_ahead
+        monkeypatch.setattr(eng.session, "decode_ahead", lambda *a: launched.append(1) or real(*a))
+        try:
+            runs[ahead] = run_greedy(eng, PROMPTS, 24)
+        finally:
+            eng.close()
+        assert (len(launched) > 10) == ahead, len(launched)
+    for (ids, logits), (ref_ids, ref_logits) in zip(runs[True], runs[False]):
+        assert ids == ref_ids
+        assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5
+
+
 def test_recapture_on_demand(backend):
     """Graphs captured again between steps (tasks and scratch block kept) decode the same."""
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="0-1", cuda_graph_max_bs=8, enable_prefix_cache=False)

@@ -84,3 +84,75 @@ def test_recapture_without_graphs_is_refused():
             eng.session.recapture_graphs()
     finally:
         eng.close()
+
+
+def _drive(eng, plan, observe: bool):
+    """Run ``plan``: (step index, action) pairs, the action ``("add", prompt, params)`` or
+    ``("abort", index of an added request)``, applied before that step; then steps until no
+    work is left. Returns each request's (ids, finish reason) and, with ``observe``, its
+    logits per step."""
+    rows: dict[str, list[torch.Tensor]] = {}
+    remove = eng.add_logits_observer(
+        lambda ids, logits: [rows.setdefault(r, []).append(logits[i].clone()) for i, r in enumerate(ids)]) \
+        if observe else None
+    reqs = []
+    step = 0
+    while True:
+        for when, action in plan:
+            if when == step:
+                if action[0] == "add":
+                    reqs.append(eng.add_request(action[1], action[2]))
+                else:
+                    eng.abort(reqs[action[1]].request_id)
+        if not eng.has_work() and step > max(w for w, _ in plan):
+            break
+        eng.step()
+        step += 1
+    if remove is not None:
+        remove()
+    return [(r.output_ids, r.finish_reason) for r in reqs], [torch.stack(rows[r.request_id]) for r in reqs
+                                                             if r.request_id in rows]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("observe", [False, True], ids=["tokens", "observed"])
+def test_decode_ahead_equals_steps_read_back(monkeypatch, eager, observe):
+    """``--decode-ahead``: each greedy decode step is launched from the previous step's
+    tokens on the device before they are read back. Against the same engine reading every
+    token back first: the same tokens, finish reasons and logits, through a request stopped
+    by a stop token (its step launched ahead is dropped), one aborted between steps, one
+    added while the others decode (admitted a step later), max_tokens ends, positions across
+    KV block boundaries (16 tokens) and batch buckets that shrink as requests finish; no KV
+    block is left taken."""
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    probe = _engine(enforce_eager=eager, cuda_graph_max_bs=4)
+    try:
+        (first, _), = _drive(probe, [(0, ("add", PROMPTS[0], greedy))], False)[0]
+    finally:
+        probe.close()
+    stop = SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[first[6]])
+    plan = [(0, ("add", PROMPTS[0], stop)), (0, ("add", PROMPTS[1], greedy)),
+            (0, ("add", PROMPTS[2], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))),
+            (5, ("add", [9, 8, 7, 6, 5], greedy)), (8, ("abort", 1))]
+    runs = {}
+    for ahead in (False, True):
+        eng = _engine(enforce_eager=eager, cuda_graph_max_bs=4, decode_ahead=ahead)
+        launched = []
+        real = eng.session.decode_ahead
+        monkeypatch.setattr(eng.session, "decode_ahead", lambda *a: launched.append(1) or real(*a))
+        try:
+            free = eng.kv.free_blocks + eng.prefix_cache.num_cached_free
+            runs[ahead] = _drive(eng, plan, observe)
+            assert eng.backend_info()["graphs"] is (not eager)
+            assert eng.kv.free_blocks + eng.prefix_cache.num_cached_free == free, "a block launched ahead leaked"
+        finally:
+            eng.close()
+        assert (len(launched) > 10) == ahead, len(launched)
+    (want, want_logits), (got, got_logits) = runs[False], runs[True]
+    assert got == want
+    assert [reason for _, reason in got] == ["stop", "abort", "length", "length"]
+    assert len(got[0][0]) <= 7 and len(got[1][0]) < 20
+    # the added request joins a step later, so some steps batch differently: float32
+    # summation order only
+    for g, w in zip(got_logits, want_logits):
+        assert g.shape == w.shape and float((g - w).abs().max() / w.abs().max()) < 1e-5

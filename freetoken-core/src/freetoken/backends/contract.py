@@ -487,6 +487,16 @@ class ModelSession(abc.ABC):
         no penalty, constraint or log-probabilities, and no logits observer is registered."""
         return None
 
+    def decode_ahead(self, input_ids: Any, positions: Any, meta: Any) -> Optional[Any]:
+        """Launch a decode step whose token ids are still on the device (``input_ids``: the
+        previous step's greedy tokens, not yet read back; ``meta.host_ids`` is None) and
+        return its final hidden states as :meth:`forward` does, without waiting for the
+        device; or None (the default: this session cannot), and the engine runs the step
+        once the tokens are on the host. The inputs the engine made for such a step reach
+        the device by non-blocking copies; the session must not wait on the device either
+        (the point is that the host's work between two steps overlaps the step in flight)."""
+        return None
+
     @abc.abstractmethod
     def report(self) -> dict[str, Any]:
         """The backend's decisions for this model: at least ``backend``, ``io_path``,

@@ -229,6 +229,10 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option("enforce_eager", "--enforce-eager",
             "run decode steps eagerly, without capturing CUDA/HIP graphs (default: graphs where the backend "
             "supports them)", flag_only=True),
+    _Option("decode_ahead", "--decode-ahead",
+            "launch each greedy decode step before the previous step's tokens are read back (GPU backends), "
+            "so the host's work between steps overlaps the GPU's; a step launched for a request that then "
+            "stops (end of sequence, stop string) is discarded (default: off)", flag_only=True),
     _Option("cuda_graph_max_bs", "--cuda-graph-max-bs",
             "largest decode batch captured as a graph; bigger batches run eagerly (default: {default})",
             positive_int, "N"),

@@ -37,6 +37,10 @@ class EngineConfig:
     moe_cpu_layers: Optional[str] = None
     cpu_threads: Optional[int] = None
     enforce_eager: bool = False
+    #: launch each greedy decode step before the previous step's tokens are read back
+    #: (sessions that support it: GPU backends), so the host's work between steps overlaps
+    #: the device's
+    decode_ahead: bool = False
     cuda_graph_max_bs: int = 16
     cuda_graph_bs: Optional[list[int]] = None
     gpu_memory_utilization: Optional[float] = None

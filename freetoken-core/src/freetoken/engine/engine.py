@@ -154,6 +154,10 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._logits_observers: list[LogitsObserver] = []
+        #: a decode step launched before the previous step's tokens were read back (its
+        #: batch and final hidden states), taken by the next :meth:`step`
+        self._ahead: Optional[tuple[list[Scheduled], torch.Tensor]] = None
+        self._decode_ahead = config.decode_ahead
         self.num_requests_added = 0  # lifetime counters (metrics)
         self.prompt_tokens_added = 0
         self.prompt_tokens_computed = 0
@@ -247,9 +251,24 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
 
-    def _metadata(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _upload(self, t: torch.Tensor, queued: bool = False) -> torch.Tensor:
+        """``t`` on the engine's device. ``queued``: without waiting for the device (a CUDA
+        copy from pageable memory synchronizes the stream; from page-locked memory it is
+        queued behind the step in flight)."""
+        if self._host_device:  # .to() of a host tensor to the host: ~20 us for nothing on cold caches
+            return t
+        if queued and torch.device(self.device).type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _metadata(self, batch: list[Scheduled], device_ids: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's token ids, positions and attention metadata on the device. With
+        ``device_ids`` (a step launched ahead: its tokens are not on the host yet) those are
+        the ids, nothing here waits for the device, and ``host_ids`` is None."""
         bs = self.kv.block_size
         dev = self.device
+        queued = device_ids is not None
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -259,9 +278,9 @@ class LLMEngine:
             r = s.request
             start = r.num_computed
             end = start + s.num_tokens
-            toks = r.all_ids[start:end] if s.num_tokens > 1 else [r.all_ids[start]]
-            seqs.append(SeqSlice(len(ids), s.num_tokens, end, r.block_table(dev), list(r.blocks)))
-            ids.extend(toks)
+            seqs.append(SeqSlice(len(pos), s.num_tokens, end, r.block_table(dev), list(r.blocks)))
+            if not queued:
+                ids.extend(r.all_ids[start:end] if s.num_tokens > 1 else [r.all_ids[start]])
             blocks = r.blocks
             for p in range(start, end):
                 pos.append(p)
@@ -270,10 +289,12 @@ class LLMEngine:
                 decode = False
         # ids, positions and slots reach the device in one copy (built through numpy: on the
         # caches a decode step's weight stream leaves, about half of torch.tensor's cost)
-        packed = torch.from_numpy(np.array([ids, pos, slots], dtype=np.int64))
-        if not self._host_device:  # .to() of a host tensor to the host: ~20 us for nothing on cold caches
-            packed = packed.to(dev)
-        meta = AttentionMetadata(packed[2], seqs, bs, decode, host_ids=ids, host_positions=pos, host_slots=slots)
+        packed = self._upload(torch.from_numpy(np.array([pos, slots] if queued else [ids, pos, slots],
+                                                        dtype=np.int64)), queued)
+        input_ids = device_ids if device_ids is not None else packed[0]
+        positions, slot_mapping = packed[-2], packed[-1]
+        meta = AttentionMetadata(slot_mapping, seqs, bs, decode, host_ids=None if queued else ids,
+                                 host_positions=pos, host_slots=slots)
         if self.states is not None:
             meta.state_slots = [s.request.state_slot for s in batch]
             if decode:
@@ -284,10 +305,11 @@ class LLMEngine:
             for i, s in enumerate(batch):
                 table[i, : len(s.request.blocks)] = torch.tensor(s.request.blocks, dtype=torch.int64)
             ctx = torch.tensor([q.ctx_len for q in seqs], dtype=torch.int64)
-            meta.block_tables = table.to(dev)
-            meta.ctx_lens = ctx.to(dev)
-            meta.mask = (torch.arange(maxb * bs)[None, :] < ctx[:, None]).view(len(batch), 1, 1, maxb * bs).to(dev)
-        return packed[0], packed[1], meta
+            meta.block_tables = self._upload(table, queued)
+            meta.ctx_lens = self._upload(ctx, queued)
+            meta.mask = self._upload((torch.arange(maxb * bs)[None, :] < ctx[:, None]).view(len(batch), 1, 1, maxb * bs),
+                                     queued)
+        return input_ids, positions, meta
 
     def _greedy_picks(self, h: torch.Tensor, reqs: list[Request]) -> Optional[list[tuple[int, None]]]:
         """The tokens of a step whose sampled requests are all plain greedy, from the session
@@ -327,14 +349,70 @@ class LLMEngine:
                 req.state_slot = None
         return torch.cat(out)
 
+    def _take_ahead(self) -> Optional[tuple[list[Scheduled], torch.Tensor]]:
+        """The step launched ahead, without the requests that finished (or were aborted)
+        since: their rows are dropped (what the step wrote to their KV blocks, which may
+        have been released, came before anything queued after it); None if there is none."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        batch, hidden = ahead
+        live = [i for i, s in enumerate(batch) if s.request.status != Status.FINISHED]
+        if not live:
+            return None
+        if len(live) < len(batch):
+            batch, hidden = [batch[i] for i in live], hidden[live]
+        return batch, hidden
+
+    def _ahead_batch(self, batch: list[Scheduled], reqs: list[Request]) -> Optional[list[Scheduled]]:
+        """The next step's batch, when it can be launched before this step's tokens are read
+        back (``decode_ahead``): every running request sampled here, each plain greedy and
+        not stopped by length at this token, nothing waiting to be admitted, no recurrent
+        state (a discarded step would have changed it), and KV blocks for the next position;
+        else None. Its rows are in ``reqs``' order, as this step's tokens."""
+        if not self._decode_ahead or self.states is not None or self.scheduler.waiting:
+            return None
+        if not (len(reqs) == len(batch) == len(self.scheduler.running)):
+            return None
+        for r in reqs:
+            if not plain_greedy(r) or len(r.output_ids) + 1 >= r.max_new or r.num_tokens + 1 >= self.max_model_len:
+                return None
+        if not all(self.scheduler.reserve(r, r.num_tokens + 1) for r in reqs):
+            return None
+        return [Scheduled(r, 1, True) for r in reqs]
+
+    def _pick(self, logits: torch.Tensor, batch: list[Scheduled], reqs: list[Request]) -> list[tuple[int, Any]]:
+        """This step's tokens from its logits; when the next step can go ahead
+        (:meth:`_ahead_batch`), it is launched from the greedy tokens on the device before
+        they are read back."""
+        nxt = self._ahead_batch(batch, reqs)
+        if nxt is None:
+            return sample(logits, reqs, self.generator)
+        tokens = torch.argmax(logits, dim=-1)  # as argmax_rows: the first largest, a NaN the largest
+        ids, pos, meta = self._metadata(nxt, device_ids=tokens)
+        hidden = self.session.decode_ahead(ids, pos, meta)
+        if hidden is None:
+            logger.info("--decode-ahead: the %s backend cannot launch a step before its tokens are read back; off",
+                        self.backend.name)
+            self._decode_ahead = False
+        else:
+            self._ahead = (nxt, hidden)
+        return [(int(t), None) for t in tokens.tolist()]
+
     @torch.inference_mode()
     def step(self) -> list[StreamDelta]:
         """Run one model step; returns the deltas of the requests that advanced."""
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        ids, pos, meta = self._metadata(batch)
-        hidden = self.session.forward(ids, pos, meta)
+        ahead = self._take_ahead()
+        if ahead is not None:  # launched by the previous step: one decode row per request
+            batch, hidden = ahead
+            rows = list(range(len(batch)))
+        else:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            ids, pos, meta = self._metadata(batch)
+            hidden = self.session.forward(ids, pos, meta)
+            rows = [seq.q_start + seq.q_len - 1 for seq, s in zip(meta.seqs, batch) if s.sample]
         samplers = [s for s in batch if s.sample]
         for s in batch:
             r = s.request
@@ -343,7 +421,6 @@ class LLMEngine:
         self.scheduler.computed(batch)
         deltas: list[StreamDelta] = []
         if samplers:
-            rows = [seq.q_start + seq.q_len - 1 for seq, s in zip(meta.seqs, batch) if s.sample]
             h = hidden if len(rows) == hidden.shape[0] else hidden[rows]
             reqs = [s.request for s in samplers]
             picked = self._greedy_picks(h, reqs)
@@ -351,7 +428,7 @@ class LLMEngine:
                 logits = self.model.compute_logits(h)
                 for observer in self._logits_observers:
                     observer([r.request_id for r in reqs], logits)
-                picked = sample(logits, reqs, self.generator)
+                picked = self._pick(logits, batch, reqs)
             for r, (tok, lp) in zip(reqs, picked):
                 if tok < 0:  # its constraint allowed no token
                     logger.error("request %s: its constraint allows no token; finishing it", r.request_id)

@@ -73,22 +73,28 @@ class DecodeGraphRunner:
         # then [block table row | context length] as int32 (n rows of max_blocks + 1)
         words = 3 * n * 2 + n * (max_blocks + 1)  # in int32 words
         pin = device.type == "cuda"
-        self._host = torch.zeros(words, dtype=torch.int32, pin_memory=pin)
+        # two staging buffers used in turn: a step launched before the previous one's tokens
+        # are read back (the engine's decode-ahead) must not overwrite inputs whose copy may
+        # still be queued behind the previous step
+        self._hosts = [torch.zeros(words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._dev = torch.zeros(words, dtype=torch.int32, device=device)
         dev64 = self._dev[: 6 * n].view(torch.int64).view(3, n)
         dev_tables = self._dev[6 * n :].view(n, max_blocks + 1)
         self.ids, self.positions, self.slots = dev64[0], dev64[1], dev64[2]
         self.block_tables = dev_tables[:, :max_blocks]
         self.ctx_lens = dev_tables[:, max_blocks]
-        # the staging buffer written through numpy views (an element write costs ~0.1 us
+        # the staging buffers written through numpy views (an element write costs ~0.1 us
         # there against ~3 us through torch indexing: 9 against 166 us for a step of 8)
-        host = self._host.numpy()
-        self._host_vec = host[: 6 * n].view(np.int64).reshape(3, n)
-        self._host_tables = host[6 * n :].reshape(n, max_blocks + 1)
+        self._views = []
+        for host_buffer in self._hosts:
+            host = host_buffer.numpy()
+            self._views.append((host[: 6 * n].view(np.int64).reshape(3, n), host[6 * n :].reshape(n, max_blocks + 1)))
+        self._turn = 0
         self.slots.fill_(self.scratch_slot)
         self.block_tables.fill_(scratch_block)
         self.ctx_lens.fill_(1)
-        self._host.copy_(self._dev.cpu())
+        for host_buffer in self._hosts:
+            host_buffer.copy_(self._dev.cpu())
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, dict[str, torch.Tensor]] = {}
         self.capture_seconds = 0.0
@@ -136,30 +142,36 @@ class DecodeGraphRunner:
         self.capture_seconds = time.monotonic() - t0
         log.info("captured decode graphs for batch sizes %s in %.1f s", self.buckets, self.capture_seconds)
 
-    def run(self, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, meta: AttentionMetadata, input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Replay the bucket for this decode step; returns ``[B, hidden]`` (valid until the
-        next replay)."""
+        next replay). The token ids come from ``meta.host_ids``, or when there are none from
+        ``input_ids`` on the device (copied there, in stream order)."""
         seqs = meta.seqs
         B = len(seqs)
         b = self.bucket_for(B)
-        if b is None or meta.host_ids is None or meta.host_positions is None or meta.host_slots is None:
+        host_ids = meta.host_ids
+        if b is None or (host_ids is None and input_ids is None) or meta.host_positions is None \
+                or meta.host_slots is None:
             raise ValueError(f"no decode graph for this step (batch {B}, buckets {self.buckets})")
-        vec = self._host_vec
-        tables = self._host_tables
-        ids, pos, slots = meta.host_ids, meta.host_positions, meta.host_slots
+        vec, tables = self._views[self._turn]
+        host = self._hosts[self._turn]
+        self._turn ^= 1
+        pos, slots = meta.host_positions, meta.host_slots
         for i in range(b):
             j = i if i < B else 0
             s = seqs[j]
             blocks = s.blocks if s.blocks is not None else s.block_table.tolist()
             if len(blocks) > self.max_blocks:
                 raise ValueError(f"sequence of {s.ctx_len} tokens exceeds the graph's {self.max_blocks} blocks")
-            vec[0, i] = ids[j]
+            vec[0, i] = host_ids[j] if host_ids is not None else 0
             vec[1, i] = pos[j]
             vec[2, i] = slots[j] if i < B else self.scratch_slot
             tables[i, : len(blocks)] = blocks
             tables[i, self.max_blocks] = s.ctx_len
         used = 6 * self.buckets[-1] + b * (self.max_blocks + 1)  # the int64 inputs and b table rows
-        self._dev[:used].copy_(self._host[:used], non_blocking=True)
+        self._dev[:used].copy_(host[:used], non_blocking=True)
+        if host_ids is None:
+            self.ids[:B].copy_(input_ids[:B], non_blocking=True)  # type: ignore[index]
         self.graphs[b].replay()
         self.replays += 1
         return self.outputs[b]["hidden"][:B]

@@ -124,8 +124,13 @@ class Request:
         return self.num_tokens - self.num_computed
 
     def block_table(self, device: torch.device) -> torch.Tensor:
+        """The block ids on ``device`` (kept while the blocks stay the same); a CUDA copy is
+        queued from page-locked memory, so that a step launched ahead waits for nothing."""
         if self._table is None or self._table_len != len(self.blocks):
-            self._table = torch.tensor(self.blocks, dtype=torch.int64, device=device)
+            table = torch.tensor(self.blocks, dtype=torch.int64)
+            if torch.device(device).type == "cuda":
+                table = table.pin_memory().to(device, non_blocking=True)
+            self._table = table.to(device)
             self._table_len = len(self.blocks)
         return self._table
 

@@ -89,6 +89,11 @@ class Scheduler:
         for s in batch:
             self.cache.register(s.request)
 
+    def reserve(self, req: Request, tokens: int) -> bool:
+        """Blocks for ``tokens`` of a running request, outside :meth:`schedule` (a step the
+        engine launches ahead); False, and nothing taken, when the cache has too few."""
+        return self._grow(req, tokens)
+
     def _grow(self, req: Request, tokens: int) -> bool:
         need = (tokens + self.block_size - 1) // self.block_size - len(req.blocks)
         if need <= 0:

@@ -476,6 +476,8 @@ class GpuModelSession(ModelSession):
         if old is None:
             raise RuntimeError("this session replays no decode graphs (eager only): nothing to recapture")
         self.runner = None
+        if self.device.type == "cuda":  # a step launched ahead may still replay an old graph
+            torch.cuda.synchronize(self.device)
         old.close()
         self._capture_graphs(scratch=old.scratch_block)
 
@@ -525,8 +527,16 @@ class GpuModelSession(ModelSession):
             self.traffic.before_step(int(input_ids.shape[0]), bool(meta.decode), busy)
         runner = self.runner
         if runner is not None and meta.decode and len(meta.seqs) <= runner.max_batch:
-            return runner.run(meta)
+            return runner.run(meta, input_ids)
         return self._eager(input_ids, positions, meta)
+
+    def decode_ahead(self, input_ids: Any, positions: Any, meta: Any) -> Optional[Any]:
+        """A decode step from device token ids: the graph runner stages the host inputs in
+        its own page-locked buffers and copies the ids on the device; eager steps take the
+        device tensors as they are (device work is queued, not waited for)."""
+        if not meta.decode:
+            return None
+        return self.forward(input_ids, positions, meta)
 
     def _account(self, decode: bool) -> Optional[int]:
         """Raise the error of a failed hand-off (the coordinator counts them; the flags of
