@@ -146,6 +146,21 @@ def test_moe_forward_accumulate_and_out_dtype(bank_for, rng) -> None:
     assert rel_err(out.double().numpy(), ref + base.double().numpy()) < 1e-5
 
 
+def test_coordinator_threads_leave_a_core(monkeypatch) -> None:
+    """A hand-off coordinator's default workers: every physical core but one (the GPU's
+    thread), at least one; ``FREETOKEN_CPU_MOE_THREADS`` when set."""
+    from freetoken_cpu_moe.pool import coordinator_threads
+
+    monkeypatch.delenv("FREETOKEN_CPU_MOE_THREADS", raising=False)
+    assert coordinator_threads() == max(1, len(cm.physical_core_cpus()) - 1)
+    monkeypatch.setattr(cm.pool, "physical_core_cpus", lambda: list(range(16)))
+    assert coordinator_threads() == 15
+    monkeypatch.setattr(cm.pool, "physical_core_cpus", lambda: [0])
+    assert coordinator_threads() == 1
+    monkeypatch.setenv("FREETOKEN_CPU_MOE_THREADS", "6")
+    assert coordinator_threads() == 6
+
+
 @pytest.mark.parametrize("isa", cm.isa_tiers())
 @pytest.mark.parametrize("fmt", cm.FORMATS)
 def test_linear(fmt: str, isa: str, rng) -> None:

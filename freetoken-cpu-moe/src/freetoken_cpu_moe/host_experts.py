@@ -9,7 +9,7 @@ from freetoken.backends.contract import CpuExperts
 from freetoken_cpu_moe.coordinator import Coordinator
 from freetoken_cpu_moe.dense import weights_of
 from freetoken_cpu_moe.ops import moe_forward
-from freetoken_cpu_moe.pool import Pool, default_pool
+from freetoken_cpu_moe.pool import Pool, coordinator_threads, default_pool
 from freetoken_cpu_moe.weights import ExpertBank
 
 
@@ -33,5 +33,8 @@ class HostExperts(CpuExperts):
                            self.pool)
 
     def coordinator(self, threads: Optional[int] = None, watchdog_ms: float = 2000.0) -> Coordinator:
-        pool = self.pool if threads is None or threads == self.pool.num_threads else Pool(threads)
+        """A started hand-off coordinator on ``threads`` workers (default:
+        :func:`~freetoken_cpu_moe.pool.coordinator_threads`, all physical cores but one)."""
+        threads = coordinator_threads() if threads is None else threads
+        pool = self.pool if threads == self.pool.num_threads else Pool(threads)
         return Coordinator(pool=pool, watchdog_ms=watchdog_ms).start()

@@ -112,6 +112,18 @@ def default_pool() -> Pool:
         return _default_pool
 
 
+def coordinator_threads() -> int:
+    """Workers of a hand-off coordinator (a GPU session's CPU experts) when none are asked
+    for: ``FREETOKEN_CPU_MOE_THREADS``, else all physical cores this process may use but one,
+    for the thread that launches the GPU's work and spins while it waits for the tokens (the
+    pool pins its workers to distinct cores; every GPU measurement in docs/benchmarks.md ran
+    with that core left free)."""
+    env = os.environ.get("FREETOKEN_CPU_MOE_THREADS")
+    if env:
+        return int(env)
+    return max(1, len(physical_core_cpus()) - 1)
+
+
 def shutdown_default_pool() -> None:
     global _default_pool
     with _default_lock:

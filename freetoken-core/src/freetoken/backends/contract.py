@@ -536,7 +536,8 @@ class CpuExperts(abc.ABC):
     @abc.abstractmethod
     def coordinator(self, threads: Optional[int] = None, watchdog_ms: float = 2000.0) -> Any:
         """A started coordinator with ``add_task(desc_addr)``, ``remove_task(desc_addr)`` and
-        ``stop()``: it serves the tasks' hand-offs on ``threads`` CPU workers."""
+        ``stop()``: it serves the tasks' hand-offs on ``threads`` CPU workers (None: the
+        implementation's default, which leaves a core to the thread driving the GPU)."""
 
 
 class MemoryPlanError(ValueError):

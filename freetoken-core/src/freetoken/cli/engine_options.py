@@ -324,7 +324,8 @@ _DEFAULT_TEXT: dict[str, str] = {
     "max_model_len": "the model's context, capped by the KV cache",
     "kv_cache_tokens": "--max-running-requests full-length sequences, capped by the memory left after the weights",
     "moe_cpu_layers": "the backend's choice: a GPU backend keeps as many layers on the GPU as its memory allows",
-    "cpu_threads": "$FREETOKEN_CPU_MOE_THREADS, else the backend's choice",
+    "cpu_threads": "$FREETOKEN_CPU_MOE_THREADS, else one per physical core, but one core left to the GPU's "
+                   "thread on GPU backends",
     "cuda_graph_bs": "powers of two and multiples of 8 up to --cuda-graph-max-bs",
     "gpu_memory_utilization": "no limit",
     "gpu_memory_limit": "no limit",
