@@ -128,9 +128,8 @@ class Request:
         queued from page-locked memory, so that a step launched ahead waits for nothing."""
         if self._table is None or self._table_len != len(self.blocks):
             table = torch.tensor(self.blocks, dtype=torch.int64)
-            if torch.device(device).type == "cuda":
-                table = table.pin_memory().to(device, non_blocking=True)
-            self._table = table.to(device)
+            cuda = torch.device(device).type == "cuda"
+            self._table = table.pin_memory().to(device, non_blocking=True) if cuda else table.to(device)
             self._table_len = len(self.blocks)
         return self._table
 

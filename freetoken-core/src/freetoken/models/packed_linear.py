@@ -163,6 +163,14 @@ class PackedLinear:
         return w
 
 
+def _byte_rows(raw: RawTensor) -> torch.Tensor:
+    """The raw tensor's bytes in the file, one row of blocks per matrix row (host memory)."""
+    data = raw.raw_torch()
+    if data.dtype != torch.uint8:
+        data = data.view(torch.uint8)
+    return data.reshape(int(raw.shape[0]), -1)
+
+
 class PackedEmbedding:
     """Token embedding over a packed table: the rows of a step's tokens are dequantized on
     ``device`` (one launch, only their blocks read, capturable in graphs). The table is on
@@ -233,10 +241,7 @@ class PackedWeightPolicy(DeviceWeightPolicy):
             held = self._embedding[1]
             if isinstance(held, PackedEmbedding) and held.data.device == self.device:
                 return held.data
-        data = raw.raw_torch()
-        if data.dtype != torch.uint8:
-            data = data.view(torch.uint8)
-        dev = data.reshape(int(raw.shape[0]), -1).to(self.device)
+        dev = _byte_rows(raw).to(self.device)
         self.packed_bytes += dev.numel()
         name = fmt_name(int(raw.fmt))
         self.formats[name] = self.formats.get(name, 0) + 1
@@ -284,10 +289,7 @@ class PackedWeightPolicy(DeviceWeightPolicy):
     def _host_table(self, raw: RawTensor) -> torch.Tensor:
         """The raw table's bytes in page-locked host memory (a simulated GPU whose device is
         the host: its own memory)."""
-        data = raw.raw_torch()
-        if data.dtype != torch.uint8:
-            data = data.view(torch.uint8)
-        data = data.reshape(int(raw.shape[0]), -1)
+        data = _byte_rows(raw)
         table = data.pin_memory() if self.device.type != "cpu" else data
         self.host_bytes += table.numel()
         return table

@@ -95,16 +95,16 @@ class ExpertTraffic:
         o = self.options
         cpu_layers = self.cpu_layers
         locked = o.locked_fetch > 0 and o.locked_max_fetch > 0 and bool(cpu_layers)
-        auto = self.locked_setting.startswith("auto")
-        if locked and auto and not (self.packed_ok and all(locked_fetch_supported(e) for e in cpu_layers.values())):
+        auto = self.locked_setting.startswith("auto")  # off, with a note, where it cannot apply
+        if locked and not (self.packed_ok and all(locked_fetch_supported(e) for e in cpu_layers.values())):
+            if not auto:
+                from freetoken.backends.triton_target import for_device
+
+                raise ValueError("--moe-locked-fetch: the GPU reads the host banks with its packed kernels, which need "
+                                 "GGUF Q4_K/Q5_K/Q6_K/Q8_0/MXFP4 experts, --moe-gpu-experts auto and a GPU where Triton "
+                                 f"runs (here: {for_device(self.device).reason}); run without it")
             locked = False
             self.locked_setting = "auto: off (the CPU layers' expert formats are not read by the GPU's kernels)"
-        if locked and not (self.packed_ok and all(locked_fetch_supported(e) for e in cpu_layers.values())):
-            from freetoken.backends.triton_target import for_device
-
-            raise ValueError("--moe-locked-fetch: the GPU reads the host banks with its packed kernels, which need "
-                             "GGUF Q4_K/Q5_K/Q6_K/Q8_0/MXFP4 experts, --moe-gpu-experts auto and a GPU where Triton runs "
-                             f"(here: {for_device(self.device).reason}); run without it")
         if locked and o.lock_host == "off":
             raise ValueError("--moe-locked-fetch needs page-locked host banks: drop --moe-lock-host off")
         mapped = o.stream_experts == "mapped"
@@ -125,12 +125,13 @@ class ExpertTraffic:
         self._register(staging, stream or (cache and o.hybrid_max_fetch > 0) or locked,
                        mapped=locked or (stream and o.stream_experts != "all"))
         why = "; ".join(self.notes) or f"banks are page-locked for CUDA/HIP devices only, not {self.device}"
-        if locked and auto and self.registration is None:
+        if locked and self.registration is None:
+            if not auto:
+                raise ValueError(f"--moe-locked-fetch needs page-locked host banks, which could not be registered: "
+                                 f"{why}")
             locked = False
             self.locked_setting = f"auto: off (the host banks could not be page-locked and mapped: {why})"
             self.notes.append(f"locked fetch {self.locked_setting}")
-        if locked and self.registration is None:
-            raise ValueError(f"--moe-locked-fetch needs page-locked host banks, which could not be registered: {why}")
         if stream and mapped and self.registration is None:
             raise ValueError(f"--moe-stream-experts mapped needs page-locked host banks, which could not be "
                              f"registered: {why} (use --moe-stream-experts routed)")
