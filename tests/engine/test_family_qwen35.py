@@ -18,8 +18,9 @@ from qwen35_helpers import FAMILIES, VOCAB, hf_logits64, make_hf, round_to_f16, 
 #: one forward; recurrent decode against the chunked form over every position) the same
 #: math sums in different orders, and random tiny hybrids amplify that (the chunked form's
 #: triangular solves, softmax routing, four layers) to ~1e-3 at some positions in FP32:
-#: transformers' own FP32 forward is up to 1e-3 from its float64 forward on these models,
-#: and its cached decode up to 6e-4 from its own full forward. A wrong state hand-over
+#: transformers' own FP32 forward is up to 1e-3 from its float64 forward on most of these
+#: models (not all: one qwen3_next seed strayed 0.30 over 150 tokens, so the long chunked
+#: test compares with float64), and its cached decode up to 6e-4 from its own full forward. A wrong state hand-over
 #: between pieces, a wrong slot or a stale conv window moves logits by 1e-1 and more.
 FORMS_ATOL = 5e-3
 #: how far an FP32 forward of these models strays from the float64 one (both directions)
@@ -71,13 +72,16 @@ def test_one_prompt_all_positions(checkpoint):
 
 
 def test_chunked_prefill_across_deltanet_chunks(checkpoint):
-    """Prefill pieces of 50 tokens against one 150-token forward: the pieces straddle the
-    DeltaNet's 64-token chunks (64 and 128) and the 16-token KV blocks."""
+    """Prefill pieces of 50 (and 7) tokens against one 150-token float64 forward: the pieces
+    straddle the DeltaNet's 64-token chunks (64 and 128) and the 16-token KV blocks. The
+    reference is float64: transformers' own FP32 forward strayed 0.30 from it at positions
+    112+ for one qwen3_next seed (928897292), where the engine's pieces stayed within 1.8e-4;
+    over 14 seeds of both families the engine was at most 1.1e-3 from float64."""
     family, model, path, seed = checkpoint
     rng = random.Random(seed + 1)
     eng = engine_for(path, prefill_chunk=50)
     ids = _prompt(rng, 150)
-    ref = hf_logits(model, ids)
+    ref = hf_logits64(model, ids).float()
     close_forms(eng.prompt_logits(ids), ref, f"{family} seed {seed} chunk 50")
     close_forms(eng.prompt_logits(ids, chunk=7), ref, f"{family} seed {seed} chunk 7")
 
