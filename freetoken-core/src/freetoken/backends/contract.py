@@ -228,6 +228,25 @@ class Staging(abc.ABC):
         )
 
 
+class PackedGemv(abc.ABC):
+    """One token through a dense matrix kept on the device as a GGUF file's blocks, by the
+    backend's own kernels (what it refuses runs through the engine's Triton kernels)."""
+
+    #: what reports call it
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def refusal(self, fmt: int, cols: int, dtype: Any) -> str:
+        """'' when :meth:`gemv` serves matrices of this ggml format and width with
+        activations of ``dtype`` (a torch dtype), else why not."""
+
+    @abc.abstractmethod
+    def gemv(self, x: Any, data: Any, fmt: int, y: Any) -> None:
+        """``y [1, N] = x [1, K] @ W.T`` on the device's current stream (capturable in
+        graphs): ``W``'s rows are those of ``data`` (``[N, row_bytes]`` uint8 on the device,
+        ``fmt``'s blocks), ``x`` and ``y`` contiguous tensors on the device."""
+
+
 class CapturedGraph(abc.ABC):
     """One captured decode step for one batch size."""
 
@@ -417,6 +436,9 @@ class EngineOptions:
     (page-locked host memory the GPU reads a step's rows from over PCIe; not for an embedding
     that is also the output head), or ``auto`` (host when the memory plan leaves layers'
     experts on the CPU, so its bytes go to expert layers instead).
+    ``gpu_gemv``: what runs one token through a packed dense matrix: ``native`` (the
+    backend's :class:`PackedGemv`), ``triton`` (the engine's Triton kernels), or ``auto``
+    (native for the formats it serves, where the backend has one).
     """
 
     act_dtype: Any = None
@@ -433,6 +455,7 @@ class EngineOptions:
     kv_cache_tokens: Optional[int] = None  # an explicit KV cache size (the plan keeps room for it)
     gpu_dense: str = "auto"
     gpu_embedding: str = "auto"
+    gpu_gemv: str = "auto"
     moe: MoEOptions = dataclasses.field(default_factory=lambda: MoEOptions())
 
 
@@ -600,6 +623,10 @@ class Backend(abc.ABC):
 
     def graph_capture(self) -> Optional[GraphCapture]:
         """The GraphCapture, or None when graphs are not supported."""
+        return None
+
+    def packed_gemv(self) -> Optional[PackedGemv]:
+        """The backend's one-token GEMV over packed blocks, or None when it has none."""
         return None
 
     def current_stream(self) -> int:

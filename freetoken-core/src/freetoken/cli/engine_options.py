@@ -229,10 +229,11 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option("enforce_eager", "--enforce-eager",
             "run decode steps eagerly, without capturing CUDA/HIP graphs (default: graphs where the backend "
             "supports them)", flag_only=True),
-    _Option("decode_ahead", "--decode-ahead",
-            "launch each greedy decode step before the previous step's tokens are read back (GPU backends), "
-            "so the host's work between steps overlaps the GPU's; a step launched for a request that then "
-            "stops (end of sequence, stop string) is discarded (default: off)", flag_only=True),
+    _Option("decode_ahead", "--no-decode-ahead",
+            "read each decode step's tokens back before launching the next; by default (GPU backends) a "
+            "greedy step is launched from the previous step's tokens on the device before they are read back, "
+            "so the host's work between steps overlaps the GPU's, and a step launched for a request that then "
+            "stops (end of sequence, stop string) is discarded", flag_only=True, turns_off=True),
     _Option("cuda_graph_max_bs", "--cuda-graph-max-bs",
             "largest decode batch captured as a graph; bigger batches run eagerly (default: {default})",
             positive_int, "N"),
@@ -256,6 +257,11 @@ _OPTIONS: tuple[_Option, ...] = (
             "each step's rows over PCIe, a few microseconds, and its bytes hold experts instead) or auto (host "
             "when some layers' experts would run on the CPU) (default: {default})",
             choice("auto", "device", "host"), "MODE"),
+    _Option("gpu_gemv", "--gpu-gemv",
+            "what runs one token through a packed dense matrix (attention, output head): native (the "
+            "backend's CUDA kernel: Q4_K and Q6_K), triton (the Triton kernels) or auto (native for the "
+            "formats it serves, where the backend has it) (default: {default})",
+            choice("auto", "native", "triton"), "MODE"),
     _Option("moe_gpu_experts", "--moe-gpu-experts",
             "form of GPU-resident experts: auto (GGUF Q4_K/Q5_K/Q6_K/Q8_0/MXFP4 stay packed as in the file, FP8 "
             "block-scaled in rows of scaled blocks, other formats are dequantized to the activation dtype) or "

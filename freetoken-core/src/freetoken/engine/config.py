@@ -40,7 +40,7 @@ class EngineConfig:
     #: launch each greedy decode step before the previous step's tokens are read back
     #: (sessions that support it: GPU backends), so the host's work between steps overlaps
     #: the device's
-    decode_ahead: bool = False
+    decode_ahead: bool = True
     cuda_graph_max_bs: int = 16
     cuda_graph_bs: Optional[list[int]] = None
     gpu_memory_utilization: Optional[float] = None
@@ -48,6 +48,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     gpu_dense: str = "auto"
     gpu_embedding: str = "auto"
+    gpu_gemv: str = "auto"
     moe_gpu_experts: str = "auto"
     #: bytes when >= 1, a fraction of the GPU memory budget when below 1
     moe_cache_size: float = 0.0
@@ -73,7 +74,7 @@ class EngineConfig:
             gpu_memory_utilization=self.gpu_memory_utilization, max_running_requests=self.max_running_requests,
             max_model_len=self.max_model_len or 0, kv_block_size=self.kv_block_size,
             kv_cache_tokens=self.kv_cache_tokens, gpu_dense=self.gpu_dense,
-            gpu_embedding=self.gpu_embedding,
+            gpu_embedding=self.gpu_embedding, gpu_gemv=self.gpu_gemv,
             moe=MoEOptions(
                 gpu_experts=self.moe_gpu_experts,
                 cache_bytes=int(self.moe_cache_size) if self.moe_cache_size >= 1 else 0,
@@ -111,6 +112,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name, value, allowed in (("gpu_dense", self.gpu_dense, ("auto", "packed", "dequantized")),
                                      ("gpu_embedding", self.gpu_embedding, ("auto", "device", "host")),
+                                     ("gpu_gemv", self.gpu_gemv, ("auto", "native", "triton")),
                                      ("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
                                      ("moe_stream_prefill", self.moe_stream_prefill, ("auto", "on", "off")),
                                      ("moe_stream_experts", self.moe_stream_experts, ("routed", "all", "mapped")),

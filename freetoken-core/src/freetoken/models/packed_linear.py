@@ -13,6 +13,8 @@ packed kernels cost.
 
 How a :class:`PackedLinear` computes, by the number of tokens ``T`` of a call:
 
+* ``T = 1`` with a backend's native GEMV (:class:`~freetoken.backends.contract.PackedGemv`)
+  that serves the matrix's format and width: that kernel (one launch, capturable in graphs);
 * ``T <= config.max_gemv_tokens`` (decode): the packed GEMV of
   :mod:`freetoken.models.packed_linear_triton` (one launch, weights read once per token
   tile, no host synchronisation, capturable in graphs);
@@ -94,7 +96,8 @@ class PackedLinear:
     packed = True
 
     def __init__(self, data: torch.Tensor, fmt: int, shape: tuple[int, int], scratch: PrefillScratch,
-                 impl: str = "triton", config: Any = None) -> None:  # fmt: skip
+                 impl: str = "triton", config: Any = None, native: Any = None,
+                 dtype: Optional[torch.dtype] = None) -> None:  # fmt: skip
         self.out_features, self.in_features = (int(s) for s in shape)
         self.fmt = int(fmt)
         self.data = data.reshape(self.out_features, -1)  # [N, row_bytes] uint8
@@ -117,6 +120,10 @@ class PackedLinear:
             self.batch_config.validate()
         elif impl != "torch":
             raise ValueError(f"packed linear: impl must be 'triton' or 'torch', got {impl!r}")
+        #: the backend's one-token GEMV (a :class:`~freetoken.backends.contract.PackedGemv`), when
+        #: it serves this matrix with activations of ``dtype``
+        self.native = native if native is not None and not native.refusal(self.fmt, self.in_features, dtype) \
+            else None
         self.chunk_rows = chunk_rows(self.out_features, self.in_features)
         scratch.reserve(self.chunk_rows * self.in_features)
 
@@ -128,7 +135,9 @@ class PackedLinear:
         tokens = x2.shape[0]
         y = torch.empty((tokens, self.out_features), dtype=x.dtype, device=x.device)
         config = self.config if tokens == 1 else self.batch_config
-        if tokens and self.matrix is not None and tokens <= config.max_gemv_tokens:
+        if tokens == 1 and self.native is not None and x2.data_ptr() % 16 == 0:
+            self.native.gemv(x2, self.data, self.fmt, y)
+        elif tokens and self.matrix is not None and tokens <= config.max_gemv_tokens:
             from freetoken.models import packed_linear_triton as plt
 
             plt.gemv(x2, self.matrix, y, config)
@@ -215,9 +224,12 @@ class PackedWeightPolicy(DeviceWeightPolicy):
     placed: equal to the checkpoint's ``ModelShape.dense_file_bytes`` for a GGUF file."""
 
     def __init__(self, device: Any, dtype: torch.dtype, impl: Optional[str] = None, config: Any = None,
-                 host_embedding: bool = False) -> None:  # fmt: skip
+                 host_embedding: bool = False, gemv: Any = None) -> None:  # fmt: skip
         super().__init__(device, dtype)
         self.impl = impl or packed_dense_impl(self.device)[0]
+        #: the backend's one-token GEMV (:class:`~freetoken.backends.contract.PackedGemv`) or None
+        self.gemv = gemv
+        self.native_linears = 0  # linears it serves
         #: a packed embedding table stays in page-locked host memory (read by the Triton kernel)
         self.host_embedding = host_embedding and self.impl == "triton"
         self.host_bytes = 0
@@ -258,8 +270,10 @@ class PackedWeightPolicy(DeviceWeightPolicy):
     def linear(self, raw: RawTensor) -> Any:
         _check_matrix(raw)
         if int(raw.fmt) in PACKED_FORMATS:
-            return PackedLinear(self._packed_bytes(raw), int(raw.fmt), tuple(raw.shape), self.scratch, self.impl,
-                                self.config)  # fmt: skip
+            lin = PackedLinear(self._packed_bytes(raw), int(raw.fmt), tuple(raw.shape), self.scratch, self.impl,
+                               self.config, self.gemv, self.dtype)  # fmt: skip
+            self.native_linears += lin.native is not None
+            return lin
         held = self._embedding[1] if self._embedding is not None and self._embedding[0] == self._key(raw) else None
         if isinstance(held, Embedding) and held.table is not None:
             return TorchLinear(held.table)  # a tied head over a float embedding table: one copy
@@ -301,8 +315,10 @@ class PackedWeightPolicy(DeviceWeightPolicy):
     def describe(self) -> dict[str, Any]:
         kept = ", ".join(f"{n} x{c}" for n, c in sorted(self.formats.items())) or "none"
         act = str(self.dtype).replace("torch.", "")
+        one = (f"; one token through {self.native_linears} of them by the backend's {self.gemv.name} GEMV"
+               if self.gemv is not None else "")
         return {"dense": f"GGUF blocks kept on {self.device} ({kept}; {self.packed_bytes / 2**30:.2f} GiB), "
-                         f"run by {self.impl} kernels; other formats as {act} ({self.float_bytes / 2**30:.2f} GiB)",
+                         f"run by {self.impl} kernels{one}; other formats as {act} ({self.float_bytes / 2**30:.2f} GiB)",
                 "embedding": (f"packed table in page-locked host memory ({self.host_bytes / 2**30:.2f} GiB), its "
                               "rows read over PCIe and dequantized on the device per step" if self.host_bytes else
                               "packed rows dequantized on the device per step"),

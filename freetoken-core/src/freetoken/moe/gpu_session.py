@@ -40,6 +40,7 @@ import torch
 
 from freetoken.backends.contract import (
     Backend,
+    BackendError,
     CpuExperts,
     EngineOptions,
     ExpertsFn,
@@ -258,12 +259,25 @@ class GpuModelSession(ModelSession):
             assert packed is not None
             host = self._embedding_on_host(shape, budget, other, packed, per_layer)
             self.embedding_place = "host" if host else "device"
-            self.weight_policy = PackedWeightPolicy(self.device, self.act_dtype, host_embedding=host)
+            self.weight_policy = PackedWeightPolicy(self.device, self.act_dtype, host_embedding=host,
+                                                    gemv=self._packed_gemv())
             return packed - (shape.embedding_file_bytes if host else 0)
         if self.options.gpu_embedding == "host":
             raise MemoryPlanError("--gpu-embedding host keeps a packed embedding table in host memory; the dense "
                                   "part here is dequantized (--gpu-dense packed keeps a GGUF file's blocks)")
         return shape.dense_bytes
+
+    def _packed_gemv(self) -> Any:
+        """``--gpu-gemv``: the backend's one-token GEMV over packed blocks, or None (the
+        Triton kernels run every packed linear)."""
+        mode = self.options.gpu_gemv
+        if mode not in ("auto", "native", "triton"):
+            raise ValueError(f"--gpu-gemv {mode!r}: expected 'auto', 'native' or 'triton'")
+        gemv = None if mode == "triton" else self.backend.packed_gemv()
+        if gemv is None and mode == "native":
+            raise BackendError(f"--gpu-gemv native: backend {self.backend.name} has no native one-token GEMV (the "
+                               "NVIDIA build of freetoken-cuda has it); use --gpu-gemv auto or triton")
+        return gemv
 
     def _embedding_on_host(self, shape: ModelShape, budget: Optional[int], other: int, packed: int,
                            per_layer: dict[int, int]) -> bool:  # fmt: skip
@@ -610,6 +624,14 @@ class GpuModelSession(ModelSession):
         return order
 
     # ---- report ---------------------------------------------------------------------------
+    def _gemv_report(self) -> dict[str, Any]:
+        """``--gpu-gemv`` and what it came to: the kernel of one-token packed linears."""
+        if getattr(self, "dense_form", None) != "packed":
+            return {"setting": self.options.gpu_gemv, "kernel": None, "native_linears": 0}
+        gemv = getattr(self.weight_policy, "gemv", None)
+        return {"setting": self.options.gpu_gemv, "kernel": gemv.name if gemv is not None else "triton",
+                "native_linears": getattr(self.weight_policy, "native_linears", 0)}
+
     def report(self) -> dict[str, Any]:
         plan = self.plan_result
         out: dict[str, Any] = {
@@ -625,6 +647,7 @@ class GpuModelSession(ModelSession):
             "memory_plan": plan.as_dict() if plan else None,
             "weights": self.weight_policy.describe(),
             "dense_form": self.dense_form,
+            "gpu_gemv": self._gemv_report(),
             "attention": self.attention_impl if self.runner is not None else "torch (eager)",
         }
         if self.runner is not None:

@@ -30,6 +30,7 @@ from freetoken.backends.contract import (
     HostBuffer,
     KernelIO,
     ModelSession,
+    PackedGemv,
     ProbeResult,
     Staging,
     SyncMode,
@@ -504,6 +505,14 @@ class NativeGpuBackend(Backend):
 
     def graph_capture(self) -> Optional[GraphCapture]:
         return NativeGraphCapture(self)
+
+    def packed_gemv(self) -> Optional[PackedGemv]:
+        native = self.native()
+        if not hasattr(native, "packed_gemv"):
+            return None  # a build without it (ROCm)
+        from freetoken.moe.native_gemv import NativePackedGemv
+
+        return NativePackedGemv(native, self.current_stream)
 
 
 def wait_for_flag(address: int, value: int, timeout_s: float) -> bool:

@@ -13,6 +13,9 @@
 #include <pybind11/stl.h>
 
 #include <freetoken/gpu/runtime_host.cuh>
+#ifndef FT_GPU_HIP
+#include <freetoken/gpu/packed_gemv.cuh>
+#endif
 
 namespace freetoken_gpu {
 
@@ -126,6 +129,14 @@ inline void bind_module(py::module_& m) {
           py::arg("n"), py::arg("flags"), py::arg("timeout_ns"));
     m.def("host_callback_publish", &host_callback_publish, py::arg("stream"), py::arg("slot_host"));
     m.def("host_callback_wait", &host_callback_wait, py::arg("stream"), py::arg("slot_host"), py::arg("timeout_ns"));
+#ifndef FT_GPU_HIP
+    m.attr("GEMV_MAX_COLS") = GEMV_MAX_COLS;
+    m.def("packed_gemv", &packed_gemv, py::arg("stream"), py::arg("x"), py::arg("x_dtype"), py::arg("w"), py::arg("fmt"),
+          py::arg("rows"), py::arg("cols"), py::arg("row_bytes"), py::arg("y"), py::arg("y_dtype"),
+          "one token through Q4_K/Q6_K blocks: y[rows] = W x (dtype codes 0 f32, 1 f16, 2 bf16; int8 dots)");
+    m.def("packed_gemv_refusal", &packed_gemv_refusal, py::arg("fmt"), py::arg("cols"),
+          "'' when packed_gemv serves this format and width, else why not");
+#endif
     m.def("graph_memop_probe", &graph_memop_probe_dict, py::arg("host_addr"), py::arg("dev_addr"),
           "capture memops on a private stream: recorded natively? as explicit nodes?");
 }

@@ -1,0 +1,112 @@
+"""``--gpu-gemv``: which one-token GEMV runs a packed dense matrix, through an engine on the
+fakegpu plugin in Triton's interpreter (CI). The native kernel itself runs on the GPU machine
+(tests/gpu/test_native_gemv.py); here a backend's :class:`PackedGemv` is stood in for by one
+that records its calls and computes them in float64 over gguf-py's dequantization and the
+token quantized as the kernels do, so the test checks what the engine hands it (which
+matrices, which calls, one token at a time) and that its results are used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("gguf")
+
+from expert_reference import int8_groups  # noqa: E402
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+from greedy_runs import run_greedy  # noqa: E402
+from test_packed_dense import INTERPRET, _engine, _gguf_helpers  # noqa: E402
+
+from freetoken.backends.contract import BackendError, PackedGemv  # noqa: E402
+from freetoken.handoff import Fmt  # noqa: E402
+from freetoken.models import packed_linear  # noqa: E402
+from freetoken.models import packed_linear_triton as plt  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="the fakegpu plugin in the interpreter (the GPU machine runs "
+                                                      "tests/gpu/test_native_gemv.py and the engine tests)")
+
+SERVED = (int(Fmt.Q4_K), int(Fmt.Q6_K))
+
+
+class RecordingGemv(PackedGemv):
+    """Serves Q4_K and Q6_K rows as the native kernel does, in float64, and records each call."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int]] = []  # (fmt, rows, cols)
+
+    def refusal(self, fmt: int, cols: int, dtype: Any) -> str:
+        return "" if fmt in SERVED and cols % 256 == 0 else "not Q4_K/Q6_K"
+
+    def gemv(self, x: Any, data: Any, fmt: int, y: Any) -> None:
+        assert x.shape[0] == 1 and y.shape[0] == 1, "one token per call"
+        rows, cols = int(y.shape[-1]), int(x.shape[-1])
+        w = gguf_dequantize(data.cpu().numpy().reshape(-1), GGMLQuantizationType(fmt)).reshape(rows, cols)
+        out = int8_groups(x.cpu()).numpy() @ np.asarray(w, dtype=np.float64).T
+        y.copy_(torch.from_numpy(out).to(y.dtype).reshape(y.shape))
+        self.calls.append((fmt, rows, cols))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tg, ref = _gguf_helpers()
+    path = str(tmp_path_factory.mktemp("gemv_dispatch") / "tiny.gguf")
+    return tg, path, tg.write_tiny_gguf(path, seed=29)
+
+
+def _run(path: str, prompt: list[int], **kw: Any) -> tuple[list[int], torch.Tensor, dict[str, Any]]:
+    from freetoken.backends import registry
+
+    eng = _engine(path, None, backend="fakegpu", dtype="float32", moe_cpu_layers="0", gpu_dense="packed", **kw)
+    try:
+        info = eng.backend_info()
+        ((out, logits),) = run_greedy(eng, [prompt], max_tokens=5)
+    finally:
+        eng.close()
+        registry.reset()
+    return out, logits, info
+
+
+def test_gpu_gemv_dispatch(tiny, monkeypatch):
+    """``auto`` with a backend GEMV: every decode step's Q4_K/Q6_K linears go through it (one
+    token each), others and the prompt through Triton, and the logits equal the engine whose
+    Triton int8 dots run every linear (the same quantization) to float32 rounding; the report
+    says which kernel ran how many linears. ``triton`` never calls it; ``native`` on a backend
+    without one refuses to start, naming the flag's other values."""
+    from freetoken_fakegpu.backend import FakeGpuBackend
+
+    tg, path, _ = tiny
+    one = plt.PackedLinearConfig(block_n=512, block_k=256, block_t=4, int8_dot=True)
+    batch = dataclasses.replace(one, int8_dot=False)
+    monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(plt, "config_for", lambda rows, device=None: batch if device is None else one)
+    prompt = [(13 * j) % (tg.V - 10) + 5 for j in range(17)]
+
+    with pytest.raises(BackendError, match="--gpu-gemv native.*auto or triton"):
+        _run(path, prompt, gpu_gemv="native")
+
+    out_t, logits_t, info_t = _run(path, prompt, gpu_gemv="triton")
+    assert info_t["gpu_gemv"] == {"setting": "triton", "kernel": "triton", "native_linears": 0}
+
+    gemv = RecordingGemv()
+    monkeypatch.setattr(FakeGpuBackend, "packed_gemv", lambda self: gemv, raising=False)
+    out_n, logits_n, info_n = _run(path, prompt)  # auto
+    served = info_n["gpu_gemv"]["native_linears"]
+    assert info_n["gpu_gemv"]["kernel"] == "recording" and served > 0, info_n["gpu_gemv"]
+    assert "recording GEMV" in info_n["weights"]["dense"]
+    assert gemv.calls and {f for f, _, _ in gemv.calls} <= set(SERVED)
+    # 4 decode steps after the prompt's, each through every served linear once, and the
+    # prompt's last position through the head (Q6_K, one row per vocabulary entry)
+    head = (int(Fmt.Q6_K), tg.V, tg.H)
+    assert len(gemv.calls) == 4 * served + 1 and gemv.calls.count(head) == 5, (gemv.calls, served)
+    assert out_n == out_t
+    err = float((logits_n - logits_t).abs().max() / logits_t.abs().max())
+    assert err <= 1e-4, f"the recorded GEMV's logits against Triton's int8 dots: {err:.3g} of their scale"

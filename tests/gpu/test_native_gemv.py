@@ -1,0 +1,170 @@
+"""The native one-token GEMV of freetoken-cuda (``packed_gemv``, freetoken/include/freetoken/gpu/
+packed_gemv.cuh) behind PackedLinear, on the GPU machine.
+
+Every result is compared with numpy float64 over gguf-py's dequantization of random Q4_K and
+Q6_K blocks, times the token quantized as the kernel does it (tests/gpu/expert_reference.int8_groups,
+the same rounding as the Triton int8 dots); outputs are poisoned (NaN) first; row counts are
+odd and wide matrices take several rows per warp. Without a GPU, or with an extension built
+without the kernel, the module is skipped (CI compiles the kernel with nvcc: test_gpu_packages).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+if not torch.cuda.is_available():
+    pytest.skip("no GPU: the native GEMV runs on the H200 machine", allow_module_level=True)
+_C = pytest.importorskip("freetoken_cuda._C")
+if not hasattr(_C, "packed_gemv"):
+    pytest.skip("freetoken_cuda._C was built without packed_gemv", allow_module_level=True)
+
+from expert_reference import int8_groups  # noqa: E402
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+from graph_timing import graph_sequence_time_us  # noqa: E402
+
+from freetoken.handoff import Fmt  # noqa: E402
+from freetoken.loading.gguf_writer import random_blocks  # noqa: E402
+from freetoken.models import packed_linear  # noqa: E402
+from freetoken.models import packed_linear_triton as plt  # noqa: E402
+from freetoken.moe.native_gemv import NativePackedGemv  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+Q4, Q5, Q6, Q8 = int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K), int(Fmt.Q8_0)
+NAMES = {Q4: "q4_k", Q6: "q6_k"}
+SCALES = {Q4: 2e-4, Q5: 1e-4, Q6: 1e-4, Q8: 2e-4}
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+#: float32 sums in another order than float64's, and a code within an ulp of a rounding
+#: boundary of the fma may come out one step off (as the Triton int8 dots' bound)
+INT8_TOL = 3e-4
+BF16_TOL = 1e-2
+
+
+def gemv_native() -> NativePackedGemv:
+    return NativePackedGemv(_C, lambda: torch.cuda.current_stream().cuda_stream)
+
+
+def blocks(fmt: int, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    b = random_blocks(fmt, rows, cols, rng, scale=SCALES[fmt])
+    ref = gguf_dequantize(b, GGMLQuantizationType(fmt)).astype(np.float64).reshape(rows, cols)
+    return torch.from_numpy(np.ascontiguousarray(b)).reshape(rows, -1).cuda(), ref
+
+
+def relative_error(got: torch.Tensor, want: np.ndarray) -> float:
+    g = got.double().cpu().numpy().reshape(want.shape)
+    assert np.isfinite(g).all(), "output rows left unwritten (NaN)"
+    return float(np.abs(g - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("x_dtype", list(DTYPES))
+@pytest.mark.parametrize("cols", [256, 2048, 4096])
+@pytest.mark.parametrize("fmt", [Q4, Q6], ids=[NAMES[Q4], NAMES[Q6]])
+def test_native_gemv_matches_quantized_float64(fmt, cols, x_dtype):
+    """Rows of 1 .. 16 blocks, 517 and 3 rows (fewer than a block's four warps), every
+    activation dtype; float32 out against float64 over the quantized token (and farther from
+    the unquantized product: the token was quantized), BF16 and FP16 out within their step."""
+    gemv = gemv_native()
+    for rows in (517, 3):
+        data, ref = blocks(fmt, rows, cols, seed=fmt * 1000 + cols + rows)
+        g = torch.Generator().manual_seed(cols + rows)
+        x = torch.randn(1, cols, generator=g).to(DTYPES[x_dtype]).cuda()
+        quantized = int8_groups(x.cpu()).numpy() @ ref.T
+        for y_dtype, tol in ((torch.float32, INT8_TOL), (torch.bfloat16, BF16_TOL), (torch.float16, BF16_TOL)):
+            y = torch.full((1, rows), float("nan"), dtype=y_dtype, device="cuda")
+            gemv.gemv(x, data, fmt, y)
+            torch.cuda.synchronize()
+            assert relative_error(y, quantized) <= tol, (rows, y_dtype)
+        unquantized = x.cpu().double().numpy() @ ref.T
+        y = torch.full((1, rows), float("nan"), dtype=torch.float32, device="cuda")
+        gemv.gemv(x, data, fmt, y)
+        assert relative_error(y, unquantized) > 1e-3, "no quantization error: was the token quantized?"
+
+
+@pytest.mark.parametrize("fmt", [Q4, Q6], ids=[NAMES[Q4], NAMES[Q6]])
+def test_native_gemv_wide_matrix(fmt):
+    """A head-like matrix (40,000 rows: several rows per warp over a grid of the resident
+    blocks), against float64."""
+    rows, cols = 40000, 2048
+    data, ref = blocks(fmt, rows, cols, seed=fmt)
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).cuda()
+    y = torch.full((1, rows), float("nan"), dtype=torch.float32, device="cuda")
+    gemv_native().gemv(x, data, fmt, y)
+    torch.cuda.synchronize()
+    assert relative_error(y, int8_groups(x.cpu()).numpy() @ ref.T) <= INT8_TOL
+
+
+def test_packed_linear_takes_the_native_gemv_in_a_graph():
+    """PackedLinear with the native GEMV: one token through it (captured in a CUDA graph,
+    replayed with new tokens, equal to float64 each time), several tokens and refused
+    formats through Triton, a misaligned token through Triton too (same result)."""
+    gemv = gemv_native()
+    scratch = packed_linear.PrefillScratch(torch.device("cuda"), torch.bfloat16)
+    data, ref = blocks(Q6, 301, 2048, seed=11)
+    lin = packed_linear.PackedLinear(data.reshape(-1), Q6, (301, 2048), scratch, native=gemv, dtype=torch.bfloat16)
+    assert lin.native is gemv
+    data5, _ = blocks(Q5, 64, 2048, seed=12)
+    assert packed_linear.PackedLinear(data5.reshape(-1), Q5, (64, 2048), scratch, native=gemv,
+                                      dtype=torch.bfloat16).native is None
+    assert "Q4_K" in gemv.refusal(Q5, 2048, torch.bfloat16)
+    assert "256" in gemv.refusal(Q4, 300, torch.bfloat16)
+    x = torch.zeros(1, 2048, dtype=torch.bfloat16, device="cuda")
+    out: dict[str, torch.Tensor] = {}
+
+    def step() -> None:
+        out["y"] = lin(x)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):
+        xs = torch.randn(1, 2048, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        x.copy_(xs)
+        out["y"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out["y"], int8_groups(xs).numpy() @ ref.T) <= BF16_TOL
+    # several tokens: the Triton byte tiles, unquantized
+    x3 = torch.randn(3, 2048, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    assert relative_error(lin(x3.cuda()), x3.double().numpy() @ ref.T) <= BF16_TOL
+    # a token 2 bytes off 16-byte alignment: Triton's int8 dots, the same quantization
+    buf = torch.randn(1, 2049, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).cuda()
+    off = buf[:, 1:]
+    assert off.data_ptr() % 16 != 0
+    assert relative_error(lin(off), int8_groups(off.cpu()).numpy() @ ref.T) <= BF16_TOL
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gemv.gemv(off, data, Q6, torch.empty(1, 301, device="cuda"))
+
+
+#: Qwen3-30B-A3B: a layer's q/k (Q4_K, fused), v (Q6_K in half of Q4_K_M's layers) and o, the head
+QWEN3_SHAPES = [("qk", 4096 + 512, 2048, Q4), ("v", 512, 2048, Q6), ("o", 2048, 4096, Q4),
+                ("head", 151936, 2048, Q6)]
+
+
+def test_native_gemv_timing():
+    """Graph-replayed time per call at the Qwen3-30B-A3B shapes, native against Triton's int8
+    tiles, each call on another copy of the weights (>= 256 MB in turn: read from HBM, not
+    L2); printed, not asserted (``-s``), with the HBM floor of the packed bytes (4.3 TB/s)."""
+    rng = np.random.default_rng(0)
+    gemv = gemv_native()
+    for name, rows, cols, fmt in QWEN3_SHAPES:
+        b = torch.from_numpy(random_blocks(fmt, rows, cols, rng, scale=SCALES[fmt])).reshape(rows, -1).cuda()
+        copies = [b] + [b.clone() for _ in range(max(0, -(-(256 << 20) // b.numel()) - 1))]
+        mats = [plt.PackedMatrix.from_bytes(c.reshape(-1), fmt, rows, cols) for c in copies]
+        x = torch.randn(1, cols, device="cuda").to(torch.bfloat16)
+        y = torch.empty(1, rows, dtype=torch.bfloat16, device="cuda")
+        y2 = torch.empty_like(y)
+        cfg = plt.config_for(rows, x.device)
+        native_us = graph_sequence_time_us([lambda c=c: gemv.gemv(x, c, fmt, y) for c in copies], 10)
+        triton_us = graph_sequence_time_us([lambda m=m: plt.gemv(x, m, y2, cfg) for m in mats], 10)
+        err = float((y.float() - y2.float()).abs().max() / y2.float().abs().max())
+        assert err <= BF16_TOL, (name, err)
+        print(f"{name} [{rows}, {cols}] {NAMES[fmt]}: native {native_us:.1f} us, triton {triton_us:.1f} us "
+              f"({b.numel() / 1e6:.2f} MB, HBM floor {b.numel() / 4.3e12 * 1e6:.1f} us, native "
+              f"{b.numel() / native_us / 1e6:.2f} TB/s)")
