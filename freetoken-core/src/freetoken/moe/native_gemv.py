@@ -38,6 +38,8 @@ class NativePackedGemv(PackedGemv):
         if data.dim() != 2 or int(data.shape[0]) != rows or data.dtype != torch.uint8 or data.stride(1) != 1:
             raise ValueError(f"native GEMV: the weights must be [{rows}, row_bytes] uint8 rows, got "
                              f"{tuple(data.shape)} {data.dtype}")
+        if not (x.is_cuda and y.is_cuda and data.is_cuda):
+            raise ValueError("native GEMV: x, y and the weights must be on the GPU")
         if y.dtype not in _DTYPES or x.dtype not in _DTYPES:
             raise ValueError(f"native GEMV: x {x.dtype} / y {y.dtype}: float32, float16 or bfloat16 are served")
         self.native.packed_gemv(self.current_stream(), x.data_ptr(), _DTYPES[x.dtype], data.data_ptr(), int(fmt),

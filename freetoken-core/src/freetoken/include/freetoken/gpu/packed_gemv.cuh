@@ -96,10 +96,13 @@ __device__ void quantize_token(const void* x, int cols, int8_t* xq, float* xd, i
         }
         const int pair = sum + __shfl_xor_sync(0xffffffffu, sum, 1); /* this 16-value half's sum */
         if (ok) {
-            int2 words;
-            words.x = (q[0] & 255) | ((q[1] & 255) << 8) | ((q[2] & 255) << 16) | (static_cast<int>(q[3]) << 24);
-            words.y = (q[4] & 255) | ((q[5] & 255) << 8) | ((q[6] & 255) << 16) | (static_cast<int>(q[7]) << 24);
-            *reinterpret_cast<int2*>(xq + c) = words;
+            uint2 words = {0u, 0u};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                words.x |= static_cast<uint32_t>(q[i] & 255) << (8 * i);
+                words.y |= static_cast<uint32_t>(q[i + 4] & 255) << (8 * i);
+            }
+            *reinterpret_cast<uint2*>(xq + c) = words;
             if ((lane & 1) == 0) xs[c / 16] = pair;
             if ((lane & 3) == 0) xd[c / 32] = amax * (1.0f / 127.0f);
         }
