@@ -22,11 +22,9 @@ if not hasattr(_C, "packed_gemv"):
     pytest.skip("freetoken_cuda._C was built without packed_gemv", allow_module_level=True)
 
 from expert_reference import int8_groups  # noqa: E402
-from gguf import GGMLQuantizationType  # noqa: E402
-from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from graph_timing import graph_sequence_time_us  # noqa: E402
+from test_packed_dense import BF16_TOL, INT8_TOL, Q4, Q5, Q6, SCALES, packed, relative_error  # noqa: E402
 
-from freetoken.handoff import Fmt  # noqa: E402
 from freetoken.loading.gguf_writer import random_blocks  # noqa: E402
 from freetoken.models import packed_linear  # noqa: E402
 from freetoken.models import packed_linear_triton as plt  # noqa: E402
@@ -34,14 +32,8 @@ from freetoken.moe.native_gemv import NativePackedGemv  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-Q4, Q5, Q6, Q8 = int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K), int(Fmt.Q8_0)
 NAMES = {Q4: "q4_k", Q6: "q6_k"}
-SCALES = {Q4: 2e-4, Q5: 1e-4, Q6: 1e-4, Q8: 2e-4}
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-#: float32 sums in another order than float64's, and a code within an ulp of a rounding
-#: boundary of the fma may come out one step off (as the Triton int8 dots' bound)
-INT8_TOL = 3e-4
-BF16_TOL = 1e-2
 
 
 def gemv_native() -> NativePackedGemv:
@@ -49,16 +41,9 @@ def gemv_native() -> NativePackedGemv:
 
 
 def blocks(fmt: int, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    b = random_blocks(fmt, rows, cols, rng, scale=SCALES[fmt])
-    ref = gguf_dequantize(b, GGMLQuantizationType(fmt)).astype(np.float64).reshape(rows, cols)
-    return torch.from_numpy(np.ascontiguousarray(b)).reshape(rows, -1).cuda(), ref
-
-
-def relative_error(got: torch.Tensor, want: np.ndarray) -> float:
-    g = got.double().cpu().numpy().reshape(want.shape)
-    assert np.isfinite(g).all(), "output rows left unwritten (NaN)"
-    return float(np.abs(g - want).max() / np.abs(want).max())
+    """Random blocks on the GPU as ``[rows, row_bytes]`` and gguf-py's float64 dequantization."""
+    raw, ref = packed(fmt, rows, cols, seed)
+    return torch.from_numpy(np.ascontiguousarray(raw.data)).reshape(rows, -1).cuda(), ref
 
 
 @pytest.mark.parametrize("x_dtype", list(DTYPES))

@@ -392,8 +392,8 @@ class LLMEngine:
         ids, pos, meta = self._metadata(nxt, device_ids=tokens)
         hidden = self.session.decode_ahead(ids, pos, meta)
         if hidden is None:
-            logger.info("--decode-ahead: the %s backend cannot launch a step before its tokens are read back; off",
-                        self.backend.name)
+            logger.info("decode ahead: the %s backend cannot launch a step before its tokens are read back; "
+                        "each step's tokens are read back before the next", self.backend.name)
             self._decode_ahead = False
         else:
             self._ahead = (nxt, hidden)

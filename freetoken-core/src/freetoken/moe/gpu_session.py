@@ -626,11 +626,11 @@ class GpuModelSession(ModelSession):
     # ---- report ---------------------------------------------------------------------------
     def _gemv_report(self) -> dict[str, Any]:
         """``--gpu-gemv`` and what it came to: the kernel of one-token packed linears."""
-        if getattr(self, "dense_form", None) != "packed":
+        if self.dense_form != "packed":  # the dense part dequantized: no packed linear
             return {"setting": self.options.gpu_gemv, "kernel": None, "native_linears": 0}
-        gemv = getattr(self.weight_policy, "gemv", None)
-        return {"setting": self.options.gpu_gemv, "kernel": gemv.name if gemv is not None else "triton",
-                "native_linears": getattr(self.weight_policy, "native_linears", 0)}
+        policy: Any = self.weight_policy  # a PackedWeightPolicy
+        return {"setting": self.options.gpu_gemv, "kernel": policy.gemv.name if policy.gemv is not None else "triton",
+                "native_linears": policy.native_linears}
 
     def report(self) -> dict[str, Any]:
         plan = self.plan_result
