@@ -17,6 +17,7 @@ heads, head_dim 128, block size 16, contexts up to 32k) and graph capture.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -184,7 +185,7 @@ SMALL_CTX = [1, 16, 17, 0, 33, 64, 191, 192]
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
-def test_matches_reference(impl, dtype, heads):
+def test_matches_reference(impl, dtype, heads, monkeypatch):
     hq, hkv = heads
     seed = seed_of("ref", impl, dtype, heads)
     gen = random.Random(seed)
@@ -192,9 +193,16 @@ def test_matches_reference(impl, dtype, heads):
     case = Case(ctx, hq, hkv, 32, 16, 12, dtype, seed)
     if impl == "torch":
         run_checked(case, impl)
-    else:  # one partition (direct output); three (split + reduce; fewer active for short contexts)
+    else:  # one partition (direct output); three (split, merged by the last partial program of
+        # each kv head, fewer active for short contexts); three merged by reduce programs
         for p in (1, 3):
             run_checked(case, impl, partitions=p)
+        from freetoken.models import decode_attention_triton as dat
+
+        assert dat.DEFAULT_CONFIG.reduce_in_partial
+        assert int(dat.merge_counts(case.q.device, 1).abs().sum()) == 0, "the merge counters are left at zero"
+        monkeypatch.setattr(dat, "DEFAULT_CONFIG", dataclasses.replace(dat.DEFAULT_CONFIG, reduce_in_partial=False))
+        run_checked(case, impl, partitions=3)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -335,13 +343,13 @@ target = GPUTarget("cuda", 90, 32)
 
 def partial(dt, G, D, BS, split):
     sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "bt_ptr": "*i32", "ctx_ptr": "*i32",
-           "out_ptr": f"*{dt}", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "scale_log2": "fp32", "P": "i32",
+           "out_ptr": f"*{dt}", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "count_ptr": "*i32", "scale_log2": "fp32", "P": "i32",
            "max_tokens": "i32", **{s: "i32" for s in STRIDES}}
     consts = dict(G=G, D=D, BS=BS, BLOCK_G=max(16, triton.next_power_of_2(G)),
                   BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part,
-                  SPLIT=split, PRECISION="ieee" if dt == "fp32" else "tf32")
+                  SPLIT=split, PRECISION="ieee" if dt == "fp32" else "tf32", LAST_REDUCES=split and cfg.reduce_in_partial)
     sig.update({k: "constexpr" for k in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in [*range(8), *range(11, 21)]}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in [*range(9), *range(12, 22)]}
     return triton.compile(ASTSource(dat._partial_kernel, sig, consts, attrs), target=target,
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 

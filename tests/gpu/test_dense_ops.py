@@ -147,6 +147,66 @@ def test_router_logits(T, E, H, dtype):
     _close(out.cpu(), ref, 1e-5, "router logits")
 
 
+def _top_k64(logits: torch.Tensor, K: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Descending top-``K`` ids of float64 logits and their weights, from the definition."""
+    order = torch.argsort(logits, dim=-1, descending=True)[:, :K]
+    top = torch.gather(logits, 1, order)
+    if norm:
+        return order, torch.softmax(top, dim=-1)
+    return order, torch.gather(torch.softmax(logits, dim=-1), 1, order)
+
+
+@pytest.mark.parametrize("T,E,K,N", [(1, 128, 8, 2048), (3, 60, 4, 96), (16, 8, 2, 640)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", [True, False])
+def test_add_norm_route_against_float64(T, E, K, N, dtype, norm):
+    """The fused decode routing (residual add, RMSNorm, float32 router, top-k) against float64:
+    h and x as ``add_rms_norm`` bounds them, the logits from the op's own x (so a rounding of
+    x cannot flip an id) in float64, their top-k ids exactly and weights to 1e-6; twice, with
+    fresh inputs, so the counter the launch leaves behind is checked to be zero again."""
+    from freetoken.models.layers import RouterLinear
+
+    ops = TritonDenseOps()
+    gen = torch.Generator().manual_seed(T * 131 + E + N)
+    router = RouterLinear((torch.randn(E, N, generator=gen) * 0.05).to(DEV))
+    nw = (1 + 0.5 * torch.randn(N, generator=gen)).to(dtype).to(DEV)
+    eps = 1e-6
+    for _ in range(2):
+        h = torch.randn(T, N, generator=gen).to(dtype).to(DEV)
+        delta = torch.randn(T, N, generator=gen).to(dtype).to(DEV)
+        out = ops.add_norm_route(h, delta, nw, eps, router, K, norm)
+        assert out is not None, "the Triton ops fuse a RouterLinear's decode routing"
+        h_new, x, ids, w = out
+        assert h_new.dtype == dtype and x.dtype == dtype and ids.dtype == torch.int32 and w.dtype == torch.float32
+        h_ref = h.double() + delta.double()
+        _close(h_new, h_ref, _tol(ops, dtype) / 2, "h + delta")
+        _close(x, _rms64(h_ref, nw, eps), _tol(ops, dtype), "rms norm")
+        logits = x.double().cpu() @ router.weight.double().cpu().T
+        ref_ids, ref_w = _top_k64(logits, K, norm)
+        assert torch.equal(ids.cpu().long(), ref_ids), "top-k ids (descending)"
+        assert float((w.cpu().double() - ref_w).abs().max()) <= 1e-5, "top-k weights"
+        assert int(ops._route_counts(h_new.device).abs().sum()) == 0, "the counters are left at zero"
+
+
+def test_add_norm_route_declines_what_it_does_not_fuse():
+    """None (the caller runs the three ops) for more tokens than a decode step's GEMV takes, a
+    router that is not a plain float32 RouterLinear, and the torch ops."""
+    from freetoken.models.layers import RouterLinear, TorchLinear
+
+    gen = torch.Generator().manual_seed(3)
+    N, E = 256, 16
+    router = RouterLinear((torch.randn(E, N, generator=gen) * 0.05).to(DEV))
+    nw = torch.ones(N, device=DEV)
+    h, d = torch.randn(1, N, generator=gen).to(DEV), torch.randn(1, N, generator=gen).to(DEV)
+    ops = TritonDenseOps()
+    assert ops.add_norm_route(h, d, nw, 1e-6, router, 4, True) is not None
+    T = RouterLinear.gemv_tokens + 1
+    big = torch.randn(T, N, generator=gen).to(DEV)
+    assert ops.add_norm_route(big, big, nw, 1e-6, router, 4, True) is None
+    assert ops.add_norm_route(h, d, nw, 1e-6, TorchLinear(router.weight), 4, True) is None
+    assert TorchDenseOps().add_norm_route(h, d, nw, 1e-6, router, 4, True) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the Triton GEMV runs on CUDA tensors only")
 def test_router_linear_takes_the_gemv_for_decode_and_the_matmul_for_prompts():

@@ -110,3 +110,57 @@ def test_gpu_gemv_dispatch(tiny, monkeypatch):
     assert out_n == out_t
     err = float((logits_n - logits_t).abs().max() / logits_t.abs().max())
     assert err <= 1e-4, f"the recorded GEMV's logits against Triton's int8 dots: {err:.3g} of their scale"
+
+
+class RecordingNormGemv(RecordingGemv):
+    """:class:`RecordingGemv` that also takes the pre-norm (float64, rounded once to the
+    activation dtype) in front of up to two matrices, recording each such call's formats."""
+
+    norm_parts = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm_calls: list[tuple[int, ...]] = []
+
+    def norm_gemv(self, h: Any, delta: Any, weight: Any, eps: float, parts: Any) -> Any:
+        assert h.shape[0] == 1 and len(parts) <= self.norm_parts
+        h_new = h + delta if delta is not None else h
+        hd = h_new.double()
+        x = (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps) * weight.double()).to(h.dtype)
+        ys = []
+        for data, fmt in parts:
+            y = torch.empty(1, int(data.shape[0]), dtype=h.dtype, device=h.device)
+            self.gemv(x, data, fmt, y)
+            ys.append(y)
+        self.norm_calls.append(tuple(int(f) for _, f in parts))
+        return h_new, x, ys
+
+
+def test_gpu_gemv_takes_the_pre_norm(tmp_path, monkeypatch):
+    """A backend GEMV with ``norm_gemv``: each decode step's attention pre-norm and q/k/v go to
+    it as one call per layer (the groups of q/k/v in one call), nothing else does, and the
+    greedy tokens and logits equal the engine whose Triton ops run the norm and the int8 dots
+    every linear, to float32 rounding."""
+    from freetoken_fakegpu.backend import FakeGpuBackend
+
+    tg, _ = _gguf_helpers()
+    path = str(tmp_path / "kquant_attention.gguf")
+    # q/k/v all in the served formats: q+k one Q4_K group and a Q6_K v (two matrices per call),
+    # then one Q4_K group of the three
+    mix = [dict(m, attn_q=Fmt.Q4_K, attn_k=Fmt.Q4_K, attn_v=v) for m, v in zip(tg.MIX, (Fmt.Q6_K, Fmt.Q4_K))]
+    tg.write_tiny_gguf(path, seed=31, mix=mix)
+    one = plt.PackedLinearConfig(block_n=512, block_k=256, block_t=4, int8_dot=True)
+    batch = dataclasses.replace(one, int8_dot=False)
+    monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(plt, "config_for", lambda rows, device=None: batch if device is None else one)
+    prompt = [(11 * j) % (tg.V - 10) + 3 for j in range(13)]
+    out_t, logits_t, _ = _run(path, prompt, gpu_gemv="triton")
+
+    gemv = RecordingNormGemv()
+    monkeypatch.setattr(FakeGpuBackend, "packed_gemv", lambda self: gemv, raising=False)
+    out_n, logits_n, info = _run(path, prompt)
+    q4, q6 = int(Fmt.Q4_K), int(Fmt.Q6_K)
+    assert gemv.norm_calls == [(q4, q6), (q4,)] * 4, gemv.norm_calls  # 4 decode steps, both layers
+    assert out_n == out_t
+    err = float((logits_n - logits_t).abs().max() / logits_t.abs().max())
+    assert err <= 1e-4, f"the pre-norm through the recorded GEMV against the Triton ops: {err:.3g} of their scale"

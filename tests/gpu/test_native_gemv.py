@@ -127,6 +127,93 @@ def test_packed_linear_takes_the_native_gemv_in_a_graph():
         gemv.gemv(off, data, Q6, torch.empty(1, 301, device="cuda"))
 
 
+def _rms64(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = h.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("with_delta", [True, False])
+@pytest.mark.parametrize("formats", [(Q4, Q6), (Q4,), (Q6, Q4)], ids=["q4k+q6k", "q4k", "q6k+q4k"])
+def test_native_norm_gemv_against_float64(dtype, with_delta, formats):
+    """The pre-norm in front of one or two matrices, one launch: h + delta exact (one rounding
+    to the dtype, as torch adds), x against float64's RMSNorm within the dtype's rounding, and
+    each matrix's rows against float64 over the kernel's own x quantized as the kernels do it
+    (so a rounding of x cannot move the bound); outputs poisoned; a second call with fresh
+    inputs, captured in a CUDA graph and replayed."""
+    gemv = gemv_native()
+    dt = DTYPES[dtype]
+    cols, rows = 2048, (517, 3)
+    mats = [blocks(f, r, cols, seed=f * 100 + r) for f, r in zip(formats, rows)]
+    g = torch.Generator().manual_seed(len(formats) * 10 + with_delta)
+    w = (1 + 0.5 * torch.randn(1, cols, generator=g)).to(dt).cuda()
+    h = torch.empty(1, cols, dtype=dt, device="cuda")
+    d = torch.empty(1, cols, dtype=dt, device="cuda")
+    out: dict[str, object] = {}
+
+    def call() -> None:
+        out["r"] = gemv.norm_gemv(h, d if with_delta else None, w, 1e-6, [(m, f) for (m, _), f in zip(mats, formats)])
+
+    def check(hs: torch.Tensor, ds: torch.Tensor) -> None:
+        fused = out["r"]
+        assert fused is not None, "the native GEMV takes the norm and these matrices"
+        h_new, x, ys = fused  # type: ignore[misc]
+        torch.cuda.synchronize()
+        h_ref = (hs + ds) if with_delta else hs  # torch's add: one rounding to dt
+        assert torch.equal(h_new.cpu(), h_ref), "h + delta"
+        x_tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dt]
+        err = float((x.cpu().double() - _rms64(h_ref, w.cpu(), 1e-6)).abs().max() / x.cpu().double().abs().max())
+        assert err <= x_tol, f"x: {err:.3g}"
+        xq = int8_groups(x.cpu()).numpy()
+        for y, (_, ref), r in zip(ys, mats, rows):
+            assert y.shape == (1, r) and y.dtype == dt
+            assert relative_error(y, xq @ ref.T) <= (INT8_TOL if dt == torch.float32 else BF16_TOL), (r, dt)
+
+    for seed in range(2):
+        gen = torch.Generator().manual_seed(seed)
+        hs, ds = torch.randn(1, cols, generator=gen).to(dt), torch.randn(1, cols, generator=gen).to(dt)
+        h.copy_(hs)
+        d.copy_(ds)
+        call()
+        check(hs, ds)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for seed in (7, 8):
+        gen = torch.Generator().manual_seed(seed)
+        hs, ds = torch.randn(1, cols, generator=gen).to(dt), torch.randn(1, cols, generator=gen).to(dt)
+        h.copy_(hs)
+        d.copy_(ds)
+        for t in out["r"][2]:  # type: ignore[index]
+            t.fill_(float("nan"))
+        graph.replay()
+        check(hs, ds)
+
+
+def test_native_norm_gemv_declines_and_checks():
+    """None for what it does not take (several tokens, mixed dtypes, three matrices, a refused
+    format, a misaligned residual: the caller runs the norm and the GEMVs); the extension's
+    own checks name the problem."""
+    gemv = gemv_native()
+    data, _ = blocks(Q4, 64, 2048, seed=1)
+    data5, _ = blocks(Q5, 64, 2048, seed=2)
+    h = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
+    w = torch.ones(1, 2048, dtype=torch.bfloat16, device="cuda")
+    assert gemv.norm_gemv(h, None, w, 1e-6, [(data, Q4)]) is not None
+    assert gemv.norm_gemv(h.expand(2, 2048).contiguous(), None, w, 1e-6, [(data, Q4)]) is None
+    assert gemv.norm_gemv(h, None, w.float(), 1e-6, [(data, Q4)]) is None
+    assert gemv.norm_gemv(h, None, w, 1e-6, [(data, Q4)] * 3) is None
+    assert gemv.norm_gemv(h, None, w, 1e-6, [(data5, Q5)]) is None
+    buf = torch.randn(1, 2049, device="cuda").to(torch.bfloat16)
+    assert gemv.norm_gemv(buf[:, 1:], None, w, 1e-6, [(data, Q4)]) is None
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        _C.packed_gemv_norm(0, buf[:, 1:].data_ptr(), 0, w.data_ptr(), 1e-6, 0, h.data_ptr(), 2, 2048,
+                            data.data_ptr(), Q4, 64, data.stride(0), h.data_ptr(), 0, Q4, 0, 0, 0)
+    with pytest.raises(ValueError, match="Q4_K"):
+        _C.packed_gemv_norm(0, h.data_ptr(), 0, w.data_ptr(), 1e-6, 0, h.data_ptr(), 2, 2048,
+                            data5.data_ptr(), Q5, 64, data5.stride(0), h.data_ptr(), 0, Q4, 0, 0, 0)
+
+
 #: Qwen3-30B-A3B: a layer's q/k (Q4_K, fused), v (Q6_K in half of Q4_K_M's layers) and o, the head
 QWEN3_SHAPES = [("qk", 4096 + 512, 2048, Q4), ("v", 512, 2048, Q6), ("o", 2048, 4096, Q4),
                 ("head", 151936, 2048, Q6)]

@@ -133,6 +133,13 @@ def dense_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
         "dense.router_logits": lambda: compile_kernel(
             dot._router_logits_kernel, target, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
             dict(H=HIDDEN, E=experts, BLOCK_E=dot.ROUTER_BLOCK_E, BLOCK_H=512), 4),
+        "dense.add_norm_route": lambda: compile_kernel(
+            dot._add_norm_route_kernel, target,
+            {"h_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "rw_ptr": "*fp32", "h_out_ptr": "*bf16",
+             "x_out_ptr": "*bf16", "logits_ptr": "*fp32", "count_ptr": "*i32", "ids_ptr": "*i32", "w_ptr": "*fp32",
+             "N": "i32", "E": "i32", "eps": "fp32"},
+            dict(K=TOP_K, KP=TOP_K, NORM=True, BLOCK=HIDDEN, BLOCK_E=dot.ROUTE_BLOCK_E, EP=experts),
+            8 if HIDDEN >= 2048 else 4),
     }  # fmt: skip
 
 
@@ -142,12 +149,12 @@ def attention_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
     cfg = dat.DEFAULT_CONFIG
     g, d, bs = 8, 128, 16
     ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
-    ptrs.update({"bt_ptr": "*i32", "ctx_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32"})
+    ptrs.update({"bt_ptr": "*i32", "ctx_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "count_ptr": "*i32"})
     ints = {n: "i32" for n in ("P", "max_tokens", "stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh",
                                "stride_vb", "stride_vt", "stride_vh", "stride_btb", "stride_ob")}  # fmt: skip
     partial = {**ptrs, **ints, "scale_log2": "fp32"}
     consts = dict(G=g, D=d, BS=bs, BLOCK_G=16, BLOCK_D=d, BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part, SPLIT=True,
-                  PRECISION=target.dot_precision(False))  # fmt: skip
+                  PRECISION=target.dot_precision(False), LAST_REDUCES=cfg.reduce_in_partial)  # fmt: skip
     red = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "P": "i32",
            "max_tokens": "i32", "stride_ob": "i32"}  # fmt: skip
     rconsts = dict(D=d, BLOCK_D=d, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part)

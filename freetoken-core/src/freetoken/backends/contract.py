@@ -44,7 +44,7 @@ import abc
 import ctypes
 import dataclasses
 import enum
-from typing import Any, Callable, ClassVar, Optional, Protocol
+from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence
 
 from freetoken import handoff
 from freetoken.backends.handoff_task import HandoffError, HandoffTask, HostBuffer, allocate_task
@@ -245,6 +245,19 @@ class PackedGemv(abc.ABC):
         """``y [1, N] = x [1, K] @ W.T`` on the device's current stream (capturable in
         graphs): ``W``'s rows are those of ``data`` (``[N, row_bytes]`` uint8 on the device,
         ``fmt``'s blocks), ``x`` and ``y`` contiguous tensors on the device."""
+
+    #: the most matrices one :meth:`norm_gemv` call takes (0: it has none)
+    norm_parts: ClassVar[int] = 0
+
+    def norm_gemv(self, h: Any, delta: Any, weight: Any, eps: float,
+                  parts: Sequence[tuple[Any, int]]) -> Optional[tuple[Any, Any, list[Any]]]:  # fmt: skip
+        """A decoder's pre-norm and the projections that read it, for one token, in one launch:
+        ``x = weight * rmsnorm(h + delta)`` (``delta`` None: ``h``; rounded to the activation
+        dtype where :meth:`freetoken.models.dense_ops.DenseOps.add_rms_norm` rounds), then
+        ``x @ W.T`` for each ``(data, fmt)`` of ``parts`` (as :meth:`gemv`'s). Returns
+        ``(h + delta, x, [y per part])`` in ``h``'s dtype, or None where it declines (the
+        caller runs the norm and :meth:`gemv`). This implementation: None."""
+        return None
 
 
 class CapturedGraph(abc.ABC):

@@ -1,10 +1,15 @@
 """Triton kernels of :func:`freetoken.models.decode_attention.paged_decode_attention`.
 
-Split-K (flash-decoding) over the paged KV cache, two launches::
+Split-K (flash-decoding) over the paged KV cache::
 
     partial  grid (B, Hkv, P)   program (b, h, p): partition p of sequence b's context,
                                 all G = Hq/Hkv query heads of kv head h at once
     reduce   grid (B, Hq)       program (b, hq): merges the active partitions of (b, hq)
+
+By default (``KernelConfig.reduce_in_partial``) one launch does both: the last of a
+(b, h)'s P partial programs to store its partials (a per-(b, h) counter taken with an
+atomic add after the stores) merges the G heads' partitions itself, as the reduce program
+does, and sets the counter back to zero for the next launch.
 
 The partition count ``P`` is fixed by shapes (batch, kv heads, ``max_blocks``), never by
 values. The partition *length* is computed in the kernels from the sequence's context
@@ -57,6 +62,9 @@ class KernelConfig:
     block_p: int = 16  # partitions merged per step of the reduce program
     num_warps: int = 4
     num_stages: int = 2
+    #: the last partial program of each (sequence, kv head) merges the partitions (one launch)
+    #: instead of a second launch of reduce programs
+    reduce_in_partial: bool = True
 
     def validate(self) -> None:
         for name in ("block_n", "block_p"):
@@ -83,41 +91,45 @@ def _partition(ctx, P, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr):
 
 @triton.jit(do_not_specialize=["P", "max_tokens", "scale_log2"])
 def _partial_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr,
     scale_log2, P, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr,
 ):  # fmt: skip
-    _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, out_ptr, scale_log2, P, max_tokens,
-             stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
-             stride_ob, G, D, BS, BLOCK_G, BLOCK_D, BLOCK_N, MIN_PART, SPLIT, PRECISION, 0, False)  # fmt: skip
+    _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, out_ptr, scale_log2, P,
+             max_tokens, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+             stride_btb, stride_ob, G, D, BS, BLOCK_G, BLOCK_D, BLOCK_N, MIN_PART, SPLIT, PRECISION, 0, False,
+             LAST_REDUCES)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["P", "max_tokens", "scale_log2"])
 def _partial_window_sinks_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr,
     scale_log2, P, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
     sink_ptr,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    LAST_REDUCES: tl.constexpr,
 ):  # fmt: skip
-    _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, sink_ptr, scale_log2, P, max_tokens,
-             stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
-             stride_ob, G, D, BS, BLOCK_G, BLOCK_D, BLOCK_N, MIN_PART, SPLIT, PRECISION, WINDOW, HAS_SINKS)  # fmt: skip
+    _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, sink_ptr, scale_log2, P,
+             max_tokens, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+             stride_btb, stride_ob, G, D, BS, BLOCK_G, BLOCK_D, BLOCK_N, MIN_PART, SPLIT, PRECISION, WINDOW,
+             HAS_SINKS, LAST_REDUCES)  # fmt: skip
 
 
 @triton.jit
 def _partial(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, sink_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, sink_ptr,
     scale_log2, P, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    LAST_REDUCES: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -171,6 +183,15 @@ def _partial(
                  mask=active & g_ok[:, None] & d_ok[None, :])  # fmt: skip
         tl.store(ml_ptr + part_row * 2, m_i, mask=active & g_ok)
         tl.store(ml_ptr + part_row * 2 + 1, l_i, mask=active & g_ok)
+        if LAST_REDUCES:
+            # every thread's partials stored before the count goes up (the atomic releases
+            # them at GPU scope); the program that takes it to P merges the partitions
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + b * tl.num_programs(1) + h, 1, sem="acq_rel", scope="gpu")
+            if done == P - 1:
+                _merge_heads(acc_ptr, ml_ptr, sink_ptr, out_ptr, b, heads, hq_count, P, tl.cdiv(ctx, part),
+                             stride_ob, offs_d, g_ok, d_ok, D, BLOCK_G, BLOCK_D, HAS_SINKS)  # fmt: skip
+                tl.atomic_xchg(count_ptr + b * tl.num_programs(1) + h, 0, sem="relaxed", scope="gpu")
     else:  # the only partition: normalise here (no context: acc = 0, l = 0 -> zeros)
         if HAS_SINKS:
             sk = tl.load(sink_ptr + heads, mask=g_ok, other=0.0) * 1.4426950408889634
@@ -178,6 +199,34 @@ def _partial(
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _merge_heads(acc_ptr, ml_ptr, sink_ptr, out_ptr, b, heads, hq_count, P, n_active, stride_ob, offs_d, g_ok, d_ok,
+                 D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
+    """What the reduce programs of ``heads`` compute, in the partial program that stored the
+    last partitions (loads through L2: other programs wrote them)."""
+    rows = (b * hq_count + heads) * P  # [BLOCK_G]: each head's first partition
+    m_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    for pp in range(0, n_active):
+        m = tl.load(ml_ptr + (rows + pp) * 2, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m)
+    den = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for pp in range(0, n_active):
+        m = tl.load(ml_ptr + (rows + pp) * 2, mask=g_ok, other=0.0, cache_modifier=".cg")
+        l = tl.load(ml_ptr + (rows + pp) * 2 + 1, mask=g_ok, other=0.0, cache_modifier=".cg")
+        w = tl.where(g_ok, tl.exp2(m - m_max), 0.0)
+        a = tl.load(acc_ptr + (rows + pp)[:, None] * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
+                    other=0.0, cache_modifier=".cg")
+        acc += a * w[:, None]
+        den += w * l
+    if HAS_SINKS:
+        sk = tl.load(sink_ptr + heads, mask=g_ok, other=0.0) * 1.4426950408889634
+        den += tl.where(m_max == float("-inf"), 0.0, tl.exp2(sk - m_max))
+    o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["P", "max_tokens"])
@@ -261,6 +310,7 @@ def _constants(q: Any, k_cache: Any, num_partitions: int, config: KernelConfig, 
         G=G, D=D, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
         BLOCK_N=config.block_n, MIN_PART=config.min_part, SPLIT=num_partitions > 1,
         PRECISION=triton_target.for_device(q.device).dot_precision(q.dtype == torch.float32),
+        LAST_REDUCES=num_partitions > 1 and config.reduce_in_partial,
     )  # fmt: skip
     if window is not None or sinks is not None:  # the kernel with a window and/or sinks
         c["WINDOW"] = int(window or 0)
@@ -312,7 +362,8 @@ def launch(
         ml = torch.empty(B, Hq, P, 2, dtype=torch.float32, device=q.device)
     else:
         acc = ml = out  # not used: SPLIT off stores the output directly
-    args = (q, k_cache, v_cache, block_tables, ctx_lens, out, acc, ml, float(scale) * LOG2E, P, max_tokens,
+    counts = merge_counts(q.device, B * Hkv) if consts["LAST_REDUCES"] else out  # not read without it
+    args = (q, k_cache, v_cache, block_tables, ctx_lens, out, acc, ml, counts, float(scale) * LOG2E, P, max_tokens,
             *_strides(q, k_cache, v_cache, block_tables, out))  # fmt: skip
     extended = window is not None or sinks is not None
     target = triton_target.for_device(q.device)
@@ -321,7 +372,7 @@ def launch(
         _partial_window_sinks_kernel[(B, Hkv, P)](*args, sink_arg, **consts, **opts)
     else:
         _partial_kernel[(B, Hkv, P)](*args, **consts, **opts)
-    if P > 1:
+    if P > 1 and not consts["LAST_REDUCES"]:
         rconsts = dict(D=D, BLOCK_D=consts["BLOCK_D"], BLOCK_P=config.block_p, BLOCK_N=config.block_n,
                        MIN_PART=config.min_part)  # fmt: skip
         if sinks is not None:
@@ -330,3 +381,20 @@ def launch(
         else:
             _reduce_kernel[(B, Hq)](acc, ml, ctx_lens, out, P, max_tokens, out.stride(0), **rconsts,
                                     **target.launch_options(4))  # fmt: skip
+
+
+#: per device: the partial programs' counters (int32 zeros, each left zero by the launch that
+#: used it); every buffer ever made is kept, since a captured graph holds its address
+_COUNTS: dict[Any, list[Any]] = {}
+
+
+def merge_counts(device: Any, n: int) -> Any:
+    """At least ``n`` zeroed int32 counters on ``device`` for :func:`launch`'s merging partial
+    programs: the largest buffer made so far, or a new one (4096 or more counters; made
+    before any graph capture in practice: the first decode step runs eagerly)."""
+    import torch
+
+    made = _COUNTS.setdefault(str(device), [])
+    if not made or made[-1].numel() < n:
+        made.append(torch.zeros(max(4096, n), dtype=torch.int32, device=device))
+    return made[-1]

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 ENV = "FREETOKEN_DENSE_OPS"
 
+#: the widest rows :meth:`TritonDenseOps.add_norm_route` takes (each program holds a row and
+#: its experts' router rows in registers)
+FUSED_ROUTE_MAX_COLS = 8192
+
 
 class DenseOps:
     name = "base"
@@ -60,6 +64,14 @@ class DenseOps:
         weights: the softmax over the top-k logits when ``norm``, else their probabilities
         under the softmax over every expert."""
         raise NotImplementedError
+
+    def add_norm_route(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, router: Any,
+                       k: int, norm: bool) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """:meth:`add_rms_norm` of ``h`` and ``delta`` followed by the router (``router(x)``,
+        float32 logits) and :meth:`router_top_k`, where an implementation has them as one
+        operation: ``(h + delta, x, ids, weights)``; None where it has not (the caller runs
+        the three). This implementation: None."""
+        return None
 
     def bias_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], rotary: Rotary,
@@ -147,6 +159,7 @@ class TritonDenseOps(DenseOps):
         from freetoken.models import dense_ops_triton
 
         self.k = dense_ops_triton
+        self._counts: dict[torch.device, torch.Tensor] = {}
 
     def add_rms_norm(self, h, delta, weight, eps):
         h = h.contiguous()
@@ -177,6 +190,37 @@ class TritonDenseOps(DenseOps):
         w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
         self.k.router_top_k(logits.contiguous(), k, norm, ids, w)
         return ids, w
+
+    def add_norm_route(self, h, delta, weight, eps, router, k, norm):
+        """One launch for a decode step's few tokens (up to ``RouterLinear.gemv_tokens``) with a
+        float32 :class:`~freetoken.models.layers.RouterLinear` and rows of at most
+        :data:`FUSED_ROUTE_MAX_COLS` values; else None."""
+        from freetoken.models.layers import RouterLinear
+
+        T, N = h.shape
+        rw = getattr(router, "weight", None)
+        if (type(router) is not RouterLinear or T > RouterLinear.gemv_tokens or N > FUSED_ROUTE_MAX_COLS
+                or rw is None or not rw.is_contiguous() or rw.shape[1] != N or h.device != rw.device):
+            return None
+        E = rw.shape[0]
+        h = h.contiguous()
+        h_new, x = torch.empty_like(h), torch.empty_like(h)
+        logits = torch.empty(T, E, dtype=torch.float32, device=h.device)
+        ids = torch.empty(T, k, dtype=torch.int32, device=h.device)
+        w = torch.empty(T, k, dtype=torch.float32, device=h.device)
+        self.k.add_norm_route(h, delta.contiguous(), weight, eps, rw, k, norm, h_new, x, logits,
+                              self._route_counts(h.device), ids, w)  # fmt: skip
+        return h_new, x, ids, w
+
+    def _route_counts(self, device: torch.device) -> torch.Tensor:
+        """The fused routing's per-token counters on ``device``: zeros, made once (before any
+        graph capture: the first decode step runs eagerly) and left zero by every launch."""
+        counts = self._counts.get(device)
+        if counts is None:
+            from freetoken.models.layers import RouterLinear
+
+            counts = self._counts[device] = torch.zeros(RouterLinear.gemv_tokens, dtype=torch.int32, device=device)
+        return counts
 
 
 TORCH_OPS = TorchDenseOps()

@@ -11,6 +11,12 @@ decoder layer fused so that a decode step launches a few kernels per layer, not 
 * ``router_logits``  grid (E / BLOCK_E, T): a decode step's float32 router logits from the
                      activations as they are (no float32 copy of them, one launch instead of
                      a cast and cuBLAS's two-kernel GEMV)
+* ``add_norm_route`` grid (E / BLOCK_E, T): ``add_rms_norm``, ``router_logits`` and
+                     ``router_top_k`` of a decode step in one launch: every program computes
+                     the token's norm (the first also stores ``h`` and ``x``) and its experts'
+                     logits; the token's last program to finish (a counter taken with an
+                     atomic add) selects the top-k from every program's logits and sets the
+                     counter back to zero for the next launch
 
 Each kernel rounds to the activation dtype at the points where the torch implementation
 (:class:`freetoken.models.dense_ops.TorchDenseOps`) stores a tensor in that dtype and
@@ -171,3 +177,79 @@ def router_logits(x, weight, out) -> None:
     opts = triton_target.for_device(x.device).launch_options(4)
     _router_logits_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), T)](
         x, weight, out, H=H, E=E, BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=min(512, triton.next_power_of_2(H)), **opts)
+
+
+@triton.jit
+def _add_norm_route_kernel(h_ptr, d_ptr, nw_ptr, rw_ptr, h_out_ptr, x_out_ptr, logits_ptr, count_ptr, ids_ptr,
+                           w_ptr, N, E, eps, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                           BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, EP: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    # add_rms_norm, rounded at the same points as _add_rms_norm_kernel
+    h = tl.load(h_ptr + t * N + offs, mask=mask, other=0.0)
+    d = tl.load(d_ptr + t * N + offs, mask=mask, other=0.0)
+    h = (h.to(tl.float32) + d.to(tl.float32)).to(h_out_ptr.dtype.element_ty)
+    hf = h.to(tl.float32)
+    r = tl.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
+    n = (hf * r).to(x_out_ptr.dtype.element_ty).to(tl.float32)
+    nw = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = (nw * n).to(x_out_ptr.dtype.element_ty)
+    if pid == 0:
+        tl.store(h_out_ptr + t * N + offs, h, mask=mask)
+        tl.store(x_out_ptr + t * N + offs, x, mask=mask)
+    # this program's experts' logits: float32 weights times the activations as stored
+    offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    wv = tl.load(rw_ptr + offs_e.to(tl.int64)[:, None] * N + offs[None, :], mask=e_ok[:, None] & mask[None, :],
+                 other=0.0)
+    tl.store(logits_ptr + t * E + offs_e, tl.sum(wv * x.to(tl.float32)[None, :], axis=1), mask=e_ok)
+    # every thread's logits stored before the count goes up (the atomic releases them at GPU
+    # scope); the program that takes the count to the number of programs selects
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        eo = tl.arange(0, EP)
+        vals = tl.load(logits_ptr + t * E + eo, mask=eo < E, other=float("-inf"), cache_modifier=".cg")
+        kk = tl.arange(0, KP)
+        top = tl.full((KP,), float("-inf"), tl.float32)
+        ids = tl.zeros((KP,), tl.int32)
+        rest = vals
+        for j in tl.static_range(K):
+            m = tl.max(rest, axis=0)
+            i = tl.min(tl.where(rest == m, eo, EP), axis=0)  # the lowest index among equal values
+            top = tl.where(kk == j, m, top)
+            ids = tl.where(kk == j, i, ids)
+            rest = tl.where(eo == i, float("-inf"), rest)
+        if NORM:
+            p = tl.exp(top - tl.max(top, axis=0))
+            w = p / tl.sum(p, axis=0)
+        else:
+            mx = tl.max(vals, axis=0)
+            w = tl.exp(top - mx) / tl.sum(tl.exp(vals - mx), axis=0)
+        tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
+        tl.store(w_ptr + t * K + kk, w, mask=kk < K)
+        tl.atomic_xchg(count_ptr + t, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+#: experts per program of :func:`add_norm_route`
+ROUTE_BLOCK_E = 4
+
+
+def add_norm_route(h, delta, norm_weight, eps: float, router_weight, k: int, norm: bool, h_out, x_out, logits,
+                   counts, ids_out, w_out) -> None:  # fmt: skip
+    """``add_rms_norm(h, delta)`` into ``h_out``/``x_out``, the router's float32 logits of
+    ``x_out`` into ``logits [T, E]`` and their :func:`router_top_k` into ``ids_out``/``w_out``,
+    one launch. ``counts``: int32 ``[>= T]`` zeros, left zero (one program per token and
+    launch increments it; the last sets it back)."""
+    T, N = h.shape
+    E = router_weight.shape[0]
+    if T == 0:
+        return
+    block = triton.next_power_of_2(N)
+    opts = triton_target.for_device(h.device).launch_options(8 if block >= 2048 else 4)
+    _add_norm_route_kernel[(triton.cdiv(E, ROUTE_BLOCK_E), T)](
+        h, delta, norm_weight, router_weight, h_out, x_out, logits, counts, ids_out, w_out, N, E, eps, K=k,
+        KP=triton.next_power_of_2(k), NORM=norm, BLOCK=block, BLOCK_E=ROUTE_BLOCK_E, EP=triton.next_power_of_2(E),
+        **opts)  # fmt: skip

@@ -66,14 +66,34 @@ class FusedLinears:
         self.nbytes = sum(lin.nbytes for lin, _ in self.groups)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return self._split([lin(x) for lin, _ in self.groups])
+
+    def _split(self, ys: list[torch.Tensor]) -> list[torch.Tensor]:
         outs: list[torch.Tensor] = []
-        for lin, sizes in self.groups:
-            y = lin(x)
+        for y, (_, sizes) in zip(ys, self.groups):
             if len(sizes) == 1:
                 outs.append(y)
             else:
                 outs.extend(y.split(sizes, dim=-1))
         return outs
+
+    def add_norm_call(self, ops: Any, h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+        """The residual ``h + delta`` and these projections of its RMSNorm (times ``weight``):
+        for one token whose every group a backend's one-token GEMV serves (a packed linear's
+        ``native``, :class:`~freetoken.backends.contract.PackedGemv`), its
+        :meth:`~freetoken.backends.contract.PackedGemv.norm_gemv` (the norm and every group
+        in one launch); else ``ops.add_rms_norm`` and a call per group."""
+        lins = [lin for lin, _ in self.groups]
+        native = getattr(lins[0], "native", None)
+        if (native is not None and h.dim() == 2 and h.shape[0] == 1 and len(lins) <= native.norm_parts
+                and all(getattr(lin, "native", None) is native for lin in lins)):
+            fused = native.norm_gemv(h, delta, weight, eps, [(lin.data, lin.fmt) for lin in lins])
+            if fused is not None:
+                h_new, _, ys = fused
+                return h_new, self._split(ys)
+        h, x = ops.add_rms_norm(h, delta, weight, eps)
+        return h, self(x)
 
 
 class Embedding:

@@ -214,8 +214,7 @@ class MoeDecoderModel:
         cos, sin = self.rotary.tables(positions, h.dtype)
         delta: Optional[torch.Tensor] = None
         for L, (kc, vc) in zip(self.layers, kv_caches):
-            h, x = ops.add_rms_norm(h, delta, L.in_norm, eps)
-            q, k, v = L.qkv(x)
+            h, (q, k, v) = L.qkv.add_norm_call(ops, h, delta, L.in_norm, eps)
             if L.q_norm is None and a.clip_qkv is None:  # bias, RoPE and the K/V write: one op
                 qh = ops.bias_rope_store(q, k, v, L.qkv_bias, self.rotary, cos, sin, positions, kc, vc,
                                          meta.slot_mapping)  # fmt: skip
@@ -232,8 +231,7 @@ class MoeDecoderModel:
             o = L.o(paged_attention(qh, kc, vc, meta, self.scale, window=L.window, sinks=L.sinks))
             if L.o_bias is not None:
                 o = o + L.o_bias
-            h, x = ops.add_rms_norm(h, o, L.post_norm, eps)
-            delta = L.moe(x)
+            h, delta = L.moe.add_norm_forward(h, o, L.post_norm, eps)
         return ops.add_rms_norm(h, delta, self.norm, eps)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -246,14 +246,14 @@ class Qwen3MoeModel:
         slots = meta.slot_mapping
         delta: Optional[torch.Tensor] = None  # what the previous block adds to h
         for L, (kc, vc) in zip(self.layers, kv_caches):
-            h, x = ops.add_rms_norm(h, delta, L.in_norm, eps)
-            q, k, v = L.qkv(x)
+            h, (q, k, v) = L.qkv.add_norm_call(ops, h, delta, L.in_norm, eps)
             q = ops.qk_norm_rope_store(q, k, v, L.q_norm, L.k_norm, L.qk_norm, self.rotary, positions, kc, vc,
                                        slots, eps)  # fmt: skip
-            h, x = ops.add_rms_norm(h, L.o(paged_attention(q, kc, vc, meta, self.scale)), L.post_norm, eps)
+            o = L.o(paged_attention(q, kc, vc, meta, self.scale))
             if L.moe is not None:
-                delta = L.moe(x)
+                h, delta = L.moe.add_norm_forward(h, o, L.post_norm, eps)
             else:
+                h, x = ops.add_rms_norm(h, o, L.post_norm, eps)
                 g, u, d = L.mlp
                 delta = d(torch.nn.functional.silu(g(x)) * u(x))
         return ops.add_rms_norm(h, delta, self.norm, eps)[1]

@@ -104,6 +104,23 @@ class MoELayer:
 
     __call__ = forward
 
+    def add_norm_forward(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The residual ``h + delta`` and this layer's output for its RMSNorm (times
+        ``weight``): :meth:`DenseOps.add_norm_route` where the ops fuse the norm with the
+        router and top-k (one launch instead of three per decode step), else
+        ``add_rms_norm`` then :meth:`forward`. A subclass that changes what the layer computes
+        from its routes, or a :meth:`route` replaced on the instance or class (a recorder),
+        takes the second way."""
+        fused = None
+        if type(self).forward is MoELayer.forward and type(self).route is MoELayer.route and "route" not in vars(self):
+            fused = self.ops.add_norm_route(h, delta, weight, eps, self.router, self.top_k, self.norm_topk_prob)
+        if fused is None:
+            h, x = self.ops.add_rms_norm(h, delta, weight, eps)
+            return h, self.forward(x)
+        h, x, ids, w = fused
+        return h, self.run_experts(x, ids, w)
+
     def run_experts(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self._experts_fn is None:
             raise RuntimeError(

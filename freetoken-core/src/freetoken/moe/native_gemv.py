@@ -1,12 +1,14 @@
 """The native backends' one-token GEMV over packed blocks (``packed_gemv`` of the extension,
 ``freetoken/include/freetoken/gpu/packed_gemv.cuh``): Q4_K and Q6_K rows times the token
 quantized to int8 per 32 values, as the Triton int8 dots compute them, in one launch
-without Triton's per-weight overhead. NVIDIA builds only; a ROCm build has none.
+without Triton's per-weight overhead; with ``packed_gemv_norm`` the decoder's pre-norm and
+up to two matrices (q/k and a v of another format) in one launch. NVIDIA builds only; a
+ROCm build has none.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 
@@ -20,6 +22,7 @@ class NativePackedGemv(PackedGemv):
     """:class:`~freetoken.backends.contract.PackedGemv` bound to a native extension module."""
 
     name: ClassVar[str] = "native"
+    norm_parts: ClassVar[int] = 2
 
     def __init__(self, native: Any, current_stream: Any) -> None:
         self.native = native
@@ -44,3 +47,30 @@ class NativePackedGemv(PackedGemv):
             raise ValueError(f"native GEMV: x {x.dtype} / y {y.dtype}: float32, float16 or bfloat16 are served")
         self.native.packed_gemv(self.current_stream(), x.data_ptr(), _DTYPES[x.dtype], data.data_ptr(), int(fmt),
                                 rows, cols, int(data.stride(0)), y.data_ptr(), _DTYPES[y.dtype])
+
+    def norm_gemv(self, h: Any, delta: Any, weight: Any, eps: float,
+                  parts: Sequence[tuple[Any, int]]) -> Optional[tuple[Any, Any, list[Any]]]:  # fmt: skip
+        if not hasattr(self.native, "packed_gemv_norm") or not 1 <= len(parts) <= self.norm_parts:
+            return None
+        vectors = [t for t in (h, delta, weight) if t is not None]
+        if (h.dim() != 2 or h.shape[0] != 1 or h.dtype not in _DTYPES
+                or any(t.dtype != h.dtype or not t.is_cuda or not t.is_contiguous() or t.numel() != h.numel()
+                       or t.data_ptr() % 16 for t in vectors)):
+            return None
+        cols = int(h.shape[1])
+        for data, fmt in parts:
+            if self.native.packed_gemv_refusal(int(fmt), cols) or not data.is_cuda or data.dim() != 2 \
+                    or data.dtype != torch.uint8 or data.stride(1) != 1:
+                return None
+        h_out = torch.empty_like(h) if delta is not None else h
+        x = torch.empty_like(h)
+        ys = [torch.empty(1, int(data.shape[0]), dtype=h.dtype, device=h.device) for data, _ in parts]
+        (wa, fa), yb = parts[0], ys[1] if len(parts) > 1 else None
+        wb, fb = parts[1] if len(parts) > 1 else (wa, fa)
+        self.native.packed_gemv_norm(
+            self.current_stream(), h.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
+            float(eps), h_out.data_ptr() if delta is not None else 0, x.data_ptr(), _DTYPES[h.dtype], cols,
+            wa.data_ptr(), int(fa), int(wa.shape[0]), int(wa.stride(0)), ys[0].data_ptr(),
+            wb.data_ptr(), int(fb), int(wb.shape[0]) if yb is not None else 0, int(wb.stride(0)),
+            yb.data_ptr() if yb is not None else 0)  # fmt: skip
+        return h_out, x, ys

@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <map>
+#include <tuple>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -72,16 +73,17 @@ __device__ __forceinline__ void load8(const void* x, int c, float v[8]) {
 }
 
 /* The token into shared memory: codes xq[K] (int8), scales xd[K/32] and code sums xs[K/16].
- * Each thread takes 8 consecutive values, four threads a 32-value group. Every thread runs
- * every round (the shuffles are warp-wide); rounds past K load nothing and store nothing. */
-template <int DT>
-__device__ void quantize_token(const void* x, int cols, int8_t* xq, float* xd, int* xs) {
+ * Each thread takes 8 consecutive values (src(c, v) gives the 8 from column c), four threads
+ * a 32-value group. Every thread runs every round (the shuffles are warp-wide); rounds past
+ * K load nothing and store nothing. */
+template <class Source>
+__device__ void quantize_from(const Source& src, int cols, int8_t* xq, float* xd, int* xs) {
     const int lane = threadIdx.x & 31;
     for (int base = 0; base < cols; base += kThreads * 8) {
         const int c = base + threadIdx.x * 8;
         const bool ok = c < cols;
         float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (ok) load8<DT>(x, c, v);
+        if (ok) src(c, v);
         float amax = 0.f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
@@ -108,6 +110,13 @@ __device__ void quantize_token(const void* x, int cols, int8_t* xq, float* xd, i
         }
     }
 }
+
+/* the token as given */
+template <int DT>
+struct TokenValues {
+    const void* x;
+    __device__ void operator()(int c, float v[8]) const { load8<DT>(x, c, v); }
+};
 
 __device__ __forceinline__ int dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
 
@@ -195,6 +204,23 @@ __device__ __forceinline__ void store_out(void* y, int row, float v) {
     else static_cast<__half*>(y)[row] = __float2half_rn(v);
 }
 
+/* one row's dot with the quantized token, summed over the warp (every lane gets the sum) */
+template <int FMT>
+__device__ __forceinline__ float row_dot(const uint8_t* wr, int cols, const int8_t* xq, const float* xd,
+                                         const int* xs) {
+    const int lane = threadIdx.x & 31;
+    const int items = (cols / 256) * 4;
+    float acc = 0.f;
+    for (int it = lane; it < items; it += 32) {
+        const int b = it >> 2;
+        if (FMT == GEMV_Q4_K) acc += q4k_item(wr + b * 144, b, it & 3, xq, xd, xs);
+        else acc += q6k_item(wr + b * 210, b, (it >> 1) & 1, (it & 1) * 16, xq, xd, xs);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;
+}
+
 template <int FMT, int XT, int YT>
 __global__ void __launch_bounds__(kThreads, 8) packed_gemv_kernel(const void* __restrict__ x, const uint8_t* __restrict__ w,
                                                                void* __restrict__ y, int rows, int cols,
@@ -203,51 +229,197 @@ __global__ void __launch_bounds__(kThreads, 8) packed_gemv_kernel(const void* __
     int8_t* xq = reinterpret_cast<int8_t*>(smem);
     float* xd = reinterpret_cast<float*>(smem + cols);
     int* xs = reinterpret_cast<int*>(smem + cols + (cols / 32) * 4);
-    quantize_token<XT>(x, cols, xq, xd, xs);
+    quantize_from(TokenValues<XT>{x}, cols, xq, xd, xs);
     __syncthreads();
     const int lane = threadIdx.x & 31;
-    const int items = (cols / 256) * 4;
     for (int row = blockIdx.x * kWarps + (threadIdx.x >> 5); row < rows; row += gridDim.x * kWarps) {
-        const uint8_t* wr = w + static_cast<int64_t>(row) * row_bytes;
-        float acc = 0.f;
-        for (int it = lane; it < items; it += 32) {
-            const int b = it >> 2;
-            if (FMT == GEMV_Q4_K) acc += q4k_item(wr + b * 144, b, it & 3, xq, xd, xs);
-            else acc += q6k_item(wr + b * 210, b, (it >> 1) & 1, (it & 1) * 16, xq, xd, xs);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        const float acc = row_dot<FMT>(w + static_cast<int64_t>(row) * row_bytes, cols, xq, xd, xs);
         if (lane == 0) store_out<YT>(y, row, acc);
     }
 }
 
+/* ---- the same GEMV with the decoder's pre-norm in front, over one or two matrices ----------- */
+
+/* v rounded to the activations' dtype (a store in it and a load back) */
+template <int DT>
+__device__ __forceinline__ float round_to(float v) {
+    if (DT == GEMV_BF16) return __bfloat162float(__float2bfloat16_rn(v));
+    if (DT == GEMV_F16) return __half2float(__float2half_rn(v));
+    return v;
+}
+
+template <int DT>
+__device__ __forceinline__ void store8(void* p, int c, const float v[8]) {
+    if (DT == GEMV_F32) {
+        float4* q = reinterpret_cast<float4*>(static_cast<float*>(p) + c);
+        q[0] = make_float4(v[0], v[1], v[2], v[3]);
+        q[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+        uint32_t w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            uint32_t lo, hi;
+            if (DT == GEMV_BF16) {
+                lo = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i]));
+                hi = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i + 1]));
+            } else {
+                lo = __half_as_ushort(__float2half_rn(v[2 * i]));
+                hi = __half_as_ushort(__float2half_rn(v[2 * i + 1]));
+            }
+            w[i] = lo | (hi << 16);
+        }
+        *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p) + c) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+/* The pre-norm's operands: the residual h, what the previous block adds to it (delta, or
+ * null), the norm's weight and epsilon; block 0 stores h + delta (h_out, when delta is given)
+ * and the normed token (x_out). All of the activations' dtype. */
+struct NormArgs {
+    const void* h;
+    const void* delta;
+    const void* weight;
+    void* h_out;
+    void* x_out;
+    float eps;
+};
+
+/* one matrix of a fused call: rows of blocks row_bytes apart, outputs y[rows] */
+struct GemvPart {
+    const uint8_t* w;
+    int64_t row_bytes;
+    int rows;
+    void* y;
+};
+
+/* h + delta rounded to the dtype, as the dense ops' add_rms_norm stores it */
+template <int DT>
+__device__ __forceinline__ void residual8(const NormArgs& n, int c, float hv[8]) {
+    load8<DT>(n.h, c, hv);
+    if (n.delta != nullptr) {
+        float dv[8];
+        load8<DT>(n.delta, c, dv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) hv[i] = round_to<DT>(hv[i] + dv[i]);
+    }
+}
+
+/* the normed token: weight * (residual * r), each product rounded to the dtype */
+template <int DT>
+struct NormedValues {
+    NormArgs n;
+    float r;
+    bool store;
+    __device__ void operator()(int c, float v[8]) const {
+        float hv[8], wv[8];
+        residual8<DT>(n, c, hv);
+        load8<DT>(n.weight, c, wv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = round_to<DT>(wv[i] * round_to<DT>(hv[i] * r));
+        if (store) {
+            if (n.delta != nullptr) store8<DT>(n.h_out, c, hv);
+            store8<DT>(n.x_out, c, v);
+        }
+    }
+};
+
+/* y_a = A x, y_b = B x for x = rmsnorm(h + delta) * weight: every block computes the norm
+ * (the token is a few KB, read from L2) and quantizes x as packed_gemv_kernel does; the rows of
+ * A then B are strided over the warps of the grid. b.rows may be 0. */
+template <int FA, int FB, int DT>
+__global__ void __launch_bounds__(kThreads, 8) packed_gemv_norm_kernel(NormArgs n, GemvPart a, GemvPart b, int cols) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    int8_t* xq = reinterpret_cast<int8_t*>(smem);
+    float* xd = reinterpret_cast<float*>(smem + cols);
+    int* xs = reinterpret_cast<int*>(smem + cols + (cols / 32) * 4);
+    float* partial = reinterpret_cast<float*>(smem + cols + (cols / 32) * 4 + (cols / 16) * 4);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float ss = 0.f;
+    for (int c = threadIdx.x * 8; c < cols; c += kThreads * 8) {
+        float hv[8];
+        residual8<DT>(n, c, hv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss += hv[i] * hv[i];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) total += partial[i];
+    const float r = rsqrtf(total / static_cast<float>(cols) + n.eps);
+    quantize_from(NormedValues<DT>{n, r, blockIdx.x == 0}, cols, xq, xd, xs);
+    __syncthreads();
+    const int rows = a.rows + b.rows;
+    for (int row = blockIdx.x * kWarps + warp; row < rows; row += gridDim.x * kWarps) {
+        if (row < a.rows) {
+            const float acc = row_dot<FA>(a.w + static_cast<int64_t>(row) * a.row_bytes, cols, xq, xd, xs);
+            if (lane == 0) store_out<DT>(a.y, row, acc);
+        } else {
+            const int rb = row - a.rows;
+            const float acc = row_dot<FB>(b.w + static_cast<int64_t>(rb) * b.row_bytes, cols, xq, xd, xs);
+            if (lane == 0) store_out<DT>(b.y, rb, acc);
+        }
+    }
+}
+
+inline size_t norm_shared_bytes(int cols) {
+    return static_cast<size_t>(cols) + (cols / 32) * 4 + (cols / 16) * 4 + kWarps * sizeof(float);
+}
+
 inline size_t shared_bytes(int cols) { return static_cast<size_t>(cols) + (cols / 32) * 4 + (cols / 16) * 4; }
 
-/* blocks the device keeps resident for this kernel (cached per device and kernel) */
-template <int FMT, int XT, int YT>
-int resident_blocks(int cols) {
+/* blocks the device keeps resident for `kernel` with `smem` bytes of shared memory (cached
+ * per device, kernel and size) */
+template <class Kernel>
+int resident_blocks(Kernel kernel, size_t smem) {
     static std::mutex lock;
-    static std::map<std::pair<int, int>, int> known; /* (device, cols) -> blocks */
+    static std::map<std::tuple<int, const void*, size_t>, int> known;
     int device = 0;
     FT_CHECK(cudaGetDevice(&device));
+    const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), smem);
     std::lock_guard<std::mutex> guard(lock);
-    auto it = known.find({device, cols});
+    auto it = known.find(key);
     if (it != known.end()) return it->second;
     int sms = 0, per_sm = 0;
     FT_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    FT_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, packed_gemv_kernel<FMT, XT, YT>, kThreads,
-                                                            shared_bytes(cols)));
+    FT_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
     const int blocks = sms * (per_sm > 0 ? per_sm : 1);
-    known[{device, cols}] = blocks;
+    known[key] = blocks;
     return blocks;
+}
+
+/* a warp per row, at most the resident blocks */
+template <class Kernel>
+int grid_for(Kernel kernel, size_t smem, int rows) {
+    const int wanted = (rows + kWarps - 1) / kWarps, resident = resident_blocks(kernel, smem);
+    return wanted < resident ? wanted : resident;
 }
 
 template <int FMT, int XT, int YT>
 void launch(cudaStream_t stream, const void* x, const uint8_t* w, void* y, int rows, int cols, int64_t row_bytes) {
-    const int wanted = (rows + kWarps - 1) / kWarps, resident = resident_blocks<FMT, XT, YT>(cols);
-    const int grid = wanted < resident ? wanted : resident;
-    packed_gemv_kernel<FMT, XT, YT><<<grid, kThreads, shared_bytes(cols), stream>>>(x, w, y, rows, cols, row_bytes);
+    auto kernel = packed_gemv_kernel<FMT, XT, YT>;
+    const size_t smem = shared_bytes(cols);
+    kernel<<<grid_for(kernel, smem, rows), kThreads, smem, stream>>>(x, w, y, rows, cols, row_bytes);
     FT_CHECK_LAUNCH("packed_gemv_kernel<<<>>>");
+}
+
+template <int FA, int FB, int DT>
+void launch_norm(cudaStream_t stream, const NormArgs& n, const GemvPart& a, const GemvPart& b, int cols) {
+    auto kernel = packed_gemv_norm_kernel<FA, FB, DT>;
+    const size_t smem = norm_shared_bytes(cols);
+    kernel<<<grid_for(kernel, smem, a.rows + b.rows), kThreads, smem, stream>>>(n, a, b, cols);
+    FT_CHECK_LAUNCH("packed_gemv_norm_kernel<<<>>>");
+}
+
+template <int FA, int FB>
+void launch_norm_dt(int dtype, cudaStream_t s, const NormArgs& n, const GemvPart& a, const GemvPart& b, int cols) {
+    switch (dtype) {
+        case GEMV_F32: return launch_norm<FA, FB, GEMV_F32>(s, n, a, b, cols);
+        case GEMV_F16: return launch_norm<FA, FB, GEMV_F16>(s, n, a, b, cols);
+        default: return launch_norm<FA, FB, GEMV_BF16>(s, n, a, b, cols);
+    }
 }
 
 template <int FMT, int XT>
@@ -280,27 +452,40 @@ inline std::string packed_gemv_refusal(int fmt, int64_t cols) {
     return "";
 }
 
+namespace gemv_detail {
+
+inline void check_dtype(const char* what, int dt) {
+    if (dt != GEMV_F32 && dt != GEMV_F16 && dt != GEMV_BF16)
+        throw std::invalid_argument(std::string(what) + ": dtype code " + std::to_string(dt) + " (0 f32, 1 f16, 2 bf16)");
+}
+
+/* a matrix's format, width, row size and alignment as the kernels need them */
+inline void check_matrix(const char* what, uint64_t w, int fmt, int64_t rows, int64_t cols, int64_t row_bytes) {
+    const std::string refusal = packed_gemv_refusal(fmt, cols);
+    if (!refusal.empty()) throw std::invalid_argument(std::string(what) + ": " + refusal);
+    const int64_t block_bytes = fmt == GEMV_Q4_K ? 144 : 210;
+    if (row_bytes < cols / 256 * block_bytes)
+        throw std::invalid_argument(std::string(what) + ": rows of " + std::to_string(row_bytes) +
+                                    " bytes hold fewer than " + std::to_string(cols / 256) + " blocks");
+    const int64_t align = fmt == GEMV_Q4_K ? 16 : 2;
+    if (w % align || row_bytes % align)
+        throw std::invalid_argument(std::string(what) + ": the weights and their rows must be " +
+                                    std::to_string(align) + "-byte aligned for this format");
+    if (rows < 0 || rows > INT32_MAX) throw std::invalid_argument(std::string(what) + ": rows out of range");
+}
+
+}  // namespace gemv_detail
+
 /* y [rows] = W [rows, cols] x [cols]: x, y device addresses of x_dtype / y_dtype elements
  * (x 16-byte aligned), w the rows' blocks, row_bytes apart. Launched on `stream`
  * (capturable in graphs). */
 inline void packed_gemv(uint64_t stream, uint64_t x, int x_dtype, uint64_t w, int fmt, int64_t rows, int64_t cols,
                         int64_t row_bytes, uint64_t y, int y_dtype) {
-    const std::string refusal = packed_gemv_refusal(fmt, cols);
-    if (!refusal.empty()) throw std::invalid_argument("packed_gemv: " + refusal);
-    for (int dt : {x_dtype, y_dtype})
-        if (dt != GEMV_F32 && dt != GEMV_F16 && dt != GEMV_BF16)
-            throw std::invalid_argument("packed_gemv: dtype code " + std::to_string(dt) + " (0 f32, 1 f16, 2 bf16)");
-    const int64_t block_bytes = fmt == GEMV_Q4_K ? 144 : 210;
-    if (row_bytes < cols / 256 * block_bytes)
-        throw std::invalid_argument("packed_gemv: rows of " + std::to_string(row_bytes) + " bytes hold fewer than " +
-                                    std::to_string(cols / 256) + " blocks");
-    const int64_t align = fmt == GEMV_Q4_K ? 16 : 2;
-    if (w % align || row_bytes % align)
-        throw std::invalid_argument("packed_gemv: the weights and their rows must be " + std::to_string(align) +
-                                    "-byte aligned for this format");
+    gemv_detail::check_matrix("packed_gemv", w, fmt, rows, cols, row_bytes);
+    gemv_detail::check_dtype("packed_gemv", x_dtype);
+    gemv_detail::check_dtype("packed_gemv", y_dtype);
     if (x % 16) throw std::invalid_argument("packed_gemv: x must be 16-byte aligned");
     if (rows <= 0) return;
-    if (rows > INT32_MAX) throw std::invalid_argument("packed_gemv: more than 2^31 rows");
     const auto* wp = reinterpret_cast<const uint8_t*>(w);
     auto s = reinterpret_cast<cudaStream_t>(stream);
     const int r = static_cast<int>(rows), c = static_cast<int>(cols);
@@ -310,6 +495,40 @@ inline void packed_gemv(uint64_t stream, uint64_t x, int x_dtype, uint64_t w, in
     else
         gemv_detail::launch_xy<GEMV_Q6_K>(x_dtype, y_dtype, s, reinterpret_cast<const void*>(x), wp,
                                            reinterpret_cast<void*>(y), r, c, row_bytes);
+}
+
+/* The decoder's pre-norm and the projections that read it, one launch: x = weight *
+ * rmsnorm(h + delta) (delta 0: none; h + delta stored in h_out, x in x_out), then
+ * y_a [rows_a] = A x and y_b [rows_b] = B x (rows_b 0: A only). Every vector is of `dtype`
+ * (0 f32, 1 f16, 2 bf16) and 16-byte aligned; A and B as packed_gemv's W. */
+inline void packed_gemv_norm(uint64_t stream, uint64_t h, uint64_t delta, uint64_t weight, double eps, uint64_t h_out,
+                             uint64_t x_out, int dtype, int64_t cols, uint64_t w_a, int fmt_a, int64_t rows_a,
+                             int64_t row_bytes_a, uint64_t y_a, uint64_t w_b, int fmt_b, int64_t rows_b,
+                             int64_t row_bytes_b, uint64_t y_b) {
+    gemv_detail::check_dtype("packed_gemv_norm", dtype);
+    gemv_detail::check_matrix("packed_gemv_norm (first matrix)", w_a, fmt_a, rows_a, cols, row_bytes_a);
+    if (rows_b > 0) gemv_detail::check_matrix("packed_gemv_norm (second matrix)", w_b, fmt_b, rows_b, cols, row_bytes_b);
+    for (uint64_t p : {h, delta, weight, h_out, x_out})
+        if (p % 16) throw std::invalid_argument("packed_gemv_norm: h, delta, weight, h_out and x_out must be 16-byte aligned");
+    if (h == 0 || weight == 0 || x_out == 0 || (delta != 0 && h_out == 0))
+        throw std::invalid_argument("packed_gemv_norm: h, weight, x_out (and h_out with a delta) are needed");
+    if (rows_a + (rows_b > 0 ? rows_b : 0) > INT32_MAX) throw std::invalid_argument("packed_gemv_norm: more than 2^31 rows");
+    const gemv_detail::NormArgs n{reinterpret_cast<const void*>(h), reinterpret_cast<const void*>(delta),
+                                  reinterpret_cast<const void*>(weight), reinterpret_cast<void*>(h_out),
+                                  reinterpret_cast<void*>(x_out), static_cast<float>(eps)};
+    const gemv_detail::GemvPart a{reinterpret_cast<const uint8_t*>(w_a), row_bytes_a, static_cast<int>(rows_a),
+                                  reinterpret_cast<void*>(y_a)};
+    const gemv_detail::GemvPart b{reinterpret_cast<const uint8_t*>(w_b), row_bytes_b,
+                                  rows_b > 0 ? static_cast<int>(rows_b) : 0, reinterpret_cast<void*>(y_b)};
+    const bool b_q6 = rows_b > 0 && fmt_b == GEMV_Q6_K;
+    auto s = reinterpret_cast<cudaStream_t>(stream);
+    const int c = static_cast<int>(cols);
+    if (fmt_a == GEMV_Q4_K)
+        b_q6 ? gemv_detail::launch_norm_dt<GEMV_Q4_K, GEMV_Q6_K>(dtype, s, n, a, b, c)
+             : gemv_detail::launch_norm_dt<GEMV_Q4_K, GEMV_Q4_K>(dtype, s, n, a, b, c);
+    else
+        b_q6 ? gemv_detail::launch_norm_dt<GEMV_Q6_K, GEMV_Q6_K>(dtype, s, n, a, b, c)
+             : gemv_detail::launch_norm_dt<GEMV_Q6_K, GEMV_Q4_K>(dtype, s, n, a, b, c);
 }
 
 }  // namespace freetoken_gpu
