@@ -117,13 +117,22 @@ def _router_top_k_kernel(logits_ptr, ids_ptr, w_ptr, E, K: tl.constexpr, KP: tl.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     vals = tl.load(logits_ptr + row * E + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    kk, ids, w = _select_top_k(vals, offs, BLOCK, K, KP, NORM)
+    tl.store(ids_ptr + row * K + kk, ids, mask=kk < K)
+    tl.store(w_ptr + row * K + kk, w, mask=kk < K)
+
+
+@triton.jit
+def _select_top_k(vals, offs, BLOCK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr):
+    """The top-``K`` of the float32 logits ``vals`` (``-inf`` past the experts; descending,
+    the lowest index among equal values) and their weights: ``(kk, ids, w)`` over ``KP`` lanes."""
     kk = tl.arange(0, KP)
     top = tl.full((KP,), float("-inf"), tl.float32)
     ids = tl.zeros((KP,), tl.int32)
     rest = vals
     for j in tl.static_range(K):
         m = tl.max(rest, axis=0)
-        i = tl.min(tl.where(rest == m, offs, BLOCK), axis=0)  # the lowest index among equal values
+        i = tl.min(tl.where(rest == m, offs, BLOCK), axis=0)
         top = tl.where(kk == j, m, top)
         ids = tl.where(kk == j, i, ids)
         rest = tl.where(offs == i, float("-inf"), rest)
@@ -133,8 +142,7 @@ def _router_top_k_kernel(logits_ptr, ids_ptr, w_ptr, E, K: tl.constexpr, KP: tl.
     else:  # their probabilities under the softmax over every expert
         mx = tl.max(vals, axis=0)
         w = tl.exp(top - mx) / tl.sum(tl.exp(vals - mx), axis=0)
-    tl.store(ids_ptr + row * K + kk, ids, mask=kk < K)
-    tl.store(w_ptr + row * K + kk, w, mask=kk < K)
+    return kk, ids, w
 
 
 def router_top_k(logits, k: int, norm: bool, ids_out, w_out) -> None:
@@ -212,22 +220,7 @@ def _add_norm_route_kernel(h_ptr, d_ptr, nw_ptr, rw_ptr, h_out_ptr, x_out_ptr, l
     if done == tl.num_programs(0) - 1:
         eo = tl.arange(0, EP)
         vals = tl.load(logits_ptr + t * E + eo, mask=eo < E, other=float("-inf"), cache_modifier=".cg")
-        kk = tl.arange(0, KP)
-        top = tl.full((KP,), float("-inf"), tl.float32)
-        ids = tl.zeros((KP,), tl.int32)
-        rest = vals
-        for j in tl.static_range(K):
-            m = tl.max(rest, axis=0)
-            i = tl.min(tl.where(rest == m, eo, EP), axis=0)  # the lowest index among equal values
-            top = tl.where(kk == j, m, top)
-            ids = tl.where(kk == j, i, ids)
-            rest = tl.where(eo == i, float("-inf"), rest)
-        if NORM:
-            p = tl.exp(top - tl.max(top, axis=0))
-            w = p / tl.sum(p, axis=0)
-        else:
-            mx = tl.max(vals, axis=0)
-            w = tl.exp(top - mx) / tl.sum(tl.exp(vals - mx), axis=0)
+        kk, ids, w = _select_top_k(vals, eo, EP, K, KP, NORM)
         tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
         tl.store(w_ptr + t * K + kk, w, mask=kk < K)
         tl.atomic_xchg(count_ptr + t, 0, sem="relaxed", scope="gpu")  # ready for the next launch
