@@ -208,6 +208,56 @@ def test_add_norm_route_declines_what_it_does_not_fuse():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: graph-replayed timing")
+def test_add_norm_route_tiles_timing():
+    """Graph-replayed time per decode layer of the fused routing at Qwen3-30B-A3B's shapes
+    (hidden 2048, 128 experts, top-8), for a few tiles, against the three launches it replaces
+    (``add_rms_norm``, ``router_logits``, ``router_top_k``); each call on another router
+    (128 MB in turn: from HBM). Every tile's ids equal the three launches' and its weights are
+    within 1e-5 of theirs; the times are printed (``-s``), not asserted."""
+    from graph_timing import graph_sequence_time_us
+
+    from freetoken.models import dense_ops_triton as dot
+
+    gen = torch.Generator().manual_seed(17)
+    N, E, K, copies = 2048, 128, 8, 128
+    routers = [(torch.randn(E, N, generator=gen) * 0.05).cuda() for _ in range(copies)]
+    h = torch.randn(1, N, generator=gen).to(torch.bfloat16).cuda()
+    d = torch.randn(1, N, generator=gen).to(torch.bfloat16).cuda()
+    nw = (1 + 0.5 * torch.randn(N, generator=gen)).to(torch.bfloat16).cuda()
+    h3, x3 = torch.empty_like(h), torch.empty_like(h)
+    logits3 = torch.empty(1, E, dtype=torch.float32, device="cuda")
+    ids3 = torch.empty(1, K, dtype=torch.int32, device="cuda")
+    w3 = torch.empty(1, K, dtype=torch.float32, device="cuda")
+
+    def three(r):
+        dot.add_rms_norm(h, d, nw, 1e-6, h3, x3)
+        dot.router_logits(x3, r, logits3)
+        dot.router_top_k(logits3, K, True, ids3, w3)
+
+    base_us = graph_sequence_time_us([lambda r=r: three(r) for r in routers], 10)
+    print(f"add_rms_norm + router_logits + router_top_k: {base_us:.2f} us per layer")
+    counts = torch.zeros(16, dtype=torch.int32, device="cuda")
+    for block_e, warps in ((4, 8), (4, 4), (2, 4), (2, 8), (8, 8), (1, 4)):
+        hf, xf = torch.empty_like(h), torch.empty_like(h)
+        logits = torch.empty(1, E, dtype=torch.float32, device="cuda")
+        ids = torch.full((1, K), -1, dtype=torch.int32, device="cuda")
+        w = torch.full((1, K), float("nan"), dtype=torch.float32, device="cuda")
+
+        def fused(r, be=block_e, nwarps=warps):
+            dot.add_norm_route(h, d, nw, 1e-6, r, K, True, hf, xf, logits, counts, ids, w, block_e=be,
+                               num_warps=nwarps)
+
+        us = graph_sequence_time_us([lambda r=r: fused(r) for r in routers], 10)
+        torch.cuda.synchronize()
+        assert torch.equal(ids, ids3) and float((w - w3).abs().max()) <= 1e-5, (block_e, warps)
+        assert torch.equal(hf, h3), (block_e, warps)
+        _close(xf, x3.double(), 1e-2, f"x, block_e={block_e} num_warps={warps}")
+        assert int(counts.abs().sum()) == 0, "the counters are left at zero"
+        print(f"add_norm_route block_e={block_e} num_warps={warps}: {us:.2f} us per layer")
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the Triton GEMV runs on CUDA tensors only")
 def test_router_linear_takes_the_gemv_for_decode_and_the_matmul_for_prompts():
     from freetoken.models.layers import RouterLinear

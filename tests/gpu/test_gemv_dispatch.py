@@ -138,7 +138,8 @@ class RecordingNormGemv(RecordingGemv):
 
 def test_gpu_gemv_takes_the_pre_norm(tmp_path, monkeypatch):
     """A backend GEMV with ``norm_gemv``: each decode step's attention pre-norm and q/k/v go to
-    it as one call per layer (the groups of q/k/v in one call), nothing else does, and the
+    it as one call in the layer whose q/k/v are two groups (a Q4_K q/k, a Q6_K v), not in the
+    layer of one Q4_K group, nothing else does, and the
     greedy tokens and logits equal the engine whose Triton ops run the norm and the int8 dots
     every linear, to float32 rounding."""
     from freetoken_fakegpu.backend import FakeGpuBackend
@@ -160,7 +161,8 @@ def test_gpu_gemv_takes_the_pre_norm(tmp_path, monkeypatch):
     monkeypatch.setattr(FakeGpuBackend, "packed_gemv", lambda self: gemv, raising=False)
     out_n, logits_n, info = _run(path, prompt)
     q4, q6 = int(Fmt.Q4_K), int(Fmt.Q6_K)
-    assert gemv.norm_calls == [(q4, q6), (q4,)] * 4, gemv.norm_calls  # 4 decode steps, both layers
+    # 4 decode steps; the layer with one q/k/v group keeps the norm and the GEMV apart
+    assert gemv.norm_calls == [(q4, q6)] * 4, gemv.norm_calls
     assert out_n == out_t
     err = float((logits_n - logits_t).abs().max() / logits_t.abs().max())
     assert err <= 1e-4, f"the pre-norm through the recorded GEMV against the Triton ops: {err:.3g} of their scale"

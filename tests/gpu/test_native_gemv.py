@@ -240,3 +240,46 @@ def test_native_gemv_timing():
         print(f"{name} [{rows}, {cols}] {NAMES[fmt]}: native {native_us:.1f} us, triton {triton_us:.1f} us "
               f"({b.numel() / 1e6:.2f} MB, HBM floor {b.numel() / 4.3e12 * 1e6:.1f} us, native "
               f"{b.numel() / native_us / 1e6:.2f} TB/s)")
+
+
+def test_native_norm_gemv_timing():
+    """Graph-replayed time per layer of the attention pre-norm and q/k/v at Qwen3-30B-A3B's
+    shapes, one ``packed_gemv_norm`` launch against ``add_rms_norm`` and a GEMV per group:
+    a Q4_K q/k with a Q6_K v (half of Q4_K_M's layers) and one Q4_K q/k/v; each call on
+    another copy of the weights (>= 256 MB in turn). Printed (``-s``), not asserted; the
+    outputs of the two ways agree within BF16's step."""
+    from freetoken.models import dense_ops_triton as dot
+
+    rng = np.random.default_rng(1)
+    gemv = gemv_native()
+    cols = 2048
+    h = torch.randn(1, cols, device="cuda").to(torch.bfloat16)
+    d = torch.randn(1, cols, device="cuda").to(torch.bfloat16)
+    w = (1 + 0.5 * torch.randn(cols, device="cuda")).to(torch.bfloat16)
+    for name, groups in (("q/k Q4_K + v Q6_K", ((4608, Q4), (512, Q6))), ("q/k/v Q4_K", ((5120, Q4),))):
+        one = [torch.from_numpy(random_blocks(f, r, cols, rng, scale=SCALES[f])).reshape(r, -1).cuda() for r, f in groups]
+        per_copy = sum(t.numel() for t in one)
+        sets = [one] + [[t.clone() for t in one] for _ in range(max(0, -(-(256 << 20) // per_copy) - 1))]
+        fmts = [f for _, f in groups]
+        h2, x2 = torch.empty_like(h), torch.empty_like(h)
+        ys = [torch.empty(1, r, dtype=torch.bfloat16, device="cuda") for r, _ in groups]
+        out: dict[str, object] = {}
+
+        def separate(mats):
+            dot.add_rms_norm(h, d, w, 1e-6, h2, x2)
+            for m, f, y in zip(mats, fmts, ys):
+                gemv.gemv(x2, m, f, y)
+
+        def fused(mats):
+            out["r"] = gemv.norm_gemv(h, d, w, 1e-6, list(zip(mats, fmts)))
+
+        sep_us = graph_sequence_time_us([lambda m=m: separate(m) for m in sets], 10)
+        fused_us = graph_sequence_time_us([lambda m=m: fused(m) for m in sets], 10)
+        separate(sets[-1])
+        fused(sets[-1])
+        torch.cuda.synchronize()
+        for y_sep, y_fused in zip(ys, out["r"][2]):  # type: ignore[index]
+            err = float((y_sep.float() - y_fused.float()).abs().max() / y_sep.float().abs().max())
+            assert err <= BF16_TOL, (name, err)
+        print(f"{name}: pre-norm + GEMVs {sep_us:.2f} us, packed_gemv_norm {fused_us:.2f} us per layer "
+              f"({per_copy / 1e6:.2f} MB)")

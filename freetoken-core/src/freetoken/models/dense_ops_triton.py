@@ -231,18 +231,19 @@ ROUTE_BLOCK_E = 4
 
 
 def add_norm_route(h, delta, norm_weight, eps: float, router_weight, k: int, norm: bool, h_out, x_out, logits,
-                   counts, ids_out, w_out) -> None:  # fmt: skip
+                   counts, ids_out, w_out, block_e: int = ROUTE_BLOCK_E, num_warps: int = 0) -> None:  # fmt: skip
     """``add_rms_norm(h, delta)`` into ``h_out``/``x_out``, the router's float32 logits of
     ``x_out`` into ``logits [T, E]`` and their :func:`router_top_k` into ``ids_out``/``w_out``,
     one launch. ``counts``: int32 ``[>= T]`` zeros, left zero (one program per token and
-    launch increments it; the last sets it back)."""
+    launch increments it; the last sets it back). ``block_e`` experts per program (a power of
+    two) and ``num_warps`` (0: 8 for rows of >= 2048 values, else 4) are the tile."""
     T, N = h.shape
     E = router_weight.shape[0]
     if T == 0:
         return
     block = triton.next_power_of_2(N)
-    opts = triton_target.for_device(h.device).launch_options(8 if block >= 2048 else 4)
-    _add_norm_route_kernel[(triton.cdiv(E, ROUTE_BLOCK_E), T)](
+    opts = triton_target.for_device(h.device).launch_options(num_warps or (8 if block >= 2048 else 4))
+    _add_norm_route_kernel[(triton.cdiv(E, block_e), T)](
         h, delta, norm_weight, router_weight, h_out, x_out, logits, counts, ids_out, w_out, N, E, eps, K=k,
-        KP=triton.next_power_of_2(k), NORM=norm, BLOCK=block, BLOCK_E=ROUTE_BLOCK_E, EP=triton.next_power_of_2(E),
+        KP=triton.next_power_of_2(k), NORM=norm, BLOCK=block, BLOCK_E=block_e, EP=triton.next_power_of_2(E),
         **opts)  # fmt: skip
