@@ -87,3 +87,13 @@ def test_generate_chat_from_stdin(tmp_path, monkeypatch, capsys):
     assert len(lines) == 2  # the blank line is skipped
     assert all(len(x["token_ids"]) == 4 for x in lines)
     assert lines[1]["prompt_tokens"] > lines[0]["prompt_tokens"] + 4  # history carried over
+
+
+def test_read_back_later_off_a_gpu_is_tolist():
+    """Off a CUDA device the split read-back is the tensor's tolist (nothing to overlap)."""
+    from freetoken.engine.engine import _read_back_later
+
+    t = torch.tensor([5, 2, 151935])
+    read = _read_back_later(t)
+    t[0] = 7  # read when the function is called, as tolist would be
+    assert read() == [7, 2, 151935]

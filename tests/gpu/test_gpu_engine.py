@@ -88,6 +88,30 @@ def test_decode_ahead_equals_steps_read_back(backend, eager, monkeypatch):
         assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="stream order on a CUDA device")
+def test_tokens_read_back_before_the_step_queued_after_them():
+    """Decode ahead reads a step's tokens through a copy queued before the next step: the
+    values arrive while a kernel queued after the read still runs (a ~1 s sleep kernel stands
+    in for the next step), where ``tolist()`` would wait for it; the values are the tensor's."""
+    import time
+
+    from freetoken.engine.engine import _read_back_later
+
+    t = torch.randint(0, 151936, (3,), device="cuda")
+    expect = t.cpu().tolist()
+    torch.cuda.synchronize()
+    read = _read_back_later(t)
+    cycles = torch.cuda.get_device_properties(0).clock_rate * 1000  # ~1 s of the GPU's clock
+    torch.cuda._sleep(int(cycles))
+    t0 = time.perf_counter()
+    values = read()
+    waited = time.perf_counter() - t0
+    still_running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert values == expect
+    assert still_running and waited < 0.5, f"the read waited {waited:.3f} s: for the kernel queued after it?"
+
+
 def test_recapture_on_demand(backend):
     """Graphs captured again between steps (tasks and scratch block kept) decode the same."""
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="0-1", cuda_graph_max_bs=8, enable_prefix_cache=False)

@@ -49,6 +49,25 @@ class EngineStats:
     kv_cached_tokens: int = 0  # KV tokens in cached blocks no request uses (reusable)
 
 
+def _read_back_later(t: torch.Tensor) -> Callable[[], list[Any]]:
+    """``t.tolist()`` split in two: the copy to the host is queued now, in stream order (before
+    whatever the caller queues next), and the returned function waits for that copy only.
+    On a CUDA (or HIP) device the values go through page-locked memory and an event, so a
+    step queued after this call runs while the host reads them; elsewhere ``t.tolist``."""
+    if t.device.type != "cuda":
+        return t.tolist
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(t.device))
+
+    def values() -> list[Any]:
+        copied.synchronize()
+        return host.tolist()
+
+    return values
+
+
 def _resolve_backend(name: Optional[str]) -> Any:
     from freetoken.backends.registry import get_backend
 
@@ -389,6 +408,9 @@ class LLMEngine:
         if nxt is None:
             return sample(logits, reqs, self.generator)
         tokens = torch.argmax(logits, dim=-1)  # as argmax_rows: the first largest, a NaN the largest
+        # the copy to the host goes before the next step in stream order: the host has this
+        # step's tokens while the next step runs (a plain tolist() would wait for it)
+        read = _read_back_later(tokens)
         ids, pos, meta = self._metadata(nxt, device_ids=tokens)
         hidden = self.session.decode_ahead(ids, pos, meta)
         if hidden is None:
@@ -397,7 +419,7 @@ class LLMEngine:
             self._decode_ahead = False
         else:
             self._ahead = (nxt, hidden)
-        return [(int(t), None) for t in tokens.tolist()]
+        return [(int(t), None) for t in read()]
 
     @torch.inference_mode()
     def step(self) -> list[StreamDelta]:
