@@ -88,6 +88,34 @@ def test_decode_ahead_equals_steps_read_back(backend, eager, monkeypatch):
         assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_decode_ahead_with_seeded_sampled_requests(backend, eager, monkeypatch):
+    """Plain sampled requests (temperature, top-k, seeds) beside greedy ones go ahead on the
+    GPU (drawn on the device): the same tokens as the engine that reads every step's tokens
+    back first."""
+    from freetoken.engine.sampling_params import SamplingParams
+
+    params = [SamplingParams(max_tokens=20, temperature=t, top_k=k, seed=s, ignore_eos=True)
+              for t, k, s in ((0.8, 0, 1), (0.0, 0, None), (1.2, 40, 3), (0.7, 5, 4))]
+    runs = {}
+    for ahead in (False, True):
+        eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="0-1", enforce_eager=eager, cuda_graph_max_bs=8,
+                      decode_ahead=ahead)
+        launched = []
+        real = eng.session.decode_ahead
+        monkeypatch.setattr(eng.session, "decode_ahead", lambda *a: launched.append(1) or real(*a))
+        try:
+            reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+            while eng.has_work():
+                eng.step()
+            runs[ahead] = [r.output_ids for r in reqs]
+        finally:
+            eng.close()
+        assert (len(launched) > 10) == ahead, len(launched)
+    assert runs[True] == runs[False]
+    assert all(len(ids) == 20 for ids in runs[True])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="stream order on a CUDA device")
 def test_tokens_read_back_before_the_step_queued_after_them():
     """Decode ahead reads a step's tokens through a copy queued before the next step: the

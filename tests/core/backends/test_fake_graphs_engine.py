@@ -156,3 +156,52 @@ def test_decode_ahead_equals_steps_read_back(monkeypatch, eager, observe):
     # summation order only
     for g, w in zip(got_logits, want_logits):
         assert g.shape == w.shape and float((g - w).abs().max() / w.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_decode_ahead_with_requests_sampled_on_the_device(monkeypatch, eager):
+    """Plain sampled requests (temperature, top-k) go ahead too where their draws are made on
+    the device (:func:`~freetoken.engine.sampling.draws_on_device`, made true here for the
+    fake backend's CPU tensors, so both engines draw with the Gumbel picks): the same tokens as
+    the engine reading every token back first, for seeded requests beside greedy ones, one
+    stopped by a stop token; with draws on the host (the CPU's default) sampled requests do
+    not go ahead and their tokens come from the host sampler as before."""
+    from freetoken.engine import engine as engine_module
+    from freetoken.engine import sampling
+
+    greedy = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    hot = [SamplingParams(max_tokens=14, temperature=t, top_k=k, seed=s, ignore_eos=True)
+           for t, k, s in ((0.9, 0, 11), (1.3, 12, 12))]
+    plan = [(0, ("add", PROMPTS[0], hot[0])), (0, ("add", PROMPTS[1], greedy)), (0, ("add", PROMPTS[2], hot[1]))]
+
+    def run(ahead: bool) -> tuple[list, int]:
+        eng = _engine(enforce_eager=eager, cuda_graph_max_bs=4, decode_ahead=ahead)
+        launched = []
+        real = eng.session.decode_ahead
+        monkeypatch.setattr(eng.session, "decode_ahead", lambda *a: launched.append(1) or real(*a))
+        try:
+            free = eng.kv.free_blocks + eng.prefix_cache.num_cached_free
+            got = _drive(eng, plan, False)[0]
+            assert eng.kv.free_blocks + eng.prefix_cache.num_cached_free == free, "a block launched ahead leaked"
+        finally:
+            eng.close()
+        return got, len(launched)
+
+    host_ref, _ = run(False)
+    host_ahead, host_launched = run(True)
+    assert host_launched == 0 and host_ahead == host_ref, "drawn on the host: no step goes ahead"
+
+    for module in (sampling, engine_module):
+        monkeypatch.setattr(module, "draws_on_device", lambda logits: True)
+    want, _ = run(False)
+    got, launched = run(True)
+    assert launched > 10, launched
+    assert got == want
+    assert [len(ids) for ids, _ in got] == [14, 14, 14] and got != host_ref, "the Gumbel draws ran"
+    # a stop token drawn by a sampled request ends it; its step launched ahead is dropped
+    stop_at = want[0][0][5]
+    plan[0] = (0, ("add", PROMPTS[0], SamplingParams(max_tokens=14, temperature=0.9, seed=11, stop_token_ids=[stop_at],
+                                                     ignore_eos=True)))
+    want, _ = run(False)
+    got, launched = run(True)
+    assert got == want and want[0][1] == "stop" and len(want[0][0]) <= 6 and launched > 5

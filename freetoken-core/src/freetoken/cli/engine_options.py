@@ -231,7 +231,8 @@ _OPTIONS: tuple[_Option, ...] = (
             "supports them)", flag_only=True),
     _Option("decode_ahead", "--no-decode-ahead",
             "read each decode step's tokens back before launching the next; by default (GPU backends) a "
-            "greedy step is launched from the previous step's tokens on the device before they are read back, "
+            "greedy step, or one sampled on the device (temperature, top-k), is launched from the previous "
+            "step's tokens on the device before they are read back, "
             "so the host's work between steps overlaps the GPU's, and a step launched for a request that then "
             "stops (end of sequence, stop string) is discarded", flag_only=True, turns_off=True),
     _Option("cuda_graph_max_bs", "--cuda-graph-max-bs",

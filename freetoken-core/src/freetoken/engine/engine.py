@@ -21,7 +21,7 @@ from freetoken.engine.outputs import StreamDelta
 from freetoken.engine.prefix_cache import PrefixCache
 from freetoken.engine.recurrent_state import RecurrentStatePool
 from freetoken.engine.request import Request, Status, new_request_id
-from freetoken.engine.sampling import plain_greedy, sample
+from freetoken.engine.sampling import device_picks, draws_on_device, plain_greedy, plain_sampled, sample
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.engine.scheduler import Scheduled, Scheduler
 from freetoken.models.attention import AttentionMetadata, SeqSlice
@@ -383,18 +383,23 @@ class LLMEngine:
             batch, hidden = [batch[i] for i in live], hidden[live]
         return batch, hidden
 
-    def _ahead_batch(self, batch: list[Scheduled], reqs: list[Request]) -> Optional[list[Scheduled]]:
+    def _ahead_batch(self, batch: list[Scheduled], reqs: list[Request],
+                     logits: torch.Tensor) -> Optional[list[Scheduled]]:  # fmt: skip
         """The next step's batch, when it can be launched before this step's tokens are read
-        back (``decode_ahead``): every running request sampled here, each plain greedy and
-        not stopped by length at this token, nothing waiting to be admitted, no recurrent
+        back (``decode_ahead``): every running request sampled here, each plain greedy (or
+        plain sampled, drawn where the logits are: :func:`~freetoken.engine.sampling.device_picks`)
+        and not stopped by length at this token, nothing waiting to be admitted, no recurrent
         state (a discarded step would have changed it), and KV blocks for the next position;
         else None. Its rows are in ``reqs``' order, as this step's tokens."""
         if not self._decode_ahead or self.states is not None or self.scheduler.waiting:
             return None
         if not (len(reqs) == len(batch) == len(self.scheduler.running)):
             return None
+        on_device = draws_on_device(logits)
         for r in reqs:
-            if not plain_greedy(r) or len(r.output_ids) + 1 >= r.max_new or r.num_tokens + 1 >= self.max_model_len:
+            if not (plain_greedy(r) or (on_device and plain_sampled(r))):
+                return None
+            if len(r.output_ids) + 1 >= r.max_new or r.num_tokens + 1 >= self.max_model_len:
                 return None
         if not all(self.scheduler.reserve(r, r.num_tokens + 1) for r in reqs):
             return None
@@ -402,12 +407,14 @@ class LLMEngine:
 
     def _pick(self, logits: torch.Tensor, batch: list[Scheduled], reqs: list[Request]) -> list[tuple[int, Any]]:
         """This step's tokens from its logits; when the next step can go ahead
-        (:meth:`_ahead_batch`), it is launched from the greedy tokens on the device before
+        (:meth:`_ahead_batch`), it is launched from the tokens picked on the device before
         they are read back."""
-        nxt = self._ahead_batch(batch, reqs)
-        if nxt is None:
+        nxt = self._ahead_batch(batch, reqs, logits)
+        tokens = None if nxt is None else device_picks(logits, reqs, self.generator)
+        if tokens is None:
+            if nxt is not None:  # not reached: _ahead_batch admits what device_picks picks
+                raise RuntimeError("decode ahead: a batch admitted ahead has no device picks")
             return sample(logits, reqs, self.generator)
-        tokens = torch.argmax(logits, dim=-1)  # as argmax_rows: the first largest, a NaN the largest
         # the copy to the host goes before the next step in stream order: the host has this
         # step's tokens while the next step runs (a plain tolist() would wait for it)
         read = _read_back_later(tokens)

@@ -197,14 +197,34 @@ def plain_sampled(r: Request) -> bool:
             and p.top_p == 1.0 and p.min_p == 0.0)
 
 
+def draws_on_device(logits: torch.Tensor) -> bool:
+    """Whether plain sampled rows of ``logits`` are drawn where they are (:func:`gumbel_pick`),
+    not on the host: for logits off the CPU."""
+    return logits.device.type != "cpu"
+
+
 def device_rows(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
     """The rows of ``logits`` that :func:`sample` draws where the logits are, with
     :func:`gumbel_pick`: none for logits on the CPU or a batch without a plain sampled
     request (a plain greedy batch keeps its argmax path, anything else the host path),
     else every plain sampled and plain greedy row."""
-    if logits.device.type == "cpu" or not any(plain_sampled(r) for r in requests):
+    if not draws_on_device(logits) or not any(plain_sampled(r) for r in requests):
         return []
     return [i for i, r in enumerate(requests) if plain_sampled(r) or plain_greedy(r)]
+
+
+def device_picks(logits: torch.Tensor, requests: Sequence[Request],
+                 default_gen: torch.Generator) -> Optional[torch.Tensor]:  # fmt: skip
+    """The tokens :func:`sample` would pick, as an int64 tensor where the logits are, without
+    reading them back: when every request is plain greedy (argmax), or plain greedy or plain
+    sampled with :func:`draws_on_device` (the same :func:`gumbel_pick` draws, from the same
+    generators, in the same order); else None."""
+    if all(plain_greedy(r) for r in requests):
+        return torch.argmax(logits, dim=-1)  # as argmax_rows: the first largest, a NaN the largest
+    if not draws_on_device(logits) or not all(plain_greedy(r) or plain_sampled(r) for r in requests):
+        return None
+    gens = [device_generator(r, logits.device, default_gen) if plain_sampled(r) else None for r in requests]
+    return gumbel_picks(logits, [r.params.temperature for r in requests], [r.params.top_k for r in requests], gens)
 
 
 #: a 63-bit seed, drawn from the request's (or the engine's) host generator
@@ -234,7 +254,14 @@ _U_MAX = 1.0 - 2.0**-24
 def gumbel_pick(rows: torch.Tensor, temperatures: Sequence[float], top_ks: Sequence[int],
                 generators: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row of ``rows`` [B, V] (on any device), computed where the rows are;
-    only the ids travel (one transfer).
+    only the ids travel (one transfer): :func:`gumbel_picks` read back."""
+    return gumbel_picks(rows, temperatures, top_ks, generators).tolist()
+
+
+def gumbel_picks(rows: torch.Tensor, temperatures: Sequence[float], top_ks: Sequence[int],
+                 generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``rows`` [B, V] (on any device), an int64 tensor where the rows
+    are.
 
     A row with a temperature above 0 takes argmax(rows / T + G), G standard Gumbel noise
     (-log(-log u), u uniform from the row's generator, which lives on the rows' device),
@@ -249,7 +276,7 @@ def gumbel_pick(rows: torch.Tensor, temperatures: Sequence[float], top_ks: Seque
     x = rows.float()
     sampled = [i for i in range(B) if temperatures[i] > 0]
     if not sampled:
-        return torch.argmax(x, dim=-1).tolist()
+        return torch.argmax(x, dim=-1)
     dev = x.device
     idx = None if len(sampled) == B else torch.tensor(sampled, dtype=torch.int64, device=dev)
     xs = x if idx is None else x.index_select(0, idx)
@@ -270,7 +297,7 @@ def gumbel_pick(rows: torch.Tensor, temperatures: Sequence[float], top_ks: Seque
     picks = torch.argmax(score, dim=-1)
     if idx is not None:
         picks = torch.argmax(x, dim=-1).index_copy_(0, idx, picks)
-    return picks.tolist()
+    return picks
 
 
 def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Generator) -> list[tuple[int, Optional[TokenLogprob]]]:
