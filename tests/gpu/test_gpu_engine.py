@@ -67,22 +67,29 @@ def test_concurrent_equals_alone(backend):
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
-def test_decode_ahead_equals_steps_read_back(backend, eager, monkeypatch):
-    """``--decode-ahead`` on the GPU with two layers' experts on the CPU (the next step's
-    hand-offs queued while the host reads this step's tokens): the same greedy tokens as the
-    engine that reads every step's tokens first, logits within float32 summation order."""
+def _ahead_and_not(monkeypatch, run, backend, **kw) -> dict:
+    """``run(engine)`` on an engine with decode ahead off, then on (``{False: .., True: ..}``),
+    each checked to launch steps ahead or not."""
     runs = {}
     for ahead in (False, True):
-        eng = _engine(backend, dtype="float32", moe_cpu_layers="0-1", enforce_eager=eager, cuda_graph_max_bs=8,
-                      decode_ahead=ahead)
+        eng = _engine(backend, decode_ahead=ahead, **kw)
         launched = []
         real = eng.session.decode_ahead
         monkeypatch.setattr(eng.session, "decode_ahead", lambda *a: launched.append(1) or real(*a))
         try:
-            runs[ahead] = run_greedy(eng, PROMPTS, 24)
+            runs[ahead] = run(eng)
         finally:
             eng.close()
         assert (len(launched) > 10) == ahead, len(launched)
+    return runs
+
+
+def test_decode_ahead_equals_steps_read_back(backend, eager, monkeypatch):
+    """``--decode-ahead`` on the GPU with two layers' experts on the CPU (the next step's
+    hand-offs queued while the host reads this step's tokens): the same greedy tokens as the
+    engine that reads every step's tokens first, logits within float32 summation order."""
+    runs = _ahead_and_not(monkeypatch, lambda eng: run_greedy(eng, PROMPTS, 24), backend, dtype="float32",
+                          moe_cpu_layers="0-1", enforce_eager=eager, cuda_graph_max_bs=8)
     for (ids, logits), (ref_ids, ref_logits) in zip(runs[True], runs[False]):
         assert ids == ref_ids
         assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5
@@ -97,21 +104,14 @@ def test_decode_ahead_with_seeded_sampled_requests(backend, eager, monkeypatch):
 
     params = [SamplingParams(max_tokens=20, temperature=t, top_k=k, seed=s, ignore_eos=True)
               for t, k, s in ((0.8, 0, 1), (0.0, 0, None), (1.2, 40, 3), (0.7, 5, 4))]
-    runs = {}
-    for ahead in (False, True):
-        eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="0-1", enforce_eager=eager, cuda_graph_max_bs=8,
-                      decode_ahead=ahead)
-        launched = []
-        real = eng.session.decode_ahead
-        monkeypatch.setattr(eng.session, "decode_ahead", lambda *a: launched.append(1) or real(*a))
-        try:
-            reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
-            while eng.has_work():
-                eng.step()
-            runs[ahead] = [r.output_ids for r in reqs]
-        finally:
-            eng.close()
-        assert (len(launched) > 10) == ahead, len(launched)
+    def run(eng):
+        reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+        while eng.has_work():
+            eng.step()
+        return [r.output_ids for r in reqs]
+
+    runs = _ahead_and_not(monkeypatch, run, backend, dtype="bfloat16", moe_cpu_layers="0-1", enforce_eager=eager,
+                          cuda_graph_max_bs=8)
     assert runs[True] == runs[False]
     assert all(len(ids) == 20 for ids in runs[True])
 

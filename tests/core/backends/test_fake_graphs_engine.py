@@ -114,6 +114,23 @@ def _drive(eng, plan, observe: bool):
                                                              if r.request_id in rows]
 
 
+def _drive_counting(monkeypatch, eager: bool, ahead: bool, plan, observe: bool):
+    """:func:`_drive` on a new engine with decode ahead on or off: (its result, the number of
+    steps launched ahead); checks that no KV block is left taken."""
+    eng = _engine(enforce_eager=eager, cuda_graph_max_bs=4, decode_ahead=ahead)
+    launched = []
+    real = eng.session.decode_ahead
+    monkeypatch.setattr(eng.session, "decode_ahead", lambda *a: launched.append(1) or real(*a))
+    try:
+        free = eng.kv.free_blocks + eng.prefix_cache.num_cached_free
+        out = _drive(eng, plan, observe)
+        assert eng.backend_info()["graphs"] is (not eager)
+        assert eng.kv.free_blocks + eng.prefix_cache.num_cached_free == free, "a block launched ahead leaked"
+    finally:
+        eng.close()
+    return out, len(launched)
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("observe", [False, True], ids=["tokens", "observed"])
 def test_decode_ahead_equals_steps_read_back(monkeypatch, eager, observe):
@@ -136,18 +153,8 @@ def test_decode_ahead_equals_steps_read_back(monkeypatch, eager, observe):
             (5, ("add", [9, 8, 7, 6, 5], greedy)), (8, ("abort", 1))]
     runs = {}
     for ahead in (False, True):
-        eng = _engine(enforce_eager=eager, cuda_graph_max_bs=4, decode_ahead=ahead)
-        launched = []
-        real = eng.session.decode_ahead
-        monkeypatch.setattr(eng.session, "decode_ahead", lambda *a: launched.append(1) or real(*a))
-        try:
-            free = eng.kv.free_blocks + eng.prefix_cache.num_cached_free
-            runs[ahead] = _drive(eng, plan, observe)
-            assert eng.backend_info()["graphs"] is (not eager)
-            assert eng.kv.free_blocks + eng.prefix_cache.num_cached_free == free, "a block launched ahead leaked"
-        finally:
-            eng.close()
-        assert (len(launched) > 10) == ahead, len(launched)
+        runs[ahead], launched = _drive_counting(monkeypatch, eager, ahead, plan, observe)
+        assert (launched > 10) == ahead, launched
     (want, want_logits), (got, got_logits) = runs[False], runs[True]
     assert got == want
     assert [reason for _, reason in got] == ["stop", "abort", "length", "length"]
@@ -175,17 +182,8 @@ def test_decode_ahead_with_requests_sampled_on_the_device(monkeypatch, eager):
     plan = [(0, ("add", PROMPTS[0], hot[0])), (0, ("add", PROMPTS[1], greedy)), (0, ("add", PROMPTS[2], hot[1]))]
 
     def run(ahead: bool) -> tuple[list, int]:
-        eng = _engine(enforce_eager=eager, cuda_graph_max_bs=4, decode_ahead=ahead)
-        launched = []
-        real = eng.session.decode_ahead
-        monkeypatch.setattr(eng.session, "decode_ahead", lambda *a: launched.append(1) or real(*a))
-        try:
-            free = eng.kv.free_blocks + eng.prefix_cache.num_cached_free
-            got = _drive(eng, plan, False)[0]
-            assert eng.kv.free_blocks + eng.prefix_cache.num_cached_free == free, "a block launched ahead leaked"
-        finally:
-            eng.close()
-        return got, len(launched)
+        (got, _), launched = _drive_counting(monkeypatch, eager, ahead, plan, False)
+        return got, launched
 
     host_ref, _ = run(False)
     host_ahead, host_launched = run(True)
