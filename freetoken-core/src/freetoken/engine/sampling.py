@@ -21,7 +21,8 @@ Where each request is sampled (:func:`sample`):
   temperature > 0, top-k allowed, nothing else) and the plain greedy ones beside them
   are drawn on that device with the Gumbel-max trick (:func:`gumbel_pick`), each from
   its own device generator (:func:`device_generator`), whatever else runs in the batch;
-  their ids come back in one transfer;
+  their ids come back in one transfer (:func:`device_picks` gives the same picks as a
+  device tensor, for a next step launched before they are read back);
 - everything else (penalties, constraints, log-probabilities, top-p, min-p, and every
   request whose logits are on the CPU) is sampled on the host: its rows are copied
   there and drawn with ``torch.multinomial`` from the request's CPU generator.
