@@ -21,7 +21,7 @@ from freetoken.engine.outputs import StreamDelta
 from freetoken.engine.prefix_cache import PrefixCache
 from freetoken.engine.recurrent_state import RecurrentStatePool
 from freetoken.engine.request import Request, Status, new_request_id
-from freetoken.engine.sampling import device_picks, draws_on_device, plain_greedy, plain_sampled, sample
+from freetoken.engine.sampling import device_picks, picked_on_device, plain_greedy, sample
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.engine.scheduler import Scheduled, Scheduler
 from freetoken.models.attention import AttentionMetadata, SeqSlice
@@ -386,19 +386,16 @@ class LLMEngine:
     def _ahead_batch(self, batch: list[Scheduled], reqs: list[Request],
                      logits: torch.Tensor) -> Optional[list[Scheduled]]:  # fmt: skip
         """The next step's batch, when it can be launched before this step's tokens are read
-        back (``decode_ahead``): every running request sampled here, each plain greedy (or
-        plain sampled, drawn where the logits are: :func:`~freetoken.engine.sampling.device_picks`)
-        and not stopped by length at this token, nothing waiting to be admitted, no recurrent
-        state (a discarded step would have changed it), and KV blocks for the next position;
-        else None. Its rows are in ``reqs``' order, as this step's tokens."""
+        back (``decode_ahead``): every running request sampled here, each picked where the
+        logits are (:func:`~freetoken.engine.sampling.picked_on_device`: plain greedy, or plain
+        sampled on a device) and not stopped by length at this token, nothing waiting to be
+        admitted, no recurrent state (a discarded step would have changed it), and KV blocks for
+        the next position; else None. Its rows are in ``reqs``' order, as this step's tokens."""
         if not self._decode_ahead or self.states is not None or self.scheduler.waiting:
             return None
-        if not (len(reqs) == len(batch) == len(self.scheduler.running)):
+        if not (len(reqs) == len(batch) == len(self.scheduler.running)) or not picked_on_device(logits, reqs):
             return None
-        on_device = draws_on_device(logits)
         for r in reqs:
-            if not (plain_greedy(r) or (on_device and plain_sampled(r))):
-                return None
             if len(r.output_ids) + 1 >= r.max_new or r.num_tokens + 1 >= self.max_model_len:
                 return None
         if not all(self.scheduler.reserve(r, r.num_tokens + 1) for r in reqs):
@@ -410,11 +407,9 @@ class LLMEngine:
         (:meth:`_ahead_batch`), it is launched from the tokens picked on the device before
         they are read back."""
         nxt = self._ahead_batch(batch, reqs, logits)
-        tokens = None if nxt is None else device_picks(logits, reqs, self.generator)
-        if tokens is None:
-            if nxt is not None:  # not reached: _ahead_batch admits what device_picks picks
-                raise RuntimeError("decode ahead: a batch admitted ahead has no device picks")
+        if nxt is None:
             return sample(logits, reqs, self.generator)
+        tokens = device_picks(logits, reqs, self.generator)
         # the copy to the host goes before the next step in stream order: the host has this
         # step's tokens while the next step runs (a plain tolist() would wait for it)
         read = _read_back_later(tokens)

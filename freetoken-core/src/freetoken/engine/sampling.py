@@ -214,16 +214,23 @@ def device_rows(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
     return [i for i, r in enumerate(requests) if plain_sampled(r) or plain_greedy(r)]
 
 
-def device_picks(logits: torch.Tensor, requests: Sequence[Request],
-                 default_gen: torch.Generator) -> Optional[torch.Tensor]:  # fmt: skip
-    """The tokens :func:`sample` would pick, as an int64 tensor where the logits are, without
-    reading them back: when every request is plain greedy (argmax), or plain greedy or plain
-    sampled with :func:`draws_on_device` (the same :func:`gumbel_pick` draws, from the same
-    generators, in the same order); else None."""
+def picked_on_device(logits: torch.Tensor, requests: Sequence[Request]) -> bool:
+    """Whether :func:`sample` picks every row of ``logits`` where the logits are: every
+    request plain greedy (argmax), or each plain greedy or plain sampled with
+    :func:`draws_on_device` (:func:`gumbel_pick`)."""
+    if all(plain_greedy(r) for r in requests):
+        return True
+    return draws_on_device(logits) and all(plain_greedy(r) or plain_sampled(r) for r in requests)
+
+
+def device_picks(logits: torch.Tensor, requests: Sequence[Request], default_gen: torch.Generator) -> torch.Tensor:
+    """The tokens :func:`sample` would pick for a batch :func:`picked_on_device` admits, as an
+    int64 tensor where the logits are, without reading them back (the same argmax, or the same
+    :func:`gumbel_pick` draws from the same generators in the same order)."""
+    if not picked_on_device(logits, requests):
+        raise ValueError("device_picks: a request of this batch is sampled on the host")
     if all(plain_greedy(r) for r in requests):
         return torch.argmax(logits, dim=-1)  # as argmax_rows: the first largest, a NaN the largest
-    if not draws_on_device(logits) or not all(plain_greedy(r) or plain_sampled(r) for r in requests):
-        return None
     gens = [device_generator(r, logits.device, default_gen) if plain_sampled(r) else None for r in requests]
     return gumbel_picks(logits, [r.params.temperature for r in requests], [r.params.top_k for r in requests], gens)
 
