@@ -198,9 +198,11 @@ def test_matches_reference(impl, dtype, heads, monkeypatch):
         for p in (1, 3):
             run_checked(case, impl, partitions=p)
         from freetoken.models import decode_attention_triton as dat
+        from freetoken.models.kernel_counters import zeroed_counters
 
         assert dat.DEFAULT_CONFIG.reduce_in_partial
-        assert int(dat.merge_counts(case.q.device, 1).abs().sum()) == 0, "the merge counters are left at zero"
+        assert int(zeroed_counters("attention_merge", case.q.device, 1).abs().sum()) == 0, \
+            "the merge counters are left at zero"
         monkeypatch.setattr(dat, "DEFAULT_CONFIG", dataclasses.replace(dat.DEFAULT_CONFIG, reduce_in_partial=False))
         run_checked(case, impl, partitions=3)
 

@@ -164,6 +164,7 @@ def test_add_norm_route_against_float64(T, E, K, N, dtype, norm):
     h and x as ``add_rms_norm`` bounds them, the logits from the op's own x (so a rounding of
     x cannot flip an id) in float64, their top-k ids exactly and weights to 1e-6; twice, with
     fresh inputs, so the counter the launch leaves behind is checked to be zero again."""
+    from freetoken.models.kernel_counters import zeroed_counters
     from freetoken.models.layers import RouterLinear
 
     ops = TritonDenseOps()
@@ -185,7 +186,8 @@ def test_add_norm_route_against_float64(T, E, K, N, dtype, norm):
         ref_ids, ref_w = _top_k64(logits, K, norm)
         assert torch.equal(ids.cpu().long(), ref_ids), "top-k ids (descending)"
         assert float((w.cpu().double() - ref_w).abs().max()) <= 1e-5, "top-k weights"
-        assert int(ops._route_counts(h_new.device).abs().sum()) == 0, "the counters are left at zero"
+        counts = zeroed_counters("add_norm_route", h_new.device, T)
+        assert int(counts.abs().sum()) == 0, "the counters are left at zero"
 
 
 def test_add_norm_route_declines_what_it_does_not_fuse():

@@ -349,6 +349,8 @@ def launch(
     (under stream capture: from the graph's pool)."""
     import torch
 
+    from freetoken.models.kernel_counters import zeroed_counters
+
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     P = int(num_partitions)
@@ -362,7 +364,8 @@ def launch(
         ml = torch.empty(B, Hq, P, 2, dtype=torch.float32, device=q.device)
     else:
         acc = ml = out  # not used: SPLIT off stores the output directly
-    counts = merge_counts(q.device, B * Hkv) if consts["LAST_REDUCES"] else out  # not read without it
+    # the merging programs' counters (not read without LAST_REDUCES)
+    counts = zeroed_counters("attention_merge", q.device, B * Hkv) if consts["LAST_REDUCES"] else out
     args = (q, k_cache, v_cache, block_tables, ctx_lens, out, acc, ml, counts, float(scale) * LOG2E, P, max_tokens,
             *_strides(q, k_cache, v_cache, block_tables, out))  # fmt: skip
     extended = window is not None or sinks is not None
@@ -382,19 +385,3 @@ def launch(
             _reduce_kernel[(B, Hq)](acc, ml, ctx_lens, out, P, max_tokens, out.stride(0), **rconsts,
                                     **target.launch_options(4))  # fmt: skip
 
-
-#: per device: the partial programs' counters (int32 zeros, each left zero by the launch that
-#: used it); every buffer ever made is kept, since a captured graph holds its address
-_COUNTS: dict[Any, list[Any]] = {}
-
-
-def merge_counts(device: Any, n: int) -> Any:
-    """At least ``n`` zeroed int32 counters on ``device`` for :func:`launch`'s merging partial
-    programs: the largest buffer made so far, or a new one (4096 or more counters; made
-    before any graph capture in practice: the first decode step runs eagerly)."""
-    import torch
-
-    made = _COUNTS.setdefault(str(device), [])
-    if not made or made[-1].numel() < n:
-        made.append(torch.zeros(max(4096, n), dtype=torch.int32, device=device))
-    return made[-1]

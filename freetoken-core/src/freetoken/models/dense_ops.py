@@ -159,7 +159,6 @@ class TritonDenseOps(DenseOps):
         from freetoken.models import dense_ops_triton
 
         self.k = dense_ops_triton
-        self._counts: dict[torch.device, torch.Tensor] = {}
 
     def add_rms_norm(self, h, delta, weight, eps):
         h = h.contiguous()
@@ -195,6 +194,7 @@ class TritonDenseOps(DenseOps):
         """One launch for a decode step's few tokens (up to ``RouterLinear.gemv_tokens``) with a
         float32 :class:`~freetoken.models.layers.RouterLinear` and rows of at most
         :data:`FUSED_ROUTE_MAX_COLS` values; else None."""
+        from freetoken.models.kernel_counters import zeroed_counters
         from freetoken.models.layers import RouterLinear
 
         T, N = h.shape
@@ -209,18 +209,8 @@ class TritonDenseOps(DenseOps):
         ids = torch.empty(T, k, dtype=torch.int32, device=h.device)
         w = torch.empty(T, k, dtype=torch.float32, device=h.device)
         self.k.add_norm_route(h, delta.contiguous(), weight, eps, rw, k, norm, h_new, x, logits,
-                              self._route_counts(h.device), ids, w)  # fmt: skip
+                              zeroed_counters("add_norm_route", h.device, T), ids, w)  # fmt: skip
         return h_new, x, ids, w
-
-    def _route_counts(self, device: torch.device) -> torch.Tensor:
-        """The fused routing's per-token counters on ``device``: zeros, made once (before any
-        graph capture: the first decode step runs eagerly) and left zero by every launch."""
-        counts = self._counts.get(device)
-        if counts is None:
-            from freetoken.models.layers import RouterLinear
-
-            counts = self._counts[device] = torch.zeros(RouterLinear.gemv_tokens, dtype=torch.int32, device=device)
-        return counts
 
 
 TORCH_OPS = TorchDenseOps()
