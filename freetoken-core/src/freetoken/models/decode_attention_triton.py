@@ -193,12 +193,21 @@ def _partial(
                              stride_ob, offs_d, g_ok, d_ok, D, BLOCK_G, BLOCK_D, HAS_SINKS)  # fmt: skip
                 tl.atomic_xchg(count_ptr + b * tl.num_programs(1) + h, 0, sem="relaxed", scope="gpu")
     else:  # the only partition: normalise here (no context: acc = 0, l = 0 -> zeros)
-        if HAS_SINKS:
-            sk = tl.load(sink_ptr + heads, mask=g_ok, other=0.0) * 1.4426950408889634
-            l_i += tl.where(m_i == float("-inf"), 0.0, tl.exp2(sk - m_i))
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+        _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_d, g_ok, d_ok, acc, l_i, m_i, D, HAS_SINKS)
+
+
+@triton.jit
+def _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_d, g_ok, d_ok, acc, den, m,
+                 D: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
+    """``heads``' outputs ``acc / den`` into sequence ``b``'s row, each head's sink (with
+    ``HAS_SINKS``) added to its denominator at its running max ``m``; a head without context
+    (``den`` 0) gets zeros."""
+    if HAS_SINKS:
+        sk = tl.load(sink_ptr + heads, mask=g_ok, other=0.0) * 1.4426950408889634
+        den += tl.where(m == float("-inf"), 0.0, tl.exp2(sk - m))
+    o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -221,12 +230,7 @@ def _merge_heads(acc_ptr, ml_ptr, sink_ptr, out_ptr, b, heads, hq_count, P, n_ac
                     other=0.0, cache_modifier=".cg")
         acc += a * w[:, None]
         den += w * l
-    if HAS_SINKS:
-        sk = tl.load(sink_ptr + heads, mask=g_ok, other=0.0) * 1.4426950408889634
-        den += tl.where(m_max == float("-inf"), 0.0, tl.exp2(sk - m_max))
-    o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+    _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_d, g_ok, d_ok, acc, den, m_max, D, HAS_SINKS)
 
 
 @triton.jit(do_not_specialize=["P", "max_tokens"])
