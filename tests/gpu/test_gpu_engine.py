@@ -66,7 +66,6 @@ def test_concurrent_equals_alone(backend):
         assert float((la - lb).abs().max() / lb.abs().max()) < 5e-2
 
 
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def _ahead_and_not(monkeypatch, run, backend, **kw) -> dict:
     """``run(engine)`` on an engine with decode ahead off, then on (``{False: .., True: ..}``),
     each checked to launch steps ahead or not."""
@@ -84,6 +83,7 @@ def _ahead_and_not(monkeypatch, run, backend, **kw) -> dict:
     return runs
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_decode_ahead_equals_steps_read_back(backend, eager, monkeypatch):
     """``--decode-ahead`` on the GPU with two layers' experts on the CPU (the next step's
     hand-offs queued while the host reads this step's tokens): the same greedy tokens as the
