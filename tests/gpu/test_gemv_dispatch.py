@@ -166,3 +166,78 @@ def test_gpu_gemv_takes_the_pre_norm(tmp_path, monkeypatch):
     assert out_n == out_t
     err = float((logits_n - logits_t).abs().max() / logits_t.abs().max())
     assert err <= 1e-4, f"the pre-norm through the recorded GEMV against the Triton ops: {err:.3g} of their scale"
+
+
+class RecordingExperts(RecordingGemv):
+    """:class:`RecordingGemv` that also serves routed experts as the native kernels do (Q4_K and
+    Q6_K with SiLU; the token and each route's h quantized per 32 values), in float64 over
+    gguf-py's dequantization, recording each call's ``[T, K]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expert_calls: list[tuple[int, int]] = []
+
+    @property
+    def serves_experts(self) -> bool:
+        return True
+
+    def experts_refusal(self, formats: Any, hidden: int, intermediate: int, top_k: int, activation: str,
+                        dtype: Any) -> str:  # fmt: skip
+        return "" if set(formats) <= set(SERVED) and activation == "silu" else "not Q4_K/Q6_K with SiLU"
+
+    def experts(self, x: Any, ids: Any, w: Any, stacks: Any, y: Any, table: Any = None) -> None:
+        from expert_reference import reference_experts
+
+        g, u, d = (torch.from_numpy(np.asarray(gguf_dequantize(s.data.cpu().numpy().reshape(-1),
+                                                               GGMLQuantizationType(s.fmt)), dtype=np.float64))
+                   .reshape(s.num_experts, s.rows, s.cols) for s in stacks)  # fmt: skip
+        own = ids.cpu().long()
+        if table is not None:
+            own = torch.where(own >= 0, table.cpu().long()[own.clamp(min=0)], own)
+        y.copy_(reference_experts(x.cpu(), own, w.cpu(), g, u, d, int8_x=True, int8_h=32).to(y.dtype))
+        self.expert_calls.append((int(ids.shape[0]), int(ids.shape[1])))
+
+
+def test_moe_gpu_kernel_dispatch(tmp_path, monkeypatch):
+    """``--moe-gpu-kernel``: ``auto`` with a backend that has routed-expert kernels hands every
+    packed GPU layer's routes to them (the prompt's, within the decode path's route count, and
+    each decode step's), and the greedy tokens and logits equal the engine whose Triton kernels
+    run the experts (in float32, without quantizing the activations) to the int8 rounding; the
+    report counts the layers.
+    ``triton`` never calls them; ``native`` on a backend without them refuses to start."""
+    from freetoken_fakegpu.backend import FakeGpuBackend
+
+    from freetoken.moe import gpu_experts, triton_moe_packed
+
+    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
+    # one program per route and token in the interpreter (float32 byte tiles, no int8 rounding)
+    wide = triton_moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256)
+    monkeypatch.setattr(triton_moe_packed, "default_config", lambda device: wide)
+    one = plt.PackedLinearConfig(block_n=512, block_k=256, block_t=4)
+    monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(plt, "config_for", lambda rows, device=None: one)
+    tg, _ = _gguf_helpers()
+    path = str(tmp_path / "kquant_experts.gguf")
+    tg.write_tiny_gguf(path, seed=37, mix=[dict(m, ffn_gate_exps=Fmt.Q4_K, ffn_up_exps=Fmt.Q4_K,
+                                                ffn_down_exps=f) for m, f in zip(tg.MIX, (Fmt.Q6_K, Fmt.Q4_K))])
+    prompt = [(13 * j) % (tg.V - 10) + 5 for j in range(17)]
+    with pytest.raises(BackendError, match="--moe-gpu-kernel native.*auto or triton"):
+        _run(path, prompt, moe_gpu_kernel="native")
+    out_t, logits_t, info_t = _run(path, prompt, moe_gpu_kernel="triton")
+    gpu_layers = info_t["moe_gpu_layers"]
+    assert gpu_layers >= 1
+    assert info_t["moe_gpu_kernel"] == {"setting": "triton", "native_layers": 0, "triton_layers": gpu_layers,
+                                        "triton_because": ["not offered"]}
+
+    kernels = RecordingExperts()
+    monkeypatch.setattr(FakeGpuBackend, "packed_gemv", lambda self: kernels, raising=False)
+    out_n, logits_n, info_n = _run(path, prompt, gpu_gemv="triton")  # the dense linears stay on Triton
+    assert info_n["moe_gpu_kernel"] == {"setting": "auto", "native_layers": gpu_layers, "triton_layers": 0,
+                                        "triton_because": []}
+    assert not kernels.calls, "--gpu-gemv triton: no dense GEMV through the backend"
+    # the prompt in one call per GPU layer, then 4 decode steps of one token each
+    assert kernels.expert_calls.count((1, tg.K)) == 4 * gpu_layers, kernels.expert_calls
+    assert kernels.expert_calls.count((len(prompt), tg.K)) == gpu_layers, kernels.expert_calls
+    assert out_n == out_t
+    err = float((logits_n - logits_t).abs().max() / logits_t.abs().max())
+    assert err <= 1e-2, f"the recorded experts' logits against Triton's int8 dots: {err:.3g} of their scale"

@@ -230,7 +230,9 @@ class Staging(abc.ABC):
 
 class PackedGemv(abc.ABC):
     """One token through a dense matrix kept on the device as a GGUF file's blocks, by the
-    backend's own kernels (what it refuses runs through the engine's Triton kernels)."""
+    backend's own kernels (what it refuses runs through the engine's Triton kernels); and,
+    where the backend has them, a few tokens through their routed experts kept so
+    (:meth:`experts`)."""
 
     #: what reports call it
     name: ClassVar[str]
@@ -258,6 +260,27 @@ class PackedGemv(abc.ABC):
         ``(h + delta, x, [y per part])`` in ``h``'s dtype, or None where it declines (the
         caller runs the norm and :meth:`gemv`). This implementation: None."""
         return None
+
+    @property
+    def serves_experts(self) -> bool:
+        """Whether :meth:`experts` runs anything (for some formats). This implementation: False."""
+        return False
+
+    def experts_refusal(self, formats: tuple[int, int, int], hidden: int, intermediate: int, top_k: int,
+                        activation: str, dtype: Any) -> str:  # fmt: skip
+        """'' when :meth:`experts` serves experts whose gate, up and down have these ggml
+        ``formats``, of these sizes, ``top_k`` routes per token, this activation and
+        activations of ``dtype``; else why not. This implementation: it has no such kernels."""
+        return f"{self.name} has no routed-expert kernels"
+
+    def experts(self, x: Any, ids: Any, w: Any, stacks: Sequence[Any], y: Any, table: Any = None) -> None:
+        """``y [T, H] = sum_k w[t, k] * down_e(act(gate_e x_t) * up_e x_t)`` for ``e = ids[t, k]``
+        (``table[ids[t, k]]`` with a slot table, int32 on the device; routes to -1 add nothing),
+        on the device's current stream (capturable in graphs). ``stacks``: gate, up
+        (``[E, I, row_bytes]``) and down (``[E, H, row_bytes]``) as
+        :class:`freetoken.moe.triton_moe_packed.PackedStack`; ``x [T, H]``, ``ids`` and ``w
+        [T, K]``, ``y [T, H]`` contiguous on the device. Only where :meth:`experts_refusal` is ''."""
+        raise NotImplementedError(self.experts_refusal((0, 0, 0), 0, 0, 0, "", None))
 
 
 class CapturedGraph(abc.ABC):
@@ -411,6 +434,9 @@ class MoEOptions:
     from device slots they are first copied into (``locked_fetch_mode`` ``copy``) or in place
     over PCIe (``read``).
     ``collect_stats`` with the log summary every ``stats_interval_s`` seconds.
+    ``gpu_kernel``: what runs a decode step's routes through packed GPU experts: ``native``
+    (the backend's :meth:`PackedGemv.experts`), ``triton`` (the engine's Triton kernels), or
+    ``auto`` (native for the formats and shapes it serves, where the backend has it).
     """
 
     gpu_experts: str = "auto"
@@ -427,6 +453,7 @@ class MoEOptions:
     locked_fetch_mode: str = "copy"
     collect_stats: bool = False
     stats_interval_s: float = 60.0
+    gpu_kernel: str = "auto"
 
 
 @dataclasses.dataclass

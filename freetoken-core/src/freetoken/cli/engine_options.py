@@ -268,6 +268,11 @@ _OPTIONS: tuple[_Option, ...] = (
             "block-scaled in rows of scaled blocks, other formats are dequantized to the activation dtype) or "
             "dequantized (default: {default})",
             choice("auto", "dequantized"), "MODE"),
+    _Option("moe_gpu_kernel", "--moe-gpu-kernel",
+            "what runs a decode step's routes through packed GPU experts: native (the backend's CUDA kernels: "
+            "Q4_K and Q6_K experts with SiLU), triton (the Triton kernels) or auto (native for the experts it "
+            "serves, where the backend has it) (default: {default})",
+            choice("auto", "native", "triton"), "MODE"),
     _Option("moe_cache_size", "--moe-cache-size",
             "GPU cache for experts of the CPU layers, from any layer: GiB like 4, a size like 512MiB, or a "
             "fraction of the GPU memory budget like 0.25; routes to cached experts run on the GPU "

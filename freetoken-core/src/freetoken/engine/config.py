@@ -50,6 +50,7 @@ class EngineConfig:
     gpu_embedding: str = "auto"
     gpu_gemv: str = "auto"
     moe_gpu_experts: str = "auto"
+    moe_gpu_kernel: str = "auto"
     #: bytes when >= 1, a fraction of the GPU memory budget when below 1
     moe_cache_size: float = 0.0
     moe_hybrid_max_fetch: int = 0
@@ -86,6 +87,7 @@ class EngineConfig:
                 locked_fetch=self.moe_locked_fetch, locked_max_fetch=self.moe_locked_max_fetch,
                 locked_fetch_mode=self.moe_locked_fetch_mode,
                 collect_stats=self.moe_collect_stats, stats_interval_s=self.moe_stats_interval,
+                gpu_kernel=self.moe_gpu_kernel,
             ),
         )
 
@@ -114,6 +116,7 @@ class EngineConfig:
                                      ("gpu_embedding", self.gpu_embedding, ("auto", "device", "host")),
                                      ("gpu_gemv", self.gpu_gemv, ("auto", "native", "triton")),
                                      ("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
+                                     ("moe_gpu_kernel", self.moe_gpu_kernel, ("auto", "native", "triton")),
                                      ("moe_stream_prefill", self.moe_stream_prefill, ("auto", "on", "off")),
                                      ("moe_stream_experts", self.moe_stream_experts, ("routed", "all", "mapped")),
                                      ("moe_lock_host", self.moe_lock_host, ("auto", "on", "off")),

@@ -5,7 +5,9 @@
 the experts as the file's bytes on the device: for Qwen3-30B-A3B at Q4_K_M about 0.3 GiB
 per layer instead of 1.12 GiB in BF16. Two paths, by the batch's route count ``T * K``:
 
-* ``<= config.max_routes`` (decode): the packed kernels of
+* ``<= config.max_routes`` (decode): the backend's routed-expert kernels
+  (:meth:`freetoken.backends.contract.PackedGemv.experts`, given as ``native``) where they
+  serve the experts' formats, else the packed kernels of
   :mod:`freetoken.moe.triton_moe_packed`, which dequantize each weight tile in registers
   (two launches, float32 arithmetic, weights read once per route);
 * above (prefill): the grouped kernels of :mod:`freetoken.moe.triton_moe_grouped` (routes
@@ -134,7 +136,7 @@ class PackedGpuExperts:
         self, gate: "RawTensor", up: "RawTensor", down: "RawTensor", device: Any, activation: str = "silu",
         config: Any = None, scratch: Optional[DequantScratch] = None, bf16_config: Any = None,
         on_device: Optional[tuple[Any, Any, Any]] = None, warm: bool = True, dequant_group: Optional[int] = None,
-        large_batch: str = "grouped",
+        large_batch: str = "grouped", native: Any = None,
     ) -> None:  # fmt: skip
         import torch
 
@@ -168,6 +170,14 @@ class PackedGpuExperts:
         #: batches above ``config.max_routes`` routes: the grouped kernels over the blocks
         #: (triton_moe_grouped), or the experts dequantized to BF16 in groups through the scratch
         self.large_batch = large_batch
+        #: the backend's routed-expert kernels (a PackedGemv) for decode batches, where they serve
+        #: these experts (else None, and ``native_refusal`` says why)
+        self.native: Any = None
+        self.native_refusal = "not offered" if native is None else native.experts_refusal(
+            (self.gate.fmt, self.up.fmt, self.down.fmt), self.hidden, self.intermediate, 1, activation, None)
+        if native is not None and not self.native_refusal:
+            self.native = native
+        self._native_serves: dict[tuple[int, Any], bool] = {}
         self.capture_fallbacks = 0
         if self.device.type == "cuda":
             # the capture fallback's matmuls need a cuBLAS handle, which cannot be created
@@ -235,6 +245,9 @@ class PackedGpuExperts:
             ids, slot_table = route_slots(ids, slot_table), None
         # the packed kernels store the output once, in its dtype: no conversion kernel after them
         y, direct = (stored_output if packed else float32_output)(out, x, tokens, self.hidden, self.device)
+        if packed and self._native_for(top_k, x.dtype):
+            self.native.experts(x, ids, w, (self.gate, self.up, self.down), y, table=slot_table)
+            return finish_output(y, out, direct, x.dtype)
         bf16_config = self.bf16_config or triton_moe.DEFAULT_CONFIG
         grouped = not packed and self.large_batch == "grouped"
         if packed:
@@ -269,6 +282,20 @@ class PackedGpuExperts:
             self._grouped(x, ids, w, y, bf16_config)
         self._compiled.add(key)
         return finish_output(y, out, direct, x.dtype)
+
+    def _native_for(self, top_k: int, dtype: Any) -> bool:
+        """Whether the native kernels run a decode batch of ``top_k`` routes per token and
+        activations of ``dtype`` (asked once per pair)."""
+        if self.native is None:
+            return False
+        key = (top_k, dtype)
+        if key not in self._native_serves:
+            why = self.native.experts_refusal((self.gate.fmt, self.up.fmt, self.down.fmt), self.hidden,
+                                              self.intermediate, top_k, self.activation, dtype)
+            if why:
+                log.info("packed GPU experts: %d routes of %s run the Triton kernels (native: %s)", top_k, dtype, why)
+            self._native_serves[key] = not why
+        return self._native_serves[key]
 
     def warmup(
         self, batch_sizes: Iterable[int], top_k: int, x_dtype: Any = None, ids_dtype: Any = None, w_dtype: Any = None,

@@ -139,6 +139,7 @@ class GpuModelSession(ModelSession):
         self.dequant_scratch = DequantScratch()
         self.traffic: Optional[ExpertTraffic] = None
         self.packed_capable = False
+        self.experts_kernel: Any = None  # what --moe-gpu-kernel offers packed GPU experts (plan)
         self.cpu_weights: dict[int, Any] = {}  # the CPU layers' ExpertWeights
         self.coordinator: Any = None
         self.model: Any = None
@@ -160,6 +161,7 @@ class GpuModelSession(ModelSession):
         elt = torch.empty((), dtype=self.act_dtype).element_size()
         dequantized = 3 * shape.num_experts * shape.hidden * shape.moe_intermediate * elt
         packed = self._packed_layers(shape)
+        self.experts_kernel = self._experts_kernel()
         per_layer = {i: self._packed_bytes(shape, i, dequantized) if i in packed else dequantized
                      for i in shape.moe_layers}
         as_stored = {i for i in packed if set((shape.expert_formats or {})[i]) <= PACKED_FORMATS}
@@ -279,6 +281,20 @@ class GpuModelSession(ModelSession):
                                "NVIDIA build of freetoken-cuda has it); use --gpu-gemv auto or triton")
         return gemv
 
+    def _experts_kernel(self) -> Any:
+        """``--moe-gpu-kernel``: the backend's kernels over packed blocks offered to packed
+        GPU experts for decode (they use them where they serve the experts' formats), or None
+        (the Triton kernels run them)."""
+        mode = self.options.moe.gpu_kernel
+        if mode not in ("auto", "native", "triton"):
+            raise ValueError(f"--moe-gpu-kernel {mode!r}: expected 'auto', 'native' or 'triton'")
+        kernels = None if mode == "triton" else self.backend.packed_gemv()
+        if mode == "native" and (kernels is None or not kernels.serves_experts):
+            raise BackendError(f"--moe-gpu-kernel native: backend {self.backend.name} has no native routed-expert "
+                               "kernels (the NVIDIA build of freetoken-cuda has them); use --moe-gpu-kernel auto or "
+                               "triton")
+        return kernels
+
     def _embedding_on_host(self, shape: ModelShape, budget: Optional[int], other: int, packed: int,
                            per_layer: dict[int, int]) -> bool:  # fmt: skip
         """``--gpu-embedding``: whether the packed embedding table stays in host memory.
@@ -388,7 +404,7 @@ class GpuModelSession(ModelSession):
             from freetoken.moe.gpu_packed_experts import PackedGpuExperts
 
             experts = PackedGpuExperts.from_expert_weights(e, self.device, activation=spec.activation,
-                                                           scratch=self.dequant_scratch)
+                                                           scratch=self.dequant_scratch, native=self.experts_kernel)
             self.gpu_experts[layer] = experts
             self.layer_fns[layer] = experts.forward
         else:
@@ -632,6 +648,15 @@ class GpuModelSession(ModelSession):
         return {"setting": self.options.gpu_gemv, "kernel": policy.gemv.name if policy.gemv is not None else "triton",
                 "native_linears": policy.native_linears}
 
+    def _experts_kernel_report(self) -> dict[str, Any]:
+        """``--moe-gpu-kernel`` and what it came to: the GPU layers whose decode routes run
+        the backend's kernels, and why the others do not (one reason per distinct one)."""
+        packed = [e for e in self.gpu_experts.values() if hasattr(e, "native_refusal")]
+        native = [e for e in packed if e.native is not None]
+        why = sorted({e.native_refusal for e in packed if e.native is None})
+        return {"setting": self.options.moe.gpu_kernel, "native_layers": len(native),
+                "triton_layers": len(packed) - len(native), "triton_because": why}
+
     def report(self) -> dict[str, Any]:
         plan = self.plan_result
         out: dict[str, Any] = {
@@ -648,6 +673,7 @@ class GpuModelSession(ModelSession):
             "weights": self.weight_policy.describe(),
             "dense_form": self.dense_form,
             "gpu_gemv": self._gemv_report(),
+            "moe_gpu_kernel": self._experts_kernel_report(),
             "attention": self.attention_impl if self.runner is not None else "torch (eager)",
         }
         if self.runner is not None:

@@ -2,8 +2,9 @@
 ``freetoken/include/freetoken/gpu/packed_gemv.cuh``): Q4_K and Q6_K rows times the token
 quantized to int8 per 32 values, as the Triton int8 dots compute them, in one launch
 without Triton's per-weight overhead; with ``packed_gemv_norm`` the decoder's pre-norm and
-up to two matrices (q/k and a v of another format) in one launch. NVIDIA builds only; a
-ROCm build has none.
+up to two matrices (q/k and a v of another format) in one launch; with ``packed_moe``
+(``freetoken/gpu/packed_moe.cuh``) a decode step's routes through Q4_K/Q6_K experts with
+SiLU in two launches. NVIDIA builds only; a ROCm build has none.
 """
 
 from __future__ import annotations
@@ -74,3 +75,42 @@ class NativePackedGemv(PackedGemv):
             wb.data_ptr(), int(fb), int(wb.shape[0]) if yb is not None else 0, int(wb.stride(0)),
             yb.data_ptr() if yb is not None else 0)  # fmt: skip
         return h_out, x, ys
+
+    @property
+    def serves_experts(self) -> bool:
+        return hasattr(self.native, "packed_moe")
+
+    def experts_refusal(self, formats: tuple[int, int, int], hidden: int, intermediate: int, top_k: int,
+                        activation: str, dtype: Any) -> str:  # fmt: skip
+        if not self.serves_experts:
+            return "this build of the extension has no packed_moe"
+        if activation != "silu":
+            return f"activation {activation!r} (SiLU is served)"
+        if dtype is not None and dtype not in _DTYPES:
+            return f"activations of {dtype} (float32, float16 or bfloat16 are served)"
+        return str(self.native.packed_moe_refusal(*(int(f) for f in formats), int(hidden), int(intermediate),
+                                                  int(top_k)))
+
+    def experts(self, x: Any, ids: Any, w: Any, stacks: Sequence[Any], y: Any, table: Any = None) -> None:
+        gate, up, down = stacks
+        tokens, top_k = (int(s) for s in ids.shape)
+        hidden, inter = int(gate.cols), int(gate.rows)
+        if tuple(x.shape) != (tokens, hidden) or tuple(y.shape) != (tokens, hidden) or tuple(w.shape) != (tokens, top_k):
+            raise ValueError(f"native experts: x {tuple(x.shape)}, ids {tuple(ids.shape)}, w {tuple(w.shape)}, "
+                             f"y {tuple(y.shape)}: expected [T, {hidden}], [T, K], [T, K], [T, {hidden}]")
+        if not all(t.is_contiguous() and t.is_cuda for t in (x, ids, w, y)):
+            raise ValueError("native experts: x, ids, w and y must be contiguous tensors on the GPU")
+        if ids.dtype not in (torch.int32, torch.int64) or w.dtype not in _DTYPES or x.dtype not in _DTYPES \
+                or y.dtype not in _DTYPES:
+            raise ValueError(f"native experts: ids {ids.dtype} (int32/int64), w {w.dtype}, x {x.dtype}, y {y.dtype} "
+                             "(float32, float16 or bfloat16)")
+        if table is not None and (table.dtype != torch.int32 or not table.is_contiguous() or not table.is_cuda):
+            raise ValueError(f"native experts: the slot table must be a contiguous int32 tensor on the GPU, got "
+                             f"{table.dtype}")
+        scratch = torch.empty(int(self.native.packed_moe_scratch_bytes(tokens * top_k, inter)), dtype=torch.uint8,
+                              device=x.device)
+        self.native.packed_moe(
+            self.current_stream(), x.data_ptr(), _DTYPES[x.dtype], tokens, ids.data_ptr(), int(ids.dtype == torch.int64),
+            0 if table is None else table.data_ptr(), w.data_ptr(), _DTYPES[w.dtype], top_k,
+            gate.data.data_ptr(), int(gate.fmt), up.data.data_ptr(), int(up.fmt), down.data.data_ptr(), int(down.fmt),
+            hidden, inter, scratch.data_ptr(), y.data_ptr(), _DTYPES[y.dtype])  # fmt: skip

@@ -15,6 +15,7 @@
 #include <freetoken/gpu/runtime_host.cuh>
 #ifndef FT_GPU_HIP
 #include <freetoken/gpu/packed_gemv.cuh>
+#include <freetoken/gpu/packed_moe.cuh>
 #endif
 
 namespace freetoken_gpu {
@@ -141,6 +142,16 @@ inline void bind_module(py::module_& m) {
           "x = weight * rmsnorm(h + delta), then y_a = A x and y_b = B x (Q4_K/Q6_K), one launch");
     m.def("packed_gemv_refusal", &packed_gemv_refusal, py::arg("fmt"), py::arg("cols"),
           "'' when packed_gemv serves this format and width, else why not");
+    m.def("packed_moe", &packed_moe, py::arg("stream"), py::arg("x"), py::arg("x_dtype"), py::arg("tokens"),
+          py::arg("ids"), py::arg("ids_64"), py::arg("table"), py::arg("w"), py::arg("w_dtype"), py::arg("top_k"),
+          py::arg("gate"), py::arg("gate_fmt"), py::arg("up"), py::arg("up_fmt"), py::arg("down"), py::arg("down_fmt"),
+          py::arg("hidden"), py::arg("inter"), py::arg("scratch"), py::arg("y"), py::arg("y_dtype"),
+          "a few tokens through their routed Q4_K/Q6_K experts (SiLU), two launches, int8 dots");
+    m.def("packed_moe_refusal", &packed_moe_refusal, py::arg("gate_fmt"), py::arg("up_fmt"), py::arg("down_fmt"),
+          py::arg("hidden"), py::arg("inter"), py::arg("top_k"),
+          "'' when packed_moe serves these expert formats and shapes, else why not");
+    m.def("packed_moe_scratch_bytes", &packed_moe_scratch_bytes, py::arg("routes"), py::arg("inter"),
+          "bytes of packed_moe's scratch for this many routes of `inter` values");
 #endif
     m.def("graph_memop_probe", &graph_memop_probe_dict, py::arg("host_addr"), py::arg("dev_addr"),
           "capture memops on a private stream: recorded natively? as explicit nodes?");

@@ -73,13 +73,13 @@ __device__ __forceinline__ void load8(const void* x, int c, float v[8]) {
 }
 
 /* The token into shared memory: codes xq[K] (int8), scales xd[K/32] and code sums xs[K/16].
- * Each thread takes 8 consecutive values (src(c, v) gives the 8 from column c), four threads
- * a 32-value group. Every thread runs every round (the shuffles are warp-wide); rounds past
- * K load nothing and store nothing. */
-template <class Source>
+ * Each of the block's Threads threads takes 8 consecutive values (src(c, v) gives the 8 from
+ * column c), four threads a 32-value group. Every thread runs every round (the shuffles are
+ * warp-wide); rounds past K load nothing and store nothing. */
+template <int Threads = kThreads, class Source>
 __device__ void quantize_from(const Source& src, int cols, int8_t* xq, float* xd, int* xs) {
     const int lane = threadIdx.x & 31;
-    for (int base = 0; base < cols; base += kThreads * 8) {
+    for (int base = 0; base < cols; base += Threads * 8) {
         const int c = base + threadIdx.x * 8;
         const bool ok = c < cols;
         float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -204,6 +204,15 @@ __device__ __forceinline__ void store_out(void* y, int row, float v) {
     else static_cast<__half*>(y)[row] = __float2half_rn(v);
 }
 
+/* item `it` of a row wr (four per 256-value block: a lane's share) against the quantized token */
+template <int FMT>
+__device__ __forceinline__ float row_item(const uint8_t* wr, int it, const int8_t* xq, const float* xd,
+                                          const int* xs) {
+    const int b = it >> 2;
+    if (FMT == GEMV_Q4_K) return q4k_item(wr + b * 144, b, it & 3, xq, xd, xs);
+    return q6k_item(wr + b * 210, b, (it >> 1) & 1, (it & 1) * 16, xq, xd, xs);
+}
+
 /* one row's dot with the quantized token, summed over the warp (every lane gets the sum) */
 template <int FMT>
 __device__ __forceinline__ float row_dot(const uint8_t* wr, int cols, const int8_t* xq, const float* xd,
@@ -211,11 +220,7 @@ __device__ __forceinline__ float row_dot(const uint8_t* wr, int cols, const int8
     const int lane = threadIdx.x & 31;
     const int items = (cols / 256) * 4;
     float acc = 0.f;
-    for (int it = lane; it < items; it += 32) {
-        const int b = it >> 2;
-        if (FMT == GEMV_Q4_K) acc += q4k_item(wr + b * 144, b, it & 3, xq, xd, xs);
-        else acc += q6k_item(wr + b * 210, b, (it >> 1) & 1, (it & 1) * 16, xq, xd, xs);
-    }
+    for (int it = lane; it < items; it += 32) acc += row_item<FMT>(wr, it, xq, xd, xs);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     return acc;
