@@ -4,7 +4,8 @@
 The rules written out here, independent of the kernels' code: the per-route expert kernels
 round a layer's gate/up input per 32 values when gate and up are both Q4_K, and its down
 input ``h`` (float32 first) when down is Q4_K or Q6_K: per 16 values when the gate/up kernel
-quantizes it (``int8_h``), else per 32. The packed dense GEMV rounds the input of a Q4_K or
+quantizes it (``int8_h``), else per 32. The native expert kernels (``packed_moe``, layers whose
+three stacks are all Q4_K or Q6_K) round every gate/up input and ``h`` per 32. The packed dense GEMV rounds the input of a Q4_K or
 Q6_K projection per 32 values when it multiplies one token; a batch of several keeps the
 float products. For one request, the prompt's projections are one batch and every later
 position is one token, as is every row of the output head."""
@@ -24,15 +25,19 @@ INT8 = (Fmt.Q4_K, Fmt.Q6_K)
 
 
 def expert_hook(mix: list[dict[str, Fmt]], int8_h: bool, cpu_layers: frozenset[int] = frozenset(),
-                cpu_rounding: Callable[[torch.Tensor, Fmt], torch.Tensor] | None = None) -> Hook:  # fmt: skip
-    """``expert_input``: the GPU layers' expert inputs rounded as the int8 dots do (and those of
-    ``cpu_layers`` by ``cpu_rounding``, the CPU kernels' scheme, given the matrix's format)."""
+                cpu_rounding: Callable[[torch.Tensor, Fmt], torch.Tensor] | None = None,
+                native: bool = False) -> Hook:  # fmt: skip
+    """``expert_input``: the GPU layers' expert inputs rounded as the int8 dots do (``native``:
+    as the native expert kernels do where they serve the layer; and those of ``cpu_layers`` by
+    ``cpu_rounding``, the CPU kernels' scheme, given the matrix's format)."""
 
     def pre(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
         fmt = mix[layer][f"ffn_{name}_exps"]
         if layer in cpu_layers:
             assert cpu_rounding is not None
             return cpu_rounding(x.float(), fmt).double()
+        if native and all(mix[layer][f"ffn_{n}_exps"] in INT8 for n in ("gate", "up", "down")):
+            return int8_groups(x, 32)
         if name in ("gate", "up"):
             pair = mix[layer]["ffn_gate_exps"] == mix[layer]["ffn_up_exps"] == Fmt.Q4_K
             return int8_groups(x, 32) if pair else x

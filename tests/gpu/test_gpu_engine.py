@@ -309,15 +309,18 @@ def int8_gguf(tmp_path_factory):
     return tg, mix, path, tg.write_tiny_gguf(path, seed=12, mix=mix)
 
 
-@pytest.mark.parametrize("eager,int8_h", [(True, False), (True, True), (False, True)],
-                         ids=["eager-h-float", "eager", "graphs"])  # fmt: skip
-def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monkeypatch, eager, int8_h):
+@pytest.mark.parametrize("eager,int8_h,kernel", [(True, False, "triton"), (True, True, "triton"),
+                                                 (False, True, "triton"), (True, False, "native"),
+                                                 (False, False, "native")],
+                         ids=["eager-h-float", "eager", "graphs", "native-eager", "native-graphs"])  # fmt: skip
+def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monkeypatch, eager, int8_h, kernel):
     """FP32, every expert on the GPU with NVIDIA's default tiles (int8 dots,
-    ``triton_moe_packed.NVIDIA_CONFIG``; also with h left in float32 for the down kernel):
-    the engine's logits against the float64 forward of the K-quant test above whose expert
-    inputs are rounded as the kernels round them (tests/gpu/int8_model_reference.py: gate/up
-    inputs per 32 values, h per 16 when the gate/up kernel quantizes it, else per 32 by the
-    down kernel). Bound: 3e-3 of the logits' scale (float32 summation order and the
+    ``triton_moe_packed.NVIDIA_CONFIG``; also with h left in float32 for the down kernel), or
+    the native expert kernels (``--moe-gpu-kernel native``): the engine's logits against the
+    float64 forward of the K-quant test above whose expert inputs are rounded as the kernels
+    round them (tests/gpu/int8_model_reference.py: gate/up inputs per 32 values, h per 16 when
+    the Triton gate/up kernel quantizes it, else per 32 by the down kernel; per 32 both in the
+    native kernels). Bound: 3e-3 of the logits' scale (float32 summation order and the
     rare rounding-boundary flip it causes); the same reference without the rounding must
     miss by more (the int8 dots ran)."""
     import dataclasses
@@ -332,12 +335,15 @@ def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monk
     monkeypatch.setattr(triton_moe_packed, "NVIDIA_CONFIG", config)
 
     def expert_input(rounded: bool):
-        return expert_hook(mix, int8_h) if rounded else None
+        return expert_hook(mix, int8_h, native=kernel == "native") if rounded else None
 
     eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
-                                 moe_cpu_layers="0", enforce_eager=eager, cuda_graph_max_bs=8),
+                                 moe_cpu_layers="0", enforce_eager=eager, cuda_graph_max_bs=8,
+                                 moe_gpu_kernel=kernel),
                     backend=backend)  # fmt: skip
     try:
+        info = eng.backend_info()["moe_gpu_kernel"]
+        assert info["native_layers"] == (info["native_layers"] + info["triton_layers"] if kernel == "native" else 0)
         prompts = [[(5 * i + 3 * j) % (tg.V - 10) + 5 for j in range(n)] for i, n in enumerate((6, 21, 11, 37))]
         got = run_greedy(eng, prompts)
     finally:
@@ -374,7 +380,7 @@ def test_cuda_engine_int8_dense_match_rounding_reference(backend, int8_gguf, eag
 
     eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
                                  moe_cpu_layers="0", gpu_dense="packed", enforce_eager=eager,
-                                 cuda_graph_max_bs=8),
+                                 cuda_graph_max_bs=8, moe_gpu_kernel="triton"),
                     backend=backend)  # fmt: skip
     try:
         assert eng.backend_info()["dense_form"] == "packed"

@@ -121,6 +121,7 @@ class ExpertCache:
     def __init__(
         self, layers: dict[int, Any], capacity: int, device: Any, act_dtype: torch.dtype, activation: str,
         packed_ok: bool, copies: CopyQueue, max_fetch: int = 0, scratch: Optional[DequantScratch] = None,
+        native: Any = None,
     ) -> None:  # fmt: skip
         self.layers = dict(sorted(layers.items()))
         self.rows = {layer: i for i, layer in enumerate(self.layers)}
@@ -131,6 +132,8 @@ class ExpertCache:
         self.copies = copies
         self.max_fetch = max_fetch
         self.scratch = scratch or DequantScratch()
+        #: the backend's routed-expert kernels (a PackedGemv), offered to packed slots for decode
+        self.native = native
         first = next(iter(self.layers.values()))
         self.num_experts = first.num_experts
         n = len(self.layers)
@@ -205,7 +208,8 @@ class ExpertCache:
             base = tp.default_config(self.device)
             config = base if pool.key[0] == "packed" else dc.replace(base, max_routes=1 << 30)
             return PackedGpuExperts.over_device_bytes(shaped, views, self.device, activation=self.activation,
-                                                      config=config, large_batch="grouped", scratch=self.scratch)
+                                                      config=config, large_batch="grouped", scratch=self.scratch,
+                                                      native=self.native)
         return GpuExperts(*pool.tensors, activation=self.activation)
 
     @property

@@ -51,9 +51,11 @@ class ExpertTraffic:
     def __init__(
         self, options: MoEOptions, device: Any, act_dtype: torch.dtype, moe_layers: list[int], top_k: int,
         max_decode_tokens: int, cache_bytes: int, packed_ok: bool, scratch: DequantScratch,
-        stream_planned: bool = True, locked_setting: str = "given",
+        stream_planned: bool = True, locked_setting: str = "given", native: Any = None,
     ) -> None:  # fmt: skip
         self.options = options
+        #: the backend's routed-expert kernels offered to the cache's packed slots (decode)
+        self.native = native
         #: how ``options.locked_fetch`` was chosen: "given", or "auto..." (then it turns itself
         #: off, with a note, where the banks cannot be fetched from)
         self.locked_setting = locked_setting
@@ -138,7 +140,8 @@ class ExpertTraffic:
         self.locked = locked
         if cache:
             self.cache = ExpertCache(cpu_layers, self.cache_bytes, self.device, self.act_dtype, self.activation,
-                                     self.packed_ok, self.copies, o.hybrid_max_fetch, self.scratch)  # type: ignore[arg-type]
+                                     self.packed_ok, self.copies, o.hybrid_max_fetch, self.scratch,  # type: ignore[arg-type]
+                                     native=self.native)
             log.info("expert cache: %d slots (%.2f GiB) over %d CPU layers, up to %d fetches per layer and step",
                      self.cache.slots, self.cache.nbytes / 2**30, len(cpu_layers), o.hybrid_max_fetch)
         if stream:

@@ -228,7 +228,7 @@ class GpuModelSession(ModelSession):
         self.traffic = ExpertTraffic(dataclasses.replace(m, locked_fetch=locked), self.device, self.act_dtype,
                                      shape.moe_layers, shape.top_k, max(o.max_running_requests, 1), cache,
                                      self.packed_capable, self.dequant_scratch, stream_planned=streams and bool(cpu),
-                                     locked_setting=locked_setting)
+                                     locked_setting=locked_setting, native=self.experts_kernel)
         log.info("GPU memory plan: budget %s, dense %s (%s, embedding on the %s), experts of %d layers on the GPU "
                  "(%s, %d packed), expert cache %s, streaming buffers %s, CPU layers %s",
                  _gib(budget) if budget else "-", _gib(dense), self.dense_form, self.embedding_place, len(gpu),
