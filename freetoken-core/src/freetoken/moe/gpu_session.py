@@ -161,7 +161,8 @@ class GpuModelSession(ModelSession):
         elt = torch.empty((), dtype=self.act_dtype).element_size()
         dequantized = 3 * shape.num_experts * shape.hidden * shape.moe_intermediate * elt
         packed = self._packed_layers(shape)
-        self.experts_kernel = self._experts_kernel()
+        if self.packed_capable or self.options.moe.gpu_kernel != "auto":  # (no packed experts: nothing to offer)
+            self.experts_kernel = self._experts_kernel()
         per_layer = {i: self._packed_bytes(shape, i, dequantized) if i in packed else dequantized
                      for i in shape.moe_layers}
         as_stored = {i for i in packed if set((shape.expert_formats or {})[i]) <= PACKED_FORMATS}
