@@ -113,7 +113,7 @@ class MoELayer:
         from its routes, or a :meth:`route` replaced on the instance or class (a recorder),
         takes the second way."""
         fused = None
-        if type(self).forward is MoELayer.forward and type(self).route is MoELayer.route and "route" not in vars(self):
+        if type(self).forward is _PLAIN_FORWARD and type(self).route is _PLAIN_ROUTE and "route" not in vars(self):
             fused = self.ops.add_norm_route(h, delta, weight, eps, self.router, self.top_k, self.norm_topk_prob)
         if fused is None:
             h, x = self.ops.add_rms_norm(h, delta, weight, eps)
@@ -128,3 +128,9 @@ class MoELayer:
                 "backend's model session (ModelSession.routed_experts) before the model runs"
             )
         return self._experts_fn(x, ids, w)
+
+
+#: the class's own route and forward, kept apart from the class attributes: a recorder that
+#: replaces ``MoELayer.route`` itself must still turn the fused routing off
+_PLAIN_ROUTE = MoELayer.route
+_PLAIN_FORWARD = MoELayer.forward
