@@ -111,6 +111,11 @@ __device__ void quantize_from(const Source& src, int cols, int8_t* xq, float* xd
     }
 }
 
+/* bytes of what quantize_from leaves in shared memory for a token of `cols` values */
+__host__ __device__ inline size_t shared_bytes(int cols) {
+    return static_cast<size_t>(cols) + (cols / 32) * 4 + (cols / 16) * 4;
+}
+
 /* the token as given */
 template <int DT>
 struct TokenValues {
@@ -204,13 +209,23 @@ __device__ __forceinline__ void store_out(void* y, int row, float v) {
     else static_cast<__half*>(y)[row] = __float2half_rn(v);
 }
 
+/* bytes of one 256-value block of a served format */
+__host__ __device__ constexpr int block_bytes(int fmt) { return fmt == GEMV_Q4_K ? 144 : 210; }
+
+/* v summed over the warp (every lane gets the sum) */
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 /* item `it` of a row wr (four per 256-value block: a lane's share) against the quantized token */
 template <int FMT>
 __device__ __forceinline__ float row_item(const uint8_t* wr, int it, const int8_t* xq, const float* xd,
                                           const int* xs) {
     const int b = it >> 2;
-    if (FMT == GEMV_Q4_K) return q4k_item(wr + b * 144, b, it & 3, xq, xd, xs);
-    return q6k_item(wr + b * 210, b, (it >> 1) & 1, (it & 1) * 16, xq, xd, xs);
+    if (FMT == GEMV_Q4_K) return q4k_item(wr + b * block_bytes(FMT), b, it & 3, xq, xd, xs);
+    return q6k_item(wr + b * block_bytes(FMT), b, (it >> 1) & 1, (it & 1) * 16, xq, xd, xs);
 }
 
 /* one row's dot with the quantized token, summed over the warp (every lane gets the sum) */
@@ -221,9 +236,7 @@ __device__ __forceinline__ float row_dot(const uint8_t* wr, int cols, const int8
     const int items = (cols / 256) * 4;
     float acc = 0.f;
     for (int it = lane; it < items; it += 32) acc += row_item<FMT>(wr, it, xq, xd, xs);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    return acc;
+    return warp_sum(acc);
 }
 
 template <int FMT, int XT, int YT>
@@ -337,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 8) packed_gemv_norm_kernel(NormArgs 
     int8_t* xq = reinterpret_cast<int8_t*>(smem);
     float* xd = reinterpret_cast<float*>(smem + cols);
     int* xs = reinterpret_cast<int*>(smem + cols + (cols / 32) * 4);
-    float* partial = reinterpret_cast<float*>(smem + cols + (cols / 32) * 4 + (cols / 16) * 4);
+    float* partial = reinterpret_cast<float*>(smem + shared_bytes(cols));
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float ss = 0.f;
     for (int c = threadIdx.x * 8; c < cols; c += kThreads * 8) {
@@ -346,8 +359,7 @@ __global__ void __launch_bounds__(kThreads, 8) packed_gemv_norm_kernel(NormArgs 
 #pragma unroll
         for (int i = 0; i < 8; ++i) ss += hv[i] * hv[i];
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    ss = warp_sum(ss);
     if (lane == 0) partial[warp] = ss;
     __syncthreads();
     float total = 0.f;
@@ -369,11 +381,8 @@ __global__ void __launch_bounds__(kThreads, 8) packed_gemv_norm_kernel(NormArgs 
     }
 }
 
-inline size_t norm_shared_bytes(int cols) {
-    return static_cast<size_t>(cols) + (cols / 32) * 4 + (cols / 16) * 4 + kWarps * sizeof(float);
-}
+inline size_t norm_shared_bytes(int cols) { return shared_bytes(cols) + kWarps * sizeof(float); }
 
-inline size_t shared_bytes(int cols) { return static_cast<size_t>(cols) + (cols / 32) * 4 + (cols / 16) * 4; }
 
 /* blocks the device keeps resident for `kernel` with `smem` bytes of shared memory (cached
  * per device, kernel and size) */
@@ -468,8 +477,7 @@ inline void check_dtype(const char* what, int dt) {
 inline void check_matrix(const char* what, uint64_t w, int fmt, int64_t rows, int64_t cols, int64_t row_bytes) {
     const std::string refusal = packed_gemv_refusal(fmt, cols);
     if (!refusal.empty()) throw std::invalid_argument(std::string(what) + ": " + refusal);
-    const int64_t block_bytes = fmt == GEMV_Q4_K ? 144 : 210;
-    if (row_bytes < cols / 256 * block_bytes)
+    if (row_bytes < cols / 256 * block_bytes(fmt))
         throw std::invalid_argument(std::string(what) + ": rows of " + std::to_string(row_bytes) +
                                     " bytes hold fewer than " + std::to_string(cols / 256) + " blocks");
     const int64_t align = fmt == GEMV_Q4_K ? 16 : 2;

@@ -32,10 +32,12 @@ constexpr int64_t MOE_MAX_DOWN_SHARED = 48 * 1024;
 
 namespace moe_detail {
 
+using gemv_detail::block_bytes;
 using gemv_detail::quantize_from;
 using gemv_detail::row_item;
 using gemv_detail::store_out;
 using gemv_detail::TokenValues;
+using gemv_detail::warp_sum;
 
 constexpr int kGuWarps = 8;                /* warps of a gate/up block */
 constexpr int kGuThreads = kGuWarps * 32;
@@ -73,14 +75,6 @@ __device__ __forceinline__ const void* token_row(const void* x, int64_t offset) 
     return static_cast<const uint16_t*>(x) + offset;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__host__ __device__ constexpr int block_bytes(int fmt) { return fmt == GEMV_Q4_K ? 144 : 210; }
-
 template <int GF, int UF, int XT>
 __global__ void __launch_bounds__(kGuThreads, 2) moe_gate_up_kernel(const void* __restrict__ x, Routes routes,
                                                                  const uint8_t* __restrict__ gate,
@@ -95,7 +89,7 @@ __global__ void __launch_bounds__(kGuThreads, 2) moe_gate_up_kernel(const void* 
     int8_t* xq = reinterpret_cast<int8_t*>(smem);
     float* xd = reinterpret_cast<float*>(smem + hidden);
     int* xs = reinterpret_cast<int*>(smem + hidden + (hidden / 32) * 4);
-    float* hv = reinterpret_cast<float*>(smem + hidden + (hidden / 32) * 4 + (hidden / 16) * 4);
+    float* hv = reinterpret_cast<float*>(smem + gemv_detail::shared_bytes(hidden));
     quantize_from<kGuThreads>(TokenValues<XT>{token_row<XT>(x, static_cast<int64_t>(t) * hidden)}, hidden, xq, xd,
                               xs);
     __syncthreads();
