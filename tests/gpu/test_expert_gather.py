@@ -56,41 +56,49 @@ def test_gather_reads_page_locked_host_memory_in_place():
     assert torch.equal(dst.cpu(), _expected(src, counts, poison, per))
 
 
-@pytest.mark.parametrize("per,count", [(1000, 3), (CHUNK_BYTES + 4112, 2), (2 * CHUNK_BYTES + 7, 4)])
-def test_gather_routes_fills_the_slots(per, count):
-    """Slot j gets expert ``experts[j]``'s bytes for j < count; a slot whose expert is -1 and
-    the slots past ``count`` keep their bytes."""
+@pytest.mark.parametrize("pers,count", [((1000,), 3), ((CHUNK_BYTES + 4112, 700), 2),
+                                        ((2 * CHUNK_BYTES + 7, CHUNK_BYTES, 3 * CHUNK_BYTES + 33), 4)])
+def test_gather_routes_fills_the_slots(pers, count):
+    """For every stack (one to three, of different expert sizes, in one launch) slot j gets
+    expert ``experts[j]``'s bytes for j < count; a slot whose expert is -1 and the slots past
+    ``count`` keep their bytes."""
     num_experts, slots = 9, 5
-    gen = torch.Generator().manual_seed(per + count)
-    src = torch.randint(0, 256, (num_experts * per,), generator=gen, dtype=torch.uint8)
-    poison = torch.randint(0, 256, (slots * per,), generator=gen, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(sum(pers) + count)
+    srcs = [torch.randint(0, 256, (num_experts * per,), generator=gen, dtype=torch.uint8) for per in pers]
+    poisons = [torch.randint(0, 256, (slots * per,), generator=gen, dtype=torch.uint8) for per in pers]
     experts = torch.randperm(num_experts, generator=gen)[:slots].to(torch.int32)
     experts[1] = -1
-    dst = poison.to(DEV)
-    gather_routes(src.to(DEV), dst, experts.to(DEV), count, per)
-    want = poison.clone().view(slots, per)
-    for j in range(count):
-        if experts[j] >= 0:
-            want[j] = src.view(num_experts, per)[experts[j]]
-    assert torch.equal(dst.cpu(), want.reshape(-1))
+    dsts = [p.to(DEV) for p in poisons]
+    gather_routes([s.to(DEV) for s in srcs], dsts, experts.to(DEV), count, pers)
+    for src, dst, poison, per in zip(srcs, dsts, poisons, pers):
+        want = poison.clone().view(slots, per)
+        for j in range(count):
+            if experts[j] >= 0:
+                want[j] = src.view(num_experts, per)[experts[j]]
+        assert torch.equal(dst.cpu(), want.reshape(-1))
 
 
-def test_gather_routes_refuses_too_few_slots():
+def test_gather_routes_refuses_too_few_slots_and_bad_stacks():
+    z = torch.zeros(40, dtype=torch.uint8)
     with pytest.raises(ValueError, match="fewer than 3 experts"):
-        gather_routes(torch.zeros(40, dtype=torch.uint8), torch.zeros(20, dtype=torch.uint8),
-                      torch.zeros(3, dtype=torch.int32), 3, 10)
+        gather_routes([z, z], [z, torch.zeros(20, dtype=torch.uint8)], torch.zeros(3, dtype=torch.int32), 3, [10, 10])
+    with pytest.raises(ValueError, match="one to three stacks"):
+        gather_routes([z] * 4, [z] * 4, torch.zeros(3, dtype=torch.int32), 1, [10] * 4)
+    with pytest.raises(ValueError, match="one to three stacks"):
+        gather_routes([z, z], [z], torch.zeros(3, dtype=torch.int32), 1, [10, 10])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (page-locked host memory read in place)")
 def test_gather_routes_reads_page_locked_host_memory():
-    num_experts, per = 12, 2 * CHUNK_BYTES + 48
-    src = torch.randint(0, 256, (num_experts * per,), dtype=torch.uint8)
-    host = src.pin_memory()
+    num_experts, pers = 12, (2 * CHUNK_BYTES + 48, CHUNK_BYTES - 16, 3 * CHUNK_BYTES)
+    srcs = [torch.randint(0, 256, (num_experts * per,), dtype=torch.uint8) for per in pers]
+    hosts = [s.pin_memory() for s in srcs]
     experts = torch.tensor([7, 2, 11], dtype=torch.int32)
-    dst = torch.zeros(3 * per, dtype=torch.uint8, device="cuda")
-    gather_routes(DevicePointer(host.data_ptr(), torch.uint8), dst, experts.cuda(), 3, per)
-    assert torch.equal(dst.cpu(), src.view(num_experts, per)[experts.long()].reshape(-1))
+    dsts = [torch.randint(0, 256, (3 * per,), dtype=torch.uint8, device="cuda") for per in pers]
+    gather_routes([DevicePointer(h.data_ptr(), torch.uint8) for h in hosts], dsts, experts.cuda(), 3, pers)
+    for src, dst, per in zip(srcs, dsts, pers):
+        assert torch.equal(dst.cpu(), src.view(num_experts, per)[experts.long()].reshape(-1))
 
 
 _SM90_SCRIPT = """
@@ -105,8 +113,9 @@ for name, fn, sig, consts in (
      {"H": 2048, "E": 128, "BLOCK_E": dot.ROUTER_BLOCK_E, "BLOCK_H": 512}),
     ("gather", eg._gather_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8", "counts_ptr": "*i32"},
      {"EXPERT_BYTES": 884736, "CHUNK": eg.CHUNK_BYTES}),
-    ("gather_routes", eg._gather_routes_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8", "experts_ptr": "*i32"},
-     {"EXPERT_BYTES": 1290240, "CHUNK": eg.CHUNK_BYTES}),
+    ("gather_routes", eg._gather_routes_kernel, {**{f"{k}{s}_ptr": "*u8" for s in range(3) for k in ("src", "dst")},
+                                                 "experts_ptr": "*i32"},
+     {"B0": 884736, "B1": 884736, "B2": 1290240, "CHUNK": eg.CHUNK_BYTES}),
     ("route_slots", rs._route_slots_kernel, {"ids_ptr": "*i64", "table_ptr": "*i32", "out_ptr": "*i32", "n": "i32"},
      {"BLOCK": rs.BLOCK}),
 ):

@@ -18,7 +18,7 @@ triton is optional: import this module lazily, only where Triton runs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import triton
 import triton.language as tl
@@ -57,28 +57,55 @@ def gather_experts(src: Any, dst: Any, counts: Any, num_experts: int) -> None:
 
 
 @triton.jit
-def _gather_routes_kernel(src_ptr, dst_ptr, experts_ptr, EXPERT_BYTES: tl.constexpr, CHUNK: tl.constexpr):
+def _copy_route_chunk(src_ptr, dst_ptr, e, j, c, EXPERT_BYTES: tl.constexpr, CHUNK: tl.constexpr):
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < EXPERT_BYTES
+    src = src_ptr + e.to(tl.int64) * EXPERT_BYTES
+    tl.store(dst_ptr + j.to(tl.int64) * EXPERT_BYTES + offs, tl.load(src + offs, mask=ok), mask=ok)
+
+
+@triton.jit
+def _gather_routes_kernel(src0_ptr, dst0_ptr, src1_ptr, dst1_ptr, src2_ptr, dst2_ptr, experts_ptr,
+                          B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, CHUNK: tl.constexpr):
+    # program (j, c): chunk c of slot j, the chunks of stack 0 first, then stack 1's, then 2's
     j = tl.program_id(0)
     e = tl.load(experts_ptr + j)
     if e >= 0:
-        offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-        ok = offs < EXPERT_BYTES
-        src = src_ptr + e.to(tl.int64) * EXPERT_BYTES
-        tl.store(dst_ptr + j.to(tl.int64) * EXPERT_BYTES + offs, tl.load(src + offs, mask=ok), mask=ok)
+        c = tl.program_id(1)
+        n0: tl.constexpr = (B0 + CHUNK - 1) // CHUNK
+        n1: tl.constexpr = (B1 + CHUNK - 1) // CHUNK
+        if c < n0:
+            _copy_route_chunk(src0_ptr, dst0_ptr, e, j, c, B0, CHUNK)
+        elif c < n0 + n1:
+            _copy_route_chunk(src1_ptr, dst1_ptr, e, j, c - n0, B1, CHUNK)
+        else:
+            _copy_route_chunk(src2_ptr, dst2_ptr, e, j, c - n0 - n1, B2, CHUNK)
 
 
-def gather_routes(src: Any, dst: Any, experts: Any, count: int, expert_bytes: int) -> None:
-    """``dst[j] = src[experts[j]]`` for ``j < count`` (``expert_bytes`` each); slots whose
-    ``experts[j]`` is negative are left as they are. One launch, the expert ids read on the
-    device: a decode step's fetched routes copied into a few staging slots.
+def gather_routes(srcs: Sequence[Any], dsts: Sequence[Any], experts: Any, count: int,
+                  expert_bytes: Sequence[int]) -> None:  # fmt: skip
+    """``dsts[s][j] = srcs[s][experts[j]]`` for every stack ``s`` (one to three: a layer's
+    gate, up and down) and ``j < count``, ``expert_bytes[s]`` each; slots whose
+    ``experts[j]`` is negative are left as they are. One launch for all the stacks, the
+    expert ids read on the device: a decode step's fetched routes copied into a few staging
+    slots, every stack's reads in flight at once.
 
-    ``src``: a stack of experts of ``expert_bytes`` each (uint8 tensor, or a pointer object as
-    for :func:`gather_experts`); ``dst``: uint8 device tensor of at least ``count`` slots;
-    ``experts``: int32 (or int64) device tensor of at least ``count`` expert ids."""
+    ``srcs[s]``: a stack of experts of ``expert_bytes[s]`` each (uint8 tensor, or a pointer
+    object as for :func:`gather_experts`); ``dsts[s]``: uint8 device tensor of at least
+    ``count`` slots; ``experts``: int32 (or int64) device tensor of at least ``count`` ids."""
+    if not 1 <= len(srcs) == len(dsts) == len(expert_bytes) <= 3:
+        raise ValueError(f"gather_routes takes one to three stacks, each with a source, a destination and a size; "
+                         f"got {len(srcs)} sources, {len(dsts)} destinations, {len(expert_bytes)} sizes")
     if count <= 0:
         return
-    if int(dst.numel()) < count * expert_bytes:
-        raise ValueError(f"{dst.numel()} staging bytes hold fewer than {count} experts of {expert_bytes} bytes")
-    grid = (count, triton.cdiv(expert_bytes, CHUNK_BYTES))
-    opts = triton_target.for_device(dst.device).launch_options(4, 1)
-    _gather_routes_kernel[grid](src, dst, experts, EXPERT_BYTES=expert_bytes, CHUNK=CHUNK_BYTES, **opts)
+    for dst, per in zip(dsts, expert_bytes):
+        if int(dst.numel()) < count * per:
+            raise ValueError(f"{dst.numel()} staging bytes hold fewer than {count} experts of {per} bytes")
+    sizes = [int(b) for b in expert_bytes] + [0] * (3 - len(expert_bytes))
+    pairs = [(s, d) for s, d in zip(srcs, dsts)]
+    pairs += [pairs[0]] * (3 - len(pairs))  # (never read: their stacks have no chunks)
+    chunks = sum(triton.cdiv(b, CHUNK_BYTES) for b in sizes)
+    opts = triton_target.for_device(dsts[0].device).launch_options(4, 1)
+    _gather_routes_kernel[(count, chunks)](pairs[0][0], pairs[0][1], pairs[1][0], pairs[1][1], pairs[2][0],
+                                           pairs[2][1], experts, B0=sizes[0], B1=sizes[1], B2=sizes[2],
+                                           CHUNK=CHUNK_BYTES, **opts)  # fmt: skip

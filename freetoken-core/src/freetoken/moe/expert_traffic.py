@@ -54,7 +54,8 @@ class ExpertTraffic:
         stream_planned: bool = True, locked_setting: str = "given", native: Any = None,
     ) -> None:  # fmt: skip
         self.options = options
-        #: the backend's routed-expert kernels offered to the cache's packed slots (decode)
+        #: the backend's routed-expert kernels offered to the packed slots of the cache and of
+        #: locked fetch (decode)
         self.native = native
         #: how ``options.locked_fetch`` was chosen: "given", or "auto..." (then it turns itself
         #: off, with a note, where the banks cannot be fetched from)
@@ -196,7 +197,7 @@ class ExpertTraffic:
             if self.fetch_staging is None:  # one set of slots: the CPU layers run one after another
                 self.fetch_staging = FetchStaging(self.cpu_layers, o.locked_max_fetch, self.device)
             gpu: Any = StagedFetch(e, self.registration, self.fetch_staging, self.activation, self.top_k,
-                                   o.locked_fetch, o.locked_max_fetch)  # fmt: skip
+                                   o.locked_fetch, o.locked_max_fetch, native=self.native)  # fmt: skip
             if cached is None:  # every route missed: the first ones of the step are fetched
                 return gpu, FirstRoutesPlacement(None, fetch=gpu)
         else:

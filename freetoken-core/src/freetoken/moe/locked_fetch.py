@@ -18,14 +18,15 @@ pool, locked routes through the mapped banks.
 Two ways for the GPU to read the locked routes' experts (``mode``):
 
 * ``read``: the packed kernels read the blocks in place over PCIe, as they compute;
-* ``copy``: one gather kernel per stack first copies the locked routes' experts into a few
-  device staging slots (:class:`FetchStaging`, shared by every CPU layer: the layers run one
-  after another on one stream), wide 16-byte reads that keep many requests in flight, and
-  the packed kernels then compute from the slots (:class:`StagedFetch`). Without an expert
-  cache every route of a CPU layer is missed, so the locked routes are the first ones of
-  the step in (token, k) order, known from the batch size alone: the masks and slot ids
-  are constants of each batch size (:class:`FirstRoutesPlacement`), and a step costs the
-  gather launches and the expert kernels, nothing else on the GPU.
+* ``copy``: one gather kernel first copies the locked routes' experts (their gate, up and
+  down blocks) into a few device staging slots (:class:`FetchStaging`, shared by every CPU
+  layer: the layers run one after another on one stream), wide 16-byte reads that keep many
+  requests in flight, and the packed kernels (the backend's native ones where it has them)
+  then compute from the slots (:class:`StagedFetch`). Without an expert cache every route
+  of a CPU layer is missed, so the locked routes are the first ones of the step in (token,
+  k) order, known from the batch size alone: the masks and slot ids are constants of each
+  batch size (:class:`FirstRoutesPlacement`), and a step costs the gather launch and the
+  expert kernels, nothing else on the GPU.
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ class StagedFetch:
     splits_routes: ClassVar[bool] = True
 
     def __init__(self, experts: Any, registration: Any, staging: FetchStaging, activation: str, top_k: int,
-                 fraction: float, max_fetch: int) -> None:  # fmt: skip
+                 fraction: float, max_fetch: int, native: Any = None) -> None:  # fmt: skip
         from freetoken.moe import triton_moe_packed as tp
         from freetoken.moe.gpu_packed_experts import PackedGpuExperts
 
@@ -260,7 +261,7 @@ class StagedFetch:
         config = dataclasses.replace(tp.default_config(self.device), max_routes=1 << 30)
         slots = tuple(buf[: self.max_fetch * per] for buf, per in zip(staging.buffers, self.expert_bytes))
         self.packed = PackedGpuExperts.over_slots(experts, slots, self.max_fetch, self.device,
-                                                  activation=activation, config=config)
+                                                  activation=activation, config=config, native=native)
         self._per_tokens: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
 
     # ---- the constants of a batch size ---------------------------------------------------
@@ -282,8 +283,8 @@ class StagedFetch:
         from freetoken.moe.expert_gather import gather_routes
 
         p = self.packed
-        for src, dst, per in zip(self.sources, (p.gate, p.up, p.down), self.expert_bytes):
-            gather_routes(src, dst.data.view(-1), experts, count, per)
+        gather_routes(self.sources, [s.data.view(-1) for s in (p.gate, p.up, p.down)], experts, count,
+                      self.expert_bytes)  # fmt: skip
 
     def forward_routes(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The step's first ``fetch_budget`` routes (every route missed), ``[T, H]`` in x's dtype."""
