@@ -126,7 +126,7 @@ def dense_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
             {"q_ptr": "*bf16", "q_stride": "i32", "k_ptr": "*bf16", "k_stride": "i32", "v_ptr": "*bf16",
              "v_stride": "i32", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
              "pos_ptr": "*i64", "slot_ptr": "*i64", "q_out_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
-             "eps": "fp32"}, dict(HQ=hq, HKV=hkv, D=d), 1 if d <= 128 else 2),
+             "eps": "fp32"}, dict(HQ=hq, HKV=hkv, D=d, GDC=False), 1 if d <= 128 else 2),
         "dense.router_top_k": lambda: compile_kernel(
             dot._router_top_k_kernel, target, {"logits_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*fp32", "E": "i32"},
             dict(K=TOP_K, KP=TOP_K, NORM=True, BLOCK=experts), 1 if experts <= 256 else 4),
@@ -138,7 +138,7 @@ def dense_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
             {"h_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "rw_ptr": "*fp32", "h_out_ptr": "*bf16",
              "x_out_ptr": "*bf16", "logits_ptr": "*fp32", "count_ptr": "*i32", "ids_ptr": "*i32", "w_ptr": "*fp32",
              "N": "i32", "E": "i32", "eps": "fp32"},
-            dict(K=TOP_K, KP=TOP_K, NORM=True, BLOCK=HIDDEN, BLOCK_E=dot.ROUTE_BLOCK_E, EP=experts),
+            dict(K=TOP_K, KP=TOP_K, NORM=True, BLOCK=HIDDEN, BLOCK_E=dot.ROUTE_BLOCK_E, EP=experts, GDC=False),
             8 if HIDDEN >= 2048 else 4),
     }  # fmt: skip
 
@@ -154,7 +154,7 @@ def attention_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
                                "stride_vb", "stride_vt", "stride_vh", "stride_btb", "stride_ob")}  # fmt: skip
     partial = {**ptrs, **ints, "scale_log2": "fp32"}
     consts = dict(G=g, D=d, BS=bs, BLOCK_G=16, BLOCK_D=d, BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part, SPLIT=True,
-                  PRECISION=target.dot_precision(False), LAST_REDUCES=cfg.reduce_in_partial)  # fmt: skip
+                  PRECISION=target.dot_precision(False), LAST_REDUCES=cfg.reduce_in_partial, GDC=False)  # fmt: skip
     red = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "P": "i32",
            "max_tokens": "i32", "stride_ob": "i32"}  # fmt: skip
     rconsts = dict(D=d, BLOCK_D=d, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part)

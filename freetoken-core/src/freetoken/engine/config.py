@@ -49,6 +49,7 @@ class EngineConfig:
     gpu_dense: str = "auto"
     gpu_embedding: str = "auto"
     gpu_gemv: str = "auto"
+    gpu_dependent_launch: str = "auto"
     moe_gpu_experts: str = "auto"
     moe_gpu_kernel: str = "auto"
     #: bytes when >= 1, a fraction of the GPU memory budget when below 1
@@ -75,7 +76,7 @@ class EngineConfig:
             gpu_memory_utilization=self.gpu_memory_utilization, max_running_requests=self.max_running_requests,
             max_model_len=self.max_model_len or 0, kv_block_size=self.kv_block_size,
             kv_cache_tokens=self.kv_cache_tokens, gpu_dense=self.gpu_dense,
-            gpu_embedding=self.gpu_embedding, gpu_gemv=self.gpu_gemv,
+            gpu_embedding=self.gpu_embedding, gpu_gemv=self.gpu_gemv, gpu_dependent_launch=self.gpu_dependent_launch,
             moe=MoEOptions(
                 gpu_experts=self.moe_gpu_experts,
                 cache_bytes=int(self.moe_cache_size) if self.moe_cache_size >= 1 else 0,
@@ -115,6 +116,7 @@ class EngineConfig:
         for name, value, allowed in (("gpu_dense", self.gpu_dense, ("auto", "packed", "dequantized")),
                                      ("gpu_embedding", self.gpu_embedding, ("auto", "device", "host")),
                                      ("gpu_gemv", self.gpu_gemv, ("auto", "native", "triton")),
+                                     ("gpu_dependent_launch", self.gpu_dependent_launch, ("auto", "off")),
                                      ("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
                                      ("moe_gpu_kernel", self.moe_gpu_kernel, ("auto", "native", "triton")),
                                      ("moe_stream_prefill", self.moe_stream_prefill, ("auto", "on", "off")),
