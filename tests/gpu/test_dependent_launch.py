@@ -7,7 +7,7 @@ compile for the H200 (sm_90) with the wait and the trigger in their code exactly
 what the one before it wrote (GEMV, norm GEMV, both expert kernels, GEMV), launched dependent
 in a replayed graph with every intermediate poisoned (NaN) inside the graph before the kernel
 that writes it, gives bit for bit what the same chain gives launched one after another; the
-engine's logits and tokens with ``--gpu-dependent-launch auto`` equal those with ``off``.
+engine's logits and tokens with ``--gpu-dependent-launch on`` equal those with ``off``.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def test_native_chain_in_a_graph_equals_the_serial_launches(enabled):
 def test_engine_logits_equal_with_and_without(backend, eager, tmp_path):
     """A tiny Q4_K/Q6_K GGUF, every expert on the GPU, the dense weights packed (native GEMVs,
     the norm GEMV, the native expert kernels, the Triton norm/RoPE, attention and routing):
-    ``--gpu-dependent-launch auto`` (active, as the report says) gives the tokens and logits of
+    ``--gpu-dependent-launch on`` (active, as the report says) gives the tokens and logits of
     ``off`` bit for bit."""
     pytest.importorskip("gguf")
     from greedy_runs import run_greedy
@@ -197,18 +197,18 @@ def test_engine_logits_equal_with_and_without(backend, eager, tmp_path):
     tg.write_tiny_gguf(path, seed=13, mix=mix)
     prompts = [[(5 * i + 3 * j) % (tg.V - 10) + 5 for j in range(n)] for i, n in enumerate((6, 21, 1))]
     runs = {}
-    for setting in ("auto", "off"):
+    for setting in ("on", "off"):
         eng = LLMEngine(EngineConfig(model=path, dtype="bfloat16", max_model_len=128, kv_cache_tokens=1024,
                                      gpu_dense="packed", enforce_eager=eager, cuda_graph_max_bs=8,
                                      gpu_dependent_launch=setting),
                         backend=backend)  # fmt: skip
         try:
             info = eng.backend_info()
-            assert info["dependent_launch"]["active"] == (setting == "auto"), info["dependent_launch"]
+            assert info["dependent_launch"]["active"] == (setting == "on"), info["dependent_launch"]
             assert info["moe_gpu_kernel"]["native_layers"] > 0 and info["gpu_gemv"]["native_linears"] > 0, info
             runs[setting] = run_greedy(eng, prompts, max_tokens=10)
         finally:
             eng.close()
-    for (ids_a, logits_a), (ids_o, logits_o) in zip(runs["auto"], runs["off"]):
+    for (ids_a, logits_a), (ids_o, logits_o) in zip(runs["on"], runs["off"]):
         assert ids_a == ids_o
         assert torch.equal(logits_a, logits_o)

@@ -479,7 +479,7 @@ class EngineOptions:
     ``gpu_gemv``: what runs one token through a packed dense matrix: ``native`` (the
     backend's :class:`PackedGemv`), ``triton`` (the engine's Triton kernels), or ``auto``
     (native for the formats it serves, where the backend has one).
-    ``gpu_dependent_launch``: ``auto`` (programmatic dependent launch of the decode step's
+    ``gpu_dependent_launch``: ``on`` (programmatic dependent launch of the decode step's
     kernels where the device has it, :mod:`freetoken.backends.dependent_launch`) or ``off``.
     """
 
@@ -498,7 +498,7 @@ class EngineOptions:
     gpu_dense: str = "auto"
     gpu_embedding: str = "auto"
     gpu_gemv: str = "auto"
-    gpu_dependent_launch: str = "auto"
+    gpu_dependent_launch: str = "off"
     moe: MoEOptions = dataclasses.field(default_factory=lambda: MoEOptions())
 
 

@@ -12,9 +12,9 @@ kernel may come before or after them: the native GEMVs, norm GEMV and expert ker
 (``freetoken/gpu/packed_gemv.cuh``, ``packed_moe.cuh``) and the Triton q/k norm and RoPE,
 decode attention and routing kernels.
 
-One process-wide setting, turned on by the GPU session (``--gpu-dependent-launch auto``,
-the default) and off with ``off``; :func:`active` tells a launch site whether its device
-takes it.
+One process-wide setting, turned on by the GPU session with ``--gpu-dependent-launch on``
+(off by default: on the H200 a decode step took longer with it, docs/gpu.md);
+:func:`active` tells a launch site whether its device takes it.
 """
 
 from __future__ import annotations

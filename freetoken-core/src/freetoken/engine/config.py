@@ -49,7 +49,7 @@ class EngineConfig:
     gpu_dense: str = "auto"
     gpu_embedding: str = "auto"
     gpu_gemv: str = "auto"
-    gpu_dependent_launch: str = "auto"
+    gpu_dependent_launch: str = "off"
     moe_gpu_experts: str = "auto"
     moe_gpu_kernel: str = "auto"
     #: bytes when >= 1, a fraction of the GPU memory budget when below 1
@@ -116,7 +116,7 @@ class EngineConfig:
         for name, value, allowed in (("gpu_dense", self.gpu_dense, ("auto", "packed", "dequantized")),
                                      ("gpu_embedding", self.gpu_embedding, ("auto", "device", "host")),
                                      ("gpu_gemv", self.gpu_gemv, ("auto", "native", "triton")),
-                                     ("gpu_dependent_launch", self.gpu_dependent_launch, ("auto", "off")),
+                                     ("gpu_dependent_launch", self.gpu_dependent_launch, ("on", "off")),
                                      ("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
                                      ("moe_gpu_kernel", self.moe_gpu_kernel, ("auto", "native", "triton")),
                                      ("moe_stream_prefill", self.moe_stream_prefill, ("auto", "on", "off")),

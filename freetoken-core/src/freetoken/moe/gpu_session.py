@@ -164,10 +164,10 @@ class GpuModelSession(ModelSession):
         packed = self._packed_layers(shape)
         if self.packed_capable or self.options.moe.gpu_kernel != "auto":  # (no packed experts: nothing to offer)
             self.experts_kernel = self._experts_kernel()
-        if o.gpu_dependent_launch not in ("auto", "off"):
-            raise ValueError(f"--gpu-dependent-launch {o.gpu_dependent_launch!r}: expected 'auto' or 'off'")
+        if o.gpu_dependent_launch not in ("on", "off"):
+            raise ValueError(f"--gpu-dependent-launch {o.gpu_dependent_launch!r}: expected 'on' or 'off'")
         # process-wide: every later launch of the kernels that take part (before any is compiled)
-        dependent_launch.set_enabled(o.gpu_dependent_launch == "auto")
+        dependent_launch.set_enabled(o.gpu_dependent_launch == "on")
         per_layer = {i: self._packed_bytes(shape, i, dequantized) if i in packed else dequantized
                      for i in shape.moe_layers}
         as_stored = {i for i in packed if set((shape.expert_formats or {})[i]) <= PACKED_FORMATS}
@@ -683,7 +683,7 @@ class GpuModelSession(ModelSession):
             "dependent_launch": {"setting": self.options.gpu_dependent_launch,
                                  "active": dependent_launch.active(self.device),
                                  "because": dependent_launch.refusal(self.device)
-                                 if self.options.gpu_dependent_launch == "auto" else "off"},
+                                 if self.options.gpu_dependent_launch == "on" else "off"},
             "attention": self.attention_impl if self.runner is not None else "torch (eager)",
         }
         if self.runner is not None:
