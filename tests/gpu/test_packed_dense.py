@@ -3,7 +3,8 @@ freetoken.models.packed_linear: PackedLinear, PackedEmbedding, PackedWeightPolic
 
 Every result is compared with numpy float64 over gguf-py's dequantization of the same random
 blocks (gguf.quants.dequantize); outputs are poisoned (NaN) first; output row counts are
-odd (ragged last tile). Formats Q4_K, Q5_K, Q6_K, Q8_0; T in {1, 3, 64} (and 512 on a GPU).
+odd (ragged last tile). Formats Q4_K, Q5_K, Q6_K, Q8_0; T in {1, 3, 20} in the interpreter (20:
+two token tiles of 8 and a ragged one), {1, 3, 64, 512} on a GPU.
 
 Without a GPU the kernels run in Triton's interpreter (conftest.py) at small sizes with wide
 tiles (its cost is per program), and an engine run on the fakegpu plugin goes through them;
@@ -54,7 +55,7 @@ NAMES = {Q4: "q4_k", Q5: "q5_k", Q6: "q6_k", Q8: "q8_0"}
 SCALES = {Q4: 2e-4, Q5: 1e-4, Q6: 1e-4, Q8: 2e-4}
 #: output rows (odd: a ragged last tile) and input columns
 ROWS, COLS = (37, 512) if INTERPRET else (517, 2048)
-TOKENS = [1, 3, 64] if INTERPRET else [1, 3, 64, 512]
+TOKENS = [1, 3, 20] if INTERPRET else [1, 3, 64, 512]
 #: the interpreter: few programs; the GPU: the default tiles, and tiles smaller than a block
 #: (the last config reads Q4_K/Q5_K rows of one-token programs as words)
 CONFIGS = ([plt.PackedLinearConfig(block_n=64, block_k=256, block_t=8, max_gemv_tokens=1024),
@@ -126,7 +127,7 @@ def test_gemv_matches_float64(fmt, tokens, dtype):
 INT8_TOL = 3e-4
 
 
-@pytest.mark.parametrize("block_n,block_k", [(4, 128), (32, 512)])
+@pytest.mark.parametrize("block_n,block_k", [(16, 128), (32, 512)])
 @pytest.mark.parametrize("fmt", FORMATS, ids=[NAMES[f] for f in FORMATS])
 def test_gemv_int8_dots(fmt, block_n, block_k):
     """One token with ``int8_dot``: Q4_K and Q6_K rows against float64 over the token quantized
@@ -345,9 +346,9 @@ def test_fakegpu_engine_int8_dots_through_the_interpreter(tiny_gguf, monkeypatch
     import dataclasses
 
     from int8_model_reference import dense_hook, expert_hook, position_errors
-    from test_packed_experts import WIDE
+    from test_packed_experts import WIDE, WIDE_BF16
 
-    from freetoken.moe import gpu_experts, triton_moe_packed
+    from freetoken.moe import gpu_experts, triton_moe, triton_moe_packed
 
     tg, _, path, tensors = tiny_gguf
     one = plt.PackedLinearConfig(block_n=512, block_k=256, block_t=4, int8_dot=True)
@@ -357,6 +358,7 @@ def test_fakegpu_engine_int8_dots_through_the_interpreter(tiny_gguf, monkeypatch
     monkeypatch.setattr(plt, "config_for", lambda rows, device=None: batch if device is None else one)
     monkeypatch.setattr(triton_moe_packed, "default_config",
                         lambda device: dataclasses.replace(WIDE, int8_dot=True, int8_h=True))
+    monkeypatch.setattr(triton_moe, "DEFAULT_CONFIG", WIDE_BF16)  # the F16/Q6_K/Q8_0 layer's BF16 experts
     eng = _engine(path, None, backend="fakegpu", dtype="float32", moe_cpu_layers="0", gpu_dense="packed")
     prompt = [(11 * j) % (tg.V - 10) + 5 for j in range(21)]
     try:

@@ -52,6 +52,11 @@ E, H, I = 6, 512, 256
 Q4, Q5, Q6, Q8, MX = int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K), int(Fmt.Q8_0), int(Fmt.MXFP4)
 #: one program per route / token in the interpreter; the GPU's default tiles elsewhere
 WIDE = triton_moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256)
+#: the BF16 per-route kernels (freetoken.moe.triton_moe, GpuExperts) with one program per route
+#: (gate/up) and per token (down) up to 256 x 256 experts: the engine tests' BF16 layers and
+#: startup qualification in the interpreter
+WIDE_BF16 = dataclasses.replace(triton_moe.DEFAULT_CONFIG, route_block_i=256, route_block_h=256, route_block_n=256,
+                                route_block_r=256)  # fmt: skip
 #: the tiles of the tests that do not choose their own: WIDE in the interpreter, the
 #: default ones compiled on a GPU (WIDE's tiles take minutes to compile there)
 BASE = WIDE if INTERPRET else triton_moe_packed.DEFAULT_CONFIG
@@ -318,10 +323,11 @@ def test_word_loads_and_routes_tile(mix):
 
 
 #: int8 dots: gate/up steps of 2 pairs of sub-blocks, down steps of 1 half block (several steps
-#: per row in the interpreter's sizes), several rows per route in the down tile; h quantized per
+#: per row in the interpreter's sizes), several rows per route in the down tile (in the
+#: interpreter two tiles of 256 of a token's 512 rows: its cost is per program); h quantized per
 #: 16 values by the gate/up kernel for the down kernel (int8_h), or per 32 by every down program
 INT8_CFG = dataclasses.replace(BASE, int8_dot=True, down_routes_tile=True, block_i=max(16, BASE.block_i),
-                               block_h=128, block_r=128, block_n=min(BASE.block_n, 64))  # fmt: skip
+                               block_h=128, block_r=128, block_n=H // 2 if INTERPRET else min(BASE.block_n, 64))
 #: a row's relative error against the reference with the same quantized activations: float32
 #: sums in another order, and a code rounded the other way where h differs in its last bits
 #: (one code off moves a row by ~1e-4); the unquantized float64 result is ~1e-2 away
@@ -431,7 +437,8 @@ def test_large_batches_dequantize_to_bf16():
     the shared scratch and the BF16 kernels run (here both the per-route and the tiled BF16
     kernels). The default, the grouped kernels, is tested in test_grouped_experts.py."""
     scratch = DequantScratch()
-    per_route = triton_moe.BlockConfig(block_i=64, block_h=128, block_n=128, block_r=128)
+    per_route = triton_moe.BlockConfig(block_i=64, block_h=128, block_n=128, block_r=128, route_block_i=64,
+                                       route_block_n=128)  # fmt: skip
     tiled = triton_moe.BlockConfig(block_i=64, block_h=128, block_n=128, block_r=128, route_kernels_max_routes=0)
     small = dataclasses.replace(BASE, max_routes=2)
     for bf16_config in (per_route, tiled):
