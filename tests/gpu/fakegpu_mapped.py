@@ -35,13 +35,23 @@ def run_demo(prompts: list[list[int]], tokens: int, **kw: Any) -> tuple[list, di
         registry.reset()
 
 
+def wide_tiles_in_the_interpreter(monkeypatch: Any) -> None:
+    """The packed kernels' and the BF16 per-route kernels' tiles wide enough for one program
+    per route (and token): the interpreter's cost is per program. The BF16 ones are the
+    startup qualification's GPU experts (its check layer is the demo's 256 x 256 experts)."""
+    from test_packed_experts import WIDE, WIDE_BF16
+
+    from freetoken.moe import triton_moe, triton_moe_packed
+
+    monkeypatch.setattr(triton_moe_packed, "default_config", lambda device: WIDE)
+    monkeypatch.setattr(triton_moe, "DEFAULT_CONFIG", WIDE_BF16)
+
+
 def mapped_banks_in_the_interpreter(monkeypatch: Any) -> None:
     """From here on the fakegpu session registers its host banks mapped (the session does
     that for CUDA/HIP devices only; the plugin's registration gives the same address) and
     runs the packed kernels, in the interpreter with few programs."""
-    from test_packed_experts import WIDE
-
-    from freetoken.moe import gpu_experts, triton_moe_packed
+    from freetoken.moe import gpu_experts
     from freetoken.moe.expert_traffic import ExpertTraffic
     from freetoken.moe.host_pinning import register_banks
 
@@ -51,4 +61,4 @@ def mapped_banks_in_the_interpreter(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(ExpertTraffic, "_register", register)
     monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
-    monkeypatch.setattr(triton_moe_packed, "default_config", lambda device: WIDE)
+    wide_tiles_in_the_interpreter(monkeypatch)

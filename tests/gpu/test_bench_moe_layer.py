@@ -1,6 +1,7 @@
 """``freetoken bench moe-layer`` end to end on the CPU: one worker through the fake GPU
 backend of tests/qualify (hand-off served by the real CPU coordinator), CUDA events and
-device queries stubbed, tiny sizes. Checks that every row the GPU run reports is produced
+device queries stubbed, tiny sizes, the Triton kernels (in Triton's interpreter) with one
+program per route and per token. Checks that every row the GPU run reports is produced
 (layers per IO path, the empty-CPU diagnostic, the hand-off floor, the GPU experts alone
 for both implementations with their HBM floor, the Triton block sweep) and that the
 summary and table are built from them. Timings here mean nothing."""
@@ -8,6 +9,7 @@ summary and table are built from them. Timings here mean nothing."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import time
 import types
@@ -58,6 +60,17 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: types.SimpleNamespace(name="fake"))
     monkeypatch.setattr(moe_layer, "_gpu_impls", lambda device: (["torch", "triton"], ""))
+    # the per-route kernels' tiles (the only kernels these batches of 2 routes run) of the
+    # default configuration and of the sweep's ones, each of them under its own name, with one
+    # program per route and per token at these sizes: the interpreter's cost is per program
+    from freetoken.moe import triton_moe
+
+    def wide(config: triton_moe.BlockConfig) -> triton_moe.BlockConfig:
+        return dataclasses.replace(config, route_block_i=32, route_block_h=64, route_block_n=64, route_block_r=32)
+
+    sweep = moe_layer._triton_sweep
+    monkeypatch.setattr(triton_moe, "DEFAULT_CONFIG", wide(triton_moe.DEFAULT_CONFIG))
+    monkeypatch.setattr(moe_layer, "_triton_sweep", lambda: {name: wide(c) for name, c in sweep().items()})
     return backend
 
 

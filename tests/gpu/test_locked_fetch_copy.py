@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from fakegpu_mapped import EXPERT_BYTES, INTERPRET, mapped_banks_in_the_interpreter, run_demo
+from fakegpu_mapped import (EXPERT_BYTES, INTERPRET, mapped_banks_in_the_interpreter, run_demo,
+                            wide_tiles_in_the_interpreter)
 from greedy_runs import check_logits
 
 PROMPTS = [[(11 * j) % 300 + 3 for j in range(5)]]
@@ -17,13 +18,18 @@ PROMPTS = [[(11 * j) % 300 + 3 for j in range(5)]]
 TOL = 5e-2
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """The engine with every missed route on the CPU workers (shared by the tests here)."""
+    return run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_locked_fetch=0)[0]
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's run on the fakegpu plugin (the GPU runs the cuda one)")
 @pytest.mark.parametrize("cache_experts", [0, 6], ids=["no-cache", "cache"])
-def test_fakegpu_locked_fetch_copy_matches_the_cpu_workers(cache_experts, monkeypatch):
+def test_fakegpu_locked_fetch_copy_matches_the_cpu_workers(cache_experts, reference, monkeypatch):
     """Half of each step's missed routes, at most 2 per layer, copied into the slots and
     computed there: without a cache the first routes of the step (constant masks), beside a
     cache of 6 of the 16 experts the first missed ones (slots ranked on the device)."""
-    reference, _, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_locked_fetch=0)
     mapped_banks_in_the_interpreter(monkeypatch)
     got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_locked_fetch=0.5, moe_locked_max_fetch=2,
                            moe_locked_fetch_mode="copy", moe_cache_size=float(cache_experts * EXPERT_BYTES),
@@ -36,20 +42,17 @@ def test_fakegpu_locked_fetch_copy_matches_the_cpu_workers(cache_experts, monkey
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's run on the fakegpu plugin (the GPU runs the cuda one)")
-def test_fakegpu_locked_fetch_auto(monkeypatch):
+def test_fakegpu_locked_fetch_auto(reference, monkeypatch):
     """No locked-fetch option given (``auto``), the plugin standing in for an NVIDIA device
     (the plan's device check answered as for CUDA): where the host banks cannot be mapped the
     engine runs with every missed route on the CPU and says why; where they can, a quarter of
     the missed routes (at most 2 per layer) by copy."""
-    from test_packed_experts import WIDE
-
-    from freetoken.moe import gpu_experts, gpu_session, locked_fetch, triton_moe_packed
+    from freetoken.moe import gpu_experts, gpu_session, locked_fetch
 
     planned = locked_fetch.planned_fraction
     monkeypatch.setattr(gpu_session, "planned_fraction", lambda f, device, ok: planned(f, "cuda", ok))
     monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
-    monkeypatch.setattr(triton_moe_packed, "default_config", lambda device: WIDE)
-    reference, _, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_locked_fetch=0)
+    wide_tiles_in_the_interpreter(monkeypatch)
     got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off")  # the plugin registers no banks
     fetch = rep["locked_fetch"]
     assert fetch["fraction"] == 0 and fetch["setting"].startswith("auto: off (the host banks could not be"), fetch

@@ -13,23 +13,29 @@ import pytest
 from fakegpu_mapped import EXPERT_BYTES, INTERPRET, mapped_banks_in_the_interpreter, run_demo
 from greedy_runs import check_logits
 
-#: prompts long enough to route to most of the demo's 16 experts per layer
-PROMPTS = [[(11 * j + 5 * i) % 300 + 3 for j in range(24)] for i in range(2)]
+#: two prompts of 8 tokens: 64 routes per layer, which reach every window's experts in every
+#: layer and leave some of the 16 experts unrouted (12 to 15 used per layer)
+PROMPTS = [[(11 * j + 5 * i) % 300 + 3 for j in range(8)] for i in range(2)]
 #: the GPU kernels' float32 products against the CPU kernels' 8-bit activations
 TOL = 5e-2
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """The engine with every prompt route on the CPU workers (shared by both window counts)."""
+    return run_demo(PROMPTS, 4, moe_stream_prefill="off")[0]
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's run on the fakegpu plugin (the GPU runs the cuda one)")
 @pytest.mark.parametrize("windows", [1, 3])
-def test_windowed_gather_streaming_matches_the_cpu_workers(windows, monkeypatch):
+def test_windowed_gather_streaming_matches_the_cpu_workers(windows, reference, monkeypatch):
     """Every prompt step streams (``--moe-stream-prefill on``) through the gather kernels in
-    ``windows`` windows (3: windows of 6, 6 and 4 experts); the buffer is one window's
-    bytes, the copied bytes are those of the experts the router picked (counted from its
-    outputs), and the tokens and logits match the engine whose prompt routes all run on
-    the CPU workers."""
+    ``windows`` windows (3: windows of 6, 6 and 4 experts, each of them routed to in every
+    layer); the buffer is one window's bytes, the copied bytes are those of the experts the
+    router picked (counted from its outputs; fewer than all of them), and the tokens and
+    logits match the engine whose prompt routes all run on the CPU workers."""
     from freetoken.moe.layer import MoELayer
 
-    reference, _, _ = run_demo(PROMPTS, 4, moe_stream_prefill="off")
     mapped_banks_in_the_interpreter(monkeypatch)
     routes: dict[int, list[np.ndarray]] = {}  # the router's own outputs of every prompt step, per layer
     route = MoELayer.route
@@ -48,7 +54,10 @@ def test_windowed_gather_streaming_matches_the_cpu_workers(windows, monkeypatch)
     assert streamer.window == window and streamer.nbytes == window * EXPERT_BYTES
     assert rep["memory_plan"]["scratch"] == window * EXPERT_BYTES, rep["memory_plan"]
     stream = rep["prefill_stream"]
-    used = sum(len(np.unique(ids[ids >= 0])) for calls in routes.values() for ids in calls)
-    assert stream["streamed_layers"] == sum(len(calls) for calls in routes.values()) > 0
-    assert 0 < stream["streamed_bytes"] == used * EXPERT_BYTES
+    picked = [np.unique(ids[ids >= 0]) for calls in routes.values() for ids in calls]
+    for experts in picked:  # every window computes routes in every streamed layer
+        assert all(((experts >= a) & (experts < a + window)).any() for a in range(0, 16, window)), experts
+    used = sum(len(experts) for experts in picked)
+    assert stream["streamed_layers"] == len(picked) > 0
+    assert 0 < stream["streamed_bytes"] == used * EXPERT_BYTES < 16 * len(picked) * EXPERT_BYTES
     assert check_logits(got, reference, TOL) >= 4
