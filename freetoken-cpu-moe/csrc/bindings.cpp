@@ -49,6 +49,7 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("num_threads", &Pool::num_threads)
         .def_property_readonly("closed", &Pool::closed)
         .def_property("spin_us", &Pool::spin_us, &Pool::set_spin_us)
+        .def("_inject_worker_delay", &Pool::inject_worker_delay, py::arg("tid"), py::arg("ms"))
         .def("close", &Pool::close, py::call_guard<py::gil_scoped_release>());
 
     m.def(

@@ -1,6 +1,12 @@
 // Persistent worker pool: threads created once, woken per job, the calling
 // thread takes part as worker 0. Workers spin briefly after a job (decode
 // steps arrive back to back) and then sleep on a condition variable.
+//
+// Item jobs (parallel_for, run_phases) end when their last item is done, not when
+// every worker has come by: a worker that the OS has not scheduled in time (its core
+// lent to another thread) is not waited for. Workers join a job through a gate that
+// the caller closes once the items are done; it then waits only for the workers
+// inside, so none of them touches the job's memory after the call returns.
 #pragma once
 
 #include <atomic>
@@ -34,7 +40,9 @@ public:
     // Run fn(tid) on every worker (tid 0 = the caller) and wait for all.
     // Callers are serialised; the first exception thrown by any worker is rethrown.
     void run(const std::function<void(int)>& fn);
-    // Dynamic split: fn(item, tid) for item in [0, nitems), items handed out in order.
+    // Dynamic split: fn(item, tid) for item in [0, nitems), items handed out in order;
+    // returns when every item is done. The first exception is rethrown after the items
+    // already handed out are done; the items after it are skipped.
     void parallel_for(int nitems, const std::function<void(int, int)>& fn);
     // Several parallel_for phases in one wake-up, separated by barriers: phase p+1
     // starts after every item of phase p is done. An exception skips the rest.
@@ -45,9 +53,17 @@ public:
     void run_phases(const std::vector<Phase>& phases);
     void close();
     bool closed() const { return closed_.load(); }
+    // Test hook: worker tid (>= 1) sleeps ms after it sees the next job, before it
+    // joins it (a worker whose core the OS gave to another thread).
+    void inject_worker_delay(int tid, double ms);
 
 private:
     void worker_main(int tid);
+    // Publish fn to the workers and run it as worker 0. every_worker: wait until each
+    // worker ran fn once; else run settle() (which returns when the job's items are
+    // done), close the gate and wait for the workers inside. Holds run_mu_.
+    void dispatch(const std::function<void(int)>& fn, bool every_worker, const std::function<void()>& settle);
+    bool enter(uint64_t gen);
 
     int nthreads_;
     std::vector<int> cpus_;
@@ -55,7 +71,13 @@ private:
     std::vector<std::thread> threads_;
     std::mutex run_mu_;
     const std::function<void(int)>* job_ = nullptr;
+    bool every_worker_ = false;
     std::atomic<uint64_t> gen_{0};
+    // The gate of the current job: its generation's low 32 bits in bits 32-63, bit 31
+    // while workers may join, bits 0-30 how many are inside.
+    std::atomic<uint64_t> gate_{0};
+    std::atomic<int> delay_tid_{0};
+    std::atomic<double> delay_ms_{0.0};
     std::atomic<int> pending_{0};
     std::atomic<int> sleepers_{0};
     std::atomic<bool> stop_{false};

@@ -396,3 +396,55 @@ def test_cuda_engine_int8_dense_match_rounding_reference(backend, int8_gguf, eag
     assert max(err) <= 4e-2, f"int8 GEMV against the rounding reference, per position: {err}"
     closer = sum(p > 2 * e for p, e in zip(plain, err))
     assert closer >= 9, f"the reference without the dense rounding fits as well: {plain} vs {err}"
+
+
+def _worker_threads() -> dict[int, set[int]]:
+    """Expert worker threads (named ft-pool) and coordinator poll threads of this process:
+    native id -> the CPUs the kernel lets them run on, read from /proc."""
+    import os
+
+    out: dict[int, set[int]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            if name in ("ft-pool", "ft-coordinator"):
+                out[int(tid)] = os.sched_getaffinity(int(tid))
+        except OSError:
+            continue
+    return out
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_host_threads_keep_off_the_workers_cores(backend, reference, setting):
+    """``--pin-host-threads on``: the thread that steps the model runs only on CPUs whose
+    physical cores hold no expert worker (the workers' CPU sets read from /proc), during the
+    session; it gets its former CPU set back at close. ``off`` leaves it alone. Tokens and
+    logits as the CPU backend's either way."""
+    import os
+
+    def core(cpu: int) -> tuple[str, str]:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        with open(f"{base}/physical_package_id") as f, open(f"{base}/core_id") as g:
+            return f.read().strip(), g.read().strip()
+
+    before = os.sched_getaffinity(0)
+    older = set(_worker_threads())  # other pools of this process (the reference's)
+    eng = _engine(backend, dtype="float32", moe_cpu_layers="0-1", cuda_graph_max_bs=8, cpu_threads=2,
+                  pin_host_threads=setting)
+    try:
+        got = run_greedy(eng, PROMPTS)
+        info = eng.backend_info()["host_threads"]
+        mine = os.sched_getaffinity(0)
+        workers = set().union(*[cpus for tid, cpus in _worker_threads().items() if tid not in older])
+        if setting == "off":
+            assert info == {"setting": "off", "because": "off (--pin-host-threads off)"}
+            assert mine == before
+        else:
+            assert info["because"] is None and info["threads"] >= 1, info
+            assert mine == set(info["cpus"]) and mine < before
+            assert workers and not {core(c) for c in mine} & {core(c) for c in workers}, (mine, workers)
+    finally:
+        eng.close()
+    assert os.sched_getaffinity(0) == before
+    check_logits(got, reference, 1e-3)

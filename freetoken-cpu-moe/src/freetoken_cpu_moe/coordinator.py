@@ -80,6 +80,11 @@ class Coordinator:
         """Stop polling and join the threads (idempotent)."""
         self._core.stop()
 
+    def free_cpus(self) -> list[int]:
+        """The logical CPUs whose physical cores none of the workers (nor the poll
+        thread) is pinned to (:meth:`freetoken_cpu_moe.pool.Pool.free_cpus`)."""
+        return self.pool.free_cpus()
+
     @property
     def running(self) -> bool:
         return bool(self._core.running)

@@ -21,25 +21,36 @@ log = logging.getLogger(__name__)
 DEFAULT_SPIN_US = 2000.0
 
 
-def physical_core_cpus() -> list[int]:
-    """One logical CPU per physical core among the CPUs this process may use."""
+def _allowed_cpus() -> list[int]:
+    """The logical CPUs the calling thread may run on."""
     try:
-        allowed = sorted(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return list(range(os.cpu_count() or 1))
+
+
+def _core_of(cpu: int) -> tuple[str, str]:
+    """(package, core) of a logical CPU; a CPU whose topology cannot be read is its own core."""
+    base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+    try:
+        with open(f"{base}/physical_package_id") as f:
+            pkg = f.read().strip()
+        with open(f"{base}/core_id") as f:
+            core = f.read().strip()
+    except OSError:
+        return "?", str(cpu)
+    return pkg, core
+
+
+def physical_core_cpus() -> list[int]:
+    """One logical CPU per physical core among the CPUs this process may use."""
+    allowed = _allowed_cpus()
     seen: set[tuple[str, str]] = set()
     out: list[int] = []
     for cpu in allowed:
-        base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
-        try:
-            with open(f"{base}/physical_package_id") as f:
-                pkg = f.read().strip()
-            with open(f"{base}/core_id") as f:
-                core = f.read().strip()
-        except OSError:
-            pkg, core = "?", str(cpu)
-        if (pkg, core) not in seen:
-            seen.add((pkg, core))
+        core = _core_of(cpu)
+        if core not in seen:
+            seen.add(core)
             out.append(cpu)
     return out or allowed
 
@@ -61,6 +72,7 @@ class Pool:
             log.warning("Pool: %d threads on %d physical cores: workers will share cores", n, len(cpus))
         self.pin = bool(pin)
         self.cpus = cpus if pin else []
+        self._allowed = _allowed_cpus()
         self._core = _core.Pool(n, self.cpus, float(spin_us))
         log.debug("worker pool: %d threads, pinned to %s", n, self.cpus[:n] if pin else "nothing")
 
@@ -80,6 +92,17 @@ class Pool:
     @property
     def closed(self) -> bool:
         return bool(self._core.closed)
+
+    def free_cpus(self) -> list[int]:
+        """The logical CPUs (of those this pool was created on) whose physical cores hold
+        none of its workers: where other threads of the process run without taking a
+        worker's core (the caller counts as a worker: a coordinator pins it to
+        ``cpus[0]``). Empty when the workers are not pinned or take every core."""
+        if not self.cpus:
+            return []
+        n = self.num_threads
+        taken = {_core_of(self.cpus[t % len(self.cpus)]) for t in range(n)}
+        return [c for c in self._allowed if _core_of(c) not in taken]
 
     def close(self) -> None:
         """Join the workers (idempotent). A closed pool refuses work."""

@@ -57,6 +57,8 @@ def test_fakegpu_engine_equals_cpu_backend(fresh_registry, placement):
         assert info["moe_cpu_layers"] == "0-1" and info["moe_gpu_layers"] >= 1
     else:  # no device memory to plan with: every layer's experts stay with the CPU workers
         assert info["moe_gpu_layers"] == 0
+    # the fake GPU's device work runs on the stepping thread: it is not pinned to one core
+    assert info["host_threads"]["setting"] == "on" and "no GPU device" in info["host_threads"]["because"], info
     assert got_ids == want_ids
     for got, want in zip(got_logits, want_logits):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -481,6 +481,9 @@ class EngineOptions:
     (native for the formats it serves, where the backend has one).
     ``gpu_dependent_launch``: ``on`` (programmatic dependent launch of the decode step's
     kernels where the device has it, :mod:`freetoken.backends.dependent_launch`) or ``off``.
+    ``pin_host_threads``: ``on`` (on a GPU device whose model has CPU expert layers, the
+    threads that step the model and enqueue expert copies run on the CPUs the expert
+    workers leave free, :mod:`freetoken.moe.host_threads`) or ``off``.
     """
 
     act_dtype: Any = None
@@ -499,6 +502,7 @@ class EngineOptions:
     gpu_embedding: str = "auto"
     gpu_gemv: str = "auto"
     gpu_dependent_launch: str = "off"
+    pin_host_threads: str = "on"
     moe: MoEOptions = dataclasses.field(default_factory=lambda: MoEOptions())
 
 
@@ -601,9 +605,11 @@ class CpuExperts(abc.ABC):
 
     @abc.abstractmethod
     def coordinator(self, threads: Optional[int] = None, watchdog_ms: float = 2000.0) -> Any:
-        """A started coordinator with ``add_task(desc_addr)``, ``remove_task(desc_addr)`` and
-        ``stop()``: it serves the tasks' hand-offs on ``threads`` CPU workers (None: the
-        implementation's default, which leaves a core to the thread driving the GPU)."""
+        """A started coordinator with ``add_task(desc_addr)``, ``remove_task(desc_addr)``,
+        ``stop()`` and ``free_cpus()`` (the logical CPUs on physical cores none of its workers
+        is pinned to; empty if they are not pinned): it serves the tasks' hand-offs on
+        ``threads`` CPU workers (None: the implementation's default, which leaves a core to
+        the thread driving the GPU)."""
 
 
 class MemoryPlanError(ValueError):

@@ -226,6 +226,11 @@ _OPTIONS: tuple[_Option, ...] = (
             "layer indices and ranges like 0-11,40 (one index: 7,) (default: {default})", layer_spec, "SPEC"),
     _Option("cpu_threads", "--cpu-threads",
             "CPU expert worker threads (default: {default})", positive_int, "N"),
+    _Option("pin_host_threads", "--pin-host-threads",
+            "on a GPU with CPU expert layers: on (the threads that launch the GPU's work and enqueue expert copies "
+            "run on the cores the CPU expert workers leave free, so they never take a worker's core) or off "
+            "(wherever the OS puts them) (default: {default})",
+            choice("on", "off"), "MODE"),
     _Option("enforce_eager", "--enforce-eager",
             "run decode steps eagerly, without capturing CUDA/HIP graphs (default: graphs where the backend "
             "supports them)", flag_only=True),

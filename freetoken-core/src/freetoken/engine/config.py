@@ -50,6 +50,7 @@ class EngineConfig:
     gpu_embedding: str = "auto"
     gpu_gemv: str = "auto"
     gpu_dependent_launch: str = "off"
+    pin_host_threads: str = "on"
     moe_gpu_experts: str = "auto"
     moe_gpu_kernel: str = "auto"
     #: bytes when >= 1, a fraction of the GPU memory budget when below 1
@@ -77,6 +78,7 @@ class EngineConfig:
             max_model_len=self.max_model_len or 0, kv_block_size=self.kv_block_size,
             kv_cache_tokens=self.kv_cache_tokens, gpu_dense=self.gpu_dense,
             gpu_embedding=self.gpu_embedding, gpu_gemv=self.gpu_gemv, gpu_dependent_launch=self.gpu_dependent_launch,
+            pin_host_threads=self.pin_host_threads,
             moe=MoEOptions(
                 gpu_experts=self.moe_gpu_experts,
                 cache_bytes=int(self.moe_cache_size) if self.moe_cache_size >= 1 else 0,
@@ -117,6 +119,7 @@ class EngineConfig:
                                      ("gpu_embedding", self.gpu_embedding, ("auto", "device", "host")),
                                      ("gpu_gemv", self.gpu_gemv, ("auto", "native", "triton")),
                                      ("gpu_dependent_launch", self.gpu_dependent_launch, ("on", "off")),
+                                     ("pin_host_threads", self.pin_host_threads, ("on", "off")),
                                      ("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
                                      ("moe_gpu_kernel", self.moe_gpu_kernel, ("auto", "native", "triton")),
                                      ("moe_stream_prefill", self.moe_stream_prefill, ("auto", "on", "off")),

@@ -71,6 +71,11 @@ class CopyQueue:
         self._thread.start()
         self.copied_bytes = 0
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The thread that enqueues the copies."""
+        return self._thread
+
     def compute_event(self) -> Any:
         """An event at the current position of the current (compute) stream, or None off CUDA."""
         if not self.cuda:

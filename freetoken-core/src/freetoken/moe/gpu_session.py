@@ -53,6 +53,7 @@ from freetoken.backends.contract import (
 )
 from freetoken.models.layers import DeviceWeightPolicy
 from freetoken.moe.expert_traffic import ExpertTraffic
+from freetoken.moe.host_threads import HostThreads
 from freetoken.moe.gpu_packed_experts import (
     FMT_FP8_ROWS,
     PACKED_FORMATS,
@@ -143,6 +144,8 @@ class GpuModelSession(ModelSession):
         self.experts_kernel: Any = None  # what --moe-gpu-kernel offers packed GPU experts (plan)
         self.cpu_weights: dict[int, Any] = {}  # the CPU layers' ExpertWeights
         self.coordinator: Any = None
+        self.host_threads: Optional[HostThreads] = None
+        self._host_threads_off = ""
         self.model: Any = None
         self.kv: Any = None
         self.runner: Any = None
@@ -479,6 +482,7 @@ class GpuModelSession(ModelSession):
         from freetoken.moe.hybrid import HybridMoEExecutor
 
         self.coordinator = self.cpu.coordinator(self.options.cpu_threads)
+        self._pin_host_threads()
         # the cores belong to the expert workers: torch's own host work (sampling that
         # is not greedy, tokenisation) gets what they leave instead of competing with them
         workers, cores = int(self.coordinator.pool.num_threads), os.cpu_count() or 1
@@ -497,6 +501,23 @@ class GpuModelSession(ModelSession):
                                    coordinator=self.coordinator, sync_mode=mode, hidden=self._expert_hidden(layer))
             self.executors[layer] = ex
             self.layer_fns[layer] = ex.forward
+
+    def _pin_host_threads(self) -> None:
+        """This thread and the expert copy thread onto the CPUs the workers leave free (the
+        thread that steps the model later is pinned at its first step)."""
+        if self.options.pin_host_threads != "on":
+            self._host_threads_off = "off (--pin-host-threads off)"
+            return
+        if self.device.type != "cuda":  # the fake GPU's "device" work runs on this thread itself
+            self._host_threads_off = f"no GPU device ({self.device.type}): the host threads run the device's work"
+            return
+        self.host_threads = HostThreads(self.coordinator.free_cpus())
+        self.host_threads.keep()
+        copies = getattr(self.traffic, "copies", None)
+        if copies is not None:
+            self.host_threads.keep(copies.thread)
+        log.info("host threads on CPUs %s: %s", sorted(self.host_threads.cpus),
+                 self.host_threads.refusal or f"{self.host_threads.threads} pinned")
 
     def _expert_hidden(self, layer: Optional[int] = None) -> int:
         """The width of the activations the routed experts take (a family may widen the
@@ -558,6 +579,8 @@ class GpuModelSession(ModelSession):
         return self.model.forward(input_ids, positions, meta, self.kv.layers)
 
     def forward(self, input_ids: Any, positions: Any, meta: Any) -> Any:
+        if self.host_threads is not None:
+            self.host_threads.keep()  # the stepping thread (a dict lookup after its first step)
         busy = self._account(meta.decode)
         if self.traffic is not None:
             self.traffic.before_step(int(input_ids.shape[0]), bool(meta.decode), busy)
@@ -691,6 +714,8 @@ class GpuModelSession(ModelSession):
             out["graph_capture_seconds"] = round(self.runner.capture_seconds, 2)
         if self.coordinator is not None:
             out["cpu_threads"] = self.coordinator.pool.num_threads
+            out["host_threads"] = ({"setting": "on", **self.host_threads.describe()} if self.host_threads is not None
+                                   else {"setting": self.options.pin_host_threads, "because": self._host_threads_off})
             samples = list(self._decode_samples)
             if samples:
                 # medians over the recent decode steps: a pause between two steps (an idle
@@ -717,6 +742,9 @@ class GpuModelSession(ModelSession):
         if self.coordinator is not None:
             self.coordinator.stop()
             self.coordinator = None
+        if self.host_threads is not None:
+            self.host_threads.release()
+            self.host_threads = None
         if self.traffic is not None:
             self.traffic.close()
 
