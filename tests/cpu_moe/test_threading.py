@@ -77,3 +77,21 @@ def test_item_jobs_do_not_wait_for_a_late_worker(bank_for, rng) -> None:
         _core.stream_read(int(buf.__array_interface__["data"][0]), buf.nbytes, pool._core)
         assert time.perf_counter() - t0 >= 0.29, "run() returned before every worker had run"
     assert moe_error(want_moe, case.raw, x.astype(np.float64), ids, w) < 1e-3
+
+
+def test_coordinator_spin_time_reaches_its_own_pool() -> None:
+    from freetoken_cpu_moe.host_experts import HostExperts
+
+    with cm.Pool(2, pin=False) as shared:
+        experts = HostExperts(shared)
+        own = experts.coordinator(threads=1, spin_us=20_000.0)
+        try:
+            assert own.pool is not shared and own.pool.spin_us == 20_000.0
+        finally:
+            own.stop()
+            own.pool.close()
+        same = experts.coordinator(threads=2, spin_us=20_000.0)
+        try:  # the shared pool keeps its own spin time
+            assert same.pool is shared and shared.spin_us == 2000.0
+        finally:
+            same.stop()

@@ -201,6 +201,8 @@ run_freetoken_bench() {
     python3 -c "import json; d=json.load(open('/tmp/ft-bench/decode-$tag.json'))
 rep = d['backend_report']; plan = rep.get('memory_plan') or {}
 print('SUMMARY freetoken $tag host read bandwidth %.1f GB/s before, %.1f after' % (d.get('bandwidth_GBs') or 0, d.get('bandwidth_GBs_after') or 0))
+print('SUMMARY freetoken $tag cpu_spin_ms', rep.get('cpu_spin_ms'), 'coordinator', json.dumps(rep.get('coordinator')),
+      'host_threads', json.dumps(rep.get('host_threads')))
 for k in ('expert_cache', 'prefill_stream', 'moe_stats'):
     v = rep.get(k)
     if v: print('SUMMARY freetoken $tag', k, json.dumps({x: y for x, y in v.items() if x not in ('per_layer', 'pools')}))

@@ -434,7 +434,9 @@ def test_host_threads_keep_off_the_workers_cores(backend, reference, setting):
                   pin_host_threads=setting)
     try:
         got = run_greedy(eng, PROMPTS)
-        info = eng.backend_info()["host_threads"]
+        report = eng.backend_info()
+        info = report["host_threads"]
+        assert report["cpu_spin_ms"] == 20.0 and eng.session.coordinator.pool.spin_us == 20_000.0, report
         mine = os.sched_getaffinity(0)
         workers = set().union(*[cpus for tid, cpus in _worker_threads().items() if tid not in older])
         if setting == "off":

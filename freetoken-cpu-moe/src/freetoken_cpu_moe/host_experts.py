@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from freetoken.backends.contract import CpuExperts
-from freetoken_cpu_moe.coordinator import Coordinator
+from freetoken_cpu_moe.coordinator import DEFAULT_SPIN_US, Coordinator
 from freetoken_cpu_moe.dense import weights_of
 from freetoken_cpu_moe.ops import moe_forward
 from freetoken_cpu_moe.pool import Pool, coordinator_threads, default_pool
@@ -32,9 +32,14 @@ class HostExperts(CpuExperts):
         return moe_forward(bank, x.contiguous(), ids.contiguous(), weights.contiguous(), out_dtype or x.dtype,
                            self.pool)
 
-    def coordinator(self, threads: Optional[int] = None, watchdog_ms: float = 2000.0) -> Coordinator:
+    def coordinator(self, threads: Optional[int] = None, watchdog_ms: float = 2000.0,
+                    spin_us: Optional[float] = None) -> Coordinator:
         """A started hand-off coordinator on ``threads`` workers (default:
-        :func:`~freetoken_cpu_moe.pool.coordinator_threads`, all physical cores but one)."""
+        :func:`~freetoken_cpu_moe.pool.coordinator_threads`, all physical cores but one).
+        ``spin_us``: how long its poll thread and workers spin after a hand-off before they
+        sleep (default :data:`~freetoken_cpu_moe.coordinator.DEFAULT_SPIN_US`); a pool of its
+        own takes it, the shared pool (``threads`` equal to its size) keeps its own."""
         threads = coordinator_threads() if threads is None else threads
-        pool = self.pool if threads == self.pool.num_threads else Pool(threads)
-        return Coordinator(pool=pool, watchdog_ms=watchdog_ms).start()
+        spin = DEFAULT_SPIN_US if spin_us is None else float(spin_us)
+        pool = self.pool if threads == self.pool.num_threads else Pool(threads, spin_us=spin)
+        return Coordinator(pool=pool, watchdog_ms=watchdog_ms, spin_us=spin).start()

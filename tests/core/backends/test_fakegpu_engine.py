@@ -59,6 +59,7 @@ def test_fakegpu_engine_equals_cpu_backend(fresh_registry, placement):
         assert info["moe_gpu_layers"] == 0
     # the fake GPU's device work runs on the stepping thread: it is not pinned to one core
     assert info["host_threads"]["setting"] == "on" and "no GPU device" in info["host_threads"]["because"], info
+    assert info["cpu_spin_ms"] is None  # the CPU experts' default spin off a GPU
     assert got_ids == want_ids
     for got, want in zip(got_logits, want_logits):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

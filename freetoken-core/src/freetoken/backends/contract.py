@@ -465,6 +465,8 @@ class EngineOptions:
     (:func:`freetoken.moe.placement.cpu_layers`); None is the backend's default (a GPU
     backend: as many layers on the GPU as the memory allows).
     ``cpu_threads``: CPU expert workers (None: the backend's default).
+    ``cpu_spin_ms``: how long the CPU expert workers spin after a hand-off before they sleep
+    (None: longer than a decode step on a GPU device, the CPU experts' default elsewhere).
     ``graphs``: decode-graph settings; ``graph_batch_sizes`` an explicit list of buckets,
     else powers of two (and multiples of 8) up to ``graph_max_batch_size``.
     ``gpu_memory_limit`` (bytes) and ``gpu_memory_utilization`` (fraction of the device's
@@ -489,6 +491,7 @@ class EngineOptions:
     act_dtype: Any = None
     moe_cpu_layers: Optional[str] = None
     cpu_threads: Optional[int] = None
+    cpu_spin_ms: Optional[float] = None
     graphs: bool = True
     graph_batch_sizes: Optional[list[int]] = None
     graph_max_batch_size: int = 16
@@ -604,12 +607,14 @@ class CpuExperts(abc.ABC):
         ``ids >= 0`` (host tensors; result in ``out_dtype``, default x's dtype)."""
 
     @abc.abstractmethod
-    def coordinator(self, threads: Optional[int] = None, watchdog_ms: float = 2000.0) -> Any:
+    def coordinator(self, threads: Optional[int] = None, watchdog_ms: float = 2000.0,
+                    spin_us: Optional[float] = None) -> Any:
         """A started coordinator with ``add_task(desc_addr)``, ``remove_task(desc_addr)``,
         ``stop()`` and ``free_cpus()`` (the logical CPUs on physical cores none of its workers
         is pinned to; empty if they are not pinned): it serves the tasks' hand-offs on
         ``threads`` CPU workers (None: the implementation's default, which leaves a core to
-        the thread driving the GPU)."""
+        the thread driving the GPU); after a hand-off they spin ``spin_us`` microseconds for
+        the next before they sleep (None: the implementation's default)."""
 
 
 class MemoryPlanError(ValueError):

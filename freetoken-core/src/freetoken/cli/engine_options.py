@@ -189,6 +189,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def spin_ms(text: str) -> float:
+    """Milliseconds in [0, 1000]."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected milliseconds in [0, 1000]") from None
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected milliseconds in [0, 1000]")
+    return value
+
+
 # ---------------------------------------------------------------- the options
 
 
@@ -226,6 +237,10 @@ _OPTIONS: tuple[_Option, ...] = (
             "layer indices and ranges like 0-11,40 (one index: 7,) (default: {default})", layer_spec, "SPEC"),
     _Option("cpu_threads", "--cpu-threads",
             "CPU expert worker threads (default: {default})", positive_int, "N"),
+    _Option("cpu_spin_ms", "--cpu-spin-ms",
+            "how long the CPU expert workers of a GPU session spin after a hand-off, waiting for the next, before "
+            "they sleep (a sleeping worker takes tens of microseconds to wake) (default: {default})",
+            spin_ms, "MS"),
     _Option("pin_host_threads", "--pin-host-threads",
             "on a GPU with CPU expert layers: on (the threads that launch the GPU's work and enqueue expert copies "
             "run on the cores the CPU expert workers leave free, so they never take a worker's core) or off "
@@ -349,6 +364,8 @@ _DEFAULT_TEXT: dict[str, str] = {
     "moe_cpu_layers": "the backend's choice: a GPU backend keeps as many layers on the GPU as its memory allows",
     "cpu_threads": "$FREETOKEN_CPU_MOE_THREADS, else one per physical core, but one core left to the GPU's "
                    "thread on GPU backends",
+    "cpu_spin_ms": "20 on a GPU device, longer than a decode step, so the workers are awake for the next step's "
+                   "first hand-off; 2 elsewhere",
     "cuda_graph_bs": "powers of two and multiples of 8 up to --cuda-graph-max-bs",
     "gpu_memory_utilization": "no limit",
     "gpu_memory_limit": "no limit",

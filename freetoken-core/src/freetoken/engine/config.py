@@ -36,6 +36,7 @@ class EngineConfig:
     kv_block_size: int = 16
     moe_cpu_layers: Optional[str] = None
     cpu_threads: Optional[int] = None
+    cpu_spin_ms: Optional[float] = None
     enforce_eager: bool = False
     #: launch each greedy decode step before the previous step's tokens are read back
     #: (sessions that support it: GPU backends), so the host's work between steps overlaps
@@ -72,6 +73,7 @@ class EngineConfig:
         """What the backend's model session acts on."""
         return EngineOptions(
             act_dtype=act_dtype, moe_cpu_layers=self.moe_cpu_layers, cpu_threads=self.cpu_threads,
+            cpu_spin_ms=self.cpu_spin_ms,
             graphs=not self.enforce_eager, graph_batch_sizes=self.cuda_graph_bs,
             graph_max_batch_size=self.cuda_graph_max_bs, gpu_memory_limit=self.gpu_memory_limit,
             gpu_memory_utilization=self.gpu_memory_utilization, max_running_requests=self.max_running_requests,
@@ -109,6 +111,8 @@ class EngineConfig:
             parse_layer_spec(self.moe_cpu_layers)  # syntax now; layer indices once the model is known
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.cpu_spin_ms is not None and not 0 <= self.cpu_spin_ms <= 1000:
+            raise ValueError(f"cpu_spin_ms must be in [0, 1000], got {self.cpu_spin_ms}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph_bs is not None and any(b < 1 for b in self.cuda_graph_bs):

@@ -72,6 +72,10 @@ GIB = float(1 << 30)
 #: Device memory kept out of the plan for the CUDA context, cuBLAS/Triton workspaces,
 #: activations and graph pools.
 RESERVE_BYTES = 1 << 30
+#: How long the CPU expert workers spin after a hand-off on a GPU device (ms): longer than a
+#: decode step's stretch of GPU layers (2.3 ms at 16 GiB on the H200, more on slower GPUs),
+#: so the next step's first hand-off finds them awake instead of asleep.
+GPU_SPIN_MS = 20.0
 
 #: The KV cache the plan guarantees at least (tokens), when max_model_len is larger.
 MIN_KV_TOKENS = 4096
@@ -145,6 +149,7 @@ class GpuModelSession(ModelSession):
         self.cpu_weights: dict[int, Any] = {}  # the CPU layers' ExpertWeights
         self.coordinator: Any = None
         self.host_threads: Optional[HostThreads] = None
+        self.cpu_spin_ms: Optional[float] = None
         self._host_threads_off = ""
         self.model: Any = None
         self.kv: Any = None
@@ -481,7 +486,12 @@ class GpuModelSession(ModelSession):
         from freetoken.backends.contract import SyncMode
         from freetoken.moe.hybrid import HybridMoEExecutor
 
-        self.coordinator = self.cpu.coordinator(self.options.cpu_threads)
+        spin_ms = self.options.cpu_spin_ms
+        if spin_ms is None and self.device.type == "cuda":
+            spin_ms = GPU_SPIN_MS
+        self.coordinator = self.cpu.coordinator(self.options.cpu_threads,
+                                                spin_us=None if spin_ms is None else spin_ms * 1e3)
+        self.cpu_spin_ms = spin_ms
         self._pin_host_threads()
         # the cores belong to the expert workers: torch's own host work (sampling that
         # is not greedy, tokenisation) gets what they leave instead of competing with them
@@ -714,6 +724,9 @@ class GpuModelSession(ModelSession):
             out["graph_capture_seconds"] = round(self.runner.capture_seconds, 2)
         if self.coordinator is not None:
             out["cpu_threads"] = self.coordinator.pool.num_threads
+            out["cpu_spin_ms"] = self.cpu_spin_ms
+            stats = self.coordinator.stats()
+            out["coordinator"] = {k: int(stats.get(k, 0)) for k in ("served", "sleeps")}
             out["host_threads"] = ({"setting": "on", **self.host_threads.describe()} if self.host_threads is not None
                                    else {"setting": self.options.pin_host_threads, "because": self._host_threads_off})
             samples = list(self._decode_samples)

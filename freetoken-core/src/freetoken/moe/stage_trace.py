@@ -25,7 +25,10 @@ def split_trace(trace: list[Any], order: dict[int, int], step_us: float, key: st
     (-> the next publish kernel's entry: the dense work of the next layer and the kernel
     launches), ``publish_body`` (route split, x/ids/w stores) and ``signal_latency``
     (ready reaching the CPU plus done reaching the GPU); ``{key}_step_gap``: the gap across
-    a step boundary (the rest of the model, the output head, sampling, the host's step).
+    a step boundary (the rest of the model, the output head, sampling, the host's step), with
+    its ``step_signal_latency`` (the last layer's done reaching the GPU plus the next step's
+    first ready reaching the CPU: a coordinator asleep across the boundary shows here) and
+    ``first_serve``, the serve of each step's first CPU layer (its workers woken, if asleep).
 
     Where a few slow steps come from: ``{key}_{serve,gpu_gap,step_gap}_above_median_ms``,
     the time of each kind above its median summed over the trace (a stalled CPU task, a slow
@@ -41,15 +44,20 @@ def split_trace(trace: list[Any], order: dict[int, int], step_us: float, key: st
             after[last_on_slot[r.desc]] = r
         last_on_slot[r.desc] = i
     parts: dict[str, list[float]] = {n: [] for n in ("gpu_gap", "step_gap", "combine_read", "kernel_boundary",
-                                                      "publish_body", "signal_latency")}  # fmt: skip
+                                                      "publish_body", "signal_latency", "step_signal_latency",
+                                                      "first_serve")}  # fmt: skip
     for i in range(1, len(trace)):
         prev, cur = trace[i - 1], trace[i]
         gap = (cur.claim_ns - prev.done_ns) / 1e3
+        nxt = after.get(i - 1)
         if order[cur.desc] != order[prev.desc] + 1:
             parts["step_gap"].append(gap)
+            parts["first_serve"].append((cur.done_ns - cur.claim_ns) / 1e3)
+            if nxt is not None and cur.gpu_ready_ns:
+                parts["step_signal_latency"].append(
+                    ((cur.claim_ns - cur.gpu_ready_ns) + (nxt.gpu_prev_done_seen_ns - prev.done_ns)) / 1e3)
             continue
         parts["gpu_gap"].append(gap)
-        nxt = after.get(i - 1)
         if nxt is None or not cur.gpu_ready_ns:
             continue
         seen, y_read = nxt.gpu_prev_done_seen_ns, nxt.gpu_prev_y_read_ns
