@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,39 +41,15 @@ def test_never_active_off_a_gpu(enabled):
 
 
 _SM90_SCRIPT = """
-import json, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from freetoken.models import decode_attention_triton as dat, dense_ops_triton as dot
-target, report = GPUTarget("cuda", 90, 32), {}
-cfg = dat.DEFAULT_CONFIG
-att = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
-att.update({"bt_ptr": "*i32", "ctx_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "count_ptr": "*i32",
-            "scale_log2": "fp32"})
-att.update({n: "i32" for n in ("P", "max_tokens", "stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh",
-                               "stride_vb", "stride_vt", "stride_vh", "stride_btb", "stride_ob")})
-kernels = (
-    ("qk_norm_rope", dot._qk_norm_rope_kernel,
-     {"q_ptr": "*bf16", "q_stride": "i32", "k_ptr": "*bf16", "k_stride": "i32", "v_ptr": "*bf16", "v_stride": "i32",
-      "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
-      "slot_ptr": "*i64", "q_out_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "eps": "fp32"},
-     dict(HQ=32, HKV=4, D=128), 1),
-    ("add_norm_route", dot._add_norm_route_kernel,
-     {"h_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "rw_ptr": "*fp32", "h_out_ptr": "*bf16",
-      "x_out_ptr": "*bf16", "logits_ptr": "*fp32", "count_ptr": "*i32", "ids_ptr": "*i32", "w_ptr": "*fp32",
-      "N": "i32", "E": "i32", "eps": "fp32"},
-     dict(K=8, KP=8, NORM=True, BLOCK=2048, BLOCK_E=dot.ROUTE_BLOCK_E, EP=128), 8),
-    ("attention_partial", dat._partial_kernel, att,
-     dict(G=8, D=128, BS=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part, SPLIT=True,
-          PRECISION="tf32", LAST_REDUCES=cfg.reduce_in_partial), cfg.num_warps),
-)
-for name, fn, types, consts, warps in kernels:
-    for gdc in (True, False):
-        c = {**consts, "GDC": gdc}
-        sig = {**types, **{k: "constexpr" for k in c}}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
-        k = triton.compile(ASTSource(fn, sig, c, attrs), target=target, options={"num_warps": warps})
-        ptx = k.asm["ptx"]
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from triton_hip_compile import attention_kernels, dense_kernels
+from freetoken.backends.triton_target import cuda_target
+target, report = cuda_target((9, 0)), {}
+for gdc in (True, False):
+    kernels = {**dense_kernels(target, gdc), **attention_kernels(target, gdc)}
+    for name in ("dense.qk_norm_rope", "dense.add_norm_route", "attention.partial"):
+        ptx = kernels[name]().asm["ptx"]
         report[f"{name}:{gdc}"] = ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx]
 print(json.dumps(report))
 """
@@ -84,7 +61,9 @@ def test_triton_kernels_wait_and_trigger_exactly_when_asked():
     (``launch_dependents``); without it neither instruction is there."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    helpers = Path(__file__).resolve().parent.parent / "core" / "backends"  # triton_hip_compile.py: the signatures
+    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, str(helpers)], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(report) == 6, report

@@ -149,14 +149,19 @@ def cache_size(text: str) -> float:
     return value if value < 1 else value * (1 << 30)
 
 
-def unit_fraction(text: str) -> float:
+def _checked_float(text: str, ok: Callable[[float], bool], expected: str) -> float:
+    """``text`` as a number for which ``ok`` holds, else a usage error saying what was expected."""
     try:
         value = float(str(text).strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a fraction in [0, 1]") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a fraction in [0, 1]")
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected {expected}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected {expected}")
     return value
+
+
+def unit_fraction(text: str) -> float:
+    return _checked_float(text, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
 
 
 def fraction_or_auto(text: str) -> Optional[float]:
@@ -180,24 +185,11 @@ def choice(*values: str) -> Callable[[str], str]:
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(str(text).strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a number > 0") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a number > 0")
-    return value
+    return _checked_float(text, lambda v: v > 0 and v != float("inf"), "a number > 0")
 
 
 def spin_ms(text: str) -> float:
-    """Milliseconds in [0, 1000]."""
-    try:
-        value = float(str(text).strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected milliseconds in [0, 1000]") from None
-    if not 0 <= value <= 1000:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected milliseconds in [0, 1000]")
-    return value
+    return _checked_float(text, lambda v: 0 <= v <= 1000, "milliseconds in [0, 1000]")
 
 
 # ---------------------------------------------------------------- the options

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from freetoken.backends import dependent_launch, triton_target
+from freetoken.models.triton_dependent_launch import wait_prior_grids
 
 LOG2E = 1.4426950408889634
 
@@ -98,9 +99,7 @@ def _partial_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    if GDC:  # programmatic dependent launch: wait for the kernel before, then let the next be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_prior_grids(GDC)
     _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, out_ptr, scale_log2, P,
              max_tokens, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
              stride_btb, stride_ob, G, D, BS, BLOCK_G, BLOCK_D, BLOCK_N, MIN_PART, SPLIT, PRECISION, 0, False,

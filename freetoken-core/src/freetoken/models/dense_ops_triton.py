@@ -31,16 +31,7 @@ import triton
 import triton.language as tl
 
 from freetoken.backends import dependent_launch, triton_target
-
-
-@triton.jit
-def _wait_prior_grids(GDC: tl.constexpr):
-    """Under programmatic dependent launch (``GDC``): wait for the kernel before this one
-    (its writes visible), then let the next one be scheduled
-    (:mod:`freetoken.backends.dependent_launch`)."""
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+from freetoken.models.triton_dependent_launch import wait_prior_grids
 
 
 @triton.jit
@@ -87,7 +78,7 @@ def _norm_rope_head(src, w_ptr, cos, sin, offs, rolled, eps, D: tl.constexpr, dt
 def _qk_norm_rope_kernel(q_ptr, q_stride, k_ptr, k_stride, v_ptr, v_stride, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                          pos_ptr, slot_ptr, q_out_ptr, kc_ptr, vc_ptr, eps,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
-    _wait_prior_grids(GDC)
+    wait_prior_grids(GDC)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
@@ -213,7 +204,7 @@ def _add_norm_route_kernel(h_ptr, d_ptr, nw_ptr, rw_ptr, h_out_ptr, x_out_ptr, l
     e_ok = offs_e < E
     wv = tl.load(rw_ptr + offs_e.to(tl.int64)[:, None] * N + offs[None, :], mask=e_ok[:, None] & mask[None, :],
                  other=0.0)
-    _wait_prior_grids(GDC)
+    wait_prior_grids(GDC)
     # add_rms_norm, rounded at the same points as _add_rms_norm_kernel
     h = tl.load(h_ptr + t * N + offs, mask=mask, other=0.0)
     d = tl.load(d_ptr + t * N + offs, mask=mask, other=0.0)

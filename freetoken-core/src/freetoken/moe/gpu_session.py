@@ -53,7 +53,6 @@ from freetoken.backends.contract import (
 )
 from freetoken.models.layers import DeviceWeightPolicy
 from freetoken.moe.expert_traffic import ExpertTraffic
-from freetoken.moe.host_threads import HostThreads
 from freetoken.moe.gpu_packed_experts import (
     FMT_FP8_ROWS,
     PACKED_FORMATS,
@@ -61,6 +60,7 @@ from freetoken.moe.gpu_packed_experts import (
     fp8_rows_bytes,
     fp8_rows_fit,
 )
+from freetoken.moe.host_threads import HostThreads
 from freetoken.moe.locked_fetch import FetchStaging, planned_fraction
 from freetoken.moe.placement import cpu_layers, layers_that_fit
 from freetoken.moe.prefill_stream import buffer_bytes
