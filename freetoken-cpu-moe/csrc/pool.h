@@ -61,7 +61,7 @@ private:
     void worker_main(int tid);
     // Publish fn to the workers and run it as worker 0. every_worker: wait until each
     // worker ran fn once; else run settle() (which returns when the job's items are
-    // done), close the gate and wait for the workers inside. Holds run_mu_.
+    // done), close the gate and wait for the workers inside. The caller holds run_mu_.
     void dispatch(const std::function<void(int)>& fn, bool every_worker, const std::function<void()>& settle);
     bool enter(uint64_t gen);
 
