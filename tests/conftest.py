@@ -7,6 +7,8 @@ H200 machine).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 
@@ -31,3 +33,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=f"needs a GPU: {reason}")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def _physical_core(cpu: int) -> tuple[str, str]:
+    base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+    with open(f"{base}/physical_package_id") as f, open(f"{base}/core_id") as g:
+        return f.read().strip(), g.read().strip()
+
+
+@pytest.fixture
+def physical_core() -> Callable[[int], tuple[str, str]]:
+    """(package id, core id) of a CPU as the kernel's sysfs topology gives them: the tests'
+    own reading, independent of how the code under test finds a CPU's core."""
+    return _physical_core

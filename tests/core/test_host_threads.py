@@ -15,12 +15,6 @@ from freetoken.moe.host_threads import HostThreads
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
 
 
-def _core(cpu: int) -> tuple[str, str]:
-    base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
-    with open(f"{base}/physical_package_id") as f, open(f"{base}/core_id") as g:
-        return f.read().strip(), g.read().strip()
-
-
 class _Parked(threading.Thread):
     """A thread that waits until told to end."""
 
@@ -88,13 +82,13 @@ def test_an_affinity_the_os_refuses_is_reported_not_raised() -> None:
     assert ht.threads == 0 and "affinity failed" in (ht.refusal or "")
 
 
-def test_pool_free_cpus_are_on_cores_without_workers() -> None:
+def test_pool_free_cpus_are_on_cores_without_workers(physical_core) -> None:
     cm = pytest.importorskip("freetoken_cpu_moe")
     cores = cm.physical_core_cpus()
     allowed = sorted(os.sched_getaffinity(0))
     with cm.Pool(1) as one:
-        taken = {_core(cores[0])}
-        assert one.free_cpus() == [c for c in allowed if _core(c) not in taken]
+        taken = {physical_core(cores[0])}
+        assert one.free_cpus() == [c for c in allowed if physical_core(c) not in taken]
         assert cores[0] not in one.free_cpus()
     with cm.Pool(len(cores)) as every:
         assert every.free_cpus() == []

@@ -416,17 +416,12 @@ def _worker_threads() -> dict[int, set[int]]:
 
 
 @pytest.mark.parametrize("setting", ["on", "off"])
-def test_host_threads_keep_off_the_workers_cores(backend, reference, setting):
+def test_host_threads_keep_off_the_workers_cores(backend, reference, setting, physical_core):
     """``--pin-host-threads on``: the thread that steps the model runs only on CPUs whose
     physical cores hold no expert worker (the workers' CPU sets read from /proc), during the
     session; it gets its former CPU set back at close. ``off`` leaves it alone. Tokens and
     logits as the CPU backend's either way."""
     import os
-
-    def core(cpu: int) -> tuple[str, str]:
-        base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
-        with open(f"{base}/physical_package_id") as f, open(f"{base}/core_id") as g:
-            return f.read().strip(), g.read().strip()
 
     before = os.sched_getaffinity(0)
     older = set(_worker_threads())  # other pools of this process (the reference's)
@@ -445,7 +440,7 @@ def test_host_threads_keep_off_the_workers_cores(backend, reference, setting):
         else:
             assert info["because"] is None and info["threads"] >= 1, info
             assert mine == set(info["cpus"]) and mine < before
-            assert workers and not {core(c) for c in mine} & {core(c) for c in workers}, (mine, workers)
+            assert workers and not {physical_core(c) for c in mine} & {physical_core(c) for c in workers}, (mine, workers)
     finally:
         eng.close()
     assert os.sched_getaffinity(0) == before
