@@ -58,17 +58,56 @@ def make_hf(family: str, path: str, seed: int) -> Any:
 # ------------------------------------------------------------------------- GGUF
 
 
+#: The smallest gap between a position's k-th and (k+1)-th router logit at which an FP32
+#: forward is compared with float64 over a whole prompt. Summing in another order moves router
+#: logits by ~1e-5, which flips a closer pair to the other expert and moves that position's
+#: logits by ~1e-1 (qwen3_next seed 856945039: a gap of 1.1e-5 at position 66 of layer 2, the
+#: engine's prefill pieces routed the other way, 0.59 at that position, ~1e-2 after it).
+ROUTE_GAP = 1e-3
+
+
 @torch.no_grad()
-def hf_logits64(model: Any, ids: list[int]) -> torch.Tensor:
+def hf_forward64(model: Any, ids: list[int]) -> tuple[torch.Tensor, float]:
     """transformers' logits of ``ids`` from a float64 copy of ``model`` (its experts through
     the eager loop: the grouped matmul takes no float64): the reference both FP32
-    forwards are measured against."""
+    forwards are measured against; and the smallest gap between the k-th and (k+1)-th
+    router logit over every MoE layer and position (how close a routing choice came to a tie)."""
     m64 = copy.deepcopy(model).double()
     for module in m64.modules():
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_experts_implementation"):
             config._experts_implementation = "eager"
-    return m64(torch.tensor([ids])).logits[0]
+    k = model.config.num_experts_per_tok
+    gaps: list[float] = []
+
+    def record(module: Any, inputs: Any, out: Any) -> None:
+        top = out[0].topk(k + 1, dim=-1).values  # (router logits, scores, indices)
+        gaps.append(float((top[:, k - 1] - top[:, k]).min()))
+
+    hooks = [m.register_forward_hook(record) for name, m in m64.named_modules() if name.endswith("mlp.gate")]
+    try:
+        logits = m64(torch.tensor([ids])).logits[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    assert gaps, "no router seen: the model's MoE gates are not named mlp.gate"
+    return logits, min(gaps)
+
+
+def prompt_without_route_ties(model: Any, rng: Any, n: int, tries: int = 20) -> tuple[list[int], torch.Tensor]:
+    """A random prompt of ``n`` tokens whose float64 forward routes every position of every
+    MoE layer at least :data:`ROUTE_GAP` away from a tie, and that forward's logits: the
+    comparisons of whole prompts are then about the engine's forms, not about which way
+    FP32 rounding tips a tie."""
+    widest = 0.0
+    for _ in range(tries):
+        ids = [rng.randrange(VOCAB) for _ in range(n)]
+        logits, gap = hf_forward64(model, ids)
+        if gap >= ROUTE_GAP:
+            return ids, logits
+        widest = max(widest, gap)
+    raise AssertionError(f"{tries} random prompts of {n} tokens all route within {ROUTE_GAP} of a tie "
+                         f"(the widest of their closest gaps {widest:.3g}): this model's router is degenerate")
 
 
 def _tile_v(t: torch.Tensor, dim: int, hk: int, r: int, d: int) -> torch.Tensor:
