@@ -104,8 +104,8 @@ def test_engine_options_without_model_are_a_usage_error() -> None:
 
 def test_plan_error_names_the_flag_that_set_the_budget():
     """The budget came from --gpu-memory-limit: the message says so, in readable units."""
-    from freetoken.backends.contract import EngineOptions, ModelShape
-    from freetoken.moe.gpu_session import GpuModelSession, MemoryPlanError
+    from freetoken.backends.contract import EngineOptions, MemoryPlanError, ModelShape
+    from freetoken.moe.gpu_session import GpuModelSession
 
     class NoMemoryBackend:
         name = "no-memory"

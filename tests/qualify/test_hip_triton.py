@@ -22,7 +22,7 @@ from freetoken.backends.contract import MoEOptions  # noqa: E402
 from freetoken.handoff import Fmt  # noqa: E402
 from freetoken.loading.tensors import RawTensor  # noqa: E402
 from freetoken.models import decode_attention, dense_ops  # noqa: E402
-from freetoken.moe import gpu_experts, gpu_session  # noqa: E402
+from freetoken.moe import gpu_experts, gpu_memory_plan, gpu_session  # noqa: E402
 from freetoken.moe.gpu_packed_experts import DequantScratch  # noqa: E402
 from freetoken.moe.layer import ExpertWeights  # noqa: E402
 
@@ -68,7 +68,7 @@ def _packed_layers(device: torch.device) -> tuple[set[int], bool]:
     session = types.SimpleNamespace(options=types.SimpleNamespace(moe=MoEOptions(gpu_experts="auto")), device=device)
     shape = types.SimpleNamespace(expert_formats={0: (int(Fmt.Q4_K), int(Fmt.Q4_K), int(Fmt.Q6_K)),
                                                   1: (int(Fmt.F16),) * 3})  # fmt: skip
-    layers = gpu_session.GpuModelSession._packed_layers(session, shape)  # type: ignore[arg-type]
+    layers = gpu_memory_plan.GpuMemoryPlanner._packed_layers(session, shape)  # type: ignore[arg-type]
     return layers, session.packed_capable
 
 

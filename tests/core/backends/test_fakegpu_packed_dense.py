@@ -22,7 +22,7 @@ from freetoken.engine.sampling_params import SamplingParams
 from freetoken.loading.gguf import GGUFCheckpoint
 from freetoken.loading.loader import gguf_model_shape
 from freetoken.models import packed_linear
-from freetoken.moe.gpu_session import RESERVE_BYTES
+from freetoken.moe.gpu_memory_plan import RESERVE_BYTES
 
 _TESTS = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path.insert(0, os.path.join(_TESTS, "engine"))
