@@ -4,6 +4,7 @@ form written the way llama.cpp's converter lays these architectures out."""
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
 import numpy as np
@@ -66,17 +67,23 @@ def make_hf(family: str, path: str, seed: int) -> Any:
 ROUTE_GAP = 1e-3
 
 
+#: float64 copies of the models (a model's weights do not change after make_hf)
+_FLOAT64: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @torch.no_grad()
 def hf_forward64(model: Any, ids: list[int]) -> tuple[torch.Tensor, float]:
     """transformers' logits of ``ids`` from a float64 copy of ``model`` (its experts through
     the eager loop: the grouped matmul takes no float64): the reference both FP32
     forwards are measured against; and the smallest gap between the k-th and (k+1)-th
     router logit over every MoE layer and position (how close a routing choice came to a tie)."""
-    m64 = copy.deepcopy(model).double()
-    for module in m64.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_experts_implementation"):
-            config._experts_implementation = "eager"
+    m64 = _FLOAT64.get(model)
+    if m64 is None:
+        m64 = _FLOAT64[model] = copy.deepcopy(model).double()
+        for module in m64.modules():
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "_experts_implementation"):
+                config._experts_implementation = "eager"
     k = model.config.num_experts_per_tok
     gaps: list[float] = []
 

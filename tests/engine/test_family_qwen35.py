@@ -11,7 +11,7 @@ import torch
 
 from freetoken import SamplingParams
 from helpers import LogitsRecorder, engine_for, hf_logits
-from qwen35_helpers import FAMILIES, VOCAB, make_hf, prompt_without_route_ties, round_to_f16, write_gguf
+from qwen35_helpers import FAMILIES, make_hf, prompt_without_route_ties, round_to_f16, write_gguf
 
 
 #: Where the engine and transformers split a sequence differently (prefill pieces against
@@ -39,8 +39,10 @@ def checkpoint(request, tmp_path_factory):
     return request.param, model, path, seed
 
 
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(VOCAB) for _ in range(n)]
+def _prompts(model, rng: random.Random, lengths: tuple[int, ...]) -> list[list[int]]:
+    """Random prompts whose routing is clear of ties (qwen35_helpers.ROUTE_GAP): the tokens
+    generated after them may still meet one, rarely."""
+    return [prompt_without_route_ties(model, rng, n)[0] for n in lengths]
 
 
 def test_config_and_layer_pattern(checkpoint):
@@ -124,7 +126,7 @@ def test_batch_of_different_lengths_paged_decode(checkpoint):
     family, model, path, seed = checkpoint
     rng = random.Random(seed + 2)
     eng = engine_for(path)
-    prompts = [_prompt(rng, n) for n in (1, 5, 17, 70)]
+    prompts = _prompts(model, rng, (1, 5, 17, 70))
     _check_generation(model, eng, prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
                       f"{family} seed {seed}")  # fmt: skip
 
@@ -133,7 +135,7 @@ def test_chunked_prefill_while_others_decode(checkpoint):
     family, model, path, seed = checkpoint
     rng = random.Random(seed + 3)
     eng = engine_for(path, prefill_chunk=24, max_running_requests=3)
-    prompts = [_prompt(rng, n) for n in (3, 90, 4, 29)]  # the 4th waits for a slot
+    prompts = _prompts(model, rng, (3, 90, 4, 29))  # the 4th waits for a slot
     _check_generation(model, eng, prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
                       f"{family} seed {seed}")  # fmt: skip
 
@@ -144,7 +146,7 @@ def test_preemption_recomputes_state_exactly(checkpoint):
     family, model, path, seed = checkpoint
     rng = random.Random(seed + 5)
     eng = engine_for(path, kv_cache_tokens=96, max_model_len=96, prefill_chunk=64)
-    prompts = [_prompt(rng, n) for n in (30, 28, 26)]
+    prompts = _prompts(model, rng, (30, 28, 26))
     _check_generation(model, eng, prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
                       f"{family} seed {seed}")  # fmt: skip
     assert eng.stats().num_preemptions > 0
@@ -165,11 +167,11 @@ def test_gguf_written_by_our_writer_matches(checkpoint, tmp_path):
     assert eng.model_config.architecture == family
     assert eng.model_config.value_heads_tiled == (family == "qwen3_5_moe")
     rng = random.Random(seed + 6)
-    ids = _prompt(rng, 80)
+    ids = prompt_without_route_ties(ref_model, rng, 80)[0]
     ref = hf_logits(ref_model, ids)
     close_forms(eng.prompt_logits(ids, chunk=80), ref, f"{family} GGUF seed {seed}")
     close_forms(eng.prompt_logits(ids, chunk=30), ref, f"{family} GGUF seed {seed} chunk 30")
-    prompts = [_prompt(rng, n) for n in (9, 33)]
+    prompts = _prompts(ref_model, rng, (9, 33))
     _check_generation(ref_model, eng, prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                       f"{family} GGUF seed {seed}")  # fmt: skip
 
@@ -213,7 +215,7 @@ def test_gpu_session_decode_graphs_equal_the_cpu_backend(checkpoint):
 
     family, model, path, seed = checkpoint
     rng = random.Random(seed + 7)
-    prompts = [_prompt(rng, n) for n in (7, 30, 12)]
+    prompts = _prompts(model, rng, (7, 30, 12))
     runs = {}
     for name, kw, backend in (("cpu", dict(backend="cpu"), None),
                               ("gpu-session", dict(moe_cpu_layers="all", cuda_graph_max_bs=4), _fake_gpu_backend())):
