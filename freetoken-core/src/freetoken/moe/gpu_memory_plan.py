@@ -5,9 +5,9 @@ Out of it come the dense part (dequantized, or a GGUF file's blocks kept packed:
 ``--gpu-dense``; a packed embedding table may stay in page-locked host memory:
 ``--gpu-embedding``), a minimum KV cache, a reserve for the CUDA context and workspaces, the
 global expert cache, the long-prompt streaming buffers and locked fetch's copy slots; then
-which layers' experts fit on the device (``--moe-cpu-layers``, default: as many as fit, the
-first layers going to the CPU as with llama.cpp's ``-ncmoe``). A plan that does not fit
-fails here, naming the sizes and the flags. On CUDA devices the budget is also set as the
+which layers' experts fit on the device (``--moe-cpu-layers``, default: as many layers as
+fit and, of those, the most bytes: :func:`~freetoken.moe.placement.layers_that_fit`). A plan
+that does not fit fails here, naming the sizes and the flags. On CUDA devices the budget is also set as the
 allocator's hard per-process limit.
 """
 
