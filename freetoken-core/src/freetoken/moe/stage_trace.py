@@ -50,21 +50,21 @@ def split_trace(trace: list[Any], order: dict[int, int], step_us: float, key: st
         prev, cur = trace[i - 1], trace[i]
         gap = (cur.claim_ns - prev.done_ns) / 1e3
         nxt = after.get(i - 1)
-        if order[cur.desc] != order[prev.desc] + 1:
-            parts["step_gap"].append(gap)
+        boundary = order[cur.desc] != order[prev.desc] + 1  # cur is a step's first CPU layer
+        parts["step_gap" if boundary else "gpu_gap"].append(gap)
+        if boundary:
             parts["first_serve"].append((cur.done_ns - cur.claim_ns) / 1e3)
-            if nxt is not None and cur.gpu_ready_ns:
-                parts["step_signal_latency"].append(
-                    ((cur.claim_ns - cur.gpu_ready_ns) + (nxt.gpu_prev_done_seen_ns - prev.done_ns)) / 1e3)
-            continue
-        parts["gpu_gap"].append(gap)
         if nxt is None or not cur.gpu_ready_ns:
             continue
-        seen, y_read = nxt.gpu_prev_done_seen_ns, nxt.gpu_prev_y_read_ns
+        seen = nxt.gpu_prev_done_seen_ns
+        parts["step_signal_latency" if boundary else "signal_latency"].append(
+            ((cur.claim_ns - cur.gpu_ready_ns) + (seen - prev.done_ns)) / 1e3)
+        if boundary:
+            continue
+        y_read = nxt.gpu_prev_y_read_ns
         parts["combine_read"].append((y_read - seen) / 1e3)
         parts["kernel_boundary"].append((cur.gpu_publish_start_ns - y_read) / 1e3)
         parts["publish_body"].append((cur.gpu_ready_ns - cur.gpu_publish_start_ns) / 1e3)
-        parts["signal_latency"].append(((cur.claim_ns - cur.gpu_ready_ns) + (seen - prev.done_ns)) / 1e3)
     layer_us = step_us / len(order)
     out: dict[str, float] = {f"{key}_traced_latency": layer_us}
     if serve:
