@@ -116,6 +116,25 @@ def test_prompt_chunks_every_tier(rng, isa, dtype, D):
     check(out, reference(q, k, v, starts, ql, ctx, table, 0.11), dt)
 
 
+@pytest.mark.parametrize("isa", cm.isa_tiers())
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_register_blocked_head_dims_every_tier(rng, isa, dtype, D):
+    """The head sizes the vector tiers hold in registers (64, 128, 256), on every tier this CPU
+    has: decode tokens and a prompt chunk whose contexts end inside, on and past a chunk of
+    keys (8 on avx2, 16 on avx512), with a sliding window and sinks, into a poisoned output."""
+    dt = DTYPES[dtype]
+    ctxs, qlens = [1, 7, 8, 9, 17, 95, 60], [1, 1, 1, 1, 1, 1, 23]
+    q, k, v, starts, ql, ctx, table = make_case(rng, ctxs, qlens, kvh=2, g=4, D=D, bs=16, dtype=dt)
+    sinks = torch.from_numpy(rng.standard_normal(8).astype(np.float32) * 2)
+    scale = D ** -0.5
+    for w, s in ((None, None), (13, sinks)):
+        out = torch.full((int(ql.sum()), 8 * D), float("nan"), dtype=dt)
+        paged_attention(q, k, v, starts, ql, ctx, table, scale, window=w, sinks=s, out=out, isa=isa)
+        check(out, reference(q, k, v, starts, ql, ctx, table, scale, window=w,
+                             sinks=None if s is None else s.numpy()), dt)  # fmt: skip
+
+
 @pytest.mark.parametrize("window", [1, 5, 64])
 def test_window_and_sinks(rng, window):
     ctxs, qlens = [100, 40], [1, 40]

@@ -41,19 +41,20 @@ log = logging.getLogger(__name__)
 #: steps), ``decode`` (decode steps; prompt steps through torch), ``torch`` (never)
 ATTENTION_ENV = "FREETOKEN_CPU_ATTENTION"
 ATTENTION_MODES = ("native", "decode", "torch")
-#: tiers whose kernel is the register-blocked one (head_dim 64/128/256); the portable loops of
-#: the other tiers are slower than torch's matmuls (avx2, one thread, 544 positions, 32/4 heads
-#: of 128: 1.96 ms against 0.19 ms), so there the default is torch
-NATIVE_TIERS = ("amx", "avx512")
+#: the tier whose kernel is the portable loop (every other tier has a register-blocked kernel for
+#: head_dim 64/128/256: 16-lane on avx512/amx, 8-lane on avx2); the portable loop is slower than
+#: torch's matmuls (one thread, 544 positions, 32/4 heads of 128: 1.96 ms against 0.19 ms), so
+#: on it the default is torch
+TORCH_TIERS = ("scalar",)
 
 _TORCH_FMT = {torch.float32: int(Fmt.F32), torch.bfloat16: int(Fmt.BF16), torch.float16: int(Fmt.F16)}
 
 
 def attention_mode() -> str:
-    """``$FREETOKEN_CPU_ATTENTION``; by default ``native`` on the :data:`NATIVE_TIERS`, else ``torch``."""
+    """``$FREETOKEN_CPU_ATTENTION``; by default ``torch`` on the :data:`TORCH_TIERS`, else ``native``."""
     mode = os.environ.get(ATTENTION_ENV, "").strip().lower()
     if not mode:
-        return "native" if str(_core.active_isa()) in NATIVE_TIERS else "torch"
+        return "torch" if str(_core.active_isa()) in TORCH_TIERS else "native"
     if mode not in ATTENTION_MODES:
         raise ValueError(f"{ATTENTION_ENV}={mode!r}: expected one of {', '.join(ATTENTION_MODES)}")
     return mode
