@@ -20,6 +20,13 @@ from helpers import engine_for, make_hf, run_random_greedy  # noqa: E402
 from test_engine_gguf import write_tiny_gguf  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def native_attention(monkeypatch):
+    """The native step needs the native attention, which every tier but scalar takes by default
+    (freetoken_cpu_moe.attention.TORCH_TIERS); these tests are about the step on any tier."""
+    monkeypatch.setenv("FREETOKEN_CPU_ATTENTION", "native")
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     seed = random.randrange(1 << 30)

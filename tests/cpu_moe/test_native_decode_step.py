@@ -23,6 +23,13 @@ from helpers import assert_close, engine_for, hf_logits, make_hf, run_random_gre
 from test_engine_gguf import write_tiny_gguf  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def native_attention(monkeypatch):
+    """The native step needs the native attention, which every tier but scalar takes by default
+    (freetoken_cpu_moe.attention.TORCH_TIERS); these tests are about the step on any tier."""
+    monkeypatch.setenv("FREETOKEN_CPU_ATTENTION", "native")
+
+
 def rms64(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
@@ -188,7 +195,6 @@ def _run_both(path: str, dtype: str, seed: int) -> tuple[list[int], dict[str, li
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_steps_equal_per_op_path(checkpoints, monkeypatch, kind, dtype):
     paths, _, seed = checkpoints
-    monkeypatch.setenv("FREETOKEN_CPU_ATTENTION", "native")  # the default of the avx2/scalar tiers is torch
     before = _core.active_isa()
     try:
         for tier in _core.isa_tiers():
@@ -285,3 +291,28 @@ def test_a_wrapped_router_takes_the_per_op_path(checkpoints):
         assert native.intact()
     finally:
         eng.close()
+
+
+def test_every_vector_tier_takes_the_native_step_by_default(checkpoints, monkeypatch):
+    """Without FREETOKEN_CPU_ATTENTION, attention is native on every tier but scalar, so an
+    engine built on an avx2 (or better) tier steps through the native decode; on scalar it
+    keeps the per-op path and says why."""
+    from freetoken_cpu_moe.attention import attention_mode
+
+    paths, _, _ = checkpoints
+    monkeypatch.delenv("FREETOKEN_CPU_ATTENTION")
+    before = _core.active_isa()
+    try:
+        for tier in _core.isa_tiers():
+            _core.set_isa(tier)
+            assert attention_mode() == ("torch" if tier == "scalar" else "native"), tier
+            eng = engine_for(paths["hf"])
+            try:
+                if tier == "scalar":
+                    assert eng.session.native_decode is None
+                else:
+                    assert eng.session.native_decode is not None, tier
+            finally:
+                eng.close()
+    finally:
+        _core.set_isa(before)
