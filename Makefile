@@ -1,7 +1,11 @@
 # FreeToken developer entry points.
 #   make test   set up everything on a fresh machine (venv, torch, all packages, native
-#               builds, the ROCm compiler when root), run the test suite, then build the
-#               wheels and check them in fresh venvs (what make wheel-check does)
+#               builds, the ROCm compiler when root), run the test suite, run the CPU
+#               backend's tests again with the kernel tier capped to avx2 and the kernel
+#               tests capped to scalar (make test-tiers), then build the wheels and check
+#               them in fresh venvs (what make wheel-check does)
+#   make test-tiers   only the capped runs: whatever this machine's processor, the avx2 tier
+#                     (most consumer desktops) and the scalar tier run as the active tier
 #   make run    set up, then serve the built-in demo model on http://127.0.0.1:8000
 #   make wheels       the five distributions as sdists and wheels in dist/ (each wheel built
 #                     from its sdist; unchanged ones reused)
@@ -16,15 +20,25 @@ PIP := $(VPY) -m pip
 PKGS := -e ./freetoken-core -e ./freetoken-cpu-moe -e ./freetoken-cuda -e ./freetoken-rocm -e ./tests/plugins/freetoken-fakegpu
 PYTEST_ARGS ?=
 
-.PHONY: test run setup venv toolchain install wheels wheel-check clean
+# The CPU backend's tests (kernels, engines on the CPU backend, the model families) and the
+# kernel tests alone, run again under FREETOKEN_CPU_MOE_ISA (a cap on the kernel tier).
+CPU_BACKEND_TESTS := tests/cpu_moe tests/engine tests/models_moe_families
+KERNEL_TESTS := tests/cpu_moe
+
+.PHONY: test test-tiers run setup venv toolchain install wheels wheel-check clean
 
 BUILD_WHEELS := $(VPY) tests/packaging/build_wheels.py
 CHECK_WHEELS := $(VPY) tests/packaging/check_wheels.py
 
 test: setup
 	$(VPY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-tiers
 	$(BUILD_WHEELS)
 	$(CHECK_WHEELS)
+
+test-tiers: setup
+	FREETOKEN_CPU_MOE_ISA=avx2 $(VPY) -m pytest -q $(CPU_BACKEND_TESTS)
+	FREETOKEN_CPU_MOE_ISA=scalar $(VPY) -m pytest -q $(KERNEL_TESTS)
 
 run: setup
 	$(VENV)/bin/freetoken serve

@@ -69,17 +69,30 @@ std::atomic<bool>& vbmi_slot() {
     return on;
 }
 
-const KernelTable* initial_kernels() {
-    std::vector<std::string> tiers = isa_tiers();
-    const char* env = std::getenv("FREETOKEN_CPU_MOE_ISA");
-    if (env && *env) {
-        std::string want(env);
-        for (const auto& t : tiers)
-            if (t == want) return kernels_by_name(want);
-        // unknown or unsupported: fall through to the best tier (Python warns)
-    }
-    return kernels_by_name(tiers.front());
+// Every tier by capability, best first: a cap keeps the tiers at or below it.
+const std::vector<std::string>& tier_order() {
+    static const std::vector<std::string> order = {"amx", "avx512", "avx2", "scalar"};
+    return order;
 }
+
+int tier_rank(const std::string& name) {
+    const auto& order = tier_order();
+    for (size_t i = 0; i < order.size(); ++i)
+        if (order[i] == name) return (int)i;
+    return -1;
+}
+
+// The tiers this CPU supports, best first, whatever the cap.
+std::vector<std::string> cpu_tiers() {
+    std::vector<std::string> out;
+    if (cpu_has_amx()) out.push_back("amx");
+    if (cpu_has_avx512()) out.push_back("avx512");
+    if (cpu_has_avx2()) out.push_back("avx2");
+    out.push_back("scalar");
+    return out;
+}
+
+const KernelTable* initial_kernels() { return kernels_by_name(isa_tiers().front()); }
 
 std::atomic<const KernelTable*>& active_slot() {
     static std::atomic<const KernelTable*> slot{initial_kernels()};
@@ -88,13 +101,20 @@ std::atomic<const KernelTable*>& active_slot() {
 
 }  // namespace
 
+// FREETOKEN_CPU_MOE_ISA, read once: the tiers above the named one are left out, as on a
+// processor without them (an unknown name caps nothing; the Python package warns).
 std::vector<std::string> isa_tiers() {
-    std::vector<std::string> out;
-    if (cpu_has_amx()) out.push_back("amx");
-    if (cpu_has_avx512()) out.push_back("avx512");
-    if (cpu_has_avx2()) out.push_back("avx2");
-    out.push_back("scalar");
-    return out;
+    static const std::vector<std::string> tiers = [] {
+        std::vector<std::string> all = cpu_tiers();
+        const char* env = std::getenv("FREETOKEN_CPU_MOE_ISA");
+        const int cap = env ? tier_rank(env) : -1;
+        if (cap < 0) return all;
+        std::vector<std::string> kept;
+        for (const auto& t : all)
+            if (tier_rank(t) >= cap) kept.push_back(t);
+        return kept;
+    }();
+    return tiers;
 }
 
 const KernelTable* kernels_by_name(const std::string& name) {
@@ -121,7 +141,9 @@ void set_active_isa(const std::string& name) {
             active_slot().store(k, std::memory_order_release);
             return;
         }
-    throw std::invalid_argument("ISA tier '" + name + "' is not supported by this CPU");
+    const char* cap = std::getenv("FREETOKEN_CPU_MOE_ISA");
+    throw std::invalid_argument("ISA tier '" + name + "' is not supported by this CPU" +
+                                (cap && *cap ? std::string(" or is above FREETOKEN_CPU_MOE_ISA=") + cap : std::string()));
 }
 
 }  // namespace ft

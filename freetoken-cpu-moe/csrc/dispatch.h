@@ -8,7 +8,7 @@
 
 namespace ft {
 
-std::vector<std::string> isa_tiers();          // supported tiers, best first
+std::vector<std::string> isa_tiers();          // supported tiers at or below FREETOKEN_CPU_MOE_ISA, best first
 const KernelTable* active_kernels();           // tier in use
 const KernelTable* kernels_by_name(const std::string& name);  // throws std::invalid_argument
 void set_active_isa(const std::string& name);  // throws if unsupported

@@ -42,6 +42,59 @@ def test_env_forces_a_tier(tier: str) -> None:
     assert out.stdout.strip() == tier, out.stderr
 
 
+def _uncapped_tiers() -> list[str]:
+    out = run_py("import freetoken_cpu_moe as cm; print(' '.join(cm.isa_tiers()))", FREETOKEN_CPU_MOE_ISA="")
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_tiers_follow_the_cpu_flags() -> None:
+    """Without a cap, a tier is listed exactly when /proc/cpuinfo shows what it needs (AMX also
+    needs the kernel's permission for the tile state, so only one way for it)."""
+    from freetoken.cpu_isa import detect_cpu
+
+    flags = set(detect_cpu().flags)
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags on this system")
+    tiers = _uncapped_tiers()
+    assert tiers[-1] == "scalar"
+    assert ("avx2" in tiers) == ({"avx2", "fma", "f16c"} <= flags)
+    assert ("avx512" in tiers) == ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"} <= flags)
+    if "amx" in tiers:
+        assert {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16"} <= flags
+
+
+@pytest.mark.parametrize("tier", cm.isa_tiers())
+def test_env_caps_the_tiers(tier: str) -> None:
+    """FREETOKEN_CPU_MOE_ISA is a cap: the tiers above it are gone, as on a processor without
+    them, and asking for one is refused with the cap named."""
+    every = _uncapped_tiers()
+    order = cm.ops.TIER_ORDER
+    code = ("import freetoken_cpu_moe as cm, sys\n"
+            "print(' '.join(cm.isa_tiers()))\n"
+            "for t in sys.argv[1:]:\n"
+            "    try:\n"
+            "        cm.set_isa(t)\n"
+            "        print('accepted', t)\n"
+            "    except ValueError as exc:\n"
+            "        print('refused', t, exc)\n")
+    above = [t for t in every if order.index(t) < order.index(tier)]
+    out = subprocess.run([sys.executable, "-c", code, *above], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "FREETOKEN_CPU_MOE_ISA": tier})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == [t for t in every if order.index(t) >= order.index(tier)]
+    for t, line in zip(above, lines[1:]):
+        assert line.startswith(f"refused {t}") and f"FREETOKEN_CPU_MOE_ISA={tier}" in line, line
+    assert len(lines) == 1 + len(above)
+
+
+def test_unknown_cap_is_named_and_caps_nothing() -> None:
+    out = run_py("import freetoken_cpu_moe as cm; print(' '.join(cm.isa_tiers()))", FREETOKEN_CPU_MOE_ISA="avx9000")
+    assert out.returncode == 0 and out.stdout.split() == _uncapped_tiers()
+    assert "FREETOKEN_CPU_MOE_ISA=avx9000 is not a kernel tier" in out.stderr
+
+
 def test_set_isa_rejects_unknown_tier() -> None:
     with pytest.raises(ValueError, match="unknown ISA tier"):
         cm.set_isa("avx9000")

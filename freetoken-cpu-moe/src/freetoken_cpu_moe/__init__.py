@@ -37,13 +37,14 @@ except ImportError as exc:  # pragma: no cover - build error
 
 from freetoken_cpu_moe.coordinator import Coordinator, stop_all as _stop_all_coordinators
 from freetoken_cpu_moe.formats import FORMATS, format_info
-from freetoken_cpu_moe.ops import active_isa, isa_tiers, linear, moe_forward, run_task, set_isa, _check_env_isa
+from freetoken_cpu_moe.ops import ISA_ENV, active_isa, isa_tiers, linear, moe_forward, run_task, set_isa, _check_env_isa
 from freetoken_cpu_moe.pool import Pool, default_pool, physical_core_cpus, shutdown_default_pool
 from freetoken_cpu_moe.weights import ACTIVATIONS, ExpertBank, Weights
 
 __all__ = [
     "__version__",
     "ACTIVATIONS",
+    "ISA_ENV",
     "Coordinator",
     "ExpertBank",
     "FORMATS",

@@ -21,14 +21,19 @@ from freetoken_cpu_moe.weights import ExpertBank, Weights
 
 log = logging.getLogger(__name__)
 
+#: environment variable read once at start-up: the highest kernel tier to use (a cap: tiers
+#: above it are left out of :func:`isa_tiers`, as on a processor without them)
+ISA_ENV = "FREETOKEN_CPU_MOE_ISA"
+
 
 def isa_tiers() -> list[str]:
-    """Kernel tiers this CPU supports, best first (e.g. ``["avx512", "avx2", "scalar"]``)."""
+    """Kernel tiers this CPU supports, best first (e.g. ``["avx512", "avx2", "scalar"]``); with
+    ``FREETOKEN_CPU_MOE_ISA`` set, only those at or below that tier."""
     return list(_core.isa_tiers())
 
 
 def active_isa() -> str:
-    """The tier in use (``FREETOKEN_CPU_MOE_ISA`` or :func:`set_isa` can lower it)."""
+    """The tier in use: the best of :func:`isa_tiers` unless :func:`set_isa` chose another."""
     return str(_core.active_isa())
 
 
@@ -37,12 +42,19 @@ def set_isa(tier: str) -> None:
     _core.set_isa(tier)
 
 
+#: every tier, best first (the order FREETOKEN_CPU_MOE_ISA caps by)
+TIER_ORDER = ("amx", "avx512", "avx2", "scalar")
+
+
 def _check_env_isa() -> None:
-    want = os.environ.get("FREETOKEN_CPU_MOE_ISA")
-    if want and want not in isa_tiers():
-        log.warning(
-            "FREETOKEN_CPU_MOE_ISA=%s is not one of this CPU's tiers %s; using %s", want, isa_tiers(), active_isa()
-        )
+    want = os.environ.get(ISA_ENV)
+    if not want:
+        return
+    if want not in TIER_ORDER:
+        log.warning("%s=%s is not a kernel tier (%s): nothing is capped; using %s", ISA_ENV, want,
+                    ", ".join(TIER_ORDER), active_isa())
+    elif want != active_isa():
+        log.warning("%s=%s: this CPU has no %s tier; using %s", ISA_ENV, want, want, active_isa())
 
 
 def _pool(pool: Optional[Pool]) -> Any:

@@ -96,7 +96,15 @@ def _cpu_moe_report() -> dict[str, Any]:
         module = importlib.import_module("freetoken_cpu_moe")
     except Exception as exc:
         return {"importable": False, "version": None, "error": f"{type(exc).__name__}: {exc}"}
-    return {"importable": True, "version": getattr(module, "__version__", None), "error": None}
+    report: dict[str, Any] = {"importable": True, "version": getattr(module, "__version__", None), "error": None}
+    try:
+        from freetoken_cpu_moe.attention import attention_mode
+
+        report.update(isa_tiers=module.isa_tiers(), active_isa=module.active_isa(),
+                      isa_cap=os.environ.get(module.ISA_ENV) or None, attention=attention_mode())
+    except Exception as exc:
+        report["kernel_error"] = f"{type(exc).__name__}: {exc}"
+    return report
 
 
 def _memory_lock_report() -> dict[str, Any]:
@@ -173,6 +181,12 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"  ISA: {' '.join(c['isa']) or '(unknown)'}; torch CPU capability: {c['torch_cpu_capability']}")
     m = report["cpu_moe"]
     lines.append(f"freetoken-cpu-moe: {'importable, ' + str(m['version']) if m['importable'] else 'NOT importable: ' + str(m['error'])}")
+    if m.get("active_isa"):
+        cap = f" (capped by FREETOKEN_CPU_MOE_ISA={m['isa_cap']})" if m.get("isa_cap") else ""
+        lines.append(f"  kernel tier: {m['active_isa']}{cap}; tiers available: {' '.join(m['isa_tiers'])}; "
+                     f"attention: {m['attention']}")
+    elif m.get("kernel_error"):
+        lines.append(f"  kernel tier unknown: {m['kernel_error']}")
     lock = report.get("memory_lock")
     if lock:
         lines.append(f"Page-locking host expert banks: {'possible' if lock['can_lock'] else 'limited'} "
