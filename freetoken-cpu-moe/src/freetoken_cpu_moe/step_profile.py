@@ -4,8 +4,12 @@
 layer's fused q/k/v and output projections (a hybrid model's gated-attention and
 DeltaNet projections among them), paged attention, router, routed experts, the output
 head) and the session's ``forward`` with wall-clock timers, and splits
-prefill and decode steps apart. What the wrapped parts do not cover is ``other``:
-norms, rope, the KV cache write, and Python between the calls. ``pool sync`` is an
+prefill and decode steps apart. A part is put in place as a :class:`TimedPart`: calls to it
+and to its fused entry points (:data:`TIMED_METHODS`: a fused projection's
+``add_norm_call``, which includes the residual add and the input RMSNorm before the
+projections) count as that part's time, and everything else the models read from it
+passes through. What the wrapped parts do not cover is ``other``: the other norms, rope,
+the KV cache write, and Python between the calls. ``pool sync`` is an
 estimate: the calls into the worker pool per step times the cost of one call that
 computes almost nothing (waking the workers, handing out items, the join), measured
 on the same pool (:func:`pool_call_us`), back to back and after an idle gap.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -31,6 +36,9 @@ import numpy as np
 PARTS = ("embed", "qkv", "attention", "o_proj", "router", "experts", "lm_head")
 #: parts that call into the worker pool once per call (attention: when it runs natively)
 POOL_PARTS = ("qkv", "attention", "o_proj", "router", "experts", "lm_head")
+#: a wrapped part's methods that are timed as calls of the part: the models' fused entry into a
+#: projection (freetoken.models.layers.FusedLinears.add_norm_call: residual add, RMSNorm, q/k/v)
+TIMED_METHODS = ("add_norm_call",)
 
 
 @dataclass
@@ -73,9 +81,51 @@ def pool_call_us(pool: Any, repeats: int = 200, gap_us: float = 0.0) -> float:
     return statistics.median(times) * 1e6
 
 
+class TimedPart:
+    """A part of the model (a projection, the embedding, a bound method, a module's function)
+    with a timer around it: a call of it, or of one of its :data:`TIMED_METHODS`, adds its wall
+    time and one call to ``part`` of the profiler's current split; every other attribute is
+    read from, written to and deleted on the wrapped object (a fused projection's ``groups``, a
+    linear's ``nbytes``, an embedding's ``table``). The wrapped object is ``__wrapped__``.
+    Type checks see the wrapper, as they see any replaced part."""
+
+    __slots__ = ("__wrapped__", "_profiler", "_part")
+
+    def __init__(self, wrapped: Any, profiler: "StepProfiler", part: str) -> None:
+        object.__setattr__(self, "__wrapped__", wrapped)
+        object.__setattr__(self, "_profiler", profiler)
+        object.__setattr__(self, "_part", part)
+
+    def __call__(self, *a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.__wrapped__(*a, **k)
+        finally:
+            self._profiler._add(self._part, t0)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in TimedPart.__slots__:  # not set yet (a copy under construction): no recursion
+            raise AttributeError(name)
+        attr = getattr(self.__wrapped__, name)
+        if name in TIMED_METHODS:
+            return self._profiler._timed(self._part, attr)
+        return attr
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.__wrapped__, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self.__wrapped__, name)
+
+    def __repr__(self) -> str:
+        return f"<TimedPart {self._part}: {self.__wrapped__!r}>"
+
+
 class StepProfiler:
     """Timers around the parts of ``eng.model`` and ``eng.session.forward`` (a context
-    manager: the original callables are put back on exit)."""
+    manager: on exit the very objects that were there are put back, so a check of the
+    parts' identity afterwards, as :meth:`freetoken_cpu_moe.decode_step.NativeDecode.intact`
+    makes, sees the parts it was built from)."""
 
     def __init__(self, eng: Any) -> None:
         self.eng = eng
@@ -84,27 +134,39 @@ class StepProfiler:
         self._undo: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------- wrapping
+    def _add(self, part: str, t0: float) -> None:
+        """One call of ``part`` that began at ``t0`` (``time.perf_counter``), ending now."""
+        s = self.splits[self._kind]
+        s.part_s[part] += time.perf_counter() - t0
+        s.calls[part] += 1
+
     def _timed(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*a: Any, **k: Any) -> Any:
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                s = self.splits[self._kind]
-                s.part_s[part] += time.perf_counter() - t0
-                s.calls[part] += 1
+                self._add(part, t0)
         return wrapper
 
-    def _wrap_attr(self, obj: Any, name: str, part: str) -> None:
-        if obj is None or getattr(obj, name, None) is None:
-            return
+    def _replace(self, obj: Any, name: str, new: Any) -> None:
+        """Put ``new`` in place of ``obj.<name>``; the undo puts back exactly what was there:
+        the same object in the instance's (or module's) own attribute or slot, or, for a
+        method that came from the class, no instance attribute at all."""
         orig = getattr(obj, name)
-        had_own = name in getattr(obj, "__dict__", {}) or hasattr(type(obj), "__slots__")
-        setattr(obj, name, self._timed(part, orig))
-        if had_own:
+        own = (name in getattr(obj, "__dict__", {})
+               or isinstance(getattr(type(obj), name, None), types.MemberDescriptorType))  # a slot
+        setattr(obj, name, new)
+        if own:
             self._undo.append(lambda: setattr(obj, name, orig))
         else:
             self._undo.append(lambda: delattr(obj, name))
+
+    def _wrap_attr(self, obj: Any, name: str, part: str) -> None:
+        """``obj.<name>`` (when there is one) as a :class:`TimedPart` of ``part``."""
+        if obj is None or getattr(obj, name, None) is None:
+            return
+        self._replace(obj, name, TimedPart(getattr(obj, name), self, part))
 
     def _step(self, fn: Callable[..., Any], native: Any) -> Callable[..., Any]:
         def forward(input_ids: Any, positions: Any, meta: Any) -> Any:
@@ -156,10 +218,7 @@ class StepProfiler:
         # class (a family's model class may inherit its forward: qwen_hybrid)
         modules = {sys.modules.get(cls.__module__) for cls in type(model).__mro__}
         for module in modules:
-            if module is not None and hasattr(module, "paged_attention"):
-                orig = module.paged_attention
-                module.paged_attention = self._timed("attention", orig)
-                self._undo.append(lambda module=module, orig=orig: setattr(module, "paged_attention", orig))
+            self._wrap_attr(module, "paged_attention", "attention")
         # a decode step that runs as one native call times its parts itself
         native = getattr(session, "native_decode", None)
         if native is not None:
@@ -171,9 +230,7 @@ class StepProfiler:
             self._wrap_attr(session, "greedy_tokens", "lm_head")
             head.set_profile(True)
             self._undo.append(lambda: head.set_profile(False))
-        orig_forward = session.forward
-        session.forward = self._step(orig_forward, native)
-        self._undo.append(lambda: setattr(session, "forward", orig_forward))
+        self._replace(session, "forward", self._step(session.forward, native))
         return self
 
     def __exit__(self, *exc: object) -> None:
