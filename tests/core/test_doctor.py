@@ -139,3 +139,20 @@ def test_report_shows_the_startup_check_outcome(report):
     assert isinstance(q["graphs"], bool) and q["io_path"] and q["reason"]
     if report["selection"]["backend"] == "cpu":
         assert q["io_path"] == "synchronous" and q["graphs"] is False
+
+
+def test_kernel_tier_and_its_cap_are_shown():
+    """The CPU kernels' tier in use, the tiers left under FREETOKEN_CPU_MOE_ISA and the
+    attention mode, in both forms of the report."""
+    cm = pytest.importorskip("freetoken_cpu_moe")
+    plain = _doctor("--json", FREETOKEN_CPU_MOE_ISA="")
+    tiers = json.loads(plain.stdout)["cpu_moe"]["isa_tiers"]
+    assert tiers[-1] == "scalar" and json.loads(plain.stdout)["cpu_moe"]["isa_cap"] is None
+    cap = "avx2" if "avx2" in tiers else "scalar"
+    capped = json.loads(_doctor("--json", FREETOKEN_CPU_MOE_ISA=cap).stdout)["cpu_moe"]
+    assert capped["active_isa"] == cap and capped["isa_cap"] == cap
+    assert capped["isa_tiers"] == tiers[tiers.index(cap):]
+    assert capped["attention"] == ("torch" if cap == "scalar" else "native")
+    text = _doctor(FREETOKEN_CPU_MOE_ISA=cap).stdout
+    assert f"kernel tier: {cap} (capped by {cm.ISA_ENV}={cap}); tiers available: {' '.join(tiers[tiers.index(cap):])}" \
+        in text
