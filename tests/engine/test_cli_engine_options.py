@@ -33,7 +33,7 @@ EVERY_FLAG = [
     "--max-running-requests", "8", "--kv-cache-tokens", "65536", "--prefill-chunk", "1024", "--seed", "7",
     "--moe-cpu-layers", "0-11,40", "--cpu-threads", "12", "--enforce-eager", "--no-decode-ahead", "--cuda-graph-max-bs", "32",
     "--cuda-graph-bs", "8,1,4,4", "--gpu-memory-utilization", "0.85", "--gpu-memory-limit", "1.5GiB",
-    "--no-prefix-cache", "--gpu-dense", "packed", "--gpu-embedding", "host", "--gpu-gemv", "triton", "--gpu-dependent-launch", "on", "--pin-host-threads", "off", "--cpu-spin-ms", "7.5", "--moe-gpu-experts", "dequantized", "--moe-gpu-kernel", "triton", "--moe-cache-size", "6", "--moe-hybrid-max-fetch", "2",
+    "--no-prefix-cache", "--gpu-dense", "packed", "--gpu-embedding", "host", "--gpu-gemv", "triton", "--pin-host-threads", "off", "--cpu-spin-ms", "7.5", "--moe-gpu-experts", "dequantized", "--moe-gpu-kernel", "triton", "--moe-cache-size", "6", "--moe-hybrid-max-fetch", "2",
     "--moe-stream-prefill", "on", "--moe-stream-min-tokens", "96", "--moe-stream-experts", "all", "--moe-stream-windows", "8", "--moe-lock-host", "off", "--moe-locked-fetch", "0.3", "--moe-locked-max-fetch", "3", "--moe-locked-fetch-mode", "copy", "--moe-collect-stats",
     "--moe-stats-interval", "2.5",
 ]  # fmt: skip
@@ -42,7 +42,7 @@ EXPECTED = {
     "max_running_requests": 8, "kv_cache_tokens": 65536, "prefill_chunk": 1024, "seed": 7,
     "moe_cpu_layers": "0-11,40", "cpu_threads": 12, "enforce_eager": True, "decode_ahead": False, "cuda_graph_max_bs": 32,
     "cuda_graph_bs": [1, 4, 8], "gpu_memory_utilization": 0.85, "gpu_memory_limit": 3 * 2**29,
-    "enable_prefix_cache": False, "gpu_dense": "packed", "gpu_embedding": "host", "gpu_gemv": "triton", "gpu_dependent_launch": "on", "pin_host_threads": "off", "cpu_spin_ms": 7.5, "moe_gpu_experts": "dequantized", "moe_gpu_kernel": "triton", "moe_cache_size": 6 * 2**30,
+    "enable_prefix_cache": False, "gpu_dense": "packed", "gpu_embedding": "host", "gpu_gemv": "triton", "pin_host_threads": "off", "cpu_spin_ms": 7.5, "moe_gpu_experts": "dequantized", "moe_gpu_kernel": "triton", "moe_cache_size": 6 * 2**30,
     "moe_hybrid_max_fetch": 2, "moe_stream_prefill": "on", "moe_stream_min_tokens": 96, "moe_stream_experts": "all", "moe_stream_windows": 8, "moe_lock_host": "off",
     "moe_locked_fetch": 0.3, "moe_locked_max_fetch": 3, "moe_locked_fetch_mode": "copy", "moe_collect_stats": True, "moe_stats_interval": 2.5,
 }  # fmt: skip

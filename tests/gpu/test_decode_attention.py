@@ -349,8 +349,7 @@ def partial(dt, G, D, BS, split):
            "max_tokens": "i32", **{s: "i32" for s in STRIDES}}
     consts = dict(G=G, D=D, BS=BS, BLOCK_G=max(16, triton.next_power_of_2(G)),
                   BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part,
-                  SPLIT=split, PRECISION="ieee" if dt == "fp32" else "tf32", LAST_REDUCES=split and cfg.reduce_in_partial,
-                  GDC=False)
+                  SPLIT=split, PRECISION="ieee" if dt == "fp32" else "tf32", LAST_REDUCES=split and cfg.reduce_in_partial)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in [*range(9), *range(12, 22)]}
     return triton.compile(ASTSource(dat._partial_kernel, sig, consts, attrs), target=target,

@@ -31,10 +31,10 @@ def test_amd_target_refuses_what_is_not_a_gfx_target(bad):
 
 
 def test_triton_launch_options_follow_the_platform(monkeypatch):
-    opts = {"num_warps": 4, "num_stages": 2, "maxnreg": 128, "launch_pdl": True, "waves_per_eu": 2}
+    opts = {"num_warps": 4, "num_stages": 2, "maxnreg": 128, "ptx_version": 84, "waves_per_eu": 2}
     assert platform.triton_launch_options(opts, hip=True) == {"num_warps": 4, "num_stages": 2, "waves_per_eu": 2}
     assert platform.triton_launch_options(opts, hip=False) == {"num_warps": 4, "num_stages": 2, "maxnreg": 128,
-                                                               "launch_pdl": True}  # fmt: skip
+                                                               "ptx_version": 84}  # fmt: skip
     monkeypatch.setattr(torch.version, "hip", "6.4.0", raising=False)
     assert "maxnreg" not in platform.triton_launch_options(opts)
     monkeypatch.setattr(torch.version, "hip", None, raising=False)

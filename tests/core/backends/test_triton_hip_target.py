@@ -81,7 +81,7 @@ def test_launch_options_keep_nvidia_tuning_and_adapt_it_on_amd():
     cdna = tt.hip_target("gfx942")  # wave64: the same threads per program in half the warps
     assert cdna.launch_options(4, 3) == {"num_warps": 2, "num_stages": 2}
     assert cdna.launch_options(8) == {"num_warps": 4} and cdna.launch_options(1) == {"num_warps": 1}
-    assert cdna.launch_options(4, 1, maxnreg=128, launch_pdl=True, waves_per_eu=2) == {
+    assert cdna.launch_options(4, 1, maxnreg=128, ptx_version=84, waves_per_eu=2) == {
         "num_warps": 2, "num_stages": 1, "waves_per_eu": 2}  # fmt: skip
     rdna = tt.hip_target("gfx1201")  # wave32: the warps as tuned
     assert rdna.launch_options(4, 3) == {"num_warps": 4, "num_stages": 2}

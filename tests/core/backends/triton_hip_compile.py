@@ -9,8 +9,7 @@ as the launches on an AMD GPU take them.
 Run as a script in a process where TRITON_INTERPRET is unset (Triton decorates its own
 standard library as interpreted or compiled when it is imported, so one process cannot do
 both): ``python tests/core/backends/triton_hip_compile.py gfx942 gfx1100 [--only=moe.,attention.]``.
-Used by test_triton_hip_target.py; tests/gpu/test_dependent_launch.py compiles the dense and
-attention kernels of its tables for sm_90 (``gdc=True`` and ``False``).
+Used by test_triton_hip_target.py.
 """
 
 from __future__ import annotations
@@ -114,9 +113,8 @@ def packed_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
     return out
 
 
-def dense_kernels(target: TritonTarget, gdc: bool = False) -> dict[str, Callable[[], Any]]:
-    """The fused dense ops as :mod:`dense_ops_triton` launches them (BF16 activations);
-    ``gdc``: the kernels that take part in dependent launches, with their wait compiled in."""
+def dense_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
+    """The fused dense ops as :mod:`dense_ops_triton` launches them (BF16 activations)."""
     d, hq, hkv, experts = 128, 32, 4, 128
     return {
         "dense.add_rms_norm": lambda: compile_kernel(
@@ -128,7 +126,7 @@ def dense_kernels(target: TritonTarget, gdc: bool = False) -> dict[str, Callable
             {"q_ptr": "*bf16", "q_stride": "i32", "k_ptr": "*bf16", "k_stride": "i32", "v_ptr": "*bf16",
              "v_stride": "i32", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
              "pos_ptr": "*i64", "slot_ptr": "*i64", "q_out_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
-             "eps": "fp32"}, dict(HQ=hq, HKV=hkv, D=d, GDC=gdc), 1 if d <= 128 else 2),
+             "eps": "fp32"}, dict(HQ=hq, HKV=hkv, D=d), 1 if d <= 128 else 2),
         "dense.router_top_k": lambda: compile_kernel(
             dot._router_top_k_kernel, target, {"logits_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*fp32", "E": "i32"},
             dict(K=TOP_K, KP=TOP_K, NORM=True, BLOCK=experts), 1 if experts <= 256 else 4),
@@ -140,15 +138,14 @@ def dense_kernels(target: TritonTarget, gdc: bool = False) -> dict[str, Callable
             {"h_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "rw_ptr": "*fp32", "h_out_ptr": "*bf16",
              "x_out_ptr": "*bf16", "logits_ptr": "*fp32", "count_ptr": "*i32", "ids_ptr": "*i32", "w_ptr": "*fp32",
              "N": "i32", "E": "i32", "eps": "fp32"},
-            dict(K=TOP_K, KP=TOP_K, NORM=True, BLOCK=HIDDEN, BLOCK_E=dot.ROUTE_BLOCK_E, EP=experts, GDC=gdc),
+            dict(K=TOP_K, KP=TOP_K, NORM=True, BLOCK=HIDDEN, BLOCK_E=dot.ROUTE_BLOCK_E, EP=experts),
             8 if HIDDEN >= 2048 else 4),
     }  # fmt: skip
 
 
-def attention_kernels(target: TritonTarget, gdc: bool = False) -> dict[str, Callable[[], Any]]:
+def attention_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
     """Decode attention's kernels as :func:`decode_attention_triton.launch` runs them (BF16
-    cache, 32 query heads over 4 KV heads of 128, blocks of 16 tokens); ``gdc``: as
-    :func:`dense_kernels`."""
+    cache, 32 query heads over 4 KV heads of 128, blocks of 16 tokens)."""
     cfg = dat.DEFAULT_CONFIG
     g, d, bs = 8, 128, 16
     ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
@@ -157,7 +154,7 @@ def attention_kernels(target: TritonTarget, gdc: bool = False) -> dict[str, Call
                                "stride_vb", "stride_vt", "stride_vh", "stride_btb", "stride_ob")}  # fmt: skip
     partial = {**ptrs, **ints, "scale_log2": "fp32"}
     consts = dict(G=g, D=d, BS=bs, BLOCK_G=16, BLOCK_D=d, BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part, SPLIT=True,
-                  PRECISION=target.dot_precision(False), LAST_REDUCES=cfg.reduce_in_partial, GDC=gdc)  # fmt: skip
+                  PRECISION=target.dot_precision(False), LAST_REDUCES=cfg.reduce_in_partial)  # fmt: skip
     red = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "P": "i32",
            "max_tokens": "i32", "stride_ob": "i32"}  # fmt: skip
     rconsts = dict(D=d, BLOCK_D=d, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part)

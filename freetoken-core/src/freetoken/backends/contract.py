@@ -481,8 +481,6 @@ class EngineOptions:
     ``gpu_gemv``: what runs one token through a packed dense matrix: ``native`` (the
     backend's :class:`PackedGemv`), ``triton`` (the engine's Triton kernels), or ``auto``
     (native for the formats it serves, where the backend has one).
-    ``gpu_dependent_launch``: ``on`` (programmatic dependent launch of the decode step's
-    kernels where the device has it, :mod:`freetoken.backends.dependent_launch`) or ``off``.
     ``pin_host_threads``: ``on`` (on a GPU device whose model has CPU expert layers, the
     threads that step the model and enqueue expert copies run on the CPUs the expert
     workers leave free, :mod:`freetoken.moe.host_threads`) or ``off``.
@@ -504,7 +502,6 @@ class EngineOptions:
     gpu_dense: str = "auto"
     gpu_embedding: str = "auto"
     gpu_gemv: str = "auto"
-    gpu_dependent_launch: str = "off"
     pin_host_threads: str = "on"
     moe: MoEOptions = dataclasses.field(default_factory=lambda: MoEOptions())
 

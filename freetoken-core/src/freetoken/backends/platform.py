@@ -116,7 +116,7 @@ def rocm_activation_dtype(arch: str) -> tuple[str, str]:
 
 
 #: Triton launch options that only the NVIDIA backend of Triton accepts.
-CUDA_ONLY_LAUNCH_OPTIONS = frozenset({"maxnreg", "launch_pdl", "ptx_version"})
+CUDA_ONLY_LAUNCH_OPTIONS = frozenset({"maxnreg", "ptx_version"})
 #: Triton launch options that only the AMD backend of Triton accepts.
 ROCM_ONLY_LAUNCH_OPTIONS = frozenset({"waves_per_eu", "matrix_instr_nonkdim", "kpack"})
 

@@ -275,12 +275,6 @@ _OPTIONS: tuple[_Option, ...] = (
             "backend's CUDA kernel: Q4_K and Q6_K), triton (the Triton kernels) or auto (native for the "
             "formats it serves, where the backend has it) (default: {default})",
             choice("auto", "native", "triton"), "MODE"),
-    _Option("gpu_dependent_launch", "--gpu-dependent-launch",
-            "programmatic dependent launch of a decode step's kernels: on (on NVIDIA GPUs of compute capability "
-            "9.0 and up each kernel is scheduled while the one before it finishes, and the GEMVs start reading their "
-            "weights before they wait for it; measured slower on the H200, see docs/gpu.md) or off (each kernel "
-            "starts when the one before it has completed) (default: {default})",
-            choice("on", "off"), "MODE"),
     _Option("moe_gpu_experts", "--moe-gpu-experts",
             "form of GPU-resident experts: auto (GGUF Q4_K/Q5_K/Q6_K/Q8_0/MXFP4 stay packed as in the file, FP8 "
             "block-scaled in rows of scaled blocks, other formats are dequantized to the activation dtype) or "

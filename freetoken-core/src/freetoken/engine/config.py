@@ -50,7 +50,6 @@ class EngineConfig:
     gpu_dense: str = "auto"
     gpu_embedding: str = "auto"
     gpu_gemv: str = "auto"
-    gpu_dependent_launch: str = "off"
     pin_host_threads: str = "on"
     moe_gpu_experts: str = "auto"
     moe_gpu_kernel: str = "auto"
@@ -79,7 +78,7 @@ class EngineConfig:
             gpu_memory_utilization=self.gpu_memory_utilization, max_running_requests=self.max_running_requests,
             max_model_len=self.max_model_len or 0, kv_block_size=self.kv_block_size,
             kv_cache_tokens=self.kv_cache_tokens, gpu_dense=self.gpu_dense,
-            gpu_embedding=self.gpu_embedding, gpu_gemv=self.gpu_gemv, gpu_dependent_launch=self.gpu_dependent_launch,
+            gpu_embedding=self.gpu_embedding, gpu_gemv=self.gpu_gemv,
             pin_host_threads=self.pin_host_threads,
             moe=MoEOptions(
                 gpu_experts=self.moe_gpu_experts,
@@ -122,7 +121,6 @@ class EngineConfig:
         for name, value, allowed in (("gpu_dense", self.gpu_dense, ("auto", "packed", "dequantized")),
                                      ("gpu_embedding", self.gpu_embedding, ("auto", "device", "host")),
                                      ("gpu_gemv", self.gpu_gemv, ("auto", "native", "triton")),
-                                     ("gpu_dependent_launch", self.gpu_dependent_launch, ("on", "off")),
                                      ("pin_host_threads", self.pin_host_threads, ("on", "off")),
                                      ("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
                                      ("moe_gpu_kernel", self.moe_gpu_kernel, ("auto", "native", "triton")),

@@ -48,8 +48,7 @@ from typing import Any, Optional
 import triton
 import triton.language as tl
 
-from freetoken.backends import dependent_launch, triton_target
-from freetoken.models.triton_dependent_launch import wait_prior_grids
+from freetoken.backends import triton_target
 
 LOG2E = 1.4426950408889634
 
@@ -97,9 +96,8 @@ def _partial_kernel(
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr, GDC: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr,
 ):  # fmt: skip
-    wait_prior_grids(GDC)
     _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, out_ptr, scale_log2, P,
              max_tokens, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
              stride_btb, stride_ob, G, D, BS, BLOCK_G, BLOCK_D, BLOCK_N, MIN_PART, SPLIT, PRECISION, 0, False,
@@ -321,8 +319,6 @@ def _constants(q: Any, k_cache: Any, num_partitions: int, config: KernelConfig, 
     if window is not None or sinks is not None:  # the kernel with a window and/or sinks
         c["WINDOW"] = int(window or 0)
         c["HAS_SINKS"] = sinks is not None
-    else:  # the plain kernel waits on entry under programmatic dependent launch
-        c["GDC"] = dependent_launch.active(q.device)
     return c
 
 
@@ -382,7 +378,7 @@ def launch(
     if extended:
         _partial_window_sinks_kernel[(B, Hkv, P)](*args, sink_arg, **consts, **opts)
     else:
-        _partial_kernel[(B, Hkv, P)](*args, **consts, **opts, **({"launch_pdl": True} if consts["GDC"] else {}))
+        _partial_kernel[(B, Hkv, P)](*args, **consts, **opts)
     if P > 1 and not consts["LAST_REDUCES"]:
         rconsts = dict(D=D, BLOCK_D=consts["BLOCK_D"], BLOCK_P=config.block_p, BLOCK_N=config.block_n,
                        MIN_PART=config.min_part)  # fmt: skip

@@ -30,8 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from freetoken.backends import dependent_launch, triton_target
-from freetoken.models.triton_dependent_launch import wait_prior_grids
+from freetoken.backends import triton_target
 
 
 @triton.jit
@@ -77,8 +76,7 @@ def _norm_rope_head(src, w_ptr, cos, sin, offs, rolled, eps, D: tl.constexpr, dt
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, q_stride, k_ptr, k_stride, v_ptr, v_stride, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                          pos_ptr, slot_ptr, q_out_ptr, kc_ptr, vc_ptr, eps,
-                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
-    wait_prior_grids(GDC)
+                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
@@ -108,10 +106,9 @@ def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, slots, k_cach
     if T == 0:
         return
     opts = triton_target.for_device(q.device).launch_options(1 if D <= 128 else 2)
-    dep = dependent_launch.triton_options(q.device)
     _qk_norm_rope_kernel[(T, Hq + Hkv)](q, q.stride(0), k, k.stride(0), v, v.stride(0), q_weight, k_weight, cos, sin,
                                         positions, slots, q_out, k_cache, v_cache, eps,
-                                        HQ=Hq, HKV=Hkv, D=D, GDC=bool(dep), **opts, **dep)  # fmt: skip
+                                        HQ=Hq, HKV=Hkv, D=D, **opts)  # fmt: skip
 
 
 @triton.jit
@@ -193,18 +190,16 @@ def router_logits(x, weight, out) -> None:
 @triton.jit
 def _add_norm_route_kernel(h_ptr, d_ptr, nw_ptr, rw_ptr, h_out_ptr, x_out_ptr, logits_ptr, count_ptr, ids_ptr,
                            w_ptr, N, E, eps, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                           BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, EP: tl.constexpr,
-                           GDC: tl.constexpr):  # fmt: skip
+                           BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, EP: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    # this program's experts' router weights (written by nobody: read before the wait)
+    # this program's experts' router weights (no kernel writes them: loaded first)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
     wv = tl.load(rw_ptr + offs_e.to(tl.int64)[:, None] * N + offs[None, :], mask=e_ok[:, None] & mask[None, :],
                  other=0.0)
-    wait_prior_grids(GDC)
     # add_rms_norm, rounded at the same points as _add_rms_norm_kernel
     h = tl.load(h_ptr + t * N + offs, mask=mask, other=0.0)
     d = tl.load(d_ptr + t * N + offs, mask=mask, other=0.0)
@@ -249,8 +244,7 @@ def add_norm_route(h, delta, norm_weight, eps: float, router_weight, k: int, nor
         return
     block = triton.next_power_of_2(N)
     opts = triton_target.for_device(h.device).launch_options(num_warps or (8 if block >= 2048 else 4))
-    dep = dependent_launch.triton_options(h.device)
     _add_norm_route_kernel[(triton.cdiv(E, block_e), T)](
         h, delta, norm_weight, router_weight, h_out, x_out, logits, counts, ids_out, w_out, N, E, eps, K=k,
         KP=triton.next_power_of_2(k), NORM=norm, BLOCK=block, BLOCK_E=block_e, EP=triton.next_power_of_2(E),
-        GDC=bool(dep), **opts, **dep)  # fmt: skip
+        **opts)  # fmt: skip

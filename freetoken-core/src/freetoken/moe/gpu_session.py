@@ -34,7 +34,6 @@ from typing import Any, Optional
 
 import torch
 
-from freetoken.backends import dependent_launch
 from freetoken.backends.contract import (
     Backend,
     CpuExperts,
@@ -101,10 +100,6 @@ class GpuModelSession(ModelSession):
         """The memory plan (:class:`~freetoken.moe.gpu_memory_plan.GpuMemoryPlanner`), and the
         expert traffic of the CPU layers it leaves."""
         o = self.options
-        if o.gpu_dependent_launch not in ("on", "off"):
-            raise ValueError(f"--gpu-dependent-launch {o.gpu_dependent_launch!r}: expected 'on' or 'off'")
-        # process-wide: every later launch of the kernels that take part (before any is compiled)
-        dependent_launch.set_enabled(o.gpu_dependent_launch == "on")
         self.shape = shape
         planner = GpuMemoryPlanner(self.backend, o, self.device, self.act_dtype)
         self.planner = planner
@@ -443,10 +438,6 @@ class GpuModelSession(ModelSession):
             "dense_form": self.dense_form,
             "gpu_gemv": self._gemv_report(),
             "moe_gpu_kernel": self._experts_kernel_report(),
-            "dependent_launch": {"setting": self.options.gpu_dependent_launch,
-                                 "active": dependent_launch.active(self.device),
-                                 "because": dependent_launch.refusal(self.device)
-                                 if self.options.gpu_dependent_launch == "on" else "off"},
             "attention": self.attention_impl if self.runner is not None else "torch (eager)",
         }
         if self.runner is not None:

@@ -4,8 +4,7 @@ quantized to int8 per 32 values, as the Triton int8 dots compute them, in one la
 without Triton's per-weight overhead; with ``packed_gemv_norm`` the decoder's pre-norm and
 up to two matrices (q/k and a v of another format) in one launch; with ``packed_moe``
 (``freetoken/gpu/packed_moe.cuh``) a decode step's routes through Q4_K/Q6_K experts with
-SiLU in two launches. NVIDIA builds only; a ROCm build has none. Each launch uses
-programmatic dependent launch where :mod:`freetoken.backends.dependent_launch` is active.
+SiLU in two launches. NVIDIA builds only; a ROCm build has none.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 
-from freetoken.backends import dependent_launch
 from freetoken.backends.contract import PackedGemv
 
 #: the extension's element type codes
@@ -49,8 +47,7 @@ class NativePackedGemv(PackedGemv):
         if y.dtype not in _DTYPES or x.dtype not in _DTYPES:
             raise ValueError(f"native GEMV: x {x.dtype} / y {y.dtype}: float32, float16 or bfloat16 are served")
         self.native.packed_gemv(self.current_stream(), x.data_ptr(), _DTYPES[x.dtype], data.data_ptr(), int(fmt),
-                                rows, cols, int(data.stride(0)), y.data_ptr(), _DTYPES[y.dtype],
-                                dependent_launch.active(x.device))  # fmt: skip
+                                rows, cols, int(data.stride(0)), y.data_ptr(), _DTYPES[y.dtype])
 
     def norm_gemv(self, h: Any, delta: Any, weight: Any, eps: float,
                   parts: Sequence[tuple[Any, int]]) -> Optional[tuple[Any, Any, list[Any]]]:  # fmt: skip
@@ -76,7 +73,7 @@ class NativePackedGemv(PackedGemv):
             float(eps), h_out.data_ptr() if delta is not None else 0, x.data_ptr(), _DTYPES[h.dtype], cols,
             wa.data_ptr(), int(fa), int(wa.shape[0]), int(wa.stride(0)), ys[0].data_ptr(),
             wb.data_ptr(), int(fb), int(wb.shape[0]) if yb is not None else 0, int(wb.stride(0)),
-            yb.data_ptr() if yb is not None else 0, dependent_launch.active(h.device))  # fmt: skip
+            yb.data_ptr() if yb is not None else 0)  # fmt: skip
         return h_out, x, ys
 
     @property
@@ -116,5 +113,4 @@ class NativePackedGemv(PackedGemv):
             self.current_stream(), x.data_ptr(), _DTYPES[x.dtype], tokens, ids.data_ptr(), int(ids.dtype == torch.int64),
             0 if table is None else table.data_ptr(), w.data_ptr(), _DTYPES[w.dtype], top_k,
             gate.data.data_ptr(), int(gate.fmt), up.data.data_ptr(), int(up.fmt), down.data.data_ptr(), int(down.fmt),
-            hidden, inter, scratch.data_ptr(), y.data_ptr(), _DTYPES[y.dtype],
-            dependent_launch.active(x.device))  # fmt: skip
+            hidden, inter, scratch.data_ptr(), y.data_ptr(), _DTYPES[y.dtype])  # fmt: skip

@@ -239,8 +239,8 @@ __device__ __forceinline__ float row_dot(const uint8_t* wr, int cols, const int8
     return warp_sum(acc);
 }
 
-/* The bytes of a warp's first row asked into L2 (a lane per 128-byte line): the weights never
- * change, so this may run before ft_wait_prior_grids(), while the kernel before still runs. */
+/* The bytes of a warp's first row asked into L2 (a lane per 128-byte line) before the token is
+ * quantized, so the first row's loads are under way while the block prepares its input. */
 __device__ __forceinline__ void prefetch_row(const uint8_t* row, int bytes) {
     for (int off = (threadIdx.x & 31) * 128; off < bytes; off += 32 * 128)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
@@ -256,8 +256,6 @@ __global__ void __launch_bounds__(kThreads, 8) packed_gemv_kernel(const void* __
     int* xs = reinterpret_cast<int*>(smem + cols + (cols / 32) * 4);
     const int first = blockIdx.x * kWarps + (threadIdx.x >> 5);
     if (first < rows) prefetch_row(w + static_cast<int64_t>(first) * row_bytes, (cols / 256) * block_bytes(FMT));
-    ft_wait_prior_grids();
-    ft_allow_dependents();
     quantize_from(TokenValues<XT>{x}, cols, xq, xd, xs);
     __syncthreads();
     const int lane = threadIdx.x & 31;
@@ -368,8 +366,6 @@ __global__ void __launch_bounds__(kThreads, 8) packed_gemv_norm_kernel(NormArgs 
         prefetch_row(a.w + static_cast<int64_t>(first) * a.row_bytes, (cols / 256) * block_bytes(FA));
     else if (first < rows)
         prefetch_row(b.w + static_cast<int64_t>(first - a.rows) * b.row_bytes, (cols / 256) * block_bytes(FB));
-    ft_wait_prior_grids();
-    ft_allow_dependents();
     float ss = 0.f;
     for (int c = threadIdx.x * 8; c < cols; c += kThreads * 8) {
         float hv[8];
@@ -429,48 +425,46 @@ int grid_for(Kernel kernel, size_t smem, int rows) {
 }
 
 template <int FMT, int XT, int YT>
-void launch(cudaStream_t stream, bool dependent, const void* x, const uint8_t* w, void* y, int rows, int cols,
-            int64_t row_bytes) {
+void launch(cudaStream_t stream, const void* x, const uint8_t* w, void* y, int rows, int cols, int64_t row_bytes) {
     auto kernel = packed_gemv_kernel<FMT, XT, YT>;
     const size_t smem = shared_bytes(cols);
-    ft_launch("packed_gemv_kernel", kernel, dim3(grid_for(kernel, smem, rows)), dim3(kThreads), smem, stream,
-              dependent, x, w, y, rows, cols, row_bytes);
+    kernel<<<grid_for(kernel, smem, rows), kThreads, smem, stream>>>(x, w, y, rows, cols, row_bytes);
+    FT_CHECK_LAUNCH("packed_gemv_kernel<<<>>>");
 }
 
 template <int FA, int FB, int DT>
-void launch_norm(cudaStream_t stream, bool dependent, const NormArgs& n, const GemvPart& a, const GemvPart& b,
-                 int cols) {
+void launch_norm(cudaStream_t stream, const NormArgs& n, const GemvPart& a, const GemvPart& b, int cols) {
     auto kernel = packed_gemv_norm_kernel<FA, FB, DT>;
     const size_t smem = norm_shared_bytes(cols);
-    ft_launch("packed_gemv_norm_kernel", kernel, dim3(grid_for(kernel, smem, a.rows + b.rows)), dim3(kThreads), smem,
-              stream, dependent, n, a, b, cols);
+    kernel<<<grid_for(kernel, smem, a.rows + b.rows), kThreads, smem, stream>>>(n, a, b, cols);
+    FT_CHECK_LAUNCH("packed_gemv_norm_kernel<<<>>>");
 }
 
 template <int FA, int FB>
-void launch_norm_dt(int dtype, cudaStream_t s, bool dep, const NormArgs& n, const GemvPart& a, const GemvPart& b, int cols) {
+void launch_norm_dt(int dtype, cudaStream_t s, const NormArgs& n, const GemvPart& a, const GemvPart& b, int cols) {
     switch (dtype) {
-        case GEMV_F32: return launch_norm<FA, FB, GEMV_F32>(s, dep, n, a, b, cols);
-        case GEMV_F16: return launch_norm<FA, FB, GEMV_F16>(s, dep, n, a, b, cols);
-        default: return launch_norm<FA, FB, GEMV_BF16>(s, dep, n, a, b, cols);
+        case GEMV_F32: return launch_norm<FA, FB, GEMV_F32>(s, n, a, b, cols);
+        case GEMV_F16: return launch_norm<FA, FB, GEMV_F16>(s, n, a, b, cols);
+        default: return launch_norm<FA, FB, GEMV_BF16>(s, n, a, b, cols);
     }
 }
 
 template <int FMT, int XT>
-void launch_y(int y_dtype, cudaStream_t s, bool dep, const void* x, const uint8_t* w, void* y, int rows, int cols, int64_t rb) {
+void launch_y(int y_dtype, cudaStream_t s, const void* x, const uint8_t* w, void* y, int rows, int cols, int64_t rb) {
     switch (y_dtype) {
-        case GEMV_F32: return launch<FMT, XT, GEMV_F32>(s, dep, x, w, y, rows, cols, rb);
-        case GEMV_F16: return launch<FMT, XT, GEMV_F16>(s, dep, x, w, y, rows, cols, rb);
-        default: return launch<FMT, XT, GEMV_BF16>(s, dep, x, w, y, rows, cols, rb);
+        case GEMV_F32: return launch<FMT, XT, GEMV_F32>(s, x, w, y, rows, cols, rb);
+        case GEMV_F16: return launch<FMT, XT, GEMV_F16>(s, x, w, y, rows, cols, rb);
+        default: return launch<FMT, XT, GEMV_BF16>(s, x, w, y, rows, cols, rb);
     }
 }
 
 template <int FMT>
-void launch_xy(int x_dtype, int y_dtype, cudaStream_t s, bool dep, const void* x, const uint8_t* w, void* y, int rows,
+void launch_xy(int x_dtype, int y_dtype, cudaStream_t s, const void* x, const uint8_t* w, void* y, int rows,
                int cols, int64_t rb) {
     switch (x_dtype) {
-        case GEMV_F32: return launch_y<FMT, GEMV_F32>(y_dtype, s, dep, x, w, y, rows, cols, rb);
-        case GEMV_F16: return launch_y<FMT, GEMV_F16>(y_dtype, s, dep, x, w, y, rows, cols, rb);
-        default: return launch_y<FMT, GEMV_BF16>(y_dtype, s, dep, x, w, y, rows, cols, rb);
+        case GEMV_F32: return launch_y<FMT, GEMV_F32>(y_dtype, s, x, w, y, rows, cols, rb);
+        case GEMV_F16: return launch_y<FMT, GEMV_F16>(y_dtype, s, x, w, y, rows, cols, rb);
+        default: return launch_y<FMT, GEMV_BF16>(y_dtype, s, x, w, y, rows, cols, rb);
     }
 }
 
@@ -510,11 +504,9 @@ inline void check_matrix(const char* what, uint64_t w, int fmt, int64_t rows, in
 
 /* y [rows] = W [rows, cols] x [cols]: x, y device addresses of x_dtype / y_dtype elements
  * (x 16-byte aligned), w the rows' blocks, row_bytes apart. Launched on `stream`
- * (capturable in graphs); `dependent`: with programmatic dependent launch (sm_90+: the
- * kernel is scheduled while the previous one finishes and asks its first rows into L2 before
- * it waits for it; see ft_launch). */
+ * (capturable in graphs). */
 inline void packed_gemv(uint64_t stream, uint64_t x, int x_dtype, uint64_t w, int fmt, int64_t rows, int64_t cols,
-                        int64_t row_bytes, uint64_t y, int y_dtype, bool dependent = false) {
+                        int64_t row_bytes, uint64_t y, int y_dtype) {
     gemv_detail::check_matrix("packed_gemv", w, fmt, rows, cols, row_bytes);
     gemv_detail::check_dtype("packed_gemv", x_dtype);
     gemv_detail::check_dtype("packed_gemv", y_dtype);
@@ -524,10 +516,10 @@ inline void packed_gemv(uint64_t stream, uint64_t x, int x_dtype, uint64_t w, in
     auto s = reinterpret_cast<cudaStream_t>(stream);
     const int r = static_cast<int>(rows), c = static_cast<int>(cols);
     if (fmt == GEMV_Q4_K)
-        gemv_detail::launch_xy<GEMV_Q4_K>(x_dtype, y_dtype, s, dependent, reinterpret_cast<const void*>(x), wp,
+        gemv_detail::launch_xy<GEMV_Q4_K>(x_dtype, y_dtype, s, reinterpret_cast<const void*>(x), wp,
                                            reinterpret_cast<void*>(y), r, c, row_bytes);
     else
-        gemv_detail::launch_xy<GEMV_Q6_K>(x_dtype, y_dtype, s, dependent, reinterpret_cast<const void*>(x), wp,
+        gemv_detail::launch_xy<GEMV_Q6_K>(x_dtype, y_dtype, s, reinterpret_cast<const void*>(x), wp,
                                            reinterpret_cast<void*>(y), r, c, row_bytes);
 }
 
@@ -538,7 +530,7 @@ inline void packed_gemv(uint64_t stream, uint64_t x, int x_dtype, uint64_t w, in
 inline void packed_gemv_norm(uint64_t stream, uint64_t h, uint64_t delta, uint64_t weight, double eps, uint64_t h_out,
                              uint64_t x_out, int dtype, int64_t cols, uint64_t w_a, int fmt_a, int64_t rows_a,
                              int64_t row_bytes_a, uint64_t y_a, uint64_t w_b, int fmt_b, int64_t rows_b,
-                             int64_t row_bytes_b, uint64_t y_b, bool dependent = false) {
+                             int64_t row_bytes_b, uint64_t y_b) {
     gemv_detail::check_dtype("packed_gemv_norm", dtype);
     gemv_detail::check_matrix("packed_gemv_norm (first matrix)", w_a, fmt_a, rows_a, cols, row_bytes_a);
     if (rows_b > 0) gemv_detail::check_matrix("packed_gemv_norm (second matrix)", w_b, fmt_b, rows_b, cols, row_bytes_b);
@@ -558,11 +550,11 @@ inline void packed_gemv_norm(uint64_t stream, uint64_t h, uint64_t delta, uint64
     auto s = reinterpret_cast<cudaStream_t>(stream);
     const int c = static_cast<int>(cols);
     if (fmt_a == GEMV_Q4_K)
-        b_q6 ? gemv_detail::launch_norm_dt<GEMV_Q4_K, GEMV_Q6_K>(dtype, s, dependent, n, a, b, c)
-             : gemv_detail::launch_norm_dt<GEMV_Q4_K, GEMV_Q4_K>(dtype, s, dependent, n, a, b, c);
+        b_q6 ? gemv_detail::launch_norm_dt<GEMV_Q4_K, GEMV_Q6_K>(dtype, s, n, a, b, c)
+             : gemv_detail::launch_norm_dt<GEMV_Q4_K, GEMV_Q4_K>(dtype, s, n, a, b, c);
     else
-        b_q6 ? gemv_detail::launch_norm_dt<GEMV_Q6_K, GEMV_Q6_K>(dtype, s, dependent, n, a, b, c)
-             : gemv_detail::launch_norm_dt<GEMV_Q6_K, GEMV_Q4_K>(dtype, s, dependent, n, a, b, c);
+        b_q6 ? gemv_detail::launch_norm_dt<GEMV_Q6_K, GEMV_Q6_K>(dtype, s, n, a, b, c)
+             : gemv_detail::launch_norm_dt<GEMV_Q6_K, GEMV_Q4_K>(dtype, s, n, a, b, c);
 }
 
 }  // namespace freetoken_gpu

@@ -82,8 +82,6 @@ __global__ void __launch_bounds__(kGuThreads, 2) moe_gate_up_kernel(const void* 
                                                                  int inter, int8_t* __restrict__ hq,
                                                                  float* __restrict__ hd, int* __restrict__ hs) {
     extern __shared__ __align__(16) unsigned char smem[];
-    ft_wait_prior_grids(); /* the routes, x and (cache, staging) the experts' slots are written before */
-    ft_allow_dependents();
     const int r = blockIdx.x;
     const int e = route_expert(routes, r);
     if (e < 0) return; /* the whole block: no barrier is left waiting */
@@ -158,8 +156,6 @@ __global__ void __launch_bounds__(kDownThreads) moe_down_kernel(Routes routes, c
                                                                 const uint8_t* __restrict__ down, int hidden,
                                                                 int inter, void* __restrict__ y) {
     extern __shared__ __align__(16) unsigned char smem[];
-    ft_wait_prior_grids(); /* h comes from the gate/up kernel */
-    ft_allow_dependents();
     const int k_routes = routes.top_k, t = blockIdx.y;
     const int ki = k_routes * inter;
     int8_t* sq = reinterpret_cast<int8_t*>(smem);
@@ -197,40 +193,35 @@ __global__ void __launch_bounds__(kDownThreads) moe_down_kernel(Routes routes, c
 }
 
 template <int GF, int UF>
-void launch_gate_up_x(int x_dtype, cudaStream_t s, bool dep, dim3 grid, size_t smem, const void* x,
-                      const Routes& routes, const uint8_t* gate, const uint8_t* up, int hidden, int inter, int8_t* hq,
-                      float* hd, int* hs) {
-    const char* what = "moe_gate_up_kernel";
-    const dim3 block(kGuThreads);
+void launch_gate_up_x(int x_dtype, cudaStream_t s, dim3 grid, size_t smem, const void* x, const Routes& routes,
+                      const uint8_t* gate, const uint8_t* up, int hidden, int inter, int8_t* hq, float* hd, int* hs) {
     switch (x_dtype) {
         case GEMV_F32:
-            return ft_launch(what, moe_gate_up_kernel<GF, UF, GEMV_F32>, grid, block, smem, s, dep, x, routes, gate, up,
-                             hidden, inter, hq, hd, hs);
+            moe_gate_up_kernel<GF, UF, GEMV_F32><<<grid, kGuThreads, smem, s>>>(x, routes, gate, up, hidden, inter, hq, hd, hs);
+            break;
         case GEMV_F16:
-            return ft_launch(what, moe_gate_up_kernel<GF, UF, GEMV_F16>, grid, block, smem, s, dep, x, routes, gate, up,
-                             hidden, inter, hq, hd, hs);
+            moe_gate_up_kernel<GF, UF, GEMV_F16><<<grid, kGuThreads, smem, s>>>(x, routes, gate, up, hidden, inter, hq, hd, hs);
+            break;
         default:
-            return ft_launch(what, moe_gate_up_kernel<GF, UF, GEMV_BF16>, grid, block, smem, s, dep, x, routes, gate,
-                             up, hidden, inter, hq, hd, hs);
+            moe_gate_up_kernel<GF, UF, GEMV_BF16><<<grid, kGuThreads, smem, s>>>(x, routes, gate, up, hidden, inter, hq, hd, hs);
     }
+    FT_CHECK_LAUNCH("moe_gate_up_kernel<<<>>>");
 }
 
 template <int DF>
-void launch_down_y(int y_dtype, cudaStream_t s, bool dep, dim3 grid, size_t smem, const Routes& routes,
-                   const int8_t* hq, const float* hd, const int* hs, const uint8_t* down, int hidden, int inter, void* y) {
-    const char* what = "moe_down_kernel";
-    const dim3 block(kDownThreads);
+void launch_down_y(int y_dtype, cudaStream_t s, dim3 grid, size_t smem, const Routes& routes, const int8_t* hq,
+                   const float* hd, const int* hs, const uint8_t* down, int hidden, int inter, void* y) {
     switch (y_dtype) {
         case GEMV_F32:
-            return ft_launch(what, moe_down_kernel<DF, GEMV_F32>, grid, block, smem, s, dep, routes, hq, hd, hs, down,
-                             hidden, inter, y);
+            moe_down_kernel<DF, GEMV_F32><<<grid, kDownThreads, smem, s>>>(routes, hq, hd, hs, down, hidden, inter, y);
+            break;
         case GEMV_F16:
-            return ft_launch(what, moe_down_kernel<DF, GEMV_F16>, grid, block, smem, s, dep, routes, hq, hd, hs, down,
-                             hidden, inter, y);
+            moe_down_kernel<DF, GEMV_F16><<<grid, kDownThreads, smem, s>>>(routes, hq, hd, hs, down, hidden, inter, y);
+            break;
         default:
-            return ft_launch(what, moe_down_kernel<DF, GEMV_BF16>, grid, block, smem, s, dep, routes, hq, hd, hs, down,
-                             hidden, inter, y);
+            moe_down_kernel<DF, GEMV_BF16><<<grid, kDownThreads, smem, s>>>(routes, hq, hd, hs, down, hidden, inter, y);
     }
+    FT_CHECK_LAUNCH("moe_down_kernel<<<>>>");
 }
 
 inline bool served_format(int fmt) { return fmt == GEMV_Q4_K || fmt == GEMV_Q6_K; }
@@ -269,12 +260,11 @@ inline int64_t packed_moe_scratch_bytes(int64_t routes, int64_t inter) {
  * or int64, table int32, w [T, K] of w_dtype, y [T, H] of y_dtype (codes 0 f32, 1 f16, 2 bf16);
  * gate/up [E, I, H] and down [E, H, I] the experts' rows of blocks, back to back; scratch
  * packed_moe_scratch_bytes(T * K, I) bytes. Every address 16-byte aligned (Q6_K stacks: 2).
- * Launched on `stream` (capturable in graphs); `dependent`: both kernels with programmatic
- * dependent launch (sm_90+; each waits for the kernel before it on entry, see ft_launch). */
+ * Launched on `stream` (capturable in graphs). */
 inline void packed_moe(uint64_t stream, uint64_t x, int x_dtype, int64_t tokens, uint64_t ids, int ids_64,
                        uint64_t table, uint64_t w, int w_dtype, int64_t top_k, uint64_t gate, int gate_fmt, uint64_t up,
                        int up_fmt, uint64_t down, int down_fmt, int64_t hidden, int64_t inter, uint64_t scratch,
-                       uint64_t y, int y_dtype, bool dependent = false) {
+                       uint64_t y, int y_dtype) {
     const std::string refusal = packed_moe_refusal(gate_fmt, up_fmt, down_fmt, hidden, inter, top_k);
     if (!refusal.empty()) throw std::invalid_argument("packed_moe: " + refusal);
     gemv_detail::check_dtype("packed_moe (x)", x_dtype);
@@ -304,26 +294,22 @@ inline void packed_moe(uint64_t stream, uint64_t x, int x_dtype, int64_t tokens,
     const dim3 gu_grid(static_cast<unsigned>(routes_n), static_cast<unsigned>(i / moe_detail::kGuRows));
     const size_t gu_smem = moe_detail::gate_up_shared_bytes(h);
     if (gate_fmt == GEMV_Q4_K && up_fmt == GEMV_Q4_K)
-        moe_detail::launch_gate_up_x<GEMV_Q4_K, GEMV_Q4_K>(x_dtype, s, dependent, gu_grid, gu_smem, xp, routes, gp, up_p, h,
-                                                           i, hq, hd, hs);
+        moe_detail::launch_gate_up_x<GEMV_Q4_K, GEMV_Q4_K>(x_dtype, s, gu_grid, gu_smem, xp, routes, gp, up_p, h, i, hq, hd, hs);
     else if (gate_fmt == GEMV_Q4_K)
-        moe_detail::launch_gate_up_x<GEMV_Q4_K, GEMV_Q6_K>(x_dtype, s, dependent, gu_grid, gu_smem, xp, routes, gp, up_p, h,
-                                                           i, hq, hd, hs);
+        moe_detail::launch_gate_up_x<GEMV_Q4_K, GEMV_Q6_K>(x_dtype, s, gu_grid, gu_smem, xp, routes, gp, up_p, h, i, hq, hd, hs);
     else if (up_fmt == GEMV_Q4_K)
-        moe_detail::launch_gate_up_x<GEMV_Q6_K, GEMV_Q4_K>(x_dtype, s, dependent, gu_grid, gu_smem, xp, routes, gp, up_p, h,
-                                                           i, hq, hd, hs);
+        moe_detail::launch_gate_up_x<GEMV_Q6_K, GEMV_Q4_K>(x_dtype, s, gu_grid, gu_smem, xp, routes, gp, up_p, h, i, hq, hd, hs);
     else
-        moe_detail::launch_gate_up_x<GEMV_Q6_K, GEMV_Q6_K>(x_dtype, s, dependent, gu_grid, gu_smem, xp, routes, gp, up_p, h,
-                                                           i, hq, hd, hs);
+        moe_detail::launch_gate_up_x<GEMV_Q6_K, GEMV_Q6_K>(x_dtype, s, gu_grid, gu_smem, xp, routes, gp, up_p, h, i, hq, hd, hs);
     const dim3 down_grid(static_cast<unsigned>((h + moe_detail::kDownWarps - 1) / moe_detail::kDownWarps),
                          static_cast<unsigned>(tokens));
     const size_t down_smem = moe_detail::down_shared_bytes(top_k, inter);
     const auto* dp = reinterpret_cast<const uint8_t*>(down);
     auto* yp = reinterpret_cast<void*>(y);
     if (down_fmt == GEMV_Q4_K)
-        moe_detail::launch_down_y<GEMV_Q4_K>(y_dtype, s, dependent, down_grid, down_smem, routes, hq, hd, hs, dp, h, i, yp);
+        moe_detail::launch_down_y<GEMV_Q4_K>(y_dtype, s, down_grid, down_smem, routes, hq, hd, hs, dp, h, i, yp);
     else
-        moe_detail::launch_down_y<GEMV_Q6_K>(y_dtype, s, dependent, down_grid, down_smem, routes, hq, hd, hs, dp, h, i, yp);
+        moe_detail::launch_down_y<GEMV_Q6_K>(y_dtype, s, down_grid, down_smem, routes, hq, hd, hs, dp, h, i, yp);
 }
 
 }  // namespace freetoken_gpu

@@ -336,48 +336,6 @@ inline void stream_wait_value64_eq(ftStream_t stream, uint64_t dev_addr, uint64_
 }
 #endif
 
-/* ---- programmatic dependent launch (NVIDIA, compute capability 9.0 and up) ----
- * A kernel launched with `dependent` set may be scheduled while the kernel before it in the
- * stream still runs, once every block of that one has called ft_allow_dependents() (or
- * exited). Before it reads or writes anything another kernel touches it must call
- * ft_wait_prior_grids(), which returns when the kernel before it has completed and its
- * writes are visible; only data nobody writes (weights) may be touched before. Both calls
- * are no-ops below sm_90 and under HIP, and a kernel that makes them may also be launched
- * without the attribute. ft_launch() sets the attribute when asked (HIP: a plain launch). */
-__device__ __forceinline__ void ft_wait_prior_grids() {
-#if !defined(FT_GPU_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void ft_allow_dependents() {
-#if !defined(FT_GPU_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-template <class... Params, class... Args>
-void ft_launch(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, ftStream_t stream,
-               bool dependent, Args... args) {
-#ifdef FT_GPU_HIP
-    (void)dependent;
-    hipLaunchKernelGGL(kernel, grid, block, smem, stream, args...);
-    ft_check(ftGetLastError(), what, __FILE__, __LINE__);
-#else
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = block;
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    cudaLaunchAttribute attribute = {};
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = &attribute;
-    config.numAttrs = dependent ? 1 : 0;
-    ft_check(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...), what, __FILE__, __LINE__);
-#endif
-}
-
 }  // namespace freetoken_gpu
 
 #endif /* FREETOKEN_GPU_PORTABILITY_H */
