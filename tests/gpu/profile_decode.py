@@ -7,7 +7,7 @@ trace, the top host functions (cProfile) and the top GPU kernels and host ops
 (torch.profiler) over batch-1 decode steps.
 
     python3 tests/gpu/profile_decode.py MODEL.gguf --moe-cpu-layers all [--steps 48] [--eager]
-    python3 tests/gpu/profile_decode.py MODEL.gguf --gpu-memory-limit 16GiB [--set moe_stream_experts=mapped]
+    python3 tests/gpu/profile_decode.py MODEL.gguf --gpu-memory-limit 16GiB [--set moe_stream_experts=all]
 
 The GPU timeline of the profiled steps is also summed by kernel kind (per step: busy time
 per kind, the idle time between kernels and the largest idle gaps), which separates the

@@ -4,7 +4,7 @@
 # at a few thread counts: where a decode step's time goes. TESTS (GPU test files and pytest
 # arguments) run while the file is written. A placement is a --moe-cpu-layers value, or
 # limit:SIZE (the default placement under --gpu-memory-limit SIZE), then optionally
-# @FIELD=VALUE,... (EngineConfig fields, e.g. limit:16GiB@moe_stream_experts=mapped).
+# @FIELD=VALUE,... (EngineConfig fields, e.g. limit:16GiB@moe_stream_experts=all).
 # Usage (repository root, .whl carried): bash tests/gpu/profile_run.sh [LAYERS] [PLACEMENTS...]
 set -uo pipefail
 LAYERS=${1:-24}; shift || true

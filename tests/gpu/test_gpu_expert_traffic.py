@@ -142,22 +142,6 @@ def test_streamed_prefill_matches_cpu(backend, reference, lock, cache):
     assert check_logits(got, reference, TOL) > 100
 
 
-def test_streamed_prefill_mapped_matches_cpu(backend, reference):
-    """``--moe-stream-experts mapped``: prefill chunks' grouped kernels read the CPU layers'
-    routed experts from the page-locked, mapped banks in place (no buffer, no copy)."""
-    eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_stream_prefill="on",
-                  moe_stream_experts="mapped")
-    try:
-        got = run_greedy(eng, PROMPTS, 200)
-        rep = eng.session.report()
-    finally:
-        eng.close()
-    stream = rep["prefill_stream"]
-    assert stream["experts"] == "mapped" and stream["streamed_layers"] >= 4 and stream["buffer_bytes"] == 0
-    assert rep.get("host_locked_bytes", 0) > 0
-    assert check_logits(got, reference, TOL) > 100
-
-
 @pytest.mark.parametrize("mode", ["read", "copy", "auto"])
 @pytest.mark.parametrize("cache_experts", [0, 12])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])

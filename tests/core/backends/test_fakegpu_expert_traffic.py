@@ -136,17 +136,16 @@ def test_everything_off_records_nothing():
     assert not {"expert_cache", "moe_stats", "prefill_stream"} & set(info)
 
 
-def test_mapped_streaming_needs_packed_experts_and_locked_banks():
-    """``--moe-stream-experts mapped`` has the GPU's packed kernels read the page-locked host
-    banks in place: float experts, or banks that cannot be mapped, are refused naming the
-    flag and the alternative; it plans no streaming buffer."""
+def test_streamed_experts_are_routed_or_all():
+    """Streaming copies the routed experts (one buffer of a window) or whole layers (two
+    buffers); any other way is refused by the streamer and by EngineConfig, naming the two."""
     from freetoken.moe.prefill_stream import PrefillStreamer, buffer_count
 
-    with pytest.raises(ValueError, match="--moe-stream-experts mapped.*use --moe-stream-experts routed"):
-        _run("fakegpu", moe_cpu_layers="all", moe_stream_prefill="on", moe_stream_experts="mapped")
-    assert [buffer_count(m) for m in ("routed", "all", "mapped")] == [1, 2, 0]
-    with pytest.raises(ValueError, match="page-locked and mapped"):
+    assert [buffer_count(m) for m in ("routed", "all")] == [1, 2]
+    with pytest.raises(ValueError, match="expected 'routed' or 'all'"):
         PrefillStreamer({}, "cpu", torch.float32, "silu", True, None, None, experts="mapped")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="moe_stream_experts must be one of routed, all"):
+        EngineConfig(moe_stream_experts="mapped")
 
 
 def test_prompt_routes_reach_the_cache_heat(monkeypatch):

@@ -423,8 +423,7 @@ class MoEOptions:
     compute the CPU layers' experts on the GPU, their bytes streamed over PCIe; None: the
     threshold from a measured profile), ``on``, ``off``; ``stream_experts``: ``routed`` copies
     only the experts the chunk routes to, once its router has run, ``all`` every expert of
-    the layer, the next layer's copy overlapping this one's compute, ``mapped`` nothing: the
-    kernels read the routed experts from the page-locked banks over PCIe; ``stream_windows``:
+    the layer, the next layer's copy overlapping this one's compute; ``stream_windows``:
     ``routed`` streams a layer in this many windows of experts through one buffer of a
     window's bytes (more windows: less device memory). ``lock_host``: register (page-lock)
     the host expert banks with the driver (``auto``: when streaming or fetching uses them).

@@ -305,11 +305,8 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option("moe_stream_experts", "--moe-stream-experts",
             "which experts a streamed prefill chunk copies to the GPU: routed (those its tokens route to, once "
             "the layer's router has run, copied and computed in overlapping parts), all (the whole layer, "
-            "the next layer's copy behind this one's compute) or mapped (nothing copied: the GPU's kernels "
-            "read the routed experts from the page-locked host banks over PCIe; GGUF experts; measured 5.6x "
-            "slower than routed on an H200) "
-            "(default: {default})",
-            choice("routed", "all", "mapped"), "MODE"),
+            "the next layer's copy behind this one's compute) (default: {default})",
+            choice("routed", "all"), "MODE"),
     _Option("moe_stream_windows", "--moe-stream-windows",
             "routed streaming copies and computes a layer in this many windows of its experts through one GPU "
             "buffer of a window's size: more windows, less GPU memory for the buffer and more for resident "

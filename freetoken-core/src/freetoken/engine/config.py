@@ -125,7 +125,7 @@ class EngineConfig:
                                      ("moe_gpu_experts", self.moe_gpu_experts, ("auto", "dequantized")),
                                      ("moe_gpu_kernel", self.moe_gpu_kernel, ("auto", "native", "triton")),
                                      ("moe_stream_prefill", self.moe_stream_prefill, ("auto", "on", "off")),
-                                     ("moe_stream_experts", self.moe_stream_experts, ("routed", "all", "mapped")),
+                                     ("moe_stream_experts", self.moe_stream_experts, ("routed", "all")),
                                      ("moe_lock_host", self.moe_lock_host, ("auto", "on", "off")),
                                      ("moe_locked_fetch_mode", self.moe_locked_fetch_mode, ("read", "copy"))):
             if value not in allowed:

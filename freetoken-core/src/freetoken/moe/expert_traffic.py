@@ -110,23 +110,17 @@ class ExpertTraffic:
             self.locked_setting = "auto: off (the CPU layers' expert formats are not read by the GPU's kernels)"
         if locked and o.lock_host == "off":
             raise ValueError("--moe-locked-fetch needs page-locked host banks: drop --moe-lock-host off")
-        mapped = o.stream_experts == "mapped"
         stream = self.stream_planned and o.stream_prefill != "off" and bool(cpu_layers) and all(
             streamable(e, self.act_dtype, self.packed_ok) for e in cpu_layers.values())
         if o.stream_prefill == "on" and cpu_layers and not stream:
             raise ValueError("--moe-stream-prefill on: the CPU layers' expert formats cannot be computed on the GPU "
                              "as stored (GGUF Q4_K/Q5_K/Q6_K/Q8_0/MXFP4, or float experts in the activation dtype)")
-        if stream and mapped and not all(locked_fetch_supported(e) for e in cpu_layers.values()):
-            raise ValueError("--moe-stream-experts mapped: the GPU reads the host banks with its packed kernels, which "
-                             "need GGUF Q4_K/Q5_K/Q6_K/Q8_0/MXFP4 experts; use --moe-stream-experts routed")
-        if stream and mapped and o.lock_host == "off":
-            raise ValueError("--moe-stream-experts mapped reads page-locked host banks: drop --moe-lock-host off")
         cache = self.cache_bytes > 0 and bool(cpu_layers)
         if stream or cache:
             self.copies = CopyQueue(self.device)
-        # mapped for locked fetch, for mapped streaming and for routed streaming's gather kernels
+        # mapped for locked fetch's and routed streaming's gather kernels
         self._register(staging, stream or (cache and o.hybrid_max_fetch > 0) or locked,
-                       mapped=locked or (stream and o.stream_experts != "all"))
+                       mapped=locked or (stream and o.stream_experts == "routed"))
         why = "; ".join(self.notes) or f"banks are page-locked for CUDA/HIP devices only, not {self.device}"
         if locked and self.registration is None:
             if not auto:
@@ -135,9 +129,6 @@ class ExpertTraffic:
             locked = False
             self.locked_setting = f"auto: off (the host banks could not be page-locked and mapped: {why})"
             self.notes.append(f"locked fetch {self.locked_setting}")
-        if stream and mapped and self.registration is None:
-            raise ValueError(f"--moe-stream-experts mapped needs page-locked host banks, which could not be "
-                             f"registered: {why} (use --moe-stream-experts routed)")
         self.locked = locked
         if cache:
             self.cache = ExpertCache(cpu_layers, self.cache_bytes, self.device, self.act_dtype, self.activation,

@@ -70,9 +70,8 @@ def streamable(experts: Any, act_dtype: torch.dtype, packed_ok: bool) -> bool:
 
 def buffer_count(experts: str) -> int:
     """Device buffers the streamer keeps with ``--moe-stream-experts experts`` (``routed``:
-    one of a window of experts; ``all``: two of a layer each; ``mapped`` reads the
-    page-locked host banks in place: none)."""
-    return {"routed": 1, "all": 2, "mapped": 0}[experts]
+    one of a window of experts; ``all``: two of a layer each)."""
+    return {"routed": 1, "all": 2}[experts]
 
 
 def window_experts(num_experts: int, windows: int) -> int:
@@ -85,8 +84,8 @@ def window_experts(num_experts: int, windows: int) -> int:
 def buffer_bytes(experts: str, layer_bytes: list[int], num_experts: int, windows: int = STREAM_WINDOWS) -> int:
     """Device bytes of the streamer's buffers for layers of ``layer_bytes`` (each
     ``num_experts`` experts of equal size): ``routed`` one window of the largest layer's
-    experts, ``all`` two of its layers, ``mapped`` none."""
-    if not layer_bytes or experts == "mapped":
+    experts, ``all`` two of its layers."""
+    if not layer_bytes:
         return 0
     largest = max(int(b) for b in layer_bytes)
     if experts == "all":
@@ -112,11 +111,8 @@ class PrefillStreamer:
         scratch: DequantScratch, copies: CopyQueue, mode: str = "auto", min_tokens: Optional[int] = None,
         experts: str = "routed", registration: Any = None, windows: int = STREAM_WINDOWS,
     ) -> None:  # fmt: skip
-        if experts not in ("routed", "all", "mapped"):
-            raise ValueError(f"streamed experts {experts!r}: expected 'routed', 'all' or 'mapped'")
-        if experts == "mapped" and registration is None:
-            raise ValueError("streamed experts 'mapped' read the host banks in place: they need the banks "
-                             "page-locked and mapped (a HostRegistration)")
+        if experts not in ("routed", "all"):
+            raise ValueError(f"streamed experts {experts!r}: expected 'routed' or 'all'")
         self.layers = dict(sorted(layers.items()))
         self.order = list(self.layers)
         self.position = {layer: i for i, layer in enumerate(self.order)}
@@ -129,14 +125,6 @@ class PrefillStreamer:
         self.mode = mode
         self.min_tokens = min_tokens
         self.routed = experts == "routed"
-        self.mapped: dict[int, Any] = {}
-        if experts == "mapped":
-            from freetoken.moe.locked_fetch import mapped_experts
-
-            # the grouped kernels read the routed experts' blocks over PCIe where the banks
-            # are: no copy, no read-back of the routed set, one launch pair per layer
-            self.mapped = {layer: mapped_experts(e, registration, self.device, activation, prompts=True)
-                           for layer, e in self.layers.items()}
         # routed copies by the gather kernel: each layer's stacks at their mapped host addresses
         # (a simulated GPU whose device memory is the host's: the bank tensors themselves)
         self.gather_src: dict[int, list[Any]] = {}
@@ -214,16 +202,13 @@ class PrefillStreamer:
 
     def start_step(self) -> None:
         """A streaming step begins: with ``all``, the first CPU layer's copy starts now."""
-        if not self.routed and not self.mapped:
+        if not self.routed:
             self.prefetch(self.order[0])
 
     def forward(self, layer: int, x: Any, ids: Any, w: Any) -> Any:
         """The layer's routed experts for a streamed chunk (``x.dtype``). With ``routed``
         and an expert cache holding some of the layer's experts (:attr:`cached`), the routes
         to those are computed from the cache's slots and only the others are copied."""
-        if self.mapped:
-            self.streamed_layers += 1  # (the bytes are read by the kernels: not counted)
-            return self.mapped[layer].forward(x, ids, w)
         if self.routed:
             held = self.cached(layer) if self.cached is not None else None
             if held is None:
@@ -401,12 +386,8 @@ def measure_threshold(streamer: PrefillStreamer, cpu: Any, bank: Any, top_k: int
     layer = streamer.order[0]
     e = streamer.layers[layer]
     nbytes = e.nbytes
-    if streamer.buffers:  # (a window of the layer with routed streaming; the rate is the same)
-        pairs = streamer._parts(layer, streamer.buffers[0], 0, streamer.window)
-    else:  # mapped streaming keeps no buffer: the rate from a 64 MiB copy into a temporary one
-        src = e.gate.raw_torch().reshape(-1)
-        src = (src.view(torch.uint8) if src.dtype != torch.uint8 else src)[: 64 << 20]
-        pairs = [(torch.empty(src.numel(), dtype=torch.uint8, device=streamer.device), src)]
+    # (a window of the layer with routed streaming; the rate is the same)
+    pairs = streamer._parts(layer, streamer.buffers[0], 0, streamer.window)
     moved = sum(int(src.numel()) for _, src in pairs)
     streamer.copies.submit(pairs).order_before()  # first touch: page faults, registration
     _sync(streamer.device)
