@@ -1,5 +1,5 @@
 """Locked fetch's route choice: the device rule (LockedPlacement, captured in graphs), its
-host mirror (used by the statistics) and the constants of the copy mode without a cache
+host mirror (used by the statistics) and the constants of a step without a cache
 (first_routes) against a plain Python count; and the clear refusal where the GPU cannot
 read the host banks."""
 
@@ -62,9 +62,9 @@ def test_locked_fetch_refused_where_the_gpu_cannot_read_the_banks():
     registry.reset()
 
 
-def test_split_experts_add_cached_and_mapped_routes():
+def test_split_experts_add_cached_and_fetched_routes():
     """SplitGpuExperts: routes whose expert is resident go through the cache's pool, the other
-    GPU routes through the mapped banks (here the torch implementation over the same weights),
+    GPU routes through the fetched experts (here the torch implementation over the same weights),
     and the two add up to every route's float64 result; ``out`` is filled when given."""
     from test_expert_cache import E, H, I, K, layer
 
@@ -79,12 +79,12 @@ def test_split_experts_add_cached_and_mapped_routes():
         cache = ExpertCache(weights, 3 * (3 * H * I * 4), "cpu", torch.float32, "silu", packed_ok=False,
                             copies=copies)  # three slots: experts 0, 1, 2
         lw = weights[7]
-        mapped = GpuExperts(lw.gate.data, lw.up.data, lw.down.data, impl="torch")
-        split = SplitGpuExperts(cache.layer_experts(7), cache.resident[0], mapped, H)
+        fetched = GpuExperts(lw.gate.data, lw.up.data, lw.down.data, impl="torch")
+        split = SplitGpuExperts(cache.layer_experts(7), cache.resident[0], fetched, H)
         g = torch.Generator().manual_seed(5)
         x = torch.randn(4, H, generator=g)
         ids = torch.randint(0, E, (4, K), generator=g).to(torch.int32)
-        ids[0, 0], ids[1, 0] = 1, 6  # at least one cached and one mapped route
+        ids[0, 0], ids[1, 0] = 1, 6  # at least one cached and one fetched route
         ids[3, 1] = -1  # a route on the CPU
         w = torch.rand(4, K, generator=g)
         ref = torch.zeros(4, H, dtype=torch.float64)

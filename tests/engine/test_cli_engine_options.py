@@ -34,7 +34,7 @@ EVERY_FLAG = [
     "--moe-cpu-layers", "0-11,40", "--cpu-threads", "12", "--enforce-eager", "--no-decode-ahead", "--cuda-graph-max-bs", "32",
     "--cuda-graph-bs", "8,1,4,4", "--gpu-memory-utilization", "0.85", "--gpu-memory-limit", "1.5GiB",
     "--no-prefix-cache", "--gpu-dense", "packed", "--gpu-embedding", "host", "--gpu-gemv", "triton", "--pin-host-threads", "off", "--cpu-spin-ms", "7.5", "--moe-gpu-experts", "dequantized", "--moe-gpu-kernel", "triton", "--moe-cache-size", "6", "--moe-hybrid-max-fetch", "2",
-    "--moe-stream-prefill", "on", "--moe-stream-min-tokens", "96", "--moe-stream-experts", "all", "--moe-stream-windows", "8", "--moe-lock-host", "off", "--moe-locked-fetch", "0.3", "--moe-locked-max-fetch", "3", "--moe-locked-fetch-mode", "copy", "--moe-collect-stats",
+    "--moe-stream-prefill", "on", "--moe-stream-min-tokens", "96", "--moe-stream-experts", "all", "--moe-stream-windows", "8", "--moe-lock-host", "off", "--moe-locked-fetch", "0.3", "--moe-locked-max-fetch", "3", "--moe-collect-stats",
     "--moe-stats-interval", "2.5",
 ]  # fmt: skip
 EXPECTED = {
@@ -44,7 +44,7 @@ EXPECTED = {
     "cuda_graph_bs": [1, 4, 8], "gpu_memory_utilization": 0.85, "gpu_memory_limit": 3 * 2**29,
     "enable_prefix_cache": False, "gpu_dense": "packed", "gpu_embedding": "host", "gpu_gemv": "triton", "pin_host_threads": "off", "cpu_spin_ms": 7.5, "moe_gpu_experts": "dequantized", "moe_gpu_kernel": "triton", "moe_cache_size": 6 * 2**30,
     "moe_hybrid_max_fetch": 2, "moe_stream_prefill": "on", "moe_stream_min_tokens": 96, "moe_stream_experts": "all", "moe_stream_windows": 8, "moe_lock_host": "off",
-    "moe_locked_fetch": 0.3, "moe_locked_max_fetch": 3, "moe_locked_fetch_mode": "copy", "moe_collect_stats": True, "moe_stats_interval": 2.5,
+    "moe_locked_fetch": 0.3, "moe_locked_max_fetch": 3, "moe_collect_stats": True, "moe_stats_interval": 2.5,
 }  # fmt: skip
 
 
@@ -74,7 +74,6 @@ def test_locked_fetch_auto_is_the_default_and_can_be_given():
     assert EngineConfig().moe_locked_fetch is None and _config(["serve"]).moe_locked_fetch is None
     assert _config(["serve", "--moe-locked-fetch", "AUTO"]).moe_locked_fetch is None
     assert _config(["serve", "--moe-locked-fetch", "0"]).moe_locked_fetch == 0.0
-    assert _config(["serve"]).backend_options(None).moe.locked_fetch_mode == "copy"
 
 
 def test_defaults_are_engine_config_defaults():
@@ -97,13 +96,21 @@ def test_moe_cache_size_is_gib_size_or_fraction(text, expected):
                                   ["--moe-gpu-experts", "fp4"], ["--moe-stream-prefill", "maybe"],
                                   ["--moe-hybrid-max-fetch", "-2"], ["--moe-stats-interval", "0"],
                                   ["--moe-locked-fetch", "1.5"], ["--moe-locked-fetch", "most"],
-                                  ["--moe-locked-fetch-mode", "stream"],
+                                  ["--moe-stream-experts", "mapped"],
                                   ["--moe-stream-windows", "0"], ["--gpu-embedding", "cpu"]])
 def test_bad_moe_flags_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", *argv])
     assert exc.value.code == 2
     assert "invalid value" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--gpu-dependent-launch", "on"], ["--moe-locked-fetch-mode", "copy"]])
+def test_removed_flags_are_unknown(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", *argv])
+    assert exc.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_serve_keeps_its_own_options():

@@ -1,9 +1,9 @@
-"""Locked fetch by copy (``--moe-locked-fetch-mode copy``) inside an engine: each step's
+"""Locked fetch inside an engine: each step's
 locked routes' experts gathered from the page-locked, mapped host banks into device slots
 and computed there by the packed kernels, beside the CPU workers. Without a GPU: the
 fakegpu plugin (host memory is its device memory) with the kernels in Triton's interpreter,
-against the same engine with every route on the CPU workers. On the H200 the same mode runs
-in tests/gpu/test_gpu_expert_traffic.py."""
+against the same engine with every route on the CPU workers. On the H200 the same runs in
+tests/gpu/test_gpu_expert_traffic.py."""
 
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ def test_fakegpu_locked_fetch_copy_matches_the_cpu_workers(cache_experts, refere
     cache of 6 of the 16 experts the first missed ones (slots ranked on the device)."""
     mapped_banks_in_the_interpreter(monkeypatch)
     got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_locked_fetch=0.5, moe_locked_max_fetch=2,
-                           moe_locked_fetch_mode="copy", moe_cache_size=float(cache_experts * EXPERT_BYTES),
+                           moe_cache_size=float(cache_experts * EXPERT_BYTES),
                            moe_collect_stats=True)  # fmt: skip
     fetch = rep["locked_fetch"]
-    assert fetch["mode"] == "copy" and fetch["staging_bytes"] == 2 * EXPERT_BYTES, fetch
+    assert fetch["staging_bytes"] == 2 * EXPERT_BYTES, fetch
     assert fetch["routes"] > 0 and rep["host_locked_bytes"] > 0, rep
     assert 0 < rep["moe_stats"]["gpu_routes"] < rep["moe_stats"]["routes"], rep["moe_stats"]
     assert check_logits(got, reference, TOL) >= 5
@@ -61,7 +61,7 @@ def test_fakegpu_locked_fetch_auto(reference, monkeypatch):
     mapped_banks_in_the_interpreter(monkeypatch)
     got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_collect_stats=True)
     fetch = rep["locked_fetch"]
-    assert (fetch["setting"], fetch["fraction"], fetch["mode"]) == ("auto", locked_fetch.AUTO_FRACTION, "copy"), fetch
+    assert (fetch["setting"], fetch["fraction"]) == ("auto", locked_fetch.AUTO_FRACTION), fetch
     assert fetch["staging_bytes"] == 2 * EXPERT_BYTES and fetch["routes"] > 0, fetch
     assert 0 < rep["moe_stats"]["gpu_routes"] < rep["moe_stats"]["routes"], rep["moe_stats"]
     assert check_logits(got, reference, TOL) >= 5

@@ -241,16 +241,16 @@ def test_engine_with_packed_dense_equals_cpu_backend(tiny):
         assert float((got[: same + 1] - ref[: same + 1]).abs().max()) <= 8e-2 * scale
 
 
-def test_locked_fetch_by_copy_plans_its_slots(tiny):
-    """``--moe-locked-fetch-mode copy`` keeps device slots for the experts a step fetches
-    (``locked_max_fetch`` of the largest layer's experts) in the plan; ``read`` keeps none."""
+def test_locked_fetch_plans_its_slots(tiny):
+    """Locked fetch keeps device slots for the experts a step fetches (``locked_max_fetch`` of
+    the largest layer's experts) in the plan; without it there are none."""
     tiny, _ = tiny
     shape = gguf_model_shape(tiny, torch.float32)
     layer = 3 * tg.E * tg.H * tg.I * 4  # one layer's experts as the plan counts them here (dequantized)
     scratch = {}
-    for mode in ("read", "copy"):
+    for fraction in (0.0, 0.5):
         s = _session(1 << 40, moe_cpu_layers="all",
-                     moe=MoEOptions(stream_prefill="off", locked_fetch=0.5, locked_max_fetch=3, locked_fetch_mode=mode))
+                     moe=MoEOptions(stream_prefill="off", locked_fetch=fraction, locked_max_fetch=3))
         s.plan(shape)
-        scratch[mode] = s.plan_result.scratch
-    assert scratch == {"read": 0, "copy": 3 * layer // tg.E}
+        scratch[fraction] = s.plan_result.scratch
+    assert scratch == {0.0: 0, 0.5: 3 * layer // tg.E}

@@ -430,8 +430,7 @@ class MoEOptions:
     ``locked_fetch``: share of a decode step's missed routes that the GPU computes from the
     page-locked banks in the same step (at most ``locked_max_fetch`` per layer; 0: off; None:
     ``auto``, :func:`freetoken.moe.locked_fetch.planned_fraction`), its kernels reading them
-    from device slots they are first copied into (``locked_fetch_mode`` ``copy``) or in place
-    over PCIe (``read``).
+    from device slots a gather kernel first copies them into.
     ``collect_stats`` with the log summary every ``stats_interval_s`` seconds.
     ``gpu_kernel``: what runs a decode step's routes through packed GPU experts: ``native``
     (the backend's :meth:`PackedGemv.experts`), ``triton`` (the engine's Triton kernels), or
@@ -449,7 +448,6 @@ class MoEOptions:
     lock_host: str = "auto"
     locked_fetch: Optional[float] = None
     locked_max_fetch: int = 2
-    locked_fetch_mode: str = "copy"
     collect_stats: bool = False
     stats_interval_s: float = 60.0
     gpu_kernel: str = "auto"

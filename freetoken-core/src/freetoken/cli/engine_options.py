@@ -316,16 +316,13 @@ _OPTIONS: tuple[_Option, ...] = (
             "speed: auto (when streaming or fetching uses them), on, off (default: {default})",
             choice("auto", "on", "off"), "MODE"),
     _Option("moe_locked_fetch", "--moe-locked-fetch",
-            "share of a decode step's missed expert routes the GPU computes in the same step from the "
-            "page-locked host banks, over PCIe, beside the CPU workers (about PCIe / (PCIe + RAM bandwidth); "
-            "GGUF K-quant/Q8_0/MXFP4 experts); 0: off; auto: 0.25 on an NVIDIA GPU when the banks can be "
-            "page-locked, else off (default: {default})", fraction_or_auto, "auto|FRACTION"),
+            "share of a decode step's missed expert routes the GPU computes in the same step, beside the CPU "
+            "workers: one gather kernel per stack copies their experts from the page-locked host banks over "
+            "PCIe into a few device slots (a few MiB), then the GPU's kernels compute from there (about PCIe / "
+            "(PCIe + RAM bandwidth); GGUF K-quant/Q8_0/MXFP4 experts); 0: off; auto: 0.25 on an NVIDIA GPU when "
+            "the banks can be page-locked, else off (default: {default})", fraction_or_auto, "auto|FRACTION"),
     _Option("moe_locked_max_fetch", "--moe-locked-max-fetch",
             "most missed routes per layer and step served that way (default: {default})", non_negative_int, "N"),
-    _Option("moe_locked_fetch_mode", "--moe-locked-fetch-mode",
-            "how the GPU reads those experts: copy (one gather kernel per stack first copies them into device "
-            "slots, then the kernels compute from there; a few MiB of GPU memory) or read (its kernels read the "
-            "blocks in place over PCIe; measured slower) (default: {default})", choice("copy", "read"), "MODE"),
     _Option("moe_collect_stats", "--moe-collect-stats",
             "collect MoE statistics (active experts, cache hits and misses per layer, fetched bytes, CPU expert "
             "time) for /metrics and a periodic log line (default: off)", flag_only=True),

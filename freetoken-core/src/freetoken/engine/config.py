@@ -64,7 +64,6 @@ class EngineConfig:
     #: a fraction, or None: auto (on where the GPU can fetch, NVIDIA only)
     moe_locked_fetch: Optional[float] = None
     moe_locked_max_fetch: int = 2
-    moe_locked_fetch_mode: str = "copy"
     moe_collect_stats: bool = False
     moe_stats_interval: float = 60.0
 
@@ -89,7 +88,6 @@ class EngineConfig:
                 stream_windows=self.moe_stream_windows,
                 lock_host=self.moe_lock_host,
                 locked_fetch=self.moe_locked_fetch, locked_max_fetch=self.moe_locked_max_fetch,
-                locked_fetch_mode=self.moe_locked_fetch_mode,
                 collect_stats=self.moe_collect_stats, stats_interval_s=self.moe_stats_interval,
                 gpu_kernel=self.moe_gpu_kernel,
             ),
@@ -126,8 +124,7 @@ class EngineConfig:
                                      ("moe_gpu_kernel", self.moe_gpu_kernel, ("auto", "native", "triton")),
                                      ("moe_stream_prefill", self.moe_stream_prefill, ("auto", "on", "off")),
                                      ("moe_stream_experts", self.moe_stream_experts, ("routed", "all")),
-                                     ("moe_lock_host", self.moe_lock_host, ("auto", "on", "off")),
-                                     ("moe_locked_fetch_mode", self.moe_locked_fetch_mode, ("read", "copy"))):
+                                     ("moe_lock_host", self.moe_lock_host, ("auto", "on", "off"))):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if not self.moe_cache_size >= 0:

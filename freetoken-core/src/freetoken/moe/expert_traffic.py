@@ -36,7 +36,6 @@ from freetoken.moe.locked_fetch import (
     StagedFetch,
     locked_fetch_supported,
     locked_routes,
-    mapped_experts,
 )
 from freetoken.moe.placement import Placement
 from freetoken.moe.moe_stats import MoEStats, RouteLog
@@ -178,23 +177,18 @@ class ExpertTraffic:
     # ---- each layer ---------------------------------------------------------------------------
     def gpu_side(self, layer: int) -> tuple[Any, Optional[Placement]]:
         """(GPU experts, placement) of a CPU layer: the cache's experts and residency, plus
-        the mapped banks with locked fetch; (None, None) when every route goes to the CPU."""
+        locked fetch's slots; (None, None) when every route goes to the CPU."""
         cached, resident = self._cached_experts(layer) or (None, None)
         if not self.locked:
             return (cached, Placement(resident)) if cached is not None else (None, None)
         e = self.cpu_layers[layer]
         o = self.options
-        if o.locked_fetch_mode == "copy":
-            if self.fetch_staging is None:  # one set of slots: the CPU layers run one after another
-                self.fetch_staging = FetchStaging(self.cpu_layers, o.locked_max_fetch, self.device)
-            gpu: Any = StagedFetch(e, self.registration, self.fetch_staging, self.activation, self.top_k,
-                                   o.locked_fetch, o.locked_max_fetch, native=self.native)  # fmt: skip
-            if cached is None:  # every route missed: the first ones of the step are fetched
-                return gpu, FirstRoutesPlacement(None, fetch=gpu)
-        else:
-            gpu = mapped_experts(e, self.registration, self.device, self.activation)
-        if resident is None:
-            resident = torch.zeros(e.num_experts, dtype=torch.bool, device=self.device)
+        if self.fetch_staging is None:  # one set of slots: the CPU layers run one after another
+            self.fetch_staging = FetchStaging(self.cpu_layers, o.locked_max_fetch, self.device)
+        gpu = StagedFetch(e, self.registration, self.fetch_staging, self.activation, self.top_k,
+                          o.locked_fetch, o.locked_max_fetch, native=self.native)  # fmt: skip
+        if cached is None:  # every route missed: the first ones of the step are fetched
+            return gpu, FirstRoutesPlacement(None, fetch=gpu)
         return (SplitGpuExperts(cached, resident, gpu, e.hidden),
                 LockedPlacement(resident, fraction=o.locked_fetch, max_fetch=o.locked_max_fetch))
 
@@ -301,7 +295,7 @@ class ExpertTraffic:
                 out["prefill_stream"]["routed_copies"] = "gather kernels" if self.streamer.gathers else "copy engine"
         if self.locked:
             out["locked_fetch"] = {"fraction": self.options.locked_fetch, "max_fetch": self.options.locked_max_fetch,
-                                   "mode": self.options.locked_fetch_mode, "setting": self.locked_setting,
+                                   "setting": self.locked_setting,
                                    "staging_bytes": self.fetch_staging.nbytes if self.fetch_staging else 0,
                                    "routes": self.locked_routes if self.route_log is not None else None}
         elif self.cpu_layers:

@@ -151,7 +151,7 @@ class GpuMemoryPlanner:
         m = o.moe
         fetchable = n > 0 and len(as_stored) == n and m.lock_host != "off"
         locked, locked_setting = planned_fraction(m.locked_fetch, self.device, fetchable)
-        if locked > 0 and m.locked_max_fetch > 0 and m.locked_fetch_mode == "copy" and n > 0:
+        if locked > 0 and m.locked_max_fetch > 0 and n > 0:
             # locked fetch by copy: device slots for the experts a step fetches
             buffers += FetchStaging.bytes_for(max(per_layer.values()) // max(shape.num_experts, 1), m.locked_max_fetch)
         dense = self._dense_form(shape, budget, reserve + kv_min + cache + buffers, per_layer)

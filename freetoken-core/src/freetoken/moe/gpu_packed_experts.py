@@ -198,8 +198,8 @@ class PackedGpuExperts:
     ) -> "PackedGpuExperts":
         """Experts whose bytes are already where the kernels read them (``data``: uint8 gate,
         up, down on the device, e.g. a streaming buffer or cache slots, or ready
-        :class:`~freetoken.moe.triton_moe_packed.PackedStack` objects, e.g. mapped host
-        memory), nothing copied; the capture fallback's constants are not prepared."""
+        :class:`~freetoken.moe.triton_moe_packed.PackedStack` objects, e.g. slots of a
+        buffer), nothing copied; the capture fallback's constants are not prepared."""
         return cls(experts.gate, experts.up, experts.down, device, on_device=data, warm=False, **kwargs)
 
     @classmethod

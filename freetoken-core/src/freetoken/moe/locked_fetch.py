@@ -4,29 +4,27 @@ memory, in the same step, while the CPU workers compute the others.
 A decode step's missed experts (routes of a CPU layer whose expert is not in the cache)
 are normally all computed by the CPU workers, whose speed is the host's memory bandwidth.
 The PCIe link is a second, independent path to the same bytes: with the banks page-locked
-and mapped for the device (:class:`~freetoken.moe.host_pinning.HostRegistration`), the
-packed expert kernels read a missed expert's blocks over PCIe directly (no copy, no staging
-buffer: the weights never change, so there is nothing to order), and the CPU gets fewer
-experts. :class:`LockedPlacement` decides per step, on the device (captured in graphs):
-of the layer's missed routes, the first ``round(fraction * missed)`` -- at most
-``max_fetch`` -- run on the GPU from host memory, the rest on the CPU. The best fraction is
-about PCIe bandwidth / (PCIe + host memory bandwidth).
+and mapped for the device (:class:`~freetoken.moe.host_pinning.HostRegistration`), one
+gather kernel copies the locked routes' experts (their gate, up and down blocks) into a few
+device staging slots (:class:`FetchStaging`, shared by every CPU layer: the layers run one
+after another on one stream), wide 16-byte reads that keep many requests in flight, and the
+packed kernels (the backend's native ones where it has them) then compute from the slots
+(:class:`StagedFetch`); the CPU gets fewer experts. The best fraction is about PCIe
+bandwidth / (PCIe + host memory bandwidth).
 
-:class:`SplitGpuExperts` is then the layer's GPU side: cached routes through the cache's
-pool, locked routes through the mapped banks.
+Without an expert cache every route of a CPU layer is missed, so the locked routes are the
+first ``round(fraction * missed)`` -- at most ``max_fetch`` -- of the step in (token, k)
+order, known from the batch size alone: the masks and slot ids are constants of each batch
+size (:class:`FirstRoutesPlacement`), and a step costs the gather launch and the expert
+kernels, nothing else on the GPU. Beside a cache, :class:`LockedPlacement` decides per step,
+on the device (captured in graphs): of the layer's missed routes (expert not cached), the
+first ``round(fraction * missed)``, at most ``max_fetch``, run on the GPU, the rest on the
+CPU; :class:`SplitGpuExperts` is then the layer's GPU side: cached routes through the
+cache's pool, locked routes through the slots.
 
-Two ways for the GPU to read the locked routes' experts (``mode``):
-
-* ``read``: the packed kernels read the blocks in place over PCIe, as they compute;
-* ``copy``: one gather kernel first copies the locked routes' experts (their gate, up and
-  down blocks) into a few device staging slots (:class:`FetchStaging`, shared by every CPU
-  layer: the layers run one after another on one stream), wide 16-byte reads that keep many
-  requests in flight, and the packed kernels (the backend's native ones where it has them)
-  then compute from the slots (:class:`StagedFetch`). Without an expert cache every route
-  of a CPU layer is missed, so the locked routes are the first ones of the step in (token,
-  k) order, known from the batch size alone: the masks and slot ids are constants of each
-  batch size (:class:`FirstRoutesPlacement`), and a step costs the gather launch and the
-  expert kernels, nothing else on the GPU.
+(Having the packed kernels read the locked routes' blocks in place over PCIe, with no copy,
+measured slower than leaving those routes to the CPU on the H200: docs/benchmarks.md, first
+and eighth runs.)
 """
 
 from __future__ import annotations
@@ -55,32 +53,6 @@ class DevicePointer:
         return self.address
 
 
-def mapped_stack(raw: Any, address: int) -> Any:
-    """A :class:`~freetoken.moe.triton_moe_packed.PackedStack` whose bytes are read from the
-    mapped host address ``address`` (the stack ``raw``'s first byte)."""
-    from freetoken.moe import triton_moe_packed as tp
-
-    @dataclasses.dataclass(frozen=True)
-    class MappedStack(tp.PackedStack):
-        address: int = 0
-        size: int = 0
-        experts: int = 0
-
-        @property
-        def nbytes(self) -> int:
-            return self.size
-
-        @property
-        def num_experts(self) -> int:
-            return self.experts
-
-        def views(self) -> tuple[Any, Any, Any]:
-            return tuple(DevicePointer(self.address, dt) for dt in (torch.uint8, torch.int8, torch.float16))
-
-    e, rows, cols = (int(s) for s in raw.shape)
-    return MappedStack(None, int(raw.fmt), rows, cols, address, int(raw.nbytes), e)
-
-
 #: ``--moe-locked-fetch auto``: the share of a step's missed routes fetched where the GPU can
 #: take it (about a quarter: PCIe's ~55 GB/s against the host's ~100 GB/s of the CPU workers
 #: on the H200 machine this was measured on; docs/benchmarks.md)
@@ -107,24 +79,6 @@ def planned_fraction(fraction: Optional[float], device: Any, eligible: bool) -> 
 
 def locked_fetch_supported(experts: Any) -> bool:
     return {int(t.fmt) for t in (experts.gate, experts.up, experts.down)} <= PACKED_FORMATS
-
-
-def mapped_experts(experts: Any, registration: Any, device: Any, activation: str, prompts: bool = False) -> Any:
-    """One layer's experts as packed kernels over its mapped host banks. Decode batches
-    (``prompts`` False) run the per-route kernels whatever their size; with ``prompts``,
-    batches above the per-route sizes run the grouped kernels (each routed expert's blocks
-    read about once per block of its routes). Nothing is ever dequantized from host memory."""
-    import dataclasses as dc
-
-    from freetoken.moe import triton_moe_packed as tp
-    from freetoken.moe.gpu_packed_experts import PackedGpuExperts
-
-    stacks = tuple(mapped_stack(t, registration.device_address(t.raw_torch())) for t in
-                   (experts.gate, experts.up, experts.down))  # fmt: skip
-    base = tp.default_config(device)
-    config = base if prompts else dc.replace(base, max_routes=1 << 30)
-    return PackedGpuExperts.over_device_bytes(experts, stacks, device, activation=activation, config=config,
-                                              large_batch="grouped")
 
 
 @dataclasses.dataclass
@@ -176,29 +130,30 @@ def mapped_sources(experts: Any, registration: Any, device: Any) -> list[Any]:
 
 
 class SplitGpuExperts:
-    """A CPU layer's GPU side with locked fetch: routes to cached experts through the cache
-    (``cached``, or none), the other GPU routes through the mapped host banks."""
+    """A CPU layer's GPU side with locked fetch beside an expert cache: routes to cached
+    experts through the cache (``cached``, or none), the other GPU routes through
+    ``fetched`` (the layer's :class:`StagedFetch`)."""
 
-    def __init__(self, cached: Optional[Any], resident: Any, mapped: Any, hidden: int) -> None:
-        self.cached, self.resident, self.mapped, self.hidden = cached, resident, mapped, hidden
+    def __init__(self, cached: Optional[Any], resident: Any, fetched: Any, hidden: int) -> None:
+        self.cached, self.resident, self.fetched, self.hidden = cached, resident, fetched, hidden
 
     def forward(self, x: torch.Tensor, gpu_ids: torch.Tensor, w: torch.Tensor, out: Any = None) -> torch.Tensor:
         from freetoken.moe.gpu_experts import finish_output, float32_output
 
         if self.cached is None:
-            return self.mapped.forward(x, gpu_ids, w, out)
+            return self.fetched.forward(x, gpu_ids, w, out)
         valid = gpu_ids >= 0
         minus = torch.full_like(gpu_ids, -1)
         hit = valid & self.resident[gpu_ids.clamp(min=0).long()]
         y, direct = float32_output(out, x, x.shape[0], self.hidden, x.device)
         self.cached.forward(x, torch.where(hit, gpu_ids, minus), w, out=y)
-        y.add_(self.mapped.forward(x, torch.where(valid & ~hit, gpu_ids, minus), w, out=torch.empty_like(y)))
+        y.add_(self.fetched.forward(x, torch.where(valid & ~hit, gpu_ids, minus), w, out=torch.empty_like(y)))
         return finish_output(y, out, direct, x.dtype)
 
     def warmup(self, batch_sizes: Any, top_k: int, x_dtype: Any = None) -> None:
         if self.cached is not None:
             self.cached.warmup(batch_sizes, top_k, x_dtype)
-        self.mapped.warmup(batch_sizes, top_k, x_dtype)
+        self.fetched.warmup(batch_sizes, top_k, x_dtype)
 
 
 def first_routes(tokens: int, top_k: int, fraction: float, max_fetch: int) -> tuple[int, torch.Tensor, torch.Tensor]:
