@@ -212,9 +212,12 @@ def test_declined_head(tmp_path):
         eng.close()
 
 
-def test_env_switch_off(checkpoints, monkeypatch):
+def test_turned_off(checkpoints, monkeypatch):
+    """CpuModelSession.greedy_head_picks off (the tests' way to the logits path): no head picks."""
+    from freetoken_cpu_moe.backend import CpuModelSession
+
     paths, _ = checkpoints
-    monkeypatch.setenv("FREETOKEN_CPU_GREEDY_HEAD", "0")
+    monkeypatch.setattr(CpuModelSession, "greedy_head_picks", False)
     eng = engine_for(paths["gguf"])
     try:
         assert eng.session.greedy_head is None

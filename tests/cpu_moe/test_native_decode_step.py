@@ -233,7 +233,6 @@ def test_engine_native_decode_matches_hf(checkpoints):
 
 
 @pytest.mark.parametrize("env, value, reason", [
-    ("FREETOKEN_CPU_NATIVE_DECODE", "0", None),
     ("FREETOKEN_DENSE_OPS", "torch", "not the session's native ops"),
     ("FREETOKEN_CPU_ATTENTION", "torch", "decode attention runs through torch"),
 ])  # fmt: skip
@@ -243,12 +242,35 @@ def test_declined_models_keep_the_per_op_path(checkpoints, monkeypatch, env, val
     eng = engine_for(paths["hf"])
     try:
         assert eng.session.native_decode is None
-        if reason is not None:
-            _, why = NativeDecode.build(eng.model, eng.session.kv_caches, eng.session.ops, eng.session.attention.mode,
-                                        eng.session.pool)  # fmt: skip
-            assert reason in why
+        _, why = NativeDecode.build(eng.model, eng.session.kv_caches, eng.session.ops, eng.session.attention.mode,
+                                    eng.session.pool)  # fmt: skip
+        assert reason in why
     finally:
         eng.close()
+
+
+def test_native_step_turned_off_gives_the_per_op_tokens(checkpoints, monkeypatch):
+    """With CpuModelSession.native_decode_step off (the tests' way to the reference path) the
+    session builds no native step, and its greedy tokens are the native step's."""
+    from freetoken import SamplingParams
+    from freetoken_cpu_moe.backend import CpuModelSession
+
+    paths, _, seed = checkpoints
+    rng = random.Random(seed + 7)
+    prompts = [[rng.randrange(160) for _ in range(n)] for n in (3, 11)]
+    outs = {}
+    for native in (True, False):
+        monkeypatch.setattr(CpuModelSession, "native_decode_step", native)
+        eng = engine_for(paths["hf"])
+        try:
+            assert (eng.session.native_decode is not None) == native
+            reqs = [eng.add_request(p, SamplingParams(max_tokens=6, temperature=0.0)) for p in prompts]
+            while eng.has_work():
+                eng.step()
+            outs[native] = [r.output_ids for r in reqs]
+        finally:
+            eng.close()
+    assert outs[True] == outs[False]
 
 
 def test_dense_mlp_layer_declined(tmp_path):

@@ -12,8 +12,7 @@
 #      of a prefill and a decode step; then the prompt once more with torch on $THREADS threads for
 #      prompt steps (FREETOKEN_CPU_TORCH_THREADS) and torch's attention for prompt steps
 #      (FREETOKEN_CPU_ATTENTION=decode: the pool's attention kernel against torch SDPA on $THREADS
-#      threads), once more with the engine's thread pinned (FREETOKEN_CPU_PIN_CALLER=1), and on
-#      2 pool threads (the 2-thread target)
+#      threads), and on 2 pool threads (the 2-thread target)
 #   5. the same-run reference: llama.cpp built CPU-only from the carried .bench/llama.cpp (built in
 #      the background at the start, before anything is measured), llama-bench -t 16 and -t 2 on the
 #      same file
@@ -68,9 +67,6 @@ FREETOKEN_CPU_ATTENTION=decode FREETOKEN_CPU_TORCH_THREADS=$THREADS timeout 60 $
   > "$OUT/decode-torch-attention.txt" 2>&1
 stamp "bench decode, torch attention on $THREADS threads for prompt steps rc=$?"
 grep -E "^ +1 " "$OUT/decode-torch-attention.txt" | cut -c1-100
-FREETOKEN_CPU_PIN_CALLER=1 timeout 90 $DEC --cpu-profile > "$OUT/decode-pinned.txt" 2>&1
-stamp "bench decode, engine thread pinned rc=$?"
-grep -E "^ +1 " "$OUT/decode-pinned.txt" | cut -c1-100; grep -E "^decode:|pool sync" "$OUT/decode-pinned.txt" | tail -2
 DEC2="$FT bench decode --model $M --backend cpu --cpu-threads 2 --batch 1 --prompt-len $PROMPT --gen-len $GEN --repeats 2"
 timeout 150 $DEC2 > "$OUT/decode-2threads.txt" 2>&1
 stamp "bench decode, 2 pool threads rc=$?"

@@ -159,21 +159,10 @@ class CpuStaging(Staging):
 #: torch threads for prompt steps (default 1: the pool owns the cores; see CpuModelSession)
 TORCH_THREADS_ENV = "FREETOKEN_CPU_TORCH_THREADS"
 
-
-#: 1: pin the thread that runs the model's steps to the CPU the pool's workers leave free, for
-#: the duration of each step (default 0: unpinned; on the shared 2-core VM a pinned caller
-#: could not move away from another process's thread: 11-21 tok/s against 28-43 unpinned)
-PIN_CALLER_ENV = "FREETOKEN_CPU_PIN_CALLER"
 #: ``1`` (default): routed experts and packed dense projections that sit in a file mapping are
 #: copied into huge pages at load while that leaves 4 GiB of RAM available
 #: (``freetoken_cpu_moe.dense.huge_page_copy``); ``0``: read in place
 HUGE_PAGES_ENV = "FREETOKEN_CPU_HUGE_PAGES"
-#: ``1`` (default): decode steps of a model :class:`freetoken_cpu_moe.decode_step.NativeDecode`
-#: takes run as one native call; ``0``: the model's per-op forward (A/B measurements)
-NATIVE_DECODE_ENV = "FREETOKEN_CPU_NATIVE_DECODE"
-#: ``1`` (default): plain greedy requests take their tokens from the output head's pool call
-#: (:class:`freetoken_cpu_moe.greedy_head.GreedyHead`); ``0``: from the logits (A/B measurements)
-GREEDY_HEAD_ENV = "FREETOKEN_CPU_GREEDY_HEAD"
 
 
 def env_switch(name: str, default: bool, on: str, off: str) -> bool:
@@ -214,11 +203,19 @@ class CpuModelSession(ModelSession):
     as a call is done (``spin_us = 0``) instead of spinning on the cores torch's threads
     work on. Measured on the 2-core VM (256-token prompt, 8 layers): torch's small ops
     (RMSNorm) took 12-17x longer with 2 torch threads than with one, next to the pool.
+
+    The two fast paths are always on where the model allows them; the class attributes below
+    let a test (``monkeypatch.setattr(CpuModelSession, ...)``) take the reference path instead.
     """
 
-    def __init__(self, options: EngineOptions) -> None:
-        import os
+    #: decode steps of a model :class:`freetoken_cpu_moe.decode_step.NativeDecode` takes run as
+    #: one native call (False: the model's per-op forward)
+    native_decode_step: bool = True
+    #: plain greedy requests take their tokens from the output head's pool call
+    #: (:class:`freetoken_cpu_moe.greedy_head.GreedyHead`; False: from the logits)
+    greedy_head_picks: bool = True
 
+    def __init__(self, options: EngineOptions) -> None:
         import torch
 
         from freetoken.models.dense_ops import use_dense_ops
@@ -246,23 +243,11 @@ class CpuModelSession(ModelSession):
         # attention over the paged cache and the per-token ops between the matmuls: native
         # calls (freetoken_cpu_moe.attention, freetoken_cpu_moe.decode_ops)
         self.attention = CpuAttention(pool)
-        # on request, the steps' calling thread (the pool's worker 0) on the CPU the pinned
-        # workers leave free, for the duration of each step: no spinning worker shares its core
-        self._pin: Optional[set[int]] = None
-        self._unpin: Optional[set[int]] = None
-        cpus = pool.cpus if pool.pin else []
-        pin = env_switch(PIN_CALLER_ENV, False, "pin the calling thread", "unpinned")
-        if pin and pool.num_threads > 1 and len(cpus) >= pool.num_threads and self._prefill_threads == 1:
-            allowed = os.sched_getaffinity(0)
-            if cpus[0] in allowed:
-                self._pin, self._unpin = {cpus[0]}, allowed
         self.ops = CpuDenseOps(pool)
         #: the one-call decode step (set by start() when the model allows it), else None
         self.native_decode: Any = None
         #: the greedy picks in the output head's pool call (set by start()), else None
         self.greedy_head: Any = None
-        self._native_decode_on = env_switch(NATIVE_DECODE_ENV, True, "one native call per decode step",
-                                            "the model's per-op forward")
         self._ops_before = use_dense_ops("cpu", self.ops)
         self._ops_installed = True
         log.info("cpu backend: %d pool threads, attention %s (%s), dense ops %s", pool.num_threads,
@@ -307,13 +292,13 @@ class CpuModelSession(ModelSession):
         self.model = model
         self.kv_caches = kv.layers
         self.native_decode = None
-        if self._native_decode_on:
+        if self.native_decode_step:
             self.native_decode, why = NativeDecode.build(model, kv.layers, self.ops, self.attention.mode, self.pool)
         else:
-            why = f"{NATIVE_DECODE_ENV}=0"
+            why = "CpuModelSession.native_decode_step is off"
         log.info("cpu backend: decode steps %s (%s)", "native" if self.native_decode is not None else "per op", why)
-        self.greedy_head, why = None, f"{GREEDY_HEAD_ENV}=0"
-        if env_switch(GREEDY_HEAD_ENV, True, "greedy tokens in the output head's pool call", "from the logits"):
+        self.greedy_head, why = None, "CpuModelSession.greedy_head_picks is off"
+        if self.greedy_head_picks:
             self.greedy_head, why = GreedyHead.build(model, self.pool)
         log.info("cpu backend: greedy tokens %s (%s)", "in the head" if self.greedy_head is not None else "from the logits",
                  why)
@@ -329,15 +314,7 @@ class CpuModelSession(ModelSession):
             torch.set_num_threads(want)
             self._threads = want
             self.pool.spin_us = self._decode_spin_us if want == 1 else 0.0
-        if self._pin is None:
-            return self._step(input_ids, positions, meta)
-        import os
-
-        os.sched_setaffinity(0, self._pin)
-        try:
-            return self._step(input_ids, positions, meta)
-        finally:
-            os.sched_setaffinity(0, self._unpin)
+        return self._step(input_ids, positions, meta)
 
     def _step(self, input_ids: Any, positions: Any, meta: Any) -> Any:
         if meta.decode and self.native_decode is not None:
