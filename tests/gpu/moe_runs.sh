@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, run GPU test files (TESTS), write a Qwen3-30B-A3B-shaped
 # Q4_K_M file of LAYERS layers, then `freetoken bench decode` once per run in RUNS, a list of
-# "TAG:FLAGS" items separated by ';' (e.g. "packed:--moe-cpu-layers 0;16g:--gpu-memory-limit 16GiB");
-# RUN_ENV_<TAG> adds environment variables to that run only (e.g.
-# RUN_ENV_fast="FREETOKEN_PACKED_EXPERTS=down_routes_tile=1,word_loads=1,block_n=2").
+# "TAG:FLAGS" items separated by ';' (e.g. "packed:--moe-cpu-layers 0;16g:--gpu-memory-limit 16GiB";
+# other kernel tiles: "fast:--tiles experts:down_routes_tile=1,block_n=2");
+# RUN_ENV_<TAG> adds environment variables to that run only (e.g. RUN_ENV_torch="FREETOKEN_DENSE_OPS=torch").
 # SKEW=S: the file's routers favour some experts (bench make-model --router-skew S), for cache runs.
 # Usage (repository root, .whl carried): RUNS="..." TESTS="..." [SKEW=4] bash tests/gpu/moe_runs.sh [LAYERS]
 set -uo pipefail

@@ -57,13 +57,10 @@ SCALES = {Q4: 2e-4, Q5: 1e-4, Q6: 1e-4, Q8: 2e-4}
 ROWS, COLS = (37, 512) if INTERPRET else (517, 2048)
 TOKENS = [1, 3, 20] if INTERPRET else [1, 3, 64, 512]
 #: the interpreter: few programs; the GPU: the default tiles, and tiles smaller than a block
-#: (the last config reads Q4_K/Q5_K rows of one-token programs as words)
-CONFIGS = ([plt.PackedLinearConfig(block_n=64, block_k=256, block_t=8, max_gemv_tokens=1024),
-            plt.PackedLinearConfig(block_n=64, block_k=256, block_t=8, max_gemv_tokens=1024, word_loads=True)]
+CONFIGS = ([plt.PackedLinearConfig(block_n=64, block_k=256, block_t=8, max_gemv_tokens=1024)]
            if INTERPRET else
            [dataclasses.replace(plt.DEFAULT_CONFIG, max_gemv_tokens=1024),
             plt.PackedLinearConfig(block_n=16, block_k=128, block_t=4, num_warps=2, max_gemv_tokens=1024),
-            dataclasses.replace(plt.DEFAULT_CONFIG, max_gemv_tokens=1024, word_loads=True),
             dataclasses.replace(plt.WIDE_CONFIG, max_gemv_tokens=1024)])
 FP32_TOL = 1e-5  # float32 products and sums, relative to the output's scale
 BF16_TOL = 1e-2  # bf16 activations and outputs
@@ -223,17 +220,16 @@ report = {}
 cfg = plt.DEFAULT_CONFIG
 for fmt in (12, 13, 14, 8):
     per, nb, g = tp.FORMATS[fmt]
-    for bt, words, int8 in ((1, False, False), (1, True, False), (2, False, False), (8, False, False),
-                            (1, False, True)):
+    for bt, int8 in ((1, False), (2, False), (8, False), (1, True)):
         sig = {"x_ptr": "*bf16", "w_u8": "*u8", "w_i8": "*i8", "w_f16": "*fp16", "y_ptr": "*bf16", "T": "i32"}
         consts = dict(N=5120, K=2048, FMT=fmt, RB=2048 // per * nb, G=g, BLOCK_N=8 if int8 else cfg.block_n,
-                      BLOCK_K=cfg.step_columns(bt, 2048), BLOCK_T=bt, WORDS=words, INT8=int8, DP4A=int8)
+                      BLOCK_K=cfg.step_columns(bt, 2048), BLOCK_T=bt, INT8=int8, DP4A=int8)
         sig.update({k: "constexpr" for k in consts})
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
         k = triton.compile(ASTSource(plt._packed_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         dp4a = "dp4a.s32.s32" in k.asm["ptx"]
-        report[f"gemv_{fmt}_t{bt}{'_words' if words else ''}{'_int8' if int8 else ''}"] = (
+        report[f"gemv_{fmt}_t{bt}{'_int8' if int8 else ''}"] = (
             bool(k.asm.get("cubin")) and dp4a == (int8 and fmt in (12, 14)))
     sig = {"ids_ptr": "*i64", "w_u8": "*u8", "w_i8": "*i8", "w_f16": "*fp16", "out_ptr": "*bf16", "T": "i32"}
     consts = dict(V=151936, K=2048, FMT=fmt, RB=2048 // per * nb, G=g, BLOCK_T=4, BLOCK_C=1024)
@@ -255,7 +251,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 24 and all(report.values()), report
+    assert len(report) == 20 and all(report.values()), report
 
 
 # --------------------------------------------------------------------------------------

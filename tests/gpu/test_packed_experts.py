@@ -265,20 +265,6 @@ def test_fp8_rows_dequantized_by_torch_and_triton():
     assert torch.equal(got.cpu(), ref.float())  # one float32 product per value, correctly rounded
 
 
-def test_tiles_from_env(monkeypatch):
-    base = triton_moe_packed.PackedConfig()
-    monkeypatch.setenv("FT_TEST_TILES", "down_routes_tile=0, word_loads=1,block_n=2,down_num_warps=8")
-    got = triton_moe_packed.tiles_from_env(base, "FT_TEST_TILES")
-    assert got == dataclasses.replace(base, down_routes_tile=False, word_loads=True, block_n=2, down_num_warps=8)
-    monkeypatch.setenv("FT_TEST_TILES", "")
-    assert triton_moe_packed.tiles_from_env(base, "FT_TEST_TILES") is base
-    for bad, match in (("block_x=2", "block_x"), ("block_n=two", "block_n"), ("block_n=3", "power of two"),
-                       ("down_num_warps=3", "down_num_warps=3"), ("num_warps=0", "num_warps=0")):
-        monkeypatch.setenv("FT_TEST_TILES", bad)
-        with pytest.raises(ValueError, match=match):
-            triton_moe_packed.tiles_from_env(base, "FT_TEST_TILES")
-
-
 def test_fp8_layout_refusals():
     gen = torch.Generator().manual_seed(1)
     codes = torch.zeros(2, 128, 96, dtype=torch.uint8)
@@ -295,14 +281,12 @@ def test_narrow_tiles(mix):
     run_case(MIXES[mix], 2, 4, seed=len(mix), config=NARROW)
 
 
-@pytest.mark.parametrize("words", [True, False])
 @pytest.mark.parametrize("routes_tile", [True, False])
 @pytest.mark.parametrize("top_k", [3, 6])
-def test_down_routes_tile_and_loop(routes_tile, top_k, words):
+def test_down_routes_tile_and_loop(routes_tile, top_k):
     """The down kernel's two forms (the token's routes as a tile dimension, or a loop over
-    them), with route counts that are not powers of two (the tile is padded and masked),
-    Q4_K weights read as words or as byte tiles."""
-    cfg = dataclasses.replace(NARROW, down_routes_tile=routes_tile, word_loads=words)
+    them), with route counts that are not powers of two (the tile is padded and masked)."""
+    cfg = dataclasses.replace(NARROW, down_routes_tile=routes_tile)
     run_case((Q4, Q4, Q4), 3, top_k, seed=40 + top_k, config=cfg)
 
 
@@ -315,10 +299,10 @@ def test_routes_tile_with_h_loaded_once(mix, top_k):
 
 
 @pytest.mark.parametrize("mix", ["q4k_q4k_q6k", "q5k", "q6k_q5k_q4k"])
-def test_word_loads_and_routes_tile(mix):
-    """Q4_K and Q5_K read as words and the routes as the down kernel's tile dimension (Q6_K
-    and Q8_0 keep the byte tiles in either form)."""
-    cfg = dataclasses.replace(BASE, word_loads=True, down_routes_tile=True, block_n=min(BASE.block_n, 64))
+def test_routes_tile_over_mixed_formats(mix):
+    """The routes as the down kernel's tile dimension over the Q4_K/Q5_K/Q6_K mixes, several
+    rows per route."""
+    cfg = dataclasses.replace(BASE, down_routes_tile=True, block_n=min(BASE.block_n, 64))
     run_case(MIXES[mix], 3, 8, seed=60 + len(mix), config=cfg)
 
 
@@ -515,7 +499,7 @@ def rb(f, cols):
     return cols // per * nb
 
 report = {}
-fast = dataclasses.replace(tp.DEFAULT_CONFIG, block_n=2, down_routes_tile=True, word_loads=True)
+fast = dataclasses.replace(tp.DEFAULT_CONFIG, block_n=2, down_routes_tile=True)
 once = dataclasses.replace(tp.DEFAULT_CONFIG, down_h_once=True)
 int8 = dataclasses.replace(tp.DEFAULT_CONFIG, int8_dot=True, block_i=8, block_n=8)
 int8_h = dataclasses.replace(tp.DEFAULT_CONFIG, int8_dot=True, int8_h=True, block_i=16, num_warps=4)
@@ -530,7 +514,7 @@ for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, once), (12,
            "u_u8": "*u8", "u_i8": "*i8", "u_f16": "*fp16", "h_ptr": "*fp32", "T": "i32"}
     consts = dict(K=8, H=H, I=I, GATE_FMT=gf, GATE_RB=rb(gf, H), GATE_G=tp.FORMATS[gf][2], UP_FMT=uf,
                   UP_RB=rb(uf, H), UP_G=tp.FORMATS[uf][2], ACT=0, ALPHA=1.702, LIMIT=7.0,
-                  BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h, WORDS=cfg.word_loads, SLOTS=slots, INT8=cfg.int8_dot,
+                  BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h, SLOTS=slots, INT8=cfg.int8_dot,
                   DP4A=cfg.int8_dot, H_INT8=tp.quantized_h(cfg, df))
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
@@ -540,7 +524,7 @@ for gf, uf, df, cfg in [(12, 12, 14, tp.DEFAULT_CONFIG), (13, 8, 13, once), (12,
     sig = {"h_ptr": "*fp32", "ids_ptr": "*i32", "table_ptr": "*i32", "w_ptr": "*fp32", "d_u8": "*u8", "d_i8": "*i8",
            "d_f16": "*fp16", "y_ptr": "*bf16" if cfg is tp.DEFAULT_CONFIG else "*fp32", "T": "i32"}
     consts = dict(K=8, H=H, I=I, DOWN_FMT=df, DOWN_RB=rb(df, I), DOWN_G=tp.FORMATS[df][2], BLOCK_N=cfg.block_n,
-                  BLOCK_R=cfg.block_r, KP=8, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads, SLOTS=slots,
+                  BLOCK_R=cfg.block_r, KP=8, ROUTES_TILE=cfg.down_routes_tile, SLOTS=slots,
                   H_ONCE=cfg.down_h_once, INT8=cfg.int8_dot, DP4A=cfg.int8_dot, H_INT8=tp.quantized_h(cfg, df))
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}

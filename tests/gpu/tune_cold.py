@@ -7,9 +7,10 @@ In a model every layer reads other weights. Here one graph holds a sequence of l
 each read different weights (launch j: experts 8j .. 8j+7 of a 128-expert stack; copy j of a
 dense matrix), more bytes than the L2 per replay, so every launch reads cold weights.
 
-Prints each kernel's best tiles and, last, ``ENV <variable>=<fields>`` lines: the fields that beat
-the byte tiles (``DEFAULT_CONFIG`` / ``WIDE_CONFIG``; NVIDIA's defaults are int8 tiles of the
-``--int8`` sweep, ``NVIDIA_CONFIG``), for whole-model A/B runs (tiles_from_env, which changes both).
+Prints each kernel's best tiles and, last, ``TILES --tiles <kind>:<fields>`` lines: the fields that
+beat the byte tiles (``DEFAULT_CONFIG`` / ``WIDE_CONFIG``; NVIDIA's defaults are int8 tiles of the
+``--int8`` sweep, ``NVIDIA_CONFIG``), for whole-model A/B runs (``freetoken bench decode --tiles``,
+which changes both).
 T = 1, Qwen3-30B-A3B shapes.
 Usage (GPU machine): python3 tests/gpu/tune_cold.py [--quick] [--int8]"""
 
@@ -67,7 +68,7 @@ def timed(results: list[tuple[float, dict[str, Any]]], variant: dict[str, Any]) 
     return next((us for us, v in results if v == variant), None)
 
 
-def env_fields(v: dict[str, Any]) -> str:
+def tile_fields(v: dict[str, Any]) -> str:
     return ",".join(f"{k}={int(x)}" for k, x in sorted(v.items()))
 
 
@@ -108,14 +109,14 @@ def main() -> int:
         torch.cuda.synchronize()
         return 0
 
-    gu_variants = [dict(block_i=bi, block_h=bh, num_warps=nw, word_loads=wl) for bi, bh, nw, wl in
-                   itertools.product((1, 2, 4, 8), (512, 2048), (2, 4), (False, True))]
+    gu_variants = [dict(block_i=bi, block_h=bh, num_warps=nw) for bi, bh, nw in
+                   itertools.product((1, 2, 4, 8), (512, 2048), (2, 4))]
     # steps of a loop pipelined deeper: printed only (num_stages is shared with down, whose variants keep
     # the default, and the chosen pair must agree on it)
     gu_variants += [dict(block_i=bi, block_h=bh, num_stages=ns) for bi, bh, ns in
                     itertools.product((2, 4), (512, 1024), (1, 3, 4))]
-    d_variants = [dict(block_n=bn, block_r=br, down_num_warps=nw, word_loads=wl, down_routes_tile=True)
-                  for bn, br, nw, wl in itertools.product((1, 2, 4, 8), (256, 1024), (2, 4), (False, True))]
+    d_variants = [dict(block_n=bn, block_r=br, down_num_warps=nw, down_routes_tile=True)
+                  for bn, br, nw in itertools.product((1, 2, 4, 8), (256, 1024), (2, 4))]
     d_variants += [dict(block_n=bn, down_num_warps=4, down_routes_tile=False) for bn in (2, 4, 16)]
     d_variants += [dict(block_n=bn, block_r=br, down_num_warps=nw, down_h_once=True, down_routes_tile=True)
                    for bn, br, nw in itertools.product((2, 4, 8), (256, 1024), (2, 4))]
@@ -143,7 +144,7 @@ def main() -> int:
     dn = sweep("down Q6_K, 8 routes", d_variants,
                lambda cfg: [lambda i=i: tp.launch_down(h, i, w, down, y, cfg) for i in ids],
                base, K * per_route_d)
-    env = {}
+    tiles = {}
     default_pair = timed(gu, {}) + timed(dn, {})
     # a down variant timed with the default warps keeps them when the gate/up variant changes num_warps;
     # a pair agrees on the fields both kernels read and on the form of h between them (block_i is gate/up's)
@@ -153,7 +154,7 @@ def main() -> int:
     pairs = [(g_us + d_us, {**g, "down_num_warps": base.down_num_warps or base.num_warps,
                             **{k: x for k, x in d.items() if k != "block_i"}})
              for g_us, g in gu for d_us, d in dn
-             if all(g.get(f, getattr(base, f)) == d.get(f, getattr(base, f)) for f in ("word_loads", "num_stages", "int8_dot"))
+             if all(g.get(f, getattr(base, f)) == d.get(f, getattr(base, f)) for f in ("num_stages", "int8_dot"))
              and h_int8(g) == h_int8(d)]
     best_us, best_v = min(pairs, key=lambda p: p[0])
     print(f"experts: default {default_pair:.1f} us per layer, best pair {best_us:.1f} us {best_v}", flush=True)
@@ -171,12 +172,11 @@ def main() -> int:
         err = float((outs[1][1] - outs[0][1]).abs().max() / outs[0][1].abs().max())
         print(f"experts: chosen tiles against the default's output: max relative error {err:.2e}", flush=True)
         if err < (3e-2 if chosen.int8_dot else 1e-4):  # int8 dots: the activations' rounding (~1e-2)
-            env["FREETOKEN_PACKED_EXPERTS"] = env_fields(fields)
+            tiles["experts"] = tile_fields(fields)
 
     shapes = [("qkv", 4096 + 512 + 512, 2048, Q4_K, 16), ("o", 2048, 4096, Q4_K, 16), ("head", 151936, 2048, Q6_K, 1)]
     narrow = [dict(block_n=bn, block_k=bk, num_warps=nw) for bn, bk, nw in
               itertools.product((1, 2, 4, 8, 16), (512, 2048), (2, 4))]
-    narrow += [dict(block_n=bn, block_k=bk, word_loads=True) for bn, bk in itertools.product((2, 4), (512, 2048))]
     wide = [dict(block_n=bn, block_k=bk, num_warps=nw) for bn, bk, nw in itertools.product((4, 8, 16, 32), (256, 512), (4, 8))]
     if args.quick:
         narrow, wide = narrow[::4], wide[::4]
@@ -216,13 +216,13 @@ def main() -> int:
     print(f"dense q/k/v + o: default {n_default:.1f} us, best {n_us:.1f} us {n_v or 'default'}", flush=True)
     fields = {k: v for k, v in n_v.items() if getattr(plt.DEFAULT_CONFIG, k) != v}
     if n_us < 0.95 * n_default and fields and same_outputs("qkv", n_v) and same_outputs("o", n_v):
-        env["FREETOKEN_PACKED_DENSE"] = env_fields(fields)
+        tiles["dense"] = tile_fields(fields)
     h_us, h_v = dense["head"][0]
     fields = {k: v for k, v in h_v.items() if getattr(plt.WIDE_CONFIG, k) != v}
     if h_us < 0.95 * timed(dense["head"], {}) and fields and same_outputs("head", h_v):
-        env["FREETOKEN_PACKED_DENSE_WIDE"] = env_fields(fields)
-    for k, v in env.items():
-        print(f"ENV {k}={v}", flush=True)
+        tiles["dense-wide"] = tile_fields(fields)
+    for k, v in tiles.items():
+        print(f"TILES --tiles {k}:{v}", flush=True)
     return 0
 
 

@@ -35,12 +35,12 @@ def main() -> int:
     gate, up = stack(12, I, H, rng), stack(12, I, H, rng)
     downs = {"q6_k": stack(14, H, I, rng), "q4_k": stack(12, H, I, rng)}
     base = tp.DEFAULT_CONFIG
-    gate_up = [dict(block_i=bi, block_h=bh, num_warps=nw, word_loads=wl) for bi, bh, nw, wl in
-               itertools.product((2, 4, 8), (256, 512), (2, 4), (True, False))]
-    # the routes as a tile dimension, then the loop over them (the default form)
-    down = [dict(block_n=bn, block_r=br, num_warps=nw, word_loads=wl, down_routes_tile=True) for bn, br, nw, wl in
-            itertools.product((1, 2, 4), (128, 256), (2, 4), (True, False))]
-    down += [dict(block_n=8, block_r=256, num_warps=4, down_routes_tile=False, word_loads=wl) for wl in (True, False)]
+    gate_up = [dict(block_i=bi, block_h=bh, num_warps=nw) for bi, bh, nw in
+               itertools.product((2, 4, 8), (256, 512), (2, 4))]
+    # the routes as a tile dimension, then the loop over them
+    down = [dict(block_n=bn, block_r=br, num_warps=nw, down_routes_tile=True) for bn, br, nw in
+            itertools.product((1, 2, 4), (128, 256), (2, 4))]
+    down += [dict(block_n=8, block_r=256, num_warps=4, down_routes_tile=False)]
     print(f"default {base}", flush=True)
     for tokens in args.tokens:
         x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)

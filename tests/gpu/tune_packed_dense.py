@@ -36,13 +36,11 @@ def main() -> int:
     rng = np.random.default_rng(0)
     base = plt.DEFAULT_CONFIG
     if args.quick:
-        variants = [dict(block_n=bn, block_k=bk, word_loads=wl) for bn, bk, wl in
-                    itertools.product((2, 4, 8), (256, 512), (True, False))]
+        variants = [dict(block_n=bn, block_k=bk) for bn, bk in itertools.product((2, 4, 8), (256, 512))]
     else:
         variants = [dict(block_n=bn, block_k=bk, num_warps=nw) for bn, bk, nw in
                     itertools.product((1, 2, 4, 8, 16), (256, 512, 1024), (2, 4, 8))]
         variants += [dict(num_stages=ns) for ns in (1, 3, 4)] + [dict(block_t=bt) for bt in (1, 2, 4, 16)]
-        variants += [dict(word_loads=False)]
     print(f"default {base}", flush=True)
     for name, rows, cols, fmt in SHAPES:
         b = random_blocks(fmt, rows, cols, rng, scale=1e-4)

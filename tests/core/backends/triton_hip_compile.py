@@ -94,8 +94,8 @@ def packed_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
             tp._gate_up_packed_kernel, target,
             {"x_ptr": "*bf16", "ids_ptr": "*i32", "table_ptr": "*i32", **gt, "h_ptr": "*fp32", "T": "i32"},
             dict(K=TOP_K, H=HIDDEN, I=INTER, GATE_FMT=fmt, GATE_RB=rb, GATE_G=g, UP_FMT=fmt, UP_RB=rb, UP_G=g,
-                 ACT=0, ALPHA=1.702, LIMIT=7.0, BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h, WORDS=cfg.word_loads,
-                 SLOTS=True, INT8=False, DP4A=False, H_INT8=False),
+                 ACT=0, ALPHA=1.702, LIMIT=7.0, BLOCK_I=cfg.block_i, BLOCK_H=cfg.block_h, SLOTS=True,
+                 INT8=False, DP4A=False, H_INT8=False),
             cfg.num_warps, cfg.num_stages)  # fmt: skip
         down_types = {f"d_{v}": f"*{t}" for v, t in zip(("u8", "i8", "f16"), views)}
         out[f"packed.down.{name}"] = lambda fmt=fmt, rb=rb_i, g=group, dt=down_types: compile_kernel(
@@ -103,7 +103,7 @@ def packed_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
             {"h_ptr": "*fp32", "ids_ptr": "*i32", "table_ptr": "*i32", "w_ptr": "*fp32", **dt, "y_ptr": "*bf16",
              "T": "i32"},
             dict(K=TOP_K, H=HIDDEN, I=INTER, DOWN_FMT=fmt, DOWN_RB=rb, DOWN_G=g, BLOCK_N=cfg.block_n,
-                 BLOCK_R=cfg.block_r, KP=TOP_K, ROUTES_TILE=cfg.down_routes_tile, WORDS=cfg.word_loads, SLOTS=True,
+                 BLOCK_R=cfg.block_r, KP=TOP_K, ROUTES_TILE=cfg.down_routes_tile, SLOTS=True,
                  H_ONCE=cfg.down_h_once, INT8=False, DP4A=False, H_INT8=False),
             cfg.down_num_warps or cfg.num_warps, cfg.num_stages)  # fmt: skip
         out[f"packed.dequant_rows.{name}"] = lambda fmt=fmt, rb=rb_h, g=group: compile_kernel(

@@ -53,10 +53,8 @@ from freetoken.moe.triton_moe_packed import (
     _dequant_tile,
     _load_groups,
     int8_dots_run_on,
-    tiles_from_env,
 )
 from freetoken.moe.triton_packed_int8 import _q4k_rows_int8, _q6k_rows_int8
-from freetoken.moe.triton_packed_words import _dot_words, _dot_words_q6k
 
 __all__ = ["FORMATS", "FORMAT_NAMES", "PackedLinearConfig", "DEFAULT_CONFIG", "WIDE_CONFIG", "NVIDIA_CONFIG",
            "NVIDIA_WIDE_CONFIG", "config_for", "PackedMatrix", "gemv", "dequantize_rows", "gather_rows", "variant_key"]
@@ -75,10 +73,6 @@ class PackedLinearConfig:
     #: program's registers hold block_n x block_k products whatever the token tile
     block_k: int = 2048
     block_t: int = 8  # most tokens per program (the weights are read once per token tile)
-    #: one token per program: Q4_K/Q5_K rows read as 32-bit words (``_dot_words``), Q6_K
-    #: rows as 16-bit half-words (steps of >= 128 columns); off until measured
-    #: (tests/gpu/tune_packed_dense.py compares)
-    word_loads: bool = False
     #: one token per program: Q4_K and Q6_K rows multiplied with the token quantized to int8,
     #: four products per instruction (freetoken.moe.triton_packed_int8; steps of >= 128
     #: columns; NVIDIA and the interpreter: AMD keeps the byte tiles); NVIDIA_CONFIG's, off here
@@ -96,9 +90,6 @@ class PackedLinearConfig:
                 raise ValueError(f"{name}={v}: must be a power of two")
         if self.block_k < 32 or self.block_k & (self.block_k - 1):
             raise ValueError(f"block_k={self.block_k}: must be a power of two >= 32 (a whole scale group)")
-        if self.word_loads and self.block_k < 64:
-            raise ValueError(f"block_k={self.block_k}: word loads step over whole pairs of sub-blocks (>= 64); "
-                             "pass word_loads=False for smaller steps")
         if self.int8_dot and self.block_k < 128:
             raise ValueError(f"block_k={self.block_k}: int8 dots step over whole Q6_K half blocks (>= 128)")
         if self.max_gemv_tokens < 0:
@@ -113,25 +104,26 @@ class PackedLinearConfig:
         return min(max(32, self.block_k // tokens_per_program), triton.next_power_of_2(cols))
 
 
-#: the tiles every launch uses unless given others (``FREETOKEN_PACKED_DENSE`` overrides fields)
-DEFAULT_CONFIG = tiles_from_env(PackedLinearConfig(), "FREETOKEN_PACKED_DENSE")
+#: the tiles every launch uses unless given others (``freetoken bench decode --tiles dense:...``
+#: changes fields of it and of NVIDIA_CONFIG for one benchmark run)
+DEFAULT_CONFIG = PackedLinearConfig()
 
 #: matrices of at least this many rows (an output head: one row per vocabulary entry) take
 #: :data:`WIDE_CONFIG`: on the H200, one token through the [151936, 2048] Q6_K head took
 #: 254.8 us with 8 x 256 tiles against 336.0 us with 4 x 512 (tests/gpu/tune_packed_dense.py),
 #: 256.9 us with its 255 MB read from HBM (~990 GB/s; the best of 16 tiles, tests/gpu/tune_cold.py)
 WIDE_ROWS = 32768
-#: ``FREETOKEN_PACKED_DENSE_WIDE`` overrides its fields (``FREETOKEN_PACKED_DENSE`` does not)
-WIDE_CONFIG = tiles_from_env(PackedLinearConfig(block_n=8, block_k=256), "FREETOKEN_PACKED_DENSE_WIDE")
+#: (``freetoken bench decode --tiles dense-wide:...`` changes its fields and NVIDIA_WIDE_CONFIG's;
+#: ``dense:`` does not)
+WIDE_CONFIG = PackedLinearConfig(block_n=8, block_k=256)
 
 
 #: NVIDIA: one token's Q4_K/Q6_K rows through int8 dots. Measured on the H200 with cold weights
 #: (tests/gpu/tune_cold.py --int8): q/k/v [5120, 2048] Q4_K 7.0 us and o [2048, 4096] 7.6 us
 #: against 9.1 and 7.2 (one config serves both: 14.6 against 16.3 us per layer); the
 #: [151936, 2048] Q6_K head 234.7 us against 256.1 us
-NVIDIA_CONFIG = tiles_from_env(PackedLinearConfig(block_n=8, num_warps=2, int8_dot=True), "FREETOKEN_PACKED_DENSE")
-NVIDIA_WIDE_CONFIG = tiles_from_env(PackedLinearConfig(block_n=64, block_k=512, num_warps=8, int8_dot=True),
-                                    "FREETOKEN_PACKED_DENSE_WIDE")  # fmt: skip
+NVIDIA_CONFIG = PackedLinearConfig(block_n=8, num_warps=2, int8_dot=True)
+NVIDIA_WIDE_CONFIG = PackedLinearConfig(block_n=64, block_k=512, num_warps=8, int8_dot=True)
 
 
 def config_for(rows: int, device: Any = None) -> PackedLinearConfig:
@@ -175,7 +167,7 @@ class PackedMatrix:
 def _packed_gemv_kernel(
     x_ptr, w_u8, w_i8, w_f16, y_ptr, T,
     N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, RB: tl.constexpr, G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, WORDS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
     INT8: tl.constexpr, DP4A: tl.constexpr,
 ):  # fmt: skip
     """``y[t, n] = sum_k x[t, k] * W[n, k]`` for the program's ``BLOCK_N`` rows and
@@ -199,18 +191,6 @@ def _packed_gemv_kernel(
                     acc8 += _q6k_rows_int8(w_u8, w_f16, rows, n_ok, x_ptr, x_row, x_row >= 0, k3, K, BLOCK_K, 1, DP4A,
                                            False, 0)  # fmt: skip
             y = acc8
-        elif WORDS and (FMT == 12 or FMT == 13):
-            x_off = tl.zeros([BLOCK_N], dtype=tl.int64) + t * K
-            accw = tl.zeros([BLOCK_N, BLOCK_K // 64], dtype=tl.float32)
-            for k1 in range(0, K, BLOCK_K):
-                accw += _dot_words(w_u8, w_f16, rows, n_ok, x_ptr, x_off, k1, K, FMT, BLOCK_K)
-            y = tl.sum(accw, axis=1)
-        elif WORDS and FMT == 14 and BLOCK_K >= 128:
-            x_off6 = tl.zeros([BLOCK_N], dtype=tl.int64) + t * K
-            acc6 = tl.zeros([BLOCK_N, BLOCK_K // 128], dtype=tl.float32)
-            for k2 in range(0, K, BLOCK_K):
-                acc6 += _dot_words_q6k(w_u8, w_f16, rows, n_ok, x_ptr, x_off6, k2, K, BLOCK_K)
-            y = tl.sum(acc6, axis=1)
         else:
             x_row = x_ptr + t * K
             acc = tl.zeros([BLOCK_N, BLOCK_K // G, G], dtype=tl.float32)
@@ -273,7 +253,7 @@ def gemv(x: Any, w: PackedMatrix, y: Any, config: PackedLinearConfig = DEFAULT_C
     target = triton_target.for_device(x.device)
     _packed_gemv_kernel[(triton.cdiv(w.rows, config.block_n), triton.cdiv(tokens, bt))](
         x, *st.views(), y, tokens, N=w.rows, K=w.cols, FMT=st.fmt, RB=st.row_bytes, G=st.group,
-        BLOCK_N=config.block_n, BLOCK_K=config.step_columns(bt, w.cols), BLOCK_T=bt, WORDS=config.word_loads,
+        BLOCK_N=config.block_n, BLOCK_K=config.step_columns(bt, w.cols), BLOCK_T=bt,
         INT8=config.int8_dot and int8_dots_run_on(x.device), DP4A=config.int8_dot and target.backend == "cuda",
         **target.launch_options(config.num_warps, config.num_stages),
     )  # fmt: skip

@@ -28,14 +28,14 @@ selected.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import triton
 import triton.language as tl
 
 from freetoken.backends import triton_target
 from freetoken.moe.triton_moe import ACT_CODES, activate
-from freetoken.moe.triton_moe_packed import PackedStack, _dequant_tile, tiles_from_env
+from freetoken.moe.triton_moe_packed import PackedStack, _dequant_tile
 
 #: format code of a plain (BF16) weight tensor
 PLAIN = 0
@@ -74,9 +74,9 @@ class GroupedConfig:
             raise ValueError(f"block_m={self.block_m}: must be a power of two >= 16 (tl.dot)")
 
 
-#: the tiles every launch uses unless given others (``FREETOKEN_GROUPED_EXPERTS`` overrides
-#: fields, as ``FREETOKEN_PACKED_EXPERTS`` those of the per-route kernels)
-DEFAULT_CONFIG = tiles_from_env(GroupedConfig(), "FREETOKEN_GROUPED_EXPERTS")
+#: the tiles every launch uses unless given others (read at each call: ``freetoken bench decode
+#: --tiles grouped:...`` changes fields of it for one benchmark run)
+DEFAULT_CONFIG = GroupedConfig()
 
 
 @dataclasses.dataclass
@@ -227,23 +227,24 @@ def _weights(stack: Any) -> _Weights:
     return _Weights((stack, stack, stack), PLAIN, cols, 1, e, rows, cols)
 
 
-def variant_key(x: Any, ids: Any, w: Any, config: GroupedConfig = DEFAULT_CONFIG) -> tuple[Any, ...]:
+def variant_key(x: Any, ids: Any, w: Any, config: Optional[GroupedConfig] = None) -> tuple[Any, ...]:
     """What selects the compiled variant beyond the stacks' formats and shapes (the token
-    count is not specialised; the routes block is)."""
-    return ("grouped", config, ids.shape[1], x.dtype, w.dtype)
+    count is not specialised; the routes block is); ``config`` None: :data:`DEFAULT_CONFIG`."""
+    return ("grouped", config or DEFAULT_CONFIG, ids.shape[1], x.dtype, w.dtype)
 
 
 def launch(
     x: Any, ids: Any, w: Any, gate: Any, up: Any, down: Any, y: Any, activation: str,
-    config: GroupedConfig = DEFAULT_CONFIG, alpha: float = 1.702, limit: float = 7.0,
+    config: Optional[GroupedConfig] = None, alpha: float = 1.702, limit: float = 7.0,
 ) -> None:  # fmt: skip
     """``y [T, H]`` float32 (contiguous, overwritten) = the routed experts' output.
 
     ``x [T, H]`` (any float dtype), ``ids [T, K]`` (-1 = skip), ``w [T, K]``; ``gate/up``
     of ``[E, I, H]`` and ``down`` of ``[E, H, I]``, each a :class:`PackedStack` or a plain
-    contiguous tensor."""
+    contiguous tensor. ``config`` None: :data:`DEFAULT_CONFIG`."""
     import torch
 
+    config = config or DEFAULT_CONFIG
     tokens, top_k = ids.shape
     g, u, d = _weights(gate), _weights(up), _weights(down)
     inter, hidden = g.rows, g.cols

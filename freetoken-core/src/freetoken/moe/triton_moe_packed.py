@@ -21,16 +21,12 @@ no expert, the common case at small ``T``).
 
 ``int8_dot`` (with ``int8_h``) changes what is multiplied: activations quantized to int8 and
 the codes multiplied as integers (:mod:`freetoken.moe.triton_packed_int8`); NVIDIA GPUs
-run them by default (:func:`default_config`, :data:`NVIDIA_CONFIG`). Two options of
-:class:`PackedConfig` change how, not what (``tests/gpu/tune_cold.py`` times
-them with the weights read from HBM; the routes tile is on by default): ``down_routes_tile`` makes
-the token's K routes a tile dimension of the down kernel (rows ``(k, n)``, all routes'
-weights loaded in one step, the sum over ``k`` taken at the end in a fixed order) instead
-of a loop over them, so a step has K times the loads in flight and a smaller ``BLOCK_N``
-gives more programs; ``word_loads`` reads Q4_K/Q5_K codes as 32-bit words and Q6_K codes
-(in the down kernel's route tile) as 16-bit half-words, several values per load with each
-scale group's sum factored (:mod:`freetoken.moe.triton_packed_words`), instead of one byte
-per value.
+run them by default (:func:`default_config`, :data:`NVIDIA_CONFIG`). ``down_routes_tile``
+(on by default; ``tests/gpu/tune_cold.py`` times it with the weights read from HBM) changes
+how, not what: it makes the token's K routes a tile dimension of the down kernel (rows
+``(k, n)``, all routes' weights loaded in one step, the sum over ``k`` taken at the end in a
+fixed order) instead of a loop over them, so a step has K times the loads in flight and a
+smaller ``BLOCK_N`` gives more programs.
 
 Tiles. A step of ``BLOCK_C`` columns of ``R`` rows is held as ``[R, BLOCK_C / G, G]``,
 ``G`` the values sharing one scale: 32 in Q4_K/Q5_K (a sub-block: 6-bit scale and min),
@@ -73,8 +69,6 @@ selected.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
 from typing import Any
 
 import triton
@@ -83,9 +77,6 @@ import triton.language as tl
 from freetoken.backends import triton_target
 from freetoken.moe.triton_moe import ACT_CODES, activate
 from freetoken.moe.triton_packed_int8 import _dot_q4k_int8, _q4k_rows_int8, _q6k_rows_int8, _store_quantized, _x_groups
-from freetoken.moe.triton_packed_words import _dot_words, _dot_words_q6k
-
-log = logging.getLogger(__name__)
 
 FMT_Q8_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_MXFP4 = 8, 12, 13, 14, 39  # ggml type ids (freetoken.handoff.Fmt)
 #: FP8 E4M3 with one float32 scale per 128 x 128 tile (freetoken.handoff.Fmt.FP8_E4M3_B128),
@@ -120,10 +111,6 @@ class PackedConfig:
     #: down: the token's K routes as a tile dimension (all routes' weights loaded in one
     #: step, K times the loads in flight) rather than a loop over them
     down_routes_tile: bool = True
-    #: Q4_K/Q5_K weights read as 32-bit words, Q6_K down weights as 16-bit half-words (steps
-    #: of >= 128 columns; freetoken.moe.triton_packed_words), instead of byte tiles; off
-    #: until measured
-    word_loads: bool = False
     num_warps: int = 2
     #: warps of the down kernel's programs (0: ``num_warps``)
     down_num_warps: int = 4
@@ -154,9 +141,6 @@ class PackedConfig:
             v = getattr(self, name)
             if v < 32 or v & (v - 1):
                 raise ValueError(f"{name}={v}: must be a power of two >= 32 (a whole scale group)")
-        if self.word_loads and min(self.block_h, self.block_r) < 64:
-            raise ValueError(f"block_h={self.block_h}, block_r={self.block_r}: word loads step over whole "
-                             "pairs of 32-value sub-blocks (>= 64); pass word_loads=False for smaller steps")
         if self.int8_dot and (self.block_h < 64 or self.block_r < 128):
             raise ValueError(f"block_h={self.block_h}, block_r={self.block_r}: int8 dots step over whole pairs of "
                              "Q4_K sub-blocks (block_h >= 64) and Q6_K half blocks (block_r >= 128)")
@@ -171,35 +155,15 @@ class PackedConfig:
             raise ValueError(f"max_routes={self.max_routes}: must be >= 0")
 
 
-def tiles_from_env(config: Any, var: str) -> Any:
-    """``config`` (a frozen tile dataclass with ``validate``) with the fields listed in the
-    environment variable ``var`` replaced: ``name=value,...``, integers, 0/1 for switches.
-    For A/B runs of kernel options on a GPU without code changes."""
-    spec = os.environ.get(var, "").strip()
-    if not spec:
-        return config
-    fields = {f.name for f in dataclasses.fields(config)}
-    changes: dict[str, Any] = {}
-    for item in spec.split(","):
-        name, _, value = (p.strip() for p in item.partition("="))
-        if name not in fields or not value.lstrip("-").isdigit():
-            raise ValueError(f"{var}={spec!r}: {item!r} is not name=integer with name one of {sorted(fields)}")
-        changes[name] = bool(int(value)) if isinstance(getattr(config, name), bool) else int(value)
-    out = dataclasses.replace(config, **changes)
-    out.validate()
-    log.info("%s: %s", var, out)
-    return out
-
-
 #: the byte tiles: the launches' default where int8 dots do not run (AMD, the interpreter) and
-#: of explicit launches (``FREETOKEN_PACKED_EXPERTS`` overrides fields of both configs)
-DEFAULT_CONFIG = tiles_from_env(PackedConfig(), "FREETOKEN_PACKED_EXPERTS")
+#: of explicit launches (``freetoken bench decode --tiles experts:...`` changes fields of both
+#: configs for one benchmark run)
+DEFAULT_CONFIG = PackedConfig()
 
 #: NVIDIA: int8 dots, h quantized by the gate/up kernel. Measured on the H200 with cold weights
 #: (tests/gpu/tune_cold.py --int8, a Qwen3-30B-A3B layer, T=1, K=8): gate/up 12.1 us and down
 #: 14.2 us, 26.3 us per layer against 37.1 us for the byte tiles
-NVIDIA_CONFIG = tiles_from_env(PackedConfig(block_i=16, block_n=8, num_warps=4, int8_dot=True, int8_h=True),
-                               "FREETOKEN_PACKED_EXPERTS")  # fmt: skip
+NVIDIA_CONFIG = PackedConfig(block_i=16, block_n=8, num_warps=4, int8_dot=True, int8_h=True)
 
 
 def default_config(device: Any) -> PackedConfig:
@@ -380,7 +344,7 @@ def _gate_up_packed_kernel(
     GATE_FMT: tl.constexpr, GATE_RB: tl.constexpr, GATE_G: tl.constexpr,
     UP_FMT: tl.constexpr, UP_RB: tl.constexpr, UP_G: tl.constexpr,
     ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, WORDS: tl.constexpr, SLOTS: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, SLOTS: tl.constexpr,
     INT8: tl.constexpr, DP4A: tl.constexpr, H_INT8: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
@@ -408,15 +372,6 @@ def _gate_up_packed_kernel(
                 acc_u8 += _dot_q4k_int8(u_u8, u_f16, u_rows, i_ok, pg, p_ok, x_lo, d_lo, s_lo, x_hi, d_hi, s_hi, DP4A)
             gs = tl.sum(acc_g8, axis=1)
             us = tl.sum(acc_u8, axis=1)
-        elif WORDS and (GATE_FMT == 12 or GATE_FMT == 13) and (UP_FMT == 12 or UP_FMT == 13):
-            x_off = tl.zeros([BLOCK_I], dtype=tl.int64) + t * H
-            acc_gw = tl.zeros([BLOCK_I, BLOCK_H // 64], dtype=tl.float32)
-            acc_uw = tl.zeros([BLOCK_I, BLOCK_H // 64], dtype=tl.float32)
-            for h1 in range(0, H, BLOCK_H):
-                acc_gw += _dot_words(g_u8, g_f16, g_rows, i_ok, x_ptr, x_off, h1, H, GATE_FMT, BLOCK_H)
-                acc_uw += _dot_words(u_u8, u_f16, u_rows, i_ok, x_ptr, x_off, h1, H, UP_FMT, BLOCK_H)
-            gs = tl.sum(acc_gw, axis=1)
-            us = tl.sum(acc_uw, axis=1)
         else:
             acc_g = tl.zeros([BLOCK_I, BLOCK_H // GATE_G, GATE_G], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_I, BLOCK_H // UP_G, UP_G], dtype=tl.float32)
@@ -445,7 +400,7 @@ def _down_packed_kernel(
     T, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     DOWN_FMT: tl.constexpr, DOWN_RB: tl.constexpr, DOWN_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, KP: tl.constexpr, ROUTES_TILE: tl.constexpr,
-    WORDS: tl.constexpr, SLOTS: tl.constexpr, H_ONCE: tl.constexpr, INT8: tl.constexpr, DP4A: tl.constexpr,
+    SLOTS: tl.constexpr, H_ONCE: tl.constexpr, INT8: tl.constexpr, DP4A: tl.constexpr,
     H_INT8: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
@@ -478,16 +433,6 @@ def _down_packed_kernel(
                     acc8 += _q6k_rows_int8(d_u8, d_f16, rows, row_ok, h_ptr, h_row, ok, r4, I, BLOCK_R, BLOCK_N, DP4A,
                                            H_INT8, T * K)  # fmt: skip
             part_sum = acc8
-        elif WORDS and (DOWN_FMT == 12 or DOWN_FMT == 13):
-            accw = tl.zeros([KP * BLOCK_N, BLOCK_R // 64], dtype=tl.float32)
-            for r2 in range(0, I, BLOCK_R):
-                accw += _dot_words(d_u8, d_f16, rows, row_ok, h_ptr, h_rows, r2, I, DOWN_FMT, BLOCK_R)
-            part_sum = tl.sum(accw, axis=1)
-        elif WORDS and DOWN_FMT == 14 and BLOCK_R >= 128:
-            acc6 = tl.zeros([KP * BLOCK_N, BLOCK_R // 128], dtype=tl.float32)
-            for r3 in range(0, I, BLOCK_R):
-                acc6 += _dot_words_q6k(d_u8, d_f16, rows, row_ok, h_ptr, h_rows, r3, I, BLOCK_R)
-            part_sum = tl.sum(acc6, axis=1)
         else:
             acc = tl.zeros([KP * BLOCK_N, BLOCK_R // DOWN_G, DOWN_G], dtype=tl.float32)
             for r0 in range(0, I, BLOCK_R):
@@ -651,7 +596,7 @@ def launch_gate_up(
         GATE_FMT=gate.fmt, GATE_RB=gate.row_bytes, GATE_G=gate.group,
         UP_FMT=up.fmt, UP_RB=up.row_bytes, UP_G=up.group,
         ACT=ACT_CODES[activation], ALPHA=float(alpha), LIMIT=float(limit),
-        BLOCK_I=config.block_i, BLOCK_H=config.block_h, WORDS=config.word_loads, SLOTS=table is not None,
+        BLOCK_I=config.block_i, BLOCK_H=config.block_h, SLOTS=table is not None,
         INT8=config.int8_dot, DP4A=config.int8_dot and target.backend == "cuda", H_INT8=h_int8, **opts,
     )  # fmt: skip
 
@@ -667,7 +612,7 @@ def launch_down(h: Any, ids: Any, w: Any, down: PackedStack, y: Any, config: Pac
         h, ids, ids if table is None else table, w, *down.views(), y, tokens, K=top_k, H=down.rows, I=down.cols,
         DOWN_FMT=down.fmt, DOWN_RB=down.row_bytes, DOWN_G=down.group,
         BLOCK_N=config.block_n, BLOCK_R=config.block_r, KP=triton.next_power_of_2(top_k),
-        ROUTES_TILE=config.down_routes_tile, WORDS=config.word_loads, SLOTS=table is not None,
+        ROUTES_TILE=config.down_routes_tile, SLOTS=table is not None,
         H_ONCE=config.down_h_once, INT8=config.int8_dot and config.down_routes_tile,
         DP4A=config.int8_dot and target.backend == "cuda", H_INT8=quantized_h(config, down.fmt), **opts,
     )  # fmt: skip

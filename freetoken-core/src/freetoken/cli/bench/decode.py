@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+from freetoken.cli.bench.tiles import KINDS as TILE_KINDS
+from freetoken.cli.bench.tiles import apply_tiles, tiles_arg
 from freetoken.cli.engine_options import (
     add_engine_arguments,
     byte_size,
@@ -252,6 +254,11 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
                    help="also run one batch-1 request under torch.profiler and cProfile and print where its prompt "
                         "and decode steps spend their time: device busy vs idle, top kernels, top host ops and "
                         "Python functions (to stderr with --json)")
+    p.add_argument("--tiles", type=tiles_arg, action="append", default=[], metavar="KIND:FIELDS",
+                   help="other tiles for the Triton kernels in this run: KIND one of "
+                        f"{', '.join(TILE_KINDS)}, FIELDS name=value,... over that config's fields, like "
+                        "experts:block_n=4,int8_dot=0 (repeatable; see freetoken/cli/bench/tiles.py) "
+                        "(default: the engine's tiles)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     add_engine_arguments(
         p,
@@ -303,6 +310,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config = engine_config(args)
     try:
+        args.tiles_applied = apply_tiles(args.tiles) if args.tiles else None
+    except ValueError as exc:
+        usage_error(args, str(exc))
+    try:
         eng = LLMEngine(config)
     except (ValueError, MemoryError, BackendError, QualificationError) as exc:
         print(f"freetoken bench decode: {exc}", file=sys.stderr)
@@ -344,6 +355,8 @@ def _bench(args: argparse.Namespace, eng: Any, config: EngineConfig) -> int:
         "temperature": args.temperature,
         "repeats": args.repeats,
         "engine_config": dataclasses.asdict(config),
+        "tiles_given": [f"{kind}:{','.join(f'{k}={v}' for k, v in fields.items())}" for kind, fields in args.tiles],
+        "tiles": getattr(args, "tiles_applied", None),
         "bandwidth_GBs": bw / 1e9,
         "bandwidth_method": bw_how,
         "dense_bytes_per_step": bpt["dense"],
@@ -499,6 +512,8 @@ def format_table(results: dict[str, Any]) -> str:
     lines.append("")
     runs = ", ".join(f"batch {b} {r['decode_tok_s_runs']}" for b, r in results["batches"].items())
     lines.append(f"decode tok/s of each run: {runs}")
+    if results.get("tiles_given"):
+        lines.append(f"kernel tiles changed for this run: --tiles {' --tiles '.join(results['tiles_given'])}")
     if results["gpu_total_bytes"] is None:
         lines.append("GPU memory: - (no CUDA/HIP device in use)")
     else:
