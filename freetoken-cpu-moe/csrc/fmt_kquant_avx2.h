@@ -1,12 +1,9 @@
-// AVX2 kernels for the K-quants (no VNNI): vpmaddubsw (unsigned codes x int8
-// activations, pairs into int16: at most 2 * 63 * 127, no saturation) then
-// vpmaddwd with ones into int32. With 256-bit registers each register is one
-// sub-block of 32 in natural order, so the activations are read as they are.
+// AVX2 kernels for the K-quants with few tokens per row: unsigned codes x int8 activations
+// through dot4_u8i8 (dot_i8_avx2.h: vpmaddubsw + vpmaddwd, or vpdpbusd on avx_vnni; codes
+// below 64, so both tiers sum exactly alike). With 256-bit registers each register is one
+// sub-block of 32 in natural order, so the activations are read as they are. Calls with
+// more tokens take the tiles of kquant_tiles_avx2.h.
 #pragma once
-
-static inline __m256i mul_sum_u8_i8(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
 
 static inline __m256 kq2_scales_q45(const uint8_t* blk, __m256* M) {
     uint32_t u[4];
@@ -65,7 +62,7 @@ static inline void kq_row_avx2(const uint8_t* row, uint32_t nb, const BlockQ8xK*
             for (int j = 0; j < NT; ++j) {
                 const BlockQ8xK& xb = x[j][b];
                 for (int s = 0; s < 8; ++s) {
-                    const __m256i p = mul_sum_u8_i8(wq[s], _mm256_loadu_si256((const __m256i*)(xb.qs + 32 * s)));
+                    const __m256i p = dot4_u8i8(wq[s], _mm256_loadu_si256((const __m256i*)(xb.qs + 32 * s)));
                     const __m256 coef = _mm256_mul_ps(wsc[s], _mm256_broadcast_ss(xb.d + s));
                     acc[j][s % U] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), coef, acc[j][s % U]);
                 }
@@ -93,7 +90,7 @@ static inline void kq_row_avx2(const uint8_t* row, uint32_t nb, const BlockQ8xK*
                 const BlockQ8xK& xb = x[j][b];
                 const __m256 coef = _mm256_mul_ps(S, _mm256_loadu_ps(xb.d));
                 for (int s = 0; s < 8; ++s) {
-                    const __m256i p = mul_sum_u8_i8(wq[s], _mm256_loadu_si256((const __m256i*)(xb.qs + 32 * s)));
+                    const __m256i p = dot4_u8i8(wq[s], _mm256_loadu_si256((const __m256i*)(xb.qs + 32 * s)));
                     const __m256 cs = _mm256_permutevar8x32_ps(coef, _mm256_set1_epi32(s));
                     acc[j][s % U] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), cs, acc[j][s % U]);
                 }
@@ -107,9 +104,19 @@ static inline void kq_row_avx2(const uint8_t* row, uint32_t nb, const BlockQ8xK*
     }
 }
 
+#ifndef FT_KQ_TILE_MIN_TOKENS
+#define FT_KQ_TILE_MIN_TOKENS 2
+#endif
+// Tokens per call from which the tiles are faster than the row kernel.
+constexpr uint32_t kKqTileMinTokens = FT_KQ_TILE_MIN_TOKENS;
+
 template <int FMT>
 static void dot_rows_kquant_avx2(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint32_t r1,
                                  const void* const* xs, uint32_t ntok, float* out, size_t os) {
+    if (ntok >= kKqTileMinTokens) {
+        dot_rows_kquant_tiles<FMT>(w, e, r0, r1, xs, ntok, out, os);
+        return;
+    }
     const uint8_t* base = (const uint8_t*)(uintptr_t)w.data + (size_t)e * w.expert_stride;
     const uint32_t nb = w.cols / QK_K;
     const BlockQ8xK* xv[2];

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def isa_tiers() -> list[str]:
-    """Kernel tiers this CPU supports, best first (e.g. ``["avx512", "avx2", "scalar"]``)."""
+    """Kernel tiers this CPU supports, best first (e.g. ``["avx512", "avx_vnni", "avx2", "scalar"]``)."""
     return list(_core.isa_tiers())
 
 
