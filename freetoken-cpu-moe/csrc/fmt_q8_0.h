@@ -76,25 +76,22 @@ static inline void q8_0_row_avx512(const uint8_t* row, const ActQ8x32View* x, ui
 #endif
 
 #if defined(FT_HAVE_AVX2) && !defined(FT_HAVE_AVX512)
-// AVX2: |w| (unsigned, <= 128) x sign-adjusted x with vpmaddubsw (no saturation:
-// 2 * 128 * 127 < 32768), pairs summed to int32, one float scale per block.
-template <int NT>
-static inline void q8_0_row_avx2(const uint8_t* row, const ActQ8x32View* x, uint32_t nb, float* res) {
-    __m256 acc[NT];
-    for (int j = 0; j < NT; ++j) acc[j] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
+// AVX2 tiers, one token (more take the tiles of block32_tiles_avx2.h): |w| (unsigned, <= 128)
+// x sign-adjusted x through dot4_u8i8 (no saturation: 2 x 128 x 127 < 32768), one float
+// scale per block; the weight stream prefetched 2 KB ahead.
+static inline float q8_0_row_avx2(const uint8_t* row, const ActQ8x32View& x, uint32_t nb) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (uint32_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + (size_t)b * Q8_0_BYTES;
+        if ((b & 1) == 0) _mm_prefetch((const char*)p + 2048, _MM_HINT_T0);
         const __m256i wq = _mm256_loadu_si256((const __m256i*)(p + 2));
-        const __m256i aw = _mm256_sign_epi8(wq, wq);
-        const float dw = _cvtsh_ss(*(const uint16_t*)p);
-        for (int j = 0; j < NT; ++j) {
-            const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(x[j].qs + (size_t)b * 32)), wq);
-            const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), ones);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * x[j].d[b]), acc[j]);
-        }
+        const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(x.qs + (size_t)b * 32)), wq);
+        const __m256 s = _mm256_cvtepi32_ps(dot4_u8i8(_mm256_sign_epi8(wq, wq), xq));
+        const __m256 c = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)p) * x.d[b]);
+        if (b & 1) acc1 = _mm256_fmadd_ps(s, c, acc1);
+        else acc0 = _mm256_fmadd_ps(s, c, acc0);
     }
-    for (int j = 0; j < NT; ++j) res[j] = hsum256(acc[j]);
+    return hsum256(_mm256_add_ps(acc0, acc1));
 }
 #endif
 
@@ -115,6 +112,12 @@ static void dot_rows_q8_0(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint
         return;
     }
 #endif
+#if defined(FT_HAVE_AVX2) && !defined(FT_HAVE_AVX512)
+    if (ntok >= 2) {
+        dot_rows_b32_tiles<FT_FMT_Q8_0>(w, e, r0, r1, xs, ntok, out, os);
+        return;
+    }
+#endif
     for (uint32_t j0 = 0; j0 < ntok; j0 += 4) {
         const uint32_t nt = ntok - j0 < 4 ? ntok - j0 : 4;
         for (uint32_t j = 0; j < nt; ++j) xv[j] = q8x32_view(xs[j0 + j], w.cols);
@@ -131,12 +134,7 @@ static void dot_rows_q8_0(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint
             }
             for (uint32_t j = 0; j < nt; ++j) res[j] = _mm512_reduce_add_ps(v[j]);
 #elif defined(FT_HAVE_AVX2)
-            switch (nt) {
-                case 4: q8_0_row_avx2<4>(row, xv, nb, res); break;
-                case 3: q8_0_row_avx2<3>(row, xv, nb, res); break;
-                case 2: q8_0_row_avx2<2>(row, xv, nb, res); break;
-                default: q8_0_row_avx2<1>(row, xv, nb, res); break;
-            }
+            for (uint32_t j = 0; j < nt; ++j) res[j] = q8_0_row_avx2(row, xv[j], nb);
 #else
             for (uint32_t j = 0; j < nt; ++j) res[j] = q8_0_row_portable(row, xv[j], 0, nb);
 #endif
