@@ -170,9 +170,16 @@ static void dot_rows_b32_tiles(const ft_weight_desc& w, uint32_t e, uint32_t r0,
             const uint32_t n = std::min(8u, r1 - g);
             const uint8_t* rows[8];
             for (uint32_t r = 0; r < 8; ++r) rows[r] = base + (size_t)(g + std::min(r, n - 1)) * w.row_stride;
+            // the next group's rows are fetched while this one is unpacked (8 streams at once
+            // are more than the hardware prefetchers follow; one call may be all a matrix sees)
+            const uint32_t nn = g + 8 < r1 ? std::min(8u, r1 - g - 8) : 0;
+            const uint8_t* next = base + (size_t)(g + 8) * w.row_stride;
             for (uint32_t b = 0; b < nb; ++b) {
                 const uint8_t* blk[8];
                 for (int r = 0; r < 8; ++r) blk[r] = rows[r] + (size_t)b * BB;
+                for (uint32_t r = 0; r < nn; ++r)
+                    for (size_t o = 0; o < BB; o += 64)
+                        _mm_prefetch((const char*)next + (size_t)r * w.row_stride + (size_t)b * BB + o, _MM_HINT_T0);
                 b32_tile_unpack<FMT>(blk, tiles[b]);
             }
             for (uint32_t j0 = t0; j0 < t1; j0 += 4) {

@@ -76,23 +76,38 @@ static inline void q8_0_row_avx512(const uint8_t* row, const ActQ8x32View* x, ui
 #endif
 
 #if defined(FT_HAVE_AVX2) && !defined(FT_HAVE_AVX512)
-// AVX2 tiers, one token (more take the tiles of block32_tiles_avx2.h): |w| (unsigned, <= 128)
+// AVX2 tiers, few tokens (more take the tiles of block32_tiles_avx2.h): |w| (unsigned, <= 128)
 // x sign-adjusted x through dot4_u8i8 (no saturation: 2 x 128 x 127 < 32768), one float
 // scale per block; the weight stream prefetched 2 KB ahead.
-static inline float q8_0_row_avx2(const uint8_t* row, const ActQ8x32View& x, uint32_t nb) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+template <int NT>
+static inline void q8_0_row_avx2(const uint8_t* row, const ActQ8x32View* x, uint32_t nb, float* res) {
+    constexpr int U = NT == 1 ? 2 : 1;  // accumulators per token (FMA latency)
+    __m256 acc[NT][U];
+    for (int j = 0; j < NT; ++j)
+        for (int u = 0; u < U; ++u) acc[j][u] = _mm256_setzero_ps();
     for (uint32_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + (size_t)b * Q8_0_BYTES;
         if ((b & 1) == 0) _mm_prefetch((const char*)p + 2048, _MM_HINT_T0);
         const __m256i wq = _mm256_loadu_si256((const __m256i*)(p + 2));
-        const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(x.qs + (size_t)b * 32)), wq);
-        const __m256 s = _mm256_cvtepi32_ps(dot4_u8i8(_mm256_sign_epi8(wq, wq), xq));
-        const __m256 c = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)p) * x.d[b]);
-        if (b & 1) acc1 = _mm256_fmadd_ps(s, c, acc1);
-        else acc0 = _mm256_fmadd_ps(s, c, acc0);
+        const __m256i aw = _mm256_sign_epi8(wq, wq);
+        const float dw = _cvtsh_ss(*(const uint16_t*)p);
+        for (int j = 0; j < NT; ++j) {
+            const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(x[j].qs + (size_t)b * 32)), wq);
+            acc[j][b % U] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4_u8i8(aw, xq)), _mm256_set1_ps(dw * x[j].d[b]), acc[j][b % U]);
+        }
     }
-    return hsum256(_mm256_add_ps(acc0, acc1));
+    for (int j = 0; j < NT; ++j) {
+        for (int u = 1; u < U; ++u) acc[j][0] = _mm256_add_ps(acc[j][0], acc[j][u]);
+        res[j] = hsum256(acc[j][0]);
+    }
 }
+
+// Tokens per call from which the tiles take over from the row kernel. One thread, weights in L2,
+// GB/s x tokens, row / tiles: avx2 T=3 60 / 51, T=4 62 / 58, T=6 61 / 69 (each step of the
+// tiles costs two multiplies, the sign trick, as the row kernel's); avx_vnni T=3 68 / 79,
+// T=4 72 / 91. One threshold for both tiers, so that they take the same path and agree bit
+// for bit.
+constexpr uint32_t kQ8TileMinTokens = 4;
 #endif
 
 static void dot_rows_q8_0(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint32_t r1,
@@ -113,7 +128,7 @@ static void dot_rows_q8_0(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint
     }
 #endif
 #if defined(FT_HAVE_AVX2) && !defined(FT_HAVE_AVX512)
-    if (ntok >= 2) {
+    if (ntok >= kQ8TileMinTokens) {
         dot_rows_b32_tiles<FT_FMT_Q8_0>(w, e, r0, r1, xs, ntok, out, os);
         return;
     }
@@ -134,7 +149,12 @@ static void dot_rows_q8_0(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint
             }
             for (uint32_t j = 0; j < nt; ++j) res[j] = _mm512_reduce_add_ps(v[j]);
 #elif defined(FT_HAVE_AVX2)
-            for (uint32_t j = 0; j < nt; ++j) res[j] = q8_0_row_avx2(row, xv[j], nb);
+            switch (nt) {
+                case 4: q8_0_row_avx2<4>(row, xv, nb, res); break;
+                case 3: q8_0_row_avx2<3>(row, xv, nb, res); break;
+                case 2: q8_0_row_avx2<2>(row, xv, nb, res); break;
+                default: q8_0_row_avx2<1>(row, xv, nb, res); break;
+            }
 #else
             for (uint32_t j = 0; j < nt; ++j) res[j] = q8_0_row_portable(row, xv[j], 0, nb);
 #endif

@@ -53,17 +53,24 @@ static inline void load_rows_t(const uint8_t* const* p, size_t off, __m256i* v) 
     transpose4x4_epi32(v);
 }
 
-// vpshufb control: in every dword, byte b of that dword into byte 0 (and byte 2 when pair),
-// zeros elsewhere.
-static inline __m256i kq_byte_ctl(int b, bool pair) {
-    const uint32_t z = 0x80u;
-    uint32_t c[8];
-    for (int k = 0; k < 8; ++k) {
-        const uint32_t src = 4u * (uint32_t)(k & 3) + (uint32_t)b;
-        c[k] = src | (z << 8) | ((pair ? src : z) << 16) | (z << 24);
-    }
-    return _mm256_loadu_si256((const __m256i*)c);
+// vpshufb controls, as constants: c[pair][b] moves byte b of every dword into byte 0 of it
+// (and into byte 2 too with pair), zeros elsewhere.
+struct KqByteCtl {
+    uint8_t c[2][4][32];
+};
+static constexpr KqByteCtl make_kq_byte_ctl() {
+    KqByteCtl t{};
+    for (int pair = 0; pair < 2; ++pair)
+        for (int b = 0; b < 4; ++b)
+            for (int i = 0; i < 32; ++i) {
+                const int k = i % 16 / 4, pos = i % 4;  // dword of the 128-bit lane, byte of the dword
+                const bool take = pos == 0 || (pair && pos == 2);
+                t.c[pair][b][i] = take ? (uint8_t)(4 * k + b) : (uint8_t)0x80;
+            }
+    return t;
 }
+alignas(32) static constexpr KqByteCtl kKqByteCtl = make_kq_byte_ctl();
+static inline __m256i kq_byte_ctl(int b, bool pair) { return _mm256_load_si256((const __m256i*)kKqByteCtl.c[pair][b]); }
 
 // fp16 words at byte offset off of the 8 blocks -> float.
 static inline __m256 kq_rows_half(const uint8_t* const* blk, size_t off) {
@@ -276,9 +283,16 @@ static void dot_rows_kquant_tiles(const ft_weight_desc& w, uint32_t e, uint32_t 
             const uint32_t n = std::min(8u, r1 - g);
             const uint8_t* rows[8];
             for (uint32_t r = 0; r < 8; ++r) rows[r] = base + (size_t)(g + std::min(r, n - 1)) * w.row_stride;
+            // the next group's rows are fetched while this one is unpacked (8 streams at once
+            // are more than the hardware prefetchers follow; one call may be all a matrix sees)
+            const uint32_t nn = g + 8 < r1 ? std::min(8u, r1 - g - 8) : 0;
+            const uint8_t* next = base + (size_t)(g + 8) * w.row_stride;
             for (uint32_t b = 0; b < nb; ++b) {
                 const uint8_t* blk[8];
                 for (int r = 0; r < 8; ++r) blk[r] = rows[r] + (size_t)b * BB;
+                for (uint32_t r = 0; r < nn; ++r)
+                    for (size_t o = 0; o < BB; o += 64)
+                        _mm_prefetch((const char*)next + (size_t)r * w.row_stride + (size_t)b * BB + o, _MM_HINT_T0);
                 kq_tile_unpack<FMT>(blk, tiles[b]);
             }
             for (uint32_t j0 = t0; j0 < t1; j0 += 4) {
