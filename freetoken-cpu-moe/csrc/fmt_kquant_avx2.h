@@ -20,44 +20,22 @@
 // Included inside an ISA namespace by isa_*.cpp.
 #pragma once
 
-// Per-lane controls of the Q4_K/Q5_K scale unpacking (lane s = sub-block s): vpshufb
-// brings the byte with the low bits into byte 0 and the byte with bits 6-7 (s >= 4) into
-// byte 1; then the low bits are shifted right by shr and masked by mask, and bits 14-15 go
-// to 4-5. sc[s]: bytes 4 + s (s < 4: low 6 bits) or 8 + s (low nibble) and s (top);
-// m[s]: bytes 8 + s (low 6 bits) or 8 + s (high nibble) and 4 + s (top).
-struct Kq45RowCtl {
-    __m256i sel_sc, sel_m, mask, shr;
-    Kq45RowCtl() {
-        alignas(32) int32_t a[8], b[8], m[8], sh[8];
-        for (int s = 0; s < 8; ++s) {
-            a[s] = s < 4 ? (4 + s) | (0x80 << 8) : (8 + s) | (s << 8);
-            b[s] = s < 4 ? (8 + s) | (0x80 << 8) : (8 + s) | ((4 + s) << 8);
-            a[s] |= (0x80 << 16) | (0x80 << 24);
-            b[s] |= (0x80 << 16) | (0x80 << 24);
-            m[s] = s < 4 ? 0x3F : 0x0F;
-            sh[s] = s < 4 ? 0 : 4;
-        }
-        // (the header is broadcast to both 128-bit lanes, so both address it alike)
-        sel_sc = _mm256_load_si256((const __m256i*)a);
-        sel_m = _mm256_load_si256((const __m256i*)b);
-        mask = _mm256_load_si256((const __m256i*)m);
-        shr = _mm256_load_si256((const __m256i*)sh);
-    }
-};
-
-// Q4_K/Q5_K header -> S = d x sc[s], M = dmin x m[s] (lane s).
-static inline void kq45_row_scales(const uint8_t* blk, const Kq45RowCtl& k, __m256* S, __m256* M) {
-    const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)blk));
-    const __m256i k30 = _mm256_set1_epi32(0x30);
-    const __m256i a = _mm256_shuffle_epi8(h, k.sel_sc), b = _mm256_shuffle_epi8(h, k.sel_m);
-    const __m256i sc = _mm256_or_si256(_mm256_and_si256(a, k.mask), _mm256_and_si256(_mm256_srli_epi32(a, 10), k30));
-    const __m256i mn = _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(b, k.shr), k.mask),
-                                       _mm256_and_si256(_mm256_srli_epi32(b, 10), k30));
+// Q4_K/Q5_K header -> S = d x sc[s], M = dmin x m[s] (lane s). The 6-bit fields are
+// unpacked in general-purpose registers (four 32-bit words: sc[0..7], then m[0..7]), which
+// leaves the vector units, this kernel's bottleneck, to the dot products.
+static inline void kq45_row_scales(const uint8_t* blk, __m256* S, __m256* M) {
+    uint32_t u[3];
+    std::memcpy(u, blk + 4, 12);
+    const uint32_t k3F = 0x3f3f3f3fu, k0F = 0x0f0f0f0fu, k03 = 0x03030303u;
+    const uint32_t sc_lo = u[0] & k3F, m_lo = u[1] & k3F;
+    const uint32_t sc_hi = (u[2] & k0F) | (((u[0] >> 6) & k03) << 4);
+    const uint32_t m_hi = ((u[2] >> 4) & k0F) | (((u[1] >> 6) & k03) << 4);
+    const __m128i v = _mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)m_lo, (int)m_hi);
     uint32_t dm;
     std::memcpy(&dm, blk, 4);
     const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));  // [d, dmin, 0, 0]
-    *S = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_broadcastss_ps(dd));
-    *M = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_broadcastss_ps(_mm_movehdup_ps(dd)));
+    *S = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_broadcastss_ps(dd));
+    *M = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), _mm256_broadcastss_ps(_mm_movehdup_ps(dd)));
 }
 
 // Block -> the 8 sub-blocks' codes in natural order.
@@ -105,7 +83,7 @@ constexpr int kKqPrefetch = 2048;
 
 // One row against one token; the dot product spread over the lanes of the result.
 template <int FMT>
-static inline __m256 kq_row_avx2(const uint8_t* row, uint32_t nb, const BlockQ8xK* x, const Kq45RowCtl& kc) {
+static inline __m256 kq_row_avx2(const uint8_t* row, uint32_t nb, const BlockQ8xK* x) {
     constexpr size_t BB = FMT == FT_FMT_Q4_K ? Q4_K_BYTES : (FMT == FT_FMT_Q5_K ? Q5_K_BYTES : Q6_K_BYTES);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), cacc = _mm256_setzero_ps();
     for (uint32_t b = 0; b < nb; ++b) {
@@ -135,7 +113,7 @@ static inline __m256 kq_row_avx2(const uint8_t* row, uint32_t nb, const BlockQ8x
             cacc = _mm256_fmadd_ps(N1, _mm256_loadu_ps(xb.xs16 + 8), cacc);
         } else {
             __m256 S, M;
-            kq45_row_scales(blk, kc, &S, &M);
+            kq45_row_scales(blk, &S, &M);
             c0 = _mm256_mul_ps(_mm256_permute2f128_ps(S, S, 0x00), _mm256_broadcast_ps((const __m128*)xb.d));
             c1 = _mm256_mul_ps(_mm256_permute2f128_ps(S, S, 0x11), _mm256_broadcast_ps((const __m128*)(xb.d + 4)));
             cacc = _mm256_fmadd_ps(M, _mm256_loadu_ps(xb.xs32), cacc);
@@ -159,7 +137,6 @@ static void dot_rows_kquant_avx2(const ft_weight_desc& w, uint32_t e, uint32_t r
         dot_rows_kquant_tiles<FMT>(w, e, r0, r1, xs, ntok, out, os);
         return;
     }
-    static const Kq45RowCtl kc;
     const uint8_t* base = (const uint8_t*)(uintptr_t)w.data + (size_t)e * w.expert_stride;
     const uint32_t nb = w.cols / QK_K;
     for (uint32_t j = 0; j < ntok; ++j) {
@@ -169,7 +146,7 @@ static void dot_rows_kquant_avx2(const ft_weight_desc& w, uint32_t e, uint32_t r
             const uint32_t n = std::min(8u, r1 - g);
             __m256 v[8];
             for (uint32_t i = 0; i < 8; ++i)
-                v[i] = i < n ? kq_row_avx2<FMT>(base + (size_t)(g + i) * w.row_stride, nb, x, kc) : _mm256_setzero_ps();
+                v[i] = i < n ? kq_row_avx2<FMT>(base + (size_t)(g + i) * w.row_stride, nb, x) : _mm256_setzero_ps();
             const __m256 sums = hsum8_ps(v);
             if (n == 8) {
                 _mm256_storeu_ps(o + (g - r0), sums);
