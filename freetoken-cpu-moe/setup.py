@@ -41,6 +41,7 @@ def freetoken_include() -> str:
 
 ISA_FLAGS = {
     "isa_avx2.cpp": ["-mavx2", "-mfma", "-mf16c", "-mbmi2"],
+    "isa_avx_vnni.cpp": ["-mavx2", "-mfma", "-mf16c", "-mbmi2", "-mavxvnni"],
     "attention_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     "attention_avx512.cpp": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                              "-Wno-uninitialized", "-Wno-maybe-uninitialized"],
@@ -75,7 +76,7 @@ class IsaBuildExt(build_ext):
 
 SOURCES = [
     "bindings.cpp", "coordinator.cpp", "dispatch.cpp", "host_driver.cpp", "moe.cpp", "pool.cpp", "stream.cpp",
-    "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_amx.cpp",
+    "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx_vnni.cpp", "isa_avx512.cpp", "isa_amx.cpp",
     "attention.cpp", "attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp",
     "bindings_attention.cpp", "decode_ops.cpp", "deltanet.cpp", "linear_group.cpp", "decode_step.cpp",
     "bindings_decode_step.cpp",

@@ -34,7 +34,7 @@ void store(uint32_t fmt, void* dst, size_t idx, float v) {
 const AttnKernels& kernels_for(const KernelTable& k) {
     const std::string name(k.name);
     if (name == "amx" || name == "avx512") return *attn_kernels_avx512();
-    if (name == "avx2") return *attn_kernels_avx2();
+    if (name == "avx2" || name == "avx_vnni") return *attn_kernels_avx2();
     return *attn_kernels_scalar();
 }
 

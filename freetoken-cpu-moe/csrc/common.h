@@ -142,6 +142,7 @@ bool mxfp4_vbmi();
 bool set_mxfp4_vbmi(bool on);
 
 const KernelTable* kernels_scalar();
+const KernelTable* kernels_avx_vnni();  // the avx2 tier's kernels with AVX-VNNI dot products
 const KernelTable* kernels_avx2();
 const KernelTable* kernels_avx512();
 const KernelTable* kernels_amx();

@@ -120,7 +120,7 @@ Tier tier_for(const KernelTable& k) {
 #if defined(__x86_64__)
     const std::string name(k.name);
     if (name == "amx" || name == "avx512") return {head_step_avx512, silu_avx512};
-    if (name == "avx2") return {head_step_avx2, silu_avx2};
+    if (name == "avx2" || name == "avx_vnni") return {head_step_avx2, silu_avx2};
 #endif
     (void)k;
     return {head_step_scalar, silu_scalar};

@@ -55,6 +55,23 @@ bool cpu_has_avx2() {
 #endif
 }
 
+// AVX-VNNI (the VEX-encoded 256-bit vpdpbusd, e.g. of Intel Core 12th gen and later;
+// CPUID leaf 7 subleaf 1, EAX bit 4) on top of the avx2 tier's AVX2 + FMA + F16C. It needs
+// no register state beyond AVX2's YMM, which cpu_has_avx2 has checked the OS saves.
+bool cpu_has_avx_vnni() {
+#if defined(__x86_64__)
+    static const bool ok = [] {
+        if (!cpu_has_avx2()) return false;
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || a < 1) return false;  // a: the last subleaf of leaf 7
+        return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
+    }();
+    return ok;
+#else
+    return false;
+#endif
+}
+
 bool cpu_has_vbmi() {
 #if defined(__x86_64__)
     __builtin_cpu_init();
@@ -71,7 +88,7 @@ std::atomic<bool>& vbmi_slot() {
 
 // Every tier by capability, best first: a cap keeps the tiers at or below it.
 const std::vector<std::string>& tier_order() {
-    static const std::vector<std::string> order = {"amx", "avx512", "avx2", "scalar"};
+    static const std::vector<std::string> order = {"amx", "avx512", "avx_vnni", "avx2", "scalar"};
     return order;
 }
 
@@ -87,6 +104,7 @@ std::vector<std::string> cpu_tiers() {
     std::vector<std::string> out;
     if (cpu_has_amx()) out.push_back("amx");
     if (cpu_has_avx512()) out.push_back("avx512");
+    if (cpu_has_avx_vnni()) out.push_back("avx_vnni");
     if (cpu_has_avx2()) out.push_back("avx2");
     out.push_back("scalar");
     return out;
@@ -120,9 +138,10 @@ std::vector<std::string> isa_tiers() {
 const KernelTable* kernels_by_name(const std::string& name) {
     if (name == "amx") return kernels_amx();
     if (name == "avx512") return kernels_avx512();
+    if (name == "avx_vnni") return kernels_avx_vnni();
     if (name == "avx2") return kernels_avx2();
     if (name == "scalar") return kernels_scalar();
-    throw std::invalid_argument("unknown ISA tier '" + name + "' (expected amx, avx512, avx2 or scalar)");
+    throw std::invalid_argument("unknown ISA tier '" + name + "' (expected amx, avx512, avx_vnni, avx2 or scalar)");
 }
 
 bool mxfp4_vbmi() { return vbmi_slot().load(std::memory_order_relaxed); }

@@ -1,7 +1,8 @@
 // Float weight formats (F32, F16, BF16, FP8 E4M3 with 128x128 block scales)
 // against float32 activations. Included inside an ISA namespace by isa_*.cpp:
 // the portable loops are vectorised by the compiler with that file's flags, and
-// FT_HAVE_AVX512 / FT_HAVE_AVX2 sections add hand-written kernels.
+// FT_HAVE_AVX512 sections add hand-written kernels; the AVX2 tiers take theirs from
+// fmt_float_avx2.h.
 #pragma once
 
 // Portable element loaders.
@@ -104,45 +105,7 @@ FT_FLOAT_KERNEL(k_bf16, load16_bf16, 2)
 FT_FLOAT_KERNEL(k_fp8, load16_fp8_div256, 1)
 #define FT_FLOAT_SIMD 1
 #elif defined(FT_HAVE_AVX2)
-static inline __m256 load8_f32(const uint8_t* p) { return _mm256_loadu_ps((const float*)p); }
-static inline __m256 load8_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-static inline __m256 load8_bf16(const uint8_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-static inline __m256 load8_fp8_div256(const uint8_t* p) {  // see the AVX-512 version
-    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p)), 7),
-                                    _mm_set1_epi16((short)0xBF80));
-    return _mm256_cvtph_ps(h);
-}
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#define FT_FLOAT_KERNEL(NAME, LOAD, ESZ, PORT)                                                    \
-    template <int NT>                                                                             \
-    static inline void NAME##_tile(const uint8_t* row, const float* const* x, uint32_t c0,        \
-                                   uint32_t n, float* res) {                                      \
-        __m256 acc[NT];                                                                           \
-        for (int j = 0; j < NT; ++j) acc[j] = _mm256_setzero_ps();                                \
-        uint32_t c = 0;                                                                           \
-        for (; c + 8 <= n; c += 8) {                                                              \
-            __m256 wv = LOAD(row + (size_t)(c0 + c) * ESZ);                                      \
-            for (int j = 0; j < NT; ++j) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[j] + c0 + c), acc[j]); \
-        }                                                                                         \
-        for (int j = 0; j < NT; ++j) {                                                            \
-            float s = hsum256(acc[j]);                                                            \
-            for (uint32_t t = c; t < n; ++t) s += PORT::at(row, c0 + t) * x[j][c0 + t];          \
-            res[j] = s;                                                                           \
-        }                                                                                         \
-    }
-struct LoadFP8Div256 { static float at(const uint8_t* p, uint32_t i) { return fp8_e4m3_to_float(p[i]) * 0x1p-8f; } };
-FT_FLOAT_KERNEL(k_f32, load8_f32, 4, LoadF32)
-FT_FLOAT_KERNEL(k_f16, load8_f16, 2, LoadF16)
-FT_FLOAT_KERNEL(k_bf16, load8_bf16, 2, LoadBF16)
-FT_FLOAT_KERNEL(k_fp8, load8_fp8_div256, 1, LoadFP8Div256)
-#define FT_FLOAT_SIMD 1
+#include "fmt_float_avx2.h"
 #else
 #define FT_FLOAT_KERNEL(NAME, PORT, SCALE)                                                        \
     template <int NT>                                                                             \
@@ -246,6 +209,9 @@ static inline void fp8_row_avx512(const uint8_t* row, const float* srow, const f
 // FP8: the dot runs per 128-column block, each weighted by its block scale.
 static void dot_rows_fp8(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint32_t r1,
                          const void* const* xs, uint32_t ntok, float* out, size_t os) {
+#if defined(FT_HAVE_AVX2) && !defined(FT_HAVE_AVX512)
+    dot_rows_fp8_avx2(w, e, r0, r1, xs, ntok, out, os);
+#else
     const uint8_t* base = (const uint8_t*)(uintptr_t)w.data + (size_t)e * w.expert_stride;
     const float* sbase = (const float*)((const uint8_t*)(uintptr_t)w.scale + (size_t)e * w.scale_expert_stride);
     const uint32_t ncb = (w.cols + FP8_BLOCK - 1) / FP8_BLOCK;
@@ -280,4 +246,5 @@ static void dot_rows_fp8(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint3
             for (uint32_t q = 0; q < nt; ++q) out[(j + q) * os + (r - r0)] = res[q];
         }
     }
+#endif
 }

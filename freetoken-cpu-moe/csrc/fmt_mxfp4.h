@@ -248,29 +248,90 @@ FT_VBMI static void mxfp4_row_nt_vbmi(const uint8_t* row, const Mxfp4Act* x, uin
 #endif
 
 #if defined(FT_HAVE_AVX2) && !defined(FT_HAVE_AVX512)
-// AVX2: the 32 codes of a block as [lo | hi] nibbles, int8 values by vpshufb, then
-// |w| x sign-adjusted x with vpmaddubsw (|w| <= 12: no saturation), pairs to int32.
-template <int NT>
-static inline void mxfp4_row_avx2(const uint8_t* row, const ActQ8x32View* x, uint32_t nb, float* res) {
-    __m256 acc[NT];
-    for (int j = 0; j < NT; ++j) acc[j] = _mm256_setzero_ps();
-    const __m128i lut128 = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m256i lut = _mm256_set_m128i(lut128, lut128);
-    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
-    for (uint32_t b = 0; b < nb; ++b) {
-        const uint8_t* p = row + (size_t)b * MXFP4_BYTES;
-        const __m128i q = _mm_loadu_si128((const __m128i*)(p + 1));
-        const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-        const __m256i wq = _mm256_shuffle_epi8(lut, codes);
-        const __m256i aw = _mm256_sign_epi8(wq, wq);
-        const float dw = mxfp4_scale(p[0]);
-        for (int j = 0; j < NT; ++j) {
-            const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(x[j].qs + (size_t)b * 32)), wq);
-            const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), ones);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * x[j].d[b]), acc[j]);
+// AVX2 tiers, one token (more take the tiles of block32_tiles_avx2.h), in groups of 8 blocks.
+// A register holds two blocks' 16 code bytes (block b in the low 128-bit lane, b + 1 in the
+// high one); its low and high nibbles (elements 0-15 and 16-31) become value + 12 (0..24,
+// unsigned; mxfp4_lut12) with vpshufb and meet the token's codes of the same elements through
+// vpmaddubsw + vpmaddwd (avx2) or two vpdpbusd (avx_vnni): 128-bit lane h of pair k's sums
+// belongs to block 2 k + h. sum4_epi32 adds the four pairs' sums into one register (dword i of
+// lane h: block 2 i + h), from which 12 x the blocks' code sums are taken (exact int32, the
+// same on both tiers), converted once and scaled per lane by (2^(e - 128) x activation scale).
+// The token's codes, scales and code sums are laid out in that order once per call
+// (Mxfp4RowAct); a row's last partial group runs on a zero-padded copy of its blocks.
+struct Mxfp4RowAct {
+    const int8_t* qs;    // per pair of blocks b, b + 1: [b 0-15 | b + 1 0-15 | b 16-31 | b + 1 16-31]
+    const float* d;      // per group of 8: blocks [0 2 4 6 1 3 5 7] of the group; 0 past the last block
+    const int32_t* s12;  // 12 x code sum, the same order
+};
+static inline size_t mxfp4_row_act_bytes(uint32_t nb) { return (size_t)((nb + 7) / 8) * (8 * 32 + 64); }
+
+static inline Mxfp4RowAct mxfp4_row_prepare(const ActQ8x32View& x, uint32_t nb, uint8_t* buf) {
+    const uint32_t ng = (nb + 7) / 8;
+    int8_t* qs = (int8_t*)buf;
+    float* d = (float*)(buf + (size_t)ng * 256);
+    int32_t* s12 = (int32_t*)(d + (size_t)ng * 8);
+    for (uint32_t g = 0; g < ng; ++g)
+        for (uint32_t i = 0; i < 8; ++i) {
+            const uint32_t b = 8 * g + i;  // block i of the group: pair i / 2, lane i % 2
+            int8_t* o = qs + (size_t)(8 * g + 2 * (i / 2)) * 32 + 16 * (i % 2);
+            const uint32_t pos = 8 * g + (i % 2 ? 4 + i / 2 : i / 2);
+            if (b < nb) {
+                const int8_t* src = x.qs + (size_t)b * 32;
+                std::memcpy(o, src, 16);
+                std::memcpy(o + 32, src + 16, 16);
+                int32_t sum = 0;
+                for (int k = 0; k < 32; ++k) sum += src[k];
+                d[pos] = x.d[b];
+                s12[pos] = 12 * sum;
+            } else {
+                std::memset(o, 0, 16);
+                std::memset(o + 32, 0, 16);
+                d[pos] = 0.0f;
+                s12[pos] = 0;
+            }
         }
+    return Mxfp4RowAct{qs, d, s12};
+}
+
+// Group g of a row (p: its first block; 8 blocks, the last group's copy zero-padded) into acc.
+static inline __m256 mxfp4_group_avx2(const uint8_t* p, const Mxfp4RowAct& x, uint32_t g, __m256 acc) {
+    const __m256i lut = mxfp4_lut12(), m4 = _mm256_set1_epi8(0x0F);
+    __m256i R[4];
+    for (int k = 0; k < 4; ++k) {
+        const uint8_t* q = p + (size_t)(2 * k) * MXFP4_BYTES;
+        const __m256i z = _mm256_loadu2_m128i((const __m128i*)(q + MXFP4_BYTES + 1), (const __m128i*)(q + 1));
+        const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(z, m4));
+        const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(z, 4), m4));
+        const int8_t* xs = x.qs + (size_t)(8 * g + 2 * k) * 32;
+        const __m256i xl = _mm256_loadu_si256((const __m256i*)xs), xh = _mm256_loadu_si256((const __m256i*)(xs + 32));
+#if defined(FT_HAVE_AVX_VNNI)
+        R[k] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wl, xl), wh, xh);
+#else
+        // int16 pairs of the two halves: at most 2 x 2 x 24 x 127
+        R[k] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(wl, xl), _mm256_maddubs_epi16(wh, xh)),
+                                 _mm256_set1_epi16(1));
+#endif
     }
-    for (int j = 0; j < NT; ++j) res[j] = hsum256(acc[j]);
+    const __m256i J = _mm256_sub_epi32(sum4_epi32(R[0], R[1], R[2], R[3]), _mm256_loadu_si256((const __m256i*)(x.s12 + 8 * g)));
+    const __m256i e = _mm256_setr_epi32(p[0], p[2 * MXFP4_BYTES], p[4 * MXFP4_BYTES], p[6 * MXFP4_BYTES], p[MXFP4_BYTES],
+                                        p[3 * MXFP4_BYTES], p[5 * MXFP4_BYTES], p[7 * MXFP4_BYTES]);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(J), _mm256_mul_ps(mxfp4_scales8(e), _mm256_loadu_ps(x.d + 8 * g)), acc);
+}
+
+static inline __m256 mxfp4_row_avx2(const uint8_t* row, uint32_t nb, const Mxfp4RowAct& x) {
+    __m256 acc = _mm256_setzero_ps();
+    const uint32_t full = nb / 8;
+    for (uint32_t g = 0; g < full; ++g) {
+        const uint8_t* p = row + (size_t)g * 8 * MXFP4_BYTES;
+        for (int o = 0; o < 8 * (int)MXFP4_BYTES; o += 64) _mm_prefetch((const char*)p + 2048 + o, _MM_HINT_T0);
+        acc = mxfp4_group_avx2(p, x, g, acc);
+    }
+    if (nb > 8 * full) {
+        uint8_t tail[8 * MXFP4_BYTES] = {};
+        std::memcpy(tail, row + (size_t)full * 8 * MXFP4_BYTES, (size_t)(nb - 8 * full) * MXFP4_BYTES);
+        acc = mxfp4_group_avx2(tail, x, full, acc);
+    }
+    return acc;
 }
 #endif
 
@@ -292,9 +353,28 @@ static void dot_rows_mxfp4(const ft_weight_desc& w, uint32_t e, uint32_t r0, uin
         (vbmi ? mxfp4_rows1_vbmi : mxfp4_rows1_avx512)(base, w.row_stride, r0, r1, xv, nb, out);
         return;
     }
+#elif defined(FT_HAVE_AVX2)
+    if (ntok >= 2) {
+        dot_rows_b32_tiles<FT_FMT_MXFP4>(w, e, r0, r1, xs, ntok, out, os);
+        return;
+    }
+    thread_local std::vector<uint8_t> scratch;
+    if (scratch.size() < mxfp4_row_act_bytes(nb)) scratch.resize(mxfp4_row_act_bytes(nb));
+    const Mxfp4RowAct xa = mxfp4_row_prepare(q8x32_view(xs[0], w.cols), nb, scratch.data());
+    for (uint32_t g = r0; g < r1; g += 8) {  // rows in groups of 8, summed together
+        const uint32_t n = std::min(8u, r1 - g);
+        __m256 v[8];
+        for (uint32_t i = 0; i < 8; ++i)
+            v[i] = i < n ? mxfp4_row_avx2(base + (size_t)(g + i) * w.row_stride, nb, xa) : _mm256_setzero_ps();
+        const __m256 sums = hsum8_ps(v);
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, sums);
+        for (uint32_t i = 0; i < n; ++i) out[g - r0 + i] = tmp[i];
+    }
 #else
     ActQ8x32View xv[4];
 #endif
+#if !defined(FT_HAVE_AVX2) || defined(FT_HAVE_AVX512)
     for (uint32_t j0 = 0; j0 < ntok; j0 += 4) {
         const uint32_t nt = ntok - j0 < 4 ? ntok - j0 : 4;
 #if defined(FT_HAVE_AVX512)
@@ -309,17 +389,11 @@ static void dot_rows_mxfp4(const ft_weight_desc& w, uint32_t e, uint32_t r0, uin
             __m512 v[4];
             (vbmi ? mxfp4_row_nt_vbmi : mxfp4_row_nt_avx512)(row, xv, nt, nb, v);
             for (uint32_t j = 0; j < nt; ++j) res[j] = _mm512_reduce_add_ps(v[j]);
-#elif defined(FT_HAVE_AVX2)
-            switch (nt) {
-                case 4: mxfp4_row_avx2<4>(row, xv, nb, res); break;
-                case 3: mxfp4_row_avx2<3>(row, xv, nb, res); break;
-                case 2: mxfp4_row_avx2<2>(row, xv, nb, res); break;
-                default: mxfp4_row_avx2<1>(row, xv, nb, res); break;
-            }
 #else
             for (uint32_t j = 0; j < nt; ++j) res[j] = mxfp4_row_portable(row, xv[j], nb);
 #endif
             for (uint32_t j = 0; j < nt; ++j) out[(j0 + j) * os + (r - r0)] = res[j];
         }
     }
+#endif
 }

@@ -76,26 +76,38 @@ static inline void q8_0_row_avx512(const uint8_t* row, const ActQ8x32View* x, ui
 #endif
 
 #if defined(FT_HAVE_AVX2) && !defined(FT_HAVE_AVX512)
-// AVX2: |w| (unsigned, <= 128) x sign-adjusted x with vpmaddubsw (no saturation:
-// 2 * 128 * 127 < 32768), pairs summed to int32, one float scale per block.
+// AVX2 tiers, few tokens (more take the tiles of block32_tiles_avx2.h): |w| (unsigned, <= 128)
+// x sign-adjusted x through dot4_u8i8 (no saturation: 2 x 128 x 127 < 32768), one float
+// scale per block; the weight stream prefetched 2 KB ahead.
 template <int NT>
 static inline void q8_0_row_avx2(const uint8_t* row, const ActQ8x32View* x, uint32_t nb, float* res) {
-    __m256 acc[NT];
-    for (int j = 0; j < NT; ++j) acc[j] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
+    constexpr int U = NT == 1 ? 2 : 1;  // accumulators per token (FMA latency)
+    __m256 acc[NT][U];
+    for (int j = 0; j < NT; ++j)
+        for (int u = 0; u < U; ++u) acc[j][u] = _mm256_setzero_ps();
     for (uint32_t b = 0; b < nb; ++b) {
         const uint8_t* p = row + (size_t)b * Q8_0_BYTES;
+        if ((b & 1) == 0) _mm_prefetch((const char*)p + 2048, _MM_HINT_T0);
         const __m256i wq = _mm256_loadu_si256((const __m256i*)(p + 2));
         const __m256i aw = _mm256_sign_epi8(wq, wq);
         const float dw = _cvtsh_ss(*(const uint16_t*)p);
         for (int j = 0; j < NT; ++j) {
             const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(x[j].qs + (size_t)b * 32)), wq);
-            const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), ones);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * x[j].d[b]), acc[j]);
+            acc[j][b % U] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4_u8i8(aw, xq)), _mm256_set1_ps(dw * x[j].d[b]), acc[j][b % U]);
         }
     }
-    for (int j = 0; j < NT; ++j) res[j] = hsum256(acc[j]);
+    for (int j = 0; j < NT; ++j) {
+        for (int u = 1; u < U; ++u) acc[j][0] = _mm256_add_ps(acc[j][0], acc[j][u]);
+        res[j] = hsum256(acc[j][0]);
+    }
 }
+
+// Tokens per call from which the tiles take over from the row kernel. One thread, weights in L2,
+// GB/s x tokens, row / tiles: avx2 T=3 60 / 51, T=4 62 / 58, T=6 61 / 69 (each step of the
+// tiles costs two multiplies, the sign trick, as the row kernel's); avx_vnni T=3 68 / 79,
+// T=4 72 / 91. One threshold for both tiers, so that they take the same path and agree bit
+// for bit.
+constexpr uint32_t kQ8TileMinTokens = 4;
 #endif
 
 static void dot_rows_q8_0(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint32_t r1,
@@ -112,6 +124,12 @@ static void dot_rows_q8_0(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint
             for (uint32_t i = 0; i < n; ++i) q8_0_row_avx512<1>(base + (size_t)(g + i) * w.row_stride, xv, nb, &v[i]);
             hsum16_avx512(v, (int)n, out + (g - r0));
         }
+        return;
+    }
+#endif
+#if defined(FT_HAVE_AVX2) && !defined(FT_HAVE_AVX512)
+    if (ntok >= kQ8TileMinTokens) {
+        dot_rows_b32_tiles<FT_FMT_Q8_0>(w, e, r0, r1, xs, ntok, out, os);
         return;
     }
 #endif

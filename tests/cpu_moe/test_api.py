@@ -95,6 +95,98 @@ def test_unknown_cap_is_named_and_caps_nothing() -> None:
     assert "FREETOKEN_CPU_MOE_ISA=avx9000 is not a kernel tier" in out.stderr
 
 
+def cpu_flags() -> set:
+    """The flags of /proc/cpuinfo's first processor (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+#: what a tier needs of the CPU, for the skip reasons of tests that need it
+TIER_NEEDS = {
+    "avx2": "AVX2 + FMA + F16C",
+    "avx_vnni": "AVX-VNNI (CPUID leaf 7 subleaf 1, EAX bit 4) with AVX2 + FMA + F16C",
+    "avx512": "AVX-512 F/BW/VL/DQ + VNNI",
+}
+
+
+def require_tiers(*tiers: str) -> None:
+    for t in tiers:
+        if t not in cm.isa_tiers():
+            pytest.skip(f"this CPU has no {TIER_NEEDS[t]}: the {t} tier is not offered")
+
+
+def test_avx_vnni_tier_follows_the_cpu_flags() -> None:
+    """avx_vnni is offered exactly when /proc/cpuinfo lists avx_vnni with avx2, fma and f16c
+    (read independently of the package's CPUID check), between avx512 and avx2."""
+    flags = cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to check the tier list against")
+    tiers = _uncapped_tiers()
+    assert ("avx_vnni" in tiers) == ({"avx_vnni", "avx2", "fma", "f16c"} <= flags), (tiers, sorted(flags & {"avx_vnni", "avx2"}))
+    if "avx_vnni" in tiers:
+        assert tiers.index("avx_vnni") + 1 == tiers.index("avx2")
+        assert all(tiers.index(t) < tiers.index("avx_vnni") for t in ("amx", "avx512") if t in tiers)
+
+
+def raw_weights(fmt: str, rows: int, cols: int, rng) -> "cm.Weights":
+    """Weights with every byte random except the block scales (kept finite and moderate):
+    every code value, K-quant 6-bit scale and min, Q6_K and Q8_0 sign occurs."""
+    from cpu_moe_reference import BLOCK_BYTES, FP16_FIELDS
+
+    if fmt not in BLOCK_BYTES:
+        r = make_weights(fmt, 1, rows, cols, rng, 0.05)
+        return cm.Weights(r.data, fmt, 1, rows, cols, scale=r.scale)
+    nb = rows * cols // cm.format_info(fmt).block_elems
+    raw = rng.integers(0, 256, size=(nb, BLOCK_BYTES[fmt]), dtype=np.uint8)
+    if fmt == "mxfp4":
+        raw[:, 0] = rng.integers(118, 130, size=nb)  # E8M0 exponents, 0 and 1 among none
+    for off in FP16_FIELDS.get(fmt, (0,) if fmt == "q8_0" else ()):
+        raw[:, off : off + 2] = rng.uniform(0.5e-3, 1e-3, size=nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return cm.Weights(raw.reshape(-1), fmt, 1, rows, cols)
+
+
+@pytest.mark.parametrize("fmt", cm.FORMATS)
+def test_avx_vnni_equals_avx2_bit_for_bit(fmt: str, rng) -> None:
+    """The avx_vnni tier is the avx2 tier with vpdpbusd for the int8 dot products: the same
+    exact int32 sums and the same float code, so every output is identical. Row counts that
+    leave partial groups of 8 rows, columns that leave a partial group of 8 MXFP4/Q8_0 blocks,
+    token counts through the one-token kernels, the tiles and their groups of 4 tokens."""
+    require_tiers("avx2", "avx_vnni")
+    rows = 37
+    cols = {"q4_k": 768, "q5_k": 768, "q6_k": 768, "mxfp4": 2880, "q8_0": 2880}.get(fmt, 200)
+    wts = raw_weights(fmt, rows, cols, rng)
+    for T in (1, 2, 3, 5, 8, 16, 23):
+        x = rng.standard_normal((T, cols)).astype(np.float32)
+        x[0, : cols // 2] *= 30.0
+        y2 = cm.linear(wts, x, isa="avx2")
+        yv = cm.linear(wts, x, isa="avx_vnni")
+        assert np.isfinite(y2).all() and np.array_equal(y2, yv), f"{fmt} T={T}: {np.max(np.abs(y2 - yv)):.3e}"
+
+
+@pytest.mark.parametrize("isa", cm.isa_tiers())
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0", "mxfp4", "bf16", "fp8_e4m3_b128"])
+def test_many_tokens_on_one_expert(bank_for, fmt: str, isa: str, rng) -> None:
+    """70 tokens routed to one expert: one call per piece of its matrices with every token,
+    more than a pass of the AVX2 tiles takes (64), against the float64 reference."""
+    case = bank_for(fmt)
+    T = 70
+    x = rng.standard_normal((T, case.H)).astype(np.float32)
+    ids = np.zeros((T, 2), np.int32)
+    ids[:, 1] = rng.integers(1, case.E, size=T)
+    w = rng.uniform(0.2, 1.0, size=(T, 2)).astype(np.float32)
+    y = cm.moe_forward(case.bank, x, ids, w, isa=isa)
+    assert moe_error(y, case.raw, x.astype(np.float64), ids, w) < (1e-3 if fmt in ACT_QUANT_BLOCK else 1e-5)
+    if isa == "avx_vnni":
+        assert np.array_equal(y, cm.moe_forward(case.bank, x, ids, w, isa="avx2"))
+
+
 def test_set_isa_rejects_unknown_tier() -> None:
     with pytest.raises(ValueError, match="unknown ISA tier"):
         cm.set_isa("avx9000")

@@ -27,8 +27,8 @@ ISA_ENV = "FREETOKEN_CPU_MOE_ISA"
 
 
 def isa_tiers() -> list[str]:
-    """Kernel tiers this CPU supports, best first (e.g. ``["avx512", "avx2", "scalar"]``); with
-    ``FREETOKEN_CPU_MOE_ISA`` set, only those at or below that tier."""
+    """Kernel tiers this CPU supports, best first (e.g. ``["avx512", "avx_vnni", "avx2", "scalar"]``);
+    with ``FREETOKEN_CPU_MOE_ISA`` set, only those at or below that tier."""
     return list(_core.isa_tiers())
 
 
@@ -43,7 +43,7 @@ def set_isa(tier: str) -> None:
 
 
 #: every tier, best first (the order FREETOKEN_CPU_MOE_ISA caps by)
-TIER_ORDER = ("amx", "avx512", "avx2", "scalar")
+TIER_ORDER = ("amx", "avx512", "avx_vnni", "avx2", "scalar")
 
 
 def _check_env_isa() -> None:
