@@ -120,6 +120,9 @@ static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
             _mm512_storeu_si512(o.qs4k + 128 * h, _mm512_permutex2var_epi32(n0, idx_a, n1));
             _mm512_storeu_si512(o.qs4k + 128 * h + 64, _mm512_permutex2var_epi32(n0, idx_b, n1));
         }
+#elif defined(FT_HAVE_AVX2)
+        // the AVX2 tiers' kernels read the natural order only
+        std::memset(o.qs4k, 0, sizeof o.qs4k);
 #else
         for (uint32_t i = 0; i < 256; ++i) o.qs4k[i] = o.qs[kq45_act_index(i)];
 #endif
