@@ -81,24 +81,29 @@ static inline void q8_0_row_avx512(const uint8_t* row, const ActQ8x32View* x, ui
 // scale per block; the weight stream prefetched 2 KB ahead.
 template <int NT>
 static inline void q8_0_row_avx2(const uint8_t* row, const ActQ8x32View* x, uint32_t nb, float* res) {
-    constexpr int U = NT == 1 ? 2 : 1;  // accumulators per token (FMA latency)
-    __m256 acc[NT][U];
-    for (int j = 0; j < NT; ++j)
-        for (int u = 0; u < U; ++u) acc[j][u] = _mm256_setzero_ps();
-    for (uint32_t b = 0; b < nb; ++b) {
+    constexpr int U = NT == 1 ? 2 : 1;  // blocks per iteration, each into its own accumulators (FMA latency)
+    __m256 acc[U][NT];
+    for (int u = 0; u < U; ++u)
+        for (int j = 0; j < NT; ++j) acc[u][j] = _mm256_setzero_ps();
+    auto block = [&](uint32_t b, __m256* a) {
         const uint8_t* p = row + (size_t)b * Q8_0_BYTES;
-        if ((b & 1) == 0) _mm_prefetch((const char*)p + 2048, _MM_HINT_T0);
         const __m256i wq = _mm256_loadu_si256((const __m256i*)(p + 2));
         const __m256i aw = _mm256_sign_epi8(wq, wq);
         const float dw = _cvtsh_ss(*(const uint16_t*)p);
         for (int j = 0; j < NT; ++j) {
             const __m256i xq = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(x[j].qs + (size_t)b * 32)), wq);
-            acc[j][b % U] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4_u8i8(aw, xq)), _mm256_set1_ps(dw * x[j].d[b]), acc[j][b % U]);
+            a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4_u8i8(aw, xq)), _mm256_set1_ps(dw * x[j].d[b]), a[j]);
         }
+    };
+    uint32_t b = 0;
+    for (; b + U <= nb; b += U) {
+        _mm_prefetch((const char*)row + (size_t)b * Q8_0_BYTES + 2048, _MM_HINT_T0);
+        for (int u = 0; u < U; ++u) block(b + u, acc[u]);
     }
+    for (; b < nb; ++b) block(b, acc[0]);
     for (int j = 0; j < NT; ++j) {
-        for (int u = 1; u < U; ++u) acc[j][0] = _mm256_add_ps(acc[j][0], acc[j][u]);
-        res[j] = hsum256(acc[j][0]);
+        for (int u = 1; u < U; ++u) acc[0][j] = _mm256_add_ps(acc[0][j], acc[u][j]);
+        res[j] = hsum256(acc[0][j]);
     }
 }
 
