@@ -6,13 +6,13 @@
 #      AVX2 + FMA + F16C only (what an AVX2 desktop's GGML_NATIVE build runs)
 #   2. freetoken-core and freetoken-cpu-moe built in place (no GPU backend: nothing here uses one)
 #   3. a Qwen3-30B-A3B-shaped Q4_K_M file of $LAYERS layers
-#   4. for THREADS in 16 2: `freetoken bench decode --backend cpu` (prompt 512 once; decode after a
+#   4. for each of $THREADS: `freetoken bench decode --backend cpu` (prompt 512 once; decode after a
 #      16-token prompt) on the best tier and capped to each of $TIERS (FREETOKEN_CPU_MOE_ISA), and
 #      llama-bench -p 512 -n 64 with each build
 # Usage (repository root, .bench/llama.cpp carried): bash tests/gpu/cpu_tiers_run.sh
-# Environment: LAYERS (8), TIERS ("avx2"), GEN (64).
+# Environment: LAYERS (8), TIERS ("avx2"), THREADS ("16 2"), GEN (64).
 set -uo pipefail
-LAYERS=${LAYERS:-8}; TIERS=${TIERS:-avx2}; GEN=${GEN:-64}
+LAYERS=${LAYERS:-8}; TIERS=${TIERS:-avx2}; THREADS=${THREADS:-16 2}; GEN=${GEN:-64}
 OUT=${OUT:-/tmp/ft-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -55,8 +55,9 @@ ll() {  # THREADS BUILD
   timeout 120 /tmp/llama-$2/bin/llama-bench -m "$M" -t "$1" -p 512 -n "$GEN" -r 2 -o md > "$OUT/llama-$2-t$1.md" 2>&1
   stamp "llama.cpp $2 -t $1:"; grep -E '^\| [a-z]' "$OUT/llama-$2-t$1.md" | grep -v '^| model' | awk -F'|' '{print "   ", $(NF-2), $(NF-1)}'
 }
-for T in 16 2; do
+for T in $THREADS; do
   ll $T native; ft $T best
-  for tier in $TIERS; do ll $T avx2; ft $T "$tier"; done
+  ll $T avx2
+  for tier in $TIERS; do ft $T "$tier"; done
 done
 stamp "all done"
