@@ -9,7 +9,7 @@
 #   4. for each of $THREADS: `freetoken bench decode --backend cpu` (prompt 512 once; decode after a
 #      16-token prompt) on the best tier and capped to each of $TIERS (FREETOKEN_CPU_MOE_ISA), and
 #      llama-bench -p 512 -n 64 with each build
-# Usage (repository root, .bench/llama.cpp carried): bash tests/gpu/cpu_tiers_run.sh
+# Usage (repository root, .bench/llama.cpp and .whl carried): bash tests/gpu/cpu_tiers_run.sh
 # Environment: LAYERS (8), TIERS ("avx2"), THREADS ("16 2"), GEN (64).
 set -uo pipefail
 LAYERS=${LAYERS:-8}; TIERS=${TIERS:-avx2}; THREADS=${THREADS:-16 2}; GEN=${GEN:-64}
@@ -27,7 +27,11 @@ P1=$!
     -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF && cmake --build /tmp/llama-avx2 -j 8 --target llama-bench ) \
     > "$OUT/llama-avx2-build.log" 2>&1 &
 P2=$!
-python3 -m pip install -q --no-deps --no-build-isolation -e ./freetoken-core -e ./freetoken-cpu-moe > "$OUT/build.log" 2>&1 \
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (tests/gpu/wheels.txt): gguf for make-model
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$OUT/build.log" 2>&1 && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e ./freetoken-core -e ./freetoken-cpu-moe >> "$OUT/build.log" 2>&1 \
   || { tail -30 "$OUT/build.log"; exit 1; }
 stamp "freetoken build done"
 FT="python3 -m freetoken.cli.main"
