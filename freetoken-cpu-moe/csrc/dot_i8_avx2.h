@@ -8,16 +8,7 @@
 // Included inside an ISA namespace by isa_*.cpp.
 #pragma once
 
-// acc + (sums of the four u x s products of each dword lane)
-static inline __m256i dot4_u8i8_acc(__m256i acc, __m256i u, __m256i s) {
-#if defined(FT_HAVE_AVX_VNNI)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
-// the same without an accumulator
+// sums of the four u x s products of each dword lane
 static inline __m256i dot4_u8i8(__m256i u, __m256i s) {
 #if defined(FT_HAVE_AVX_VNNI)
     return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);

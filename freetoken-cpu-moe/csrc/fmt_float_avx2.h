@@ -6,8 +6,9 @@
 // serves NT tokens, each activation load NR rows. One or two tokens: one row at a time, four
 // or two accumulators (FMA latency), the weight stream prefetched in software 2 KB ahead,
 // across row ends (a core that converts between its loads keeps too few lines in flight with
-// the hardware prefetchers alone). More tokens: 2 rows x 4 tokens (F32/F16/BF16) or 1 row x
-// 4 tokens (FP8, whose per-block scales need a second set of accumulators), FMA-bound.
+// the hardware prefetchers alone). More tokens: 2 rows x 4 tokens (F32/F16/BF16), FMA-bound;
+// FP8 1 row x 4 tokens (its per-block scales need a second set of accumulators), or x 8 tokens
+// with the block scale applied to the converted weights.
 // Columns past the last whole 16 (FP8: 32 per 128-column block) are added by the portable
 // loaders.
 #pragma once
@@ -223,6 +224,39 @@ static inline void fp8_rows_avx2(const uint8_t* base, size_t row_stride, const f
         for (int t = 0; t < NT; ++t) out[(size_t)t * os + (r + i - r0)] = hsum256(tot[i][t]) + tail[i][t];
 }
 
+// Eight tokens: one row, the block scale (x 2^8) folded into the converted weights (one
+// multiply per 8 weights, shared by the 8 tokens), so the 8 accumulators run over the whole
+// row and no second set is needed: the conversion, which shares the FMA pipes, is spread
+// over twice as many FMAs as with 4 tokens.
+static inline void fp8_row8_avx2(const uint8_t* row, const float* srow, uint32_t cols, const float* const* x,
+                                 const float* const* xp, float* out, size_t os) {
+    __m256 acc[8];
+    float tail[8];
+    for (int t = 0; t < 8; ++t) {
+        acc[t] = _mm256_setzero_ps();
+        tail[t] = 0.0f;
+    }
+    for (uint32_t cb = 0, c0 = 0; c0 < cols; ++cb, c0 += FP8_BLOCK) {
+        const uint32_t n = std::min(FP8_BLOCK, cols - c0), n32 = n & ~31u;
+        const float s = srow[cb] * 256.0f;
+        const __m256 sv = _mm256_set1_ps(s);
+        for (uint32_t c = c0; c < c0 + n32; c += 32) {
+            __m256 w[4];
+            fp8_load32(row + c, w);
+            for (int q = 0; q < 4; ++q) w[q] = _mm256_mul_ps(w[q], sv);
+            for (int t = 0; t < 8; ++t)
+                for (int q = 0; q < 4; ++q) acc[t] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(xp[t] + c + 8 * q), acc[t]);
+        }
+        if (n32 < n)
+            for (int t = 0; t < 8; ++t) {
+                float p = 0.0f;
+                for (uint32_t c = c0 + n32; c < c0 + n; ++c) p += LoadFP8Div256::at(row, c) * x[t][c];
+                tail[t] += p * s;
+            }
+    }
+    for (int t = 0; t < 8; ++t) out[(size_t)t * os] = hsum256(acc[t]) + tail[t];
+}
+
 template <int NR, int NT>
 static inline void fp8_rows_nt_avx2(const uint8_t* base, size_t row_stride, const float* sbase, uint32_t ncb, uint32_t cols,
                                     uint32_t r0, uint32_t r1, const float* const* x, const float* const* xp, float* out,
@@ -240,8 +274,19 @@ static void dot_rows_fp8_avx2(const ft_weight_desc& w, uint32_t e, uint32_t r0, 
     const float* const* x = (const float* const*)xs;
     thread_local std::vector<float> scratch;
     const size_t per = ((size_t)w.cols + 15) & ~(size_t)15;
-    if (scratch.size() < 4 * per) scratch.resize(4 * per);
-    for (uint32_t j = 0; j < ntok; j += 4) {
+    if (scratch.size() < 8 * per) scratch.resize(8 * per);
+    uint32_t j = 0;
+    for (; j + 8 <= ntok; j += 8) {
+        const float* xp[8];
+        for (uint32_t t = 0; t < 8; ++t) {
+            fp8_permute_x(x[j + t], w.cols, scratch.data() + t * per);
+            xp[t] = scratch.data() + t * per;
+        }
+        for (uint32_t r = r0; r < r1; ++r)
+            fp8_row8_avx2(base + (size_t)r * w.row_stride, sbase + (size_t)(r / FP8_BLOCK) * ncb, w.cols, x + j, xp,
+                          out + (size_t)j * os + (r - r0), os);
+    }
+    for (; j < ntok; j += 4) {
         const uint32_t nt = std::min(4u, ntok - j);
         const float* xp[4];
         for (uint32_t t = 0; t < nt; ++t) {

@@ -6,8 +6,8 @@
 // and each meets the token's codes in dot4_u8i8 (dot_i8_avx2.h: vpmaddubsw + vpmaddwd, or
 // vpdpbusd on avx_vnni; codes below 64, so both tiers sum exactly alike), which leaves 8
 // int32 partial sums per sub-block. Four sub-blocks' partial sums are added into one
-// register with unpacks (sum4_epi32, reduce_avx2.h): dword i of 128-bit lane h = sub-block i's sum over its
-// elements 16 h .. 16 h + 15. So one conversion and one FMA serve four sub-blocks; the lane
+// register with unpacks (sum4_epi32, reduce_avx2.h): dword i of 128-bit lane h = sub-block
+// i's sum over its elements 16 h .. 16 h + 15. So one conversion and one FMA serve four sub-blocks; the lane
 // coefficients are the block's scales in that order times the token's activation scales,
 // which are the same in both 128-bit lanes (a 16-byte broadcast). For Q6_K the 128-bit
 // lanes are exactly its scale groups of 16 (lane h of sub-block i: group 2 i + h), so its
