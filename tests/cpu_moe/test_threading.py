@@ -71,9 +71,9 @@ def test_item_jobs_do_not_wait_for_a_late_worker(bank_for, rng) -> None:
             for y in got:  # the split into items does not depend on who computes them
                 assert np.array_equal(y, want)
         buf = np.arange(1 << 16, dtype=np.uint64)
+        t0 = time.perf_counter()  # before the delay is set: the 300 ms count from here at the earliest
         pool._core._inject_worker_delay(1, 300.0)
         time.sleep(0.01)
-        t0 = time.perf_counter()
         _core.stream_read(int(buf.__array_interface__["data"][0]), buf.nbytes, pool._core)
         assert time.perf_counter() - t0 >= 0.29, "run() returned before every worker had run"
     assert moe_error(want_moe, case.raw, x.astype(np.float64), ids, w) < 1e-3

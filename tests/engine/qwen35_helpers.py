@@ -72,11 +72,11 @@ _FLOAT64: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
-def hf_forward64(model: Any, ids: list[int]) -> tuple[torch.Tensor, float]:
+def hf_forward64_gaps(model: Any, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' logits of ``ids`` from a float64 copy of ``model`` (its experts through
     the eager loop: the grouped matmul takes no float64): the reference both FP32
-    forwards are measured against; and the smallest gap between the k-th and (k+1)-th
-    router logit over every MoE layer and position (how close a routing choice came to a tie)."""
+    forwards are measured against; and, per position, the smallest gap between the k-th and
+    (k+1)-th router logit over every MoE layer (how close a routing choice came to a tie)."""
     m64 = _FLOAT64.get(model)
     if m64 is None:
         m64 = _FLOAT64[model] = copy.deepcopy(model).double()
@@ -85,11 +85,11 @@ def hf_forward64(model: Any, ids: list[int]) -> tuple[torch.Tensor, float]:
             if config is not None and hasattr(config, "_experts_implementation"):
                 config._experts_implementation = "eager"
     k = model.config.num_experts_per_tok
-    gaps: list[float] = []
+    gaps: list[torch.Tensor] = []
 
     def record(module: Any, inputs: Any, out: Any) -> None:
         top = out[0].topk(k + 1, dim=-1).values  # (router logits, scores, indices)
-        gaps.append(float((top[:, k - 1] - top[:, k]).min()))
+        gaps.append(top[:, k - 1] - top[:, k])
 
     hooks = [m.register_forward_hook(record) for name, m in m64.named_modules() if name.endswith("mlp.gate")]
     try:
@@ -98,7 +98,21 @@ def hf_forward64(model: Any, ids: list[int]) -> tuple[torch.Tensor, float]:
         for h in hooks:
             h.remove()
     assert gaps, "no router seen: the model's MoE gates are not named mlp.gate"
-    return logits, min(gaps)
+    return logits, torch.stack(gaps).min(0).values
+
+
+def hf_forward64(model: Any, ids: list[int]) -> tuple[torch.Tensor, float]:
+    """:func:`hf_forward64_gaps` with the smallest gap over every position."""
+    logits, gaps = hf_forward64_gaps(model, ids)
+    return logits, float(gaps.min())
+
+
+def first_route_tie(model: Any, ids: list[int]) -> int:
+    """The first position of ``ids`` whose float64 routing comes within :data:`ROUTE_GAP` of a
+    tie (``len(ids)`` if none): from there on FP32 rounding may pick other experts."""
+    _, gaps = hf_forward64_gaps(model, ids)
+    close = (gaps < ROUTE_GAP).nonzero()
+    return int(close[0, 0]) if len(close) else len(ids)
 
 
 def prompt_without_route_ties(model: Any, rng: Any, n: int, tries: int = 20) -> tuple[list[int], torch.Tensor]:
