@@ -168,20 +168,8 @@ static void dot_rows_b32_tiles(const ft_weight_desc& w, uint32_t e, uint32_t r0,
                 b32_code_sums(q8x32_view(xs[j], w.cols).qs, nb, FMT == FT_FMT_Q8_0 ? 128 : 12, sums.data() + (j - t0) * per);
         for (uint32_t g = r0; g < r1; g += 8) {
             const uint32_t n = std::min(8u, r1 - g);
-            const uint8_t* rows[8];
-            for (uint32_t r = 0; r < 8; ++r) rows[r] = base + (size_t)(g + std::min(r, n - 1)) * w.row_stride;
-            // the next group's rows are fetched while this one is unpacked (8 streams at once
-            // are more than the hardware prefetchers follow; one call may be all a matrix sees)
-            const uint32_t nn = g + 8 < r1 ? std::min(8u, r1 - g - 8) : 0;
-            const uint8_t* next = base + (size_t)(g + 8) * w.row_stride;
-            for (uint32_t b = 0; b < nb; ++b) {
-                const uint8_t* blk[8];
-                for (int r = 0; r < 8; ++r) blk[r] = rows[r] + (size_t)b * BB;
-                for (uint32_t r = 0; r < nn; ++r)
-                    for (size_t o = 0; o < BB; o += 64)
-                        _mm_prefetch((const char*)next + (size_t)r * w.row_stride + (size_t)b * BB + o, _MM_HINT_T0);
-                b32_tile_unpack<FMT>(blk, tiles[b]);
-            }
+            unpack_row_group8<BB>(base, w.row_stride, g, r1, nb,
+                                  [&](const uint8_t* const* blk, uint32_t b) { b32_tile_unpack<FMT>(blk, tiles[b]); });
             for (uint32_t j0 = t0; j0 < t1; j0 += 4) {
                 const uint32_t nt = std::min(4u, t1 - j0);
                 for (uint32_t j = 0; j < nt; ++j) {
@@ -196,14 +184,7 @@ static void dot_rows_b32_tiles(const ft_weight_desc& w, uint32_t e, uint32_t r0,
                     default: b32_tiles_dot<FMT, 1>(tiles.data(), nb, xv, bias, v); break;
                 }
                 for (uint32_t j = 0; j < nt; ++j) {
-                    float* o = out + (size_t)(j0 + j) * os + (g - r0);
-                    if (n == 8) {
-                        _mm256_storeu_ps(o, v[j]);
-                    } else {
-                        alignas(32) float tmp[8];
-                        _mm256_store_ps(tmp, v[j]);
-                        for (uint32_t r = 0; r < n; ++r) o[r] = tmp[r];
-                    }
+                    store_row_group8(out + (size_t)(j0 + j) * os + (g - r0), v[j], n);
                 }
             }
         }
