@@ -79,8 +79,7 @@ static void prepare_q8_32(const float* x, uint32_t n, void* out) {
         d[b] = amax / 127.0f;
         dq[b] = d[b] * (float)(sums[0] + sums[1]);
     }
-    return;
-#endif
+#else
     for (uint32_t b = 0; b < n / 32; ++b) {
         const float* xb = x + (size_t)b * 32;
         const float amax = absmax_span(xb, 32);
@@ -94,6 +93,7 @@ static void prepare_q8_32(const float* x, uint32_t n, void* out) {
         d[b] = amax / 127.0f;
         dq[b] = d[b] * (float)sum;
     }
+#endif
 }
 
 #if defined(FT_HAVE_AVX512)

@@ -1,5 +1,5 @@
 // Horizontal sums of the AVX2 tiers (avx2, avx_vnni). Included inside an ISA namespace by
-// isa_*.cpp.
+// isa_*.cpp and attention_avx2.cpp.
 #pragma once
 
 static inline float hsum256(__m256 v) {
