@@ -38,6 +38,7 @@ PYBIND11_MODULE(_core, m) {
     py::register_exception<ft::BadTask>(m, "BadTask", PyExc_ValueError);
 
     m.def("isa_tiers", &ft::isa_tiers);
+    m.def("tier_order", &ft::tier_order);
     m.def("active_isa", [] { return std::string(ft::active_kernels()->name); });
     m.def("set_isa", &ft::set_active_isa);
     m.def("mxfp4_vbmi", &ft::mxfp4_vbmi, "whether the AVX-512 MXFP4 kernels use the AVX512-VBMI permutes");

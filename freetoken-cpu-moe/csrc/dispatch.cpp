@@ -86,12 +86,6 @@ std::atomic<bool>& vbmi_slot() {
     return on;
 }
 
-// Every tier by capability, best first: a cap keeps the tiers at or below it.
-const std::vector<std::string>& tier_order() {
-    static const std::vector<std::string> order = {"amx", "avx512", "avx_vnni", "avx2", "scalar"};
-    return order;
-}
-
 int tier_rank(const std::string& name) {
     const auto& order = tier_order();
     for (size_t i = 0; i < order.size(); ++i)
@@ -118,6 +112,13 @@ std::atomic<const KernelTable*>& active_slot() {
 }
 
 }  // namespace
+
+// Every tier by capability, best first: a cap keeps the tiers at or below it.
+const std::vector<std::string>& tier_order() {
+    static const std::vector<std::string> order = {"amx", "avx512", "avx_vnni", "avx2", "scalar"};
+    return order;
+}
+
 
 // FREETOKEN_CPU_MOE_ISA, read once: the tiers above the named one are left out, as on a
 // processor without them (an unknown name caps nothing; the Python package warns).

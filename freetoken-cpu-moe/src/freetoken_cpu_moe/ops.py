@@ -42,8 +42,8 @@ def set_isa(tier: str) -> None:
     _core.set_isa(tier)
 
 
-#: every tier, best first (the order FREETOKEN_CPU_MOE_ISA caps by)
-TIER_ORDER = ("amx", "avx512", "avx_vnni", "avx2", "scalar")
+#: every tier, best first (the order FREETOKEN_CPU_MOE_ISA caps by; csrc/dispatch.cpp)
+TIER_ORDER: tuple[str, ...] = tuple(_core.tier_order())
 
 
 def _check_env_isa() -> None:
