@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from freetoken.moe import copy_queue
-from freetoken.moe.copy_queue import CopyQueue
+from freetoken.moe.experts import copy_queue
+from freetoken.moe.experts.copy_queue import CopyQueue
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from freetoken.cli.doctor import MODEL_KEY, REPORT_KEYS
-from freetoken.moe import faults
+from freetoken.moe.handoff import faults
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -105,7 +105,7 @@ def test_engine_options_without_model_are_a_usage_error() -> None:
 def test_plan_error_names_the_flag_that_set_the_budget():
     """The budget came from --gpu-memory-limit: the message says so, in readable units."""
     from freetoken.backends.contract import EngineOptions, MemoryPlanError, ModelShape
-    from freetoken.moe.gpu_session import GpuModelSession
+    from freetoken.moe.session.gpu_session import GpuModelSession
 
     class NoMemoryBackend:
         name = "no-memory"

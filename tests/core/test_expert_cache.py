@@ -15,11 +15,11 @@ import torch
 
 from freetoken.handoff import Fmt
 from freetoken.loading.tensors import RawTensor
-from freetoken.moe import expert_cache
-from freetoken.moe.copy_queue import CopyQueue
-from freetoken.moe.expert_cache import ExpertCache
-from freetoken.moe.layer import ExpertWeights
-from freetoken.moe.moe_stats import MoEStats, distinct_per_row
+from freetoken.moe.experts import expert_cache
+from freetoken.moe.experts.copy_queue import CopyQueue
+from freetoken.moe.experts.expert_cache import ExpertCache
+from freetoken.models.moe_layer import ExpertWeights
+from freetoken.moe.handoff.moe_stats import MoEStats, distinct_per_row
 
 E, H, I, K = 8, 32, 16, 2
 
@@ -102,7 +102,7 @@ def test_fetch_replaces_the_coldest_and_is_bounded(copies):
 
 
 def test_churn_keeps_tables_consistent(copies, monkeypatch):
-    from freetoken.moe import expert_cache as ec
+    from freetoken.moe.experts import expert_cache as ec
 
     monkeypatch.setattr(ec, "FETCH_Z", 0.0)  # restless: uniform routes keep replacing slots
     monkeypatch.setattr(ec, "FETCH_MARGIN", 0.0)
@@ -196,7 +196,7 @@ class HeatModel:
 
 @pytest.mark.parametrize("max_fetch,slots,tokens", [(1, 5, 1), (2, 7, 2), (3, 9, 3)])
 def test_fetches_follow_the_heat_policy_written_out(copies, max_fetch, slots, tokens):
-    from freetoken.moe import expert_cache as ec
+    from freetoken.moe.experts import expert_cache as ec
 
     cache, weights = make(copies, layers=3, slots=slots, max_fetch=max_fetch)
     model = HeatModel(cache, ec)

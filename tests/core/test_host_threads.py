@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from freetoken.moe.host_threads import HostThreads
+from freetoken.moe.session.host_threads import HostThreads
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
 

@@ -12,7 +12,7 @@ import torch
 from freetoken.backends import registry
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
-from freetoken.moe.locked_fetch import AUTO_FRACTION, LockedPlacement, first_routes, locked_routes, planned_fraction
+from freetoken.moe.experts.locked_fetch import AUTO_FRACTION, LockedPlacement, first_routes, locked_routes, planned_fraction
 
 
 def expected(ids: np.ndarray, resident: np.ndarray, fraction: float, max_fetch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -68,10 +68,10 @@ def test_split_experts_add_cached_and_fetched_routes():
     and the two add up to every route's float64 result; ``out`` is filled when given."""
     from test_expert_cache import E, H, I, K, layer
 
-    from freetoken.moe.copy_queue import CopyQueue
-    from freetoken.moe.expert_cache import ExpertCache
-    from freetoken.moe.gpu_experts import GpuExperts
-    from freetoken.moe.locked_fetch import SplitGpuExperts
+    from freetoken.moe.experts.copy_queue import CopyQueue
+    from freetoken.moe.experts.expert_cache import ExpertCache
+    from freetoken.moe.experts.gpu_experts import GpuExperts
+    from freetoken.moe.experts.locked_fetch import SplitGpuExperts
 
     weights = {7: layer(11)}
     copies = CopyQueue("cpu")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.moe import layer as moe_layer
-from freetoken.moe.layer import MoELayer
+from freetoken.models import moe_layer
+from freetoken.models.moe_layer import MoELayer
 
 
 class _Ops:

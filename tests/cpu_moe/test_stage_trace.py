@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("freetoken_cpu_moe")
 
-from freetoken.moe import stage_trace  # noqa: E402
+from freetoken.moe.session import stage_trace  # noqa: E402
 
 
 def test_split_trace_parts_add_up_to_the_gap():

@@ -208,7 +208,7 @@ def write_gguf(family: str, model: Any, path: str) -> None:
     F16 matrices: the caller rounds the HF model's weights to F16 first)."""
     import gguf
 
-    from freetoken.loading.gguf_writer import write_hybrid_metadata, write_ids_only_vocab
+    from freetoken.models.gguf_writer import write_hybrid_metadata, write_ids_only_vocab
     from freetoken.models.registry import family_for_hf
 
     arch = {"qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}[family]

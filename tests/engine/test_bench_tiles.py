@@ -43,9 +43,9 @@ def test_malformed_tiles_are_usage_errors(text, capsys):
 def test_tiles_reach_the_launches_defaults(restore_tiles):
     """Both configs of a kind change (the byte tiles and NVIDIA's), and the functions the
     engine's launches take their tiles from return the new ones."""
-    from freetoken.models import packed_linear_triton as plt
-    from freetoken.moe import triton_moe_grouped as tg
-    from freetoken.moe import triton_moe_packed as tp
+    from freetoken.kernels import packed_linear as plt
+    from freetoken.kernels import moe_grouped as tg
+    from freetoken.kernels import moe_packed as tp
 
     before = (tp.DEFAULT_CONFIG, tp.NVIDIA_CONFIG, plt.DEFAULT_CONFIG, plt.WIDE_CONFIG, tg.DEFAULT_CONFIG)
     applied = apply_tiles([("experts", {"block_n": 2, "down_routes_tile": 0}), ("dense-wide", {"block_k": 512}),

@@ -116,7 +116,7 @@ def test_generate_cli_json(tmp_path, monkeypatch, capsys):
     assert out["prompt_tokens"] > 0 and isinstance(out["text"], str)
     # token ids in, and the same greedy continuation as the text prompt
     from freetoken.models.demo import ensure_demo_model
-    from freetoken.loading.loader import load_tokenizer
+    from freetoken.models.loader import load_tokenizer
 
     tok = load_tokenizer(ensure_demo_model().hf_dir)
     ids = ",".join(map(str, tok.encode("Return the")))

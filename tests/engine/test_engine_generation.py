@@ -164,7 +164,7 @@ def test_demo_model_is_deterministic(demo, tmp_path):
 
 
 def test_demo_gguf_tokenizer_and_template_match_hf(demo):
-    from freetoken.loading.loader import load_tokenizer
+    from freetoken.models.loader import load_tokenizer
 
     hf = load_tokenizer(demo.hf_dir)
     gg = load_tokenizer(demo.gguf_path)

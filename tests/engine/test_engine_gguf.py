@@ -11,7 +11,7 @@ import torch
 
 from freetoken import SamplingParams
 from freetoken.handoff import Fmt
-from freetoken.loading.gguf_writer import random_blocks, write_qwen3moe_metadata
+from freetoken.models.gguf_writer import random_blocks, write_qwen3moe_metadata
 from freetoken.models.config import ModelConfig
 from helpers import LogitsRecorder, engine_for, hf_logits, tiny_config
 

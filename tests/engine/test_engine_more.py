@@ -32,7 +32,7 @@ def test_gguf_qwen2_pretokenizer_matches_hf(tmp_path):
     from tokenizers import Regex, Tokenizer, pre_tokenizers
 
     from freetoken.loading.gguf import GGUFCheckpoint
-    from freetoken.loading.gguf_writer import write_tokenizer
+    from freetoken.models.gguf_writer import write_tokenizer
     from freetoken.loading.tokenizer import _QWEN2_REGEX, load_gguf_tokenizer
     from freetoken.models.demo import corpus, train_tokenizer
 

@@ -171,7 +171,7 @@ def test_layers_option_cuts_the_file(tmp_path):
 
 
 def test_block_pool_tiles_valid_blocks():
-    from freetoken.loading.gguf_writer import RandomBlockPool
+    from freetoken.models.gguf_writer import RandomBlockPool
 
     pool = RandomBlockPool(np.random.default_rng(5), pool_blocks=7)
     per, nb = BLOCK_SIZES[int(Fmt.Q4_K)]
@@ -216,7 +216,7 @@ def test_parallel_writer_lays_out_the_planned_tensors(tmp_path):
     import gguf
 
     from freetoken.cli.bench.make_model import PRESETS, plan, write
-    from freetoken.loading.gguf_writer import RandomBlockPool
+    from freetoken.models.gguf_writer import RandomBlockPool
 
     cfg = dataclasses.replace(PRESETS["qwen3-moe-tiny"], num_layers=2)
     paths = [str(tmp_path / f"t{n}.gguf") for n in (1, 3)]
@@ -344,7 +344,7 @@ def test_qwen35_metadata_round_trips_through_gguf(tmp_path):
 
     from freetoken.cli.bench.make_model import PRESETS
     from freetoken.loading.gguf import GGUFCheckpoint
-    from freetoken.loading.gguf_writer import write_hybrid_metadata, write_ids_only_vocab
+    from freetoken.models.gguf_writer import write_hybrid_metadata, write_ids_only_vocab
     from freetoken.models import qwen3_5_moe
 
     cfg = PRESETS["qwen3.5-35b-a3b"]
@@ -493,7 +493,7 @@ def test_centered_kquant_blocks_are_zero_mean(fmt):
     uncentered ones (independent random scales and mins) have a mean near their spread."""
     import gguf
 
-    from freetoken.loading.gguf_writer import random_blocks
+    from freetoken.models.gguf_writer import random_blocks
 
     gq = gguf.GGMLQuantizationType[Fmt(fmt).name]
     for centered, bound in ((True, 0.02), (False, None)):
@@ -512,7 +512,7 @@ def test_synthetic_model_routes_tokens_apart(tmp_path):
     layers to the same few experts): the prompt's routes of a 6-layer file cover at least
     three quarters of the experts in every layer, and no expert takes over a quarter."""
     from freetoken.cli.bench.make_model import PRESETS, write
-    from freetoken.moe.layer import MoELayer
+    from freetoken.models.moe_layer import MoELayer
 
     cfg = dataclasses.replace(PRESETS["qwen3-moe-tiny"], num_layers=6)
     path = str(tmp_path / "six.gguf")

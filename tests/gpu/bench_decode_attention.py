@@ -127,7 +127,7 @@ def main() -> int:
 
 
 def sweep(ceiling: float) -> None:
-    from freetoken.models import decode_attention_triton as dat
+    from freetoken.kernels import decode_attention as dat
 
     configs = [dat.KernelConfig(block_n=n, num_warps=w, num_stages=st, min_part_blocks=max(1, 128 // n))
                for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]  # fmt: skip

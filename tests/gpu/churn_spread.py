@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, "tests/gpu")
 
 from freetoken.backends.registry import get_backend  # noqa: E402
-from freetoken.moe import expert_cache  # noqa: E402
+from freetoken.moe.experts import expert_cache  # noqa: E402
 from greedy_runs import run_greedy  # noqa: E402
 from test_gpu_expert_traffic import EXPERT_BYTES, PROMPTS, _engine  # noqa: E402
 

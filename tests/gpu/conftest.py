@@ -1,7 +1,7 @@
 """Fixtures of the GPU tests (run on the H200 machine; skipped without a GPU).
 
 Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors: Triton reads
-``TRITON_INTERPRET`` when a kernel is decorated, i.e. when :mod:`freetoken.moe.triton_moe`
+``TRITON_INTERPRET`` when a kernel is decorated, i.e. when :mod:`freetoken.kernels.moe_experts`
 is imported (by the tests, after this file), so it is set here, first, for the whole
 session, together with the interpreter's bfloat16 ``tl.dot`` fix below (and a cut of its
 per-call cost: the language patched once per launch, not again at every helper call).

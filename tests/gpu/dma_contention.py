@@ -12,7 +12,7 @@ compare the CPU side.
     python3 -m freetoken.cli.main bench cpu-moe --formats q4_k --tokens 1 --threads 15 --seconds 4
 
 ``--gather N`` instead times what a decode step would do: the GPU's gather kernel
-(:mod:`freetoken.moe.expert_gather`) reading ``N`` experts of a Qwen3-30B-A3B-shaped Q4_K
+(:mod:`freetoken.moe.experts.expert_gather`) reading ``N`` experts of a Qwen3-30B-A3B-shaped Q4_K
 layer (three stacks: gate and up Q4_K, down Q6_K) from page-locked, mapped host memory
 into a device buffer, one step after another over different experts, each timed with CUDA
 events.
@@ -61,8 +61,8 @@ def main() -> None:
 
 
 def gather(per_step: int, seconds: float) -> None:
-    from freetoken.moe.expert_gather import gather_experts
-    from freetoken.moe.locked_fetch import DevicePointer
+    from freetoken.moe.experts.expert_gather import gather_experts
+    from freetoken.moe.experts.locked_fetch import DevicePointer
 
     experts, layers = 128, 8
     # bytes of one expert: gate and up [768, 2048] Q4_K (144 bytes per 256), down [2048, 768] Q6_K (210 per 256)

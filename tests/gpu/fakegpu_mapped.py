@@ -41,24 +41,27 @@ def wide_tiles_in_the_interpreter(monkeypatch: Any) -> None:
     startup qualification's GPU experts (its check layer is the demo's 256 x 256 experts)."""
     from test_packed_experts import WIDE, WIDE_BF16
 
-    from freetoken.moe import triton_moe, triton_moe_packed
+    from freetoken.kernels import moe_experts
 
-    monkeypatch.setattr(triton_moe_packed, "default_config", lambda device: WIDE)
-    monkeypatch.setattr(triton_moe, "DEFAULT_CONFIG", WIDE_BF16)
+
+    from freetoken.kernels import moe_packed
+
+    monkeypatch.setattr(moe_packed, "default_config", lambda device: WIDE)
+    monkeypatch.setattr(moe_experts, "DEFAULT_CONFIG", WIDE_BF16)
 
 
 def mapped_banks_in_the_interpreter(monkeypatch: Any) -> None:
     """From here on the fakegpu session registers its host banks mapped (the session does
     that for CUDA/HIP devices only; the plugin's registration gives the same address) and
     runs the packed kernels, in the interpreter with few programs."""
-    from freetoken.moe import gpu_experts
-    from freetoken.moe.expert_traffic import ExpertTraffic
-    from freetoken.moe.host_pinning import register_banks
+    from freetoken.kernels import availability
+    from freetoken.moe.handoff.expert_traffic import ExpertTraffic
+    from freetoken.moe.handoff.host_pinning import register_banks
 
     def register(self, staging, wanted, mapped):
         if wanted:
             self.registration = register_banks(staging, self.cpu_layers.values(), mapped=mapped)
 
     monkeypatch.setattr(ExpertTraffic, "_register", register)
-    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(availability, "default_impl", lambda device: ("triton", "the interpreter"))
     wide_tiles_in_the_interpreter(monkeypatch)

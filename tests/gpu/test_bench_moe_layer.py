@@ -63,13 +63,13 @@ def fake_cuda(monkeypatch):
     # the per-route kernels' tiles (the only kernels these batches of 2 routes run) of the
     # default configuration and of the sweep's ones, each of them under its own name, with one
     # program per route and per token at these sizes: the interpreter's cost is per program
-    from freetoken.moe import triton_moe
+    from freetoken.kernels import moe_experts
 
-    def wide(config: triton_moe.BlockConfig) -> triton_moe.BlockConfig:
+    def wide(config: moe_experts.BlockConfig) -> moe_experts.BlockConfig:
         return dataclasses.replace(config, route_block_i=32, route_block_h=64, route_block_n=64, route_block_r=32)
 
     sweep = moe_layer._triton_sweep
-    monkeypatch.setattr(triton_moe, "DEFAULT_CONFIG", wide(triton_moe.DEFAULT_CONFIG))
+    monkeypatch.setattr(moe_experts, "DEFAULT_CONFIG", wide(moe_experts.DEFAULT_CONFIG))
     monkeypatch.setattr(moe_layer, "_triton_sweep", lambda: {name: wide(c) for name, c in sweep().items()})
     return backend
 

@@ -1,4 +1,4 @@
-"""The expert cache's pool kernels (freetoken.moe.expert_cache over packed GGUF blocks):
+"""The expert cache's pool kernels (freetoken.moe.experts.expert_cache over packed GGUF blocks):
 a cached layer's routes computed from its slots, with routes to experts the cache does not
 hold skipped, against gguf-py's float64 dequantization, for a decode-sized batch (the
 per-route kernels) and a prompt-sized one (the grouped kernels). Runs compiled on the GPU
@@ -19,17 +19,17 @@ from test_packed_experts import (  # noqa: E402
     DEV, FP32_TOL, INT8_TOL, INTERPRET, Q4, Q6, WIDE, check_rows, int8_rounding, random_layer,
 )
 
-from freetoken.moe import triton_moe_packed  # noqa: E402
-from freetoken.moe.copy_queue import CopyQueue  # noqa: E402
-from freetoken.moe.expert_cache import ExpertCache  # noqa: E402
-from freetoken.moe.layer import ExpertWeights  # noqa: E402
+from freetoken.kernels import moe_packed  # noqa: E402
+from freetoken.moe.experts.copy_queue import CopyQueue  # noqa: E402
+from freetoken.moe.experts.expert_cache import ExpertCache  # noqa: E402
+from freetoken.models.moe_layer import ExpertWeights  # noqa: E402
 
 
 @pytest.mark.parametrize("tokens", [2, 34])
 def test_cached_layer_routes_match_gguf_reference(tokens, monkeypatch):
     if INTERPRET:  # one program per route and token in the interpreter (its cost is per program)
-        monkeypatch.setattr(triton_moe_packed, "DEFAULT_CONFIG",
-                            dataclasses.replace(WIDE, max_routes=triton_moe_packed.DEFAULT_CONFIG.max_routes))
+        monkeypatch.setattr(moe_packed, "DEFAULT_CONFIG",
+                            dataclasses.replace(WIDE, max_routes=moe_packed.DEFAULT_CONFIG.max_routes))
     layers, refs = {}, {}
     for i, seed in enumerate((31, 32)):
         (gate, up, down), ref = random_layer((Q4, Q4, Q6), seed)

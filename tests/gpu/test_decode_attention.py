@@ -197,8 +197,8 @@ def test_matches_reference(impl, dtype, heads, monkeypatch):
         # each kv head, fewer active for short contexts); three merged by reduce programs
         for p in (1, 3):
             run_checked(case, impl, partitions=p)
-        from freetoken.models import decode_attention_triton as dat
-        from freetoken.models.kernel_counters import zeroed_counters
+        from freetoken.kernels import decode_attention as dat
+        from freetoken.kernels.counters import zeroed_counters
 
         assert dat.DEFAULT_CONFIG.reduce_in_partial
         assert int(zeroed_counters("attention_merge", case.q.device, 1).abs().sum()) == 0, \
@@ -336,7 +336,7 @@ SM90_SCRIPT = r"""
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from freetoken.models import decode_attention_triton as dat
+from freetoken.kernels import decode_attention as dat
 
 STRIDES = ["stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt", "stride_vh",
            "stride_btb", "stride_ob"]
@@ -487,7 +487,7 @@ def test_gpu_graph_capture_and_replay(impl):
 
 @pytest.mark.gpu
 def test_gpu_capture_without_warmup_falls_back_to_torch():
-    from freetoken.models import decode_attention_triton as dat
+    from freetoken.kernels import decode_attention as dat
 
     # a block size no other test compiles: a variant this process has not seen
     case = Case([40, 7], 8, 2, 64, 8, 8, torch.bfloat16, seed_of("cold"))

@@ -136,13 +136,13 @@ def test_router_top_k(ops, T, E, K, norm):
 def test_router_logits(T, E, H, dtype):
     """The router GEMV (bf16 or float32 activations, float32 weights, float32 sums) against
     float64: ragged expert counts and widths, output poisoned."""
-    from freetoken.models import dense_ops_triton
+    from freetoken.kernels import dense_ops as dense_kernels
 
     gen = torch.Generator().manual_seed(T * E + H)
     x = torch.randn(T, H, generator=gen).to(dtype)
     w = torch.randn(E, H, generator=gen) * 0.05
     out = torch.full((T, E), float("nan"), dtype=torch.float32, device=DEV)
-    dense_ops_triton.router_logits(x.to(DEV), w.to(DEV), out)
+    dense_kernels.router_logits(x.to(DEV), w.to(DEV), out)
     ref = x.double() @ w.double().T  # the activations as given, products and sums in float64
     _close(out.cpu(), ref, 1e-5, "router logits")
 
@@ -164,7 +164,7 @@ def test_add_norm_route_against_float64(T, E, K, N, dtype, norm):
     h and x as ``add_rms_norm`` bounds them, the logits from the op's own x (so a rounding of
     x cannot flip an id) in float64, their top-k ids exactly and weights to 1e-6; twice, with
     fresh inputs, so the counter the launch leaves behind is checked to be zero again."""
-    from freetoken.models.kernel_counters import zeroed_counters
+    from freetoken.kernels.counters import zeroed_counters
     from freetoken.models.layers import RouterLinear
 
     ops = TritonDenseOps()
@@ -219,7 +219,7 @@ def test_add_norm_route_tiles_timing():
     within 1e-5 of theirs; the times are printed (``-s``), not asserted."""
     from graph_timing import graph_sequence_time_us
 
-    from freetoken.models import dense_ops_triton as dot
+    from freetoken.kernels import dense_ops as dot
 
     gen = torch.Generator().manual_seed(17)
     N, E, K, copies = 2048, 128, 8, 128

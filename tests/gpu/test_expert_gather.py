@@ -1,4 +1,4 @@
-"""The routed-expert gather kernels (``freetoken.moe.expert_gather``): the experts with
+"""The routed-expert gather kernels (``freetoken.moe.experts.expert_gather``): the experts with
 routes copied byte for byte, the others' destination bytes untouched; a step's fetched
 routes copied into their slots. In Triton's interpreter without a GPU; on the H200 also
 from page-locked host memory read in place."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.moe.expert_gather import CHUNK_BYTES, gather_experts, gather_routes
-from freetoken.moe.locked_fetch import DevicePointer
+from freetoken.moe.experts.expert_gather import CHUNK_BYTES, gather_experts, gather_routes
+from freetoken.moe.experts.locked_fetch import DevicePointer
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -105,8 +105,9 @@ _SM90_SCRIPT = """
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from freetoken.models import dense_ops_triton as dot
-from freetoken.moe import expert_gather as eg, triton_route_slots as rs
+from freetoken.kernels import dense_ops as dot
+from freetoken.moe.experts import expert_gather as eg
+from freetoken.kernels import route_slots as rs
 target, report = GPUTarget("cuda", 90, 32), {}
 for name, fn, sig, consts in (
     ("router_logits", dot._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},

@@ -27,7 +27,7 @@ from test_packed_dense import INTERPRET, _engine, _gguf_helpers  # noqa: E402
 from freetoken.backends.contract import BackendError, PackedGemv  # noqa: E402
 from freetoken.handoff import Fmt  # noqa: E402
 from freetoken.models import packed_linear  # noqa: E402
-from freetoken.models import packed_linear_triton as plt  # noqa: E402
+from freetoken.kernels import packed_linear as plt  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the fakegpu plugin in the interpreter (the GPU machine runs "
                                                       "tests/gpu/test_native_gemv.py and the engine tests)")
@@ -207,12 +207,16 @@ def test_moe_gpu_kernel_dispatch(tmp_path, monkeypatch):
     ``triton`` never calls them; ``native`` on a backend without them refuses to start."""
     from freetoken_fakegpu.backend import FakeGpuBackend
 
-    from freetoken.moe import gpu_experts, triton_moe_packed
+    from freetoken.kernels import availability
 
-    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
+
+
+    from freetoken.kernels import moe_packed
+
+    monkeypatch.setattr(availability, "default_impl", lambda device: ("triton", "the interpreter"))
     # one program per route and token in the interpreter (float32 byte tiles, no int8 rounding)
-    wide = triton_moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256)
-    monkeypatch.setattr(triton_moe_packed, "default_config", lambda device: wide)
+    wide = moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256)
+    monkeypatch.setattr(moe_packed, "default_config", lambda device: wide)
     one = plt.PackedLinearConfig(block_n=512, block_k=256, block_t=4)
     monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("triton", "the interpreter"))
     monkeypatch.setattr(plt, "config_for", lambda rows, device=None: one)

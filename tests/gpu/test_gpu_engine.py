@@ -189,7 +189,7 @@ def test_qualification_fault_decides_path_and_graphs(backend, reference, monkeyp
     """Each injected fault through the real engine start: the path and graphs the policy
     picks, a warning saying why, and a model that still decodes like the CPU backend."""
     monkeypatch.setenv("FREETOKEN_FAULT_INJECT", fault)
-    from freetoken.moe import qualify
+    from freetoken.moe.qualify import startup as qualify
 
     qualify.LAST_RESULTS.clear()
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all")
@@ -207,8 +207,8 @@ def test_qualification_fault_decides_path_and_graphs(backend, reference, monkeyp
 @pytest.mark.parametrize("fault", ["kernel_io:error", "kernel_io:stale,copy:stale", "kernel_io:error,copy:error"])
 def test_qualification_eager_error_refuses_start(backend, monkeypatch, fault):
     """An API error, or every path wrong eagerly: the engine refuses to start."""
-    from freetoken.moe import qualify
-    from freetoken.moe.qualify import QualificationError
+    from freetoken.moe.qualify import startup as qualify
+    from freetoken.moe.qualify.startup import QualificationError
 
     monkeypatch.setenv("FREETOKEN_FAULT_INJECT", fault)
     qualify.LAST_RESULTS.clear()
@@ -257,9 +257,9 @@ def test_cuda_engine_gguf_kquants_match_float64_reference(backend, tiny_gguf, mo
     the packed experts' byte tiles (NVIDIA's default int8 dots: the test below)."""
     import qwen3_reference
 
-    from freetoken.moe import triton_moe_packed
+    from freetoken.kernels import moe_packed
 
-    monkeypatch.setattr(triton_moe_packed, "NVIDIA_CONFIG", triton_moe_packed.DEFAULT_CONFIG)
+    monkeypatch.setattr(moe_packed, "NVIDIA_CONFIG", moe_packed.DEFAULT_CONFIG)
     tg, path, tensors = tiny_gguf
 
     def expert_input(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -315,7 +315,7 @@ def int8_gguf(tmp_path_factory):
                          ids=["eager-h-float", "eager", "graphs", "native-eager", "native-graphs"])  # fmt: skip
 def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monkeypatch, eager, int8_h, kernel):
     """FP32, every expert on the GPU with NVIDIA's default tiles (int8 dots,
-    ``triton_moe_packed.NVIDIA_CONFIG``; also with h left in float32 for the down kernel), or
+    ``moe_packed.NVIDIA_CONFIG``; also with h left in float32 for the down kernel), or
     the native expert kernels (``--moe-gpu-kernel native``): the engine's logits against the
     float64 forward of the K-quant test above whose expert inputs are rounded as the kernels
     round them (tests/gpu/int8_model_reference.py: gate/up inputs per 32 values, h per 16 when
@@ -327,12 +327,12 @@ def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monk
 
     from int8_model_reference import expert_hook, position_errors
 
-    from freetoken.moe import triton_moe_packed
+    from freetoken.kernels import moe_packed
 
     tg, mix, path, tensors = int8_gguf
-    config = dataclasses.replace(triton_moe_packed.NVIDIA_CONFIG, int8_h=int8_h)
+    config = dataclasses.replace(moe_packed.NVIDIA_CONFIG, int8_h=int8_h)
     assert config.int8_dot, "NVIDIA's default expert tiles are the int8 dots"
-    monkeypatch.setattr(triton_moe_packed, "NVIDIA_CONFIG", config)
+    monkeypatch.setattr(moe_packed, "NVIDIA_CONFIG", config)
 
     def expert_input(rounded: bool):
         return expert_hook(mix, int8_h, native=kernel == "native") if rounded else None
@@ -371,7 +371,7 @@ def test_cuda_engine_int8_dense_match_rounding_reference(backend, int8_gguf, eag
     as far off at 9 of them too (the int8 GEMV ran)."""
     from int8_model_reference import dense_hook, expert_hook, position_errors
 
-    from freetoken.models import packed_linear_triton as plt
+    from freetoken.kernels import packed_linear as plt
 
     tg, mix, path, tensors = int8_gguf
     assert plt.config_for(tg.V, "cuda").int8_dot, "NVIDIA's default GEMV tiles are the int8 dots"

@@ -21,7 +21,7 @@ import pytest
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
 from freetoken.models.demo import ensure_demo_model
-from freetoken.moe.layer import MoELayer
+from freetoken.models.moe_layer import MoELayer
 from greedy_runs import check_logits, run_greedy
 
 pytestmark = pytest.mark.gpu
@@ -56,7 +56,7 @@ def test_cache_churn_in_graphs_matches_cpu(backend, reference, monkeypatch):
     the 16 experts with 2 fetches per layer and step, the fetch policy made restless (heat
     halving every step, no hysteresis: the last step's routes replace the coldest slots, as
     least recently used would): the slots change under the graphs."""
-    from freetoken.moe import expert_cache
+    from freetoken.moe.experts import expert_cache
 
     monkeypatch.setattr(expert_cache, "HEAT_HALF_LIFE", 1)
     monkeypatch.setattr(expert_cache, "FETCH_Z", 0.0)

@@ -86,7 +86,7 @@ def test_probe_without_gpu_says_why(name, pkg, cls, compiler, api):
 
 
 def test_probe_reports_missing_extension(monkeypatch):
-    from freetoken.moe import native_backend
+    from freetoken.native_gpu import backend as native_backend
     from freetoken_cuda.backend import CudaBackend
 
     def fail(module):

@@ -1,5 +1,5 @@
 """Prompt-sized batches of routed experts, grouped by expert
-(freetoken.moe.triton_moe_grouped, behind PackedGpuExperts and GpuExperts above their
+(freetoken.kernels.moe_grouped, behind PackedGpuExperts and GpuExperts above their
 per-route sizes).
 
 Each result is compared, token row by token row, with the float64 per-route loop over the
@@ -23,15 +23,17 @@ pytest.importorskip("gguf")
 from expert_reference import random_experts, reference_experts  # noqa: E402
 from test_packed_experts import DEV, INTERPRET, MIXES, check_rows, random_layer, routes  # noqa: E402
 
-from freetoken.moe import triton_moe_grouped, triton_moe_packed  # noqa: E402
-from freetoken.moe.gpu_experts import GpuExperts  # noqa: E402
-from freetoken.moe.gpu_packed_experts import PackedGpuExperts  # noqa: E402
+from freetoken.kernels import moe_grouped  # noqa: E402
+
+from freetoken.kernels import moe_packed  # noqa: E402
+from freetoken.moe.experts.gpu_experts import GpuExperts  # noqa: E402
+from freetoken.moe.experts.gpu_packed_experts import PackedGpuExperts  # noqa: E402
 
 #: the grouped path rounds weights, activations and h to BF16 (as the dequantize-to-BF16 path);
 #: Triton's interpreter truncates to BF16 instead of rounding, which doubles the error
 TOL = 3e-2 if INTERPRET else 2e-2
 #: every batch above one route takes the grouped kernels
-SMALL = triton_moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256, max_routes=1)
+SMALL = moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256, max_routes=1)
 
 
 def test_group_routes_matches_a_python_sort():
@@ -40,7 +42,7 @@ def test_group_routes_matches_a_python_sort():
     ids = torch.randint(0, E, (37, 4), generator=gen)
     ids[torch.rand(37, 4, generator=gen) < 0.25] = -1
     ids[:, 0] = 3  # one expert with more than a block of routes
-    g = triton_moe_grouped.group_routes(ids.to(DEV), E, bm)
+    g = moe_grouped.group_routes(ids.to(DEV), E, bm)
     routes, experts = g.routes.cpu().tolist(), g.block_expert.cpu().tolist()
     assert len(routes) == g.blocks * bm and len(experts) == g.blocks
     flat = ids.reshape(-1).tolist()
@@ -104,8 +106,8 @@ def test_grouped_plain_bf16(activation):
     ids[2] = -1
     w = torch.rand(tokens, top_k, generator=gen) + 0.1
     y = torch.full((tokens, H), float("nan"), device=DEV)
-    triton_moe_grouped.launch(x.to(DEV), ids.to(DEV), w.to(DEV), g, u, d, y, activation,
-                              triton_moe_grouped.GroupedConfig(block_n=32, block_k=32))
+    moe_grouped.launch(x.to(DEV), ids.to(DEV), w.to(DEV), g, u, d, y, activation,
+                              moe_grouped.GroupedConfig(block_n=32, block_k=32))
     check_rows(y, reference_experts(x, ids, w, g, u, d, activation), TOL)
     # GpuExperts takes them above its per-route sizes
     out = torch.full((tokens, H), float("nan"), device=DEV)
@@ -115,11 +117,11 @@ def test_grouped_plain_bf16(activation):
 
 def test_config_validation():
     with pytest.raises(ValueError, match="block_k"):
-        triton_moe_grouped.GroupedConfig(block_k=48).validate()
+        moe_grouped.GroupedConfig(block_k=48).validate()
     with pytest.raises(ValueError, match="block_m"):
-        triton_moe_grouped.GroupedConfig(block_m=8).validate()
-    assert triton_moe_grouped.GroupedConfig().routes_block(4096, 128) == 32
-    assert triton_moe_grouped.GroupedConfig().routes_block(24, 128) == 16
+        moe_grouped.GroupedConfig(block_m=8).validate()
+    assert moe_grouped.GroupedConfig().routes_block(4096, 128) == 32
+    assert moe_grouped.GroupedConfig().routes_block(24, 128) == 16
 
 
 @pytest.mark.gpu
@@ -128,7 +130,7 @@ def test_qwen3_layer_512_tokens_against_dequantized_reference():
     """A Qwen3-30B-A3B-sized Q4_K/Q4_K/Q6_K layer (128 experts, H 2048, I 768), 512 tokens of
     8 routes: the grouped kernels against the float64 loop on a sample of token rows."""
     from freetoken.handoff import Fmt
-    from freetoken.loading.gguf_writer import random_blocks
+    from freetoken.models.gguf_writer import random_blocks
     from freetoken.loading.tensors import RawTensor
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize

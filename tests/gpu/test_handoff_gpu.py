@@ -16,9 +16,10 @@ cm = pytest.importorskip("freetoken_cpu_moe")
 
 from freetoken import handoff  # noqa: E402
 from freetoken.backends.contract import HandoffError, IOPath, SyncMode  # noqa: E402
-from freetoken.moe import faults, native_backend  # noqa: E402
-from freetoken.moe.qualify import GraphSettings, QualificationError, QualifyConfig, qualify  # noqa: E402
-from freetoken.moe.qualify_check import QualLayer  # noqa: E402
+from freetoken.moe.handoff import faults  # noqa: E402
+from freetoken.native_gpu import backend as native_backend  # noqa: E402
+from freetoken.moe.qualify.startup import GraphSettings, QualificationError, QualifyConfig, qualify  # noqa: E402
+from freetoken.moe.qualify.checks import QualLayer  # noqa: E402
 
 CONFIG = QualifyConfig(hidden=512, intermediate=256, batch_sizes=(1, 4, 16), eager_steps=6, replays=8)
 
@@ -105,7 +106,7 @@ def test_host_callback_eager_and_refuses_capture(layer_factory, dtype):
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_flag_wait_kernel_sync(layer_factory, backend, mode):
-    from freetoken.moe.hybrid import HybridMoEExecutor
+    from freetoken.moe.handoff.hybrid import HybridMoEExecutor
 
     layer = layer_factory(torch.float16)
     ex = HybridMoEExecutor(backend, 0, layer.experts, layer.bank.address, CONFIG.top_k, IOPath.COPY, torch.float16,

@@ -11,9 +11,9 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("freetoken_cpu_moe")
 
 from freetoken.backends.contract import BackendError, IOPath, SyncMode  # noqa: E402
-from freetoken.moe import native_sync  # noqa: E402
-from freetoken.moe.qualify import QualifyConfig  # noqa: E402
-from freetoken.moe.qualify_check import QualLayer  # noqa: E402
+from freetoken.native_gpu import sync as native_sync  # noqa: E402
+from freetoken.moe.qualify.startup import QualifyConfig  # noqa: E402
+from freetoken.moe.qualify.checks import QualLayer  # noqa: E402
 
 CONFIG = QualifyConfig(hidden=512, intermediate=256, batch_sizes=(1, 4, 16), eager_steps=6, replays=8)
 

@@ -8,7 +8,7 @@ import torch
 
 from expert_reference import random_experts, reference_experts
 
-from freetoken.moe.gpu_experts import GpuExperts
+from freetoken.moe.experts.gpu_experts import GpuExperts
 from freetoken.moe.placement import Placement, split_routes
 
 

@@ -47,11 +47,15 @@ def test_fakegpu_locked_fetch_auto(reference, monkeypatch):
     (the plan's device check answered as for CUDA): where the host banks cannot be mapped the
     engine runs with every missed route on the CPU and says why; where they can, a quarter of
     the missed routes (at most 2 per layer) by copy."""
-    from freetoken.moe import gpu_experts, gpu_memory_plan, locked_fetch
+    from freetoken.kernels import availability
+
+    from freetoken.moe.session import gpu_memory_plan
+
+    from freetoken.moe.experts import locked_fetch
 
     planned = locked_fetch.planned_fraction
     monkeypatch.setattr(gpu_memory_plan, "planned_fraction", lambda f, device, ok: planned(f, "cuda", ok))
-    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(availability, "default_impl", lambda device: ("triton", "the interpreter"))
     wide_tiles_in_the_interpreter(monkeypatch)
     got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off")  # the plugin registers no banks
     fetch = rep["locked_fetch"]

@@ -25,10 +25,10 @@ from expert_reference import int8_groups  # noqa: E402
 from graph_timing import graph_sequence_time_us  # noqa: E402
 from test_packed_dense import BF16_TOL, INT8_TOL, Q4, Q5, Q6, SCALES, packed, relative_error  # noqa: E402
 
-from freetoken.loading.gguf_writer import random_blocks  # noqa: E402
+from freetoken.models.gguf_writer import random_blocks  # noqa: E402
 from freetoken.models import packed_linear  # noqa: E402
-from freetoken.models import packed_linear_triton as plt  # noqa: E402
-from freetoken.moe.native_gemv import NativePackedGemv  # noqa: E402
+from freetoken.kernels import packed_linear as plt  # noqa: E402
+from freetoken.native_gpu.gemv import NativePackedGemv  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -248,7 +248,7 @@ def test_native_norm_gemv_timing():
     a Q4_K q/k with a Q6_K v (half of Q4_K_M's layers) and one Q4_K q/k/v; each call on
     another copy of the weights (>= 256 MB in turn). Printed (``-s``), not asserted; the
     outputs of the two ways agree within BF16's step."""
-    from freetoken.models import dense_ops_triton as dot
+    from freetoken.kernels import dense_ops as dot
 
     rng = np.random.default_rng(1)
     gemv = gemv_native()

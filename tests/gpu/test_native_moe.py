@@ -27,9 +27,9 @@ if not hasattr(_C, "packed_moe"):
 from expert_reference import reference_experts  # noqa: E402
 from test_packed_experts import E, H, INT8_TOL, Q4, Q5, Q6, Q8, check_rows, random_layer, routes  # noqa: E402
 
-from freetoken.moe import triton_moe_packed  # noqa: E402
-from freetoken.moe.gpu_packed_experts import PackedGpuExperts  # noqa: E402
-from freetoken.moe.native_gemv import NativePackedGemv  # noqa: E402
+from freetoken.kernels import moe_packed  # noqa: E402
+from freetoken.moe.experts.gpu_packed_experts import PackedGpuExperts  # noqa: E402
+from freetoken.native_gpu.gemv import NativePackedGemv  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +49,7 @@ def no_triton(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the Triton packed kernels ran where the native ones serve")
 
-    monkeypatch.setattr(triton_moe_packed, "launch", refuse)
+    monkeypatch.setattr(moe_packed, "launch", refuse)
 
 
 def _inputs(tokens: int, top_k: int, seed: int):
@@ -149,7 +149,7 @@ def test_native_experts_qwen3_30b_shape(no_triton):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
-    from freetoken.loading.gguf_writer import random_blocks
+    from freetoken.models.gguf_writer import random_blocks
     from freetoken.loading.tensors import RawTensor
 
     e, hidden, inter = 128, 2048, 768

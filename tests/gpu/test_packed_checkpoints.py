@@ -24,7 +24,9 @@ from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from greedy_runs import run_greedy  # noqa: E402
 from test_packed_experts import INTERPRET, WIDE, WIDE_BF16  # noqa: E402
 
-from freetoken.moe import triton_moe, triton_moe_packed  # noqa: E402
+from freetoken.kernels import moe_experts  # noqa: E402
+
+from freetoken.kernels import moe_packed  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the interpreter's run of the fakegpu engine")
 
@@ -50,11 +52,11 @@ def _fakegpu_engine(path: str, monkeypatch, **kw: Any):
     from freetoken.backends import registry
     from freetoken.engine.config import EngineConfig
     from freetoken.engine.engine import LLMEngine
-    from freetoken.moe import gpu_experts
+    from freetoken.kernels import availability
 
-    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
-    monkeypatch.setattr(triton_moe_packed, "DEFAULT_CONFIG", WIDE)
-    monkeypatch.setattr(triton_moe, "DEFAULT_CONFIG", WIDE_BF16)  # startup qualification's BF16 experts
+    monkeypatch.setattr(availability, "default_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(moe_packed, "DEFAULT_CONFIG", WIDE)
+    monkeypatch.setattr(moe_experts, "DEFAULT_CONFIG", WIDE_BF16)  # startup qualification's BF16 experts
     registry.reset()
     eng = LLMEngine(EngineConfig(model=path, backend="fakegpu", dtype="float32", **{
         "moe_cpu_layers": "0", "max_model_len": 64, "kv_cache_tokens": 256, **kw}))
@@ -93,7 +95,7 @@ def test_fakegpu_engine_caches_fp8_experts_as_rows(tmp_path, monkeypatch):
     from helpers import hf_logits
     from test_engine_hf_formats import TOL, write_fp8_checkpoint
 
-    from freetoken.moe import expert_cache
+    from freetoken.moe.experts import expert_cache
 
     # a restless fetch policy (heat halving each step, no hysteresis): six decode steps fetch
     for name, value in (("HEAT_HALF_LIFE", 1), ("FETCH_Z", 0.0), ("FETCH_MARGIN", 0.0)):

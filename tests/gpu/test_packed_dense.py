@@ -1,4 +1,4 @@
-"""Dense linears kept on the GPU as GGUF blocks (freetoken.models.packed_linear_triton behind
+"""Dense linears kept on the GPU as GGUF blocks (freetoken.kernels.packed_linear behind
 freetoken.models.packed_linear: PackedLinear, PackedEmbedding, PackedWeightPolicy).
 
 Every result is compared with numpy float64 over gguf-py's dequantization of the same random
@@ -38,10 +38,10 @@ from graph_timing import graph_time_us  # noqa: E402
 from greedy_runs import check_logits, run_greedy  # noqa: E402
 
 from freetoken.handoff import Fmt  # noqa: E402
-from freetoken.loading.gguf_writer import random_blocks  # noqa: E402
+from freetoken.models.gguf_writer import random_blocks  # noqa: E402
 from freetoken.loading.tensors import RawTensor  # noqa: E402
 from freetoken.models import packed_linear  # noqa: E402
-from freetoken.models import packed_linear_triton as plt  # noqa: E402
+from freetoken.kernels import packed_linear as plt  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = DEV == "cpu"
@@ -213,8 +213,8 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from freetoken.models import packed_linear_triton as plt
-from freetoken.moe import triton_moe_packed as tp
+from freetoken.kernels import packed_linear as plt
+from freetoken.kernels import moe_packed as tp
 
 report = {}
 cfg = plt.DEFAULT_CONFIG
@@ -344,17 +344,24 @@ def test_fakegpu_engine_int8_dots_through_the_interpreter(tiny_gguf, monkeypatch
     from int8_model_reference import dense_hook, expert_hook, position_errors
     from test_packed_experts import WIDE, WIDE_BF16
 
-    from freetoken.moe import gpu_experts, triton_moe, triton_moe_packed
+    from freetoken.kernels import availability
+
+
+
+    from freetoken.kernels import moe_experts
+
+
+    from freetoken.kernels import moe_packed
 
     tg, _, path, tensors = tiny_gguf
     one = plt.PackedLinearConfig(block_n=512, block_k=256, block_t=4, int8_dot=True)
     batch = dataclasses.replace(one, int8_dot=False)
     monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("triton", "the interpreter"))
-    monkeypatch.setattr(gpu_experts, "default_impl", lambda device: ("triton", "the interpreter"))
+    monkeypatch.setattr(availability, "default_impl", lambda device: ("triton", "the interpreter"))
     monkeypatch.setattr(plt, "config_for", lambda rows, device=None: batch if device is None else one)
-    monkeypatch.setattr(triton_moe_packed, "default_config",
+    monkeypatch.setattr(moe_packed, "default_config",
                         lambda device: dataclasses.replace(WIDE, int8_dot=True, int8_h=True))
-    monkeypatch.setattr(triton_moe, "DEFAULT_CONFIG", WIDE_BF16)  # the F16/Q6_K/Q8_0 layer's BF16 experts
+    monkeypatch.setattr(moe_experts, "DEFAULT_CONFIG", WIDE_BF16)  # the F16/Q6_K/Q8_0 layer's BF16 experts
     eng = _engine(path, None, backend="fakegpu", dtype="float32", moe_cpu_layers="0", gpu_dense="packed")
     prompt = [(11 * j) % (tg.V - 10) + 5 for j in range(21)]
     try:
@@ -384,9 +391,9 @@ def test_gpu_engine_packed_matches_float64(backend, tiny_gguf, eager, embedding,
     the byte tiles (AMD's; NVIDIA's default int8 dots round the activations: their GEMV is
     tested above against the rounding reference, engines with them in test_gpu_engine.py).
     ``--gpu-embedding host``: the table in page-locked host memory, read inside the graphs."""
-    from freetoken.moe import triton_moe_packed
+    from freetoken.kernels import moe_packed
 
-    monkeypatch.setattr(triton_moe_packed, "NVIDIA_CONFIG", triton_moe_packed.DEFAULT_CONFIG)
+    monkeypatch.setattr(moe_packed, "NVIDIA_CONFIG", moe_packed.DEFAULT_CONFIG)
     monkeypatch.setattr(plt, "NVIDIA_CONFIG", plt.DEFAULT_CONFIG)
     monkeypatch.setattr(plt, "NVIDIA_WIDE_CONFIG", plt.WIDE_CONFIG)
     tg, reference, path, tensors = tiny_gguf

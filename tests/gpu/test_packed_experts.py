@@ -1,5 +1,5 @@
-"""Routed experts in their GGUF block formats (freetoken.moe.triton_moe_packed behind
-freetoken.moe.gpu_packed_experts.PackedGpuExperts).
+"""Routed experts in their GGUF block formats (freetoken.kernels.moe_packed behind
+freetoken.moe.experts.gpu_packed_experts.PackedGpuExperts).
 
 Every result is compared, token row by token row, with the float64 per-route loop
 (:func:`expert_reference.reference_experts`) over the weights gguf-py dequantizes from the
@@ -37,11 +37,12 @@ from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from freetoken.handoff import Fmt  # noqa: E402
-from freetoken.loading.gguf_writer import random_blocks  # noqa: E402
+from freetoken.models.gguf_writer import random_blocks  # noqa: E402
 from freetoken.loading.tensors import RawTensor  # noqa: E402
-from freetoken.moe import triton_moe, triton_moe_packed  # noqa: E402
-from freetoken.moe.gpu_packed_experts import DequantScratch, PackedGpuExperts  # noqa: E402
-from freetoken.moe.layer import ExpertWeights  # noqa: E402
+from freetoken.kernels import moe_experts  # noqa: E402
+from freetoken.kernels import moe_packed  # noqa: E402
+from freetoken.moe.experts.gpu_packed_experts import DequantScratch, PackedGpuExperts  # noqa: E402
+from freetoken.models.moe_layer import ExpertWeights  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = DEV == "cpu"
@@ -51,17 +52,17 @@ if INTERPRET and not triton.knobs.runtime.interpret:
 E, H, I = 6, 512, 256
 Q4, Q5, Q6, Q8, MX = int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K), int(Fmt.Q8_0), int(Fmt.MXFP4)
 #: one program per route / token in the interpreter; the GPU's default tiles elsewhere
-WIDE = triton_moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256)
-#: the BF16 per-route kernels (freetoken.moe.triton_moe, GpuExperts) with one program per route
+WIDE = moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256)
+#: the BF16 per-route kernels (freetoken.kernels.moe_experts, GpuExperts) with one program per route
 #: (gate/up) and per token (down) up to 256 x 256 experts: the engine tests' BF16 layers and
 #: startup qualification in the interpreter
-WIDE_BF16 = dataclasses.replace(triton_moe.DEFAULT_CONFIG, route_block_i=256, route_block_h=256, route_block_n=256,
+WIDE_BF16 = dataclasses.replace(moe_experts.DEFAULT_CONFIG, route_block_i=256, route_block_h=256, route_block_n=256,
                                 route_block_r=256)  # fmt: skip
 #: the tiles of the tests that do not choose their own: WIDE in the interpreter, the
 #: default ones compiled on a GPU (WIDE's tiles take minutes to compile there)
-BASE = WIDE if INTERPRET else triton_moe_packed.DEFAULT_CONFIG
+BASE = WIDE if INTERPRET else moe_packed.DEFAULT_CONFIG
 #: several programs and steps, steps smaller than a 256-value block (offsets inside blocks)
-NARROW = triton_moe_packed.PackedConfig(block_i=128, block_h=128, block_n=256, block_r=64)
+NARROW = moe_packed.PackedConfig(block_i=128, block_h=128, block_n=256, block_r=64)
 FP32_TOL, BF16_TOL = 1e-5, 1e-2
 #: the large-batch path multiplies BF16 weights and BF16 activations (as GpuExperts does)
 DEQUANT_TOL = 2e-2
@@ -113,7 +114,7 @@ def check_rows(out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
 
 def run_case(
     fmts: tuple[int, int, int], tokens: int, top_k: int, seed: int, xdtype: torch.dtype = torch.float32,
-    outdtype: torch.dtype = torch.float32, config: triton_moe_packed.PackedConfig = BASE, tol: float = FP32_TOL,
+    outdtype: torch.dtype = torch.float32, config: moe_packed.PackedConfig = BASE, tol: float = FP32_TOL,
     **kwargs,
 ) -> PackedGpuExperts:  # fmt: skip
     (gate, up, down), (g64, u64, d64) = random_layer(fmts, seed)
@@ -170,7 +171,7 @@ def test_output_stored_in_its_dtype(config):
     got = experts.forward(x, ids, w)
     assert got.dtype == torch.bfloat16 and torch.equal(got.cpu(), y16.cpu())
     with pytest.raises(ValueError, match="float32/bfloat16/float16"):
-        triton_moe_packed.launch(x, ids, w, experts.gate, experts.up, experts.down,
+        moe_packed.launch(x, ids, w, experts.gate, experts.up, experts.down,
                                  torch.empty(3, H, dtype=torch.float64, device=DEV),
                                  torch.empty(3, 8, I, device=DEV), "silu", cfg)
 
@@ -252,15 +253,15 @@ def test_fp8_block_scaled(tokens, config):
 def test_fp8_rows_dequantized_by_torch_and_triton():
     """The device rows dequantized (the torch fallback into BF16, the Triton kernel into
     float32) equal the exact values rounded to float32 (then BF16)."""
-    from freetoken.moe.gpu_packed_experts import _fp8_rows_to
+    from freetoken.moe.experts.gpu_packed_experts import _fp8_rows_to
 
     gen = torch.Generator().manual_seed(3)
     raw, ref = fp8_stack(I, H, gen, "g")
-    stack = triton_moe_packed.PackedStack.from_fp8(torch.from_numpy(raw.data), raw.scale, DEV)
+    stack = moe_packed.PackedStack.from_fp8(torch.from_numpy(raw.data), raw.scale, DEV)
     want = ref.float().to(torch.bfloat16)  # the float32 product, then BF16
     got = _fp8_rows_to(stack, torch.full((E, I, H), float("nan"), dtype=torch.bfloat16, device=DEV))
     assert torch.equal(got.cpu(), want)
-    got = triton_moe_packed.dequantize_experts(stack, torch.full((E, I, H), float("nan"), dtype=torch.float32,
+    got = moe_packed.dequantize_experts(stack, torch.full((E, I, H), float("nan"), dtype=torch.float32,
                                                                  device=DEV))
     assert torch.equal(got.cpu(), ref.float())  # one float32 product per value, correctly rounded
 
@@ -269,10 +270,10 @@ def test_fp8_layout_refusals():
     gen = torch.Generator().manual_seed(1)
     codes = torch.zeros(2, 128, 96, dtype=torch.uint8)
     with pytest.raises(ValueError, match="multiple of 128"):
-        triton_moe_packed.PackedStack.from_fp8(codes, torch.ones(2, 1, 1), DEV)
+        moe_packed.PackedStack.from_fp8(codes, torch.ones(2, 1, 1), DEV)
     raw, _ = fp8_stack(I, H, gen, "g")
     with pytest.raises(ValueError, match="does not match"):
-        triton_moe_packed.PackedStack.from_fp8(torch.from_numpy(raw.data), torch.ones(E, 1, 1), DEV)
+        moe_packed.PackedStack.from_fp8(torch.from_numpy(raw.data), torch.ones(E, 1, 1), DEV)
 
 
 @pytest.mark.parametrize("mix", ["q4k_q4k_q6k", "q5k", "q8_0", "mxfp4"])
@@ -318,16 +319,16 @@ INT8_CFG = dataclasses.replace(BASE, int8_dot=True, down_routes_tile=True, block
 INT8_TOL = 1e-3
 
 
-def int8_rounding(config: triton_moe_packed.PackedConfig, fmts: tuple[int, int, int]) -> dict[str, Any]:
+def int8_rounding(config: moe_packed.PackedConfig, fmts: tuple[int, int, int]) -> dict[str, Any]:
     """:func:`reference_experts`'s arguments for the activations' rounding of ``config``'s
     per-route kernels here: int8 dots round Q4_K gate/up pairs' inputs per 32 values and a
     Q4_K/Q6_K down kernel's h (per 16 when the gate/up kernel quantizes it, else per 32)."""
-    config = triton_moe_packed.for_target(config, torch.device(DEV))
+    config = moe_packed.for_target(config, torch.device(DEV))
     if not config.int8_dot:
         return {}
     down = config.down_routes_tile and fmts[2] in (Q4, Q6)
     return {"int8_x": fmts[0] == fmts[1] == Q4,
-            "int8_h": (16 if triton_moe_packed.quantized_h(config, fmts[2]) else 32) if down else 0}
+            "int8_h": (16 if moe_packed.quantized_h(config, fmts[2]) else 32) if down else 0}
 
 
 @pytest.mark.parametrize("fmts,int8_x,down_int8,int8_h,tokens,top_k", [
@@ -343,7 +344,7 @@ def test_int8_dots(fmts, int8_x, down_int8, int8_h, tokens, top_k):
     in the same launch (Q5_K gate/up, Q8_0 down). h quantized per 16 values by the gate/up
     kernel (``int8_h``), or per 32 by every down program."""
     config = dataclasses.replace(INT8_CFG, int8_h=int8_h)
-    by_gate_up = triton_moe_packed.quantized_h(config, fmts[2])
+    by_gate_up = moe_packed.quantized_h(config, fmts[2])
     assert by_gate_up == (down_int8 and int8_h)
     (gate, up, down), (g64, u64, d64) = random_layer(fmts, seed=70 + tokens + top_k)
     experts = PackedGpuExperts(gate, up, down, DEV, config=config)
@@ -365,9 +366,9 @@ def test_int8_dots_only_where_they_run(monkeypatch):
     from freetoken.backends import triton_target
 
     cfg = dataclasses.replace(BASE, int8_dot=True, int8_h=True, block_i=max(16, BASE.block_i))
-    assert triton_moe_packed.for_target(cfg, DEV) is cfg
+    assert moe_packed.for_target(cfg, DEV) is cfg
     monkeypatch.setattr(triton_target, "for_device", lambda device: triton_target.hip_target("gfx942"))
-    amd = triton_moe_packed.for_target(cfg, DEV)
+    amd = moe_packed.for_target(cfg, DEV)
     assert (amd.int8_dot, amd.int8_h) == (False, False) and amd.block_i == cfg.block_i
 
 
@@ -378,16 +379,16 @@ def test_default_tiles_by_device(target, monkeypatch):
     tiles (DEFAULT_CONFIG / WIDE_CONFIG)."""
     from freetoken.backends import triton_target
     from freetoken.models import packed_linear
-    from freetoken.models import packed_linear_triton as plt
+    from freetoken.kernels import packed_linear as plt
 
     made = {"cuda": lambda: triton_target.cuda_target((9, 0)), "hip": lambda: triton_target.hip_target("gfx1030"),
             "none": lambda: triton_target.no_target("the interpreter")}[target]()  # fmt: skip
     monkeypatch.setattr(triton_target, "for_device", lambda device: made)
     nvidia = target == "cuda"
-    experts = triton_moe_packed.default_config(DEV)
-    assert experts is (triton_moe_packed.NVIDIA_CONFIG if nvidia else triton_moe_packed.DEFAULT_CONFIG)
+    experts = moe_packed.default_config(DEV)
+    assert experts is (moe_packed.NVIDIA_CONFIG if nvidia else moe_packed.DEFAULT_CONFIG)
     assert experts.int8_dot == experts.int8_h == nvidia
-    assert triton_moe_packed.NVIDIA_CONFIG.int8_dot and not triton_moe_packed.DEFAULT_CONFIG.int8_dot
+    assert moe_packed.NVIDIA_CONFIG.int8_dot and not moe_packed.DEFAULT_CONFIG.int8_dot
     for rows, byte in ((plt.WIDE_ROWS, plt.WIDE_CONFIG), (64, plt.DEFAULT_CONFIG)):
         one = plt.config_for(rows, DEV)
         assert one.int8_dot == nvidia and (one is byte) != nvidia, (rows, one)
@@ -421,9 +422,9 @@ def test_large_batches_dequantize_to_bf16():
     the shared scratch and the BF16 kernels run (here both the per-route and the tiled BF16
     kernels). The default, the grouped kernels, is tested in test_grouped_experts.py."""
     scratch = DequantScratch()
-    per_route = triton_moe.BlockConfig(block_i=64, block_h=128, block_n=128, block_r=128, route_block_i=64,
+    per_route = moe_experts.BlockConfig(block_i=64, block_h=128, block_n=128, block_r=128, route_block_i=64,
                                        route_block_n=128)  # fmt: skip
-    tiled = triton_moe.BlockConfig(block_i=64, block_h=128, block_n=128, block_r=128, route_kernels_max_routes=0)
+    tiled = moe_experts.BlockConfig(block_i=64, block_h=128, block_n=128, block_r=128, route_kernels_max_routes=0)
     small = dataclasses.replace(BASE, max_routes=2)
     for bf16_config in (per_route, tiled):
         experts = run_case((Q4, Q4, Q6), 3, 4, seed=5, config=small, tol=DEQUANT_TOL, scratch=scratch,
@@ -445,18 +446,18 @@ def test_dequantize_experts_kernel(fmt):
     rng = np.random.default_rng(fmt)
     rows, cols = 48, 512
     raw, ref = packed_stack(fmt, rows, cols, rng, "s")
-    stack = triton_moe_packed.PackedStack.from_bytes(torch.from_numpy(np.ascontiguousarray(raw.data)).reshape(-1).to(DEV),
+    stack = moe_packed.PackedStack.from_bytes(torch.from_numpy(np.ascontiguousarray(raw.data)).reshape(-1).to(DEV),
                                                      fmt, E, rows, cols)
     # float32: the same arithmetic as gguf-py, bit for bit; bfloat16: one rounding (the
     # interpreter truncates, hence 2^-7 rather than 2^-8)
     for dtype, rtol in ((torch.float32, 0.0), (torch.bfloat16, 2**-7)):
         out = torch.full((3, rows, cols), float("nan"), dtype=dtype, device=DEV)
-        triton_moe_packed.dequantize_experts(stack, out, first=2, count=3)
+        moe_packed.dequantize_experts(stack, out, first=2, count=3)
         got = out.double().cpu()
         assert torch.isfinite(got).all()
         assert torch.allclose(got, ref[2:5], rtol=rtol, atol=0.0), dtype
     with pytest.raises(ValueError, match="contiguous"):
-        triton_moe_packed.dequantize_experts(stack, torch.empty(2, rows, cols, device=DEV), first=0, count=3)
+        moe_packed.dequantize_experts(stack, torch.empty(2, rows, cols, device=DEV), first=0, count=3)
 
 
 def test_device_bytes_construction_and_warmup():
@@ -483,7 +484,7 @@ def test_refuses_other_formats_and_shapes():
     with pytest.raises(ValueError, match="expert shapes"):
         PackedGpuExperts(gate, up, gate, DEV)
     with pytest.raises(ValueError, match="block_h"):
-        PackedGpuExperts(gate, up, down, DEV, config=triton_moe_packed.PackedConfig(block_h=16))
+        PackedGpuExperts(gate, up, down, DEV, config=moe_packed.PackedConfig(block_h=16))
 
 
 _COMPILE_SCRIPT = r"""
@@ -492,7 +493,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from freetoken.moe import triton_moe_packed as tp
+from freetoken.kernels import moe_packed as tp
 
 def rb(f, cols):
     per, nb, _ = tp.FORMATS[f]
@@ -579,7 +580,7 @@ def test_gpu_qwen3_sizes(tokens, top_k, fmts):
     unrounded one)."""
     (gate, up, down), (g64, u64, d64) = _qwen3_layer(16, fmts, seed=tokens, reference=True)
     experts = PackedGpuExperts(gate, up, down, "cuda")
-    assert experts.config == triton_moe_packed.default_config(torch.device("cuda"))
+    assert experts.config == moe_packed.default_config(torch.device("cuda"))
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 2048, generator=gen).to(torch.bfloat16)
     ids = torch.randint(-1, 16, (tokens, top_k), generator=gen).to(torch.int32)
@@ -651,7 +652,7 @@ def test_gpu_timing_against_bf16(tokens):
     """Graph-replay time of one layer (128 experts, H=2048, I=768, Q4_K/Q4_K/Q6_K as in
     Qwen3-30B-A3B Q4_K_M), 8 routes per token all on the GPU, against GpuExperts on the same
     weights dequantized to BF16, with the HBM floors (printed; run with -s)."""
-    from freetoken.moe.gpu_experts import GpuExperts
+    from freetoken.moe.experts.gpu_experts import GpuExperts
 
     ne, top_k = 128, 8
     (gate, up, down), _ = _qwen3_layer(ne, (Q4, Q4, Q6), seed=1, reference=False)

@@ -34,7 +34,7 @@ def test_windowed_gather_streaming_matches_the_cpu_workers(windows, reference, m
     layer); the buffer is one window's bytes, the copied bytes are those of the experts the
     router picked (counted from its outputs; fewer than all of them), and the tokens and
     logits match the engine whose prompt routes all run on the CPU workers."""
-    from freetoken.moe.layer import MoELayer
+    from freetoken.models.moe_layer import MoELayer
 
     mapped_banks_in_the_interpreter(monkeypatch)
     routes: dict[int, list[np.ndarray]] = {}  # the router's own outputs of every prompt step, per layer

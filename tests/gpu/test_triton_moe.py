@@ -1,4 +1,4 @@
-"""The fused MoE kernels (freetoken.moe.triton_moe) behind GpuExperts(impl="triton").
+"""The fused MoE kernels (freetoken.kernels.moe_experts) behind GpuExperts(impl="triton").
 
 Every result is compared, token row by token row, with the float64 per-route loop
 (:func:`expert_reference.reference_experts`) on fresh random inputs; outputs are poisoned
@@ -23,8 +23,9 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 from expert_reference import random_experts, reference_experts  # noqa: E402
 
-from freetoken.moe import triton_moe  # noqa: E402
-from freetoken.moe.gpu_experts import GpuExperts, default_impl  # noqa: E402
+from freetoken.kernels import moe_experts  # noqa: E402
+from freetoken.kernels.availability import default_impl  # noqa: E402
+from freetoken.moe.experts.gpu_experts import GpuExperts  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and not triton.knobs.runtime.interpret:
@@ -32,7 +33,7 @@ if DEV == "cpu" and not triton.knobs.runtime.interpret:
 
 # small shapes for the interpreter: ragged against every block (200 = 128 + 72, 72 = 64 + 8)
 E, H, I = 12, 200, 72
-SMALL = triton_moe.BlockConfig(block_i=32, block_h=128, block_n=64, block_r=64)
+SMALL = moe_experts.BlockConfig(block_i=32, block_h=128, block_n=64, block_r=64)
 BF16_TOL, FP32_TOL = 2e-2, 1e-5
 
 
@@ -62,7 +63,7 @@ def check_rows(out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
 def run_case(
     tokens: int, top_k: int, wdtype: torch.dtype, xdtype: torch.dtype, outdtype: torch.dtype, seed: int,
     activation: str = "silu", ids_dtype: torch.dtype = torch.int32, w_dtype: torch.dtype = torch.float32,
-    config: triton_moe.BlockConfig = SMALL, impl: str = "triton", shape: tuple[int, int, int] = (E, H, I),
+    config: moe_experts.BlockConfig = SMALL, impl: str = "triton", shape: tuple[int, int, int] = (E, H, I),
 ) -> float:  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     ne, hid, inter = shape
@@ -98,7 +99,7 @@ def test_fp16_weights_int64_ids_bf16_routing_weights():
 
 def test_more_tokens_than_one_tile_and_default_blocks():
     run_case(80, 2, torch.bfloat16, torch.bfloat16, torch.float32, seed=13)  # two token tiles of 64
-    run_case(3, 8, torch.bfloat16, torch.float32, torch.bfloat16, seed=17, config=triton_moe.DEFAULT_CONFIG)
+    run_case(3, 8, torch.bfloat16, torch.float32, torch.bfloat16, seed=17, config=moe_experts.DEFAULT_CONFIG)
 
 
 def test_no_gpu_route_gives_zeros_and_return_dtype():
@@ -125,7 +126,7 @@ def test_impl_selection():
     with pytest.raises(ValueError, match="dtypes differ"):
         GpuExperts(gate, up, down.double())
     with pytest.raises(ValueError, match="power of two"):
-        triton_moe.BlockConfig(block_i=8).validate()
+        moe_experts.BlockConfig(block_i=8).validate()
 
 
 # --------------------------------------------------------------------------------------
@@ -143,15 +144,15 @@ GPU_CASES += [("torch", t, k) for t, k in ((1, 4), (2, 8), (5, 1), (16, 2), (64,
 @pytest.mark.parametrize("impl,tokens,top_k", GPU_CASES)
 def test_gpu_realistic_sizes(tokens, top_k, impl):
     err = run_case(tokens, top_k, torch.bfloat16, torch.bfloat16, torch.bfloat16, seed=tokens * 31 + top_k,
-                   impl=impl, config=triton_moe.DEFAULT_CONFIG, shape=BIG)  # fmt: skip
+                   impl=impl, config=moe_experts.DEFAULT_CONFIG, shape=BIG)  # fmt: skip
     logging.getLogger(__name__).info("%s T=%d K=%d: worst row error %.3g", impl, tokens, top_k, err)
 
 
 @pytest.mark.gpu
 def test_gpu_many_experts_fp32_weights():
-    run_case(16, 8, torch.bfloat16, torch.bfloat16, torch.bfloat16, seed=5, config=triton_moe.DEFAULT_CONFIG,
+    run_case(16, 8, torch.bfloat16, torch.bfloat16, torch.bfloat16, seed=5, config=moe_experts.DEFAULT_CONFIG,
              shape=(64, 1024, 512))  # fmt: skip
-    run_case(5, 4, torch.float32, torch.float32, torch.float32, seed=6, config=triton_moe.DEFAULT_CONFIG,
+    run_case(5, 4, torch.float32, torch.float32, torch.float32, seed=6, config=moe_experts.DEFAULT_CONFIG,
              shape=(8, 512, 256))  # fmt: skip
 
 
@@ -195,8 +196,8 @@ def test_gpu_hybrid_layer_with_impl(backend, impl):
     """The hybrid layer (KernelIO and copy, eager and graph replay) against the oracle with each implementation."""
     pytest.importorskip("freetoken_cpu_moe")
     from freetoken.backends.contract import IOPath
-    from freetoken.moe.qualify import QualifyConfig
-    from freetoken.moe.qualify_check import QualLayer
+    from freetoken.moe.qualify.startup import QualifyConfig
+    from freetoken.moe.qualify.checks import QualLayer
 
     layer = QualLayer(backend, torch.bfloat16, QualifyConfig(hidden=512, intermediate=256, batch_sizes=(1, 4, 16),
                                                             eager_steps=4, replays=5),

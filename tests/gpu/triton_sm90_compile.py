@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from freetoken.moe import triton_moe as tm
+from freetoken.kernels import moe_experts as tm
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "bf16_t16_k4": dict(block_t=16, block_k=4),
@@ -31,7 +31,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 def compile_pair(block_t: int, block_k: int, wdt: str = "bf16", xdt: str = "bf16", idt: str = "i32",
                  rwdt: str = "fp32", act: int = 0, hidden: int = 2048, inter: int = 768,
                  cfg: Any = None) -> tuple[Any, Any]:  # fmt: skip
-    """Both kernels for sm_90, specialised the way :func:`triton_moe.launch` specialises them."""
+    """Both kernels for sm_90, specialised the way :func:`moe_experts.launch` specialises them."""
     cfg = cfg or tm.DEFAULT_CONFIG
     i_tiles = triton.cdiv(inter, cfg.block_i)
     zero_cols = triton.cdiv(triton.cdiv(hidden, i_tiles), cfg.block_h) * cfg.block_h

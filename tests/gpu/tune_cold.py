@@ -27,9 +27,9 @@ import torch
 
 from graph_timing import graph_sequence_time_us
 
-from freetoken.loading.gguf_writer import random_blocks
-from freetoken.models import packed_linear_triton as plt
-from freetoken.moe import triton_moe_packed as tp
+from freetoken.models.gguf_writer import random_blocks
+from freetoken.kernels import packed_linear as plt
+from freetoken.kernels import moe_packed as tp
 
 H, I, E, K = 2048, 768, 128, 8
 HBM = 4.3e12  # bytes/s: the device-to-device copy rate measured on these machines

@@ -1,4 +1,4 @@
-"""Time the packed expert kernels of freetoken.moe.triton_moe_packed over tile configs at
+"""Time the packed expert kernels of freetoken.kernels.moe_packed over tile configs at
 Qwen3-30B-A3B sizes (128 experts, H=2048, I=768, Q4_K gate/up, Q6_K or Q4_K down), one layer
 per call, 8 routes per token, every route on the GPU; graph replay, CUDA events. Every replay
 reads the same experts, which stay in the L2: tune_cold.py times the kernels as a model runs them.
@@ -16,8 +16,8 @@ import torch
 
 from graph_timing import graph_time_us
 
-from freetoken.loading.gguf_writer import random_blocks
-from freetoken.moe import triton_moe_packed as tp
+from freetoken.models.gguf_writer import random_blocks
+from freetoken.kernels import moe_packed as tp
 
 H, I, E, K = 2048, 768, 128, 8
 

@@ -1,4 +1,4 @@
-"""Time the packed dense GEMV of freetoken.models.packed_linear_triton over tile configs at the
+"""Time the packed dense GEMV of freetoken.kernels.packed_linear over tile configs at the
 Qwen3-30B-A3B shapes (q/k/v fused [5120, 2048] Q4_K, o [2048, 4096] Q4_K, head [151936, 2048]
 Q6_K), beside BF16 ``F.linear`` on the same values and the HBM floor of each form (4.3 TB/s);
 then, per batch size, the GEMV against the large-batch path (rows dequantized into a scratch,
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from graph_timing import graph_time_us
 
-from freetoken.loading.gguf_writer import random_blocks
+from freetoken.models.gguf_writer import random_blocks
 from freetoken.models import packed_linear
-from freetoken.models import packed_linear_triton as plt
+from freetoken.kernels import packed_linear as plt
 
 HBM = 4.3e12
 SHAPES = [("qkv", 4096 + 512 + 512, 2048, 12), ("o", 2048, 4096, 12), ("head", 151936, 2048, 14)]

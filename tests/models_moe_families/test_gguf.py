@@ -19,7 +19,7 @@ import torch
 from families import hf_logits, make_model
 from freetoken import SamplingParams
 from freetoken.handoff import Fmt
-from freetoken.loading.gguf_writer import write_gpt_oss_metadata, write_moe_metadata
+from freetoken.models.gguf_writer import write_gpt_oss_metadata, write_moe_metadata
 from freetoken.models.config import ModelConfig
 from helpers import LogitsRecorder, assert_close, engine_for
 from test_engine_gguf import assert_close_rounding, quantize_activations

@@ -28,7 +28,7 @@ from freetoken.backends.contract import (
     Staging,
     SyncMode,
 )
-from freetoken.moe import faults
+from freetoken.moe.handoff import faults
 
 TIMEOUT_S = 10.0
 
@@ -185,6 +185,6 @@ class FakeGpuBackend(Backend):
         return HostExperts()
 
     def open_model(self, options: Any) -> Any:
-        from freetoken.moe.gpu_session import GpuModelSession
+        from freetoken.moe.session.gpu_session import GpuModelSession
 
         return GpuModelSession(self, options, self.cpu_experts())

@@ -4,7 +4,7 @@
 shared GPU surface built with hipcc) and runs them on the host: "device" memory is host
 memory, the stream is synchronous, and the CPU side is the real freetoken_cpu_moe
 coordinator serving the flag slots. :class:`SimHipBackend` is the generic
-:class:`~freetoken.moe.native_backend.NativeGpuBackend` over it, so the probes, the
+:class:`~freetoken.native_gpu.backend.NativeGpuBackend` over it, so the probes, the
 copy-path sync policy, the GpuSync classes, KernelIO and qualification that run are the
 production ones.
 
@@ -36,7 +36,7 @@ import torch
 
 from freetoken import handoff
 from freetoken.backends.contract import CapturedGraph, GraphCapture, HandoffTask, Staging
-from freetoken.moe.native_backend import NativeGpuBackend, NativeStaging
+from freetoken.native_gpu.backend import NativeGpuBackend, NativeStaging
 
 READY = handoff.FlagSlot.ready.offset
 DONE = handoff.FlagSlot.done.offset

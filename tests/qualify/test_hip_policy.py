@@ -15,10 +15,10 @@ import torch
 pytest.importorskip("freetoken_cpu_moe")
 
 from freetoken.backends.contract import BackendError, IOPath, SyncMode  # noqa: E402
-from freetoken.moe import faults  # noqa: E402
-from freetoken.moe.native_sync import EventMemopSync, MemopSync, SyncFacts, copy_sync_modes  # noqa: E402
-from freetoken.moe.qualify import GraphSettings, QualificationError, QualifyConfig, qualify  # noqa: E402
-from freetoken.moe.qualify_check import CheckFailure, QualLayer  # noqa: E402
+from freetoken.moe.handoff import faults  # noqa: E402
+from freetoken.native_gpu.sync import EventMemopSync, MemopSync, SyncFacts, copy_sync_modes  # noqa: E402
+from freetoken.moe.qualify.startup import GraphSettings, QualificationError, QualifyConfig, qualify  # noqa: E402
+from freetoken.moe.qualify.checks import CheckFailure, QualLayer  # noqa: E402
 
 from .sim_hip import SimHipBackend, SimHipRuntime  # noqa: E402
 

@@ -22,9 +22,11 @@ from freetoken.backends.contract import MoEOptions  # noqa: E402
 from freetoken.handoff import Fmt  # noqa: E402
 from freetoken.loading.tensors import RawTensor  # noqa: E402
 from freetoken.models import decode_attention, dense_ops  # noqa: E402
-from freetoken.moe import gpu_experts, gpu_memory_plan, gpu_session  # noqa: E402
-from freetoken.moe.gpu_packed_experts import DequantScratch  # noqa: E402
-from freetoken.moe.layer import ExpertWeights  # noqa: E402
+from freetoken.kernels import availability  # noqa: E402
+from freetoken.moe.session import gpu_memory_plan  # noqa: E402
+from freetoken.moe.session import gpu_session  # noqa: E402
+from freetoken.moe.experts.gpu_packed_experts import DequantScratch  # noqa: E402
+from freetoken.models.moe_layer import ExpertWeights  # noqa: E402
 
 from .sim_hip import SimHipBackend, SimHipRuntime  # noqa: E402
 
@@ -86,7 +88,7 @@ def _gguf_layer(seed: int, experts: int = 4, hidden: int = 256, inter: int = 32)
 
 
 def _locked_traffic(packed_ok: bool) -> Any:
-    from freetoken.moe.expert_traffic import ExpertTraffic
+    from freetoken.moe.handoff.expert_traffic import ExpertTraffic
 
     options = MoEOptions(locked_fetch=0.3, locked_max_fetch=2, stream_prefill="off")
     traffic = ExpertTraffic(options, DEV, torch.bfloat16, [0, 1], 8, 4, 0, packed_ok, DequantScratch(),
@@ -100,10 +102,10 @@ def _locked_traffic(packed_ok: bool) -> Any:
 def test_supported_gfx_target_takes_triton_everywhere(hip_gpu, arch):
     hip_gpu(arch)
     target = arch.split(":")[0]
-    impl, why = gpu_experts.default_impl(DEV)
+    impl, why = availability.default_impl(DEV)
     assert impl == "triton" and target in why
-    assert gpu_experts.default_impl("cuda")[0] == "triton"  # the current device
-    gpu_experts._check_triton(DEV)  # an explicit impl='triton' is accepted
+    assert availability.default_impl("cuda")[0] == "triton"  # the current device
+    availability.check_triton(DEV)  # an explicit impl='triton' is accepted
     assert decode_attention.default_impl(DEV) == ("triton", why)
     ops, ops_why = dense_ops._triton_ops_for(DEV)
     assert isinstance(ops, dense_ops.TritonDenseOps) and ops_why == why
@@ -116,10 +118,10 @@ def test_supported_gfx_target_takes_triton_everywhere(hip_gpu, arch):
 def test_other_gfx_target_falls_back_to_torch_naming_it(hip_gpu, arch):
     hip_gpu(arch)
     target = arch.split(":")[0]
-    impl, why = gpu_experts.default_impl(DEV)
+    impl, why = availability.default_impl(DEV)
     assert impl == "torch" and why.startswith(f"{target} (") and "torch implementations run here" in why
     with pytest.raises(ValueError, match=f"impl='triton' on cuda:0: {target} "):
-        gpu_experts._check_triton(DEV)
+        availability.check_triton(DEV)
     assert decode_attention.default_impl(DEV) == ("torch", why)
     assert dense_ops._triton_ops_for(DEV) == (None, why)
     assert gpu_session._attention_impl(DEV) == "torch"

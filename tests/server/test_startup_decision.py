@@ -23,7 +23,7 @@ from server_helpers import scrape
 from starlette.testclient import TestClient
 
 from freetoken.engine.config import EngineConfig
-from freetoken.moe import faults
+from freetoken.moe.handoff import faults
 from freetoken.server.app import create_app
 from freetoken.server.metrics import BACKEND_INFO_LABELS
 

@@ -6,7 +6,7 @@ import ctypes
 from typing import ClassVar
 
 from freetoken.backends.contract import CpuExperts
-from freetoken.moe.native_backend import NativeGpuBackend
+from freetoken.native_gpu.backend import NativeGpuBackend
 
 
 class CudaBackend(NativeGpuBackend):

@@ -2,7 +2,7 @@
 
 The native extension ``freetoken_rocm._C`` is built from the shared GPU sources that
 freetoken-core ships (``freetoken/include/freetoken/gpu/``); the Python side is the
-generic native backend in :mod:`freetoken.moe.native_backend`. Importing this package
+generic native backend in :mod:`freetoken.native_gpu.backend`. Importing this package
 is cheap: the extension loads on the backend's first probe.
 """
 

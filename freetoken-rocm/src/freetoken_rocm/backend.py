@@ -8,7 +8,7 @@ from typing import ClassVar, Optional
 from freetoken.backends.contract import Capabilities, CpuExperts
 from freetoken.backends.platform import rocm_activation_dtype
 from freetoken.backends.triton_target import hip_target
-from freetoken.moe.native_backend import NativeGpuBackend
+from freetoken.native_gpu.backend import NativeGpuBackend
 
 log = logging.getLogger(__name__)
 

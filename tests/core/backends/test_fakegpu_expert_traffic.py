@@ -13,7 +13,7 @@ from freetoken.backends import registry
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
 from freetoken.engine.sampling_params import SamplingParams
-from freetoken.moe.layer import MoELayer
+from freetoken.models.moe_layer import MoELayer
 
 PROMPTS = [[3, 17, 99, 4, 250, 31, 8, 40, 41, 42, 43, 44], [5, 6, 7], [77] * 12]
 #: the demo model's expert at float32: 3 x 256 x 256 x 4 bytes
@@ -63,7 +63,7 @@ def _run(backend: str, record_routes: bool = False, **kw):
 
 
 def test_cache_with_fetches_equals_cpu_backend_and_stats_count_the_router(monkeypatch):
-    from freetoken.moe import expert_cache
+    from freetoken.moe.experts import expert_cache
 
     # a restless fetch policy (heat halving each step, no hysteresis): slots change every step
     for name, value in (("HEAT_HALF_LIFE", 1), ("FETCH_Z", 0.0), ("FETCH_MARGIN", 0.0)):
@@ -139,7 +139,7 @@ def test_everything_off_records_nothing():
 def test_streamed_experts_are_routed_or_all():
     """Streaming copies the routed experts (one buffer of a window) or whole layers (two
     buffers); any other way is refused by the streamer and by EngineConfig, naming the two."""
-    from freetoken.moe.prefill_stream import PrefillStreamer, buffer_count
+    from freetoken.moe.experts.prefill_stream import PrefillStreamer, buffer_count
 
     assert [buffer_count(m) for m in ("routed", "all")] == [1, 2]
     with pytest.raises(ValueError, match="expected 'routed' or 'all'"):
@@ -151,7 +151,7 @@ def test_streamed_experts_are_routed_or_all():
 def test_prompt_routes_reach_the_cache_heat(monkeypatch):
     """The cached layers' routes of the prompt steps, counted on the device, reach the cache
     once (at the first decode step's bookkeeping) and equal counts of the router's outputs."""
-    from freetoken.moe.expert_cache import ExpertCache
+    from freetoken.moe.experts.expert_cache import ExpertCache
 
     seen: list[np.ndarray] = []
     observe = ExpertCache.observe

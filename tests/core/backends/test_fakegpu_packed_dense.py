@@ -20,9 +20,9 @@ from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.loading.gguf import GGUFCheckpoint
-from freetoken.loading.loader import gguf_model_shape
+from freetoken.models.loader import gguf_model_shape
 from freetoken.models import packed_linear
-from freetoken.moe.gpu_memory_plan import RESERVE_BYTES
+from freetoken.moe.session.gpu_memory_plan import RESERVE_BYTES
 
 _TESTS = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path.insert(0, os.path.join(_TESTS, "engine"))
@@ -179,7 +179,7 @@ def test_refusal_names_the_packed_form(tiny):
 
 
 def test_packed_needs_a_packed_form():
-    from freetoken.loading.loader import model_shape
+    from freetoken.models.loader import model_shape
     from freetoken.models.config import ModelConfig
 
     cfg = ModelConfig("qwen3_moe", 300, 256, 2, 4, 2, 64, 0, 256, 4, 2)

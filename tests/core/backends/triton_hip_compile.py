@@ -24,13 +24,13 @@ import triton
 from triton.compiler import ASTSource
 
 from freetoken.backends.triton_target import TritonTarget, hip_target
-from freetoken.models import decode_attention_triton as dat
-from freetoken.models import dense_ops_triton as dot
-from freetoken.moe import expert_gather as eg
-from freetoken.moe import triton_moe as tm
-from freetoken.moe import triton_moe_grouped as tg
-from freetoken.moe import triton_moe_packed as tp
-from freetoken.moe import triton_route_slots as rs
+from freetoken.kernels import decode_attention as dat
+from freetoken.kernels import dense_ops as dot
+from freetoken.moe.experts import expert_gather as eg
+from freetoken.kernels import moe_experts as tm
+from freetoken.kernels import moe_grouped as tg
+from freetoken.kernels import moe_packed as tp
+from freetoken.kernels import route_slots as rs
 
 # Qwen3-30B-A3B's expert shapes (hidden 2048, expert intermediate 768), top-8 routing
 HIDDEN, INTER, TOP_K = 2048, 768, 8
@@ -52,7 +52,7 @@ def compile_kernel(fn: Any, target: TritonTarget, types: dict[str, str], consts:
 
 
 def moe_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
-    """The fused MoE kernels as :func:`triton_moe.launch` runs them (BF16 experts)."""
+    """The fused MoE kernels as :func:`moe_experts.launch` runs them (BF16 experts)."""
     cfg = tm.DEFAULT_CONFIG
     i_tiles = triton.cdiv(INTER, cfg.block_i)
     zero_cols = triton.cdiv(triton.cdiv(HIDDEN, i_tiles), cfg.block_h) * cfg.block_h
@@ -81,8 +81,8 @@ def moe_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
 
 def packed_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
     """The packed-expert kernels (also those of the expert cache and locked fetch) for each
-    block format, as :func:`triton_moe_packed.launch` runs them (int8 dots do not run on AMD:
-    ``triton_moe_packed.for_target``), and the dequantization."""
+    block format, as :func:`moe_packed.launch` runs them (int8 dots do not run on AMD:
+    ``moe_packed.for_target``), and the dequantization."""
     cfg = tp.DEFAULT_CONFIG
     out: dict[str, Callable[[], Any]] = {}
     views = ("u8", "i8", "fp16")
@@ -107,14 +107,14 @@ def packed_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
                  H_ONCE=cfg.down_h_once, INT8=False, DP4A=False, H_INT8=False),
             cfg.down_num_warps or cfg.num_warps, cfg.num_stages)  # fmt: skip
         out[f"packed.dequant_rows.{name}"] = lambda fmt=fmt, rb=rb_h, g=group: compile_kernel(
-            tp._dequant_rows_kernel, target,
+            tp.dequant_rows_kernel, target,
             {"u8": "*u8", "i8": "*i8", "f16": "*fp16", "out_ptr": "*bf16", "first_row": "i32", "ROWS": "i32"},
             dict(NCOLS=HIDDEN, FMT=fmt, RB=rb, G=g, BLOCK_R=16, BLOCK_C=256), 4)  # fmt: skip
     return out
 
 
 def dense_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
-    """The fused dense ops as :mod:`dense_ops_triton` launches them (BF16 activations)."""
+    """The fused dense ops as :mod:`dense_kernels` launches them (BF16 activations)."""
     d, hq, hkv, experts = 128, 32, 4, 128
     return {
         "dense.add_rms_norm": lambda: compile_kernel(
@@ -144,7 +144,7 @@ def dense_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
 
 
 def attention_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
-    """Decode attention's kernels as :func:`decode_attention_triton.launch` runs them (BF16
+    """Decode attention's kernels as :func:`kernels.decode_attention.launch` runs them (BF16
     cache, 32 query heads over 4 KV heads of 128, blocks of 16 tokens)."""
     cfg = dat.DEFAULT_CONFIG
     g, d, bs = 8, 128, 16
@@ -171,7 +171,7 @@ def attention_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
 
 
 def grouped_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
-    """The prompt-sized kernels grouped by expert, as :func:`triton_moe_grouped.launch` runs
+    """The prompt-sized kernels grouped by expert, as :func:`moe_grouped.launch` runs
     them: Q4_K gate/up with a Q6_K down (a Q4_K_M layer), and plain BF16 weights."""
     cfg = tg.DEFAULT_CONFIG
     blocks = dict(BLOCK_M=32, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)

@@ -278,7 +278,7 @@ class PackedGemv(abc.ABC):
         (``table[ids[t, k]]`` with a slot table, int32 on the device; routes to -1 add nothing),
         on the device's current stream (capturable in graphs). ``stacks``: gate, up
         (``[E, I, row_bytes]``) and down (``[E, H, row_bytes]``) as
-        :class:`freetoken.moe.triton_moe_packed.PackedStack`; ``x [T, H]``, ``ids`` and ``w
+        :class:`freetoken.kernels.moe_packed.PackedStack`; ``x [T, H]``, ``ids`` and ``w
         [T, K]``, ``y [T, H]`` contiguous on the device. Only where :meth:`experts_refusal` is ''."""
         raise NotImplementedError(self.experts_refusal((0, 0, 0), 0, 0, 0, "", None))
 
@@ -370,7 +370,7 @@ class WeightPolicy(abc.ABC):
 @dataclasses.dataclass
 class MoELayerSpec:
     """One MoE layer's routed experts, as a backend gets them to build the layer's
-    :data:`ExpertsFn`. ``experts`` is a :class:`freetoken.moe.layer.ExpertWeights`
+    :data:`ExpertsFn`. ``experts`` is a :class:`freetoken.models.moe_layer.ExpertWeights`
     (gate/up ``[E, I, H]``, down ``[E, H, I]`` in their checkpoint format, host memory)."""
 
     layer: int
@@ -418,7 +418,7 @@ class MoEOptions:
     ``cache_bytes`` / ``cache_fraction``: the global expert cache for the CPU layers' experts
     (bytes, or a fraction of the memory budget; 0: none). ``hybrid_max_fetch``: experts
     per layer and step copied into the cache for later steps (the most routed uncached ones,
-    each replacing a clearly less routed cached one; ``freetoken.moe.expert_cache``).
+    each replacing a clearly less routed cached one; ``freetoken.moe.experts.expert_cache``).
     ``stream_prefill``: ``auto`` (prefill chunks of at least ``stream_min_tokens`` tokens
     compute the CPU layers' experts on the GPU, their bytes streamed over PCIe; None: the
     threshold from a measured profile), ``on``, ``off``; ``stream_experts``: ``routed`` copies
@@ -429,7 +429,7 @@ class MoEOptions:
     the host expert banks with the driver (``auto``: when streaming or fetching uses them).
     ``locked_fetch``: share of a decode step's missed routes that the GPU computes from the
     page-locked banks in the same step (at most ``locked_max_fetch`` per layer; 0: off; None:
-    ``auto``, :func:`freetoken.moe.locked_fetch.planned_fraction`), its kernels reading them
+    ``auto``, :func:`freetoken.moe.experts.locked_fetch.planned_fraction`), its kernels reading them
     from device slots a gather kernel first copies them into.
     ``collect_stats`` with the log summary every ``stats_interval_s`` seconds.
     ``gpu_kernel``: what runs a decode step's routes through packed GPU experts: ``native``
@@ -480,7 +480,7 @@ class EngineOptions:
     (native for the formats it serves, where the backend has one).
     ``pin_host_threads``: ``on`` (on a GPU device whose model has CPU expert layers, the
     threads that step the model and enqueue expert copies run on the CPUs the expert
-    workers leave free, :mod:`freetoken.moe.host_threads`) or ``off``.
+    workers leave free, :mod:`freetoken.moe.session.host_threads`) or ``off``.
     """
 
     act_dtype: Any = None
@@ -576,7 +576,7 @@ class ModelSession(abc.ABC):
 
     def stage_split(self) -> Optional[dict[str, float]]:
         """Medians in microseconds of the stages of the decode steps since
-        :meth:`start_stage_trace` (names as :func:`freetoken.moe.stage_trace.split_trace`),
+        :meth:`start_stage_trace` (names as :func:`freetoken.moe.session.stage_trace.split_trace`),
         or None when nothing was recorded."""
         return None
 
@@ -591,7 +591,7 @@ class CpuExperts(abc.ABC):
 
     @abc.abstractmethod
     def bank(self, experts: Any, activation: str) -> Any:
-        """A bank over ``experts`` (:class:`freetoken.moe.layer.ExpertWeights`) without
+        """A bank over ``experts`` (:class:`freetoken.models.moe_layer.ExpertWeights`) without
         copying them; its ``address`` goes into hand-off task descriptors and it keeps
         the weights alive."""
 

@@ -1,9 +1,9 @@
 """Where the engine's Triton kernels run, and the launch options they take there.
 
-Every Triton kernel of the engine (the fused MoE kernels of :mod:`freetoken.moe.triton_moe`,
-the packed experts of :mod:`freetoken.moe.triton_moe_packed` that the expert cache and
-locked fetch also run, the fused dense ops of :mod:`freetoken.models.dense_ops_triton`,
-decode attention of :mod:`freetoken.models.decode_attention_triton`) asks this module
+Every Triton kernel of the engine (the fused MoE kernels of :mod:`freetoken.kernels.moe_experts`,
+the packed experts of :mod:`freetoken.kernels.moe_packed` that the expert cache and
+locked fetch also run, the fused dense ops of :mod:`freetoken.kernels.dense_ops`,
+decode attention of :mod:`freetoken.kernels.decode_attention`) asks this module
 two things: whether Triton runs on a device (:func:`for_device`, ``usable`` and
 ``reason``), and how to launch there (:meth:`TritonTarget.launch_options`,
 :meth:`TritonTarget.dot_precision`). The rule:

@@ -110,7 +110,7 @@ def _cpu_moe_report() -> dict[str, Any]:
 def _memory_lock_report() -> dict[str, Any]:
     """Whether the host expert banks can be page-locked (--moe-lock-host, --moe-locked-fetch,
     fast prompt streaming): RLIMIT_MEMLOCK and what it allows."""
-    from freetoken.moe.host_pinning import lock_limit
+    from freetoken.moe.handoff.host_pinning import lock_limit
 
     lim = lock_limit()
     return {"soft_bytes": lim.soft, "hard_bytes": lim.hard, "can_lock": lim.can_lock, "reason": lim.reason}
@@ -155,7 +155,7 @@ def build_report(backend: Optional[str] = None) -> dict[str, Any]:
 def _qualification_report(backend: Any) -> dict[str, Any]:
     """The startup check's outcome for BF16: IO path, graphs on/off and why."""
     try:
-        from freetoken.moe.qualify import doctor_section
+        from freetoken.moe.qualify.startup import doctor_section
     except Exception as exc:
         return {"qualified": False, "error": f"qualification unavailable: {type(exc).__name__}: {exc}"}
     return doctor_section(backend)

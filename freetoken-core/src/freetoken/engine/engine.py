@@ -90,7 +90,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, backend: Any = None) -> None:
-        from freetoken.loading.loader import load, resolve_dtype
+        from freetoken.models.loader import load, resolve_dtype
 
         self.config = config
         self.backend = backend if backend is not None else _resolve_backend(config.backend)

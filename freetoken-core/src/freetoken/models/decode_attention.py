@@ -9,7 +9,7 @@ between replays.
 
 Two implementations:
 
-* ``triton`` (:mod:`freetoken.models.decode_attention_triton`): split-K flash decoding.
+* ``triton`` (:mod:`freetoken.kernels.decode_attention`): split-K flash decoding.
   The context of every sequence is cut into ``P`` partitions processed by parallel
   programs (one per sequence, kv head and partition; each takes all the query heads of
   its kv head as the M dimension of its ``tl.dot``), then a small kernel merges the
@@ -34,7 +34,7 @@ Conventions:
   would need a host synchronisation): they must index ``k_cache``.
 * Writing the step's K/V needs nothing new: ``freetoken.models.attention.write_kv``
   (``index_copy_``) is capturable, and a padded row's slot points into a scratch block no
-  sequence owns (what ``freetoken.engine.graphs.DecodeGraphRunner`` does), so padding
+  sequence owns (what ``freetoken.moe.session.decode_graphs.DecodeGraphRunner`` does), so padding
   never touches a real block.
 * Triton compiles a kernel variant on its first launch, which must not happen during
   stream capture: one eager call with the same shapes, strides and dtypes (:func:`warmup`
@@ -197,7 +197,7 @@ def paged_decode_attention(
     try:
         import triton
 
-        from freetoken.models import decode_attention_triton as dat
+        from freetoken.kernels import decode_attention as dat
     except ImportError as exc:
         raise ValueError(f"impl='triton' needs triton: {exc}") from exc
     if not q.is_cuda and not triton.knobs.runtime.interpret:

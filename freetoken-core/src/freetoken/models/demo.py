@@ -161,7 +161,7 @@ def write_gguf(path: str, cfg: ModelConfig, weights: dict[str, torch.Tensor], to
     import gguf
     from gguf.quants import quantize
 
-    from freetoken.loading.gguf_writer import ARCH, write_qwen3moe_metadata, write_tokenizer
+    from freetoken.models.gguf_writer import ARCH, write_qwen3moe_metadata, write_tokenizer
 
     w = gguf.GGUFWriter(path, ARCH)
     write_qwen3moe_metadata(w, cfg, name)

@@ -8,7 +8,7 @@ these operations through a :class:`DenseOps`:
 * :class:`TorchDenseOps` -- plain torch ops (any device; the CPU backend's path and the
   reference the other is tested against);
 * :class:`TritonDenseOps` -- one Triton kernel per operation
-  (:mod:`freetoken.models.dense_ops_triton`), where Triton runs
+  (:mod:`freetoken.kernels.dense_ops`), where Triton runs
   (:mod:`freetoken.backends.triton_target`: NVIDIA compute capability >= 8.0, AMD CDNA2-4 and RDNA3/4).
 
 Both compute in float32 and round to the activation dtype at the same points. Everything
@@ -156,9 +156,9 @@ class TritonDenseOps(DenseOps):
     name = "triton"
 
     def __init__(self) -> None:
-        from freetoken.models import dense_ops_triton
+        from freetoken.kernels import dense_ops as dense_kernels
 
-        self.k = dense_ops_triton
+        self.k = dense_kernels
 
     def add_rms_norm(self, h, delta, weight, eps):
         h = h.contiguous()
@@ -194,7 +194,7 @@ class TritonDenseOps(DenseOps):
         """One launch for a decode step's few tokens (up to ``RouterLinear.gemv_tokens``) with a
         float32 :class:`~freetoken.models.layers.RouterLinear` and rows of at most
         :data:`FUSED_ROUTE_MAX_COLS` values; else None."""
-        from freetoken.models.kernel_counters import zeroed_counters
+        from freetoken.kernels.counters import zeroed_counters
         from freetoken.models.layers import RouterLinear
 
         T, N = h.shape

@@ -15,7 +15,7 @@ more expert bytes for GPT-OSS-20B), the down bias is added after the experts. MX
 experts (the official checkpoints, and llama.cpp's GGUF files) stay MXFP4: the CPU kernels
 read ggml's ``block_mxfp4`` (HF ``*_blocks``/``*_scales`` are rewritten in that layout at
 load, the same bytes). GPU-resident experts stay MXFP4 too (the packed GPU kernels of
-:mod:`freetoken.moe.triton_moe_packed` decode it; ``--moe-gpu-experts dequantized``
+:mod:`freetoken.kernels.moe_packed` decode it; ``--moe-gpu-experts dequantized``
 dequantizes them to the activation dtype).
 """
 
@@ -36,7 +36,7 @@ from freetoken.loading.tensors import RawTensor, fmt_name
 from freetoken.models.config import ModelConfig, gguf_config_fields, hf_config_fields
 from freetoken.models.moe_decoder import BIAS_PAD, Arch, MoeDecoderModel, Names, hf_eos_ids
 from freetoken.models.rope import RopeScaling, scaling_from_hf
-from freetoken.moe.layer import ExpertWeights
+from freetoken.models.moe_layer import ExpertWeights
 
 logger = logging.getLogger(__name__)
 

@@ -182,7 +182,7 @@ class RouterLinear(TorchLinear):
     """A float32 router: logits in float32 whatever the activation dtype.
 
     On a GPU where Triton runs, a decode step's few tokens (up to :attr:`gemv_tokens`) take
-    one Triton GEMV (``dense_ops_triton.router_logits``) that reads the activations as they
+    one Triton GEMV (``kernels.dense_ops.router_logits``) that reads the activations as they
     are, instead of a float32 copy of them and cuBLAS's GEMV (three launches per layer)."""
 
     #: the most tokens the Triton GEMV takes (more: a float32 matmul)
@@ -191,7 +191,7 @@ class RouterLinear(TorchLinear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if (x.is_cuda and x.dim() == 2 and x.shape[0] <= self.gemv_tokens and self.weight.is_contiguous()
                 and self._triton(x.device)):
-            from freetoken.models.dense_ops_triton import router_logits
+            from freetoken.kernels.dense_ops import router_logits
 
             out = torch.empty(x.shape[0], self.weight.shape[0], dtype=torch.float32, device=x.device)
             router_logits(x.contiguous(), self.weight, out)

@@ -24,7 +24,7 @@ from freetoken.models.config import ModelConfig
 from freetoken.models.dense_ops import dense_ops_for
 from freetoken.models.layers import FusedLinears, rms_norm
 from freetoken.models.rope import RopeScaling, make_rotary
-from freetoken.moe.layer import ExpertWeights, MoELayer
+from freetoken.models.moe_layer import ExpertWeights, MoELayer
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ def swiglu_experts(i: int, source: TensorSource, names: Names, c: ModelConfig,
     ``ffn_{gate,up,down}_exps``."""
     from freetoken.loading.hf import CheckpointError
     from freetoken.loading.tensors import RawTensor
-    from freetoken.moe.layer import stack_experts
+    from freetoken.models.moe_layer import stack_experts
 
     E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
     if names.fmt == "gguf":

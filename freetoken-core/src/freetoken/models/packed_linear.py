@@ -16,7 +16,7 @@ How a :class:`PackedLinear` computes, by the number of tokens ``T`` of a call:
 * ``T = 1`` with a backend's native GEMV (:class:`~freetoken.backends.contract.PackedGemv`)
   that serves the matrix's format and width: that kernel (one launch, capturable in graphs);
 * ``T <= config.max_gemv_tokens`` (decode): the packed GEMV of
-  :mod:`freetoken.models.packed_linear_triton` (one launch, weights read once per token
+  :mod:`freetoken.kernels.packed_linear` (one launch, weights read once per token
   tile, no host synchronisation, capturable in graphs);
 * larger ``T`` (prefill): chunks of rows dequantized into one scratch shared by all the
   policy's linears (at most :data:`SCRATCH_VALUES` values, allocated once at first use),
@@ -51,9 +51,9 @@ SCRATCH_VALUES = 32 << 20
 def packed_dense_impl(device: Any) -> tuple[str, str]:
     """(implementation, why) of packed linears on ``device``: ``triton`` where the packed
     expert kernels run (NVIDIA GPUs of compute capability >= 8.0 with triton), else ``torch``."""
-    from freetoken.moe.gpu_experts import default_impl
+    from freetoken.kernels import availability
 
-    return default_impl(device)
+    return availability.default_impl(device)
 
 
 def chunk_rows(rows: int, cols: int) -> int:
@@ -108,7 +108,7 @@ class PackedLinear:
         self.config: Any = None  # one token
         self.batch_config: Any = None  # several
         if impl == "triton":
-            from freetoken.models import packed_linear_triton as plt
+            from freetoken.kernels import packed_linear as plt
 
             self.matrix = plt.PackedMatrix.from_bytes(self.data.reshape(-1), self.fmt, self.out_features,
                                                       self.in_features)
@@ -138,7 +138,7 @@ class PackedLinear:
         if tokens == 1 and self.native is not None and x2.data_ptr() % 16 == 0:
             self.native.gemv(x2, self.data, self.fmt, y)
         elif tokens and self.matrix is not None and tokens <= config.max_gemv_tokens:
-            from freetoken.models import packed_linear_triton as plt
+            from freetoken.kernels import packed_linear as plt
 
             plt.gemv(x2, self.matrix, y, config)
         elif tokens:
@@ -162,7 +162,7 @@ class PackedLinear:
         if w.dtype != dtype:
             w = torch.empty((rows, self.in_features), dtype=dtype, device=w.device)
         if self.matrix is not None:
-            from freetoken.models import packed_linear_triton as plt
+            from freetoken.kernels import packed_linear as plt
 
             plt.dequantize_rows(self.matrix, w, first)
         else:
@@ -199,7 +199,7 @@ class PackedEmbedding:
         self.nbytes = int(data.numel())
         self.matrix: Any = None
         if impl == "triton":
-            from freetoken.models import packed_linear_triton as plt
+            from freetoken.kernels import packed_linear as plt
 
             self.matrix = plt.PackedMatrix.from_bytes(self.data.reshape(-1), self.fmt, self.rows, self.cols)
 
@@ -207,7 +207,7 @@ class PackedEmbedding:
         flat = ids.reshape(-1)
         out = torch.empty((flat.shape[0], self.cols), dtype=self.dtype, device=self.device)
         if self.matrix is not None:
-            from freetoken.models import packed_linear_triton as plt
+            from freetoken.kernels import packed_linear as plt
 
             plt.gather_rows(flat.contiguous(), self.matrix, out)
         elif flat.shape[0]:

@@ -20,7 +20,7 @@ from freetoken.models.config import ModelConfig, gguf_config_fields, hf_config_f
 from freetoken.backends.contract import WeightPolicy
 from freetoken.models.dense_ops import dense_ops_for
 from freetoken.models.layers import FusedLinears, Rotary
-from freetoken.moe.layer import ExpertWeights, MoELayer, stack_experts
+from freetoken.models.moe_layer import ExpertWeights, MoELayer, stack_experts
 
 logger = logging.getLogger(__name__)
 

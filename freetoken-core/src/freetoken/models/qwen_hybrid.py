@@ -34,7 +34,7 @@ from freetoken.models.dense_ops import dense_ops_for
 from freetoken.models.gated_deltanet import DeltaNetShape, GatedDeltaNet
 from freetoken.models.hybrid_weights import PartialRotary, offset_norm, rotary_permutation, take_rows
 from freetoken.models.layers import FusedLinears
-from freetoken.moe.layer import ExpertWeights, MoELayer, stack_experts
+from freetoken.models.moe_layer import ExpertWeights, MoELayer, stack_experts
 
 logger = logging.getLogger(__name__)
 

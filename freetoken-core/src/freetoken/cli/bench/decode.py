@@ -304,7 +304,7 @@ def _gpu_memory(dev: Optional[torch.device]) -> dict[str, Optional[int]]:
 def run(args: argparse.Namespace) -> int:
     from freetoken.backends.contract import BackendError
     from freetoken.engine.engine import LLMEngine
-    from freetoken.moe.qualify import QualificationError
+    from freetoken.moe.qualify.startup import QualificationError
 
     if args.threads:
         torch.set_num_threads(args.threads)

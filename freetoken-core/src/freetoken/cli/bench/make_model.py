@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from freetoken.handoff import Fmt
-from freetoken.loading.gguf_writer import RandomBlockPool
+from freetoken.models.gguf_writer import RandomBlockPool
 from freetoken.loading.tensors import row_bytes
 from freetoken.models.config import ModelConfig
 from freetoken.models.qwen_hybrid import FULL, LINEAR, HybridConfig, finish_config
@@ -376,18 +376,18 @@ def write(path: str, cfg: ModelConfig, quant: str, seed: int = 0, progress: bool
     tensor order, exactly as ``Planned.make`` draws them."""
     import gguf
 
-    from freetoken.loading.gguf_writer import ARCH, write_ids_only_vocab, write_qwen3moe_metadata
+    from freetoken.models.gguf_writer import ARCH, write_ids_only_vocab, write_qwen3moe_metadata
 
     tensors = skew_routers(plan(cfg, quant), router_skew)
     name = f"synthetic {cfg.architecture} {quant} ({cfg.num_layers} layers, random weights)"
     if cfg.architecture == "gpt_oss":
-        from freetoken.loading.gguf_writer import write_gpt_oss_metadata, write_moe_metadata
+        from freetoken.models.gguf_writer import write_gpt_oss_metadata, write_moe_metadata
 
         w = gguf.GGUFWriter(path, "gpt-oss")
         write_moe_metadata(w, cfg, name)
         write_gpt_oss_metadata(w, GPT_OSS_WINDOW, GPT_OSS_YARN_FACTOR, GPT_OSS_YARN_ORIGINAL)
     elif cfg.architecture == "qwen3_5_moe":
-        from freetoken.loading.gguf_writer import write_hybrid_metadata
+        from freetoken.models.gguf_writer import write_hybrid_metadata
 
         w = gguf.GGUFWriter(path, "qwen35moe")
         write_hybrid_metadata(w, cfg, name)

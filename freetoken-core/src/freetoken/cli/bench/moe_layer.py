@@ -286,7 +286,7 @@ def _stage_split(coordinator: Any, replay: Any, tasks: list[Any], iters: int, ke
     step_us = _device_block(replay, iters)
     order = {t.desc_buffer.host_ptr: l for l, t in enumerate(tasks)}
     # the block's untimed warm-up steps come first in the trace
-    from freetoken.moe.stage_trace import split_trace
+    from freetoken.moe.session.stage_trace import split_trace
 
     return split_trace(coordinator.trace()[WARMUP_STEPS * len(tasks) :], order, step_us, key)
 
@@ -316,9 +316,10 @@ def _gpu_impls(device: Any) -> tuple[list[str], str]:
     kernels compile and run on a small smoke input) and why Triton is missing, if it is."""
     import torch
 
-    from freetoken.moe.gpu_experts import GpuExperts, default_impl
+    from freetoken.kernels import availability
+    from freetoken.moe.experts.gpu_experts import GpuExperts
 
-    impl, why = default_impl(device)
+    impl, why = availability.default_impl(device)
     if impl != "triton":
         return ["torch"], why
     try:
@@ -334,7 +335,7 @@ def _gpu_impls(device: Any) -> tuple[list[str], str]:
 
 
 def _triton_sweep() -> dict[str, Any]:
-    from freetoken.moe.triton_moe import BlockConfig
+    from freetoken.kernels.moe_experts import BlockConfig
 
     return {
         "i32_n64": BlockConfig(block_i=32, block_n=64),
@@ -360,7 +361,7 @@ class _Bench:
     def _layers(self, intermediate: int, gen: Any) -> list[dict[str, Any]]:
         import torch
 
-        from freetoken.moe.gpu_experts import GpuExperts
+        from freetoken.moe.experts.gpu_experts import GpuExperts
 
         args, cm, dev = self.args, self.cm, self.backend.device()
         E, H, I, K, T = args.experts, args.hidden, intermediate, args.top_k, args.batch
@@ -387,7 +388,7 @@ class _Bench:
         import torch
 
         from freetoken.backends.contract import IOPath
-        from freetoken.moe.hybrid import HybridMoEExecutor
+        from freetoken.moe.handoff.hybrid import HybridMoEExecutor
         from freetoken.moe.placement import Placement, split_routes
 
         args, backend, cm = self.args, self.backend, self.cm
@@ -498,7 +499,7 @@ class _Bench:
         """(graph replay, eager) us per layer of the GPU experts alone with this implementation."""
         import torch
 
-        from freetoken.moe.gpu_experts import GpuExperts
+        from freetoken.moe.experts.gpu_experts import GpuExperts
 
         args = self.args
         exps = [GpuExperts(l["experts"].gate, l["experts"].up, l["experts"].down, impl=impl, block_config=cfg)

@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     from freetoken.backends.contract import BackendError
     from freetoken.engine.engine import LLMEngine
     from freetoken.engine.sampling_params import SamplingParams
-    from freetoken.moe.qualify import QualificationError
+    from freetoken.moe.qualify.startup import QualificationError
     from freetoken.server.schema_constraint import SchemaConstraint, schema_grammar
 
     if args.threads:

@@ -7,12 +7,12 @@ built. ``KIND`` names the constants and ``FIELDS`` is ``name=value,...`` over th
 their dataclass (integers, 0/1 for switches), checked by its ``validate``:
 
 * ``experts``: the per-route packed expert kernels' ``PackedConfig``
-  (``triton_moe_packed.DEFAULT_CONFIG`` and ``NVIDIA_CONFIG``);
+  (``moe_packed.DEFAULT_CONFIG`` and ``NVIDIA_CONFIG``);
 * ``dense``: the packed dense GEMV's ``PackedLinearConfig``
-  (``packed_linear_triton.DEFAULT_CONFIG`` and ``NVIDIA_CONFIG``);
+  (``kernels.packed_linear.DEFAULT_CONFIG`` and ``NVIDIA_CONFIG``);
 * ``dense-wide``: its tiles for matrices of ``WIDE_ROWS`` rows and more, the output head
   (``WIDE_CONFIG`` and ``NVIDIA_WIDE_CONFIG``);
-* ``grouped``: the grouped prompt kernels' ``GroupedConfig`` (``triton_moe_grouped.DEFAULT_CONFIG``).
+* ``grouped``: the grouped prompt kernels' ``GroupedConfig`` (``moe_grouped.DEFAULT_CONFIG``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any, Iterable
 
 #: KIND -> (module, the constants it changes)
 KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "experts": ("freetoken.moe.triton_moe_packed", ("DEFAULT_CONFIG", "NVIDIA_CONFIG")),
-    "dense": ("freetoken.models.packed_linear_triton", ("DEFAULT_CONFIG", "NVIDIA_CONFIG")),
-    "dense-wide": ("freetoken.models.packed_linear_triton", ("WIDE_CONFIG", "NVIDIA_WIDE_CONFIG")),
-    "grouped": ("freetoken.moe.triton_moe_grouped", ("DEFAULT_CONFIG",)),
+    "experts": ("freetoken.kernels.moe_packed", ("DEFAULT_CONFIG", "NVIDIA_CONFIG")),
+    "dense": ("freetoken.kernels.packed_linear", ("DEFAULT_CONFIG", "NVIDIA_CONFIG")),
+    "dense-wide": ("freetoken.kernels.packed_linear", ("WIDE_CONFIG", "NVIDIA_WIDE_CONFIG")),
+    "grouped": ("freetoken.kernels.moe_grouped", ("DEFAULT_CONFIG",)),
 }
 
 FORMS = f"expected KIND:name=value,... with KIND one of {', '.join(KINDS)}, like experts:block_n=4,int8_dot=0"

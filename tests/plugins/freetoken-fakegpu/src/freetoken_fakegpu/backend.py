@@ -143,6 +143,6 @@ class FakeGpuBackend(Backend):
         return HostExperts()
 
     def open_model(self, options: EngineOptions) -> ModelSession:
-        from freetoken.moe.gpu_session import GpuModelSession
+        from freetoken.moe.session.gpu_session import GpuModelSession
 
         return GpuModelSession(self, options, self.cpu_experts())

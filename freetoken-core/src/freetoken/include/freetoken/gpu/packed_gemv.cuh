@@ -2,7 +2,7 @@
  * One token through a matrix kept as a GGUF file's Q4_K or Q6_K blocks: y[n] = sum_k x[k] W[n, k].
  *
  * The token is quantized to int8 per 32 values in each block's shared memory, exactly as the
- * Triton int8 dots do it (freetoken/moe/triton_packed_int8.py: q = floor(x * (127 / amax) + 1/2)
+ * Triton int8 dots do it (freetoken/kernels/packed_int8.py: q = floor(x * (127 / amax) + 1/2)
  * with a correctly rounded division and one rounding of the fma, scale amax * (1/127)), and the
  * weights' codes stay integers, four to a word, multiplied four at a time by dp4a.
  *

@@ -2,7 +2,7 @@
 routes to the CPU workers: page-locked banks, the global expert cache, long prompts
 streamed through the GPU, the route log and the MoE statistics.
 
-:class:`ExpertTraffic` is built by :class:`~freetoken.moe.gpu_session.GpuModelSession`
+:class:`ExpertTraffic` is built by :class:`~freetoken.moe.session.gpu_session.GpuModelSession`
 from the ``--moe-*`` options (:class:`~freetoken.backends.contract.MoEOptions`) and the
 memory plan, and sits in three places of the session:
 
@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from freetoken.backends.contract import MoEOptions
-from freetoken.moe.copy_queue import CopyQueue
-from freetoken.moe.expert_cache import ExpertCache
-from freetoken.moe.gpu_packed_experts import DequantScratch
-from freetoken.moe.host_pinning import HostRegistration, register_banks
-from freetoken.moe.locked_fetch import (
+from freetoken.moe.experts.copy_queue import CopyQueue
+from freetoken.moe.experts.expert_cache import ExpertCache
+from freetoken.moe.experts.gpu_packed_experts import DequantScratch
+from freetoken.moe.handoff.host_pinning import HostRegistration, register_banks
+from freetoken.moe.experts.locked_fetch import (
     FetchStaging,
     FirstRoutesPlacement,
     LockedPlacement,
@@ -38,8 +38,8 @@ from freetoken.moe.locked_fetch import (
     locked_routes,
 )
 from freetoken.moe.placement import Placement
-from freetoken.moe.moe_stats import MoEStats, RouteLog
-from freetoken.moe.prefill_stream import PrefillStreamer, StreamProfile, measure_threshold, streamable
+from freetoken.moe.handoff.moe_stats import MoEStats, RouteLog
+from freetoken.moe.experts.prefill_stream import PrefillStreamer, StreamProfile, measure_threshold, streamable
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import logging
 from typing import Any, Optional
 
 from freetoken.backends.contract import Backend, HandoffTask, IOPath, SyncMode
-from freetoken.moe import faults
-from freetoken.moe.gpu_experts import GpuExperts
+from freetoken.moe.handoff import faults
+from freetoken.moe.experts.gpu_experts import GpuExperts
 from freetoken.moe.placement import Placement, split_routes
 
 log = logging.getLogger(__name__)

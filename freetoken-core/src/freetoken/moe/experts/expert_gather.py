@@ -11,7 +11,7 @@ The launch goes on the compute stream after the router, so the host never waits 
 destination is never overwritten while an earlier kernel still reads it.
 
 :func:`gather_routes` is the decode step's form: a few routes' experts copied into as many
-staging slots (locked fetch by copy, :mod:`freetoken.moe.locked_fetch`).
+staging slots (locked fetch by copy, :mod:`freetoken.moe.experts.locked_fetch`).
 
 triton is optional: import this module lazily, only where Triton runs.
 """

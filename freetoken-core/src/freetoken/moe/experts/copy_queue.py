@@ -6,7 +6,7 @@ destinations -- ordered after an event of the compute stream (so a destination i
 overwritten while an earlier kernel still reads it). The thread enqueues the copies on
 the side stream and records an end event; the engine's thread never blocks on a copy
 from pageable memory (which the driver performs synchronously), and with page-locked
-sources (:mod:`freetoken.moe.host_pinning`) the copies are asynchronous DMA at PCIe speed.
+sources (:mod:`freetoken.moe.handoff.host_pinning`) the copies are asynchronous DMA at PCIe speed.
 
 A :class:`CopyTicket` says when the copies are enqueued and done (:meth:`CopyTicket.done`,
 polled between steps) and makes a stream wait for them (:meth:`CopyTicket.order_before`).

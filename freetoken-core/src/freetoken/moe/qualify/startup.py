@@ -26,7 +26,7 @@ import logging
 from typing import Any, Optional, Protocol
 
 from freetoken.backends.contract import Backend, CpuExperts, IOPath, SyncMode
-from freetoken.moe.qualify_check import CheckFailure, QualLayer
+from freetoken.moe.qualify.checks import CheckFailure, QualLayer
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Both packages build the same native surface (``freetoken/include/freetoken/gpu/``) with
 their compiler and bind it here by naming their extension module; this module holds the
 Python half once: probe, capabilities, Staging, KernelIO, graph capture and the factory
-of the GpuSync modes (:mod:`freetoken.moe.native_sync`, with the copy path's sync policy).
+of the GpuSync modes (:mod:`freetoken.native_gpu.sync`, with the copy path's sync policy).
 Native code sees integers only (addresses, sizes, stream handles).
 """
 
@@ -35,8 +35,8 @@ from freetoken.backends.contract import (
     Staging,
     SyncMode,
 )
-from freetoken.moe import faults
-from freetoken.moe.native_sync import (
+from freetoken.moe.handoff import faults
+from freetoken.native_gpu.sync import (
     WAIT_TIMEOUT_NS,
     EventMemopSync,
     FlagWaitSync,
@@ -205,7 +205,7 @@ class NativeKernelIO(KernelIO):
     def probe(self) -> bool:
         """Round trips through publish/combine with a Python thread as the CPU side
         (y = 2 * x, exact in BF16), eager and captured, against torch."""
-        from freetoken.moe.kernel_io_probe import run_kernel_io_probe
+        from freetoken.native_gpu.kernel_io_probe import run_kernel_io_probe
 
         self.faults_enabled = False
         try:
@@ -354,7 +354,7 @@ class NativeGpuBackend(Backend):
         )
 
     def open_model(self, options: EngineOptions) -> ModelSession:
-        from freetoken.moe.gpu_session import GpuModelSession
+        from freetoken.moe.session.gpu_session import GpuModelSession
 
         return GpuModelSession(self, options, self.cpu_experts())
 
@@ -510,7 +510,7 @@ class NativeGpuBackend(Backend):
         native = self.native()
         if not hasattr(native, "packed_gemv"):
             return None  # a build without it (ROCm)
-        from freetoken.moe.native_gemv import NativePackedGemv
+        from freetoken.native_gpu.gemv import NativePackedGemv
 
         return NativePackedGemv(native, self.current_stream)
 

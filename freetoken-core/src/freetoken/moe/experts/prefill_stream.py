@@ -20,7 +20,7 @@ stream, ordered after the compute that last read the buffer. Two ways to fill th
   so a prompt costs about the same while the buffer takes a fraction of a layer's device
   memory (4 windows: a quarter), room the memory plan gives to resident expert layers.
   Where the host banks are page-locked and mapped and Triton runs, one gather kernel per
-  stack and window (:mod:`freetoken.moe.expert_gather`) copies them, the routed set read
+  stack and window (:mod:`freetoken.moe.experts.expert_gather`) copies them, the routed set read
   on the device: the host queues every layer of the prompt without waiting for the GPU.
   Otherwise the routed set is read back and the copy engine copies the runs of
   consecutive routed experts of each window, the window computed once they arrived.
@@ -28,9 +28,9 @@ stream, ordered after the compute that last read the buffer. Two ways to fill th
   computes, so the copies run back to back and the compute hides behind them.
 
 The buffers hold the checkpoint's bytes: GGUF block formats the packed kernels read
-(computed by :class:`~freetoken.moe.gpu_packed_experts.PackedGpuExperts`' large-batch
+(computed by :class:`~freetoken.moe.experts.gpu_packed_experts.PackedGpuExperts`' large-batch
 path, the grouped kernels over the blocks as they are), or float
-experts in the activation dtype (:class:`~freetoken.moe.gpu_experts.GpuExperts`).
+experts in the activation dtype (:class:`~freetoken.moe.experts.gpu_experts.GpuExperts`).
 
 Whether a chunk streams: ``mode`` ``on`` streams every prefill chunk, ``auto`` those of at
 least ``min_tokens`` tokens, measured at start by :func:`measure_threshold` (the time to
@@ -48,8 +48,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from freetoken.moe.copy_queue import CopyQueue, CopyTicket
-from freetoken.moe.gpu_packed_experts import PACKED_FORMATS, DequantScratch
+from freetoken.moe.experts.copy_queue import CopyQueue, CopyTicket
+from freetoken.moe.experts.gpu_packed_experts import PACKED_FORMATS, DequantScratch
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class PrefillStreamer:
         stream (after the router, before the compute that reads them; the previous
         window's compute, the last reader of the buffer, is earlier on the same stream),
         each window computed once copied: nothing here waits for the GPU."""
-        from freetoken.moe.expert_gather import gather_experts
+        from freetoken.moe.experts.expert_gather import gather_experts
 
         e = self.layers[layer]
         buf = self.buffers[0]
@@ -330,8 +330,8 @@ class PrefillStreamer:
     def _compute_view(self, layer: int, buf: torch.Tensor, first: int = 0, n: Optional[int] = None) -> Any:
         """Experts ``first .. first + n`` (default: all) of ``layer`` as they lie in ``buf``:
         ids ``0 .. n - 1`` of the view are experts ``first ..`` of the layer."""
-        from freetoken.moe.gpu_experts import GpuExperts
-        from freetoken.moe.gpu_packed_experts import PackedGpuExperts
+        from freetoken.moe.experts.gpu_experts import GpuExperts
+        from freetoken.moe.experts.gpu_packed_experts import PackedGpuExperts
 
         e = self.layers[layer]
         n = e.num_experts - first if n is None else n
@@ -358,19 +358,19 @@ def _local_ids(ids: Any, first: int, n: int) -> Any:
 
 
 def _offset(src: Any, nbytes: int) -> Any:
-    """``src`` (a uint8 tensor or a mapped :class:`~freetoken.moe.locked_fetch.DevicePointer`)
+    """``src`` (a uint8 tensor or a mapped :class:`~freetoken.moe.experts.locked_fetch.DevicePointer`)
     from its byte ``nbytes`` on."""
     if isinstance(src, torch.Tensor):
         return src[nbytes:]
-    from freetoken.moe.locked_fetch import DevicePointer
+    from freetoken.moe.experts.locked_fetch import DevicePointer
 
     return DevicePointer(src.data_ptr() + nbytes, src.dtype)
 
 
 def _mapped_sources(experts: Any, registration: Any, device: Any) -> list[Any]:
-    """:func:`~freetoken.moe.locked_fetch.mapped_sources`, empty when a stack lies outside
+    """:func:`~freetoken.moe.experts.locked_fetch.mapped_sources`, empty when a stack lies outside
     the registered ranges."""
-    from freetoken.moe.locked_fetch import mapped_sources
+    from freetoken.moe.experts.locked_fetch import mapped_sources
 
     try:
         return mapped_sources(experts, registration, device)

@@ -4,7 +4,7 @@ memory, in the same step, while the CPU workers compute the others.
 A decode step's missed experts (routes of a CPU layer whose expert is not in the cache)
 are normally all computed by the CPU workers, whose speed is the host's memory bandwidth.
 The PCIe link is a second, independent path to the same bytes: with the banks page-locked
-and mapped for the device (:class:`~freetoken.moe.host_pinning.HostRegistration`), one
+and mapped for the device (:class:`~freetoken.moe.handoff.host_pinning.HostRegistration`), one
 gather kernel copies the locked routes' experts (their gate, up and down blocks) into a few
 device staging slots (:class:`FetchStaging`, shared by every CPU layer: the layers run one
 after another on one stream), wide 16-byte reads that keep many requests in flight, and the
@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Optional
 import numpy as np
 import torch
 
-from freetoken.moe.gpu_packed_experts import PACKED_FORMATS
+from freetoken.moe.experts.gpu_packed_experts import PACKED_FORMATS
 from freetoken.moe.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class SplitGpuExperts:
         self.cached, self.resident, self.fetched, self.hidden = cached, resident, fetched, hidden
 
     def forward(self, x: torch.Tensor, gpu_ids: torch.Tensor, w: torch.Tensor, out: Any = None) -> torch.Tensor:
-        from freetoken.moe.gpu_experts import finish_output, float32_output
+        from freetoken.moe.experts.gpu_experts import finish_output, float32_output
 
         if self.cached is None:
             return self.fetched.forward(x, gpu_ids, w, out)
@@ -189,7 +189,7 @@ class FetchStaging:
 
 class StagedFetch:
     """A CPU layer's locked routes computed on the GPU from staging slots: their experts
-    copied from the mapped host banks by :func:`~freetoken.moe.expert_gather.gather_routes`,
+    copied from the mapped host banks by :func:`~freetoken.moe.experts.expert_gather.gather_routes`,
     then the packed kernels over the slots.
 
     :meth:`forward_routes` takes a whole step's routing and computes its first
@@ -201,8 +201,8 @@ class StagedFetch:
 
     def __init__(self, experts: Any, registration: Any, staging: FetchStaging, activation: str, top_k: int,
                  fraction: float, max_fetch: int, native: Any = None) -> None:  # fmt: skip
-        from freetoken.moe import triton_moe_packed as tp
-        from freetoken.moe.gpu_packed_experts import PackedGpuExperts
+        from freetoken.kernels import moe_packed as tp
+        from freetoken.moe.experts.gpu_packed_experts import PackedGpuExperts
 
         self.device = staging.device
         self.top_k = int(top_k)
@@ -235,7 +235,7 @@ class StagedFetch:
 
     # ---- a step ----------------------------------------------------------------------------
     def _gather(self, experts: torch.Tensor, count: int) -> None:
-        from freetoken.moe.expert_gather import gather_routes
+        from freetoken.moe.experts.expert_gather import gather_routes
 
         p = self.packed
         gather_routes(self.sources, [s.data.view(-1) for s in (p.gate, p.up, p.down)], experts, count,

@@ -21,10 +21,10 @@ import torch
 
 from freetoken.backends.contract import Backend, BackendError, EngineOptions, MemoryPlanError, ModelShape
 from freetoken.models.layers import DeviceWeightPolicy
-from freetoken.moe.gpu_packed_experts import FMT_FP8_ROWS, PACKED_FORMATS, fp8_rows_bytes, fp8_rows_fit
-from freetoken.moe.locked_fetch import FetchStaging, planned_fraction
+from freetoken.moe.experts.gpu_packed_experts import FMT_FP8_ROWS, PACKED_FORMATS, fp8_rows_bytes, fp8_rows_fit
+from freetoken.moe.experts.locked_fetch import FetchStaging, planned_fraction
 from freetoken.moe.placement import cpu_layers, layers_that_fit
-from freetoken.moe.prefill_stream import buffer_bytes
+from freetoken.moe.experts.prefill_stream import buffer_bytes
 
 log = logging.getLogger(__name__)
 
@@ -297,12 +297,12 @@ class GpuMemoryPlanner:
     def _packed_layers(self, shape: ModelShape) -> set[int]:
         """The MoE layers whose experts can stay packed on this device: the file's block
         formats, or FP8 block-scaled (all three stacks) in its device rows."""
-        from freetoken.moe.gpu_experts import default_impl
+        from freetoken.kernels import availability
 
         mode = self.options.moe.gpu_experts
         if mode not in ("auto", "dequantized"):
             raise MemoryPlanError(f"--moe-gpu-experts {mode!r}: expected 'auto' or 'dequantized'")
-        self.packed_capable = mode == "auto" and default_impl(self.device)[0] == "triton"
+        self.packed_capable = mode == "auto" and availability.default_impl(self.device)[0] == "triton"
         if not self.packed_capable or not shape.expert_formats:
             return set()
         return {i for i, f in shape.expert_formats.items()

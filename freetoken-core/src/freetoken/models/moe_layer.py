@@ -5,7 +5,7 @@ policy's router linear. The routed experts run through an experts function that 
 backend's model session builds per layer (:meth:`ModelSession.routed_experts`): the CPU
 backend calls the CPU kernels synchronously, a GPU backend splits the routes between
 GPU-resident experts and the CPU workers and hands the CPU part over through
-GpuSync/KernelIO (:mod:`freetoken.moe.hybrid`)."""
+GpuSync/KernelIO (:mod:`freetoken.moe.handoff.hybrid`)."""
 
 from __future__ import annotations
 

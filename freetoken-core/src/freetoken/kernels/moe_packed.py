@@ -7,7 +7,7 @@ block-scaled experts are rearranged once into rows of blocks of their own
 (:meth:`PackedStack.from_fp8`). Each program
 dequantizes its weight tile in registers and multiplies it with the activation in
 float32; nothing is written back but the activations ``h`` and the output ``y``. Two
-per-route kernels, the design of :mod:`freetoken.moe.triton_moe`'s
+per-route kernels, the design of :mod:`freetoken.kernels.moe_experts`'s
 ``_gate_up_routes_kernel`` / ``_down_routes_kernel`` (no idle program, no atomics, ids
 ``-1`` skipped)::
 
@@ -20,7 +20,7 @@ Weights are read once per route (once per distinct expert when a batch's routes 
 no expert, the common case at small ``T``).
 
 ``int8_dot`` (with ``int8_h``) changes what is multiplied: activations quantized to int8 and
-the codes multiplied as integers (:mod:`freetoken.moe.triton_packed_int8`); NVIDIA GPUs
+the codes multiplied as integers (:mod:`freetoken.kernels.packed_int8`); NVIDIA GPUs
 run them by default (:func:`default_config`, :data:`NVIDIA_CONFIG`). ``down_routes_tile``
 (on by default; ``tests/gpu/tune_cold.py`` times it with the weights read from HBM) changes
 how, not what: it makes the token's K routes a tile dimension of the down kernel (rows
@@ -59,8 +59,8 @@ float16: every f16 field lies at an even offset, as the block sizes of the forma
 f16 fields are even).
 
 Batches above ``PackedConfig.max_routes`` routes are not served here:
-:class:`freetoken.moe.gpu_packed_experts.PackedGpuExperts` dequantizes the experts to
-BF16 and runs :func:`freetoken.moe.triton_moe.launch` for them.
+:class:`freetoken.moe.experts.gpu_packed_experts.PackedGpuExperts` dequantizes the experts to
+BF16 and runs :func:`freetoken.kernels.moe_experts.launch` for them.
 
 triton is optional: import this module lazily, only when the Triton implementation is
 selected.
@@ -75,8 +75,8 @@ import triton
 import triton.language as tl
 
 from freetoken.backends import triton_target
-from freetoken.moe.triton_moe import ACT_CODES, activate
-from freetoken.moe.triton_packed_int8 import _dot_q4k_int8, _q4k_rows_int8, _q6k_rows_int8, _store_quantized, _x_groups
+from freetoken.kernels.moe_experts import ACT_CODES, activate
+from freetoken.kernels.packed_int8 import dot_q4k_int8, q4k_rows_int8, q6k_rows_int8, store_quantized, x_groups
 
 FMT_Q8_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_MXFP4 = 8, 12, 13, 14, 39  # ggml type ids (freetoken.handoff.Fmt)
 #: FP8 E4M3 with one float32 scale per 128 x 128 tile (freetoken.handoff.Fmt.FP8_E4M3_B128),
@@ -120,7 +120,7 @@ class PackedConfig:
     down_h_once: bool = False
     #: Q4_K gate/up and Q4_K/Q6_K down (the routes tile) multiply int8-quantized activations
     #: with the weights' integer codes, four products per instruction
-    #: (freetoken.moe.triton_packed_int8): a fraction of the byte tiles' instructions, at the
+    #: (freetoken.kernels.packed_int8): a fraction of the byte tiles' instructions, at the
     #: activations' int8 rounding (~1e-3 of a row's sum); other formats keep the byte tiles, as
     #: does AMD (for_target). NVIDIA_CONFIG's, off here
     int8_dot: bool = False
@@ -253,7 +253,7 @@ class PackedStack:
 
 
 @triton.jit
-def _dequant_tile(
+def dequant_tile(
     u8_ptr, i8_ptr, f16_ptr, row_off, row_ok, c0,
     NCOLS: tl.constexpr, FMT: tl.constexpr, BLOCK_C: tl.constexpr, G: tl.constexpr,
 ):  # fmt: skip
@@ -329,7 +329,7 @@ def _dequant_tile(
 
 
 @triton.jit
-def _load_groups(ptr, c0, NCOLS: tl.constexpr, BLOCK_C: tl.constexpr, G: tl.constexpr, ok):
+def load_groups(ptr, c0, NCOLS: tl.constexpr, BLOCK_C: tl.constexpr, G: tl.constexpr, ok):
     """``[BLOCK_C // G, G]`` float32: ``ptr[c0 .. c0 + BLOCK_C]`` (zero past ``NCOLS`` or when not ``ok``)."""
     offs = c0 + tl.arange(0, BLOCK_C // G)[:, None] * G + tl.arange(0, G)[None, :]
     return tl.load(ptr + offs, mask=(offs < NCOLS) & ok, other=0.0).to(tl.float32)
@@ -366,10 +366,10 @@ def _gate_up_packed_kernel(
             for h2 in range(0, H, BLOCK_H):
                 pg = h2 // 64 + tl.arange(0, BLOCK_H // 64)
                 p_ok = pg * 64 < H
-                x_lo, d_lo, s_lo = _x_groups(x_ptr, x_row, x_row >= 0, 2 * pg, p_ok, H, False, 0)
-                x_hi, d_hi, s_hi = _x_groups(x_ptr, x_row, x_row >= 0, 2 * pg + 1, p_ok, H, False, 0)
-                acc_g8 += _dot_q4k_int8(g_u8, g_f16, g_rows, i_ok, pg, p_ok, x_lo, d_lo, s_lo, x_hi, d_hi, s_hi, DP4A)
-                acc_u8 += _dot_q4k_int8(u_u8, u_f16, u_rows, i_ok, pg, p_ok, x_lo, d_lo, s_lo, x_hi, d_hi, s_hi, DP4A)
+                x_lo, d_lo, s_lo = x_groups(x_ptr, x_row, x_row >= 0, 2 * pg, p_ok, H, False, 0)
+                x_hi, d_hi, s_hi = x_groups(x_ptr, x_row, x_row >= 0, 2 * pg + 1, p_ok, H, False, 0)
+                acc_g8 += dot_q4k_int8(g_u8, g_f16, g_rows, i_ok, pg, p_ok, x_lo, d_lo, s_lo, x_hi, d_hi, s_hi, DP4A)
+                acc_u8 += dot_q4k_int8(u_u8, u_f16, u_rows, i_ok, pg, p_ok, x_lo, d_lo, s_lo, x_hi, d_hi, s_hi, DP4A)
             gs = tl.sum(acc_g8, axis=1)
             us = tl.sum(acc_u8, axis=1)
         else:
@@ -377,17 +377,17 @@ def _gate_up_packed_kernel(
             acc_u = tl.zeros([BLOCK_I, BLOCK_H // UP_G, UP_G], dtype=tl.float32)
             x_row = x_ptr + t * H
             for h0 in range(0, H, BLOCK_H):
-                xg = _load_groups(x_row, h0, H, BLOCK_H, GATE_G, True)
-                g = _dequant_tile(g_u8, g_i8, g_f16, g_rows, i_ok, h0, H, GATE_FMT, BLOCK_H, GATE_G)
+                xg = load_groups(x_row, h0, H, BLOCK_H, GATE_G, True)
+                g = dequant_tile(g_u8, g_i8, g_f16, g_rows, i_ok, h0, H, GATE_FMT, BLOCK_H, GATE_G)
                 acc_g += g * xg[None, :, :]
-                xu = _load_groups(x_row, h0, H, BLOCK_H, UP_G, True)
-                u = _dequant_tile(u_u8, u_i8, u_f16, u_rows, i_ok, h0, H, UP_FMT, BLOCK_H, UP_G)
+                xu = load_groups(x_row, h0, H, BLOCK_H, UP_G, True)
+                u = dequant_tile(u_u8, u_i8, u_f16, u_rows, i_ok, h0, H, UP_FMT, BLOCK_H, UP_G)
                 acc_u += u * xu[None, :, :]
             gs = tl.sum(tl.sum(acc_g, axis=2), axis=1)
             us = tl.sum(tl.sum(acc_u, axis=2), axis=1)
         act = activate(gs, us, ACT, ALPHA, LIMIT)
         if H_INT8:  # h quantized here for the down kernel's int8 dots (BLOCK_I: whole groups of 16)
-            _store_quantized(h_ptr, r, T * K, I, pid_i * BLOCK_I, tl.where(i_ok, act, 0.0))
+            store_quantized(h_ptr, r, T * K, I, pid_i * BLOCK_I, tl.where(i_ok, act, 0.0))
         else:
             tl.store(h_ptr + r.to(tl.int64) * I + offs_i, act, mask=i_ok)
 
@@ -427,10 +427,10 @@ def _down_packed_kernel(
             acc8 = tl.zeros([KP * BLOCK_N], dtype=tl.float32)
             for r4 in range(0, I, BLOCK_R):
                 if DOWN_FMT == 12:
-                    acc8 += _q4k_rows_int8(d_u8, d_f16, rows, row_ok, h_ptr, h_row, ok, r4, I, BLOCK_R, BLOCK_N, DP4A,
+                    acc8 += q4k_rows_int8(d_u8, d_f16, rows, row_ok, h_ptr, h_row, ok, r4, I, BLOCK_R, BLOCK_N, DP4A,
                                            H_INT8, T * K)  # fmt: skip
                 else:
-                    acc8 += _q6k_rows_int8(d_u8, d_f16, rows, row_ok, h_ptr, h_row, ok, r4, I, BLOCK_R, BLOCK_N, DP4A,
+                    acc8 += q6k_rows_int8(d_u8, d_f16, rows, row_ok, h_ptr, h_row, ok, r4, I, BLOCK_R, BLOCK_N, DP4A,
                                            H_INT8, T * K)  # fmt: skip
             part_sum = acc8
         else:
@@ -445,7 +445,7 @@ def _down_packed_kernel(
                 else:
                     hv = tl.load(h_ptr + h_rows[:, None, None] + c[None, :, :],
                                  mask=row_ok[:, None, None] & (c < I)[None, :, :], other=0.0)
-                d = _dequant_tile(d_u8, d_i8, d_f16, rows, row_ok, r0, I, DOWN_FMT, BLOCK_R, DOWN_G)
+                d = dequant_tile(d_u8, d_i8, d_f16, rows, row_ok, r0, I, DOWN_FMT, BLOCK_R, DOWN_G)
                 acc += d * hv
             part_sum = tl.sum(tl.sum(acc, axis=2), axis=1)
         wrow = tl.reshape(wk[:, None] + tl.zeros([BLOCK_N], dtype=tl.float32)[None, :], [KP * BLOCK_N])
@@ -464,14 +464,14 @@ def _down_packed_kernel(
             rows1 = (tl.maximum(e1, 0) * H + offs_n.to(tl.int64)) * DOWN_RB
             h_row = h_ptr + (t * K + k) * I
             for r1 in range(0, I, BLOCK_R):
-                hv1 = _load_groups(h_row, r1, I, BLOCK_R, DOWN_G, ok1)
-                d1 = _dequant_tile(d_u8, d_i8, d_f16, rows1, n_ok & ok1, r1, I, DOWN_FMT, BLOCK_R, DOWN_G)
+                hv1 = load_groups(h_row, r1, I, BLOCK_R, DOWN_G, ok1)
+                d1 = dequant_tile(d_u8, d_i8, d_f16, rows1, n_ok & ok1, r1, I, DOWN_FMT, BLOCK_R, DOWN_G)
                 acc2 += d1 * (hv1 * wk1)[None, :, :]
         tl.store(y_ptr + t * H + offs_n, tl.sum(tl.sum(acc2, axis=2), axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _dequant_rows_kernel(
+def dequant_rows_kernel(
     u8, i8, f16, out_ptr, first_row, ROWS,
     NCOLS: tl.constexpr, FMT: tl.constexpr, RB: tl.constexpr, G: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -480,7 +480,7 @@ def _dequant_rows_kernel(
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < ROWS
     c0 = tl.program_id(1) * BLOCK_C
-    w = _dequant_tile(u8, i8, f16, (first_row + offs_r.to(tl.int64)) * RB, r_ok, c0, NCOLS, FMT, BLOCK_C, G)
+    w = dequant_tile(u8, i8, f16, (first_row + offs_r.to(tl.int64)) * RB, r_ok, c0, NCOLS, FMT, BLOCK_C, G)
     offs_c = c0 + tl.arange(0, BLOCK_C)
     dst = out_ptr + offs_r.to(tl.int64)[:, None] * NCOLS + offs_c[None, :]
     tl.store(dst, tl.reshape(w, [BLOCK_R, BLOCK_C]).to(out_ptr.dtype.element_ty),
@@ -498,7 +498,7 @@ def dequantize_experts(stack: PackedStack, out: Any, first: int = 0, count: Any 
         return out
     block_r, block_c = 16, min(256, triton.next_power_of_2(stack.cols))
     opts = triton_target.for_device(out.device).launch_options(4)
-    _dequant_rows_kernel[(triton.cdiv(rows, block_r), triton.cdiv(stack.cols, block_c))](
+    dequant_rows_kernel[(triton.cdiv(rows, block_r), triton.cdiv(stack.cols, block_c))](
         *stack.views(), out, first * stack.rows, rows, NCOLS=stack.cols, FMT=stack.fmt, RB=stack.row_bytes,
         G=stack.group, BLOCK_R=block_r, BLOCK_C=block_c, **opts,
     )  # fmt: skip

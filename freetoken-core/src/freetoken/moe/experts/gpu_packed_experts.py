@@ -1,6 +1,6 @@
 """Routed experts resident on the GPU in their GGUF block formats (Q4_K, Q5_K, Q6_K, Q8_0).
 
-:class:`PackedGpuExperts` has :class:`freetoken.moe.gpu_experts.GpuExperts`' interface
+:class:`PackedGpuExperts` has :class:`freetoken.moe.experts.gpu_experts.GpuExperts`' interface
 (``forward(x, gpu_ids, w, out=None)``, ``warmup(batch_sizes, top_k, x_dtype)``) but keeps
 the experts as the file's bytes on the device: for Qwen3-30B-A3B at Q4_K_M about 0.3 GiB
 per layer instead of 1.12 GiB in BF16. Two paths, by the batch's route count ``T * K``:
@@ -8,15 +8,15 @@ per layer instead of 1.12 GiB in BF16. Two paths, by the batch's route count ``T
 * ``<= config.max_routes`` (decode): the backend's routed-expert kernels
   (:meth:`freetoken.backends.contract.PackedGemv.experts`, given as ``native``) where they
   serve the experts' formats, else the packed kernels of
-  :mod:`freetoken.moe.triton_moe_packed`, which dequantize each weight tile in registers
+  :mod:`freetoken.kernels.moe_packed`, which dequantize each weight tile in registers
   (two launches, float32 arithmetic, weights read once per route);
-* above (prefill): the grouped kernels of :mod:`freetoken.moe.triton_moe_grouped` (routes
+* above (prefill): the grouped kernels of :mod:`freetoken.kernels.moe_grouped` (routes
   sorted by expert on the device, each expert's blocks read and dequantized in registers
   once per block of its routes, BF16 tensor-core products); nothing is dequantized to
   memory. ``large_batch="dequantize"`` keeps the earlier path instead: the layer's experts
   dequantized to BF16 into a scratch (:class:`DequantScratch`, shareable by all layers, in
   groups of ``dequant_group`` experts), then the BF16 kernels of
-  :func:`freetoken.moe.triton_moe.launch`.
+  :func:`freetoken.kernels.moe_experts.launch`.
 
 Capture safety as in GpuExperts: Triton compiles a kernel variant on its first launch,
 which must not happen during stream capture. Run :meth:`PackedGpuExperts.warmup` (or one
@@ -30,22 +30,22 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from freetoken.moe.gpu_experts import ACTIVATIONS, GpuExperts, finish_output, float32_output, stored_output
+from freetoken.moe.experts.gpu_experts import ACTIVATIONS, GpuExperts, finish_output, float32_output, stored_output
 
 if TYPE_CHECKING:
     from freetoken.loading.tensors import RawTensor
-    from freetoken.moe.layer import ExpertWeights
+    from freetoken.models.moe_layer import ExpertWeights
 
 log = logging.getLogger(__name__)
 
 #: ggml types these experts hold as the file's bytes (those of
-#: :mod:`freetoken.moe.triton_moe_packed`): what streaming, the expert cache and locked fetch
+#: :mod:`freetoken.kernels.moe_packed`): what streaming, the expert cache and locked fetch
 #: can copy or map from the host's banks unchanged
 PACKED_FORMATS = frozenset({8, 12, 13, 14, 39})  # Q8_0, Q4_K, Q5_K, Q6_K, MXFP4
 
 #: FP8 block-scaled experts (Fmt.FP8_E4M3_B128): resident GPU experts keep them packed too,
 #: rearranged once at load into rows of 132-byte blocks (3.1% over the codes;
-#: triton_moe_packed.FMT_FP8_B128); streaming, the cache and locked fetch do not (the device
+#: moe_packed.FMT_FP8_B128); streaming, the cache and locked fetch do not (the device
 #: layout is not the host's)
 FMT_FP8_ROWS = 100
 
@@ -71,7 +71,7 @@ def fp8_rows_bytes(values: int) -> int:
 def fp8_rows_fit(formats: Any, hidden: int, intermediate: int) -> bool:
     """Whether experts whose (gate, up, down) have ``formats`` are FP8 block-scaled with
     rows of whole 128-value blocks (``hidden`` and ``intermediate`` multiples of 128): the
-    device rows of :meth:`~freetoken.moe.triton_moe_packed.PackedStack.from_fp8`."""
+    device rows of :meth:`~freetoken.kernels.moe_packed.PackedStack.from_fp8`."""
     return set(formats) == {FMT_FP8_ROWS} and hidden % 128 == 0 and intermediate % 128 == 0
 
 #: Values per chunk of the BF16 dequantization (bounds its float32 temporaries: ~32 MiB)
@@ -109,7 +109,7 @@ def _stack_to_device(raw: "RawTensor", device: Any, on_device: Any = None) -> An
     ``on_device`` (uint8, the same bytes already there) used as it is."""
     import torch
 
-    from freetoken.moe import triton_moe_packed as tp
+    from freetoken.kernels import moe_packed as tp
 
     if len(raw.shape) != 3:
         raise ValueError(f"{raw.source}: expert stack {raw.name} must be [E, rows, cols], got {list(raw.shape)}")
@@ -140,7 +140,7 @@ class PackedGpuExperts:
     ) -> None:  # fmt: skip
         import torch
 
-        from freetoken.moe import triton_moe_packed as tp
+        from freetoken.kernels import moe_packed as tp
 
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
@@ -168,7 +168,7 @@ class PackedGpuExperts:
         if large_batch not in ("grouped", "dequantize"):
             raise ValueError(f"large_batch={large_batch!r}: expected 'grouped' or 'dequantize'")
         #: batches above ``config.max_routes`` routes: the grouped kernels over the blocks
-        #: (triton_moe_grouped), or the experts dequantized to BF16 in groups through the scratch
+        #: (moe_grouped), or the experts dequantized to BF16 in groups through the scratch
         self.large_batch = large_batch
         #: the backend's routed-expert kernels (a PackedGemv) for decode batches, where they serve
         #: these experts (else None, and ``native_refusal`` says why)
@@ -198,7 +198,7 @@ class PackedGpuExperts:
     ) -> "PackedGpuExperts":
         """Experts whose bytes are already where the kernels read them (``data``: uint8 gate,
         up, down on the device, e.g. a streaming buffer or cache slots, or ready
-        :class:`~freetoken.moe.triton_moe_packed.PackedStack` objects, e.g. slots of a
+        :class:`~freetoken.kernels.moe_packed.PackedStack` objects, e.g. slots of a
         buffer), nothing copied; the capture fallback's constants are not prepared."""
         return cls(experts.gate, experts.up, experts.down, device, on_device=data, warm=False, **kwargs)
 
@@ -208,7 +208,7 @@ class PackedGpuExperts:
         """``count`` experts of the layer's stacks laid one after another in ``data`` (uint8
         gate, up, down on the device: a streaming window, locked fetch's staging slots), ids
         ``0 .. count - 1`` indexing them; as :meth:`over_device_bytes`."""
-        from freetoken.moe import triton_moe_packed as tp
+        from freetoken.kernels import moe_packed as tp
 
         stacks = tuple(tp.PackedStack.from_bytes(b, int(t.fmt), count, *(int(s) for s in t.shape[1:]))
                        for b, t in zip(data, (experts.gate, experts.up, experts.down)))
@@ -223,7 +223,7 @@ class PackedGpuExperts:
 
     @property
     def formats(self) -> tuple[str, str, str]:
-        from freetoken.moe.triton_moe_packed import FORMAT_NAMES
+        from freetoken.kernels.moe_packed import FORMAT_NAMES
 
         return tuple(FORMAT_NAMES[s.fmt] for s in (self.gate, self.up, self.down))  # type: ignore[return-value]
 
@@ -235,8 +235,12 @@ class PackedGpuExperts:
         themselves, larger batches map the ids first."""
         import torch
 
-        from freetoken.moe import triton_moe, triton_moe_grouped, triton_moe_packed
-        from freetoken.moe.route_slots import route_slots
+        from freetoken.kernels import moe_experts
+
+        from freetoken.kernels import moe_grouped
+
+        from freetoken.kernels import moe_packed
+        from freetoken.moe.experts.route_slots import route_slots
 
         tokens, top_k = gpu_ids.shape
         x, ids, w = x.contiguous(), gpu_ids.contiguous(), w.contiguous()
@@ -248,14 +252,14 @@ class PackedGpuExperts:
         if packed and x.data_ptr() % 16 == 0 and self._native_for(top_k, x.dtype):  # (its rows read 16 B at a time)
             self.native.experts(x, ids, w, (self.gate, self.up, self.down), y, table=slot_table)
             return finish_output(y, out, direct, x.dtype)
-        bf16_config = self.bf16_config or triton_moe.DEFAULT_CONFIG
+        bf16_config = self.bf16_config or moe_experts.DEFAULT_CONFIG
         grouped = not packed and self.large_batch == "grouped"
         if packed:
-            key: tuple[Any, ...] = ("packed", *triton_moe_packed.variant_key(x, ids, w, y, self.config, slot_table))
+            key: tuple[Any, ...] = ("packed", *moe_packed.variant_key(x, ids, w, y, self.config, slot_table))
         elif grouped:
-            key = triton_moe_grouped.variant_key(x, ids, w)
+            key = moe_grouped.variant_key(x, ids, w)
         else:
-            key = ("bf16", *triton_moe.variant_key(x, ids, w, y, bf16_config))
+            key = ("bf16", *moe_experts.variant_key(x, ids, w, y, bf16_config))
         if key not in self._compiled and x.is_cuda and torch.cuda.is_current_stream_capturing():
             if not self.capture_fallbacks:
                 log.warning(
@@ -270,14 +274,14 @@ class PackedGpuExperts:
             return GpuExperts(g, u, d, self.activation, impl="torch")._forward_torch(x, own, w, out)
         if packed:
             h = torch.empty(tokens, top_k, self.intermediate, dtype=torch.float32, device=self.device)
-            triton_moe_packed.launch(x, ids, w, self.gate, self.up, self.down, y, h, self.activation, self.config,
+            moe_packed.launch(x, ids, w, self.gate, self.up, self.down, y, h, self.activation, self.config,
                                      table=slot_table)
         elif grouped:
-            triton_moe_grouped.launch(x, ids, w, self.gate, self.up, self.down, y, self.activation)
+            moe_grouped.launch(x, ids, w, self.gate, self.up, self.down, y, self.activation)
         elif self.dequant_group >= self.num_experts:
             g, u, d = self._dequantized()
             h = torch.empty(tokens, top_k, self.intermediate, dtype=g.dtype, device=self.device)
-            triton_moe.launch(x, ids, w, g, u, d, y, h, self.activation, bf16_config)
+            moe_experts.launch(x, ids, w, g, u, d, y, h, self.activation, bf16_config)
         else:
             self._grouped(x, ids, w, y, bf16_config)
         self._compiled.add(key)
@@ -326,8 +330,8 @@ class PackedGpuExperts:
         kernels, the groups' outputs summed into ``y``."""
         import torch
 
-        from freetoken.moe import triton_moe
-        from freetoken.moe.triton_moe_packed import dequantize_experts
+        from freetoken.kernels import moe_experts
+        from freetoken.kernels.moe_packed import dequantize_experts
 
         tokens, top_k = ids.shape
         part = torch.empty_like(y)
@@ -340,7 +344,7 @@ class PackedGpuExperts:
                 buf = self.scratch.get(name, (n, s.rows, s.cols), torch.bfloat16, self.device)
                 bufs.append(dequantize_experts(s, buf, first=first, count=n))
             local = torch.where((ids >= first) & (ids < first + n), ids - first, minus)
-            triton_moe.launch(x, local, w, *bufs, part if first else y, h, self.activation, config)
+            moe_experts.launch(x, local, w, *bufs, part if first else y, h, self.activation, config)
             if first:
                 y.add_(part)
 
@@ -350,7 +354,7 @@ class PackedGpuExperts:
 
         from freetoken.backends import triton_target
         from freetoken.loading.dequant import dequantize
-        from freetoken.moe.triton_moe_packed import dequantize_experts
+        from freetoken.kernels.moe_packed import dequantize_experts
 
         out = []
         for name, s in (("gate", self.gate), ("up", self.up), ("down", self.down)):

@@ -1,7 +1,7 @@
 """Fused MoE for prompt-sized batches: routes grouped by expert, each expert's weights read
 once per block of routes.
 
-The per-route kernels (:mod:`freetoken.moe.triton_moe_packed`) read an expert's weights
+The per-route kernels (:mod:`freetoken.kernels.moe_packed`) read an expert's weights
 once per route, which is right for a decode step (a handful of routes, rarely two on one
 expert) and ruinous for a prompt: 512 tokens x 8 routes over 128 experts read every expert
 about 32 times. Here the routes are first sorted by expert (:func:`group_routes`, device
@@ -16,7 +16,7 @@ tile) as a matrix product of the block's gathered rows with the expert's weight 
     y[t] = sum_k y_routes[t * K + k]                                        (torch)
 
 Weights are either the file's blocks (Q4_K, Q5_K, Q6_K, Q8_0: dequantized in registers by
-:func:`freetoken.moe.triton_moe_packed._dequant_tile`, so the values equal gguf-py's) or a
+:func:`freetoken.kernels.moe_packed.dequant_tile`, so the values equal gguf-py's) or a
 plain 16/32-bit tensor (format code :data:`PLAIN`). The products run on the tensor cores in
 BF16 (the weight tile rounded to BF16 as the dequantize-to-BF16 path rounds it), with
 float32 accumulation; ``h`` is kept in BF16. A route with id ``-1`` contributes nothing.
@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from freetoken.backends import triton_target
-from freetoken.moe.triton_moe import ACT_CODES, activate
-from freetoken.moe.triton_moe_packed import PackedStack, _dequant_tile
+from freetoken.kernels.moe_experts import ACT_CODES, activate
+from freetoken.kernels.moe_packed import PackedStack, dequant_tile
 
 #: format code of a plain (BF16) weight tensor
 PLAIN = 0
@@ -135,7 +135,7 @@ def _weight_tile(
         ptrs = w_u8 + rows[:, None] * NCOLS + offs_k[None, :]
         w = tl.load(ptrs, mask=row_ok[:, None] & (offs_k < NCOLS)[None, :], other=0.0)
     else:
-        w = tl.reshape(_dequant_tile(w_u8, w_i8, w_f16, rows * RB, row_ok, k0, NCOLS, FMT, BLOCK_K, G),
+        w = tl.reshape(dequant_tile(w_u8, w_i8, w_f16, rows * RB, row_ok, k0, NCOLS, FMT, BLOCK_K, G),
                        [BLOCK_N, BLOCK_K])
     return w.to(tl.bfloat16)
 

@@ -13,7 +13,7 @@ layer ``slot [E]`` (int32, -1 = not cached) and ``resident [E]`` (bool). Changin
 between steps keeps the decode graphs valid.
 
 After each decode step (:meth:`ExpertCache.after_step`, on the engine thread, once the
-step's routes are read back from the :class:`~freetoken.moe.moe_stats.RouteLog`):
+step's routes are read back from the :class:`~freetoken.moe.handoff.moe_stats.RouteLog`):
 
 1. every route adds one to its expert's *heat*, a route count that decays by half every
    :data:`HEAT_HALF_LIFE` steps (prompt routes, counted on the device while a prompt runs,
@@ -46,9 +46,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from freetoken.moe.copy_queue import CopyQueue, CopyTicket
-from freetoken.moe.gpu_packed_experts import PACKED_FORMATS, DequantScratch, fp8_rows_bytes, fp8_rows_fit
-from freetoken.moe.route_slots import route_slots
+from freetoken.moe.experts.copy_queue import CopyQueue, CopyTicket
+from freetoken.moe.experts.gpu_packed_experts import PACKED_FORMATS, DequantScratch, fp8_rows_bytes, fp8_rows_fit
+from freetoken.moe.experts.route_slots import route_slots
 
 log = logging.getLogger(__name__)
 
@@ -189,14 +189,14 @@ class ExpertCache:
         return out
 
     def _kernels(self, pool: _Pool, sample: Any) -> Any:
-        from freetoken.moe.gpu_experts import GpuExperts
+        from freetoken.moe.experts.gpu_experts import GpuExperts
 
         if pool.packed:
             import dataclasses as dc
 
-            from freetoken.moe import triton_moe_packed as tp
-            from freetoken.moe.gpu_packed_experts import PackedGpuExperts
-            from freetoken.moe.layer import ExpertWeights
+            from freetoken.kernels import moe_packed as tp
+            from freetoken.moe.experts.gpu_packed_experts import PackedGpuExperts
+            from freetoken.models.moe_layer import ExpertWeights
 
             views = tuple(t.view(-1) for t in pool.tensors)
             shaped = ExpertWeights(*(dc.replace(t, shape=(pool.slots, *t.shape[1:])) for t in
@@ -243,7 +243,7 @@ class ExpertCache:
         if pool.key[0] == "fp8":
 
             def rows_job() -> None:  # codes and scales copied, then laid out as the kernels' rows
-                from freetoken.moe.triton_moe_packed import PackedStack
+                from freetoken.kernels.moe_packed import PackedStack
 
                 for i, t in enumerate((e.gate, e.up, e.down)):
                     one = PackedStack.from_fp8(t.raw_torch()[expert:expert + 1], t.scale[expert:expert + 1],

@@ -2,8 +2,8 @@
 
 A dense matrix ``W [N, K]`` (attention q/k/v/o, the output head, a dense MLP) stays on the
 device as the file's bytes, ``[N, row_bytes(K)]`` uint8 in Q4_K, Q5_K, Q6_K or Q8_0, and
-is read through the block decoding of :mod:`freetoken.moe.triton_moe_packed`
-(``_dequant_tile``, ``_load_groups``, ``_dequant_rows_kernel``): the weight values equal
+is read through the block decoding of :mod:`freetoken.kernels.moe_packed`
+(``dequant_tile``, ``load_groups``, ``dequant_rows_kernel``): the weight values equal
 gguf-py's bit for bit, products and sums are float32.
 
 * :func:`gemv` -- decode (few tokens): ``y [T, N] = x [T, K] @ W.T``, one program per
@@ -45,16 +45,16 @@ import triton
 import triton.language as tl
 
 from freetoken.backends import triton_target
-from freetoken.moe.triton_moe_packed import (
+from freetoken.kernels.moe_packed import (
     FORMAT_NAMES,
     FORMATS,
     PackedStack,
-    _dequant_rows_kernel,
-    _dequant_tile,
-    _load_groups,
+    dequant_rows_kernel,
+    dequant_tile,
+    load_groups,
     int8_dots_run_on,
 )
-from freetoken.moe.triton_packed_int8 import _q4k_rows_int8, _q6k_rows_int8
+from freetoken.kernels.packed_int8 import q4k_rows_int8, q6k_rows_int8
 
 __all__ = ["FORMATS", "FORMAT_NAMES", "PackedLinearConfig", "DEFAULT_CONFIG", "WIDE_CONFIG", "NVIDIA_CONFIG",
            "NVIDIA_WIDE_CONFIG", "config_for", "PackedMatrix", "gemv", "dequantize_rows", "gather_rows", "variant_key"]
@@ -74,7 +74,7 @@ class PackedLinearConfig:
     block_k: int = 2048
     block_t: int = 8  # most tokens per program (the weights are read once per token tile)
     #: one token per program: Q4_K and Q6_K rows multiplied with the token quantized to int8,
-    #: four products per instruction (freetoken.moe.triton_packed_int8; steps of >= 128
+    #: four products per instruction (freetoken.kernels.packed_int8; steps of >= 128
     #: columns; NVIDIA and the interpreter: AMD keeps the byte tiles); NVIDIA_CONFIG's, off here
     int8_dot: bool = False
     num_warps: int = 4
@@ -138,7 +138,7 @@ def config_for(rows: int, device: Any = None) -> PackedLinearConfig:
 @dataclasses.dataclass(frozen=True)
 class PackedMatrix:
     """A matrix ``[rows, cols]`` on the device as its file bytes (``stack``: one expert's
-    :class:`~freetoken.moe.triton_moe_packed.PackedStack`, ``data [1, rows, row_bytes]``)."""
+    :class:`~freetoken.kernels.moe_packed.PackedStack`, ``data [1, rows, row_bytes]``)."""
 
     stack: PackedStack
 
@@ -185,18 +185,18 @@ def _packed_gemv_kernel(
             acc8 = tl.zeros([BLOCK_N], dtype=tl.float32)
             for k3 in range(0, K, BLOCK_K):
                 if FMT == 12:
-                    acc8 += _q4k_rows_int8(w_u8, w_f16, rows, n_ok, x_ptr, x_row, x_row >= 0, k3, K, BLOCK_K, 1, DP4A,
+                    acc8 += q4k_rows_int8(w_u8, w_f16, rows, n_ok, x_ptr, x_row, x_row >= 0, k3, K, BLOCK_K, 1, DP4A,
                                            False, 0)  # fmt: skip
                 else:
-                    acc8 += _q6k_rows_int8(w_u8, w_f16, rows, n_ok, x_ptr, x_row, x_row >= 0, k3, K, BLOCK_K, 1, DP4A,
+                    acc8 += q6k_rows_int8(w_u8, w_f16, rows, n_ok, x_ptr, x_row, x_row >= 0, k3, K, BLOCK_K, 1, DP4A,
                                            False, 0)  # fmt: skip
             y = acc8
         else:
             x_row = x_ptr + t * K
             acc = tl.zeros([BLOCK_N, BLOCK_K // G, G], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                xg = _load_groups(x_row, k0, K, BLOCK_K, G, True)
-                w = _dequant_tile(w_u8, w_i8, w_f16, rows, n_ok, k0, K, FMT, BLOCK_K, G)
+                xg = load_groups(x_row, k0, K, BLOCK_K, G, True)
+                w = dequant_tile(w_u8, w_i8, w_f16, rows, n_ok, k0, K, FMT, BLOCK_K, G)
                 acc += w * xg[None, :, :]
             y = tl.sum(tl.sum(acc, axis=2), axis=1)
         tl.store(y_ptr + t * N + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -208,7 +208,7 @@ def _packed_gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x_rows + offs_k[None, :], mask=t_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-            w = tl.reshape(_dequant_tile(w_u8, w_i8, w_f16, rows, n_ok, k0, K, FMT, BLOCK_K, G), [BLOCK_N, BLOCK_K])
+            w = tl.reshape(dequant_tile(w_u8, w_i8, w_f16, rows, n_ok, k0, K, FMT, BLOCK_K, G), [BLOCK_N, BLOCK_K])
             acc2 += w[None, :, :] * xt.to(tl.float32)[:, None, :]
         y2 = tl.sum(acc2, axis=2)
         dst = y_ptr + offs_t.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -228,7 +228,7 @@ def _gather_rows_kernel(
     row = tl.load(ids_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)
     row = tl.minimum(tl.maximum(row, 0), V - 1)
     c0 = tl.program_id(1) * BLOCK_C
-    w = _dequant_tile(w_u8, w_i8, w_f16, row * RB, t_ok, c0, K, FMT, BLOCK_C, G)
+    w = dequant_tile(w_u8, w_i8, w_f16, row * RB, t_ok, c0, K, FMT, BLOCK_C, G)
     offs_c = c0 + tl.arange(0, BLOCK_C)
     dst = out_ptr + offs_t.to(tl.int64)[:, None] * K + offs_c[None, :]
     tl.store(dst, tl.reshape(w, [BLOCK_T, BLOCK_C]).to(out_ptr.dtype.element_ty),
@@ -271,7 +271,7 @@ def dequantize_rows(w: PackedMatrix, out: Any, first: int = 0) -> Any:
         return out
     st = w.stack
     block_r, block_c = 16, min(256, triton.next_power_of_2(w.cols))
-    _dequant_rows_kernel[(triton.cdiv(rows, block_r), triton.cdiv(w.cols, block_c))](
+    dequant_rows_kernel[(triton.cdiv(rows, block_r), triton.cdiv(w.cols, block_c))](
         *st.views(), out, first, rows, NCOLS=w.cols, FMT=st.fmt, RB=st.row_bytes, G=st.group,
         BLOCK_R=block_r, BLOCK_C=block_c, **triton_target.for_device(out.device).launch_options(4),
     )  # fmt: skip

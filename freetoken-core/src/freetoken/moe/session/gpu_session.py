@@ -5,20 +5,20 @@ experts either resident on the device or computed by the CPU workers in the same
 backend built from the contract's GPU capabilities (the native CUDA/ROCm backends, and any
 plugin that provides GpuSync/Staging/KernelIO/GraphCapture). Its parts, in engine order:
 
-* **plan** -- the memory plan of :mod:`freetoken.moe.gpu_memory_plan` (budget, dense form,
+* **plan** -- the memory plan of :mod:`freetoken.moe.session.gpu_memory_plan` (budget, dense form,
   KV cache, expert cache, buffers, which layers' experts fit on the device), made before any
   weight is read; a plan that does not fit fails there, naming the sizes and the flags.
 * **routed_experts** -- device-resident layers keep their experts in the file's block
   formats where the packed kernels read them
-  (:class:`~freetoken.moe.gpu_packed_experts.PackedGpuExperts`), else dequantized once into
-  the activation dtype (:class:`~freetoken.moe.gpu_experts.GpuExperts`); no hand-off at all.
+  (:class:`~freetoken.moe.experts.gpu_packed_experts.PackedGpuExperts`), else dequantized once into
+  the activation dtype (:class:`~freetoken.moe.experts.gpu_experts.GpuExperts`); no hand-off at all.
   CPU layers get a CPU expert bank over the checkpoint bytes and, at start, a
-  :class:`~freetoken.moe.hybrid.HybridMoEExecutor` on the qualified IO path, with the expert
+  :class:`~freetoken.moe.handoff.hybrid.HybridMoEExecutor` on the qualified IO path, with the expert
   cache, long-prompt streaming, locked fetch and statistics of
-  :class:`~freetoken.moe.expert_traffic.ExpertTraffic` around it.
-* **start** -- startup qualification of the hand-off (:func:`freetoken.moe.qualify.qualify`)
+  :class:`~freetoken.moe.handoff.expert_traffic.ExpertTraffic` around it.
+* **start** -- startup qualification of the hand-off (:func:`freetoken.moe.qualify.startup.qualify`)
   in the model's shapes and activation dtype, when any layer hands off; the CPU
-  coordinator; decode graphs per batch-size bucket (:mod:`freetoken.engine.graphs`).
+  coordinator; decode graphs per batch-size bucket (:mod:`freetoken.moe.session.decode_graphs`).
 * **forward** -- decode steps that fit a bucket replay a graph; others run eagerly.
 """
 
@@ -45,10 +45,10 @@ from freetoken.backends.contract import (
     MoELayerSpec,
 )
 from freetoken.models.layers import DeviceWeightPolicy
-from freetoken.moe.expert_traffic import ExpertTraffic
-from freetoken.moe.gpu_memory_plan import GpuMemoryPlanner, MemoryPlan, layer_ranges
-from freetoken.moe.gpu_packed_experts import DequantScratch
-from freetoken.moe.host_threads import HostThreads
+from freetoken.moe.handoff.expert_traffic import ExpertTraffic
+from freetoken.moe.session.gpu_memory_plan import GpuMemoryPlanner, MemoryPlan, layer_ranges
+from freetoken.moe.experts.gpu_packed_experts import DequantScratch
+from freetoken.moe.session.host_threads import HostThreads
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class GpuModelSession(ModelSession):
 
     # ---- plan -----------------------------------------------------------------------------
     def plan(self, shape: ModelShape) -> None:
-        """The memory plan (:class:`~freetoken.moe.gpu_memory_plan.GpuMemoryPlanner`), and the
+        """The memory plan (:class:`~freetoken.moe.session.gpu_memory_plan.GpuMemoryPlanner`), and the
         expert traffic of the CPU layers it leaves."""
         o = self.options
         self.shape = shape
@@ -128,7 +128,7 @@ class GpuModelSession(ModelSession):
 
     # ---- experts ------------------------------------------------------------------------
     def routed_experts(self, spec: MoELayerSpec) -> ExpertsFn:
-        from freetoken.moe.gpu_experts import GpuExperts
+        from freetoken.moe.experts.gpu_experts import GpuExperts
 
         layer = spec.layer
         plan = self.plan_result
@@ -140,7 +140,7 @@ class GpuModelSession(ModelSession):
             if self.traffic is not None:
                 self.traffic.add_cpu_layer(layer, e, spec.activation)
         elif layer in plan.packed_layers:
-            from freetoken.moe.gpu_packed_experts import PackedGpuExperts
+            from freetoken.moe.experts.gpu_packed_experts import PackedGpuExperts
 
             experts = PackedGpuExperts.from_expert_weights(e, self.device, activation=spec.activation,
                                                            scratch=self.dequant_scratch, native=self.experts_kernel)
@@ -167,7 +167,7 @@ class GpuModelSession(ModelSession):
 
     # ---- start ------------------------------------------------------------------------------
     def start(self, model: Any, kv: Any) -> None:
-        from freetoken.moe.qualify import GraphSettings, QualifyConfig, qualify
+        from freetoken.moe.qualify.startup import GraphSettings, QualifyConfig, qualify
 
         self.model = model
         self.kv = kv
@@ -209,7 +209,7 @@ class GpuModelSession(ModelSession):
 
     def _start_cpu_layers(self, io_path: IOPath, sync_mode: Optional[str]) -> None:
         from freetoken.backends.contract import SyncMode
-        from freetoken.moe.hybrid import HybridMoEExecutor
+        from freetoken.moe.handoff.hybrid import HybridMoEExecutor
 
         spin_ms = self.options.cpu_spin_ms
         if spin_ms is None and self.device.type == "cuda":
@@ -274,7 +274,7 @@ class GpuModelSession(ModelSession):
         self._capture_graphs(scratch=old.scratch_block)
 
     def _capture_graphs(self, scratch: Optional[int] = None) -> None:
-        from freetoken.engine.graphs import DecodeGraphRunner, graph_buckets
+        from freetoken.moe.session.decode_graphs import DecodeGraphRunner, graph_buckets
 
         o = self.options
         buckets = [b for b in graph_buckets(o.graph_max_batch_size, o.graph_batch_sizes)
@@ -365,7 +365,7 @@ class GpuModelSession(ModelSession):
         batch-1 decode steps, ``prefill_*`` for the largest prefill chunk traced (its CPU
         experts per layer, ``prefill_serve``, against the GPU side between two layers,
         ``prefill_gpu_gap``; ``prefill_tokens`` is the chunk's size)."""
-        from freetoken.moe.stage_trace import split_trace
+        from freetoken.moe.session.stage_trace import split_trace
 
         if self.coordinator is None:
             return None

@@ -1,6 +1,6 @@
 """Integer dot products of packed K-quant rows with activations quantized to int8.
 
-The byte tiles of :mod:`freetoken.moe.triton_moe_packed` dequantize every weight to float32
+The byte tiles of :mod:`freetoken.kernels.moe_packed` dequantize every weight to float32
 before its product: about a dozen instructions per value (Nsight Compute on the H200: 9.5
 million warp instructions for the 25 million weights of a Qwen3-30B-A3B layer's gate/up at one
 token, the integer pipe the busiest), so the one-token kernels are bound by instruction issue,
@@ -13,15 +13,15 @@ four at a time (``dp4a``: four int8 products summed into an int32 in one instruc
   word ``w``) with the group's sum ``dx * sum(q)`` (:func:`_quantize_values`). Every result
   is the exact weights times these quantized activations ``dx * q``. The CPU kernels of
   freetoken-cpu-moe multiply K-quant weights with int8 activations too.
-* Q4_K rows (:func:`_dot_q4k_int8`, :func:`_q4k_rows_int8`): per 32-value sub-block
+* Q4_K rows (:func:`dot_q4k_int8`, :func:`q4k_rows_int8`): per 32-value sub-block
   ``d*sc * dx * sum(q*xq) - dmin*m * dx * sum(xq)``; the nibbles read as 32-bit words
   (blocks of 144 bytes keep rows 4-byte aligned), low and high nibbles of a word masked out
   four at a time.
-* Q6_K rows (:func:`_q6k_rows_int8`): per 16 values ``d*sc * dx * (sum(q*xq) - 32 *
+* Q6_K rows (:func:`q6k_rows_int8`): per 16 values ``d*sc * dx * (sum(q*xq) - 32 *
   sum(xq))``; its 210-byte blocks align to 2 bytes only, so words are put together from
   16-bit loads, and the products of each word position are chained through ``dp4a``'s
   accumulator (no reduction across threads).
-* ``h`` between the expert kernels (:func:`_store_quantized`): a gate/up program that
+* ``h`` between the expert kernels (:func:`store_quantized`): a gate/up program that
   computes whole groups of 16 values of ``h`` stores them quantized per 16 values, and the
   down kernel loads the codes instead of quantizing ``h`` again in each of its programs.
 
@@ -74,11 +74,11 @@ def _quantize_values(xf):
 
 
 @triton.jit
-def _x_groups(x_ptr, x_row, x_ok, grp, g_ok, NCOLS: tl.constexpr, PRE: tl.constexpr, ROWS):
+def x_groups(x_ptr, x_row, x_ok, grp, g_ok, NCOLS: tl.constexpr, PRE: tl.constexpr, ROWS):
     """The activation groups ``grp [N]`` (32 values each) of the rows ``x_row [A]`` as
     ``(words [A, N, 8], scales [A, N, S], sum [A, N])`` (masked ones zero): quantized here per
     32 values (``S = 1``) from float rows ``x_ptr[row * NCOLS + c]``, or with ``PRE`` loaded
-    as :func:`_store_quantized` left them in the buffer at ``x_ptr`` (``ROWS`` rows), one scale
+    as :func:`store_quantized` left them in the buffer at ``x_ptr`` (``ROWS`` rows), one scale
     per 16 values (``S = 2``)."""
     m2 = x_ok[:, None] & g_ok[None, :]
     if PRE:
@@ -99,11 +99,11 @@ def _x_groups(x_ptr, x_row, x_ok, grp, g_ok, NCOLS: tl.constexpr, PRE: tl.conste
 
 
 @triton.jit
-def _store_quantized(x_ptr, row, ROWS, NCOLS: tl.constexpr, c0, v):
+def store_quantized(x_ptr, row, ROWS, NCOLS: tl.constexpr, c0, v):
     """Values ``v [B]`` (``B`` a multiple of 16; zero past ``NCOLS``) of columns ``c0 .. c0 +
     B`` of row ``row`` quantized per 16 values into the buffer at ``x_ptr`` (float32, >=
     ``ROWS * NCOLS * 3 / 8`` values): words of the codes ``[ROWS, NCOLS / 4]`` (int32), then
-    scales and sums ``[ROWS, NCOLS / 16]``, as :func:`_x_groups` loads them with ``PRE``."""
+    scales and sums ``[ROWS, NCOLS / 16]``, as :func:`x_groups` loads them with ``PRE``."""
     B: tl.constexpr = v.shape[0]
     words, scale, total = _quantize_values(tl.reshape(v, (1, B // 16, 4, 4)))
     g = c0 // 16 + tl.arange(0, B // 16)
@@ -154,13 +154,13 @@ def _quarters(w):
 
 
 @triton.jit
-def _dot_q4k_int8(
+def dot_q4k_int8(
     u8_ptr, f16_ptr, row_off, row_ok, pg, p_ok, x_lo, d_lo, s_lo, x_hi, d_hi, s_hi, ASM: tl.constexpr,
 ):  # fmt: skip
     """``[R, P]`` float32: Q4_K rows (byte offsets ``row_off [R]``, multiples of 4) dotted with
     quantized activations over the pairs of sub-blocks ``pg [P]`` (pair ``pg``: sub-blocks
     ``2 pg`` and ``2 pg + 1``, values ``64 pg .. 64 pg + 63`` of a row). ``x_lo/d_lo/s_lo``:
-    :func:`_x_groups` of groups ``2 pg`` (scales ``[., P, S]``, one per ``32 / S`` values),
+    :func:`x_groups` of groups ``2 pg`` (scales ``[., P, S]``, one per ``32 / S`` values),
     ``x_hi...`` of ``2 pg + 1``, each with one row or ``R`` rows."""
     i32_ptr = u8_ptr.to(tl.pointer_type(tl.int32))
     sb = pg // 4
@@ -175,7 +175,7 @@ def _dot_q4k_int8(
     # sums per scale of the activations: S of them per sub-block, each over 8 / S words
     i_lo = tl.sum(tl.reshape(_dp4a(words & 0x0F0F0F0F, x_lo, 0, ASM), (R, P, S, 8 // S)), axis=3).to(tl.float32)
     i_hi = tl.sum(tl.reshape(_dp4a((words >> 4) & 0x0F0F0F0F, x_hi, 0, ASM), (R, P, S, 8 // S)), axis=3).to(tl.float32)
-    # 6-bit scales and mins (bytes 4..15 as words a, b, c; see triton_moe_packed._dequant_tile):
+    # 6-bit scales and mins (bytes 4..15 as words a, b, c; see moe_packed.dequant_tile):
     # sub-block s < 4: sc = byte s of a & 63, m = byte s of b & 63; s >= 4: low 4 bits from
     # byte s - 4 of c, top 2 from the top bits of byte s - 4 of a (sc) or b (m)
     a = tl.load(i32_ptr + w0 + 1, mask=m2, other=0)
@@ -194,30 +194,30 @@ def _dot_q4k_int8(
 
 
 @triton.jit
-def _q4k_rows_int8(
+def q4k_rows_int8(
     u8_ptr, f16_ptr, row_off, row_ok, x_ptr, x_row, x_ok, c0, NCOLS: tl.constexpr, BLOCK_C: tl.constexpr,
     REP: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr, ROWS,
 ):  # fmt: skip
     """``[R]`` float32: Q4_K rows dotted with activations over columns ``c0 .. c0 + BLOCK_C``
-    (a multiple of 64): activation rows ``x_row [A]`` (:func:`_x_groups`: quantized here, or
+    (a multiple of 64): activation rows ``x_row [A]`` (:func:`x_groups`: quantized here, or
     with ``PRE`` already), each serving ``REP`` consecutive rows of the tile (``R = A *
     REP``; ``A = 1``: one row for all)."""
     pg = c0 // 64 + tl.arange(0, BLOCK_C // 64)
     p_ok = pg * 64 < NCOLS
-    x_lo, d_lo, s_lo = _x_groups(x_ptr, x_row, x_ok, 2 * pg, p_ok, NCOLS, PRE, ROWS)
-    x_hi, d_hi, s_hi = _x_groups(x_ptr, x_row, x_ok, 2 * pg + 1, p_ok, NCOLS, PRE, ROWS)
-    part = _dot_q4k_int8(u8_ptr, f16_ptr, row_off, row_ok, pg, p_ok,
+    x_lo, d_lo, s_lo = x_groups(x_ptr, x_row, x_ok, 2 * pg, p_ok, NCOLS, PRE, ROWS)
+    x_hi, d_hi, s_hi = x_groups(x_ptr, x_row, x_ok, 2 * pg + 1, p_ok, NCOLS, PRE, ROWS)
+    part = dot_q4k_int8(u8_ptr, f16_ptr, row_off, row_ok, pg, p_ok,
                          _repeat_rows3(x_lo, REP), _repeat_rows3(d_lo, REP), _repeat_rows(s_lo, REP),
                          _repeat_rows3(x_hi, REP), _repeat_rows3(d_hi, REP), _repeat_rows(s_hi, REP), ASM)  # fmt: skip
     return tl.sum(part, axis=1)
 
 
 @triton.jit
-def _q6k_rows_int8(
+def q6k_rows_int8(
     u8_ptr, f16_ptr, row_off, row_ok, x_ptr, x_row, x_ok, c0, NCOLS: tl.constexpr, BLOCK_C: tl.constexpr,
     REP: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr, ROWS,
 ):  # fmt: skip
-    """``[R]`` float32: as :func:`_q4k_rows_int8` for Q6_K rows (byte offsets ``row_off [R]``,
+    """``[R]`` float32: as :func:`q4k_rows_int8` for Q6_K rows (byte offsets ``row_off [R]``,
     even), ``BLOCK_C`` a multiple of 128 (half super-blocks). Value ``j = 128 n + 32 k + l``
     of a block: low 4 bits in byte ``64 n + 32 (k % 2) + l`` (high nibble for ``k >= 2``),
     top 2 bits ``2k, 2k + 1`` of byte ``128 + 32 n + l``, int8 scale ``192 + j // 16``."""
@@ -237,7 +237,7 @@ def _q6k_rows_int8(
     qh_hw = ((blk + 128 + 32 * n) // 2)[:, :, None] + h8
     total = tl.zeros(m2.shape, dtype=tl.float32)
     for k in tl.static_range(4):
-        xw, dx, _ = _x_groups(x_ptr, x_row, x_ok, 4 * hq + k, q_ok, NCOLS, PRE, ROWS)  # [A, NQ, 8], [A, NQ, S]
+        xw, dx, _ = x_groups(x_ptr, x_row, x_ok, 4 * hq + k, q_ok, NCOLS, PRE, ROWS)  # [A, NQ, 8], [A, NQ, S]
         x0, x1, x2, x3 = _quarters(xw)
         prod = tl.zeros(ql_hw.shape, dtype=tl.int32)  # [R, NQ, 2]
         sx = tl.zeros(x0.shape, dtype=tl.int32)  # sum(xq) per 16

@@ -1,4 +1,4 @@
-"""The Triton kernel of :func:`freetoken.moe.route_slots.route_slots` (import lazily: triton
+"""The Triton kernel of :func:`freetoken.moe.experts.route_slots.route_slots` (import lazily: triton
 is optional)."""
 
 from __future__ import annotations

@@ -78,8 +78,8 @@ class QualLayer:
 
         from freetoken.handoff import Fmt
         from freetoken.loading.tensors import RawTensor
-        from freetoken.moe.gpu_experts import GpuExperts
-        from freetoken.moe.layer import ExpertWeights
+        from freetoken.moe.experts.gpu_experts import GpuExperts
+        from freetoken.models.moe_layer import ExpertWeights
 
         self.cpu = cpu_experts
         self.copy_sync = copy_sync
@@ -105,7 +105,7 @@ class QualLayer:
         self.coordinator.stop()
 
     def executor(self, path: IOPath) -> Any:
-        from freetoken.moe.hybrid import HybridMoEExecutor
+        from freetoken.moe.handoff.hybrid import HybridMoEExecutor
 
         ex = self.executors.get(path)
         if ex is None:

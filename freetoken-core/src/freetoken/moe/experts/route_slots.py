@@ -8,7 +8,7 @@ placement's own mask and split (another five); in a decode graph each of them co
 launch's worth of GPU time per layer. Where Triton runs this is one kernel; elsewhere (the
 fake GPU plugin's host "device") the torch ops compute the same. A packed pool's per-route
 kernels need neither: they read the table themselves
-(:func:`freetoken.moe.triton_moe_packed.launch`'s ``table``).
+(:func:`freetoken.kernels.moe_packed.launch`'s ``table``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def route_slots(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
     if ids.device.type == "cpu" or not triton_target.for_device(ids.device).usable:
         return _torch_slots(ids, table)
-    from freetoken.moe.triton_route_slots import launch
+    from freetoken.kernels.route_slots import launch
 
     out = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
     launch(ids.contiguous(), table, out)

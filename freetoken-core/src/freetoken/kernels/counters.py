@@ -1,8 +1,8 @@
 """Counters of kernels whose last program finishes the work: each program takes a count with
 an atomic add after its stores, the one that takes it to the number of programs completes
 the result (a top-k over every program's logits, a merge of every partition) and sets the
-count back to zero for the next launch (:mod:`freetoken.models.dense_ops_triton`'s fused
-routing, :mod:`freetoken.models.decode_attention_triton`'s merging partial programs).
+count back to zero for the next launch (:mod:`freetoken.kernels.dense_ops`'s fused
+routing, :mod:`freetoken.kernels.decode_attention`'s merging partial programs).
 
 The counters are int32 zeros on the device, made once per kernel and device and grown when a
 launch needs more; every buffer made is kept, since a captured graph holds its address. The

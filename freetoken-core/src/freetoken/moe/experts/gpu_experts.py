@@ -8,7 +8,7 @@ captured into decode graphs. Two implementations, chosen per instance (``impl``)
 
 * ``triton`` (default where :mod:`freetoken.backends.triton_target` says Triton runs: NVIDIA
   GPUs of compute capability >= 8.0, AMD CDNA2-4 and RDNA3/4, triton importable):
-  the fused kernels of :mod:`freetoken.moe.triton_moe`, two launches (+ one cast when the
+  the fused kernels of :mod:`freetoken.kernels.moe_experts`, two launches (+ one cast when the
   activations are not float32), each distinct routed expert's weights read once;
 * ``torch`` (the reference, and the fallback without Triton): few routes (decode) gather
   the routed experts' weights and run batched GEMVs; many routes (prefill) one dense pass
@@ -25,40 +25,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Optional
 
+from freetoken.kernels import availability
+
 log = logging.getLogger(__name__)
 
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 IMPLS = ("triton", "torch")
-
-
-def default_impl(device: Any) -> tuple[str, str]:
-    """(implementation, why) for experts on ``device``: Triton where
-    :func:`freetoken.backends.triton_target.for_device` says it runs, else torch."""
-    from freetoken.backends import triton_target
-
-    target = triton_target.for_device(device)
-    if not target.usable:
-        return "torch", target.reason
-    try:
-        from freetoken.moe import triton_moe  # noqa: F401
-    except ImportError as exc:
-        return "torch", f"triton is not importable: {exc}"
-    return "triton", target.reason
-
-
-def _check_triton(device: Any) -> None:
-    """Raise ValueError when the Triton implementation cannot run on ``device``: triton does
-    not import, or ``device`` is a GPU whose target Triton does not run on (CPU tensors run
-    in Triton's interpreter)."""
-    from freetoken.backends import triton_target
-
-    try:
-        from freetoken.moe import triton_moe  # noqa: F401
-    except ImportError as exc:
-        raise ValueError(f"impl='triton' needs triton: {exc}") from exc
-    target = triton_target.for_device(device)
-    if target.backend != "none" and not target.usable:
-        raise ValueError(f"impl='triton' on {device}: {target.reason}; use impl='torch' (or 'auto')")
 
 
 def _act(gate: Any, up: Any, activation: str, alpha: float = 1.702, limit: float = 7.0) -> Any:
@@ -137,12 +109,12 @@ class GpuExperts:
         self.num_experts, self.intermediate, self.hidden = gate.shape
         self.auto = impl in (None, "auto")
         if self.auto:
-            impl, why = default_impl(gate.device)
+            impl, why = availability.default_impl(gate.device)
             log.debug("GPU experts on %s: %s implementation (%s)", gate.device, impl, why)
         elif impl not in IMPLS:
             raise ValueError(f"unknown GPU experts implementation {impl!r}; expected one of {IMPLS}")
         elif impl == "triton":
-            _check_triton(gate.device)
+            availability.check_triton(gate.device)
         self.impl = impl
         if block_config is not None:
             block_config.validate()
@@ -179,15 +151,18 @@ class GpuExperts:
     def _forward_triton(self, x: Any, gpu_ids: Any, w: Any, out: Optional[Any]) -> Any:
         import torch
 
-        from freetoken.moe import triton_moe, triton_moe_grouped
+        from freetoken.kernels import moe_experts
+
+
+        from freetoken.kernels import moe_grouped
 
         tokens, top_k = gpu_ids.shape
         x, ids, w = x.contiguous(), gpu_ids.contiguous(), w.contiguous()
         dev = self.gate.device
         y, direct = float32_output(out, x, tokens, self.hidden, dev)
-        config = self.block_config or triton_moe.DEFAULT_CONFIG
-        grouped = tokens * top_k > triton_moe_grouped.MIN_ROUTES and self.gate.dtype == torch.bfloat16
-        key = triton_moe_grouped.variant_key(x, ids, w) if grouped else triton_moe.variant_key(x, ids, w, y, config)
+        config = self.block_config or moe_experts.DEFAULT_CONFIG
+        grouped = tokens * top_k > moe_grouped.MIN_ROUTES and self.gate.dtype == torch.bfloat16
+        key = moe_grouped.variant_key(x, ids, w) if grouped else moe_experts.variant_key(x, ids, w, y, config)
         if key not in self._compiled and x.is_cuda and torch.cuda.is_current_stream_capturing():
             if not self.capture_fallbacks:
                 log.warning(
@@ -199,10 +174,10 @@ class GpuExperts:
             return self._forward_torch(x, gpu_ids, w, out)
         try:
             if grouped:
-                triton_moe_grouped.launch(x, ids, w, self.gate, self.up, self.down, y, self.activation)
+                moe_grouped.launch(x, ids, w, self.gate, self.up, self.down, y, self.activation)
             else:
                 h = torch.empty(tokens, top_k, self.intermediate, dtype=self.gate.dtype, device=dev)
-                triton_moe.launch(x, ids, w, self.gate, self.up, self.down, y, h, self.activation, config)
+                moe_experts.launch(x, ids, w, self.gate, self.up, self.down, y, h, self.activation, config)
         except Exception as exc:  # noqa: BLE001 - compilation or launch; only an automatic choice falls back
             if not self.auto:
                 raise

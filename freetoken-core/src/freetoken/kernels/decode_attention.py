@@ -353,7 +353,7 @@ def launch(
     (under stream capture: from the graph's pool)."""
     import torch
 
-    from freetoken.models.kernel_counters import zeroed_counters
+    from freetoken.kernels.counters import zeroed_counters
 
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
