@@ -104,11 +104,13 @@ def test_engine_options_without_model_are_a_usage_error() -> None:
 
 def test_plan_error_names_the_flag_that_set_the_budget():
     """The budget came from --gpu-memory-limit: the message says so, in readable units."""
-    from freetoken.backends.contract import EngineOptions, MemoryPlanError, ModelShape
+    from freetoken.backends.contract import MemoryPlanError, ModelShape
+    from freetoken.backends.options import EngineOptions
     from freetoken.moe.session.gpu_session import GpuModelSession
 
     class NoMemoryBackend:
         name = "no-memory"
+        locked_fetch_share = 0.0  # the contract's default (Backend.locked_fetch_share)
 
         def device(self):
             return "cpu"

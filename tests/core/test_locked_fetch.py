@@ -12,7 +12,7 @@ import torch
 from freetoken.backends import registry
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
-from freetoken.moe.experts.locked_fetch import AUTO_FRACTION, LockedPlacement, first_routes, locked_routes, planned_fraction
+from freetoken.moe.experts.locked_fetch import LockedPlacement, first_routes, locked_routes, planned_fraction
 
 
 def expected(ids: np.ndarray, resident: np.ndarray, fraction: float, max_fetch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -103,15 +103,26 @@ def test_split_experts_add_cached_and_fetched_routes():
         copies.close()
 
 
-def test_auto_share_only_where_measured(monkeypatch):
-    """``--moe-locked-fetch auto`` (None): the measured share on a CUDA device whose layers can
-    be fetched; off on a host device, on ROCm and for layers the GPU cannot fetch; a given
-    share is kept as given (refusals where it cannot apply are the session's)."""
-    assert planned_fraction(None, "cuda", True) == (AUTO_FRACTION, "auto")
-    assert planned_fraction(None, "cuda", False)[0] == 0.0
-    assert planned_fraction(None, "cpu", True) == (0.0, "auto: off on cpu")
-    assert planned_fraction(0.4, "cpu", False) == (0.4, "given")
-    assert planned_fraction(0.0, "cuda", True) == (0.0, "given")
-    monkeypatch.setattr(torch.version, "hip", "6.2.0")
-    off, why = planned_fraction(None, "cuda", True)
-    assert off == 0.0 and "ROCm" in why
+def test_auto_share_only_where_measured():
+    """``--moe-locked-fetch auto`` (None): the backend's measured share on a GPU whose layers
+    can be fetched; off on a host device, on a backend without a measured share (ROCm) and for
+    layers the GPU cannot fetch; a given share is kept as given (refusals where it cannot
+    apply are the session's)."""
+    assert planned_fraction(None, "cuda", True, 0.25) == (0.25, "auto")
+    assert planned_fraction(None, "cuda", False, 0.25)[0] == 0.0
+    assert planned_fraction(None, "cpu", True, 0.25) == (0.0, "auto: off on cpu")
+    assert planned_fraction(0.4, "cpu", False, 0.0) == (0.4, "given")
+    assert planned_fraction(0.0, "cuda", True, 0.25) == (0.0, "given")
+    off, why = planned_fraction(None, "cuda", True, 0.0)
+    assert off == 0.0 and "no measured share" in why
+
+
+def test_backends_declare_their_share():
+    """The NVIDIA backend declares the share measured there; the ROCm backend, the CPU
+    backend and the contract's default declare none."""
+    from freetoken.backends.contract import Backend
+
+    assert Backend.locked_fetch_share == 0.0
+    cuda = pytest.importorskip("freetoken_cuda.backend")
+    rocm = pytest.importorskip("freetoken_rocm.backend")
+    assert cuda.CudaBackend.locked_fetch_share == 0.25 and rocm.RocmBackend.locked_fetch_share == 0.0

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from freetoken import handoff
-from freetoken.backends.contract import HandoffTask, HostBuffer, Staging
-from freetoken.backends.handoff_task import allocate_task
+from freetoken.backends.handoff_io import HandoffTask, HostBuffer, Staging
+from freetoken.backends.handoff_io import allocate_task
 
 
 class HostStaging(Staging):

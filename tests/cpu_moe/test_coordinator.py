@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cpu_moe_cases import cm
-from freetoken.backends.contract import HandoffError
+from freetoken.backends.handoff_io import HandoffError
 from cpu_moe_reference import moe_error, random_routes
 from cpu_moe_tasks import err_name, fill_inputs, gpu_handoff, new_task
 from freetoken_cpu_moe.timing import drive_handoffs, time_run_task

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.gpu
 cm = pytest.importorskip("freetoken_cpu_moe")
 
 from freetoken import handoff  # noqa: E402
-from freetoken.backends.contract import HandoffError, IOPath, SyncMode  # noqa: E402
+from freetoken.backends.handoff_io import SyncMode  # noqa: E402
+from freetoken.backends.handoff_io import HandoffError, IOPath
 from freetoken.moe.handoff import faults  # noqa: E402
 from freetoken.native_gpu import backend as native_backend  # noqa: E402
 from freetoken.moe.qualify.startup import GraphSettings, QualificationError, QualifyConfig, qualify  # noqa: E402

@@ -10,7 +10,11 @@ import torch
 pytestmark = pytest.mark.gpu
 pytest.importorskip("freetoken_cpu_moe")
 
-from freetoken.backends.contract import BackendError, IOPath, SyncMode  # noqa: E402
+from freetoken.backends.contract import BackendError  # noqa: E402
+
+from freetoken.backends.handoff_io import SyncMode  # noqa: E402
+
+from freetoken.backends.handoff_io import IOPath
 from freetoken.native_gpu import sync as native_sync  # noqa: E402
 from freetoken.moe.qualify.startup import QualifyConfig  # noqa: E402
 from freetoken.moe.qualify.checks import QualLayer  # noqa: E402
@@ -30,7 +34,7 @@ def test_host_callbacks_and_probes(backend):
 
 def test_copy_sync_policy(backend):
     modes = backend.copy_sync_modes(graphs=True)
-    if not backend.is_hip:
+    if backend.memop_write_orders_copies:
         assert modes == [SyncMode.STREAM_MEMOPS]  # what the CUDA copy path always used
         assert backend.capabilities().event_memops is False
         assert backend.gpu_sync().mode is SyncMode.STREAM_MEMOPS
@@ -45,7 +49,7 @@ def test_copy_sync_policy(backend):
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_event_memops_copy_path_against_oracle(backend, dtype, mode):
-    if not backend.is_hip or not backend.event_support()["available"]:
+    if backend.memop_write_orders_copies or not backend.event_support()["available"]:
         pytest.skip(f"no release-event path here: {backend.event_support()['reason']}")
     layer = QualLayer(backend, dtype, CONFIG, backend.cpu_experts(), copy_sync=SyncMode.EVENT_MEMOPS)
     try:
@@ -63,8 +67,8 @@ def test_explicit_nodes_against_oracle(backend, mode):
     with the err word handed to the wait."""
     if not backend.graph_memop_probe().get("explicit_ok"):
         pytest.skip(f"explicit nodes unsupported: {backend.graph_memop_probe().get('explicit_error')}")
-    sync_mode = SyncMode.EVENT_MEMOPS if backend.is_hip else SyncMode.STREAM_MEMOPS
-    if backend.is_hip and not backend.event_support()["available"]:
+    sync_mode = SyncMode.EVENT_MEMOPS if not backend.memop_write_orders_copies else SyncMode.STREAM_MEMOPS
+    if not backend.memop_write_orders_copies and not backend.event_support()["available"]:
         pytest.skip("no release-event path here")
     layer = QualLayer(backend, torch.float16, CONFIG, backend.cpu_experts(), copy_sync=sync_mode)
     try:

@@ -54,7 +54,7 @@ def test_fakegpu_locked_fetch_auto(reference, monkeypatch):
     from freetoken.moe.experts import locked_fetch
 
     planned = locked_fetch.planned_fraction
-    monkeypatch.setattr(gpu_memory_plan, "planned_fraction", lambda f, device, ok: planned(f, "cuda", ok))
+    monkeypatch.setattr(gpu_memory_plan, "planned_fraction", lambda f, device, ok, share: planned(f, "cuda", ok, 0.25))
     monkeypatch.setattr(availability, "default_impl", lambda device: ("triton", "the interpreter"))
     wide_tiles_in_the_interpreter(monkeypatch)
     got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off")  # the plugin registers no banks
@@ -65,7 +65,7 @@ def test_fakegpu_locked_fetch_auto(reference, monkeypatch):
     mapped_banks_in_the_interpreter(monkeypatch)
     got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_collect_stats=True)
     fetch = rep["locked_fetch"]
-    assert (fetch["setting"], fetch["fraction"]) == ("auto", locked_fetch.AUTO_FRACTION), fetch
+    assert (fetch["setting"], fetch["fraction"]) == ("auto", 0.25), fetch
     assert fetch["staging_bytes"] == 2 * EXPERT_BYTES and fetch["routes"] > 0, fetch
     assert 0 < rep["moe_stats"]["gpu_routes"] < rep["moe_stats"]["routes"], rep["moe_stats"]
     assert check_logits(got, reference, TOL) >= 5

@@ -195,7 +195,7 @@ def test_gpu_graph_capture_and_replay(warm, caplog):
 def test_gpu_hybrid_layer_with_impl(backend, impl):
     """The hybrid layer (KernelIO and copy, eager and graph replay) against the oracle with each implementation."""
     pytest.importorskip("freetoken_cpu_moe")
-    from freetoken.backends.contract import IOPath
+    from freetoken.backends.handoff_io import IOPath
     from freetoken.moe.qualify.startup import QualifyConfig
     from freetoken.moe.qualify.checks import QualLayer
 

@@ -15,19 +15,8 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 
 from freetoken import handoff
-from freetoken.backends.contract import (
-    Backend,
-    Capabilities,
-    CapturedGraph,
-    GpuSync,
-    GraphCapture,
-    HandoffTask,
-    HostBuffer,
-    KernelIO,
-    ProbeResult,
-    Staging,
-    SyncMode,
-)
+from freetoken.backends.contract import Backend, Capabilities, CapturedGraph, GraphCapture, ProbeResult
+from freetoken.backends.handoff_io import GpuSync, HandoffTask, HostBuffer, KernelIO, Staging, SyncMode
 from freetoken.moe.handoff import faults
 
 TIMEOUT_S = 10.0

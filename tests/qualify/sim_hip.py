@@ -35,7 +35,8 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 
 from freetoken import handoff
-from freetoken.backends.contract import CapturedGraph, GraphCapture, HandoffTask, Staging
+from freetoken.backends.contract import CapturedGraph, GraphCapture
+from freetoken.backends.handoff_io import HandoffTask, Staging
 from freetoken.native_gpu.backend import NativeGpuBackend, NativeStaging
 
 READY = handoff.FlagSlot.ready.offset
@@ -394,6 +395,7 @@ class SimHipBackend(NativeGpuBackend):
     hardware: ClassVar[str] = "sim-rocm"
     native_module: ClassVar[str] = "sim_hip"
     torch_flavour: ClassVar[str] = "hip"
+    memop_write_orders_copies: ClassVar[bool] = False
 
     def __init__(self, runtime: Optional[SimHipRuntime] = None) -> None:
         self.runtime = runtime or SimHipRuntime()

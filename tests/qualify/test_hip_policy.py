@@ -14,7 +14,11 @@ import torch
 
 pytest.importorskip("freetoken_cpu_moe")
 
-from freetoken.backends.contract import BackendError, IOPath, SyncMode  # noqa: E402
+from freetoken.backends.contract import BackendError  # noqa: E402
+
+from freetoken.backends.handoff_io import SyncMode  # noqa: E402
+
+from freetoken.backends.handoff_io import IOPath
 from freetoken.moe.handoff import faults  # noqa: E402
 from freetoken.native_gpu.sync import EventMemopSync, MemopSync, SyncFacts, copy_sync_modes  # noqa: E402
 from freetoken.moe.qualify.startup import GraphSettings, QualificationError, QualifyConfig, qualify  # noqa: E402
@@ -39,7 +43,7 @@ def settings(enabled: bool = True) -> GraphSettings:
 
 @pytest.mark.parametrize("memops,event,callbacks,kernels,graphs", list(itertools.product((True, False), repeat=5)))
 def test_hip_copy_path_never_takes_a_plain_memop_ready_write(memops, event, callbacks, kernels, graphs):
-    facts = SyncFacts(True, memops, memops and event, callbacks, kernels, "" if event else "no event API")
+    facts = SyncFacts(False, memops, memops and event, callbacks, kernels, "" if event else "no event API")
     modes, reason = copy_sync_modes(facts, graphs)
     assert SyncMode.STREAM_MEMOPS not in modes and reason
     if memops and event:
@@ -54,7 +58,7 @@ def test_hip_copy_path_never_takes_a_plain_memop_ready_write(memops, event, call
 
 @pytest.mark.parametrize("memops", [True, False])
 def test_cuda_copy_path_is_unchanged(memops):
-    facts = SyncFacts(False, memops, False, True, True)
+    facts = SyncFacts(True, memops, False, True, True)
     modes, _ = copy_sync_modes(facts, graphs=True)
     assert modes == [SyncMode.STREAM_MEMOPS if memops else SyncMode.FLAG_WAIT_KERNEL]
 

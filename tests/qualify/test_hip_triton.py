@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from freetoken.backends import triton_target  # noqa: E402
-from freetoken.backends.contract import MoEOptions  # noqa: E402
+from freetoken.backends.options import MoEOptions  # noqa: E402
 from freetoken.handoff import Fmt  # noqa: E402
 from freetoken.loading.tensors import RawTensor  # noqa: E402
 from freetoken.models import decode_attention, dense_ops  # noqa: E402

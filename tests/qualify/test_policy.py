@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("freetoken_cpu_moe")
 
-from freetoken.backends.contract import IOPath  # noqa: E402
+from freetoken.backends.handoff_io import IOPath  # noqa: E402
 from freetoken.moe.handoff import faults  # noqa: E402
 from freetoken.moe.qualify.startup import (  # noqa: E402
     LAST_RESULTS,

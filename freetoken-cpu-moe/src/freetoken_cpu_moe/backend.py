@@ -22,22 +22,9 @@ import time
 from typing import Any, Callable, Optional
 
 from freetoken import handoff
-from freetoken.backends.contract import (
-    Backend,
-    Capabilities,
-    EngineOptions,
-    ExpertsFn,
-    GpuSync,
-    HandoffError,
-    HandoffTask,
-    HostBuffer,
-    IOPath,
-    ModelSession,
-    MoELayerSpec,
-    ProbeResult,
-    Staging,
-    SyncMode,
-)
+from freetoken.backends.contract import Backend, Capabilities, ExpertsFn, ModelSession, MoELayerSpec, ProbeResult
+from freetoken.backends.handoff_io import GpuSync, HandoffError, HandoffTask, HostBuffer, IOPath, Staging, SyncMode
+from freetoken.backends.options import EngineOptions
 from freetoken.backends.hookspecs import hookimpl
 from freetoken.backends.selection import BUILTIN_PRIORITY
 
@@ -359,6 +346,7 @@ class CpuBackend(Backend):
     name = "cpu"
     priority = BUILTIN_PRIORITY
     hardware = "cpu"
+    hands_off = False  # the MoE layers call the CPU kernels in place
     default_dtype = "float32"
 
     @classmethod

@@ -24,6 +24,7 @@ class RocmBackend(NativeGpuBackend):
     priority: ClassVar[int] = 100
     native_module: ClassVar[str] = "freetoken_rocm._C"
     torch_flavour: ClassVar[str] = "hip"
+    memop_write_orders_copies: ClassVar[bool] = False  # the release event orders them
     install_hint: ClassVar[str] = (
         "reinstall with hipcc available: ROCM_PATH=/opt/rocm pip install --force-reinstall 'freetoken[rocm]' "
         "(FREETOKEN_ROCM_ARCH=gfx1100 to pick the GPU target); see docs/install_amd.md"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from freetoken import handoff
-from freetoken.backends.contract import HandoffError, SyncMode
+from freetoken.backends.handoff_io import HandoffError, SyncMode
 from freetoken_cpu_moe.backend import CpuBackend, SynchronousSync
 
 from toy_expert_worker import Worker, random_inputs, reference_output, serve_once

@@ -82,7 +82,7 @@ def test_generate_cli_backend_fakegpu(tmp_path):
 def test_cpu_side_failure_surfaces_on_the_next_step(fresh_registry):
     """A hand-off the CPU workers fail (exception in the task) is raised by the engine's
     next step, naming the layer, instead of decoding on with a wrong layer output."""
-    from freetoken.backends.handoff_task import HandoffError
+    from freetoken.backends.handoff_io import HandoffError
 
     eng = LLMEngine(EngineConfig(backend="fakegpu", dtype="float32", max_model_len=128, kv_cache_tokens=1024,
                                  moe_cpu_layers="all"))

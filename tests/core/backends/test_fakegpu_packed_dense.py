@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from freetoken.backends import registry
-from freetoken.backends.contract import EngineOptions, MemoryPlanError, MoEOptions
+from freetoken.backends.contract import MemoryPlanError
+from freetoken.backends.options import EngineOptions, MoEOptions
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
 from freetoken.engine.sampling_params import SamplingParams

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from freetoken.backends import platform
-from freetoken.backends.contract import BackendError, SyncMode
+from freetoken.backends.contract import BackendError
+from freetoken.backends.handoff_io import SyncMode
 
 
 @pytest.mark.parametrize(

@@ -1,32 +1,27 @@
 """The backend contract: read this module first to write a FreeToken backend.
 
 A backend moves one hybrid MoE layer's work between a GPU stream and the CPU
-expert workers of ``freetoken-cpu-moe``. It provides one object per capability:
+expert workers of ``freetoken-cpu-moe``. :class:`Backend` declares its name, API version,
+priority, ``probe()``, capabilities and the factories of the parts it provides:
 
-* :class:`GpuSync`      -- ordering between a GPU stream and the CPU workers.
-* :class:`KernelIO`     -- mapped-memory publish/combine kernels (no copies).
-* :class:`Staging`      -- pinned/mapped host buffers and registered expert banks.
-* :class:`GraphCapture` -- capture/replay of decode steps per batch size.
-* :class:`Backend`      -- name, API version, priority, ``probe()``, capabilities
-  and the factories for the four objects above.
+* the hand-off primitives of :mod:`freetoken.backends.handoff_io` -- :class:`GpuSync`
+  (ordering between a GPU stream and the CPU workers), :class:`KernelIO` (mapped-memory
+  publish/combine kernels, no copies), :class:`Staging` (pinned/mapped host buffers and
+  registered expert banks) on a :class:`~freetoken.backends.handoff_io.HandoffTask`;
+* :class:`GraphCapture` -- capture/replay of decode steps per batch size;
+* :class:`PackedGemv` -- native kernels over a GGUF file's blocks on the device.
 
-The engine seam: the engine runs a model only through :meth:`Backend.open_model`, which
-returns a :class:`ModelSession` -- the :class:`WeightPolicy` (how dense weights are held
-and run), the routed-experts function of each MoE layer (:meth:`ModelSession.routed_experts`),
-the model-start hook (qualification, decode graphs), the step (eager or graph replay) and
-the report shown in ``/health`` and ``freetoken doctor``. The engine never branches on the
-device type and never looks for methods this module does not declare. Backends whose MoE
-layers run routed experts on the CPU get that half from ``freetoken-cpu-moe`` through
+The engine seam: the engine runs a model only through :meth:`Backend.open_model` (with the
+:class:`~freetoken.backends.options.EngineOptions`), which returns a :class:`ModelSession`
+-- the :class:`WeightPolicy` (how dense weights are held and run), the routed-experts
+function of each MoE layer (:meth:`ModelSession.routed_experts`), the model-start hook
+(qualification, decode graphs), the step (eager or graph replay) and the report shown in
+``/health`` and ``freetoken doctor``. The engine and the MoE code ask a backend and its
+parts only what this module and :mod:`~freetoken.backends.handoff_io` declare (each optional
+capability has a default here), never branch on which backend it is, and ask "a real GPU,
+or the host standing in for one?" only through :func:`on_gpu`. Backends whose MoE layers
+run routed experts on the CPU get that half from ``freetoken-cpu-moe`` through
 :class:`CpuExperts`.
-
-The hand-off itself happens on a :class:`HandoffTask`: one per (layer, batch-size
-slot), with stable host buffers and a flag slot whose C layout lives in
-``include/freetoken/handoff.h`` (mirrored by :mod:`freetoken.handoff`). The
-protocol per hand-off is::
-
-    GPU  : inputs visible in host memory, then ready = 1
-    CPU  : sees ready == 1 (acquire), ready = 0, computes, writes y, done = 1 (release)
-    GPU  : waits done == 1, reads y, done = 0
 
 Streams are passed as integer handles (``torch.cuda.current_stream().cuda_stream``)
 and buffers as torch tensors; native code only ever sees raw addresses, so a
@@ -41,47 +36,25 @@ entry point names a module or object implementing the pluggy hook
 from __future__ import annotations
 
 import abc
-import ctypes
 import dataclasses
-import enum
 from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence
 
-from freetoken import handoff
-from freetoken.backends.handoff_task import HandoffError, HandoffTask, HostBuffer, allocate_task
+from freetoken.backends.handoff_io import GpuSync, KernelIO, Staging, SyncMode
+from freetoken.backends.options import EngineOptions
 
 #: Version of this contract. A backend declares the version it implements in
 #: ``Backend.api_version``; the registry refuses a backend whose value differs.
 BACKEND_API_VERSION = 1
 
 
-class SyncMode(str, enum.Enum):
-    """How a :class:`GpuSync` orders a stream against the CPU workers."""
+def on_gpu(device: Any) -> bool:
+    """Whether ``device`` is a GPU (torch's ``cuda`` device type: NVIDIA, and AMD through
+    HIP) rather than the host standing in for one (the CPU backend, and the test backends
+    that run the GPU code paths on host tensors). The one question of this kind the engine
+    and the MoE code ask; what a GPU offers beyond that is in :class:`Capabilities`."""
+    import torch
 
-    STREAM_MEMOPS = "stream_memops"
-    """``cuStreamWriteValue64``/``cuStreamWaitValue64`` (graph-capturable)."""
-    EVENT_MEMOPS = "event_memops"
-    """HIP: a system-release event recorded between the copies and the memop ready write
-    (as an external event-record node under capture, so graph replays keep the order)."""
-    HOST_CALLBACK = "host_callback"
-    """Host functions on the stream (``cudaLaunchHostFunc``/``hipStreamAddCallback``) submit
-    and wait (eager only)."""
-    FLAG_WAIT_KERNEL = "flag_wait_kernel"
-    """A GPU kernel spinning on the flag (when memops are missing)."""
-    SYNCHRONOUS = "synchronous"
-    """No GPU: the CPU backend runs the task at publish time."""
-
-
-class IOPath(str, enum.Enum):
-    """How activations reach the CPU and results come back."""
-
-    KERNEL_IO = "kernel_io"
-    """Publish/combine kernels on mapped memory (BF16 only)."""
-    COPY = "copy"
-    """D2H copies + memop ready; memop wait + H2D + add (any dtype)."""
-    HOST_CALLBACK = "host_callback"
-    """Copies ordered by host callbacks (eager only)."""
-    SYNCHRONOUS = "synchronous"
-    """The CPU backend: the layer calls the CPU kernels directly."""
+    return torch.device(device).type == "cuda"
 
 
 @dataclasses.dataclass
@@ -122,110 +95,6 @@ class BackendError(RuntimeError):
 # --------------------------------------------------------------------------------------
 # Capabilities
 # --------------------------------------------------------------------------------------
-
-
-class GpuSync(abc.ABC):
-    """Ordering between one GPU stream and the CPU workers, on a task's flag slot.
-
-    Both methods only *enqueue* work on ``stream``; neither blocks the host (except
-    in :attr:`SyncMode.SYNCHRONOUS`). Both must be capturable into a graph unless
-    :attr:`graph_safe` is False.
-    """
-
-    mode: ClassVar[SyncMode]
-    graph_safe: ClassVar[bool] = True
-
-    @abc.abstractmethod
-    def publish(self, stream: int, task: HandoffTask) -> None:
-        """Raise ``ready`` on ``task`` after everything enqueued before it.
-
-        Guarantee: every kernel and copy enqueued on ``stream`` before this call has
-        completed and its writes to host memory are visible to a CPU thread that
-        reads ``ready == 1`` with acquire ordering.
-        """
-
-    @abc.abstractmethod
-    def wait(self, stream: int, task: HandoffTask) -> None:
-        """Hold later work on ``stream`` until the CPU set ``done``, then reset it.
-
-        Guarantee: work enqueued on ``stream`` after this call starts only after the
-        CPU release-stored ``done == 1``, so it observes every write the CPU made to
-        ``task.y`` before that store; ``done`` is back to 0 before the next hand-off
-        on the same slot can be published.
-        """
-
-
-class KernelIO(abc.ABC):
-    """Mapped-memory publish/combine kernels: no copies, no events.
-
-    BF16 activations only; other dtypes use the copy path.
-    """
-
-    @abc.abstractmethod
-    def publish(self, stream: int, task: HandoffTask, x: Any, cpu_ids: Any, weights: Any) -> None:
-        """Store ``x``, ``cpu_ids`` (-1 = GPU route) and ``weights`` into the task's
-        mapped buffers, fence at system scope, then raise ``ready``.
-
-        Guarantee: the CPU reading ``ready == 1`` (acquire) sees all stored values.
-        When no route of the batch goes to the CPU the kernel completes the task
-        itself (``done`` semantics satisfied) without waking the CPU.
-        """
-
-    @abc.abstractmethod
-    def combine(self, stream: int, task: HandoffTask, out: Any) -> None:
-        """Wait for ``done``, then ``out += y_cpu`` (read from mapped memory), reset.
-
-        Guarantee: the add reads ``y`` only after observing ``done == 1``; later work
-        on ``stream`` sees the combined ``out``.
-        """
-
-    @abc.abstractmethod
-    def probe(self) -> bool:
-        """Exercise publish/combine on random data, eager and captured; True if exact."""
-
-
-class Staging(abc.ABC):
-    """Host memory the GPU can reach, and the expert-cache fetches that use it."""
-
-    @abc.abstractmethod
-    def alloc_host(self, nbytes: int, mapped: bool = False) -> HostBuffer:
-        """Allocate page-locked host memory (mapped into the GPU's space if asked).
-
-        Guarantee: the memory stays valid while the returned buffer (or its
-        ``tensor``) is alive; device_ptr is valid for kernels on any stream.
-        """
-
-    @abc.abstractmethod
-    def register_host(self, tensor: Any, mapped: bool = False, read_only: bool = False) -> Any:
-        """Lock an existing host tensor (an expert bank) and register it with the
-        driver so H2D copies from it run at full speed. ``mapped``: kernels may also read
-        it in place (the handle's ``device_ptr`` is its device address); ``read_only``:
-        the memory is a read-only mapping (a model file). Returns a handle whose lifetime
-        bounds the registration (raises if the driver refuses); the tensor must outlive it."""
-
-    @abc.abstractmethod
-    def fetch(self, stream: int, dst: Any, src: Any) -> None:
-        """Enqueue an H2D copy of ``src`` (registered host) into ``dst`` (device).
-
-        Guarantee: work enqueued on ``stream`` after this call sees ``dst`` filled.
-        """
-
-    def new_task(
-        self,
-        layer: int,
-        slot: int,
-        max_tokens: int,
-        top_k: int,
-        hidden: int,
-        act_dtype: Any,
-        out_dtype: Any,
-        bank_addr: int = 0,
-        mapped: bool = True,
-    ) -> HandoffTask:
-        """Allocate the stable buffers and descriptors of one hand-off task."""
-        return allocate_task(
-            self, layer, slot, max_tokens, top_k, hidden, act_dtype, out_dtype, bank_addr, mapped
-        )
 
 
 class PackedGemv(abc.ABC):
@@ -408,101 +277,6 @@ class ModelShape:
     embedding_file_bytes: int = 0
 
 
-@dataclasses.dataclass
-class MoEOptions:
-    """How a GPU backend keeps and moves routed experts (``freetoken serve --moe-*``).
-
-    ``gpu_experts``: the form of GPU-resident experts: ``auto`` keeps GGUF block formats
-    the GPU kernels read (Q4_K, Q5_K, Q6_K, Q8_0) packed, as in the file, and dequantizes
-    the others to the activation dtype; ``dequantized`` always dequantizes.
-    ``cache_bytes`` / ``cache_fraction``: the global expert cache for the CPU layers' experts
-    (bytes, or a fraction of the memory budget; 0: none). ``hybrid_max_fetch``: experts
-    per layer and step copied into the cache for later steps (the most routed uncached ones,
-    each replacing a clearly less routed cached one; ``freetoken.moe.experts.expert_cache``).
-    ``stream_prefill``: ``auto`` (prefill chunks of at least ``stream_min_tokens`` tokens
-    compute the CPU layers' experts on the GPU, their bytes streamed over PCIe; None: the
-    threshold from a measured profile), ``on``, ``off``; ``stream_experts``: ``routed`` copies
-    only the experts the chunk routes to, once its router has run, ``all`` every expert of
-    the layer, the next layer's copy overlapping this one's compute; ``stream_windows``:
-    ``routed`` streams a layer in this many windows of experts through one buffer of a
-    window's bytes (more windows: less device memory). ``lock_host``: register (page-lock)
-    the host expert banks with the driver (``auto``: when streaming or fetching uses them).
-    ``locked_fetch``: share of a decode step's missed routes that the GPU computes from the
-    page-locked banks in the same step (at most ``locked_max_fetch`` per layer; 0: off; None:
-    ``auto``, :func:`freetoken.moe.experts.locked_fetch.planned_fraction`), its kernels reading them
-    from device slots a gather kernel first copies them into.
-    ``collect_stats`` with the log summary every ``stats_interval_s`` seconds.
-    ``gpu_kernel``: what runs a decode step's routes through packed GPU experts: ``native``
-    (the backend's :meth:`PackedGemv.experts`), ``triton`` (the engine's Triton kernels), or
-    ``auto`` (native for the formats and shapes it serves, where the backend has it).
-    """
-
-    gpu_experts: str = "auto"
-    cache_bytes: int = 0
-    cache_fraction: float = 0.0
-    hybrid_max_fetch: int = 0
-    stream_prefill: str = "auto"
-    stream_min_tokens: Optional[int] = None
-    stream_experts: str = "routed"
-    stream_windows: int = 4
-    lock_host: str = "auto"
-    locked_fetch: Optional[float] = None
-    locked_max_fetch: int = 2
-    collect_stats: bool = False
-    stats_interval_s: float = 60.0
-    gpu_kernel: str = "auto"
-
-
-@dataclasses.dataclass
-class EngineOptions:
-    """The engine settings a backend acts on (from ``freetoken serve``/``generate``/``bench``).
-
-    ``moe_cpu_layers``: which layers' routed experts run on the CPU workers: a count (the
-    first N MoE layers), a list/range of layer indices (``"0-11,40"``) or ``"all"``
-    (:func:`freetoken.moe.placement.cpu_layers`); None is the backend's default (a GPU
-    backend: as many layers on the GPU as the memory allows).
-    ``cpu_threads``: CPU expert workers (None: the backend's default).
-    ``cpu_spin_ms``: how long the CPU expert workers spin after a hand-off before they sleep
-    (None: longer than a decode step on a GPU device, the CPU experts' default elsewhere).
-    ``graphs``: decode-graph settings; ``graph_batch_sizes`` an explicit list of buckets,
-    else powers of two (and multiples of 8) up to ``graph_max_batch_size``.
-    ``gpu_memory_limit`` (bytes) and ``gpu_memory_utilization`` (fraction of the device's
-    total): the most this process may use on the device; the smaller wins.
-    ``gpu_dense``: the form of the dense part on the device: ``dequantized`` (the activation
-    dtype), ``packed`` (a GGUF file's block formats kept as in the file), or ``auto``
-    (packed when that lets more layers' experts onto the device, or is needed to fit).
-    ``gpu_embedding``: where a packed token embedding's table lives: ``device``, ``host``
-    (page-locked host memory the GPU reads a step's rows from over PCIe; not for an embedding
-    that is also the output head), or ``auto`` (host when the memory plan leaves layers'
-    experts on the CPU, so its bytes go to expert layers instead).
-    ``gpu_gemv``: what runs one token through a packed dense matrix: ``native`` (the
-    backend's :class:`PackedGemv`), ``triton`` (the engine's Triton kernels), or ``auto``
-    (native for the formats it serves, where the backend has one).
-    ``pin_host_threads``: ``on`` (on a GPU device whose model has CPU expert layers, the
-    threads that step the model and enqueue expert copies run on the CPUs the expert
-    workers leave free, :mod:`freetoken.moe.session.host_threads`) or ``off``.
-    """
-
-    act_dtype: Any = None
-    moe_cpu_layers: Optional[str] = None
-    cpu_threads: Optional[int] = None
-    cpu_spin_ms: Optional[float] = None
-    graphs: bool = True
-    graph_batch_sizes: Optional[list[int]] = None
-    graph_max_batch_size: int = 16
-    gpu_memory_limit: Optional[int] = None
-    gpu_memory_utilization: Optional[float] = None
-    max_running_requests: int = 16
-    max_model_len: int = 4096
-    kv_block_size: int = 16
-    kv_cache_tokens: Optional[int] = None  # an explicit KV cache size (the plan keeps room for it)
-    gpu_dense: str = "auto"
-    gpu_embedding: str = "auto"
-    gpu_gemv: str = "auto"
-    pin_host_threads: str = "on"
-    moe: MoEOptions = dataclasses.field(default_factory=lambda: MoEOptions())
-
-
 class ModelSession(abc.ABC):
     """Everything one loaded model needs from a backend; the engine talks to nothing else.
 
@@ -629,13 +403,21 @@ class Backend(abc.ABC):
     * ``api_version`` -- must equal :data:`BACKEND_API_VERSION`.
     * ``priority``    -- breaks ties when several plugins claim the same hardware;
       higher wins.
-    * ``hardware``    -- "cuda", "rocm" or "cpu": which automatic rule picks it.
+    * ``hardware``    -- "cuda", "rocm" or "cpu": which automatic rule picks it (backend
+      selection only: the engine and the MoE code ask the attributes below).
+    * ``hands_off``   -- the MoE layers hand CPU routes to the workers across a GPU stream
+      (False: the layers call the CPU kernels in place, so there is no hand-off to qualify).
+    * ``locked_fetch_share`` -- the share of a decode step's missed routes that locked fetch
+      takes when ``--moe-locked-fetch`` is ``auto`` (0: off; a backend sets what was measured
+      to pay on its hardware).
     """
 
     name: ClassVar[str]
     api_version: ClassVar[int] = BACKEND_API_VERSION
     priority: ClassVar[int] = 0
     hardware: ClassVar[str] = "cpu"
+    hands_off: ClassVar[bool] = True
+    locked_fetch_share: ClassVar[float] = 0.0
 
     @classmethod
     @abc.abstractmethod
@@ -709,11 +491,3 @@ class Backend(abc.ABC):
         return False
 
 
-def flag_slot_at(address: int) -> handoff.FlagSlot:
-    """A ctypes view of the flag slot at a host address."""
-    return handoff.FlagSlot.from_address(address)
-
-
-def c_address(obj: ctypes.Structure) -> int:
-    """Address of a ctypes structure."""
-    return ctypes.addressof(obj)

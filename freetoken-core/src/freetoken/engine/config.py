@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from freetoken.backends.contract import EngineOptions, MoEOptions
+from freetoken.backends.options import EngineOptions, MoEOptions
 from freetoken.moe.placement import parse_layer_spec
 
 

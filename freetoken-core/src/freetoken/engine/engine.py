@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from freetoken.backends.contract import on_gpu
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.constraints import TokenConstraint
 from freetoken.engine.kv_cache import KVCache
@@ -54,7 +55,7 @@ def _read_back_later(t: torch.Tensor) -> Callable[[], list[Any]]:
     whatever the caller queues next), and the returned function waits for that copy only.
     On a CUDA (or HIP) device the values go through page-locked memory and an event, so a
     step queued after this call runs while the host reads them; elsewhere ``t.tolist``."""
-    if t.device.type != "cuda":
+    if not on_gpu(t.device):
         return t.tolist
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
@@ -276,7 +277,7 @@ class LLMEngine:
         queued behind the step in flight)."""
         if self._host_device:  # .to() of a host tensor to the host: ~20 us for nothing on cold caches
             return t
-        if queued and torch.device(self.device).type == "cuda":
+        if queued and on_gpu(self.device):
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 

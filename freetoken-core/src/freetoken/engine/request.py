@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from freetoken.backends.contract import on_gpu
 from freetoken.engine.constraints import TokenConstraint
 from freetoken.engine.outputs import StreamDelta, TokenLogprob
 from freetoken.engine.sampling_params import SamplingParams
@@ -128,7 +129,7 @@ class Request:
         queued from page-locked memory, so that a step launched ahead waits for nothing."""
         if self._table is None or self._table_len != len(self.blocks):
             table = torch.tensor(self.blocks, dtype=torch.int64)
-            cuda = torch.device(device).type == "cuda"
+            cuda = on_gpu(device)
             self._table = table.pin_memory().to(device, non_blocking=True) if cuda else table.to(device)
             self._table_len = len(self.blocks)
         return self._table

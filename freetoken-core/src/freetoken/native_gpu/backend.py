@@ -23,18 +23,13 @@ from freetoken.backends.contract import (
     Capabilities,
     CapturedGraph,
     CpuExperts,
-    EngineOptions,
-    GpuSync,
     GraphCapture,
-    HandoffTask,
-    HostBuffer,
-    KernelIO,
     ModelSession,
     PackedGemv,
     ProbeResult,
-    Staging,
-    SyncMode,
 )
+from freetoken.backends.handoff_io import GpuSync, HandoffTask, HostBuffer, KernelIO, Staging, SyncMode
+from freetoken.backends.options import EngineOptions
 from freetoken.moe.handoff import faults
 from freetoken.native_gpu.sync import (
     WAIT_TIMEOUT_NS,
@@ -134,6 +129,8 @@ def _on_stream(stream: int, fn: Callable[[], Any]) -> Any:
 class NativeKernelIO(KernelIO):
     """Publish/combine kernels on mapped memory (BF16 activations)."""
 
+    publishes_routes: ClassVar[bool] = True
+
     def __init__(self, backend: "NativeGpuBackend") -> None:
         self.backend = backend
         self.native = backend.native()
@@ -154,9 +151,7 @@ class NativeKernelIO(KernelIO):
         resident: Any = None,
         cpu_last_n: Optional[int] = None,
     ) -> None:
-        """Publish with the GPU/CPU split done inside the kernel: route (t, k) goes to the
-        CPU when ``cpu_mask[t, k]`` (bool), else when k is among the last ``cpu_last_n``,
-        else when ``resident[ids[t, k]]`` is False, else (nothing given) when ``ids >= 0``.
+        """The contract's :meth:`~freetoken.backends.handoff_io.KernelIO.publish_routes`;
         ``ids`` int32 or int64. Keeps split kernels off the hand-off's critical path."""
         import torch
 
@@ -252,6 +247,9 @@ class NativeGpuBackend(Backend):
     native_module: ClassVar[str]
     torch_flavour: ClassVar[str]  # "cuda" or "hip": which torch build drives this GPU
     install_hint: ClassVar[str] = ""
+    #: a stream memop write is ordered after the copies enqueued before it on the stream
+    #: (CUDA); where not (HIP), the copy path needs a release event between them
+    memop_write_orders_copies: ClassVar[bool] = True
 
     def __init__(self, device_index: Optional[int] = None) -> None:
         import torch
@@ -373,11 +371,6 @@ class NativeGpuBackend(Backend):
                     self._graph_probe = dict(self.native().graph_memop_probe(slot.host_ptr, slot.device_ptr))
         return self._graph_probe
 
-    @property
-    def is_hip(self) -> bool:
-        """Whether the extension was built with HIP (the rocm package) rather than CUDA."""
-        return self.native().API == "hip"
-
     def event_support(self) -> dict[str, Any]:
         """Can a system-release event be recorded here, eagerly and as a captured graph node
         (the HIP copy path's barrier)? ``{"compiled", "available", "reason"}``."""
@@ -405,9 +398,9 @@ class NativeGpuBackend(Backend):
     def sync_facts(self) -> SyncFacts:
         info = self.device_info()
         memops = bool(info["stream_memops"])
-        events = self.event_support() if self.is_hip else {"available": False, "reason": "CUDA"}
+        events = self.event_support()
         return SyncFacts(
-            hip=self.is_hip, stream_memops=memops, event_memops=memops and bool(events["available"]),
+            memop_write_orders_copies=self.memop_write_orders_copies, stream_memops=memops, event_memops=memops and bool(events["available"]),
             host_callbacks=self.host_callback_error() == "", flag_wait_kernel=self.mapped_memory(),
             event_reason=str(events.get("reason", "")),
         )  # fmt: skip
@@ -436,11 +429,8 @@ class NativeGpuBackend(Backend):
             caps.extra["graph_memops"] = gp
         else:
             caps.memops_in_graphs = False
-        if self.is_hip:
-            caps.extra["event_memops"] = self.event_support()
-            caps.event_memops = caps.stream_memops and bool(self.event_support()["available"])
-        else:
-            caps.event_memops = False
+        caps.extra["event_memops"] = self.event_support()
+        caps.event_memops = caps.stream_memops and bool(self.event_support()["available"])
         facts = self.sync_facts()
         for graphs in (True, False):
             modes, reason = copy_sync_modes(facts, graphs)

@@ -25,7 +25,8 @@ import logging
 from typing import Any
 
 from freetoken import handoff
-from freetoken.backends.contract import BackendError, GpuSync, HandoffTask, SyncMode
+from freetoken.backends.contract import BackendError
+from freetoken.backends.handoff_io import GpuSync, HandoffTask, SyncMode
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class HostCallbackSync(GpuSync):
 class SyncFacts:
     """What a device offers the copy path's ordering (from the capability probes)."""
 
-    hip: bool
+    memop_write_orders_copies: bool  # a memop write follows the copies before it (CUDA; not HIP)
     stream_memops: bool
     event_memops: bool  # a system-release event can be recorded, also as a captured graph node
     host_callbacks: bool
@@ -151,7 +152,7 @@ def copy_sync_modes(facts: SyncFacts, graphs: bool) -> tuple[list[SyncMode], str
     """The GpuSync modes the copy path may use, best first, and why (empty: none is safe).
 
     ``graphs``: decode graphs are wanted (graph-capturable modes first)."""
-    if not facts.hip:
+    if facts.memop_write_orders_copies:
         if facts.stream_memops:
             return [SyncMode.STREAM_MEMOPS], "stream memops order the copies before ready"
         modes = [SyncMode.FLAG_WAIT_KERNEL] if facts.flag_wait_kernel else []

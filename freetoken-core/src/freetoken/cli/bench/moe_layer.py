@@ -387,7 +387,7 @@ class _Bench:
     ) -> None:  # fmt: skip
         import torch
 
-        from freetoken.backends.contract import IOPath
+        from freetoken.backends.handoff_io import IOPath
         from freetoken.moe.handoff.hybrid import HybridMoEExecutor
         from freetoken.moe.placement import Placement, split_routes
 

@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from freetoken.backends.contract import on_gpu
+
 log = logging.getLogger(__name__)
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -62,7 +64,7 @@ class CopyTicket:
 class CopyQueue:
     def __init__(self, device: Any, name: str = "expert-copies") -> None:
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
+        self.cuda = on_gpu(self.device)
         if self.cuda and self.device.index is None:  # "cuda": the caller's current device, fixed now
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None

@@ -41,14 +41,16 @@ import collections
 import dataclasses
 import logging
 import math
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 import torch
 
+from freetoken.backends.contract import on_gpu
 from freetoken.moe.experts.copy_queue import CopyQueue, CopyTicket
 from freetoken.moe.experts.gpu_packed_experts import PACKED_FORMATS, DequantScratch, fp8_rows_bytes, fp8_rows_fit
 from freetoken.moe.experts.route_slots import route_slots
+from freetoken.moe.experts.routed import GpuRoutedExperts
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +290,7 @@ class ExpertCache:
             return
         a = torch.tensor(entries, dtype=torch.int64)
         flat = a[:, 0] * self.num_experts + a[:, 1]
-        if self.device.type == "cuda":
+        if on_gpu(self.device):
             flat, slots = flat.pin_memory().to(self.device, non_blocking=True), a[:, 2].to(torch.int32).pin_memory().to(
                 self.device, non_blocking=True)
         else:
@@ -432,13 +434,15 @@ class ExpertCache:
         self.fetching[:] = False
 
 
-class CachedLayerExperts:
+class CachedLayerExperts(GpuRoutedExperts):
     """One layer's GPU experts: its routes' expert ids mapped to cache slots, then the
     pool's kernels (``forward(x, gpu_ids, w, out=None)`` as GpuExperts).
 
     :meth:`forward_routes` takes the layer's whole routing instead: a route to an expert
     that is not cached maps to no slot, so the GPU side needs no split of its own (the
     hand-off splits by the same residency table)."""
+
+    takes_whole_routing: ClassVar[bool] = True
 
     def __init__(self, cache: ExpertCache, row: int, pool: _Pool) -> None:
         self.cache, self.row, self.pool = cache, row, pool

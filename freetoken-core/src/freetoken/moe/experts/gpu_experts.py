@@ -26,6 +26,7 @@ import logging
 from typing import Any, Iterable, Optional
 
 from freetoken.kernels import availability
+from freetoken.moe.experts.routed import GpuRoutedExperts
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def finish_output(y: Any, out: Optional[Any], direct: bool, x_dtype: Any) -> Any
     return y if y.dtype == x_dtype else y.to(x_dtype)
 
 
-class GpuExperts:
+class GpuExperts(GpuRoutedExperts):
     def __init__(
         self, gate: Any, up: Any, down: Any, activation: str = "silu", impl: Optional[str] = None,
         block_config: Any = None,

@@ -30,7 +30,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
+from freetoken.backends.contract import on_gpu
 from freetoken.moe.experts.gpu_experts import ACTIVATIONS, GpuExperts, finish_output, float32_output, stored_output
+from freetoken.moe.experts.routed import GpuRoutedExperts
 
 if TYPE_CHECKING:
     from freetoken.loading.tensors import RawTensor
@@ -131,7 +133,7 @@ def _stack_to_device(raw: "RawTensor", device: Any, on_device: Any = None) -> An
     return tp.PackedStack.from_bytes(data.reshape(-1).to(device), raw.fmt, e, rows, cols)
 
 
-class PackedGpuExperts:
+class PackedGpuExperts(GpuRoutedExperts):
     def __init__(
         self, gate: "RawTensor", up: "RawTensor", down: "RawTensor", device: Any, activation: str = "silu",
         config: Any = None, scratch: Optional[DequantScratch] = None, bf16_config: Any = None,
@@ -179,7 +181,7 @@ class PackedGpuExperts:
             self.native = native
         self._native_serves: dict[tuple[int, Any], bool] = {}
         self.capture_fallbacks = 0
-        if self.device.type == "cuda":
+        if on_gpu(self.device):
             # the capture fallback's matmuls need a cuBLAS handle, which cannot be created
             # during stream capture (no other path of these experts creates one)
             with torch.cuda.device(self.device):

@@ -36,7 +36,9 @@ from typing import Any, ClassVar, Optional
 import numpy as np
 import torch
 
+from freetoken.backends.contract import on_gpu
 from freetoken.moe.experts.gpu_packed_experts import PACKED_FORMATS
+from freetoken.moe.experts.routed import GpuRoutedExperts
 from freetoken.moe.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -53,28 +55,22 @@ class DevicePointer:
         return self.address
 
 
-#: ``--moe-locked-fetch auto``: the share of a step's missed routes fetched where the GPU can
-#: take it (about a quarter: PCIe's ~55 GB/s against the host's ~100 GB/s of the CPU workers
-#: on the H200 machine this was measured on; docs/benchmarks.md)
-AUTO_FRACTION = 0.25
-
-
-def planned_fraction(fraction: Optional[float], device: Any, eligible: bool) -> tuple[float, str]:
+def planned_fraction(fraction: Optional[float], device: Any, eligible: bool, auto_share: float) -> tuple[float, str]:
     """The locked-fetch share a session plans with, and why: ``fraction`` as given, or for
-    ``auto`` (None) :data:`AUTO_FRACTION` where the layers' experts can be fetched
-    (``eligible``: GGUF formats the packed kernels read, Triton on the device, banks that
-    may be page-locked) on an NVIDIA GPU (where it was measured; 0 on ROCm and elsewhere)."""
+    ``auto`` (None) the backend's ``auto_share`` (:attr:`Backend.locked_fetch_share
+    <freetoken.backends.contract.Backend.locked_fetch_share>`, 0 where it was not measured)
+    where the layers' experts can be fetched (``eligible``: GGUF formats the packed kernels
+    read, Triton on the device, banks that may be page-locked) on a GPU."""
     if fraction is not None:
         return float(fraction), "given"
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return 0.0, f"auto: off on {dev.type}"
-    if torch.version.hip is not None:
-        return 0.0, "auto: off on ROCm (not measured there; give a fraction to use it)"
+    if not on_gpu(device):
+        return 0.0, f"auto: off on {torch.device(device).type}"
+    if auto_share <= 0:
+        return 0.0, "auto: off on this backend (no measured share; give a fraction to use it)"
     if not eligible:
         return 0.0, ("auto: off (the CPU layers' experts are not in formats the GPU reads as stored, "
                      "or --moe-lock-host off)")
-    return AUTO_FRACTION, "auto"
+    return float(auto_share), "auto"
 
 
 def locked_fetch_supported(experts: Any) -> bool:
@@ -129,7 +125,7 @@ def mapped_sources(experts: Any, registration: Any, device: Any) -> list[Any]:
     return [DevicePointer(registration.device_address(t.raw_torch()), torch.uint8) for t in raws]
 
 
-class SplitGpuExperts:
+class SplitGpuExperts(GpuRoutedExperts):
     """A CPU layer's GPU side with locked fetch beside an expert cache: routes to cached
     experts through the cache (``cached``, or none), the other GPU routes through
     ``fetched`` (the layer's :class:`StagedFetch`)."""
@@ -187,7 +183,7 @@ class FetchStaging:
         return int(expert_bytes) * int(slots)
 
 
-class StagedFetch:
+class StagedFetch(GpuRoutedExperts):
     """A CPU layer's locked routes computed on the GPU from staging slots: their experts
     copied from the mapped host banks by :func:`~freetoken.moe.experts.expert_gather.gather_routes`,
     then the packed kernels over the slots.
@@ -197,6 +193,7 @@ class StagedFetch:
     that are -1 but for the locked routes (beside a cache, in :class:`SplitGpuExperts`)."""
 
     #: the executor hands :meth:`forward_routes` the whole routing (the split is by position)
+    takes_whole_routing: ClassVar[bool] = True
     splits_routes: ClassVar[bool] = True
 
     def __init__(self, experts: Any, registration: Any, staging: FetchStaging, activation: str, top_k: int,
@@ -225,7 +222,7 @@ class StagedFetch:
         ``tokens`` with no expert cache: the first routes in (token, k) order are locked."""
         got = self._per_tokens.get(tokens)
         if got is None:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if on_gpu(self.device) and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"locked fetch: no constants for batch size {tokens} during graph capture "
                                    "(warmup() with every captured batch size first)")
             n, cpu, slots = first_routes(tokens, self.top_k, self.fraction, self.max_fetch)

@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from freetoken.backends.contract import on_gpu
 from freetoken.moe.experts.copy_queue import CopyQueue, CopyTicket
 from freetoken.moe.experts.gpu_packed_experts import PACKED_FORMATS, DequantScratch
 
@@ -418,5 +419,5 @@ def measure_threshold(streamer: PrefillStreamer, cpu: Any, bank: Any, top_k: int
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+    if on_gpu(device):
         torch.cuda.synchronize(device)

@@ -3,7 +3,7 @@ routes to the CPU workers: page-locked banks, the global expert cache, long prom
 streamed through the GPU, the route log and the MoE statistics.
 
 :class:`ExpertTraffic` is built by :class:`~freetoken.moe.session.gpu_session.GpuModelSession`
-from the ``--moe-*`` options (:class:`~freetoken.backends.contract.MoEOptions`) and the
+from the ``--moe-*`` options (:class:`~freetoken.backends.options.MoEOptions`) and the
 memory plan, and sits in three places of the session:
 
 * :meth:`start` (before the CPU coordinator takes the cores): registers the banks, fills
@@ -23,7 +23,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from freetoken.backends.contract import MoEOptions
+from freetoken.backends.contract import on_gpu
+from freetoken.backends.options import MoEOptions
 from freetoken.moe.experts.copy_queue import CopyQueue
 from freetoken.moe.experts.expert_cache import ExpertCache
 from freetoken.moe.experts.gpu_packed_experts import DequantScratch
@@ -159,8 +160,8 @@ class ExpertTraffic:
 
     def _register(self, staging: Any, wanted: bool, mapped: bool) -> None:
         mode = self.options.lock_host
-        if mode == "off" or not self.cpu_layers or self.device.type != "cuda":
-            if mode == "on" and self.device.type != "cuda":
+        if mode == "off" or not self.cpu_layers or not on_gpu(self.device):
+            if mode == "on" and not on_gpu(self.device):
                 raise ValueError(f"--moe-lock-host on: device {self.device} is not a CUDA/HIP GPU")
             return
         if mode == "auto" and not wanted:
@@ -219,7 +220,7 @@ class ExpertTraffic:
     def _count_prompt_routes(self, layer: int, ids: Any) -> None:
         """Add a prompt step's routes of a cached layer to the device-side counts (no sync;
         never inside a graph capture, whose replays are decode steps)."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if on_gpu(self.device) and torch.cuda.is_current_stream_capturing():
             return
         flat = ids.reshape(-1).long()
         self._prompt_counts[self.cache.rows[layer]].index_add_(  # type: ignore[index, union-attr]
@@ -315,7 +316,7 @@ class ExpertTraffic:
             self.cache.close()
         if self.copies is not None:
             self.copies.close()
-        if self.device.type == "cuda":
+        if on_gpu(self.device):
             torch.cuda.synchronize(self.device)
         if self.registration is not None:
             self.registration.close()

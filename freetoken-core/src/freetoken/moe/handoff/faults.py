@@ -2,7 +2,7 @@
 
 ``FREETOKEN_FAULT_INJECT`` holds comma-separated rules ``PATH[@graph]:KIND``:
 
-* ``PATH``  -- ``kernel_io``, ``copy`` or ``host_callback`` (an :class:`~freetoken.backends.contract.IOPath` value)
+* ``PATH``  -- ``kernel_io``, ``copy`` or ``host_callback`` (an :class:`~freetoken.backends.handoff_io.IOPath` value)
 * ``@graph``-- only in work recorded under graph capture (eager runs stay correct)
 * ``KIND``  -- ``stale``   publish without storing the new activations (the CPU computes
   on the previous ones); ``nofence`` raise ``ready`` before the stores, unfenced (a race,

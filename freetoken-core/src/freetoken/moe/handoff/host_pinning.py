@@ -68,7 +68,7 @@ def _read_only(raw: Any) -> bool:
 
 class HostRegistration:
     """Host ranges page-locked and registered with the driver through the backend's
-    :meth:`~freetoken.backends.contract.Staging.register_host` (``mapped``: kernels may also
+    :meth:`~freetoken.backends.handoff_io.Staging.register_host` (``mapped``: kernels may also
     read them in place at :meth:`device_address`); :meth:`close` releases them."""
 
     def __init__(self, staging: Any, mapped: bool = False) -> None:

@@ -22,9 +22,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from freetoken.backends.contract import Backend, HandoffTask, IOPath, SyncMode
+from freetoken.backends.contract import Backend
+
+from freetoken.backends.handoff_io import HandoffTask, IOPath, SyncMode
 from freetoken.moe.handoff import faults
-from freetoken.moe.experts.gpu_experts import GpuExperts
+from freetoken.moe.experts.routed import GpuRoutedExperts
 from freetoken.moe.placement import Placement, split_routes
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,7 @@ class HybridMoEExecutor:
         self,
         backend: Backend,
         layer: int,
-        gpu_experts: Optional[GpuExperts],
+        gpu_experts: Optional[GpuRoutedExperts],
         cpu_bank_address: int,
         top_k: int,
         io_path: IOPath,
@@ -145,7 +147,7 @@ class HybridMoEExecutor:
             cpu_mask = self.placement.cpu_mask(ids)
         w32 = w.to(torch.float32).contiguous()
         stream = self.backend.current_stream()
-        if self.kio is not None and hasattr(self.kio, "publish_routes"):
+        if self.kio is not None and self.kio.publishes_routes:
             # the split happens inside the publish kernel: nothing between the router and the hand-off
             split = self._kernel_split(cpu_mask)
             self.kio.publish_routes(stream, task, x.contiguous(), ids.contiguous(), w32, **split)
@@ -186,9 +188,9 @@ class HybridMoEExecutor:
         """The GPU experts take the whole routing and skip what they do not hold (an expert
         cache's layer), and the split follows the same residency; or they split it themselves
         (``splits_routes``: locked fetch by position): no split kernels for the GPU side."""
-        if self.experts is not None and getattr(self.experts, "splits_routes", False):
+        if self.experts is not None and self.experts.splits_routes:
             return True
-        return (cpu_mask is None and self.experts is not None and hasattr(self.experts, "forward_routes")
+        return (cpu_mask is None and self.experts is not None and self.experts.takes_whole_routing
                 and self.placement is not None and self.placement.cpu_routes_per_token is None
                 and not self.placement.explicit_mask)
 

@@ -12,7 +12,9 @@ import math
 import time
 from typing import Any, Optional
 
-from freetoken.backends.contract import Backend, CpuExperts, IOPath, SyncMode
+from freetoken.backends.contract import Backend, CpuExperts
+
+from freetoken.backends.handoff_io import IOPath, SyncMode
 
 #: Route patterns cycled over steps/replays: mixed splits, no CPU route (the empty-route
 #: skip), every route on the CPU.

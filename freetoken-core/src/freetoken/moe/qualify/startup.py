@@ -25,7 +25,9 @@ import dataclasses
 import logging
 from typing import Any, Optional, Protocol
 
-from freetoken.backends.contract import Backend, CpuExperts, IOPath, SyncMode
+from freetoken.backends.contract import Backend, CpuExperts
+
+from freetoken.backends.handoff_io import IOPath, SyncMode
 from freetoken.moe.qualify.checks import CheckFailure, QualLayer
 
 log = logging.getLogger(__name__)
@@ -120,7 +122,7 @@ def _choose_candidates(backend: Backend, act_dtype: Any, reasons: list[str]) -> 
         ok = False
         reasons.append(f"KernelIO probe raised {type(exc).__name__}: {exc}")
     if not ok:
-        detail = getattr(kio, "probe_details", None)
+        detail = kio.probe_details
         reasons.append(f"KernelIO probe failed{f' ({detail})' if detail else ''}")
         return [IOPath.COPY]
     reasons.append("KernelIO probe passed and activations are BF16")
@@ -149,7 +151,7 @@ def qualify(
     settings = graph_settings if graph_settings is not None else GraphSettings()
     config = config or QualifyConfig()
     dtype_name = _dtype_name(act_dtype)
-    if backend.hardware == "cpu":
+    if not backend.hands_off:
         result = QualificationResult(
             backend.name, dtype_name, IOPath.SYNCHRONOUS.value, "synchronous", False,
             "no GPU: CPU experts run synchronously inside the layer; nothing to hand off",

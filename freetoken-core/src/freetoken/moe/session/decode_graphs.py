@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from freetoken.backends.contract import GraphCapture
+from freetoken.backends.contract import GraphCapture, on_gpu
 from freetoken.models.attention import AttentionMetadata, SeqSlice
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class DecodeGraphRunner:
         # the same layout and copied in one go: [ids | positions | slots] as int64 (3 n),
         # then [block table row | context length] as int32 (n rows of max_blocks + 1)
         words = 3 * n * 2 + n * (max_blocks + 1)  # in int32 words
-        pin = device.type == "cuda"
+        pin = on_gpu(device)
         # two staging buffers used in turn: a step launched before the previous one's tokens
         # are read back (the engine's decode-ahead) must not overwrite inputs whose copy may
         # still be queued behind the previous step
@@ -129,7 +129,7 @@ class DecodeGraphRunner:
 
             for _ in range(2):  # compiles kernel variants, creates lazily allocated state
                 step()
-            if self.device.type == "cuda":
+            if on_gpu(self.device):
                 torch.cuda.synchronize(self.device)
             out: dict[str, torch.Tensor] = {}
 

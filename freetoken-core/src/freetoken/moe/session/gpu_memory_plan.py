@@ -19,7 +19,9 @@ from typing import Any, Optional
 
 import torch
 
-from freetoken.backends.contract import Backend, BackendError, EngineOptions, MemoryPlanError, ModelShape
+from freetoken.backends.contract import Backend, BackendError, MemoryPlanError, ModelShape, on_gpu
+
+from freetoken.backends.options import EngineOptions
 from freetoken.models.layers import DeviceWeightPolicy
 from freetoken.moe.experts.gpu_packed_experts import FMT_FP8_ROWS, PACKED_FORMATS, fp8_rows_bytes, fp8_rows_fit
 from freetoken.moe.experts.locked_fetch import FetchStaging, planned_fraction
@@ -150,7 +152,7 @@ class GpuMemoryPlanner:
             if streams else 0
         m = o.moe
         fetchable = n > 0 and len(as_stored) == n and m.lock_host != "off"
-        locked, locked_setting = planned_fraction(m.locked_fetch, self.device, fetchable)
+        locked, locked_setting = planned_fraction(m.locked_fetch, self.device, fetchable, self.backend.locked_fetch_share)
         if locked > 0 and m.locked_max_fetch > 0 and n > 0:
             # locked fetch by copy: device slots for the experts a step fetches
             buffers += FetchStaging.bytes_for(max(per_layer.values()) // max(shape.num_experts, 1), m.locked_max_fetch)
@@ -177,7 +179,7 @@ class GpuMemoryPlanner:
                 self._refuse(shape, per_layer, gpu, need, budget, budget_from, fixed, cache, buffers, kv_min,
                              reserve, dense)
             kv_budget = budget - reserve - dense - experts - cache - buffers
-            if self.device.type == "cuda" and total:
+            if on_gpu(self.device) and total:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
         result = MemoryPlan(budget, dense, max(per_layer.values(), default=0), gpu, cpu, kv_budget, reserve,
                             sorted(set(gpu) & packed), experts, cache, buffers, self.dense_form, self.embedding_place)

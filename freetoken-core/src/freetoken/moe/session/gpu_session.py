@@ -34,20 +34,13 @@ from typing import Any, Optional
 
 import torch
 
-from freetoken.backends.contract import (
-    Backend,
-    CpuExperts,
-    EngineOptions,
-    ExpertsFn,
-    IOPath,
-    ModelSession,
-    ModelShape,
-    MoELayerSpec,
-)
+from freetoken.backends.contract import Backend, CpuExperts, ExpertsFn, MoELayerSpec, ModelSession, ModelShape, on_gpu
+from freetoken.backends.handoff_io import IOPath
+from freetoken.backends.options import EngineOptions
 from freetoken.models.layers import DeviceWeightPolicy
 from freetoken.moe.handoff.expert_traffic import ExpertTraffic
 from freetoken.moe.session.gpu_memory_plan import GpuMemoryPlanner, MemoryPlan, layer_ranges
-from freetoken.moe.experts.gpu_packed_experts import DequantScratch
+from freetoken.moe.experts.gpu_packed_experts import DequantScratch, PackedGpuExperts
 from freetoken.moe.session.host_threads import HostThreads
 
 log = logging.getLogger(__name__)
@@ -140,8 +133,6 @@ class GpuModelSession(ModelSession):
             if self.traffic is not None:
                 self.traffic.add_cpu_layer(layer, e, spec.activation)
         elif layer in plan.packed_layers:
-            from freetoken.moe.experts.gpu_packed_experts import PackedGpuExperts
-
             experts = PackedGpuExperts.from_expert_weights(e, self.device, activation=spec.activation,
                                                            scratch=self.dequant_scratch, native=self.experts_kernel)
             self.gpu_experts[layer] = experts
@@ -208,11 +199,11 @@ class GpuModelSession(ModelSession):
         self.reason = "; ".join(r for r in reasons if r)
 
     def _start_cpu_layers(self, io_path: IOPath, sync_mode: Optional[str]) -> None:
-        from freetoken.backends.contract import SyncMode
+        from freetoken.backends.handoff_io import SyncMode
         from freetoken.moe.handoff.hybrid import HybridMoEExecutor
 
         spin_ms = self.options.cpu_spin_ms
-        if spin_ms is None and self.device.type == "cuda":
+        if spin_ms is None and on_gpu(self.device):
             spin_ms = GPU_SPIN_MS
         self.coordinator = self.cpu.coordinator(self.options.cpu_threads,
                                                 spin_us=None if spin_ms is None else spin_ms * 1e3)
@@ -243,7 +234,7 @@ class GpuModelSession(ModelSession):
         if self.options.pin_host_threads != "on":
             self._host_threads_off = "off (--pin-host-threads off)"
             return
-        if self.device.type != "cuda":  # the fake GPU's "device" work runs on this thread itself
+        if not on_gpu(self.device):  # the fake GPU's "device" work runs on this thread itself
             self._host_threads_off = f"no GPU device ({self.device.type}): the host threads run the device's work"
             return
         self.host_threads = HostThreads(self.coordinator.free_cpus())
@@ -268,7 +259,7 @@ class GpuModelSession(ModelSession):
         if old is None:
             raise RuntimeError("this session replays no decode graphs (eager only): nothing to recapture")
         self.runner = None
-        if self.device.type == "cuda":  # a step launched ahead may still replay an old graph
+        if on_gpu(self.device):  # a step launched ahead may still replay an old graph
             torch.cuda.synchronize(self.device)
         old.close()
         self._capture_graphs(scratch=old.scratch_block)
@@ -415,7 +406,7 @@ class GpuModelSession(ModelSession):
     def _experts_kernel_report(self) -> dict[str, Any]:
         """``--moe-gpu-kernel`` and what it came to: the GPU layers whose decode routes run
         the backend's kernels, and why the others do not (one reason per distinct one)."""
-        packed = [e for e in self.gpu_experts.values() if hasattr(e, "native_refusal")]
+        packed = [e for e in self.gpu_experts.values() if isinstance(e, PackedGpuExperts)]
         native = [e for e in packed if e.native is not None]
         why = sorted({e.native_refusal for e in packed if e.native is None})
         return {"setting": self.options.moe.gpu_kernel, "native_layers": len(native),
@@ -460,7 +451,7 @@ class GpuModelSession(ModelSession):
                 out["step_breakdown"] = {"decode_step_us": step / 1e3, "cpu_experts_us": busy / 1e3}
         if self.traffic is not None:
             out.update(self.traffic.report())
-        if self.device.type == "cuda":
+        if on_gpu(self.device):
             out["gpu_memory"] = {"allocated": torch.cuda.memory_allocated(self.device),
                                  "max_allocated": torch.cuda.max_memory_allocated(self.device),
                                  "reserved": torch.cuda.memory_reserved(self.device)}

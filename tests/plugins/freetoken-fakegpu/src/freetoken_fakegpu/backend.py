@@ -9,19 +9,9 @@ from typing import Any, Optional
 
 import torch
 
-from freetoken.backends.contract import (
-    Backend,
-    Capabilities,
-    EngineOptions,
-    GpuSync,
-    HandoffError,
-    HandoffTask,
-    HostBuffer,
-    ModelSession,
-    ProbeResult,
-    Staging,
-    SyncMode,
-)
+from freetoken.backends.contract import Backend, Capabilities, ModelSession, ProbeResult
+from freetoken.backends.handoff_io import GpuSync, HandoffError, HandoffTask, HostBuffer, Staging, SyncMode
+from freetoken.backends.options import EngineOptions
 from freetoken_fakegpu.stream import FakeStream, stream_for
 
 #: Set to make the probe report the (simulated) hardware absent.
