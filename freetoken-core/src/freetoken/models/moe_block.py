@@ -43,7 +43,8 @@ class SwiGLU:
     @classmethod
     def load(cls, get: Callable[[str], RawTensor], policy: WeightPolicy, prefix: str) -> "SwiGLU":
         """From the roles ``{prefix}_gate``, ``{prefix}_up`` and ``{prefix}_down``."""
-        return cls(FusedLinears([get(f"{prefix}_gate"), get(f"{prefix}_up")], policy), policy.linear(get(f"{prefix}_down")))
+        gate_up = FusedLinears([get(f"{prefix}_gate"), get(f"{prefix}_up")], policy)
+        return cls(gate_up, policy.linear(get(f"{prefix}_down")))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_up(x)
