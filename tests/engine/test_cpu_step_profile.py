@@ -88,7 +88,7 @@ def _placed(eng):
     them have of their own (a wrapper left behind, or a method turned into an instance
     attribute, shows there)."""
     model, session = eng.model, eng.session
-    family = sys.modules[type(model).__module__]
+    family = sys.modules[type(model).forward.__module__]  # the module whose forward calls the attention
     parts = {"embed": model.embed, "paged_attention": family.paged_attention,
              "native_decode": session.native_decode, "greedy_head": session.greedy_head}
     own = {"model": sorted(vars(model)), "session": sorted(vars(session))}

@@ -13,7 +13,7 @@ import torch
 from families import make_model
 from freetoken.handoff import Fmt
 from freetoken.models.loader import gguf_model_shape
-from freetoken.models.moe_decoder import BIAS_PAD
+from freetoken.models.moe_block import BIAS_PAD
 from test_gguf import CASES, write_gguf
 
 

@@ -14,7 +14,7 @@ import torch
 from freetoken.handoff import Fmt
 from freetoken.loading.dequant import dequantize, mxfp4_ggml_from_hf
 from freetoken.models.gpt_oss import mxfp4_bias_blocks
-from freetoken.models.moe_decoder import BIAS_FINE, BIAS_ONES, BIAS_PAD
+from freetoken.models.moe_block import BIAS_FINE, BIAS_ONES, BIAS_PAD
 
 
 def _gguf_values(raw: np.ndarray) -> np.ndarray:

@@ -114,3 +114,51 @@ def gguf_config_fields(meta: dict[str, Any], a: str, has_output: bool, *, rms_no
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
+
+
+def hf_eos_ids(cfg: dict[str, Any], generation_config: Optional[dict[str, Any]] = None) -> tuple[int, ...]:
+    """End-of-sequence ids of an HF generation config, then of its ``config.json``, in
+    order, each once."""
+    eos: list[int] = []
+    for src in (generation_config or {}, cfg):
+        v = src.get("eos_token_id")
+        for e in v if isinstance(v, list) else ([] if v is None else [v]):
+            if int(e) not in eos:
+                eos.append(int(e))
+    return tuple(eos)
+
+
+def check_hf_support(cfg: dict[str, Any], family: str, *, attention_bias: bool = True) -> None:
+    """The HF ``config.json`` checks of the SwiGLU families: ``hidden_act`` silu, no
+    projection biases (``attention_bias``, checked unless the family's config has no such
+    key), and unquantized weights or FP8 with 128x128 block scales."""
+    from freetoken.loading.hf import CheckpointError
+
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{family} with hidden_act={cfg.get('hidden_act')!r} is not supported (silu only)")
+    if attention_bias and cfg.get("attention_bias"):
+        raise CheckpointError(f"{family} checkpoints with attention_bias=true are not supported")
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(
+            f"{family}: quantization method {method!r} is not supported (HF checkpoints: BF16/FP16/FP32 or FP8 with "
+            "128x128 block scales; use a GGUF file for other quantizations)")
+    block = qc.get("weight_block_size")
+    if block is not None and list(block) != [128, 128]:
+        raise CheckpointError(f"{family}: FP8 weight_block_size {block} is not supported (128x128 only)")
+
+
+def gguf_expert_fields(meta: dict[str, Any], a: str, *, ffn_fallback: bool = False) -> dict[str, Any]:
+    """The routed experts' :class:`ModelConfig` fields from GGUF metadata: their hidden size
+    (``expert_feed_forward_length``; with ``ffn_fallback``, ``feed_forward_length`` when
+    absent, as llama's converter writes Mixtral and OLMoE), count and experts per token."""
+    from freetoken.loading.gguf import gguf_int
+
+    key = f"{a}.expert_feed_forward_length"
+    if ffn_fallback and key not in meta:
+        key = f"{a}.feed_forward_length"
+    return dict(moe_intermediate_size=gguf_int(meta, key), num_experts=gguf_int(meta, f"{a}.expert_count"),
+                top_k=gguf_int(meta, f"{a}.expert_used_count"))  # fmt: skip

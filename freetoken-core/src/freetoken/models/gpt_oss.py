@@ -33,9 +33,11 @@ from freetoken.loading.dequant import MXFP4_KVALUES, mxfp4_ggml_from_hf
 from freetoken.loading.hf import CheckpointError
 from freetoken.loading.host_pages import huge_empty
 from freetoken.loading.tensors import RawTensor, fmt_name
-from freetoken.models.config import ModelConfig, gguf_config_fields, hf_config_fields
-from freetoken.models.moe_decoder import BIAS_PAD, Arch, MoeDecoderModel, Names, hf_eos_ids
+from freetoken.models.config import ModelConfig, gguf_config_fields, hf_config_fields, hf_eos_ids
+from freetoken.models.moe_block import BIAS_PAD
+from freetoken.models.moe_decoder import Arch, MoeDecoderModel, Names
 from freetoken.models.rope import RopeScaling, scaling_from_hf
+from freetoken.models.tensor_names import GGUF_ATTENTION_ROLES, HF_ATTENTION_ROLES, gguf_names, hf_names
 from freetoken.models.moe_layer import ExpertWeights
 
 logger = logging.getLogger(__name__)
@@ -117,28 +119,22 @@ def config_from_gguf(meta: dict[str, Any], has_output: bool) -> GptOssConfig:
 
 
 _HF_ROLES = {
-    "in_norm": "input_layernorm.weight",
-    "post_norm": "post_attention_layernorm.weight",
-    "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
-    "o": "self_attn.o_proj.weight",
+    **HF_ATTENTION_ROLES,
     "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
     "o_bias": "self_attn.o_proj.bias",
     "sinks": "self_attn.sinks",
     "router": "mlp.router.weight", "router_bias": "mlp.router.bias",
 }  # fmt: skip
 _GGUF_ROLES = {
-    "in_norm": "attn_norm.weight",
+    **GGUF_ATTENTION_ROLES,
     "post_norm": "post_attention_norm.weight",
-    "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
     "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias", "o_bias": "attn_output.bias",
     "sinks": "attn_sinks.weight",
     "router": "ffn_gate_inp.weight", "router_bias": "ffn_gate_inp.bias",
 }  # fmt: skip
 
-HF_NAMES = Names(embed="model.embed_tokens.weight", norm="model.norm.weight", lm_head="lm_head.weight",
-                 layer=lambda i, r: f"model.layers.{i}.{_HF_ROLES[r]}", fmt="hf")
-GGUF_NAMES = Names(embed="token_embd.weight", norm="output_norm.weight", lm_head="output.weight",
-                   layer=lambda i, r: f"blk.{i}.{_GGUF_ROLES[r]}", fmt="gguf")
+HF_NAMES = hf_names(_HF_ROLES)
+GGUF_NAMES = gguf_names(_GGUF_ROLES)
 
 
 # ------------------------------------------------------------------ experts

@@ -195,7 +195,7 @@ def _hf_expert_formats(ck: Any, shape: ModelShape) -> None:
     biases folded in as ``BIAS_PAD`` more columns) also get their bytes as held. Other fused
     expert tensors leave the formats unset; per-expert float and FP8 tensors leave the bytes
     unset (the plan counts FP8 in its device rows from the sizes)."""
-    from freetoken.models.moe_decoder import BIAS_PAD
+    from freetoken.models.moe_block import BIAS_PAD
 
     quant = (ck.config.get("quantization_config") or {}).get("quant_method")
     mxfp4 = {int(m.group(1)) for m in map(_HF_MXFP4_BLOCKS.search, ck.names()) if m} if quant == "mxfp4" else set()
@@ -230,7 +230,7 @@ def _gguf_expert_layout(ck: Any, names: Any, shape: ModelShape) -> None:
     with biases (``ffn_gate_exps.bias``) are held with their biases folded in as ``BIAS_PAD``
     more columns of gate/up and rows of down (:class:`~freetoken.models.moe_decoder.BiasedMoELayer`),
     so their bytes are counted in that layout."""
-    from freetoken.models.moe_decoder import BIAS_PAD
+    from freetoken.models.moe_block import BIAS_PAD
 
     sizes: dict[int, int] = {}
     formats: dict[int, tuple[int, int, int]] = {}

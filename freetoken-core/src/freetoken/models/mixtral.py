@@ -13,9 +13,11 @@ import dataclasses
 from typing import Any, Optional
 
 from freetoken.loading.hf import CheckpointError
-from freetoken.models.config import ModelConfig, gguf_config_fields, hf_config_fields
-from freetoken.models.moe_decoder import Arch, MoeDecoderModel, Names, hf_eos_ids, swiglu_experts
-from freetoken.models.rope import scaling_from_hf
+from freetoken.models.config import ModelConfig, check_hf_support, hf_config_fields, hf_eos_ids
+from freetoken.models.config import gguf_config_fields, gguf_expert_fields
+from freetoken.models.moe_decoder import Arch, MoeDecoderModel, swiglu_experts_builder
+from freetoken.models.rope import default_rope_theta
+from freetoken.models.tensor_names import GGUF_ATTENTION_ROLES, GGUF_MLP_ROLES, HF_ATTENTION_ROLES, gguf_names, hf_names
 
 ARCHITECTURE = "mixtral"
 HF_ARCHITECTURES = ("MixtralForCausalLM",)
@@ -27,27 +29,8 @@ class MixtralConfig(ModelConfig):
     sliding_window: Optional[int] = None
 
 
-def check_hf_quantization(cfg: dict[str, Any], family: str) -> None:
-    qc = cfg.get("quantization_config")
-    if not qc:
-        return
-    method = qc.get("quant_method")
-    if method != "fp8":
-        raise CheckpointError(
-            f"{family}: quantization method {method!r} is not supported (HF checkpoints: BF16/FP16/FP32 or FP8 with "
-            "128x128 block scales; use a GGUF file for other quantizations)")
-    block = qc.get("weight_block_size")
-    if block is not None and list(block) != [128, 128]:
-        raise CheckpointError(f"{family}: FP8 weight_block_size {block} is not supported (128x128 only)")
-
-
 def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, Any]] = None) -> MixtralConfig:
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"Mixtral with hidden_act={cfg.get('hidden_act')!r} is not supported (silu only)")
-    check_hf_quantization(cfg, "Mixtral")
-    theta, scaling = scaling_from_hf(cfg)
-    if scaling.kind != "default":
-        raise CheckpointError(f"Mixtral with RoPE scaling {scaling.kind!r} is not supported (default RoPE only)")
+    check_hf_support(cfg, "Mixtral", attention_bias=False)
     window = cfg.get("sliding_window")
     return MixtralConfig(
         architecture=ARCHITECTURE,
@@ -57,7 +40,7 @@ def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, An
         num_experts=int(cfg["num_local_experts"]),
         top_k=int(cfg["num_experts_per_tok"]),
         norm_topk_prob=True,
-        rope_theta=theta,
+        rope_theta=default_rope_theta(cfg, "Mixtral"),
         sliding_window=int(window) if window else None,
     )
 
@@ -66,8 +49,7 @@ def config_from_gguf(meta: dict[str, Any], has_output: bool) -> MixtralConfig:
     from freetoken.loading.gguf import gguf_int
 
     a = meta.get("general.architecture", "llama")
-    experts = int(meta.get(f"{a}.expert_count", 0) or 0)
-    if experts == 0:
+    if not int(meta.get(f"{a}.expert_count", 0) or 0):
         raise CheckpointError(
             f"GGUF architecture {a!r} without experts (a dense Llama) is not supported; FreeToken runs MoE models "
             "(a llama file with expert_count > 0 is Mixtral)")
@@ -80,51 +62,17 @@ def config_from_gguf(meta: dict[str, Any], has_output: bool) -> MixtralConfig:
     return MixtralConfig(
         architecture=ARCHITECTURE,
         **fields,
+        **gguf_expert_fields(meta, a, ffn_fallback=True),
         intermediate_size=0,
-        moe_intermediate_size=gguf_int(meta, f"{a}.expert_feed_forward_length", None)
-        if f"{a}.expert_feed_forward_length" in meta else gguf_int(meta, f"{a}.feed_forward_length"),
-        num_experts=experts,
-        top_k=gguf_int(meta, f"{a}.expert_used_count"),
         norm_topk_prob=True,
     )
 
 
-_HF_ROLES = {
-    "in_norm": "input_layernorm.weight",
-    "post_norm": "post_attention_layernorm.weight",
-    "q": "self_attn.q_proj.weight",
-    "k": "self_attn.k_proj.weight",
-    "v": "self_attn.v_proj.weight",
-    "o": "self_attn.o_proj.weight",
-}
-_GGUF_ROLES = {
-    "in_norm": "attn_norm.weight",
-    "post_norm": "ffn_norm.weight",
-    "q": "attn_q.weight",
-    "k": "attn_k.weight",
-    "v": "attn_v.weight",
-    "o": "attn_output.weight",
-    "router": "ffn_gate_inp.weight",
-}
+HF_NAMES = hf_names({**HF_ATTENTION_ROLES, "router": "block_sparse_moe.gate.weight"})
+GGUF_NAMES = gguf_names({**GGUF_ATTENTION_ROLES, **GGUF_MLP_ROLES})
 _HF_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
-
-
-def _hf_layer(i: int, role: str) -> str:
-    if role == "router":
-        return f"model.layers.{i}.block_sparse_moe.gate.weight"
-    return f"model.layers.{i}.{_HF_ROLES[role]}"
-
-
-HF_NAMES = Names(embed="model.embed_tokens.weight", norm="model.norm.weight", lm_head="lm_head.weight",
-                 layer=_hf_layer, fmt="hf")
-GGUF_NAMES = Names(embed="token_embd.weight", norm="output_norm.weight", lm_head="output.weight",
-                   layer=lambda i, r: f"blk.{i}.{_GGUF_ROLES[r]}", fmt="gguf")
-
-
-def _experts(i: int, source: Any, names: Names, c: ModelConfig) -> tuple[Any, None]:
-    per_expert = lambda l, e, r: f"model.layers.{l}.block_sparse_moe.experts.{e}.{_HF_EXPERT[r]}.weight"  # noqa: E731
-    fused = lambda l, r: f"model.layers.{l}.mlp.experts.{r}_proj"  # noqa: E731
-    return swiglu_experts(i, source, names, c, per_expert, fused), None
+_experts = swiglu_experts_builder(
+    lambda l, e, r: f"model.layers.{l}.block_sparse_moe.experts.{e}.{_HF_EXPERT[r]}.weight")
 
 
 class MixtralModel(MoeDecoderModel):

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from freetoken.loading.hf import CheckpointError
-from freetoken.models.config import gguf_config_fields, hf_config_fields
-from freetoken.models.qwen_hybrid import FULL, GGUF_NAMES, HF_NAMES, LINEAR, HybridConfig, QwenHybridModel, eos_ids
+from freetoken.models.config import check_hf_support, gguf_config_fields, hf_config_fields, hf_eos_ids
+from freetoken.models.qwen_hybrid import FULL, GGUF_NAMES, HF_NAMES, LINEAR, HybridConfig, QwenHybridModel
 from freetoken.models.qwen_hybrid import finish_config
+from freetoken.models.rope import default_rope_theta, hf_rope_parameters
 
 ARCHITECTURE = "qwen3_5_moe"
 HF_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
@@ -37,30 +37,12 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-def check_common(cfg: dict[str, Any], family: str) -> dict[str, Any]:
-    """The checks both hybrid families share; returns the RoPE parameters."""
-    if cfg.get("attention_bias"):
-        raise CheckpointError(f"{family} checkpoints with attention_bias=true are not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{family} with hidden_act={cfg.get('hidden_act')!r} is not supported (silu only)")
-    qc = cfg.get("quantization_config")
-    if qc:
-        method = qc.get("quant_method")
-        if method != "fp8":
-            raise CheckpointError(
-                f"quantization method {method!r} is not supported (HF checkpoints: BF16/FP16/FP32 or FP8 with "
-                "128x128 block scales; use a GGUF file for other quantizations)")
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise CheckpointError(f"RoPE scaling {rope_type!r} is not supported yet (default RoPE only)")
-    return rope
-
-
 def hybrid_config(architecture: str, cfg: dict[str, Any], gen: Optional[dict[str, Any]], family: str,
                   **extra: Any) -> HybridConfig:  # fmt: skip
-    rope = check_common(cfg, family)
-    fields = hf_config_fields(cfg, eos_ids(gen or {}, cfg))
+    check_hf_support(cfg, family)
+    theta = default_rope_theta(cfg, family)
+    rope = hf_rope_parameters(cfg)
+    fields = hf_config_fields(cfg, hf_eos_ids(cfg, gen))
     head_dim, n = fields["head_dim"], fields["num_layers"]
     types = cfg.get("layer_types")
     if types is None:
@@ -74,7 +56,7 @@ def hybrid_config(architecture: str, cfg: dict[str, Any], gen: Optional[dict[str
         moe_intermediate_size=int(cfg["moe_intermediate_size"]),
         num_experts=int(cfg["num_experts"]),
         top_k=int(cfg["num_experts_per_tok"]),
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        rope_theta=theta,
         layer_types=tuple(types),
         linear_key_heads=int(cfg["linear_num_key_heads"]),
         linear_value_heads=int(cfg["linear_num_value_heads"]),

@@ -23,18 +23,19 @@ import logging
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from freetoken.backends.contract import WeightPolicy
 from freetoken.loading.hf import CheckpointError
 from freetoken.loading.tensors import RawTensor, TensorSource
 from freetoken.models.attention import AttentionMetadata, paged_attention
 from freetoken.models.config import ModelConfig, RecurrentStateShape
-from freetoken.models.dense_ops import dense_ops_for
+from freetoken.models.decoder_base import DecoderModelBase
 from freetoken.models.gated_deltanet import DeltaNetShape, GatedDeltaNet
 from freetoken.models.hybrid_weights import PartialRotary, offset_norm, rotary_permutation, take_rows
 from freetoken.models.layers import FusedLinears
-from freetoken.models.moe_layer import ExpertWeights, MoELayer, stack_experts
+from freetoken.models.moe_block import swiglu_experts
+from freetoken.models.tensor_names import GGUF_ATTENTION_ROLES, GGUF_MLP_ROLES, HF_ATTENTION_ROLES, HF_MLP_ROLES
+from freetoken.models.moe_layer import ExpertWeights
 
 logger = logging.getLogger(__name__)
 
@@ -81,46 +82,27 @@ def finish_config(cfg: HybridConfig, where: str) -> HybridConfig:
     return cfg
 
 
-def eos_ids(*sources: dict[str, Any]) -> tuple[int, ...]:
-    out: list[int] = []
-    for src in sources:
-        v = (src or {}).get("eos_token_id")
-        for e in v if isinstance(v, list) else ([] if v is None else [v]):
-            if int(e) not in out:
-                out.append(int(e))
-    return tuple(out)
-
-
 # ------------------------------------------------------------------ tensor names
 
 _HF_ROLES = {
-    "in_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
-    "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
-    "o": "self_attn.o_proj.weight", "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    **HF_ATTENTION_ROLES, **HF_MLP_ROLES,
     "qkv": "linear_attn.in_proj_qkv.weight", "z": "linear_attn.in_proj_z.weight",
     "b": "linear_attn.in_proj_b.weight", "a": "linear_attn.in_proj_a.weight",
     "qkvz": "linear_attn.in_proj_qkvz.weight", "ba": "linear_attn.in_proj_ba.weight",
     "conv": "linear_attn.conv1d.weight", "A_log": "linear_attn.A_log", "dt_bias": "linear_attn.dt_bias",
     "ssm_norm": "linear_attn.norm.weight", "ssm_out": "linear_attn.out_proj.weight",
-    "router": "mlp.gate.weight", "shexp_gate": "mlp.shared_expert.gate_proj.weight",
-    "shexp_up": "mlp.shared_expert.up_proj.weight", "shexp_down": "mlp.shared_expert.down_proj.weight",
-    "shexp_router": "mlp.shared_expert_gate.weight",
-    "mlp_gate": "mlp.gate_proj.weight", "mlp_up": "mlp.up_proj.weight", "mlp_down": "mlp.down_proj.weight",
-    "gate_up_exps": "mlp.experts.gate_up_proj", "down_exps": "mlp.experts.down_proj",
+    "shexp_gate": "mlp.shared_expert.gate_proj.weight", "shexp_up": "mlp.shared_expert.up_proj.weight",
+    "shexp_down": "mlp.shared_expert.down_proj.weight", "shexp_router": "mlp.shared_expert_gate.weight",
 }  # fmt: skip
 
 _GGUF_ROLES = {
-    "in_norm": "attn_norm.weight", "post_norm": "post_attention_norm.weight",
-    "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
-    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    **GGUF_ATTENTION_ROLES, **GGUF_MLP_ROLES,
+    "post_norm": "post_attention_norm.weight",
     "qkv": "attn_qkv.weight", "z": "attn_gate.weight", "b": "ssm_beta.weight", "a": "ssm_alpha.weight",
     "ba": "ssm_ba.weight", "conv": "ssm_conv1d.weight", "A": "ssm_a", "dt_bias": "ssm_dt.bias",
     "ssm_norm": "ssm_norm.weight", "ssm_out": "ssm_out.weight",
-    "router": "ffn_gate_inp.weight", "shexp_gate": "ffn_gate_shexp.weight", "shexp_up": "ffn_up_shexp.weight",
-    "shexp_down": "ffn_down_shexp.weight", "shexp_router": "ffn_gate_inp_shexp.weight",
-    "mlp_gate": "ffn_gate.weight", "mlp_up": "ffn_up.weight", "mlp_down": "ffn_down.weight",
-    "gate_exps": "ffn_gate_exps.weight", "up_exps": "ffn_up_exps.weight", "down_exps": "ffn_down_exps.weight",
-    "gate_up_exps": "ffn_gate_up_exps.weight",
+    "shexp_gate": "ffn_gate_shexp.weight", "shexp_up": "ffn_up_shexp.weight", "shexp_down": "ffn_down_shexp.weight",
+    "shexp_router": "ffn_gate_inp_shexp.weight", "gate_up_exps": "ffn_gate_up_exps.weight",
 }  # fmt: skip
 
 
@@ -172,10 +154,10 @@ GGUF_NAMES = HybridNames(gguf=True)
 
 class _Layer:
     __slots__ = ("kind", "in_norm", "post_norm", "linear", "qkvg", "o", "q_norm", "k_norm", "qk_norm", "kv_index",
-                 "moe", "shared", "shared_down", "shared_gate", "mlp")  # fmt: skip
+                 "moe", "mlp")  # fmt: skip
 
 
-class QwenHybridModel:
+class QwenHybridModel(DecoderModelBase):
     """The runnable hybrid model: weights placed by a :class:`WeightPolicy`, forward over a
     flat batch of tokens with paged KV (full-attention layers) and per-request recurrent
     state (linear-attention layers, :meth:`attach_recurrent_state`)."""
@@ -185,25 +167,14 @@ class QwenHybridModel:
 
     def __init__(self, config: HybridConfig, source: TensorSource, names: HybridNames, policy: WeightPolicy,
                  progress: Optional[Callable[[int], None]] = None) -> None:  # fmt: skip
-        self.config = c = config
-        self.device = policy.device
-        self.dtype = policy.dtype
-        self.scale = c.head_dim ** -0.5
         names = names.for_source(source)
         self.names = names
-        get = source.get
         self._norm = (lambda raw: policy.tensor(raw)) if names.gguf else (lambda raw: policy.tensor(offset_norm(raw)))
-        self.embed = policy.embedding(get(names.embed))
-        if c.vocab_size <= 0:
-            c.vocab_size = self.embed.raw.shape[0]
-        self.norm = self._norm(get(names.norm))
-        if source.has(names.lm_head) and not c.tie_word_embeddings:
-            self.lm_head = policy.linear(get(names.lm_head))
-        else:
-            self.lm_head = policy.linear(get(names.embed))
+        self._load_ends(config, source, names, policy, self._norm)
+        c = config
+        get = source.get
         self.rotary = PartialRotary(c.head_dim, c.rotary_dim, c.rope_theta, c.max_position_embeddings, self.device)
         self.rope_order = rotary_permutation(c.head_dim, c.rotary_dim)
-        self.ops = dense_ops_for(self.device)
         self.layers: list[_Layer] = []
         kv_index = {layer: j for j, layer in enumerate(c.kv_layers or ())}
         for i in range(c.num_layers):
@@ -220,21 +191,12 @@ class QwenHybridModel:
             else:
                 self._attention(L, i, source, names, policy)
                 L.kv_index = kv_index[i]
-            L.moe = L.shared = L.shared_down = L.shared_gate = L.mlp = None
             if (names.gguf and c.is_moe_layer(i) and not source.has(names.layer(i, "router"))
                     and source.has(names.layer(i, "mlp_gate"))):
                 # GGUF metadata has no mlp_only_layers: a layer with a dense MLP says so by its tensors
                 c.mlp_only_layers = tuple(sorted({*c.mlp_only_layers, i}))
-            if c.is_moe_layer(i):
-                L.moe = MoELayer(i, policy.router(n("router")), self._experts(i, source, names), c.top_k,
-                                 c.norm_topk_prob)  # fmt: skip
-                L.moe.ops = self.ops
-                if c.shared_expert_intermediate_size > 0:
-                    L.shared = FusedLinears([n("shexp_gate"), n("shexp_up")], policy)
-                    L.shared_down = policy.linear(n("shexp_down"))
-                    L.shared_gate = policy.tensor(n("shexp_router")).reshape(-1)
-            else:
-                L.mlp = (FusedLinears([n("mlp_gate"), n("mlp_up")], policy), policy.linear(n("mlp_down")))
+            self._load_ffn(L, i, n, policy, lambda: (self._experts(i, source, names), None),
+                           shared=c.shared_expert_intermediate_size > 0)  # fmt: skip
             self.layers.append(L)
             if progress is not None:
                 progress(i)
@@ -298,27 +260,9 @@ class QwenHybridModel:
                              dt_bias.to(self.device, self.dtype), norm, out, c.rms_norm_eps)  # fmt: skip
 
     def _experts(self, i: int, source: TensorSource, names: HybridNames) -> ExpertWeights:
-        c = self.config
-        E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
-        if not names.gguf and source.has(names.expert(i, 0, "gate")):
-            gate, up, down = (stack_experts([source.get(names.expert(i, e, p)) for e in range(E)], f"layer{i}.{p}")
-                              for p in ("gate", "up", "down"))  # fmt: skip
-        elif source.has(names.layer(i, "gate_up_exps")):
-            # fused [E, 2I, H]: gate rows first, then up rows (HF and llama.cpp alike)
-            gu = source.get(names.layer(i, "gate_up_exps"))
-            t = gu.raw_torch().reshape(E, 2 * I, -1)
-            scale = gu.scale
-            if scale is not None:
-                raise CheckpointError(f"{gu.source}: block-scaled fused expert tensor {gu.name} is not supported")
-            gate = RawTensor(gu.name + ".gate", (E, I, H), gu.fmt, t[:, :I].contiguous(), gu.source)
-            up = RawTensor(gu.name + ".up", (E, I, H), gu.fmt, t[:, I:].contiguous(), gu.source)
-            down = source.get(names.layer(i, "down_exps"))
-        else:
-            gate, up, down = (source.get(names.layer(i, r)) for r in ("gate_exps", "up_exps", "down_exps"))
-        for t, shape in ((gate, (E, I, H)), (up, (E, I, H)), (down, (E, H, I))):
-            if tuple(t.shape) != shape:
-                raise CheckpointError(f"{t.source}: {t.name} has shape {tuple(t.shape)}, expected {shape}")
-        return ExpertWeights(gate, up, down, E, H, I)
+        layer = lambda l, r: names.layer(l, f"{r}_exps")  # noqa: E731
+        return swiglu_experts(i, source, self.config, per_expert=None if names.gguf else names.expert, fused=layer,
+                              stacked=layer if names.gguf else None)  # fmt: skip
 
     def attach_recurrent_state(self, pool: Any) -> None:
         """Give every linear-attention layer the engine's recurrent-state pool."""
@@ -348,41 +292,13 @@ class QwenHybridModel:
                 attn = paged_attention(q, kc, vc, meta, self.scale)
                 mixed = L.o(attn * torch.sigmoid(gate))
             h, x = ops.add_rms_norm(h, mixed, L.post_norm, eps)
-            delta = self._mlp(L, x)
+            delta = L.mlp(x) if L.moe is None else L.moe(x)  # routed (and shared) experts: moe_block
         return ops.add_rms_norm(h, delta, self.norm, eps)[1]
-
-    def _mlp(self, L: _Layer, x: torch.Tensor) -> torch.Tensor:
-        if L.moe is None:
-            (gu, down) = L.mlp
-            g, u = gu(x)
-            return down(F.silu(g) * u)
-        y = L.moe(x)
-        if L.shared is not None:
-            g, u = L.shared(x)
-            s = L.shared_down(F.silu(g) * u)
-            w = torch.sigmoid(x @ L.shared_gate.to(x.dtype)).unsqueeze(-1)
-            y = y + w * s
-        return y
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
 
     # ------------------------------------------------------------- accounting
 
-    def bytes_per_token(self) -> dict[str, int]:
-        """Weight bytes one decode token reads (batch 1): dense part and experts."""
-        dense = self.lm_head.nbytes
-        experts = 0
-        for L in self.layers:
-            dense += L.linear.nbytes if L.linear is not None else L.qkvg.nbytes + L.o.nbytes
-            if L.moe is not None:
-                dense += L.moe.router.nbytes
-                experts += self.config.top_k * L.moe.experts.bytes_per_expert
-                if L.shared is not None:
-                    dense += L.shared.nbytes + L.shared_down.nbytes
-            else:
-                dense += L.mlp[0].nbytes + L.mlp[1].nbytes
-        return {"dense": dense, "experts": experts}
+    def _mixer_bytes(self, L: _Layer) -> int:
+        return L.linear.nbytes if L.linear is not None else L.qkvg.nbytes + L.o.nbytes
 
 
 def _split_qkvz(qkvz: RawTensor, ba: RawTensor, s: DeltaNetShape) -> list[RawTensor]:

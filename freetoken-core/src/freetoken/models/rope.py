@@ -36,11 +36,28 @@ class RopeScaling:
 SUPPORTED = ("default", "yarn")
 
 
+def hf_rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """An HF config's RoPE parameters (``rope_parameters`` or the older ``rope_scaling``)."""
+    return dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+
+
+def _hf_kind_theta(cfg: dict[str, Any], rope: dict[str, Any]) -> tuple[str, float]:
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    return kind, float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def default_rope_theta(cfg: dict[str, Any], family: str) -> float:
+    """The RoPE base of an HF config of a family that runs unscaled RoPE only."""
+    kind, theta = _hf_kind_theta(cfg, hf_rope_parameters(cfg))
+    if kind != "default":
+        raise CheckpointError(f"{family} with RoPE scaling {kind!r} is not supported (default RoPE only)")
+    return theta
+
+
 def scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
     """(rope_theta, scaling) of an HF config (``rope_parameters`` or the older ``rope_scaling``)."""
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope = hf_rope_parameters(cfg)
+    kind, theta = _hf_kind_theta(cfg, rope)
     if kind not in SUPPORTED:
         raise CheckpointError(f"RoPE type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
     if kind == "default":
