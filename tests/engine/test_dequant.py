@@ -229,23 +229,20 @@ def test_to_device_float_plain_cpu(fmt):
         assert_bits_equal(to_device_float(raw, "cpu", dtype, chunk_values=50), want)
 
 
-def test_cpu_throughput_report():
-    """Not a bound (shared CI machines vary): prints values/s per format on this CPU."""
-    for fmt in BLOCK_FMTS:
-        per = BLOCK_SIZES[int(fmt)][0]
-        shape = (1024, 4096)
-        packed = torch.from_numpy(random_blocks(fmt, shape, seed=1))
-        out = torch.empty(shape, dtype=torch.bfloat16)
-        dequantize(packed, fmt, shape, torch.bfloat16, out=out)
-        best = min(_timed(lambda: dequantize(packed, fmt, shape, torch.bfloat16, out=out)) for _ in range(3))
-        print(f"CPU {Fmt(fmt).name}: {packed.numel() / BLOCK_SIZES[int(fmt)][1] * per / best / 1e6:.0f} M values/s "
-              f"-> bf16 ({torch.get_num_threads()} threads)")
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+@pytest.mark.parametrize("fmt", BLOCK_FMTS, ids=lambda f: Fmt(f).name)
+def test_default_chunks_into_bf16_out_equal_gguf(fmt):
+    """The loading path's call: no ``chunk_values`` (the CPU default, 1 M values), a tensor of
+    four default chunks, into a caller's bfloat16 ``out``. Twice into the same buffer, the
+    first time filled with NaN: both results are gguf-py's values rounded once to bfloat16."""
+    chunk = dequant.DEFAULT_CHUNK_VALUES["cpu"]
+    shape = (4 * chunk // 4096, 4096)
+    packed = random_blocks(fmt, shape, seed=1)
+    want = reference(packed, fmt, shape).to(torch.bfloat16)
+    out = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    for _ in range(2):
+        got = dequantize(torch.from_numpy(packed), fmt, shape, torch.bfloat16, out=out)
+        assert got is out
+        assert_bits_equal(got, want)
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -1,8 +1,30 @@
 """Which model family runs a checkpoint.
 
-Adding a MoE family (Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V2/V3, GPT-OSS) means one
-new module with ``config_from_hf``, ``config_from_gguf``, ``HF_NAMES``/``GGUF_NAMES``
-and a model class, plus one :class:`ModelFamily` entry below.
+:data:`FAMILIES` holds the six families the engine runs, each with its module, model class,
+HF ``architectures`` names and GGUF ``general.architecture`` values:
+
+* ``qwen3_moe`` -- Qwen3-MoE (:mod:`freetoken.models.qwen3_moe`);
+* ``qwen3_5_moe`` -- Qwen3.5/3.6-MoE (:mod:`freetoken.models.qwen3_5_moe`) and ``qwen3_next`` --
+  Qwen3-Next (:mod:`freetoken.models.qwen3_next`), both the hybrid decoder of
+  :mod:`freetoken.models.qwen_hybrid` (Gated DeltaNet and gated attention layers);
+* ``mixtral``, ``olmoe``, ``gpt_oss`` -- Mixtral, OLMoE, GPT-OSS
+  (:mod:`freetoken.models.mixtral`, :mod:`freetoken.models.olmoe`, :mod:`freetoken.models.gpt_oss`),
+  each a set of switches of :mod:`freetoken.models.moe_decoder`.
+
+:mod:`freetoken.models.loader` looks the checkpoint's architecture up here
+(:func:`family_for_hf`, :func:`family_for_gguf`; anything else raises
+:class:`UnsupportedArchitecture` naming the supported set) and imports the family's module.
+
+Adding a family: one module in this package with ``config_from_hf(config, generation_config)``
+and ``config_from_gguf(metadata, has_output)`` (a :class:`freetoken.models.config.ModelConfig`),
+``HF_NAMES`` and ``GGUF_NAMES`` (where its tensors are in each format) and a model class that
+the loader builds as ``cls(config, source, names, weight_policy, progress=...)``: ``layers``
+whose MoE layers are :class:`freetoken.models.moe_layer.MoELayer` (the engine installs
+their experts functions), ``forward(input_ids, positions, meta, kv_caches)`` returning the
+final-normed hidden states, ``compute_logits(hidden)``, and ``attach_recurrent_state(pool)``
+when the config declares recurrent layers. A pre-norm GQA decoder subclasses
+:class:`freetoken.models.moe_decoder.MoeDecoderModel` and declares its :class:`~freetoken.models.moe_decoder.Arch`;
+then one :class:`ModelFamily` entry below.
 """
 
 from __future__ import annotations
