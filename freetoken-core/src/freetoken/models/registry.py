@@ -3,13 +3,13 @@
 :data:`FAMILIES` holds the six families the engine runs, each with its module, model class,
 HF ``architectures`` names and GGUF ``general.architecture`` values:
 
-* ``qwen3_moe`` -- Qwen3-MoE (:mod:`freetoken.models.qwen3_moe`);
 * ``qwen3_5_moe`` -- Qwen3.5/3.6-MoE (:mod:`freetoken.models.qwen3_5_moe`) and ``qwen3_next`` --
   Qwen3-Next (:mod:`freetoken.models.qwen3_next`), both the hybrid decoder of
   :mod:`freetoken.models.qwen_hybrid` (Gated DeltaNet and gated attention layers);
-* ``mixtral``, ``olmoe``, ``gpt_oss`` -- Mixtral, OLMoE, GPT-OSS
-  (:mod:`freetoken.models.mixtral`, :mod:`freetoken.models.olmoe`, :mod:`freetoken.models.gpt_oss`),
-  each a set of switches of :mod:`freetoken.models.moe_decoder`.
+* ``qwen3_moe``, ``mixtral``, ``olmoe``, ``gpt_oss`` -- Qwen3-MoE, Mixtral, OLMoE, GPT-OSS
+  (:mod:`freetoken.models.qwen3_moe`, :mod:`freetoken.models.mixtral`,
+  :mod:`freetoken.models.olmoe`, :mod:`freetoken.models.gpt_oss`), each a set of switches of
+  :mod:`freetoken.models.moe_decoder`.
 
 :mod:`freetoken.models.loader` looks the checkpoint's architecture up here
 (:func:`family_for_hf`, :func:`family_for_gguf`; anything else raises
