@@ -5,7 +5,7 @@
 # other tree ($BEFORE, a `git archive` of the older commit carried as an ignored folder) runs
 # from PYTHONPATH with this build's native extensions copied in.
 # Placements: PLACEMENTS (default "limit:16GiB cpu:all"): limit:SIZE = --gpu-memory-limit SIZE,
-# cpu:SPEC = --moe-cpu-layers SPEC. ROUNDS (2) rounds of before, after per placement.
+# cpu:SPEC = --moe-cpu-layers SPEC. ROUNDS (2) rounds, each: per placement before, then after.
 # The 48-layer Qwen3-30B-A3B-shaped Q4_K_M file is made once under /tmp/ft-bench.
 # Usage (repository root, .whl and $BEFORE carried): BEFORE=.before bash tests/gpu/ab_decode_run.sh
 set -uo pipefail
@@ -43,8 +43,8 @@ except Exception as exc:  # noqa: BLE001 - a failed run prints why
 PY
   [ $rc -eq 0 ] || tail -4 "$OUT/$tag.err"
 }
-for place in $PLACEMENTS; do
-  for r in $(seq 1 "$ROUNDS"); do
+for r in $(seq 1 "$ROUNDS"); do  # every placement once per round: a call cut short keeps each
+  for place in $PLACEMENTS; do
     run before "$place" "$r"; run after "$place" "$r"
   done
 done
