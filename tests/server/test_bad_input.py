@@ -237,3 +237,40 @@ def test_bad_requests_are_counted_by_status(server: Any, http: httpx.Client) -> 
         assert_error(http.post(CHAT, json=ok_chat(n=0)), 400)
     after = metric(scrape(server.base_url), "freetoken_http_requests_total", endpoint=CHAT, status="400")
     assert after == before + 3
+
+
+def test_out_of_memory_fails_one_request_and_the_others_are_served(server: Any, http: httpx.Client) -> None:
+    """A step that runs out of memory (a real allocation failure the engine injects for a
+    request carrying the fault header) fails that request with a 503 naming memory, before
+    the response starts or mid-stream, while a request beside it completes in full."""
+    import concurrent.futures
+
+    long_chat = ok_chat(messages=[{"role": "user", "content": "tell me a long story " * 12}])
+    beside = {"model": "demo", "prompt": "hi", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        other = pool.submit(http.post, COMPLETIONS, json=beside)
+        resp = http.post(CHAT, json=long_chat, headers={"x-freetoken-fault": "oom-prefill"})
+        other_resp = other.result()
+    err = assert_error(resp, 503)
+    assert err["code"] == "out_of_memory" and err["type"] == "service_unavailable_error"
+    assert "ran out of memory" in err["message"] and "--prefill-chunk" in err["message"]
+    assert other_resp.status_code == 200, other_resp.text
+    assert other_resp.json()["usage"]["completion_tokens"] == 24
+    # mid-stream: two tokens went out, then the stream ends with the error event and [DONE]
+    with http.stream("POST", CHAT, json=ok_chat(stream=True, max_tokens=8, ignore_eos=True),
+                     headers={"x-freetoken-fault": "oom-decode"}) as resp:
+        assert resp.status_code == 200
+        events = parse_sse(resp.read().decode())
+    assert events[-2]["error"]["code"] == "out_of_memory", events[-2]
+    content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-2] if e.get("choices"))
+    assert content, events
+    # Anthropic's API: its own error body, 503 as an overloaded_error
+    resp = http.post("/v1/messages", json={"model": "demo", "max_tokens": 4,
+                                           "messages": [{"role": "user", "content": "hello"}]},
+                     headers={"x-freetoken-fault": "oom-prefill"})
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["type"] == "error" and resp.json()["error"]["type"] == "overloaded_error"
+    assert "ran out of memory" in resp.json()["error"]["message"]
+    server.wait_log("ran out of memory")
+    still_serving(http)
+    assert metric(scrape(server.base_url), "freetoken_requests_running") == 0

@@ -381,6 +381,11 @@ class CpuBackend(Backend):
     def staging(self) -> Staging:
         return CpuStaging()
 
+    def out_of_memory(self, exc: BaseException) -> bool:
+        """torch's host allocator reports a failed allocation as a plain RuntimeError."""
+        return super().out_of_memory(exc) or (
+            isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc))
+
     def open_model(self, options: EngineOptions) -> ModelSession:
         if options.moe_cpu_layers is not None:
             from freetoken.moe.placement import parse_layer_spec

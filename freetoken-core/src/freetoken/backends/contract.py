@@ -354,6 +354,11 @@ class ModelSession(abc.ABC):
         or None when nothing was recorded."""
         return None
 
+    def step_failed(self) -> None:
+        """A step raised and the engine goes on serving: wait for the device work the step
+        launched, drop what it left half done, and give back the device memory its
+        allocations left cached. The default does nothing (nothing is kept between steps)."""
+
     def close(self) -> None:
         """Release workers, tasks and graphs."""
 
@@ -482,6 +487,15 @@ class Backend(abc.ABC):
         """``(free, total)`` bytes of the dense device's memory, or None when it has no
         memory of its own to plan (the host)."""
         return None
+
+    def out_of_memory(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by a step, is an allocation that failed because the memory
+        it needed was not there (the device's or the host's), rather than a fault. The engine
+        then fails the step's largest request with a memory error and recomputes the others,
+        instead of failing every request in flight."""
+        import torch
+
+        return isinstance(exc, (MemoryError, torch.OutOfMemoryError))
 
     def stream_capturing(self, stream: int) -> bool:
         """Whether ``stream`` is being captured into a graph now (False without graphs).

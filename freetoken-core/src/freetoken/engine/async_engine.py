@@ -16,13 +16,13 @@ from typing import Any, AsyncIterator, Optional
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.constraints import TokenConstraint
 from freetoken.engine.engine import EngineStats, LLMEngine, RequestRejected
-from freetoken.engine.outputs import StreamDelta
+from freetoken.engine.outputs import RequestError, StreamDelta
 from freetoken.engine.request import new_request_id
 from freetoken.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "QueueFull", "RequestRejected", "EngineStats", "EngineDead", "StepFailed"]
+__all__ = ["AsyncEngine", "QueueFull", "RequestRejected", "EngineStats", "EngineDead", "StepFailed", "RequestFailed"]
 
 
 class QueueFull(RuntimeError):
@@ -35,6 +35,15 @@ class EngineDead(RuntimeError):
 
 class StepFailed(RuntimeError):
     """A model step raised; the requests in flight were dropped (the engine goes on)."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request alone (``error.code`` says why: "out_of_memory");
+    the others go on."""
+
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class _Stream:
@@ -105,12 +114,16 @@ class AsyncEngine:
 
     async def stream(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: Optional[str] = None,
-                     constraint: Optional[TokenConstraint] = None) -> AsyncIterator[StreamDelta]:
+                     constraint: Optional[TokenConstraint] = None,
+                     fault: Optional[str] = None) -> AsyncIterator[StreamDelta]:
         """Generate for one request, yielding deltas; the last has ``finished=True``.
         ``constraint`` restricts the tokens it may sample (see :mod:`freetoken.engine.constraints`);
-        it is used from the engine thread from then on.
+        it is used from the engine thread from then on. ``fault``: see
+        :mod:`freetoken.engine.step_faults` (tests only).
 
-        Raises :class:`RequestRejected` or :class:`QueueFull` before yielding anything.
+        Raises :class:`RequestRejected` or :class:`QueueFull` before yielding anything,
+        :class:`RequestFailed` when the engine fails this request alone (a step that ran out
+        of memory), :class:`StepFailed` when a step failed every request in flight.
         Closing the iterator early aborts the request and frees its KV pages.
         """
         if self._error is not None:
@@ -130,7 +143,7 @@ class AsyncEngine:
         self._streams[rid] = st
         with self._lock:
             self._pending_adds += 1
-        self._inbox.append(("add", (rid, prompt_token_ids, params, constraint)))
+        self._inbox.append(("add", (rid, prompt_token_ids, params, constraint, fault)))
         self._wake.set()
         try:
             while True:
@@ -165,14 +178,14 @@ class AsyncEngine:
         while self._inbox:
             kind, arg = self._inbox.popleft()
             if kind == "add":
-                rid, ids, params, constraint = arg
+                rid, ids, params, constraint, fault = arg
                 with self._lock:
                     self._pending_adds -= 1
                 st = self._streams.get(rid)
                 if st is None:  # closed before it was admitted
                     continue
                 try:
-                    self.engine.add_request(ids, params, request_id=rid, constraint=constraint)
+                    self.engine.add_request(ids, params, request_id=rid, constraint=constraint, fault=fault)
                 except Exception as exc:
                     self._post(st, exc)
             else:
@@ -209,7 +222,7 @@ class AsyncEngine:
                 for d in deltas:
                     st = self._streams.get(d.request_id)
                     if st is not None:
-                        self._post(st, d)
+                        self._post(st, RequestFailed(d.error) if d.error is not None else d)
                     elif not d.finished:
                         self.engine.abort(d.request_id)
         except BaseException as exc:  # reported to every waiter; later submissions get EngineDead

@@ -16,6 +16,7 @@ import torch
 
 from freetoken.backends.contract import on_gpu
 from freetoken.engine.config import EngineConfig
+from freetoken.engine import memory_failure, step_faults
 from freetoken.engine.constraints import TokenConstraint
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.outputs import StreamDelta
@@ -178,6 +179,8 @@ class LLMEngine:
         #: batch and final hidden states), taken by the next :meth:`step`
         self._ahead: Optional[tuple[list[Scheduled], torch.Tensor]] = None
         self._decode_ahead = config.decode_ahead
+        self._step_batch: Optional[list[Scheduled]] = None  # the running step's batch (for its failure)
+        self._faults = False  # a request with an injected fault was ever added
         self.num_requests_added = 0  # lifetime counters (metrics)
         self.prompt_tokens_added = 0
         self.prompt_tokens_computed = 0
@@ -218,16 +221,23 @@ class LLMEngine:
             raise RequestRejected(f"{self.loaded.path} has no tokenizer, so stop strings cannot be matched; use stop_token_ids")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Optional[str] = None,
-                    prompt: Optional[str] = None, constraint: Optional[TokenConstraint] = None) -> Request:
+                    prompt: Optional[str] = None, constraint: Optional[TokenConstraint] = None,
+                    fault: Optional[str] = None) -> Request:
         """Queue a request. ``constraint`` (one object per request, it is stateful)
-        restricts which tokens it may sample (:mod:`freetoken.engine.constraints`)."""
+        restricts which tokens it may sample (:mod:`freetoken.engine.constraints`);
+        ``fault`` makes a step it is in fail (tests only: :mod:`freetoken.engine.step_faults`)."""
         self.validate(prompt_ids, params)
+        if fault is not None:
+            step_faults.check(fault)
         rid = request_id or new_request_id()
         if rid in self.requests:
             raise RequestRejected(f"request id {rid!r} is already in use")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = Request(rid, prompt_ids, params, self.tokenizer, list(self.model_config.eos_token_ids),
                       self.max_model_len, gen, prompt, constraint)
+        if fault is not None:
+            req.fault = fault
+            self._faults = True
         self.requests[rid] = req
         self.num_requests_added += 1
         self.prompt_tokens_added += len(req.prompt_ids)
@@ -426,15 +436,56 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[StreamDelta]:
-        """Run one model step; returns the deltas of the requests that advanced."""
+        """Run one model step; returns the deltas of the requests that advanced. A step that
+        runs out of memory fails its largest request and preempts the others
+        (:mod:`freetoken.engine.memory_failure`); the delta of the failed request is returned."""
+        self._step_batch = None
+        try:
+            return self._step()
+        except Exception as exc:
+            if not self._step_batch or not self.backend.out_of_memory(exc):
+                raise
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            logger.warning("a step of %d request(s) ran out of memory: %s", len(self._step_batch), reason)
+        # outside the except clause: the error's frames, and the tensors they hold, are gone
+        return self._out_of_memory(reason)
+
+    def _out_of_memory(self, reason: str) -> list[StreamDelta]:
+        batch, self._step_batch = self._step_batch or [], None
+        self._ahead = None
+        self.session.step_failed()
+        live = [s for s in batch if s.request.status != Status.FINISHED]
+        if not live:
+            return []
+        victim = memory_failure.largest(live)
+        req = victim.request
+        req.error = memory_failure.out_of_memory_error(victim, self.backend.device(), reason,
+                                                      self.config.prefill_chunk, self.max_model_len)
+        req.finish("error")
+        logger.error("request %s failed: %s", req.request_id, req.error.message)
+        delta = req.take_delta()
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        for s in live:
+            if s is not victim and s.request.status == Status.RUNNING:
+                self.scheduler.preempt(s.request, "a step ran out of memory")
+        return [delta] if delta is not None else []
+
+    def _step(self) -> list[StreamDelta]:
         ahead = self._take_ahead()
         if ahead is not None:  # launched by the previous step: one decode row per request
             batch, hidden = ahead
+            self._step_batch = batch
             rows = list(range(len(batch)))
+            if self._faults:
+                step_faults.inject(batch, self.backend.device())
         else:
             batch = self.scheduler.schedule()
             if not batch:
                 return []
+            self._step_batch = batch
+            if self._faults:
+                step_faults.inject(batch, self.backend.device())
             ids, pos, meta = self._metadata(batch)
             hidden = self.session.forward(ids, pos, meta)
             rows = [seq.q_start + seq.q_len - 1 for seq, s in zip(meta.seqs, batch) if s.sample]

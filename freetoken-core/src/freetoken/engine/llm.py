@@ -87,6 +87,7 @@ class LLM:
                 text=r.text,
                 finish_reason=r.finish_reason,
                 logprobs=list(r.logprobs),
+                error=r.error,
             )
             for r in reqs
         ]

@@ -15,6 +15,15 @@ class TokenLogprob:
     top: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestError:
+    """Why a request finished with "error": ``code`` for programs ("out_of_memory"),
+    ``message`` for people (what happened and what to change)."""
+
+    code: str
+    message: str
+
+
 @dataclasses.dataclass
 class StreamDelta:
     """One step's new output for one request (what the async stream yields).
@@ -22,8 +31,9 @@ class StreamDelta:
     ``text`` is the newly *finalised* text (held back while it may still be the
     prefix of a stop string or an incomplete UTF-8 sequence). ``finish_reason`` is
     set on the last delta: "stop" (EOS, stop string or stop token), "length"
-    (max_tokens or context), "abort" (cancelled) or "error". ``cached_tokens``: prompt
-    tokens whose K/V came from the prefix cache instead of being computed.
+    (max_tokens or context), "abort" (cancelled) or "error" (``error`` says why, where the
+    engine knows). ``cached_tokens``: prompt tokens whose K/V came from the prefix cache
+    instead of being computed.
     """
 
     request_id: str
@@ -35,6 +45,7 @@ class StreamDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    error: Optional[RequestError] = None
 
 
 @dataclasses.dataclass
@@ -48,6 +59,7 @@ class RequestOutput:
     text: str
     finish_reason: Optional[str]
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    error: Optional[RequestError] = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from freetoken.backends.contract import on_gpu
 from freetoken.engine.constraints import TokenConstraint
-from freetoken.engine.outputs import StreamDelta, TokenLogprob
+from freetoken.engine.outputs import RequestError, StreamDelta, TokenLogprob
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.loading.tokenizer import Tokenizer
 
@@ -108,6 +108,9 @@ class Request:
         self.out_counts: dict[int, int] = {}
         self.aborted = False
         self.constraint = constraint  # which tokens may come next (None: any)
+        self.error: Optional[RequestError] = None  # why it finished with "error", where known
+        #: a fault to inject into a step it is in (:mod:`freetoken.engine.step_faults`; None: none)
+        self.fault: Optional[str] = None
 
     # ------------------------------------------------------------ tokens / KV
 
@@ -232,6 +235,7 @@ class Request:
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens or 0,
+            error=self.error if finished else None,
         )
         self.pending_ids = []
         self.pending_logprobs = []

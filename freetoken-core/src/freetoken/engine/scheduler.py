@@ -126,13 +126,15 @@ class Scheduler:
             self.prefix_hits += req.num_computed
         return n
 
-    def _preempt(self, victim: Request) -> None:
+    def preempt(self, victim: Request, why: str = "KV cache full") -> None:
+        """Take a running request back to the front of the waiting queue, its blocks
+        released: it is recomputed from its tokens when admitted again."""
         self.running.remove(victim)
         self.release(victim)
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
-        logger.info("KV cache full: preempted %s (will be recomputed)", victim.request_id)
+        logger.info("%s: preempted %s (will be recomputed)", why, victim.request_id)
 
     def schedule(self) -> list[Scheduled]:
         out: list[Scheduled] = []
@@ -143,7 +145,7 @@ class Scheduler:
             if r.remaining == 1:
                 while not self._grow(r, r.num_tokens):
                     victim = self.running[-1]
-                    self._preempt(victim)
+                    self.preempt(victim)
                     if victim is r:
                         break
                 if r.status == Status.RUNNING:

@@ -31,7 +31,7 @@ from freetoken.server.anthropic_tools import BlockEvents, chat_request, content_
 from freetoken.server.chat import CLIENT_CLOSED, render_prompt
 from freetoken.server.chat_tools import ChatTools, finish_reason_with_calls
 from freetoken.server.errors import APIError, json_dumps, parse_body
-from freetoken.server.faults import maybe_fail
+from freetoken.server.faults import maybe_fail, step_fault
 from freetoken.server.generation import (
     ChoiceJob,
     ChoiceResult,
@@ -108,7 +108,8 @@ async def create_message(request: Request) -> Response:
         job.constraint = await tools.checked_constraint()
     maybe_fail(request, holder, "before")
     message_id = f"msg_{uuid.uuid4().hex}"
-    streams = ChoiceStreams(engine, [job], message_id, holder.metrics, arrival, holder.active)
+    streams = ChoiceStreams(engine, [job], message_id, holder.metrics, arrival, holder.active,
+                             fault=step_fault(request, holder))
     try:
         await until_disconnect(request.receive, streams.start())
     except ClientDisconnected:

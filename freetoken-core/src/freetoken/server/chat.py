@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from freetoken.server.chat_tools import ChatTools, StreamedCalls, finish_reason_with_calls, template_messages
 from freetoken.server.errors import APIError, parse_body
-from freetoken.server.faults import maybe_fail
+from freetoken.server.faults import maybe_fail, step_fault
 from freetoken.server.generation import (
     ChoiceJob,
     ChoiceResult,
@@ -114,7 +114,8 @@ async def create_chat_completion(request: Request) -> Response:
             job.constraint = forced
     maybe_fail(request, holder, "before")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = ChoiceStreams(engine, jobs, request_id, holder.metrics, arrival, holder.active)
+    streams = ChoiceStreams(engine, jobs, request_id, holder.metrics, arrival, holder.active,
+                             fault=step_fault(request, holder))
     try:
         await until_disconnect(request.receive, streams.start())
     except ClientDisconnected:

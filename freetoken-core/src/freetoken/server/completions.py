@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from freetoken.server.errors import APIError, parse_body
-from freetoken.server.faults import maybe_fail
+from freetoken.server.faults import maybe_fail, step_fault
 from freetoken.server.generation import (
     ChoiceJob,
     ChoiceResult,
@@ -106,7 +106,8 @@ async def create_completion(request: Request) -> Response:
             )))
     maybe_fail(request, holder, "before")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = ChoiceStreams(engine, jobs, request_id, holder.metrics, arrival, holder.active)
+    streams = ChoiceStreams(engine, jobs, request_id, holder.metrics, arrival, holder.active,
+                             fault=step_fault(request, holder))
     try:
         await until_disconnect(request.receive, streams.start())
     except ClientDisconnected:

@@ -162,12 +162,29 @@ async def until_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]], awa
 _END = object()
 
 
+def _as_api_error(exc: BaseException) -> BaseException:
+    """The HTTP error of what an engine stream raised: a full queue is a 429, a rejected
+    request a 400, a request the engine failed alone (out of memory) a 503 naming why;
+    anything else stays as it is (an internal error, 500)."""
+    from freetoken.engine.async_engine import QueueFull, RequestFailed, RequestRejected
+
+    if isinstance(exc, QueueFull):
+        return APIError(429, f"The server is busy: {exc or 'request queue is full'}. Retry later.", code="queue_full")
+    if isinstance(exc, RequestRejected):
+        return APIError(400, str(exc) or "request rejected by the engine", code="invalid_request")
+    if isinstance(exc, RequestFailed):
+        return APIError(503, exc.error.message, code=exc.error.code)
+    return exc
+
+
 class ChoiceStreams:
     """The engine streams of one request, merged into one async iterator of (index, delta)."""
 
     def __init__(self, engine: Any, jobs: list[ChoiceJob], request_id: str, metrics: ServerMetrics,
-                 arrival: float, registry: Optional[set["ChoiceStreams"]] = None) -> None:
+                 arrival: float, registry: Optional[set["ChoiceStreams"]] = None,
+                 fault: Optional[str] = None) -> None:
         self._registry = registry if registry is not None else set()
+        self._fault = fault  # a step fault for the engine to inject (server/faults.py)
         self._engine = engine
         self._jobs = jobs
         self._request_id = request_id
@@ -181,10 +198,12 @@ class ChoiceStreams:
     async def _pump(self, job: ChoiceJob) -> None:
         timer = TokenTimer(self._metrics, self._arrival)
         rid = f"{self._request_id}-{job.index}"
+        extra: dict[str, Any] = {}
         if job.constraint is not None:
-            stream = self._engine.stream(job.prompt_ids, job.params, request_id=rid, constraint=job.constraint())
-        else:
-            stream = self._engine.stream(job.prompt_ids, job.params, request_id=rid)
+            extra["constraint"] = job.constraint()
+        if self._fault is not None:
+            extra["fault"] = self._fault
+        stream = self._engine.stream(job.prompt_ids, job.params, request_id=rid, **extra)
         finished = False
         try:
             async for delta in stream:
@@ -212,8 +231,6 @@ class ChoiceStreams:
 
     async def start(self) -> None:
         """Start every stream and wait until each produced its first output (or failed)."""
-        from freetoken.engine.async_engine import QueueFull, RequestRejected
-
         self._registry.add(self)
         for job in self._jobs:
             self._metrics.prompt_tokens.inc(len(job.prompt_ids))
@@ -224,13 +241,7 @@ class ChoiceStreams:
             while len(started) < len(self._jobs):
                 index, item = await self._queue.get()
                 if isinstance(item, BaseException):
-                    if isinstance(item, QueueFull):
-                        raise APIError(429, f"The server is busy: {item or 'request queue is full'}. Retry later.",
-                                       code="queue_full") from None
-                    if isinstance(item, RequestRejected):
-                        raise APIError(400, str(item) or "request rejected by the engine",
-                                       code="invalid_request") from None
-                    raise item
+                    raise _as_api_error(item) from None
                 started.add(index)
                 self._buffer.append((index, item))
         except BaseException:
@@ -251,7 +262,7 @@ class ChoiceStreams:
                     self._open -= 1
                     continue
                 if isinstance(item, BaseException):
-                    raise item
+                    raise _as_api_error(item) from None
                 yield index, item
         finally:
             await self.aclose()

@@ -457,6 +457,14 @@ class GpuModelSession(ModelSession):
                                  "reserved": torch.cuda.memory_reserved(self.device)}
         return out
 
+    def step_failed(self) -> None:
+        """After a step that raised: wait for the work it launched (the CPU routes it handed
+        off are served either way), then give the device memory its allocations left
+        cached back to the driver, so the limit holds the next step."""
+        self.backend.synchronize()
+        if on_gpu(self.device):
+            torch.cuda.empty_cache()
+
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
