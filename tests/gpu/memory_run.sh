@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the out-of-memory recovery tests on the cuda backend, the GPU
+# engine tests, then tests/gpu/memory_peaks.py on the 48-layer Qwen3-30B-A3B-shaped Q4_K_M file
+# (made once under /tmp/ft-bench) at each limit in LIMITS (GiB) with the chunks in CHUNKS and
+# the prompts in PROMPTS. Usage (repository root, .whl carried): bash tests/gpu/memory_run.sh
+set -uo pipefail
+LIMITS=${LIMITS:-"16"}; CHUNKS=${CHUNKS:-"256,2048,16384"}; PROMPTS=${PROMPTS:-"1024,8192,16384"}
+CTX=${CTX:-32768}; LAYERS=${LAYERS:-48}; TESTS=${TESTS:-"tests/gpu/test_gpu_out_of_memory.py"}
+source tests/gpu/device_setup.sh || exit 1
+if [ -n "$TESTS" ]; then
+  # shellcheck disable=SC2086
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -q -rs -m "gpu or not gpu" $TESTS -o addopts="" \
+    --timeout 200 > "$OUT/pytest.log" 2>&1
+  stamp "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -15
+  grep -E "^E " "$OUT/pytest.log" | head -20
+fi
+M=/tmp/ft-bench/q4km-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
+[ -f "$M" ] || timeout 200 python3 -m freetoken.cli.main bench make-model --preset qwen3-30b-a3b --layers "$LAYERS" \
+  --quant q4_k_m --threads 16 --out "$M" > "$OUT/make-model.log" 2>&1
+stamp "make-model rc=$? $(du -h "$M" | cut -f1)"
+for limit in $LIMITS; do
+  timeout ${PEAK_TIMEOUT:-240} python3 tests/gpu/memory_peaks.py "$M" "$limit" "$CTX" "$CHUNKS" "$PROMPTS" 15 \
+    > "$OUT/peaks-$limit.jsonl" 2> "$OUT/peaks-$limit.err"
+  stamp "memory peaks at $limit GiB rc=$?"; cat "$OUT/peaks-$limit.jsonl"; grep -E "Error|error" "$OUT/peaks-$limit.err" | head -5
+done
