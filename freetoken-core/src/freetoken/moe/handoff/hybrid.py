@@ -15,6 +15,13 @@ Every enqueued operation is stream-ordered with no host synchronisation, so a fo
 can be captured into a graph and replayed; each batch size has its own task (buffers,
 flag slot, descriptor) that lives as long as the executor. Tasks for the batch sizes a
 graph will use must exist before capture (:meth:`prepare`): allocation is not capturable.
+Batches above :data:`EXACT_TASK_TOKENS` tokens (prompt chunks, whose sizes vary with every
+prompt) share a task per power of two, so the tasks of a long-running server stay few.
+
+A step that raises between a hand-off's publish and its wait leaves the hand-off open:
+the CPU serves it and raises ``done`` with nobody to take it down, and the next wait on
+that task would pass at once, before the CPU's new result. :meth:`settle` closes such
+hand-offs after the device work of the failed step is complete.
 """
 
 from __future__ import annotations
@@ -30,6 +37,13 @@ from freetoken.moe.experts.routed import GpuRoutedExperts
 from freetoken.moe.placement import Placement, split_routes
 
 log = logging.getLogger(__name__)
+
+#: batches up to this many tokens get a task of their own size (decode batches); larger
+#: ones the task of the next power of two
+EXACT_TASK_TOKENS = 64
+
+#: how long :meth:`HybridMoEExecutor.settle` waits for the CPU to finish an open hand-off
+SETTLE_TIMEOUT_S = 10.0
 
 
 class HybridMoEExecutor:
@@ -69,6 +83,7 @@ class HybridMoEExecutor:
         self.staging = backend.staging()
         self.tasks: dict[int, HandoffTask] = {}
         self.scratch: dict[int, Any] = {}
+        self._open: set[int] = set()  # tasks (by key) published and not yet waited for
         self.kio = None
         self.sync = None
         if self.io_path == IOPath.KERNEL_IO:
@@ -88,14 +103,30 @@ class HybridMoEExecutor:
 
     # ---- tasks ---------------------------------------------------------------------
     def prepare(self, batch_sizes: Any) -> None:
-        """Create the tasks (and device scratch) of these batch sizes ahead of capture."""
+        """Create the tasks (and device scratch) of these batch sizes ahead of capture, each
+        of its exact size (a captured step cannot tell a larger task its live batch)."""
         for t in batch_sizes:
-            self.task_for(int(t))
+            if int(t) not in self.tasks:
+                self._new_task(int(t))
+
+    @staticmethod
+    def task_key(tokens: int) -> int:
+        """The task (its ``max_tokens``) a batch of ``tokens`` uses unless one of its exact
+        size was prepared: its own size up to :data:`EXACT_TASK_TOKENS`, else the next
+        power of two."""
+        return tokens if tokens <= EXACT_TASK_TOKENS else 1 << (tokens - 1).bit_length()
 
     def task_for(self, tokens: int) -> HandoffTask:
         task = self.tasks.get(tokens)
         if task is not None:
             return task
+        key = self.task_key(tokens)
+        task = self.tasks.get(key)
+        if task is not None:
+            return task
+        return self._new_task(key)
+
+    def _new_task(self, tokens: int) -> HandoffTask:
         if self.backend.stream_capturing(self.backend.current_stream()):
             raise RuntimeError(
                 f"layer {self.layer}: no hand-off task for batch size {tokens} and the stream is capturing; "
@@ -112,6 +143,26 @@ class HybridMoEExecutor:
         if self.coordinator is not None:
             self.coordinator.add_task(task.desc_buffer.host_ptr)
         return task
+
+    def settle(self) -> None:
+        """Close the hand-offs a failed step left open (call once the device work it
+        launched is complete): wait for the CPU's ``done`` on each, then take it down as the
+        wait would have. A hand-off whose CPU side does not finish in
+        :data:`SETTLE_TIMEOUT_S` raises (the session cannot go on safely)."""
+        import time
+
+        for key in sorted(self._open):
+            flags = self.tasks[key].flags
+            deadline = time.monotonic() + SETTLE_TIMEOUT_S
+            while not flags.done:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"layer {self.layer}: the CPU did not finish an open hand-off of {key} tokens "
+                                       f"in {SETTLE_TIMEOUT_S:.0f} s (ready={flags.ready}, err={flags.err})")
+                time.sleep(1e-4)
+            flags.done = 0
+            flags.err = 0
+            log.info("layer %d: closed the open hand-off of a failed step (%d tokens)", self.layer, key)
+        self._open.clear()
 
     def check_errors(self) -> None:
         """Raise if the CPU side reported an error on any task (call after a sync)."""
@@ -151,6 +202,7 @@ class HybridMoEExecutor:
             # the split happens inside the publish kernel: nothing between the router and the hand-off
             split = self._kernel_split(cpu_mask)
             self.kio.publish_routes(stream, task, x.contiguous(), ids.contiguous(), w32, **split)
+            self._open.add(task.max_tokens)
             if self._all_cpu(cpu_mask):
                 out = torch.zeros_like(x)
             elif self._own_split(cpu_mask):
@@ -160,6 +212,7 @@ class HybridMoEExecutor:
                     cpu_mask = self.placement.cpu_mask(ids)
                 out = self.experts.forward(x, split_routes(ids, cpu_mask)[0], w).contiguous()
             self.kio.combine(stream, task, out)
+            self._open.discard(task.max_tokens)
             return out
         own = self._own_split(cpu_mask)
         if cpu_mask is None:
@@ -173,13 +226,17 @@ class HybridMoEExecutor:
 
         if self.kio is not None:
             self.kio.publish(stream, task, x.contiguous(), cpu_ids.contiguous(), w32)
+            self._open.add(task.max_tokens)
             out = gpu_side().contiguous()
             self.kio.combine(stream, task, out)
+            self._open.discard(task.max_tokens)
             return out
         self._publish_copies(stream, task, x, cpu_ids, w32)
+        self._open.add(task.max_tokens)
         out = gpu_side()
         self.sync.wait(stream, task)
-        y = self.scratch[tokens]
+        self._open.discard(task.max_tokens)
+        y = self.scratch[task.max_tokens][:tokens]
         y.copy_(task.y[:tokens], non_blocking=True)
         out.add_(y)
         return out

@@ -459,9 +459,11 @@ class GpuModelSession(ModelSession):
 
     def step_failed(self) -> None:
         """After a step that raised: wait for the work it launched (the CPU routes it handed
-        off are served either way), then give the device memory its allocations left
-        cached back to the driver, so the limit holds the next step."""
+        off are served either way), close the hand-offs it left open, then give the device
+        memory its allocations left cached back to the driver."""
         self.backend.synchronize()
+        for ex in self.executors.values():
+            ex.settle()
         if on_gpu(self.device):
             torch.cuda.empty_cache()
 
