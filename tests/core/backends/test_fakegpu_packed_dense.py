@@ -23,7 +23,7 @@ from freetoken.engine.sampling_params import SamplingParams
 from freetoken.loading.gguf import GGUFCheckpoint
 from freetoken.models.loader import gguf_model_shape
 from freetoken.models import packed_linear
-from freetoken.moe.session.gpu_memory_plan import RESERVE_BYTES
+from freetoken.moe.session.gpu_memory_plan import WORKSPACE_BYTES
 
 _TESTS = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path.insert(0, os.path.join(_TESTS, "engine"))
@@ -86,7 +86,7 @@ def test_auto_packs_exactly_when_it_frees_room_for_expert_layers(tiny, monkeypat
     monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("triton", "as on a GPU"))
     shape = gguf_model_shape(tiny, torch.float32)
     layer = 3 * tg.E * tg.H * tg.I * 4  # one layer's experts dequantized (fakegpu: no packed experts)
-    other = RESERVE_BYTES + MAX_LEN * shape.kv_bytes_per_token
+    other = WORKSPACE_BYTES + 256 * shape.activation_bytes_per_token + MAX_LEN * shape.kv_bytes_per_token
     deq = shape.dense_bytes
     pk = shape.dense_file_bytes + shape.dense_scratch_bytes
     assert 0 < deq - pk < layer
@@ -138,7 +138,7 @@ def test_embedding_table_on_the_host(tiny, monkeypatch):
     table = next(int(t.n_bytes) for t in ck.reader.tensors if t.name == "token_embd.weight")
     assert shape.embedding_file_bytes == table > 0
     layer = 3 * tg.E * tg.H * tg.I * 4
-    other = RESERVE_BYTES + MAX_LEN * shape.kv_bytes_per_token
+    other = WORKSPACE_BYTES + 256 * shape.activation_bytes_per_token + MAX_LEN * shape.kv_bytes_per_token
     pk = shape.dense_file_bytes + shape.dense_scratch_bytes
 
     def plan(budget, **kw):
@@ -167,7 +167,7 @@ def test_embedding_table_on_the_host(tiny, monkeypatch):
 def test_refusal_names_the_packed_form(tiny):
     tiny, _ = tiny
     shape = gguf_model_shape(tiny, torch.float32)
-    other = RESERVE_BYTES + MAX_LEN * shape.kv_bytes_per_token
+    other = WORKSPACE_BYTES + 256 * shape.activation_bytes_per_token + MAX_LEN * shape.kv_bytes_per_token
     pk = shape.dense_file_bytes + shape.dense_scratch_bytes
     s = _session(other + pk + 1000, gpu_dense="dequantized", moe_cpu_layers="all")
     with pytest.raises(MemoryPlanError) as err:

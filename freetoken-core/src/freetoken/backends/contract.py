@@ -275,6 +275,9 @@ class ModelShape:
     #: of ``dense_file_bytes``: the token embedding's packed bytes when it is not also the
     #: output head (what ``gpu_embedding`` ``host`` keeps off the device; 0: none such)
     embedding_file_bytes: int = 0
+    #: device bytes per token of a prompt chunk's activations at their peak inside a layer
+    #: (:func:`freetoken.models.loader.activation_bytes_per_token`; 0: not known)
+    activation_bytes_per_token: int = 0
 
 
 class ModelSession(abc.ABC):
@@ -304,6 +307,12 @@ class ModelSession(abc.ABC):
     def kv_cache_budget(self) -> Optional[int]:
         """Bytes the KV cache may take on the dense device, or None (the engine decides)."""
         return None
+
+    def prefill_chunk(self, requested: int) -> int:
+        """The most prompt tokens one step may compute, given ``requested`` (the engine's
+        ``prefill_chunk``): what the session's memory plan holds the activations of (the
+        default: as requested)."""
+        return requested
 
     @abc.abstractmethod
     def start(self, model: Any, kv: Any) -> None:

@@ -97,6 +97,9 @@ class EngineOptions:
     max_model_len: int = 4096
     kv_block_size: int = 16
     kv_cache_tokens: Optional[int] = None  # an explicit KV cache size (the plan keeps room for it)
+    #: the most prompt tokens one step computes; a GPU session's memory plan may lower it
+    #: to the chunk whose activations it holds (ModelSession.prefill_chunk)
+    prefill_chunk: int = 256
     gpu_dense: str = "auto"
     gpu_embedding: str = "auto"
     gpu_gemv: str = "auto"

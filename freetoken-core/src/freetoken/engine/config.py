@@ -76,7 +76,7 @@ class EngineConfig:
             graph_max_batch_size=self.cuda_graph_max_bs, gpu_memory_limit=self.gpu_memory_limit,
             gpu_memory_utilization=self.gpu_memory_utilization, max_running_requests=self.max_running_requests,
             max_model_len=self.max_model_len or 0, kv_block_size=self.kv_block_size,
-            kv_cache_tokens=self.kv_cache_tokens, gpu_dense=self.gpu_dense,
+            kv_cache_tokens=self.kv_cache_tokens, prefill_chunk=self.prefill_chunk, gpu_dense=self.gpu_dense,
             gpu_embedding=self.gpu_embedding, gpu_gemv=self.gpu_gemv,
             pin_host_threads=self.pin_host_threads,
             moe=MoEOptions(

@@ -171,7 +171,8 @@ class LLMEngine:
                         "per prefix", cfg.architecture)
             prefix = False
         self.prefix_cache = PrefixCache(self.kv, enabled=prefix)
-        self.scheduler = Scheduler(self.prefix_cache, config.max_running_requests, config.prefill_chunk, self.states)
+        self.prefill_chunk = self.session.prefill_chunk(config.prefill_chunk)
+        self.scheduler = Scheduler(self.prefix_cache, config.max_running_requests, self.prefill_chunk, self.states)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._logits_observers: list[LogitsObserver] = []
@@ -358,7 +359,7 @@ class LLMEngine:
         self.validate(prompt_ids, SamplingParams(max_tokens=1))
         req = Request("prompt-logits", prompt_ids, SamplingParams(max_tokens=1), self.tokenizer, [],
                       self.max_model_len, None)
-        chunk = chunk or self.config.prefill_chunk
+        chunk = chunk or self.prefill_chunk
         out = []
         if self.states is not None:
             req.state_slot = self.states.allocate()
@@ -460,7 +461,7 @@ class LLMEngine:
         victim = memory_failure.largest(live)
         req = victim.request
         req.error = memory_failure.out_of_memory_error(victim, self.backend.device(), reason,
-                                                      self.config.prefill_chunk, self.max_model_len)
+                                                      self.prefill_chunk, self.max_model_len)
         req.finish("error")
         logger.error("request %s failed: %s", req.request_id, req.error.message)
         delta = req.take_delta()

@@ -57,6 +57,22 @@ def resolve_dtype(dtype: str, default: str = "bfloat16") -> torch.dtype:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {dtype!r}") from None
 
 
+def activation_bytes_per_token(cfg: ModelConfig, elt: int) -> int:
+    """Device bytes per token of a prompt chunk at its peak inside a layer: the residual
+    stream and its normed copies (float32, conservatively), plus the larger of the attention
+    block (q/k/v and their normed, rotated copies, the output; fused attention keeps no
+    scores) and the feed-forward block (router scores, each route's gathered input, gate/up,
+    activation and float32 output, the combined result; or a dense MLP)."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    stream = 6 * H * 4
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * D * elt
+    attention = 2 * qkv + cfg.num_heads * D * elt + cfg.num_heads * 4
+    routes = cfg.top_k * (H * elt + 3 * cfg.moe_intermediate_size * elt + H * 4 + 12)
+    moe = 2 * cfg.num_experts * 4 + routes + H * 4
+    dense_mlp = 3 * cfg.intermediate_size * elt
+    return stream + max(attention, moe, dense_mlp)
+
+
 def model_shape(cfg: ModelConfig, act: torch.dtype) -> ModelShape:
     """The sizes a backend plans memory with, from the config alone (before loading)."""
     elt = torch.empty((), dtype=act).element_size()
@@ -70,7 +86,7 @@ def model_shape(cfg: ModelConfig, act: torch.dtype) -> ModelShape:
     return ModelShape(
         num_layers=cfg.num_layers, moe_layers=moe_layers, hidden=H, num_experts=cfg.num_experts,
         moe_intermediate=cfg.moe_intermediate_size, top_k=cfg.top_k, dense_bytes=dense,
-        kv_bytes_per_token=cfg.kv_bytes_per_token(elt),
+        kv_bytes_per_token=cfg.kv_bytes_per_token(elt), activation_bytes_per_token=activation_bytes_per_token(cfg, elt),
     )
 
 

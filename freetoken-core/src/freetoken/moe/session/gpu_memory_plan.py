@@ -32,9 +32,18 @@ log = logging.getLogger(__name__)
 
 GIB = float(1 << 30)
 
-#: Device memory kept out of the plan for the CUDA context, cuBLAS/Triton workspaces,
-#: activations and graph pools.
-RESERVE_BYTES = 1 << 30
+#: Device memory kept out of the plan, inside torch's allocator, for cuBLAS/Triton
+#: workspaces, decode graphs' pools and the small tensors of a step. The CUDA context and
+#: whatever else holds device memory outside the allocator is measured at plan time, and
+#: a prompt chunk's activations are planned from the model's shape (both on top of this).
+WORKSPACE_BYTES = 512 << 20
+
+#: A prompt chunk's activations may take this share of the budget (at least
+#: MIN_ACTIVATION_BYTES): the plan lowers the prefill chunk to the largest power of two
+#: whose activations fit, rather than give the experts' and the KV cache's room to them.
+ACTIVATION_SHARE = 1 / 16
+MIN_ACTIVATION_BYTES = 256 << 20
+MIN_PREFILL_CHUNK = 64
 
 #: The KV cache the plan guarantees at least (tokens), when max_model_len is larger.
 MIN_KV_TOKENS = 4096
@@ -55,13 +64,17 @@ class MemoryPlan:
     gpu_layers: list[int]
     cpu_layers: list[int]
     kv_budget: Optional[int]
-    reserve: int
+    reserve: int  # workspace + outside + activations: the step's own memory
     packed_layers: list[int] = dataclasses.field(default_factory=list)  # GPU layers kept in the file's blocks
     expert_bytes: int = 0  # all GPU layers' experts on the device
     cache: int = 0  # the global expert cache
     scratch: int = 0  # the streaming buffers (a window of a layer's experts, or two layers) and locked fetch's copy slots
     dense_form: str = "dequantized"  # or "packed": the file's block formats kept on the device
     embedding: str = "device"  # or "host": a packed embedding table in page-locked host memory
+    prefill_chunk: int = 0  # the most prompt tokens a step computes (0: as the engine asks)
+    activations: int = 0  # of reserve: a prompt chunk's activations at that chunk
+    outside: int = 0  # of reserve: device memory outside torch's allocator (CUDA context, other users)
+    workspace: int = 0  # of reserve: workspaces and graph pools inside the allocator
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -137,7 +150,12 @@ class GpuMemoryPlanner:
         ctx = o.max_model_len or MIN_KV_TOKENS
         kv_tokens = o.kv_cache_tokens or min(ctx, MIN_KV_TOKENS)  # an explicit KV cache size is kept in full
         kv_min = kv_tokens * shape.kv_bytes_per_token
-        reserve = RESERVE_BYTES if budget is not None else 0
+        chunk, activations = self._prefill_chunk(shape, budget)
+        outside = self._outside_allocator(mem) if budget is not None else 0
+        workspace = WORKSPACE_BYTES if budget is not None else 0
+        reserve = workspace + outside + activations if budget is not None else 0
+        self.reserve_detail = (f"prompt chunks of {chunk} tokens {gib(activations)}: --prefill-chunk lowers it; "
+                               f"outside the allocator {gib(outside)}; workspaces {gib(workspace)}")
         cache = o.moe.cache_bytes or (int(o.moe.cache_fraction * budget) if budget else 0)
         # the prefill of packed (or streamed) experts runs the grouped kernels, which read the
         # blocks where they are (their temporaries, ~70 MB per 1024 tokens, fit the reserve):
@@ -180,15 +198,46 @@ class GpuMemoryPlanner:
                              reserve, dense)
             kv_budget = budget - reserve - dense - experts - cache - buffers
             if on_gpu(self.device) and total:
-                torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
+                # the limit is the card's: what lies outside the allocator comes off its cap
+                torch.cuda.set_per_process_memory_fraction(min(1.0, max(budget - outside, 0) / total), self.device)
         result = MemoryPlan(budget, dense, max(per_layer.values(), default=0), gpu, cpu, kv_budget, reserve,
-                            sorted(set(gpu) & packed), experts, cache, buffers, self.dense_form, self.embedding_place)
+                            sorted(set(gpu) & packed), experts, cache, buffers, self.dense_form, self.embedding_place,
+                            chunk, activations, outside, workspace)
         self.traffic_plan = TrafficPlan(locked, locked_setting, streams and bool(cpu))
         log.info("GPU memory plan: budget %s, dense %s (%s, embedding on the %s), experts of %d layers on the GPU "
-                 "(%s, %d packed), expert cache %s, streaming buffers %s, CPU layers %s",
+                 "(%s, %d packed), expert cache %s, streaming buffers %s, CPU layers %s; step reserve %s (prompt "
+                 "chunks of %d tokens %s, outside the allocator %s, workspaces %s)",
                  gib(budget) if budget else "-", gib(dense), self.dense_form, self.embedding_place, len(gpu),
-                 gib(experts), len(result.packed_layers), gib(cache), gib(buffers), layer_ranges(cpu))
+                 gib(experts), len(result.packed_layers), gib(cache), gib(buffers), layer_ranges(cpu),
+                 gib(reserve), chunk, gib(activations), gib(outside), gib(workspace))
         return result
+
+    def _prefill_chunk(self, shape: ModelShape, budget: Optional[int]) -> tuple[int, int]:
+        """The prompt chunk a step computes and its activations' bytes: the engine's chunk,
+        lowered (to a power of two, at least :data:`MIN_PREFILL_CHUNK`) while its activations
+        exceed :data:`ACTIVATION_SHARE` of the budget (no budget: as asked)."""
+        asked = max(1, self.options.prefill_chunk)
+        per_token = shape.activation_bytes_per_token
+        if budget is None or per_token <= 0:
+            return asked, asked * per_token
+        allowed = max(MIN_ACTIVATION_BYTES, int(budget * ACTIVATION_SHARE))
+        chunk = asked
+        if chunk * per_token > allowed:
+            chunk = max(MIN_PREFILL_CHUNK, 1 << max(0, (allowed // per_token).bit_length() - 1))
+            chunk = min(chunk, asked)
+            log.info("prefill chunk lowered from %d to %d tokens: a chunk's activations take about %s per token, "
+                     "and the plan gives them %s of the %s budget", asked, chunk, gib(per_token), gib(allowed),
+                     gib(budget))
+        return chunk, chunk * per_token
+
+    def _outside_allocator(self, mem: Optional[tuple[int, int]]) -> int:
+        """Device memory in use outside torch's allocator now: the CUDA context, library
+        handles, and other processes on the same card (which this process cannot have
+        either). 0 on devices that are not GPUs."""
+        if mem is None or not on_gpu(self.device):
+            return 0
+        free, total = mem
+        return max(0, total - free - torch.cuda.memory_reserved(self.device))
 
     def _dense_form(self, shape: ModelShape, budget: Optional[int], other: int, per_layer: dict[int, int]) -> int:
         """Choose the dense part's form (``--gpu-dense``), install its weight policy and
@@ -324,7 +373,7 @@ class GpuMemoryPlanner:
         ctx_tokens = kv_min // shape.kv_bytes_per_token if shape.kv_bytes_per_token else 0
         parts = [f"dense weights {gib(dense)} ({self.dense_form})",
                  f"routed experts of {len(gpu)} layers {gib(sum(per_layer[i] for i in gpu))}",
-                 f"KV cache for {ctx_tokens} tokens {gib(kv_min)}", f"reserve {gib(reserve)}"]
+                 f"KV cache for {ctx_tokens} tokens {gib(kv_min)}", f"step reserve {gib(reserve)} ({self.reserve_detail})"]
         if cache:
             parts.append(f"expert cache {gib(cache)} (--moe-cache-size)")
         if buffers:

@@ -1,0 +1,98 @@
+"""The GPU memory plan holds a prompt chunk's activations: a chunk whose activations would
+take more than their share of the budget is lowered to a power of two that fits, the
+engine schedules with the lowered chunk, and a refusal names the step reserve's parts.
+Activation sizes are checked against a count of the tensors made from the config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.backends import registry
+from freetoken.backends.contract import MemoryPlanError, ModelShape
+from freetoken.backends.options import EngineOptions
+from freetoken.models.config import ModelConfig
+from freetoken.models.loader import activation_bytes_per_token
+from freetoken.moe.session.gpu_memory_plan import (ACTIVATION_SHARE, MIN_ACTIVATION_BYTES, MIN_PREFILL_CHUNK,
+                                                   WORKSPACE_BYTES)
+
+GIB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry():
+    registry.reset()
+    yield
+    registry.reset()
+
+
+def _shape(per_token: int, layer_bytes: int = 256 << 20, layers: int = 8) -> ModelShape:
+    return ModelShape(num_layers=layers, moe_layers=list(range(layers)), hidden=2048, num_experts=128,
+                      moe_intermediate=768, top_k=8, dense_bytes=1 * GIB, kv_bytes_per_token=96 * 1024,
+                      expert_file_bytes={i: layer_bytes for i in range(layers)},
+                      activation_bytes_per_token=per_token)
+
+
+def _plan(budget: int, chunk: int, shape: ModelShape, **kw):
+    from freetoken_fakegpu.backend import FakeGpuBackend
+
+    session = FakeGpuBackend().open_model(EngineOptions(act_dtype=torch.bfloat16, gpu_memory_limit=budget,
+                                                        max_model_len=4096, prefill_chunk=chunk, **kw))
+    session.plan(shape)
+    return session
+
+
+@pytest.mark.parametrize("budget_gib,asked", [(16, 16384), (16, 2048), (12, 8192), (4, 4096), (64, 300)])
+def test_the_chunk_is_lowered_to_what_its_share_holds(budget_gib: int, asked: int) -> None:
+    per_token = 200_000  # ~ a 30B-A3B shape at BF16
+    budget = budget_gib * GIB
+    s = _plan(budget, asked, _shape(per_token))
+    plan = s.plan_result
+    allowed = max(MIN_ACTIVATION_BYTES, int(budget * ACTIVATION_SHARE))
+    if asked * per_token <= allowed:
+        assert plan.prefill_chunk == asked
+    else:
+        c = plan.prefill_chunk
+        assert c & (c - 1) == 0 and MIN_PREFILL_CHUNK <= c < asked
+        assert c * per_token <= allowed < 2 * c * per_token  # the largest power of two that fits
+    assert plan.activations == plan.prefill_chunk * per_token
+    assert plan.reserve == WORKSPACE_BYTES + plan.outside + plan.activations
+    assert s.prefill_chunk(asked) == plan.prefill_chunk
+    # everything the plan counts fits the budget, the KV cache taking the rest
+    assert plan.reserve + plan.dense + plan.expert_bytes + plan.cache + plan.scratch + plan.kv_budget == budget
+
+
+def test_a_refusal_names_the_step_reserve_and_the_flag() -> None:
+    with pytest.raises(MemoryPlanError) as info:
+        _plan(2 * GIB, 4096, _shape(200_000), moe_cpu_layers="0")
+    msg = str(info.value)
+    assert "step reserve" in msg and "prompt chunks of" in msg and "--prefill-chunk" in msg
+
+
+def test_activation_bytes_per_token_follow_the_larger_block() -> None:
+    """A MoE shape's routes dominate (twice the routes: about twice the bytes above the
+    residual stream); a model with a wide dense MLP takes the MLP's three rows."""
+    def cfg(top_k: int, inter: int = 0) -> ModelConfig:
+        return ModelConfig(architecture="x", vocab_size=1000, hidden_size=2048, num_layers=4, num_heads=32,
+                           num_kv_heads=4, head_dim=128, intermediate_size=inter, moe_intermediate_size=768,
+                           num_experts=128, top_k=top_k)
+
+    stream = 6 * 2048 * 4
+    k4, k8 = (activation_bytes_per_token(cfg(k), 2) - stream for k in (4, 8))
+    assert 1.8 < k8 / k4 < 2.0
+    assert activation_bytes_per_token(cfg(8, inter=100_000), 2) == stream + 3 * 100_000 * 2
+
+
+def test_the_engine_schedules_with_the_planned_chunk() -> None:
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(backend="fakegpu", dtype="float32", max_model_len=128, kv_cache_tokens=1024,
+                                 gpu_memory_limit=2 * GIB, prefill_chunk=1 << 20))
+    try:
+        plan = eng.session.plan_result
+        assert plan is not None and plan.prefill_chunk < (1 << 20)
+        assert eng.prefill_chunk == eng.scheduler.prefill_chunk == plan.prefill_chunk
+        assert eng.backend_info()["memory_plan"]["prefill_chunk"] == plan.prefill_chunk
+    finally:
+        eng.close()
