@@ -111,6 +111,89 @@ def test_qk_norm_rope_store(ops, dtype, T, fused_qkv):
     assert torch.isnan(flat_k[others]).all() and torch.isnan(flat_v[others]).all(), "a slot outside `slots` was written"
 
 
+def _partial_rope64(x: torch.Tensor, pos: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    """NeoX RoPE on the first ``rotary_dim`` dimensions of each head (pairs ``(i, i + rotary_dim/2)``),
+    the others left alone, float64, from its definition."""
+    return torch.cat([_rope64(x[..., :rotary_dim], pos, theta), x[..., rotary_dim:]], dim=-1)
+
+
+# head sizes that are not a power of two (issue 40 item 5), 128 for no regression, and
+# partial rotary (Qwen3.5: a quarter of each head rotated) through the permuted full-width tables
+HEAD_SIZES = [(24, 24), (80, 80), (96, 96), (128, 128), (192, 192), (24, 8), (96, 24), (192, 64)]
+
+
+@pytest.mark.parametrize("ops", OPS, ids=_ids)
+@pytest.mark.parametrize("D,rotary_dim", HEAD_SIZES, ids=[f"d{d}r{r}" for d, r in HEAD_SIZES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qk_norm_rope_store_head_sizes(ops, D, rotary_dim, dtype):
+    """Any even head size, full or partial rotary: against float64 RMSNorm + RoPE from their
+    definitions (partial rotary in the checkpoint's own dimension order, the op run on the
+    rows :func:`rotary_permutation` reorders, as the Qwen3.5 model loads them)."""
+    from freetoken.models.hybrid_weights import PartialRotary, rotary_permutation
+
+    Hq, Hkv, bs, nb, theta, eps, T = 4, 2, 4, 3, 10000.0, 1e-6, 3
+    g = torch.Generator().manual_seed(1000 * D + rotary_dim + (dtype == torch.float32))
+    y = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype).to(DEV)
+    q, k, v = y.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    qw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEV)
+    kw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEV)
+    positions = torch.randint(0, 500, (T,), generator=g).to(DEV)
+    slots = torch.randperm(nb * bs, generator=g)[:T].to(DEV)
+    q_ref = _partial_rope64(_rms64(q.reshape(T, Hq, D), qw, eps), positions, theta, rotary_dim)
+    k_ref = _partial_rope64(_rms64(k.reshape(T, Hkv, D), kw, eps), positions, theta, rotary_dim)
+    if rotary_dim == D:
+        rotary = Rotary(D, theta, 512, torch.device(DEV))
+        order = torch.arange(D)
+    else:
+        rotary = PartialRotary(D, rotary_dim, theta, 512, torch.device(DEV))
+        order = rotary_permutation(D, rotary_dim)
+    od = order.to(DEV)
+    # the op sees each head's dimensions in rotary order (q, k and their norm weights alike)
+    qp = q.reshape(T, Hq, D)[..., od].reshape(T, Hq * D)
+    kp = k.reshape(T, Hkv, D)[..., od].reshape(T, Hkv * D)
+    qwp, kwp = qw[od].contiguous(), kw[od].contiguous()
+    kc = torch.full((nb, bs, Hkv, D), float("nan"), dtype=dtype, device=DEV)
+    vc = torch.full_like(kc, float("nan"))
+    out = ops.qk_norm_rope_store(qp, kp, v, qwp, kwp, None, rotary, positions, kc, vc, slots, eps)
+    assert out.shape == (T, Hq, D) and out.dtype == dtype
+    # the tables hold float32 angles pos * inv_freq: up to ~500 * 6e-8 from the float64 ones
+    tol = _tol(ops, dtype) + (4e-5 if dtype == torch.float32 else 0.0)
+    _close(out, q_ref[..., od], tol, f"q D={D}")
+    flat_k, flat_v = kc.view(nb * bs, Hkv, D), vc.view(nb * bs, Hkv, D)
+    _close(flat_k[slots], k_ref[..., od], tol, f"k in the cache D={D}")
+    assert torch.equal(flat_v[slots], v.reshape(T, Hkv, D)), "v in the cache"
+    others = torch.ones(nb * bs, dtype=torch.bool, device=DEV)
+    others[slots] = False
+    assert torch.isnan(flat_k[others]).all() and torch.isnan(flat_v[others]).all(), "a slot outside `slots` was written"
+
+
+@pytest.mark.parametrize("ops", OPS, ids=_ids)
+@pytest.mark.parametrize("D,DV", [(24, 16), (192, 128), (80, 96)])
+def test_qk_norm_rope_store_v_head_size(ops, D, DV):
+    """A v head size other than the q/k one (MLA's 192/128): v rows of ``DV`` values go to a
+    ``[.., Hkv, DV]`` cache, k's ``D`` to its own."""
+    Hq, Hkv, bs, nb, theta, eps, T, dtype = 4, 2, 4, 3, 10000.0, 1e-6, 2, torch.bfloat16
+    g = torch.Generator().manual_seed(D * 7 + DV)
+    q = torch.randn(T, Hq * D, generator=g).to(dtype).to(DEV)
+    k = torch.randn(T, Hkv * D, generator=g).to(dtype).to(DEV)
+    v = torch.randn(T, Hkv * DV, generator=g).to(dtype).to(DEV)
+    qw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEV)
+    kw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEV)
+    positions = torch.randint(0, 500, (T,), generator=g).to(DEV)
+    slots = torch.randperm(nb * bs, generator=g)[:T].to(DEV)
+    kc = torch.full((nb, bs, Hkv, D), float("nan"), dtype=dtype, device=DEV)
+    vc = torch.full((nb, bs, Hkv, DV), float("nan"), dtype=dtype, device=DEV)
+    out = ops.qk_norm_rope_store(q, k, v, qw, kw, None, Rotary(D, theta, 512, torch.device(DEV)), positions, kc, vc,
+                                 slots, eps)  # fmt: skip
+    _close(out, _rope64(_rms64(q.reshape(T, Hq, D), qw, eps), positions, theta), _tol(ops, dtype), "q")
+    flat_k, flat_v = kc.view(nb * bs, Hkv, D), vc.view(nb * bs, Hkv, DV)
+    _close(flat_k[slots], _rope64(_rms64(k.reshape(T, Hkv, D), kw, eps), positions, theta), _tol(ops, dtype), "k")
+    assert torch.equal(flat_v[slots], v.reshape(T, Hkv, DV)), "v in the cache"
+    others = torch.ones(nb * bs, dtype=torch.bool, device=DEV)
+    others[slots] = False
+    assert torch.isnan(flat_k[others]).all() and torch.isnan(flat_v[others]).all(), "a slot outside `slots` was written"
+
+
 @pytest.mark.parametrize("ops", OPS, ids=_ids)
 @pytest.mark.parametrize("T,E,K", [(1, 128, 8), (6, 128, 8), (2, 60, 4), (3, 8, 2)])
 @pytest.mark.parametrize("norm", [True, False])

@@ -53,8 +53,8 @@ class DenseOps:
                            positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slots: torch.Tensor, eps: float) -> torch.Tensor:  # fmt: skip
         """Per-head RMSNorm (weights ``[D]``) and NeoX RoPE at ``positions`` of ``q``
-        (``[T, Hq*D]``) and ``k`` (``[T, Hkv*D]``); k and ``v`` are stored into their
-        cache ``slots``. Returns q as ``[T, Hq, D]``. ``qk_weight`` (``[Hq+Hkv, D]``, or
+        (``[T, Hq*D]``) and ``k`` (``[T, Hkv*D]``); k and ``v`` (``[T, Hkv*DV]``, ``DV`` the
+        v cache's head size, which may differ from ``D``) are stored into their cache ``slots``. Returns q as ``[T, Hq, D]``. ``qk_weight`` (``[Hq+Hkv, D]``, or
         None) is the two weights stacked, for implementations that normalise q and k of one
         matmul output together."""
         raise NotImplementedError
@@ -139,7 +139,7 @@ class TorchDenseOps(DenseOps):
         else:
             qh = rotary.apply(rms_norm(q.reshape(T, Hq, D), q_weight, eps), cos, sin)
             kh = rotary.apply(rms_norm(k.reshape(T, Hkv, D), k_weight, eps), cos, sin)
-        write_kv(k_cache, v_cache, kh, v.reshape(T, Hkv, D), slots)
+        write_kv(k_cache, v_cache, kh, v.reshape(T, Hkv, v_cache.shape[3]), slots)
         return qh
 
     def router_top_k(self, logits, k, norm):
