@@ -353,3 +353,47 @@ def test_router_linear_takes_the_gemv_for_decode_and_the_matmul_for_prompts():
     for T in (1, RouterLinear.gemv_tokens, RouterLinear.gemv_tokens + 1, 64):
         x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16)
         _close(router(x.to(DEV)).cpu(), x.double() @ w.double().T, 1e-5, f"router, {T} tokens")
+
+
+QK_SM90_SCRIPT = r"""
+import json, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from freetoken.kernels import dense_ops as dk
+
+target = GPUTarget("cuda", 90, 32)
+report = {}
+for d, dv in json.loads(sys.argv[1]):
+    sig = {"q_ptr": "*bf16", "q_stride": "i32", "k_ptr": "*bf16", "k_stride": "i32", "v_ptr": "*bf16",
+           "v_stride": "i32", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+           "pos_ptr": "*i64", "slot_ptr": "*i64", "q_out_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
+           "eps": "fp32"}
+    # what dk.qk_norm_rope passes
+    consts = dict(HQ=4, HKV=2, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv))
+    sig.update({k: "constexpr" for k in consts})
+    try:
+        k = triton.compile(ASTSource(dk._qk_norm_rope_kernel, sig, consts, {}), target=target,
+                           options=dict(num_warps=1 if max(d, dv) <= 128 else 2))
+        report[f"{d}/{dv}"] = bool(k.asm.get("cubin"))
+    except Exception as exc:
+        report[f"{d}/{dv}"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+print(json.dumps(report))
+"""
+
+
+def test_qk_norm_rope_compiles_for_sm90_at_any_head_size():
+    """The issue's failure was Triton's compiler ('arange's range must be a power of 2'), which
+    the interpreter does not check: compile the kernel for sm_90 (no GPU needed) at the head
+    sizes of the tests, in a process without TRITON_INTERPRET."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    sizes = [[24, 24], [80, 80], [96, 96], [128, 128], [192, 192], [192, 128], [24, 16]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", QK_SM90_SCRIPT, json.dumps(sizes)], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(v is True for v in report.values()), report
