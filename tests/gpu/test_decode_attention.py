@@ -418,8 +418,9 @@ def partial(dt, G, D, BS, split, DV=None):
            "out_ptr": f"*{dt}", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "count_ptr": "*i32", "scale_log2": "fp32", "P": "i32",
            "max_tokens": "i32", **{s: "i32" for s in STRIDES}}
     consts = dict(G=G, D=D, DV=DV, BS=BS, BLOCK_G=max(16, triton.next_power_of_2(G)),
-                  BLOCK_D=dat.block_d(D), BLOCK_DV=dat.block_d(DV), BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part,
-                  SPLIT=split, PRECISION="ieee" if dt == "fp32" else "tf32", LAST_REDUCES=split and cfg.reduce_in_partial)
+                  BLOCK_D=dat.block_d(D), BLOCK_DV=dat.block_d(DV), BLOCK_N=cfg.block_n,
+                  MIN_PART=cfg.min_part, SPLIT=split, PRECISION="ieee" if dt == "fp32" else "tf32",
+                  LAST_REDUCES=split and cfg.reduce_in_partial)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in [*range(9), *range(12, 22)]}
     return triton.compile(ASTSource(dat._partial_kernel, sig, consts, attrs), target=target,

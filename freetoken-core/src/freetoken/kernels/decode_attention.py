@@ -315,8 +315,8 @@ def _spec(value: Any) -> Any:
     return (value == 1, value % 16 == 0)
 
 
-def _constants(q: Any, k_cache: Any, v_cache: Any, num_partitions: int, config: KernelConfig, window: Optional[int] = None,
-               sinks: Any = None) -> dict[str, Any]:  # fmt: skip
+def _constants(q: Any, k_cache: Any, v_cache: Any, num_partitions: int, config: KernelConfig,
+               window: Optional[int] = None, sinks: Any = None) -> dict[str, Any]:  # fmt: skip
     import torch
 
     _, Hq, D = q.shape

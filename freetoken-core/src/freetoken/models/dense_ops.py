@@ -54,9 +54,10 @@ class DenseOps:
                            slots: torch.Tensor, eps: float) -> torch.Tensor:  # fmt: skip
         """Per-head RMSNorm (weights ``[D]``) and NeoX RoPE at ``positions`` of ``q``
         (``[T, Hq*D]``) and ``k`` (``[T, Hkv*D]``); k and ``v`` (``[T, Hkv*DV]``, ``DV`` the
-        v cache's head size, which may differ from ``D``) are stored into their cache ``slots``. Returns q as ``[T, Hq, D]``. ``qk_weight`` (``[Hq+Hkv, D]``, or
-        None) is the two weights stacked, for implementations that normalise q and k of one
-        matmul output together."""
+        v cache's head size, which may differ from ``D``) are stored into their cache
+        ``slots``. Returns q as ``[T, Hq, D]``. ``qk_weight`` (``[Hq+Hkv, D]``, or None) is
+        the two weights stacked, for implementations that normalise q and k of one matmul
+        output together."""
         raise NotImplementedError
 
     def router_top_k(self, logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
