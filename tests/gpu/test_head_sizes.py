@@ -20,6 +20,12 @@ with graphs the decode attention in the graphs is Triton's. FP32 activations: lo
 2e-3 of the CPU engine's scale (summation-order noise), greedy tokens equal up to a clear
 margin (``greedy_runs.check_logits``). Marked ``gpu``: skipped without one.
 
+Without a GPU, the same checkpoints go through the real engine start on the fake GPU backend
+(tests/qualify/fake_backend.py: CPU tensors, decode graphs recorded and replayed) with the
+Triton ops and the Triton decode attention in graphs forced on, run by Triton's interpreter
+(conftest.py): the model-level wiring (the partial-rotary row order, the kernels' padded
+tiles, the cache layout) against the CPU engine, in CI.
+
 Run on the GPU machine: ``python -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_head_sizes.py``.
 """
 
@@ -33,14 +39,15 @@ import pytest
 import torch
 
 from greedy_runs import check_logits, run_greedy
-
-pytestmark = pytest.mark.gpu
+from test_decode_attention import TRITON_RUNS  # noqa: F401 (also: the interpreter's scalar-index fix)
 
 HEAD_DIMS = [24, 80, 96, 192]
 FAMILIES = ["qwen3_moe", "qwen3_5_moe"]
 VOCAB = 160
 PROMPTS = [[(7 * i + 3 * j) % 150 + 5 for j in range(n)] for i, n in enumerate((5, 23, 9, 40, 2, 17))]
 TOL = 2e-3
+#: the interpreted run's share of PROMPTS and tokens (Triton's interpreter: seconds per step)
+SMALL = dict(prompts=3, max_tokens=4)
 
 
 def _randomize(model: Any, seed: int) -> None:
@@ -113,7 +120,8 @@ def _engine(backend: Any, path: str, **kw: Any) -> Any:
 @pytest.fixture(scope="module", params=[(f, d) for f in FAMILIES for d in HEAD_DIMS],
                 ids=[f"{f}-d{d}" for f in FAMILIES for d in HEAD_DIMS])  # fmt: skip
 def checkpoint(request, tmp_path_factory):
-    """(family, head size, path, the CPU engine's greedy run)."""
+    """(family, head size, path, the CPU engine's greedy runs: of PROMPTS, and of the
+    :data:`SMALL` share of them)."""
     from freetoken_cpu_moe.backend import CpuBackend
 
     family, head_dim = request.param
@@ -122,19 +130,17 @@ def checkpoint(request, tmp_path_factory):
     eng = _engine(CpuBackend(), path, dtype="float32")
     try:
         ref = run_greedy(eng, PROMPTS)
+        small = run_greedy(eng, PROMPTS[: SMALL["prompts"]], max_tokens=SMALL["max_tokens"])
     finally:
         eng.close()
-    return family, head_dim, path, ref
+    return family, head_dim, path, ref, small
 
 
-@pytest.mark.parametrize("placement", ["all", None], ids=["cpu-experts", "gpu-experts"])
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
-def test_head_size_gpu_engine_matches_cpu(backend, checkpoint, placement, eager, monkeypatch):
+def _count_launches(monkeypatch: Any) -> dict[str, int]:
+    """Calls of the fused q/k norm + RoPE and of the Triton decode attention, counted."""
     from freetoken.kernels import decode_attention as attention_kernels
     from freetoken.kernels import dense_ops as dense_kernels
-    from freetoken.models.dense_ops import TritonDenseOps
 
-    family, head_dim, path, ref = checkpoint
     launches = {"qk_norm_rope": 0, "decode_attention": 0}
     for name, module, attr in (("qk_norm_rope", dense_kernels, "qk_norm_rope"),
                                ("decode_attention", attention_kernels, "launch")):  # fmt: skip
@@ -145,6 +151,17 @@ def test_head_size_gpu_engine_matches_cpu(backend, checkpoint, placement, eager,
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, attr, counted)
+    return launches
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["all", None], ids=["cpu-experts", "gpu-experts"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_head_size_gpu_engine_matches_cpu(backend, checkpoint, placement, eager, monkeypatch):
+    from freetoken.models.dense_ops import TritonDenseOps
+
+    family, head_dim, path, ref, _ = checkpoint
+    launches = _count_launches(monkeypatch)
     kw: dict[str, Any] = dict(dtype="float32", enforce_eager=eager, cuda_graph_max_bs=8)
     if placement is not None:
         kw["moe_cpu_layers"] = placement
@@ -163,4 +180,45 @@ def test_head_size_gpu_engine_matches_cpu(backend, checkpoint, placement, eager,
     if not eager:
         assert info["attention"] == "triton", f"{where}: {info['attention']}"
         assert launches["decode_attention"] > 0, f"{where}: the Triton decode attention never ran"
+    check_logits(got, ref, TOL)
+
+
+def _fake_gpu_backend() -> Any:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "qualify" / "fake_backend.py"
+    spec = importlib.util.spec_from_file_location("ft_head_sizes_fake_backend", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FakeGpuBackend()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, test_head_size_gpu_engine_matches_cpu runs the "
+                    "compiled kernels; Triton's interpreter (CPU tensors) is for machines without one")  # fmt: skip
+def test_head_size_interpreted_kernels_in_the_engine_match_cpu(checkpoint, monkeypatch):
+    """The engine start of a GPU backend (the fake one: experts on the CPU, decode graphs
+    recorded and replayed on CPU tensors) with the Triton dense ops and the Triton decode
+    attention in the graphs, in Triton's interpreter, against the CPU engine."""
+    import triton
+
+    from freetoken.models import dense_ops
+    from freetoken.moe.session import gpu_session
+
+    if not triton.knobs.runtime.interpret:
+        pytest.skip("Triton's interpreter is off (conftest.py turns it on without a GPU)")
+    family, head_dim, path, _, ref = checkpoint
+    ops = dense_ops.TritonDenseOps()
+    monkeypatch.setattr(dense_ops, "_triton_ops_for", lambda device: (ops, "Triton's interpreter (forced)"))
+    monkeypatch.setattr(gpu_session, "_attention_impl", lambda device, head_dim=None, v_head_dim=None: "triton")
+    launches = _count_launches(monkeypatch)
+    eng = _engine(_fake_gpu_backend(), path, dtype="float32", moe_cpu_layers="all", cuda_graph_max_bs=8)
+    try:
+        assert eng.model.ops is ops, f"dense ops {eng.model.ops.name} at D={head_dim}"
+        info = eng.backend_info()
+        assert info["graphs"] is True and info["attention"] == "triton", info
+        got = run_greedy(eng, PROMPTS[: SMALL["prompts"]], max_tokens=SMALL["max_tokens"])
+    finally:
+        eng.close()
+    assert launches["qk_norm_rope"] > 0 and launches["decode_attention"] > 0, launches
     check_logits(got, ref, TOL)
