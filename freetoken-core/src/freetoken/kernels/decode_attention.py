@@ -32,6 +32,12 @@ a padded batch row) has no active partition and gets zeros.
 With ``P == 1`` (``SPLIT`` off) the partial program normalises and writes the output
 itself and no reduce is launched.
 
+Head sizes: q/k heads of ``D`` and v heads of ``DV`` values (MLA: 192 and 128; else equal),
+any sizes up to 256 (:func:`freetoken.kernels.availability.head_dim_support`). The tiles
+are ``BLOCK_D``/``BLOCK_DV`` wide, the next power of two of at least 16 (:func:`block_d`);
+lanes past the head load zeros (they add nothing to ``Q K^T``) and are never stored. The
+caller's ``scale`` comes from the true head size.
+
 A sliding window (``WINDOW > 0``) moves each program's first token up to ``L - WINDOW``;
 a partition left without tokens stores ``m = -inf, l = 0, acc = 0``, which the reduce
 weighs by zero. Sinks (``HAS_SINKS``) add ``2^(sink log2(e) - M)`` to the denominator
@@ -168,8 +174,8 @@ def _partial(
         blk = tl.load(bt_row + t // BS, mask=t_ok, other=0).to(tl.int64)
         row = t % BS
         k_off = blk * stride_kb + row * stride_kt + h * stride_kh
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :],
-                    other=0.0)  # [BLOCK_N, BLOCK_D]  # fmt: skip
+        # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the step has a valid token
@@ -177,8 +183,8 @@ def _partial(
         pr = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, axis=1)
         v_off = blk * stride_vb + row * stride_vt + h * stride_vh
-        v = tl.load(v_ptr + v_off[:, None] + offs_dv[None, :], mask=t_ok[:, None] & dv_ok[None, :],
-                    other=0.0)  # [BLOCK_N, BLOCK_DV]  # fmt: skip
+        # [BLOCK_N, BLOCK_DV]
+        v = tl.load(v_ptr + v_off[:, None] + offs_dv[None, :], mask=t_ok[:, None] & dv_ok[None, :], other=0.0)
         acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
@@ -205,9 +211,9 @@ def _partial(
 @triton.jit
 def _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_d, g_ok, d_ok, acc, den, m,
                  D: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
-    """``heads``' outputs ``acc / den`` (``D`` here: the v head size) into sequence ``b``'s row, each head's sink (with
-    ``HAS_SINKS``) added to its denominator at its running max ``m``; a head without context
-    (``den`` 0) gets zeros."""
+    """``heads``' outputs ``acc / den`` (``D`` here: the v head size) into sequence ``b``'s
+    row, each head's sink (with ``HAS_SINKS``) added to its denominator at its running max
+    ``m``; a head without context (``den`` 0) gets zeros."""
     if HAS_SINKS:
         sk = tl.load(sink_ptr + heads, mask=g_ok, other=0.0) * 1.4426950408889634
         den += tl.where(m == float("-inf"), 0.0, tl.exp2(sk - m))

@@ -5,7 +5,8 @@ decoder layer fused so that a decode step launches a few kernels per layer, not 
 * ``qk_norm_rope``   grid (T, Hq + Hkv): per head RMSNorm with its weight, NeoX rotary
                      embedding at the token's position; q heads go to a contiguous
                      ``[T, Hq, D]`` output, k heads (and the matching v head) straight into
-                     their paged cache slot
+                     their paged cache slot. Any even head size ``D`` and any v head size
+                     ``DV``: a head is a tile of the next power of two, lanes past it masked
 * ``router_top_k``   grid (T,): the top-k of the router logits (descending) and their
                      softmax weights (over the top-k, or over every expert)
 * ``router_logits``  grid (E / BLOCK_E, T): a decode step's float32 router logits from the
