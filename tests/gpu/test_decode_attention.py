@@ -78,15 +78,16 @@ class Case:
     """A random paged cache with ``len(ctx)`` sequences; NaN wherever no context lives."""
 
     def __init__(self, ctx: list[int], hq: int, hkv: int, d: int, bs: int, max_blocks: int, dtype: torch.dtype,
-                 seed: int, spare_blocks: int = 3, device: str = DEV) -> None:  # fmt: skip
-        self.seed, self.dtype, self.bs, self.hq, self.hkv, self.d = seed, dtype, bs, hq, hkv, d
+                 seed: int, spare_blocks: int = 3, device: str = DEV, dv: Optional[int] = None) -> None:  # fmt: skip
+        dv = d if dv is None else dv  # the v head size (MLA: 128 against q/k's 192)
+        self.seed, self.dtype, self.bs, self.hq, self.hkv, self.d, self.dv = seed, dtype, bs, hq, hkv, d, dv
         gen = torch.Generator().manual_seed(seed)
         used = [-(-min(c, max_blocks * bs) // bs) for c in ctx]
         nb = sum(used) + spare_blocks + 1
         perm = torch.randperm(nb, generator=gen).tolist()
         self.scratch = perm.pop()  # pads the tables, holds only NaN
         k = torch.full((nb, bs, hkv, d), float("nan"))
-        v = torch.full((nb, bs, hkv, d), float("nan"))
+        v = torch.full((nb, bs, hkv, dv), float("nan"))
         tables = torch.full((len(ctx), max_blocks), self.scratch, dtype=torch.int32)
         real: list[int] = []
         for b, (c, n) in enumerate(zip(ctx, used)):
@@ -96,7 +97,7 @@ class Case:
             tokens = torch.arange(min(c, max_blocks * bs))
             where = (torch.tensor(blocks, dtype=torch.int64)[tokens // bs], tokens % bs)
             k[where] = torch.randn(len(tokens), hkv, d, generator=gen)
-            v[where] = torch.randn(len(tokens), hkv, d, generator=gen)
+            v[where] = torch.randn(len(tokens), hkv, dv, generator=gen)
         # some padding entries name another sequence's (finite) block instead of the scratch one
         for b, n in enumerate(used):
             if n < max_blocks and real and b % 2:
@@ -125,8 +126,9 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     every query head a softmax over its kv head's keys."""
     B, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
+    dv = v_cache.shape[3]
     g = hq // hkv
-    out = torch.zeros(B, hq, d, dtype=torch.float64)
+    out = torch.zeros(B, hq, dv, dtype=torch.float64)
     tables_h, ctx_h = tables.cpu().tolist(), ctx_lens.cpu().tolist()
     for b in range(B):
         n = min(ctx_h[b], len(tables_h[b]) * bs)
@@ -138,7 +140,7 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
         v = v_cache[blocks, rows].double().repeat_interleave(g, dim=1)
         s = torch.einsum("nhd,hd->hn", k, q[b].double()) * scale
         out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=1), v).cpu()
-    return out.view(B, hq * d)
+    return out.view(B, hq * dv)
 
 
 def check_heads(got: torch.Tensor, ref: torch.Tensor, ctx: list[int], heads: int, tol: float, what: str) -> float:
@@ -166,10 +168,11 @@ def seed_of(*parts: object) -> int:
 def run_checked(case: Case, impl: str, tol: Optional[float] = None, out_dtype: Optional[torch.dtype] = None,
                 **kw: object) -> float:  # fmt: skip
     B = case.q.shape[0]
-    out = torch.full((B, case.hq * case.d), float("nan"), dtype=out_dtype or case.dtype, device=case.q.device)
+    out = torch.full((B, case.hq * case.dv), float("nan"), dtype=out_dtype or case.dtype, device=case.q.device)
     res = case.run(impl, out=out, **kw)
     assert res is out
-    what = f"{impl} {case.dtype} Hq={case.hq} Hkv={case.hkv} D={case.d} bs={case.bs} {kw} seed={case.seed}"
+    what = (f"{impl} {case.dtype} Hq={case.hq} Hkv={case.hkv} D={case.d} DV={case.dv} bs={case.bs} {kw} "
+            f"seed={case.seed}")  # fmt: skip
     return check_heads(out, case.reference(), case.ctx.tolist(), case.hq, tol or TOL[case.dtype], what)
 
 
@@ -215,6 +218,72 @@ def test_head_dim_64_mha_and_other_block_sizes(impl):
     run_checked(Case([3, 9], 16, 1, 16, 4, 4, torch.float32, seed + 2), impl)  # one kv head, G=16, D=16
     if impl == "triton":
         run_checked(Case([1, 70, 96], 6, 2, 80, 16, 6, torch.bfloat16, seed + 3), impl, partitions=3)  # D=80
+
+
+# head sizes that are not a power of two (issue 40 item 5; Qwen3.5-MoE-shaped test models: 24),
+# common real ones (80, 96, 192), 128 (no regression), one below tl.dot's 16 (8), and a v head
+# size of its own (MLA's 192/128)
+HEAD_SIZES = [(24, 24), (80, 80), (96, 96), (128, 128), (192, 192), (8, 8), (192, 128), (24, 40)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("d,dv", HEAD_SIZES, ids=[f"d{d}v{dv}" for d, dv in HEAD_SIZES])
+def test_head_sizes(impl, d, dv, monkeypatch):
+    """Tiles padded to a power of two with the lanes past the head masked: direct output,
+    split partitions merged in the partial kernel, and by the reduce kernel; GQA with a
+    group that is not a power of two; the scale from the true head size."""
+    seed = seed_of("head", impl, d, dv)
+    case = Case([1, 17, 0, 40, 64], 6, 2, d, 16, 4, torch.bfloat16, seed, dv=dv)
+    case.scale = float(d) ** -0.5
+    if impl == "torch":
+        run_checked(case, impl)
+        return
+    for p in (1, 3):
+        run_checked(case, impl, partitions=p)
+    from freetoken.kernels import decode_attention as dat
+
+    monkeypatch.setattr(dat, "DEFAULT_CONFIG", dataclasses.replace(dat.DEFAULT_CONFIG, reduce_in_partial=False))
+    run_checked(case, impl, partitions=3)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_head_size_with_window_and_sinks(impl):
+    """The window/sinks kernel variant (GPT-OSS-shaped) at a head size of 80 and a v head of 48."""
+    seed = seed_of("head-ws", impl)
+    case = Case([5, 40, 0, 64], 4, 2, 80, 16, 4, torch.float32, seed, dv=48)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float().to(DEV)
+    B = case.q.shape[0]
+    for window in (None, 9):
+        out = torch.full((B, 4 * 48), float("nan"), device=DEV)
+        kw = {"partitions": 3} if impl == "triton" else {}
+        case.run(impl, out=out, window=window, sinks=sinks, **kw)
+        ref = reference_window_sinks(case, window, sinks)
+        check_heads(out, ref, case.ctx.tolist(), 4, 1e-5, f"{impl} window={window} seed={seed}")
+
+
+def reference_window_sinks(case: Case, window: Optional[int], sinks: torch.Tensor) -> torch.Tensor:
+    """float64: each query head over the last ``window`` tokens of its context, with its sink's
+    logit in the softmax's denominator."""
+    B, hq, d = case.q.shape
+    _, bs, hkv, dv = case.v_cache.shape
+    g = hq // hkv
+    out = torch.zeros(B, hq, dv, dtype=torch.float64)
+    tables, ctx = case.tables.cpu().tolist(), case.ctx.cpu().tolist()
+    for b in range(B):
+        n = ctx[b]
+        if n <= 0:
+            continue
+        lo = 0 if window is None else max(0, n - window)
+        idx = range(lo, n)
+        blocks = torch.tensor([tables[b][i // bs] for i in idx], device=case.k_cache.device)
+        rows = torch.tensor([i % bs for i in idx], device=case.k_cache.device)
+        k = case.k_cache[blocks, rows].double().repeat_interleave(g, dim=1).cpu()
+        v = case.v_cache[blocks, rows].double().repeat_interleave(g, dim=1).cpu()
+        s = torch.einsum("nhd,hd->hn", k, case.q[b].double().cpu()) * case.scale
+        s = torch.cat([s, sinks.double().cpu()[:, None]], dim=1)
+        p = torch.softmax(s, dim=1)[:, :-1]
+        out[b] = torch.einsum("hn,nhd->hd", p, v)
+    return out.view(B, hq * dv)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -314,9 +383,9 @@ def test_auto_and_validation():
     if TRITON_RUNS:
         with pytest.raises(ValueError, match="partitions=0"):
             da.paged_decode_attention(*args, impl="triton", partitions=0)
-        small = Case([3], 2, 1, 8, 16, 1, torch.float32, 2)
-        with pytest.raises(ValueError, match="head_dim 16..256"):
-            small.run("triton")
+        wide = Case([3], 2, 1, 264, 16, 1, torch.float32, 2)
+        with pytest.raises(ValueError, match="wider than the kernel's 256"):
+            wide.run("triton")
 
 
 def test_partition_count_follows_shapes_only():
@@ -343,13 +412,15 @@ STRIDES = ["stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "str
 cfg = dat.DEFAULT_CONFIG
 target = GPUTarget("cuda", 90, 32)
 
-def partial(dt, G, D, BS, split):
+def partial(dt, G, D, BS, split, DV=None):
+    DV = D if DV is None else DV
     sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "bt_ptr": "*i32", "ctx_ptr": "*i32",
            "out_ptr": f"*{dt}", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "count_ptr": "*i32", "scale_log2": "fp32", "P": "i32",
            "max_tokens": "i32", **{s: "i32" for s in STRIDES}}
-    consts = dict(G=G, D=D, BS=BS, BLOCK_G=max(16, triton.next_power_of_2(G)),
-                  BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part,
-                  SPLIT=split, PRECISION="ieee" if dt == "fp32" else "tf32", LAST_REDUCES=split and cfg.reduce_in_partial)
+    consts = dict(G=G, D=D, DV=DV, BS=BS, BLOCK_G=max(16, triton.next_power_of_2(G)),
+                  BLOCK_D=dat.block_d(D), BLOCK_DV=dat.block_d(DV), BLOCK_N=cfg.block_n,
+                  MIN_PART=cfg.min_part, SPLIT=split, PRECISION="ieee" if dt == "fp32" else "tf32",
+                  LAST_REDUCES=split and cfg.reduce_in_partial)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in [*range(9), *range(12, 22)]}
     return triton.compile(ASTSource(dat._partial_kernel, sig, consts, attrs), target=target,
@@ -377,6 +448,10 @@ report = {
     "fp32_g4": describe(partial("fp32", 4, 128, 16, True)),
     "reduce_bf16": describe(reduce("bf16", 128)),
     "reduce_fp32_d80": describe(reduce("fp32", 80)),
+    # head sizes that are not a power of two (issue 40 item 5), and MLA's v head of its own
+    **{f"bf16_d{d}_v{dv}": describe(partial("bf16", 4, d, 16, True, dv))
+       for d, dv in [(24, 24), (80, 80), (96, 96), (192, 192), (192, 128)]},
+    "reduce_bf16_d24": describe(reduce("bf16", 24)),
 }
 print(json.dumps(report))
 """
@@ -394,6 +469,8 @@ def test_kernels_compile_for_sm90():
         assert report[name]["cp_async"], f"{name}: K/V loads not pipelined"
         assert report[name]["shared"] <= 100 * 1024, f"{name}: {report[name]['shared']} bytes of shared memory"
     assert report["fp16_d64_mha"]["mma_f16"], "fp16: no tensor-core MMA"
+    for d, dv in [(24, 24), (80, 80), (96, 96), (192, 192), (192, 128)]:
+        assert report[f"bf16_d{d}_v{dv}"]["mma_bf16"], f"head size {d}/{dv}: no bf16 tensor-core MMA"
 
 
 # --------------------------------------------------------------------------------------

@@ -111,6 +111,89 @@ def test_qk_norm_rope_store(ops, dtype, T, fused_qkv):
     assert torch.isnan(flat_k[others]).all() and torch.isnan(flat_v[others]).all(), "a slot outside `slots` was written"
 
 
+def _partial_rope64(x: torch.Tensor, pos: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    """NeoX RoPE on the first ``rotary_dim`` dimensions of each head (pairs ``(i, i + rotary_dim/2)``),
+    the others left alone, float64, from its definition."""
+    return torch.cat([_rope64(x[..., :rotary_dim], pos, theta), x[..., rotary_dim:]], dim=-1)
+
+
+# head sizes that are not a power of two (issue 40 item 5), 128 for no regression, and
+# partial rotary (Qwen3.5: a quarter of each head rotated) through the permuted full-width tables
+HEAD_SIZES = [(24, 24), (80, 80), (96, 96), (128, 128), (192, 192), (24, 8), (96, 24), (192, 64)]
+
+
+@pytest.mark.parametrize("ops", OPS, ids=_ids)
+@pytest.mark.parametrize("D,rotary_dim", HEAD_SIZES, ids=[f"d{d}r{r}" for d, r in HEAD_SIZES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qk_norm_rope_store_head_sizes(ops, D, rotary_dim, dtype):
+    """Any even head size, full or partial rotary: against float64 RMSNorm + RoPE from their
+    definitions (partial rotary in the checkpoint's own dimension order, the op run on the
+    rows :func:`rotary_permutation` reorders, as the Qwen3.5 model loads them)."""
+    from freetoken.models.hybrid_weights import PartialRotary, rotary_permutation
+
+    Hq, Hkv, bs, nb, theta, eps, T = 4, 2, 4, 3, 10000.0, 1e-6, 3
+    g = torch.Generator().manual_seed(1000 * D + rotary_dim + (dtype == torch.float32))
+    y = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype).to(DEV)
+    q, k, v = y.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    qw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEV)
+    kw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEV)
+    positions = torch.randint(0, 500, (T,), generator=g).to(DEV)
+    slots = torch.randperm(nb * bs, generator=g)[:T].to(DEV)
+    q_ref = _partial_rope64(_rms64(q.reshape(T, Hq, D), qw, eps), positions, theta, rotary_dim)
+    k_ref = _partial_rope64(_rms64(k.reshape(T, Hkv, D), kw, eps), positions, theta, rotary_dim)
+    if rotary_dim == D:
+        rotary = Rotary(D, theta, 512, torch.device(DEV))
+        order = torch.arange(D)
+    else:
+        rotary = PartialRotary(D, rotary_dim, theta, 512, torch.device(DEV))
+        order = rotary_permutation(D, rotary_dim)
+    od = order.to(DEV)
+    # the op sees each head's dimensions in rotary order (q, k and their norm weights alike)
+    qp = q.reshape(T, Hq, D)[..., od].reshape(T, Hq * D)
+    kp = k.reshape(T, Hkv, D)[..., od].reshape(T, Hkv * D)
+    qwp, kwp = qw[od].contiguous(), kw[od].contiguous()
+    kc = torch.full((nb, bs, Hkv, D), float("nan"), dtype=dtype, device=DEV)
+    vc = torch.full_like(kc, float("nan"))
+    out = ops.qk_norm_rope_store(qp, kp, v, qwp, kwp, None, rotary, positions, kc, vc, slots, eps)
+    assert out.shape == (T, Hq, D) and out.dtype == dtype
+    # the tables hold float32 angles pos * inv_freq: up to ~500 * 6e-8 from the float64 ones
+    tol = _tol(ops, dtype) + (4e-5 if dtype == torch.float32 else 0.0)
+    _close(out, q_ref[..., od], tol, f"q D={D}")
+    flat_k, flat_v = kc.view(nb * bs, Hkv, D), vc.view(nb * bs, Hkv, D)
+    _close(flat_k[slots], k_ref[..., od], tol, f"k in the cache D={D}")
+    assert torch.equal(flat_v[slots], v.reshape(T, Hkv, D)), "v in the cache"
+    others = torch.ones(nb * bs, dtype=torch.bool, device=DEV)
+    others[slots] = False
+    assert torch.isnan(flat_k[others]).all() and torch.isnan(flat_v[others]).all(), "a slot outside `slots` was written"
+
+
+@pytest.mark.parametrize("ops", OPS, ids=_ids)
+@pytest.mark.parametrize("D,DV", [(24, 16), (192, 128), (80, 96)])
+def test_qk_norm_rope_store_v_head_size(ops, D, DV):
+    """A v head size other than the q/k one (MLA's 192/128): v rows of ``DV`` values go to a
+    ``[.., Hkv, DV]`` cache, k's ``D`` to its own."""
+    Hq, Hkv, bs, nb, theta, eps, T, dtype = 4, 2, 4, 3, 10000.0, 1e-6, 2, torch.bfloat16
+    g = torch.Generator().manual_seed(D * 7 + DV)
+    q = torch.randn(T, Hq * D, generator=g).to(dtype).to(DEV)
+    k = torch.randn(T, Hkv * D, generator=g).to(dtype).to(DEV)
+    v = torch.randn(T, Hkv * DV, generator=g).to(dtype).to(DEV)
+    qw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEV)
+    kw = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEV)
+    positions = torch.randint(0, 500, (T,), generator=g).to(DEV)
+    slots = torch.randperm(nb * bs, generator=g)[:T].to(DEV)
+    kc = torch.full((nb, bs, Hkv, D), float("nan"), dtype=dtype, device=DEV)
+    vc = torch.full((nb, bs, Hkv, DV), float("nan"), dtype=dtype, device=DEV)
+    out = ops.qk_norm_rope_store(q, k, v, qw, kw, None, Rotary(D, theta, 512, torch.device(DEV)), positions, kc, vc,
+                                 slots, eps)  # fmt: skip
+    _close(out, _rope64(_rms64(q.reshape(T, Hq, D), qw, eps), positions, theta), _tol(ops, dtype), "q")
+    flat_k, flat_v = kc.view(nb * bs, Hkv, D), vc.view(nb * bs, Hkv, DV)
+    _close(flat_k[slots], _rope64(_rms64(k.reshape(T, Hkv, D), kw, eps), positions, theta), _tol(ops, dtype), "k")
+    assert torch.equal(flat_v[slots], v.reshape(T, Hkv, DV)), "v in the cache"
+    others = torch.ones(nb * bs, dtype=torch.bool, device=DEV)
+    others[slots] = False
+    assert torch.isnan(flat_k[others]).all() and torch.isnan(flat_v[others]).all(), "a slot outside `slots` was written"
+
+
 @pytest.mark.parametrize("ops", OPS, ids=_ids)
 @pytest.mark.parametrize("T,E,K", [(1, 128, 8), (6, 128, 8), (2, 60, 4), (3, 8, 2)])
 @pytest.mark.parametrize("norm", [True, False])
@@ -270,3 +353,47 @@ def test_router_linear_takes_the_gemv_for_decode_and_the_matmul_for_prompts():
     for T in (1, RouterLinear.gemv_tokens, RouterLinear.gemv_tokens + 1, 64):
         x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16)
         _close(router(x.to(DEV)).cpu(), x.double() @ w.double().T, 1e-5, f"router, {T} tokens")
+
+
+QK_SM90_SCRIPT = r"""
+import json, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from freetoken.kernels import dense_ops as dk
+
+target = GPUTarget("cuda", 90, 32)
+report = {}
+for d, dv in json.loads(sys.argv[1]):
+    sig = {"q_ptr": "*bf16", "q_stride": "i32", "k_ptr": "*bf16", "k_stride": "i32", "v_ptr": "*bf16",
+           "v_stride": "i32", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+           "pos_ptr": "*i64", "slot_ptr": "*i64", "q_out_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
+           "eps": "fp32"}
+    # what dk.qk_norm_rope passes
+    consts = dict(HQ=4, HKV=2, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv))
+    sig.update({k: "constexpr" for k in consts})
+    try:
+        k = triton.compile(ASTSource(dk._qk_norm_rope_kernel, sig, consts, {}), target=target,
+                           options=dict(num_warps=1 if max(d, dv) <= 128 else 2))
+        report[f"{d}/{dv}"] = bool(k.asm.get("cubin"))
+    except Exception as exc:
+        report[f"{d}/{dv}"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+print(json.dumps(report))
+"""
+
+
+def test_qk_norm_rope_compiles_for_sm90_at_any_head_size():
+    """The issue's failure was Triton's compiler ('arange's range must be a power of 2'), which
+    the interpreter does not check: compile the kernel for sm_90 (no GPU needed) at the head
+    sizes of the tests, in a process without TRITON_INTERPRET."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    sizes = [[24, 24], [80, 80], [96, 96], [128, 128], [192, 192], [192, 128], [24, 16]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", QK_SM90_SCRIPT, json.dumps(sizes)], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(v is True for v in report.values()), report

@@ -121,12 +121,17 @@ def dense_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
             dot._add_rms_norm_kernel, target,
             {"h_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "h_out_ptr": "*bf16", "x_out_ptr": "*bf16",
              "N": "i32", "eps": "fp32"}, dict(HAS_DELTA=True, BLOCK=HIDDEN), 8 if HIDDEN >= 2048 else 4),
-        "dense.qk_norm_rope": lambda: compile_kernel(
+        **{name: lambda hd=hd, vd=vd: compile_kernel(
             dot._qk_norm_rope_kernel, target,
             {"q_ptr": "*bf16", "q_stride": "i32", "k_ptr": "*bf16", "k_stride": "i32", "v_ptr": "*bf16",
              "v_stride": "i32", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
              "pos_ptr": "*i64", "slot_ptr": "*i64", "q_out_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
-             "eps": "fp32"}, dict(HQ=hq, HKV=hkv, D=d), 1 if d <= 128 else 2),
+             "eps": "fp32"},
+            dict(HQ=hq, HKV=hkv, D=hd, DV=vd, BLOCK_D=triton.next_power_of_2(hd), BLOCK_DV=triton.next_power_of_2(vd)),
+            1 if max(hd, vd) <= 128 else 2)
+           # head sizes that are not a power of two: tiles padded and masked
+           for name, hd, vd in (("dense.qk_norm_rope", d, d), ("dense.qk_norm_rope.d24", 24, 24),
+                                ("dense.qk_norm_rope.d192v128", 192, 128))},
         "dense.router_top_k": lambda: compile_kernel(
             dot._router_top_k_kernel, target, {"logits_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*fp32", "E": "i32"},
             dict(K=TOP_K, KP=TOP_K, NORM=True, BLOCK=experts), 1 if experts <= 256 else 4),
@@ -153,8 +158,11 @@ def attention_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
     ints = {n: "i32" for n in ("P", "max_tokens", "stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh",
                                "stride_vb", "stride_vt", "stride_vh", "stride_btb", "stride_ob")}  # fmt: skip
     partial = {**ptrs, **ints, "scale_log2": "fp32"}
-    consts = dict(G=g, D=d, BS=bs, BLOCK_G=16, BLOCK_D=d, BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part, SPLIT=True,
-                  PRECISION=target.dot_precision(False), LAST_REDUCES=cfg.reduce_in_partial)  # fmt: skip
+    consts = dict(G=g, D=d, DV=d, BS=bs, BLOCK_G=16, BLOCK_D=d, BLOCK_DV=d, BLOCK_N=cfg.block_n,
+                  MIN_PART=cfg.min_part, SPLIT=True, PRECISION=target.dot_precision(False),
+                  LAST_REDUCES=cfg.reduce_in_partial)  # fmt: skip
+    # a head size that is not a power of two (tiles of 128, masked) with a v head of its own
+    d80 = dict(consts, D=80, DV=48, BLOCK_D=dat.block_d(80), BLOCK_DV=dat.block_d(48))
     red = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "P": "i32",
            "max_tokens": "i32", "stride_ob": "i32"}  # fmt: skip
     rconsts = dict(D=d, BLOCK_D=d, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part)
@@ -164,6 +172,8 @@ def attention_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
         "attention.partial_window_sinks": lambda: compile_kernel(
             dat._partial_window_sinks_kernel, target, {**partial, "sink_ptr": "*fp32"},
             {**consts, "WINDOW": 128, "HAS_SINKS": True}, cfg.num_warps, cfg.num_stages),
+        "attention.partial.d80v48": lambda: compile_kernel(dat._partial_kernel, target, partial, d80, cfg.num_warps,
+                                                           cfg.num_stages),
         "attention.reduce": lambda: compile_kernel(dat._reduce_kernel, target, red, rconsts, 4),
         "attention.reduce_sinks": lambda: compile_kernel(dat._reduce_sinks_kernel, target,
                                                          {**red, "sink_ptr": "*fp32"}, rconsts, 4),

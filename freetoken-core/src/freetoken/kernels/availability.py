@@ -1,11 +1,13 @@
 """Whether the Triton kernels run on a device: Triton where
 :func:`freetoken.backends.triton_target.for_device` accepts the device and triton imports,
 else the torch implementations. Callers read :func:`default_impl` through this module, so a
-test may point it at Triton's interpreter."""
+test may point it at Triton's interpreter. :func:`head_dim_support`: which of the kernels that
+tile over attention heads take a model's head sizes (asked when the model is built)."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Optional
 
 
 def default_impl(device: Any) -> tuple[str, str]:
@@ -36,3 +38,68 @@ def check_triton(device: Any) -> None:
     target = triton_target.for_device(device)
     if target.backend != "none" and not target.usable:
         raise ValueError(f"impl='triton' on {device}: {target.reason}; use impl='torch' (or 'auto')")
+
+
+#: the widest q/k or v head the decode attention kernel tiles (one program holds a
+#: ``[BLOCK_G, 256]`` float32 accumulator and ``[BLOCK_N, 256]`` K and V tiles)
+DECODE_ATTENTION_MAX_HEAD_DIM = 256
+#: the widest head the fused q/k norm + RoPE kernel takes (one head per program, in registers)
+QK_NORM_ROPE_MAX_HEAD_DIM = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDimSupport:
+    """Which Triton kernels that tile over attention heads take a model's head sizes
+    (:func:`head_dim_support`); a part that does not runs its torch implementation."""
+
+    head_dim: int
+    v_head_dim: int
+    qk_norm_rope: bool  # kernels.dense_ops.qk_norm_rope (per-head RMSNorm + NeoX RoPE + K/V cache write)
+    qk_norm_rope_why: str
+    decode_attention: bool  # kernels.decode_attention (paged split-K decode attention)
+    decode_attention_why: str
+
+    def torch_parts(self) -> list[str]:
+        """One line per part that takes the torch implementation, with why (empty: none)."""
+        parts = []
+        if not self.qk_norm_rope:
+            parts.append(f"q/k norm + RoPE: {self.qk_norm_rope_why}")
+        if not self.decode_attention:
+            parts.append(f"decode attention: {self.decode_attention_why}")
+        return parts
+
+
+def head_dim_support(head_dim: int, v_head_dim: Optional[int] = None) -> HeadDimSupport:
+    """Whether the Triton kernels that tile over the attention head take ``head_dim``
+    (q and k) and ``v_head_dim`` (default: ``head_dim``; MLA-shaped models: 192 and 128).
+    Decided from the sizes alone, when a model is built, never mid-request: the kernels pad
+    their tiles to the next power of two and mask the lanes past the head, so any size
+    runs within these bounds:
+
+    * q/k norm + RoPE: an even ``head_dim`` (NeoX pairs ``(i, i + head_dim/2)``) of at most
+      :data:`QK_NORM_ROPE_MAX_HEAD_DIM`; any ``v_head_dim`` up to the same bound.
+    * decode attention: ``head_dim`` and ``v_head_dim`` of at most
+      :data:`DECODE_ATTENTION_MAX_HEAD_DIM`.
+    """
+    d = int(head_dim)
+    dv = d if v_head_dim is None else int(v_head_dim)
+    if d < 1 or dv < 1:
+        raise ValueError(f"head sizes must be >= 1, got head_dim={d}, v_head_dim={dv}")
+    if d % 2:
+        rope, rope_why = False, f"head_dim {d} is odd (RoPE rotates pairs (i, i + head_dim/2))"
+    elif max(d, dv) > QK_NORM_ROPE_MAX_HEAD_DIM:
+        rope, rope_why = False, (f"head_dim {d}/v_head_dim {dv} wider than the kernel's "
+                                 f"{QK_NORM_ROPE_MAX_HEAD_DIM}")  # fmt: skip
+    else:
+        rope, rope_why = True, f"head_dim {d}, v_head_dim {dv}: tile {_pow2(d)}/{_pow2(dv)}, masked"
+    if max(d, dv) > DECODE_ATTENTION_MAX_HEAD_DIM:
+        attn, attn_why = False, (f"head_dim {d}/v_head_dim {dv} wider than the kernel's "
+                                 f"{DECODE_ATTENTION_MAX_HEAD_DIM}")  # fmt: skip
+    else:
+        attn, attn_why = True, (f"head_dim {d}, v_head_dim {dv}: tile {max(16, _pow2(d))}/"
+                                f"{max(16, _pow2(dv))}, masked")  # fmt: skip
+    return HeadDimSupport(d, dv, rope, rope_why, attn, attn_why)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()

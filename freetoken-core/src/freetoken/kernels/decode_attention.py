@@ -32,6 +32,12 @@ a padded batch row) has no active partition and gets zeros.
 With ``P == 1`` (``SPLIT`` off) the partial program normalises and writes the output
 itself and no reduce is launched.
 
+Head sizes: q/k heads of ``D`` and v heads of ``DV`` values (MLA: 192 and 128; else equal),
+any sizes up to 256 (:func:`freetoken.kernels.availability.head_dim_support`). The tiles
+are ``BLOCK_D``/``BLOCK_DV`` wide, the next power of two of at least 16 (:func:`block_d`);
+lanes past the head load zeros (they add nothing to ``Q K^T``) and are never stored. The
+caller's ``scale`` comes from the true head size.
+
 A sliding window (``WINDOW > 0``) moves each program's first token up to ``L - WINDOW``;
 a partition left without tokens stores ``m = -inf, l = 0, acc = 0``, which the reduce
 weighs by zero. Sinks (``HAS_SINKS``) add ``2^(sink log2(e) - M)`` to the denominator
@@ -94,14 +100,15 @@ def _partial_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr,
     scale_log2, P, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
-    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_PART: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr,
 ):  # fmt: skip
     _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, out_ptr, scale_log2, P,
              max_tokens, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-             stride_btb, stride_ob, G, D, BS, BLOCK_G, BLOCK_D, BLOCK_N, MIN_PART, SPLIT, PRECISION, 0, False,
-             LAST_REDUCES)  # fmt: skip
+             stride_btb, stride_ob, G, D, DV, BS, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, MIN_PART, SPLIT, PRECISION,
+             0, False, LAST_REDUCES)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["P", "max_tokens", "scale_log2"])
@@ -110,15 +117,16 @@ def _partial_window_sinks_kernel(
     scale_log2, P, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
     sink_ptr,
-    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_PART: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     LAST_REDUCES: tl.constexpr,
 ):  # fmt: skip
     _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, sink_ptr, scale_log2, P,
              max_tokens, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-             stride_btb, stride_ob, G, D, BS, BLOCK_G, BLOCK_D, BLOCK_N, MIN_PART, SPLIT, PRECISION, WINDOW,
-             HAS_SINKS, LAST_REDUCES)  # fmt: skip
+             stride_btb, stride_ob, G, D, DV, BS, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, MIN_PART, SPLIT, PRECISION,
+             WINDOW, HAS_SINKS, LAST_REDUCES)  # fmt: skip
 
 
 @triton.jit
@@ -126,8 +134,9 @@ def _partial(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, sink_ptr,
     scale_log2, P, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
-    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_PART: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     LAST_REDUCES: tl.constexpr,
 ):  # fmt: skip
@@ -146,25 +155,27 @@ def _partial(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
     g_ok = offs_g < G
-    d_ok = offs_d < D
+    d_ok = offs_d < D  # any head size: the tiles are padded to a power of two (>= 16), lanes past D masked
+    dv_ok = offs_dv < DV
     heads = h * G + offs_g  # the query heads of kv head h
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
     bt_row = bt_ptr + b * stride_btb
     for start in range(first, hi, BLOCK_N):  # every step holds at least one token < hi
         t = start + offs_n
         t_ok = t < hi
         blk = tl.load(bt_row + t // BS, mask=t_ok, other=0).to(tl.int64)
         row = t % BS
-        kv_mask = t_ok[:, None] & d_ok[None, :]
         k_off = blk * stride_kb + row * stride_kt + h * stride_kh
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the step has a valid token
@@ -172,15 +183,16 @@ def _partial(
         pr = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, axis=1)
         v_off = blk * stride_vb + row * stride_vt + h * stride_vh
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        # [BLOCK_N, BLOCK_DV]
+        v = tl.load(v_ptr + v_off[:, None] + offs_dv[None, :], mask=t_ok[:, None] & dv_ok[None, :], other=0.0)
         acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     if SPLIT:
         active = lo < hi
         part_row = (b * hq_count + heads) * P + p  # [BLOCK_G] rows of the [B, Hq, P] partials
-        tl.store(acc_ptr + part_row[:, None] * D + offs_d[None, :], acc,
-                 mask=active & g_ok[:, None] & d_ok[None, :])  # fmt: skip
+        tl.store(acc_ptr + part_row[:, None] * DV + offs_dv[None, :], acc,
+                 mask=active & g_ok[:, None] & dv_ok[None, :])  # fmt: skip
         tl.store(ml_ptr + part_row * 2, m_i, mask=active & g_ok)
         tl.store(ml_ptr + part_row * 2 + 1, l_i, mask=active & g_ok)
         if LAST_REDUCES:
@@ -190,18 +202,18 @@ def _partial(
             done = tl.atomic_add(count_ptr + b * tl.num_programs(1) + h, 1, sem="acq_rel", scope="gpu")
             if done == P - 1:
                 _merge_heads(acc_ptr, ml_ptr, sink_ptr, out_ptr, b, heads, hq_count, P, tl.cdiv(ctx, part),
-                             stride_ob, offs_d, g_ok, d_ok, D, BLOCK_G, BLOCK_D, HAS_SINKS)  # fmt: skip
+                             stride_ob, offs_dv, g_ok, dv_ok, DV, BLOCK_G, BLOCK_DV, HAS_SINKS)  # fmt: skip
                 tl.atomic_xchg(count_ptr + b * tl.num_programs(1) + h, 0, sem="relaxed", scope="gpu")
     else:  # the only partition: normalise here (no context: acc = 0, l = 0 -> zeros)
-        _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_d, g_ok, d_ok, acc, l_i, m_i, D, HAS_SINKS)
+        _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_dv, g_ok, dv_ok, acc, l_i, m_i, DV, HAS_SINKS)
 
 
 @triton.jit
 def _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_d, g_ok, d_ok, acc, den, m,
                  D: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
-    """``heads``' outputs ``acc / den`` into sequence ``b``'s row, each head's sink (with
-    ``HAS_SINKS``) added to its denominator at its running max ``m``; a head without context
-    (``den`` 0) gets zeros."""
+    """``heads``' outputs ``acc / den`` (``D`` here: the v head size) into sequence ``b``'s
+    row, each head's sink (with ``HAS_SINKS``) added to its denominator at its running max
+    ``m``; a head without context (``den`` 0) gets zeros."""
     if HAS_SINKS:
         sk = tl.load(sink_ptr + heads, mask=g_ok, other=0.0) * 1.4426950408889634
         den += tl.where(m == float("-inf"), 0.0, tl.exp2(sk - m))
@@ -295,6 +307,12 @@ def _reduce(
     tl.store(out_ptr + b * stride_ob + hq * D + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+def block_d(d: int) -> int:
+    """The tile width of a head of ``d`` values: the next power of two, at least 16 (``tl.dot``'s
+    smallest K and N); lanes past ``d`` are masked."""
+    return max(16, triton.next_power_of_2(d))
+
+
 def _spec(value: Any) -> Any:
     """What of one launch argument selects a compiled variant: a tensor's dtype and
     16-byte alignment, an integer's being 1 or a multiple of 16."""
@@ -303,15 +321,16 @@ def _spec(value: Any) -> Any:
     return (value == 1, value % 16 == 0)
 
 
-def _constants(q: Any, k_cache: Any, num_partitions: int, config: KernelConfig, window: Optional[int] = None,
-               sinks: Any = None) -> dict[str, Any]:  # fmt: skip
+def _constants(q: Any, k_cache: Any, v_cache: Any, num_partitions: int, config: KernelConfig,
+               window: Optional[int] = None, sinks: Any = None) -> dict[str, Any]:  # fmt: skip
     import torch
 
     _, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
+    DV = v_cache.shape[3]
     G = Hq // Hkv
     c = dict(
-        G=G, D=D, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+        G=G, D=D, DV=DV, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=block_d(D), BLOCK_DV=block_d(DV),
         BLOCK_N=config.block_n, MIN_PART=config.min_part, SPLIT=num_partitions > 1,
         PRECISION=triton_target.for_device(q.device).dot_precision(q.dtype == torch.float32),
         LAST_REDUCES=num_partitions > 1 and config.reduce_in_partial,
@@ -336,7 +355,7 @@ def variant_key(
     """What selects the compiled variants of a :func:`launch` (constants, dtypes, pointer
     alignment, strides' divisibility; not the values of the partition count, the context
     bound or the scale): equal keys, no new compilation."""
-    consts = _constants(q, k_cache, num_partitions, config, window, sinks)
+    consts = _constants(q, k_cache, v_cache, num_partitions, config, window, sinks)
     tensors = (q, k_cache, v_cache, block_tables, ctx_lens, out) + ((sinks,) if sinks is not None else ())
     strides = _strides(q, k_cache, v_cache, block_tables, out)
     return (config, str(q.device), tuple(sorted(consts.items())), *map(_spec, tensors), *map(_spec, strides))
@@ -347,8 +366,9 @@ def launch(
     num_partitions: int, config: KernelConfig = DEFAULT_CONFIG, window: Optional[int] = None, sinks: Any = None,
 ) -> None:  # fmt: skip
     """Run the kernels (arguments already validated by the caller: ``q [B, Hq, D]``,
-    caches ``[num_blocks, block_size, Hkv, D]``, int32 ``block_tables [B, max_blocks]``
-    and ``ctx_lens [B]`` (contiguous), ``out [B, Hq*D]``; unit stride in every last
+    caches ``[num_blocks, block_size, Hkv, D]`` (K) and ``[.., Hkv, DV]`` (V; ``D``, ``DV``
+    any sizes :func:`freetoken.kernels.availability.head_dim_support` accepts), int32 ``block_tables [B, max_blocks]``
+    and ``ctx_lens [B]`` (contiguous), ``out [B, Hq*DV]``; unit stride in every last
     dimension). The ``P > 1`` partials are fresh ``torch.empty`` buffers of fixed shape
     (under stream capture: from the graph's pool)."""
     import torch
@@ -357,14 +377,15 @@ def launch(
 
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
+    DV = v_cache.shape[3]
     P = int(num_partitions)
     if B == 0:
         return
-    consts = _constants(q, k_cache, P, config, window, sinks)
+    consts = _constants(q, k_cache, v_cache, P, config, window, sinks)
     sink_arg = sinks if sinks is not None else out  # not read without HAS_SINKS
     max_tokens = block_tables.shape[1] * bs
     if P > 1:
-        acc = torch.empty(B, Hq, P, D, dtype=torch.float32, device=q.device)
+        acc = torch.empty(B, Hq, P, DV, dtype=torch.float32, device=q.device)
         ml = torch.empty(B, Hq, P, 2, dtype=torch.float32, device=q.device)
     else:
         acc = ml = out  # not used: SPLIT off stores the output directly
@@ -380,7 +401,7 @@ def launch(
     else:
         _partial_kernel[(B, Hkv, P)](*args, **consts, **opts)
     if P > 1 and not consts["LAST_REDUCES"]:
-        rconsts = dict(D=D, BLOCK_D=consts["BLOCK_D"], BLOCK_P=config.block_p, BLOCK_N=config.block_n,
+        rconsts = dict(D=DV, BLOCK_D=consts["BLOCK_DV"], BLOCK_P=config.block_p, BLOCK_N=config.block_n,
                        MIN_PART=config.min_part)  # fmt: skip
         if sinks is not None:
             _reduce_sinks_kernel[(B, Hq)](acc, ml, ctx_lens, out, P, max_tokens, out.stride(0), sinks, **rconsts,

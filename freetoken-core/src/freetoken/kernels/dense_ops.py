@@ -5,7 +5,8 @@ decoder layer fused so that a decode step launches a few kernels per layer, not 
 * ``qk_norm_rope``   grid (T, Hq + Hkv): per head RMSNorm with its weight, NeoX rotary
                      embedding at the token's position; q heads go to a contiguous
                      ``[T, Hq, D]`` output, k heads (and the matching v head) straight into
-                     their paged cache slot
+                     their paged cache slot. Any even head size ``D`` and any v head size
+                     ``DV``: a head is a tile of the next power of two, lanes past it masked
 * ``router_top_k``   grid (T,): the top-k of the router logits (descending) and their
                      softmax weights (over the top-k, or over every expert)
 * ``router_logits``  grid (E / BLOCK_E, T): a decode step's float32 router logits from the
@@ -62,13 +63,17 @@ def add_rms_norm(h, delta, weight, eps: float, h_out, x_out) -> None:
 
 
 @triton.jit
-def _norm_rope_head(src, w_ptr, cos, sin, offs, rolled, eps, D: tl.constexpr, dtype: tl.constexpr):
-    """One head: ``rope(w * rmsnorm(x))`` in ``dtype`` (rounded where torch rounds)."""
-    x = tl.load(src + offs).to(tl.float32)
-    xr = tl.load(src + rolled).to(tl.float32)  # the rotate-half partner of each element
+def _norm_rope_head(src, w_ptr, cos, sin, offs, rolled, mask, eps, D: tl.constexpr, dtype: tl.constexpr):
+    """One head: ``rope(w * rmsnorm(x))`` in ``dtype`` (rounded where torch rounds). Lanes
+    ``offs >= D`` (the tile padded to a power of two) load zeros and add nothing to the norm,
+    whose mean is over the ``D`` true lanes."""
+    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    xr = tl.load(src + rolled, mask=mask, other=0.0).to(tl.float32)  # the rotate-half partner of each element
     r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    n = (tl.load(w_ptr + offs).to(tl.float32) * (x * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    nr = (tl.load(w_ptr + rolled).to(tl.float32) * (xr * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    wr = tl.load(w_ptr + rolled, mask=mask, other=0.0).to(tl.float32)
+    n = (w * (x * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    nr = (wr * (xr * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     a = (n * cos).to(dtype).to(tl.float32)
     return (a + nr * sin).to(dtype)
 
@@ -76,39 +81,50 @@ def _norm_rope_head(src, w_ptr, cos, sin, offs, rolled, eps, D: tl.constexpr, dt
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, q_stride, k_ptr, k_stride, v_ptr, v_stride, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                          pos_ptr, slot_ptr, q_out_ptr, kc_ptr, vc_ptr, eps,
-                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):  # fmt: skip
+                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
-    offs = tl.arange(0, D)
-    rolled = (offs + D // 2) % D
+    # any head size: the tile is the next power of two, lanes past D masked
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    rolled = tl.where(mask, (offs + D // 2) % D, 0)  # NeoX pairs (i, i + D/2) of an even D
     pos = tl.load(pos_ptr + t).to(tl.int64)
     # the tables are float32; torch's path casts them to the activation dtype first
-    cos = tl.load(cos_ptr + pos * D + offs).to(dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * D + offs).to(dtype).to(tl.float32)
+    cos = tl.load(cos_ptr + pos * D + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * D + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
     if h < HQ:
-        out = _norm_rope_head(q_ptr + t * q_stride + h * D, qw_ptr, cos, sin, offs, rolled, eps, D, dtype)
-        tl.store(q_out_ptr + (t * HQ + h) * D + offs, out)
+        out = _norm_rope_head(q_ptr + t * q_stride + h * D, qw_ptr, cos, sin, offs, rolled, mask, eps, D, dtype)
+        tl.store(q_out_ptr + (t * HQ + h) * D + offs, out, mask=mask)
     else:
         kh = h - HQ
-        out = _norm_rope_head(k_ptr + t * k_stride + kh * D, kw_ptr, cos, sin, offs, rolled, eps, D, dtype)
-        dst = tl.load(slot_ptr + t).to(tl.int64) * (HKV * D) + kh * D
-        tl.store(kc_ptr + dst + offs, out.to(kc_ptr.dtype.element_ty))
-        v = tl.load(v_ptr + t * v_stride + kh * D + offs)
-        tl.store(vc_ptr + dst + offs, v.to(vc_ptr.dtype.element_ty))
+        out = _norm_rope_head(k_ptr + t * k_stride + kh * D, kw_ptr, cos, sin, offs, rolled, mask, eps, D, dtype)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        tl.store(kc_ptr + slot * (HKV * D) + kh * D + offs, out.to(kc_ptr.dtype.element_ty), mask=mask)
+        offs_v = tl.arange(0, BLOCK_DV)
+        v_ok = offs_v < DV
+        v = tl.load(v_ptr + t * v_stride + kh * DV + offs_v, mask=v_ok)
+        tl.store(vc_ptr + slot * (HKV * DV) + kh * DV + offs_v, v.to(vc_ptr.dtype.element_ty), mask=v_ok)
 
 
 def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, slots, k_cache, v_cache, eps: float,
                  q_out) -> None:  # fmt: skip
+    """``q_out [T, Hq, D]`` = RoPE(RMSNorm(q)), and RoPE(RMSNorm(k)) and v stored into cache
+    ``slots``; ``k_cache [.., Hkv, D]``, ``v_cache [.., Hkv, DV]`` (DV may differ from D).
+    Any even ``D`` (the RoPE pairs ``(i, i + D/2)``), any ``DV``:
+    :func:`freetoken.kernels.availability.head_dim_support` says which."""
     T = q.shape[0]
     Hq = q_out.shape[1]
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
+    DV = v_cache.shape[3]
     if T == 0:
         return
-    opts = triton_target.for_device(q.device).launch_options(1 if D <= 128 else 2)
+    opts = triton_target.for_device(q.device).launch_options(1 if max(D, DV) <= 128 else 2)
     _qk_norm_rope_kernel[(T, Hq + Hkv)](q, q.stride(0), k, k.stride(0), v, v.stride(0), q_weight, k_weight, cos, sin,
-                                        positions, slots, q_out, k_cache, v_cache, eps,
-                                        HQ=Hq, HKV=Hkv, D=D, **opts)  # fmt: skip
+                                        positions, slots, q_out, k_cache, v_cache, eps, HQ=Hq, HKV=Hkv, D=D, DV=DV,
+                                        BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(DV),
+                                        **opts)  # fmt: skip
 
 
 @triton.jit

@@ -66,10 +66,11 @@ class AttentionMetadata:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store ``k``/``v`` ([T, kv_heads, head_dim]) into their cache slots."""
+    """Store ``k``/``v`` ([T, kv_heads, head_dim] and [T, kv_heads, v_head_dim]) into their
+    cache slots."""
     nb, bs, h, d = k_cache.shape
     k_cache.view(nb * bs, h, d).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slots, v.to(v_cache.dtype))
+    v_cache.view(nb * bs, h, v_cache.shape[3]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def paged_attention(

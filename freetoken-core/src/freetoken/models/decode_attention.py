@@ -114,12 +114,13 @@ def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {tuple(q.shape)}")
     B, Hq, D = q.shape
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
         raise ValueError(
-            f"k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+            f"k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim] (v: its own head_dim), "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
     nb, bs, Hkv, Dk = k_cache.shape
+    Dv = v_cache.shape[3]
     if Dk != D:
         raise ValueError(f"head_dim differs: q has {D}, the cache {Dk}")
     if Hkv == 0 or Hq % Hkv:
@@ -141,9 +142,9 @@ def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
         raise ValueError(f"ctx_lens must be int32 [batch={B}], got {ctx_lens.dtype} {tuple(ctx_lens.shape)}")
     tensors = [("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("ctx_lens", ctx_lens)]
     if out is not None:
-        if tuple(out.shape) != (B, Hq * D) or out.dtype not in DTYPES or out.stride(-1) != 1:
+        if tuple(out.shape) != (B, Hq * Dv) or out.dtype not in DTYPES or out.stride(-1) != 1:
             raise ValueError(
-                f"out must be [batch={B}, q_heads*head_dim={Hq * D}] of a float dtype with unit last stride, "
+                f"out must be [batch={B}, q_heads*v_head_dim={Hq * Dv}] of a float dtype with unit last stride, "
                 f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
             )
         tensors.append(("out", out))
@@ -169,9 +170,10 @@ def paged_decode_attention(
     """Attention of one query token per sequence over its paged context.
 
     ``q [B, Hq, D]`` (bf16/fp16/fp32); ``k_cache``/``v_cache``
-    ``[num_blocks, block_size, Hkv, D]`` in q's dtype, ``Hq`` a multiple of ``Hkv``;
+    ``[num_blocks, block_size, Hkv, D]`` and ``[.., Hkv, DV]`` (``DV``, the v head size, may
+    differ from ``D``) in q's dtype, ``Hq`` a multiple of ``Hkv``;
     ``block_tables`` int32 ``[B, max_blocks]``; ``ctx_lens`` int32 ``[B]`` (context length
-    including the current token; 0 = padded row -> zeros). Returns ``[B, Hq*D]`` in
+    including the current token; 0 = padded row -> zeros). Returns ``[B, Hq*DV]`` in
     ``q.dtype``, or ``out`` (written in its own dtype) when given. ``partitions``
     overrides :func:`num_partitions` (Triton only). ``window``: only the last ``window``
     tokens of each context are attended (sliding window); ``sinks`` (float ``[Hq]`` on q's
@@ -183,6 +185,7 @@ def paged_decode_attention(
         raise ValueError(f"unknown decode attention implementation {impl!r}; expected one of {IMPLS}")
     _validate(q, k_cache, v_cache, block_tables, ctx_lens, out)
     B, Hq, D = q.shape
+    Dv = v_cache.shape[3]
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1 token, got {window}")
     if sinks is not None and (tuple(sinks.shape) != (Hq,) or sinks.device != q.device):
@@ -190,7 +193,7 @@ def paged_decode_attention(
     if impl == "auto":
         impl = default_impl(q.device)[0]
     if out is None:
-        out = torch.empty(B, Hq * D, dtype=q.dtype, device=q.device)
+        out = torch.empty(B, Hq * Dv, dtype=q.dtype, device=q.device)
     if impl == "torch":
         return _torch_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, out, window, sinks)
 
@@ -202,8 +205,11 @@ def paged_decode_attention(
         raise ValueError(f"impl='triton' needs triton: {exc}") from exc
     if not q.is_cuda and not triton.knobs.runtime.interpret:
         raise ValueError(f"impl='triton' on {q.device} needs a GPU (or Triton's interpreter: TRITON_INTERPRET=1)")
-    if D < 16 or D > 256:
-        raise ValueError(f"impl='triton' supports head_dim 16..256, got {D}")
+    from freetoken.kernels.availability import head_dim_support
+
+    support = head_dim_support(D, Dv)
+    if not support.decode_attention:
+        raise ValueError(f"impl='triton': {support.decode_attention_why}")
     _, bs, Hkv, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
     config = dat.DEFAULT_CONFIG
@@ -261,18 +267,19 @@ def _torch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Online softmax over fixed-shape chunks of the gathered blocks, all in fp32."""
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
+    Dv = v_cache.shape[3]
     G = Hq // Hkv
     max_blocks = block_tables.shape[1]
     dev = q.device
     if B == 0:
         return out
-    per_block = B * bs * Hkv * D * 4 * 2  # fp32 K and V of one block column
+    per_block = B * bs * Hkv * (D + Dv) * 4  # fp32 K and V of one block column
     chunk = max(1, min(max_blocks, TORCH_CHUNK_BYTES // per_block))
     qf = q.float().view(B, Hkv, G, D) * scale
     ctx = ctx_lens.to(torch.int64).clamp(0, max_blocks * bs).view(B, 1)
     m = torch.full((B, Hkv, G), float("-inf"), dtype=torch.float32, device=dev)
     l = torch.zeros(B, Hkv, G, dtype=torch.float32, device=dev)
-    acc = torch.zeros(B, Hkv, G, D, dtype=torch.float32, device=dev)
+    acc = torch.zeros(B, Hkv, G, Dv, dtype=torch.float32, device=dev)
     for c0 in range(0, max_blocks, chunk):
         ids = block_tables[:, c0 : c0 + chunk].to(torch.int64)
         L = ids.shape[1] * bs
@@ -281,7 +288,7 @@ def _torch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if window is not None:
             valid &= pos >= ctx - window
         k = k_cache.index_select(0, ids.reshape(-1)).view(B, L, Hkv, D).float()
-        v = v_cache.index_select(0, ids.reshape(-1)).view(B, L, Hkv, D).float()
+        v = v_cache.index_select(0, ids.reshape(-1)).view(B, L, Hkv, Dv).float()
         s = torch.einsum("bhgd,blhd->bhgl", qf, k)
         s = torch.where(valid.view(B, 1, 1, L), s, float("-inf"))  # also drops NaN of unused slots
         m_new = torch.maximum(m, s.amax(dim=-1))
@@ -295,5 +302,5 @@ def _torch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if sinks is not None:  # the sink's term of the denominator (zero where nothing was attended)
         l = l + torch.where(m == float("-inf"), 0.0, torch.exp(sinks.float().view(1, Hkv, G) - m))
     o = acc / torch.where(l > 0, l, 1.0).unsqueeze(-1)
-    out.copy_(o.view(B, Hq * D))
+    out.copy_(o.view(B, Hq * Dv))
     return out

@@ -41,7 +41,7 @@ class DecoderModelBase:
         self.norm = (norm or policy.tensor)(get(names.norm))
         tied = c.tie_word_embeddings or not source.has(names.lm_head)
         self.lm_head = policy.linear(get(names.embed if tied else names.lm_head))
-        self.ops = dense_ops_for(self.device)
+        self.ops = dense_ops_for(self.device, head_dim=c.head_dim)
         self.layers = []
 
     def _load_ffn(self, L: Any, i: int, get: Callable[[str], RawTensor], policy: WeightPolicy,

@@ -53,10 +53,11 @@ class DenseOps:
                            positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slots: torch.Tensor, eps: float) -> torch.Tensor:  # fmt: skip
         """Per-head RMSNorm (weights ``[D]``) and NeoX RoPE at ``positions`` of ``q``
-        (``[T, Hq*D]``) and ``k`` (``[T, Hkv*D]``); k and ``v`` are stored into their
-        cache ``slots``. Returns q as ``[T, Hq, D]``. ``qk_weight`` (``[Hq+Hkv, D]``, or
-        None) is the two weights stacked, for implementations that normalise q and k of one
-        matmul output together."""
+        (``[T, Hq*D]``) and ``k`` (``[T, Hkv*D]``); k and ``v`` (``[T, Hkv*DV]``, ``DV`` the
+        v cache's head size, which may differ from ``D``) are stored into their cache
+        ``slots``. Returns q as ``[T, Hq, D]``. ``qk_weight`` (``[Hq+Hkv, D]``, or None) is
+        the two weights stacked, for implementations that normalise q and k of one matmul
+        output together."""
         raise NotImplementedError
 
     def router_top_k(self, logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +140,7 @@ class TorchDenseOps(DenseOps):
         else:
             qh = rotary.apply(rms_norm(q.reshape(T, Hq, D), q_weight, eps), cos, sin)
             kh = rotary.apply(rms_norm(k.reshape(T, Hkv, D), k_weight, eps), cos, sin)
-        write_kv(k_cache, v_cache, kh, v.reshape(T, Hkv, D), slots)
+        write_kv(k_cache, v_cache, kh, v.reshape(T, Hkv, v_cache.shape[3]), slots)
         return qh
 
     def router_top_k(self, logits, k, norm):
@@ -155,10 +156,13 @@ class TorchDenseOps(DenseOps):
 class TritonDenseOps(DenseOps):
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, qk_norm_rope: bool = True) -> None:
+        """``qk_norm_rope`` False: :meth:`qk_norm_rope_store` runs the torch ops (a head size
+        the kernel does not take, decided when the model is built: :func:`dense_ops_for`)."""
         from freetoken.kernels import dense_ops as dense_kernels
 
         self.k = dense_kernels
+        self.fused_qk_norm_rope = qk_norm_rope
 
     def add_rms_norm(self, h, delta, weight, eps):
         h = h.contiguous()
@@ -172,6 +176,9 @@ class TritonDenseOps(DenseOps):
 
     def qk_norm_rope_store(self, q, k, v, q_weight, k_weight, qk_weight, rotary, positions, k_cache, v_cache,
                            slots, eps):  # fmt: skip
+        if not self.fused_qk_norm_rope:
+            return TORCH_OPS.qk_norm_rope_store(q, k, v, q_weight, k_weight, qk_weight, rotary, positions, k_cache,
+                                                v_cache, slots, eps)  # fmt: skip
         T = q.shape[0]
         D = k_cache.shape[3]
         Hq = q.shape[1] // D
@@ -243,9 +250,14 @@ def use_dense_ops(device_type: str, ops: Optional[DenseOps]) -> Optional[DenseOp
     return before
 
 
-def dense_ops_for(device: torch.device) -> DenseOps:
+def dense_ops_for(device: torch.device, head_dim: Optional[int] = None,
+                  v_head_dim: Optional[int] = None) -> DenseOps:  # fmt: skip
     """What a backend installed for the device type (:func:`use_dense_ops`), else fused Triton
-    kernels on GPUs that run them, plain torch ops elsewhere."""
+    kernels on GPUs that run them, plain torch ops elsewhere. With the model's ``head_dim``
+    (and ``v_head_dim``, default the same), a head size the fused q/k norm + RoPE kernel does
+    not take (:func:`freetoken.kernels.availability.head_dim_support`) gives Triton ops whose
+    q/k norm + RoPE runs the torch ops, logged once here: decided when the model is built,
+    never a compiler error in a request."""
     device = torch.device(device)
     if os.environ.get(ENV, "").strip().lower() == "torch":
         return TORCH_OPS
@@ -258,4 +270,17 @@ def dense_ops_for(device: torch.device) -> DenseOps:
     if ops is None:
         log.debug("dense ops on %s: torch (%s)", device, why)
         return TORCH_OPS
+    if head_dim is not None:
+        return _for_head_dim(ops, int(head_dim), None if v_head_dim is None else int(v_head_dim))
     return ops
+
+
+@functools.lru_cache(maxsize=None)
+def _for_head_dim(ops: DenseOps, head_dim: int, v_head_dim: Optional[int]) -> DenseOps:
+    from freetoken.kernels.availability import head_dim_support
+
+    support = head_dim_support(head_dim, v_head_dim)
+    if support.qk_norm_rope:
+        return ops
+    log.warning("dense ops: q/k norm + RoPE in torch ops, not the Triton kernel: %s", support.qk_norm_rope_why)
+    return TritonDenseOps(qk_norm_rope=False)

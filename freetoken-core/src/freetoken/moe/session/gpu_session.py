@@ -276,7 +276,7 @@ class GpuModelSession(ModelSession):
                    if b <= max(o.max_running_requests, 1) or o.graph_batch_sizes]
         if not buckets:
             return
-        self.attention_impl = _attention_impl(self.device)
+        self.attention_impl = _attention_impl(self.device, getattr(self.model.config, "head_dim", None))
         kv = self.kv
         max_len = min(o.max_model_len or kv.total_tokens, kv.total_tokens)
         max_blocks = (max_len + kv.block_size - 1) // kv.block_size
@@ -488,9 +488,20 @@ class GpuModelSession(ModelSession):
             self.traffic.close()
 
 
-def _attention_impl(device: torch.device) -> str:
-    """The capturable decode attention for ``device``: Triton where it runs
-    (:mod:`freetoken.backends.triton_target`), else the torch implementation."""
+def _attention_impl(device: torch.device, head_dim: Optional[int] = None, v_head_dim: Optional[int] = None) -> str:
+    """The capturable decode attention for ``device`` and the model's head sizes: Triton where
+    it runs (:mod:`freetoken.backends.triton_target`) and takes the head sizes
+    (:func:`freetoken.kernels.availability.head_dim_support`; a size it does not take is
+    logged here, when the graphs are prepared), else the torch implementation."""
     from freetoken.backends import triton_target
+    from freetoken.kernels.availability import head_dim_support
 
-    return "triton" if triton_target.for_device(device).usable else "torch"
+    if not triton_target.for_device(device).usable:
+        return "torch"
+    if head_dim is not None:
+        support = head_dim_support(head_dim, v_head_dim)
+        if not support.decode_attention:
+            log.warning("decode attention in the decode graphs: torch, not the Triton kernel: %s",
+                        support.decode_attention_why)  # fmt: skip
+            return "torch"
+    return "triton"
