@@ -1,7 +1,7 @@
 """Which head-tiling Triton kernels take a model's head sizes
 (:func:`freetoken.kernels.availability.head_dim_support`), and that the engine decides it
 when it builds a model (dense ops, decode graphs' attention), with a log line, instead of a
-compiler error in a request (issue 40 item 5: a Qwen3.5-MoE-shaped model of head size 24)."""
+compiler error in a request (a Qwen3.5-MoE-shaped model of head size 24 met one)."""
 
 from __future__ import annotations
 

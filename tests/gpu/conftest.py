@@ -109,6 +109,17 @@ def _interpret_triton_without_gpu() -> None:
     except ImportError:
         return
     if triton.knobs.runtime.interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        import triton.language as tl
+
+        if not isinstance(tl.zeros, InterpretedFunction):
+            raise RuntimeError(
+                "triton was imported before TRITON_INTERPRET was set (a module collected before tests/gpu imported "
+                "it, e.g. through torch.nn.attention.bias): its own helpers are compiled-mode functions, and every "
+                "interpreted kernel calling them fails with \"Cannot call @triton.jit'd outside of the scope of a "
+                "kernel\". Import triton lazily in that module."
+            )
         _widen_bf16_dots_in_interpreter()
         _patch_language_once_per_launch()
 

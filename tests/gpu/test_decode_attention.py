@@ -220,7 +220,7 @@ def test_head_dim_64_mha_and_other_block_sizes(impl):
         run_checked(Case([1, 70, 96], 6, 2, 80, 16, 6, torch.bfloat16, seed + 3), impl, partitions=3)  # D=80
 
 
-# head sizes that are not a power of two (issue 40 item 5; Qwen3.5-MoE-shaped test models: 24),
+# head sizes that are not a power of two (Qwen3.5-MoE-shaped test models: 24),
 # common real ones (80, 96, 192), 128 (no regression), one below tl.dot's 16 (8), and a v head
 # size of its own (MLA's 192/128)
 HEAD_SIZES = [(24, 24), (80, 80), (96, 96), (128, 128), (192, 192), (8, 8), (192, 128), (24, 40)]
@@ -448,7 +448,7 @@ report = {
     "fp32_g4": describe(partial("fp32", 4, 128, 16, True)),
     "reduce_bf16": describe(reduce("bf16", 128)),
     "reduce_fp32_d80": describe(reduce("fp32", 80)),
-    # head sizes that are not a power of two (issue 40 item 5), and MLA's v head of its own
+    # head sizes that are not a power of two, and MLA's v head of its own
     **{f"bf16_d{d}_v{dv}": describe(partial("bf16", 4, d, 16, True, dv))
        for d, dv in [(24, 24), (80, 80), (96, 96), (192, 192), (192, 128)]},
     "reduce_bf16_d24": describe(reduce("bf16", 24)),

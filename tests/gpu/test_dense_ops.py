@@ -117,7 +117,7 @@ def _partial_rope64(x: torch.Tensor, pos: torch.Tensor, theta: float, rotary_dim
     return torch.cat([_rope64(x[..., :rotary_dim], pos, theta), x[..., rotary_dim:]], dim=-1)
 
 
-# head sizes that are not a power of two (issue 40 item 5), 128 for no regression, and
+# head sizes that are not a power of two, 128 for no regression, and
 # partial rotary (Qwen3.5: a quarter of each head rotated) through the permuted full-width tables
 HEAD_SIZES = [(24, 24), (80, 80), (96, 96), (128, 128), (192, 192), (24, 8), (96, 24), (192, 64)]
 

@@ -1,4 +1,4 @@
-"""Attention head sizes that are not a power of two on the GPU engine (issue 40 item 5).
+"""Attention head sizes that are not a power of two on the GPU engine.
 
 A checkpoint whose attention head size is 24 (a Qwen3.5-MoE-shaped test model) failed on the
 cuda backend with Triton's ``CompilationError`` ('arange's range must be a power of 2', in

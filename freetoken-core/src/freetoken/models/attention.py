@@ -13,7 +13,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclasses.dataclass
@@ -138,6 +137,8 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=gqa)
         else:  # a later chunk of a prompt: causal, aligned at the last key (no [q_len, ctx_len] mask or scores
             # where a fused kernel takes it: the flash and memory-efficient kernels read the alignment)
+            from torch.nn.attention.bias import causal_lower_right  # (imports triton: not at module load)
+
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal_lower_right(s.q_len, s.ctx_len),
                                                scale=scale, enable_gqa=gqa)
         out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1).reshape(s.q_len, H * D)
