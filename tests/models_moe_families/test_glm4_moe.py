@@ -132,6 +132,18 @@ def test_gguf_matches_transformers_and_skips_nextn_layer(case, tmp_path, caplog)
         assert_close(torch.stack(rec[r.request_id]), ref, f"{case} seed {seed} decode")
 
 
+def test_gguf_plan_leaves_the_nextn_layer_out(tmp_path):
+    from freetoken.models.loader import gguf_model_shape
+
+    model = make_model("glm4_moe", 3)
+    with_mtp, without = str(tmp_path / "mtp.gguf"), str(tmp_path / "plain.gguf")
+    write_gguf(model, with_mtp)
+    write_gguf(model, without, mtp=False)
+    a, b = gguf_model_shape(with_mtp, torch.float32), gguf_model_shape(without, torch.float32)
+    assert (a.num_layers, a.moe_layers, a.dense_file_bytes) == (b.num_layers, b.moe_layers, b.dense_file_bytes)
+    assert a.moe_layers == [1, 2] and a.expert_formats == b.expert_formats
+
+
 def test_hf_nextn_layer_is_skipped_and_logged(tmp_path, caplog):
     from safetensors.torch import save_file
 
