@@ -145,7 +145,7 @@ def config_from_gguf(meta: dict[str, Any], has_output: bool) -> Glm4MoeConfig:
         n_shared_experts=gguf_int(meta, f"{a}.expert_shared_count", 1),
         n_group=gguf_int(meta, f"{a}.expert_group_count", 1) or 1,
         topk_group=gguf_int(meta, f"{a}.expert_group_used_count", 1) or 1,
-        routed_scaling_factor=gguf_float(meta, f"{a}.expert_weights_scale", 1.0) or 1.0,
+        routed_scaling_factor=gguf_float(meta, f"{a}.expert_weights_scale", 1.0),
         first_k_dense_replace=gguf_int(meta, f"{a}.leading_dense_block_count", 1),
         num_nextn_predict_layers=nextn,
     ), where)
