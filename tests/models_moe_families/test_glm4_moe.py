@@ -310,3 +310,15 @@ def test_gpu_session_decode_graphs_equal_the_cpu_backend(case, tmp_path):
     assert got_ids == want_ids, f"{case} seed {seed}"
     for g, w in zip(got_rows, want_rows):
         assert_close(g, w, f"{case} seed {seed}: GPU session vs CPU backend")
+
+
+def test_model_shape_counts_the_shared_experts():
+    import dataclasses
+
+    from freetoken.cli.bench.make_model import PRESETS
+    from freetoken.models.loader import model_shape
+
+    c = PRESETS["glm-4.5-air"]
+    a, b = model_shape(c, torch.bfloat16), model_shape(dataclasses.replace(c, n_shared_experts=0), torch.bfloat16)
+    assert a.moe_layers == list(range(1, 46))
+    assert a.dense_bytes - b.dense_bytes == 45 * 3 * 4096 * 1408 * 2

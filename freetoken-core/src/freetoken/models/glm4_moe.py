@@ -56,6 +56,9 @@ class Glm4MoeConfig(ModelConfig):
     first_k_dense_replace: int = 1
     num_nextn_predict_layers: int = 0
 
+    def shared_expert_intermediate(self) -> int:
+        return self.n_shared_experts * self.moe_intermediate_size
+
     def routing(self) -> GroupedTopK:
         return GroupedTopK(self.num_experts, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
                            self.routed_scaling_factor)  # fmt: skip

@@ -63,7 +63,8 @@ def model_shape(cfg: ModelConfig, act: torch.dtype) -> ModelShape:
     H = cfg.hidden_size
     attn = H * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * H + 2 * cfg.head_dim
     moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-    dense_mlp = 3 * H * cfg.intermediate_size * (cfg.num_layers - len(moe_layers))
+    dense_mlp = 3 * H * (cfg.intermediate_size * (cfg.num_layers - len(moe_layers))
+                         + cfg.shared_expert_intermediate() * len(moe_layers))
     router = cfg.num_experts * H * len(moe_layers)  # float32
     emb = cfg.vocab_size * H * (1 if cfg.tie_word_embeddings else 2)
     dense = (attn * cfg.num_layers + dense_mlp + emb + H) * elt + router * 4
