@@ -1,5 +1,5 @@
-"""Tiny random transformers models of the Mixtral, OLMoE and GPT-OSS families (FP32,
-eager attention), saved as HF checkpoints for the engine to load."""
+"""Tiny random transformers models of the Mixtral, OLMoE, GPT-OSS and GLM-4.5 families
+(FP32, eager attention), saved as HF checkpoints for the engine to load."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ import torch
 
 
 def randomize(model: Any, seed: int) -> None:
-    """Fresh random weights: norms around 1, everything else N(0, 0.1^2) (sinks N(0, 1))."""
+    """Fresh random weights: norms around 1, everything else N(0, 0.1^2) (sinks N(0, 1));
+    GLM-4.5's score-correction biases N(0, 0.3^2) (sigmoid scores move by about that much)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
@@ -60,11 +64,30 @@ def gpt_oss_config(**over: Any) -> Any:
     return cfg
 
 
+def glm4_moe_config(**over: Any) -> Any:
+    """Every feature on: head_dim 16 != 64/4 with half of it rotated, q/k/v biases, q/k norms,
+    one dense first layer, a shared expert, 4 groups of 4 experts of which 2 groups are kept,
+    top-3, renormalised weights scaled by 2.5, one next-token-prediction layer declared."""
+    from transformers import Glm4MoeConfig
+
+    kw = dict(COMMON, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=32, n_routed_experts=16,
+              num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+              norm_topk_prob=True, routed_scaling_factor=2.5, head_dim=16, attention_bias=True, use_qk_norm=True,
+              num_nextn_predict_layers=1, rms_norm_eps=1e-5)  # fmt: skip
+    kw.update(over)
+    theta = kw.pop("rope_theta", 10000.0)
+    factor = kw.pop("partial_rotary_factor", 0.5)
+    cfg = Glm4MoeConfig(**kw)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": factor}
+    return cfg
+
+
 def make_model(family: str, seed: int, **over: Any) -> Any:
-    from transformers import GptOssForCausalLM, MixtralForCausalLM, OlmoeForCausalLM
+    from transformers import Glm4MoeForCausalLM, GptOssForCausalLM, MixtralForCausalLM, OlmoeForCausalLM
 
     cls, cfg = {"mixtral": (MixtralForCausalLM, mixtral_config), "olmoe": (OlmoeForCausalLM, olmoe_config),
-                "gpt_oss": (GptOssForCausalLM, gpt_oss_config)}[family]
+                "gpt_oss": (GptOssForCausalLM, gpt_oss_config),
+                "glm4_moe": (Glm4MoeForCausalLM, glm4_moe_config)}[family]
     config = cfg(**over)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

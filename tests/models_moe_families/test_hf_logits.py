@@ -1,4 +1,4 @@
-"""Engine logits of the Mixtral, OLMoE and GPT-OSS families against transformers' models
+"""Engine logits of the Mixtral, OLMoE, GPT-OSS and GLM-4.5 families against transformers' models
 built from tiny random configs (FP32, eager attention): one prompt, chunked prefill, a
 batch of different lengths through prefill and paged decode, positions past the sliding
 window."""
@@ -22,6 +22,17 @@ CASES = {
     "olmoe-clip": ("olmoe", dict(clip_qkv=0.3, norm_topk_prob=True, tie_word_embeddings=True)),
     # sliding (window 8) and full layers, sinks, YaRN, biases everywhere
     "gpt_oss": ("gpt_oss", dict()),
+    # partial RoPE, biases, q/k norms, a dense first layer, a shared expert, 2 of 4 groups,
+    # renormalised weights scaled by 2.5, random score-correction biases
+    "glm4_moe": ("glm4_moe", dict()),
+    # no q/k norms or biases, unnormalised weights, two shared experts, two dense layers, a
+    # quarter of each head rotated, one group
+    "glm4_moe-plain": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, norm_topk_prob=False,
+                                        n_shared_experts=2, first_k_dense_replace=2, partial_rotary_factor=0.25,
+                                        n_group=1, topk_group=1, routed_scaling_factor=0.7, rope_theta=1e6)),
+    # GLM-4.5-Air's switches: biases without q/k norms, one group, half of each head rotated
+    "glm4_moe-air": ("glm4_moe", dict(use_qk_norm=False, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                                      tie_word_embeddings=True)),
 }
 
 

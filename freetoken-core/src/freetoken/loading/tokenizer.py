@@ -31,7 +31,12 @@ _QWEN35_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
-_PRE_REGEX = {"qwen2": _QWEN2_REGEX, "qwen35": _QWEN35_REGEX, "llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX}
+# GLM-4/4.5 ("glm4", older files "chatglm-bpe"): llama.cpp's CHATGLM4 rule, Llama 3's regex
+_PRE_REGEX = {"qwen2": _QWEN2_REGEX, "qwen35": _QWEN35_REGEX, "llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX,
+              "glm4": _LLAMA3_REGEX, "chatglm-bpe": _LLAMA3_REGEX}
+#: pre-tokenizers whose vocabularies llama.cpp gives no BOS (GLM's chat template writes its
+#: own ``[gMASK]<sop>`` prefix)
+_NO_BOS_PRE = ("glm4", "chatglm-bpe")
 
 
 #: ``tokenizer.ggml.model`` values llama.cpp reads as a vocabulary without text.
@@ -315,6 +320,6 @@ def load_gguf_tokenizer(ckpt: Any, vocab_size: int) -> Tokenizer:
         meta.get("tokenizer.chat_template"),
         bos_token=tok_text("tokenizer.ggml.bos_token_id"),
         eos_token=tok_text("tokenizer.ggml.eos_token_id"),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)) and pre not in _NO_BOS_PRE,
         source=ckpt.path,
     )

@@ -57,6 +57,11 @@ class ModelConfig:
             and (i + 1) % max(1, self.decoder_sparse_step) == 0
         )
 
+    def shared_expert_intermediate(self) -> int:
+        """The hidden size of a MoE layer's shared experts, as the one SwiGLU they form (0:
+        none, or not declared here; a family's config says)."""
+        return 0
+
     @property
     def num_kv_layers(self) -> int:
         return self.num_layers if self.kv_layers is None else len(self.kv_layers)

@@ -264,3 +264,37 @@ def write_gpt_oss_metadata(w: Any, sliding_window: int, yarn_factor: float, yarn
     w.add_string(f"{a}.rope.scaling.type", "yarn")
     w.add_float32(f"{a}.rope.scaling.factor", float(yarn_factor))
     w.add_uint32(f"{a}.rope.scaling.original_context_length", yarn_original_context)
+
+
+def write_glm4moe_metadata(w: Any, cfg: Any, name: str) -> None:
+    """The ``glm4moe`` hyper-parameters llama.cpp reads (``cfg``: a
+    :class:`freetoken.models.glm4_moe.Glm4MoeConfig`): as its converter writes them,
+    ``block_count`` counts the next-token-prediction layers too (``nextn_predict_layers``),
+    the gating function is sigmoid (2), the routed scaling factor is
+    ``expert_weights_scale``; grouped routing (``expert_group_count``/``expert_group_used_count``)
+    only where there are several groups (GLM-4.5's checkpoints have one)."""
+    a = w.arch
+    w.add_string("general.name", name)
+    w.add_uint32(f"{a}.block_count", cfg.num_layers + cfg.num_nextn_predict_layers)
+    w.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
+    w.add_uint32(f"{a}.embedding_length", cfg.hidden_size)
+    w.add_uint32(f"{a}.feed_forward_length", cfg.intermediate_size)
+    w.add_uint32(f"{a}.attention.head_count", cfg.num_heads)
+    w.add_uint32(f"{a}.attention.head_count_kv", cfg.num_kv_heads)
+    w.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
+    w.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
+    w.add_uint32(f"{a}.rope.dimension_count", cfg.rotary_dim)
+    w.add_float32(f"{a}.rope.freq_base", float(cfg.rope_theta))
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
+    w.add_uint32(f"{a}.expert_count", cfg.num_experts)
+    w.add_uint32(f"{a}.expert_used_count", cfg.top_k)
+    w.add_uint32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size)
+    w.add_uint32(f"{a}.expert_shared_count", cfg.n_shared_experts)
+    w.add_uint32(f"{a}.leading_dense_block_count", cfg.first_k_dense_replace)
+    w.add_uint32(f"{a}.expert_gating_func", 2)
+    w.add_float32(f"{a}.expert_weights_scale", float(cfg.routed_scaling_factor))
+    w.add_bool(f"{a}.expert_weights_norm", bool(cfg.norm_topk_prob))
+    w.add_uint32(f"{a}.nextn_predict_layers", cfg.num_nextn_predict_layers)
+    if cfg.n_group > 1:
+        w.add_uint32(f"{a}.expert_group_count", cfg.n_group)
+        w.add_uint32(f"{a}.expert_group_used_count", cfg.topk_group)

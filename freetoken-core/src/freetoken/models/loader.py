@@ -79,7 +79,8 @@ def model_shape(cfg: ModelConfig, act: torch.dtype) -> ModelShape:
     H = cfg.hidden_size
     attn = H * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * H + 2 * cfg.head_dim
     moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-    dense_mlp = 3 * H * cfg.intermediate_size * (cfg.num_layers - len(moe_layers))
+    dense_mlp = 3 * H * (cfg.intermediate_size * (cfg.num_layers - len(moe_layers))
+                         + cfg.shared_expert_intermediate() * len(moe_layers))
     router = cfg.num_experts * H * len(moe_layers)  # float32
     emb = cfg.vocab_size * H * (1 if cfg.tie_word_embeddings else 2)
     dense = (attn * cfg.num_layers + dense_mlp + emb + H) * elt + router * 4
@@ -262,6 +263,9 @@ def _gguf_expert_layout(ck: Any, names: Any, shape: ModelShape) -> None:
     shape.expert_file_bytes, shape.expert_formats = sizes, formats
 
 
+#: a GGUF layer tensor's layer
+_GGUF_LAYER = re.compile(r"^blk\.(\d+)\.")
+
 #: ggml types a packed dense policy keeps as the file's bytes (Q8_0, Q4_K, Q5_K, Q6_K)
 _PACKED_DENSE_TYPES = frozenset({8, 12, 13, 14})
 
@@ -272,7 +276,8 @@ def _gguf_dense_layout(ck: Any, names: Any, shape: ModelShape, act: torch.dtype)
     block formats as their bytes in the file, routers float32, the rest at ``act``; and
     ``shape.dense_scratch_bytes``, its prefill scratch (the largest chunk of a packed linear:
     every packed matrix but an embedding that is not also the output head); and
-    ``shape.embedding_file_bytes``, such an embedding's packed bytes."""
+    ``shape.embedding_file_bytes``, such an embedding's packed bytes. Tensors of layers past
+    the model's last (GLM-4.5's next-token-prediction layers) are not counted."""
     from freetoken.models.packed_linear import chunk_rows
 
     elt = torch.empty((), dtype=act).element_size()
@@ -290,6 +295,9 @@ def _gguf_dense_layout(ck: Any, names: Any, shape: ModelShape, act: torch.dtype)
     total = 0
     for name in ck.names():
         if name in experts or "_exps" in name:
+            continue
+        m = _GGUF_LAYER.match(name)
+        if m and int(m.group(1)) >= shape.num_layers:  # next-token-prediction layers: never loaded
             continue
         layout = ck.tensor_layout(name)
         if layout is None:

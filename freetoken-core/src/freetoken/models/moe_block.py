@@ -2,7 +2,9 @@
 (:class:`~freetoken.models.moe_layer.MoELayer`: router, softmax top-k, optional renormalisation,
 the backend's experts), with a router bias and expert biases where the family has them
 (:class:`BiasedMoELayer`), or a gated shared expert beside them
-(:class:`SharedExpertMoELayer`); or a dense SwiGLU MLP (:class:`SwiGLU`). Also the
+(:class:`SharedExpertMoELayer`), or grouped sigmoid routing with a score-correction bias and
+ungated shared experts (:class:`CorrectedSigmoidMoELayer`, GLM-4.5); or a dense SwiGLU MLP
+(:class:`SwiGLU`). Also the
 loader of a layer's SwiGLU expert stacks in the checkpoint layouts the families share
 (:func:`swiglu_experts`).
 """
@@ -21,6 +23,7 @@ from freetoken.models.config import ModelConfig
 from freetoken.models.dense_ops import DenseOps
 from freetoken.models.layers import FusedLinears
 from freetoken.models.moe_layer import ExpertWeights, MoELayer, stack_experts
+from freetoken.models.routing import GroupedTopK, grouped_sigmoid_top_k
 
 #: the constant the folded gate/up biases of :class:`BiasedMoELayer` multiply: columns
 #: ``hidden .. hidden + BIAS_PAD`` of the experts' input hold ``BIAS_ONES`` ones, then
@@ -65,6 +68,30 @@ class SharedExpertMoELayer(MoELayer):
         s = self.shared(x)
         w = torch.sigmoid(x @ self.shared_gate.to(x.dtype)).unsqueeze(-1)
         return y + w * s
+
+    __call__ = forward
+
+
+class CorrectedSigmoidMoELayer(MoELayer):
+    """Routed experts chosen by :func:`~freetoken.models.routing.grouped_sigmoid_top_k`
+    (sigmoid scores, the correction bias for the choice only, grouped top-k, renormalised and
+    scaled weights), plus shared experts added unscaled when the layer has them."""
+
+    def __init__(self, layer: int, router: object, experts: ExpertWeights, routing: GroupedTopK,
+                 correction_bias: torch.Tensor, shared: Optional[SwiGLU] = None) -> None:  # fmt: skip
+        super().__init__(layer, router, experts, routing.top_k, routing.norm_topk_prob)  # type: ignore[arg-type]
+        self.routing = routing
+        self.correction_bias = correction_bias  # float32 [E]
+        self.shared = shared
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grouped_sigmoid_top_k(self.router(x), self.correction_bias, self.routing)  # type: ignore[operator]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y
 
     __call__ = forward
 
@@ -123,11 +150,15 @@ class BiasedMoELayer(MoELayer):
 
 def moe_layer(i: int, c: ModelConfig, get: Callable[[str], RawTensor], policy: WeightPolicy, ops: DenseOps,
               experts: ExpertWeights, *, down_bias: Optional[torch.Tensor] = None, router_bias: bool = False,
-              activation: str = "silu", shared: bool = False) -> MoELayer:  # fmt: skip
+              activation: str = "silu", shared: bool = False,
+              routing: Optional[GroupedTopK] = None) -> MoELayer:  # fmt: skip
     """Layer ``i``'s routed-experts block: the router of role ``router`` (plus
     ``router_bias``), ``experts``, their down bias when they have biases (float32 ``[E,
-    hidden]``; :class:`BiasedMoELayer`), or the shared expert of roles ``shexp_*`` with its
-    gate ``shexp_router`` (:class:`SharedExpertMoELayer`); its top-k on ``ops``."""
+    hidden]``; :class:`BiasedMoELayer`), or, with ``routing``, grouped sigmoid routing with
+    the correction bias of role ``expert_bias`` and (``shared``) the ungated shared experts
+    of roles ``shexp_*`` (:class:`CorrectedSigmoidMoELayer`), or the shared expert of roles
+    ``shexp_*`` with its gate ``shexp_router`` (:class:`SharedExpertMoELayer`); its top-k on
+    ``ops``."""
     router = policy.router(get("router"))
     if router_bias:
         router = BiasedRouter(router, policy.tensor(get("router_bias")).float())
@@ -135,6 +166,13 @@ def moe_layer(i: int, c: ModelConfig, get: Callable[[str], RawTensor], policy: W
     if down_bias is not None:
         moe = BiasedMoELayer(i, router, experts, c.top_k, c.norm_topk_prob, activation, c.hidden_size,
                              down_bias.float().to(policy.device))  # fmt: skip
+    elif routing is not None:
+        bias = get("expert_bias")
+        if tuple(bias.shape) != (c.num_experts,):
+            raise CheckpointError(f"{bias.source}: {bias.name} has shape {tuple(bias.shape)}, "
+                                  f"expected ({c.num_experts},)")  # fmt: skip
+        moe = CorrectedSigmoidMoELayer(i, router, experts, routing, bias.to_float(torch.float32).to(policy.device),
+                                       SwiGLU.load(get, policy, "shexp") if shared else None)  # fmt: skip
     elif shared:
         moe = SharedExpertMoELayer(i, router, experts, c.top_k, c.norm_topk_prob, SwiGLU.load(get, policy, "shexp"),
                                    policy.tensor(get("shexp_router")).reshape(-1))  # fmt: skip
@@ -148,7 +186,7 @@ def moe_dense_bytes(moe: MoELayer) -> int:
     """Bytes of a routed-experts block's weights other than the routed experts (router,
     shared expert) that one token reads."""
     nbytes = moe.router.nbytes  # type: ignore[attr-defined]
-    if isinstance(moe, SharedExpertMoELayer):
+    if isinstance(moe, (SharedExpertMoELayer, CorrectedSigmoidMoELayer)) and moe.shared is not None:
         nbytes += moe.shared.nbytes
     return nbytes
 

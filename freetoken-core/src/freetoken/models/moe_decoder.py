@@ -5,7 +5,8 @@ attention with NeoX RoPE over the paged KV cache -> RMSNorm -> routed experts (o
 MLP where the config says), final RMSNorm and head. They differ in a few switches, which a
 family module sets in :class:`Arch`: q/k RMSNorm per head (Qwen3-MoE) or over the whole
 projection (OLMoE), q/k/v clipping, projection biases, a sliding window per layer and
-attention sinks (GPT-OSS), a router bias, expert biases, the expert activation. The family
+attention sinks (GPT-OSS), RoPE on a leading part of each head (GLM-4.5), a router bias,
+expert biases, the expert activation, grouped sigmoid routing with shared experts (GLM-4.5). The family
 module reads the checkpoint's config and names, and builds the routed experts of a layer
 (:attr:`Arch.experts`).
 """
@@ -19,13 +20,16 @@ from typing import Callable, Optional
 import torch
 
 from freetoken.backends.contract import WeightPolicy
+from freetoken.loading.hf import CheckpointError
 from freetoken.loading.tensors import TensorSource
 from freetoken.models.attention import AttentionMetadata, paged_attention, write_kv
 from freetoken.models.config import ModelConfig
 from freetoken.models.decoder_base import DecoderModelBase
+from freetoken.models.hybrid_weights import PartialRotary, rotary_permutation, take_rows
 from freetoken.models.layers import FusedLinears, rms_norm
 from freetoken.models.moe_block import swiglu_experts
 from freetoken.models.rope import RopeScaling, make_rotary
+from freetoken.models.routing import GroupedTopK
 from freetoken.models.tensor_names import Names
 from freetoken.models.moe_layer import ExpertWeights
 
@@ -76,6 +80,17 @@ class Arch:
     unpermute_qk: bool = False
     #: expert hidden padding (columns) of experts with folded gate/up biases
     expert_pad: int = 0
+    #: NeoX RoPE on the first ``rotary_dim`` dimensions of each head only (None: all). The
+    #: loader reorders each head's q/k rows (and their biases and norms) so that the rotated
+    #: pairs sit where full-width RoPE puts them (:func:`~freetoken.models.hybrid_weights.rotary_permutation`;
+    #: q.k products are unchanged), and the tables leave the other dimensions alone
+    rotary_dim: Optional[int] = None
+    #: grouped sigmoid routing with a score-correction bias (role ``expert_bias``) instead
+    #: of softmax top-k (:class:`~freetoken.models.moe_block.CorrectedSigmoidMoELayer`)
+    routing: Optional[GroupedTopK] = None
+    #: ungated shared experts (roles ``shexp_gate``/``shexp_up``/``shexp_down``) beside
+    #: ``routing``'s routed experts
+    shared_experts: bool = False
 
 
 class _Layer:
@@ -94,7 +109,21 @@ class MoeDecoderModel(DecoderModelBase):
         self._load_ends(config, source, names, policy)
         c = config
         self.arch = a = self.arch_for(config)
-        self.rotary = make_rotary(c.head_dim, c.rope_theta, a.rope, c.max_position_embeddings, self.device)
+        D = c.head_dim
+        order: Optional[torch.Tensor] = None  # each head's q/k dimensions in rotary order
+        if a.rotary_dim is not None and a.rotary_dim != D:
+            if a.rope.kind != "default":
+                raise CheckpointError(f"RoPE scaling {a.rope.kind!r} with a partial rotary dimension is not supported")
+            if not 0 < a.rotary_dim < D or a.rotary_dim % 2:
+                raise CheckpointError(f"rotary dimension {a.rotary_dim} does not fit head_dim {D}")
+            self.rotary = PartialRotary(D, a.rotary_dim, c.rope_theta, c.max_position_embeddings, self.device)
+            order = rotary_permutation(D, a.rotary_dim)
+        else:
+            self.rotary = make_rotary(D, c.rope_theta, a.rope, c.max_position_embeddings, self.device)
+        q_rows = k_rows = None
+        if order is not None:
+            q_rows = (torch.arange(c.num_heads).view(-1, 1) * D + order.view(1, D)).reshape(-1)
+            k_rows = (torch.arange(c.num_kv_heads).view(-1, 1) * D + order.view(1, D)).reshape(-1)
         self.layers: list[_Layer] = []
         get = source.get
         permute = a.unpermute_qk and names.fmt == "gguf"
@@ -106,15 +135,25 @@ class MoeDecoderModel(DecoderModelBase):
             q, k = n("q"), n("k")
             if permute:
                 q, k = unpermute_rows(q, c.num_heads), unpermute_rows(k, c.num_kv_heads)
+            if q_rows is not None:
+                _check_rows(q, c.num_heads * D)
+                _check_rows(k, c.num_kv_heads * D)
+                q, k = take_rows(q, q_rows, q.name), take_rows(k, k_rows, k.name)
             L.qkv = FusedLinears([q, k, n("v")], policy)
             L.qkv_bias = None
             if a.qkv_bias:
-                L.qkv_bias = tuple(policy.tensor(n(r)).float() for r in ("q_bias", "k_bias", "v_bias"))
+                qb, kb, vb = (policy.tensor(n(r)).float() for r in ("q_bias", "k_bias", "v_bias"))
+                if q_rows is not None:
+                    qb, kb = qb[q_rows.to(qb.device)].contiguous(), kb[k_rows.to(kb.device)].contiguous()
+                L.qkv_bias = (qb, kb, vb)
             L.o = policy.linear(n("o"))
             L.o_bias = policy.tensor(n("o_bias")) if a.o_bias else None
             L.q_norm = L.k_norm = L.qk_norm = None
             if a.qk_norm != "none":
                 L.q_norm, L.k_norm = policy.tensor(n("q_norm")), policy.tensor(n("k_norm"))
+                if order is not None:  # per-head weights [D] in rotary order
+                    L.q_norm = L.q_norm[order.to(L.q_norm.device)].contiguous()
+                    L.k_norm = L.k_norm[order.to(L.k_norm.device)].contiguous()
             if a.qk_norm == "head" and len(L.qkv.groups[0][1]) >= 2:
                 # q and k come out of one call: normalise and rotate them as one [T, Hq+Hkv, D] view
                 L.qk_norm = torch.cat([L.q_norm.expand(c.num_heads, c.head_dim),
@@ -122,7 +161,7 @@ class MoeDecoderModel(DecoderModelBase):
             L.sinks = policy.tensor(n("sinks")).float() if a.sinks else None
             L.window = a.windows[i] if a.windows else None
             self._load_ffn(L, i, n, policy, lambda: a.experts(i, source, names, c), router_bias=a.router_bias,
-                           activation=a.activation)  # fmt: skip
+                           activation=a.activation, routing=a.routing, shared=a.shared_experts)  # fmt: skip
             self.layers.append(L)
             if progress is not None:
                 progress(i)
@@ -150,6 +189,8 @@ class MoeDecoderModel(DecoderModelBase):
         for L, (kc, vc) in zip(self.layers, kv_caches):
             h, (q, k, v) = L.qkv.add_norm_call(ops, h, delta, L.in_norm, eps)
             if head_norm:
+                if L.qkv_bias is not None:  # the biases come before the norms
+                    q, k, v = (t + b.to(t.dtype) for t, b in zip((q, k, v), L.qkv_bias))
                 qh = ops.qk_norm_rope_store(q, k, v, L.q_norm, L.k_norm, L.qk_norm, self.rotary, positions, kc, vc,
                                             slots, eps)  # fmt: skip
             elif L.q_norm is None and a.clip_qkv is None:  # bias, RoPE and the K/V write: one op
@@ -178,6 +219,11 @@ class MoeDecoderModel(DecoderModelBase):
 
     def _mixer_bytes(self, L: _Layer) -> int:
         return L.qkv.nbytes + L.o.nbytes
+
+
+def _check_rows(raw: "RawTensor", rows: int) -> None:  # noqa: F821
+    if raw.shape[0] != rows:
+        raise CheckpointError(f"{raw.source}: {raw.name} has {raw.shape[0]} rows, expected {rows}")
 
 
 def unpermute_rows(raw: "RawTensor", heads: int) -> "RawTensor":  # noqa: F821

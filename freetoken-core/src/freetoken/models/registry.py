@@ -1,6 +1,6 @@
 """Which model family runs a checkpoint.
 
-:data:`FAMILIES` holds the six families the engine runs, each with its module, model class,
+:data:`FAMILIES` holds the seven families the engine runs, each with its module, model class,
 HF ``architectures`` names and GGUF ``general.architecture`` values:
 
 * ``qwen3_5_moe`` -- Qwen3.5/3.6-MoE (:mod:`freetoken.models.qwen3_5_moe`) and ``qwen3_next`` --
@@ -8,8 +8,8 @@ HF ``architectures`` names and GGUF ``general.architecture`` values:
   :mod:`freetoken.models.qwen_hybrid` (Gated DeltaNet and gated attention layers);
 * ``qwen3_moe``, ``mixtral``, ``olmoe``, ``gpt_oss`` -- Qwen3-MoE, Mixtral, OLMoE, GPT-OSS
   (:mod:`freetoken.models.qwen3_moe`, :mod:`freetoken.models.mixtral`,
-  :mod:`freetoken.models.olmoe`, :mod:`freetoken.models.gpt_oss`), each a set of switches of
-  :mod:`freetoken.models.moe_decoder`.
+  :mod:`freetoken.models.olmoe`, :mod:`freetoken.models.gpt_oss`), and ``glm4_moe`` -- GLM-4.5
+  (:mod:`freetoken.models.glm4_moe`), each a set of switches of :mod:`freetoken.models.moe_decoder`.
 
 :mod:`freetoken.models.loader` looks the checkpoint's architecture up here
 (:func:`family_for_hf`, :func:`family_for_gguf`; anything else raises
@@ -76,6 +76,13 @@ FAMILIES: tuple[ModelFamily, ...] = (
         model_class="GptOssModel",
         hf_architectures=("GptOssForCausalLM",),
         gguf_architectures=("gpt-oss",),
+    ),
+    ModelFamily(
+        key="glm4_moe",
+        module="freetoken.models.glm4_moe",
+        model_class="Glm4MoeModel",
+        hf_architectures=("Glm4MoeForCausalLM",),
+        gguf_architectures=("glm4moe",),
     ),
     ModelFamily(
         key="qwen3_5_moe",

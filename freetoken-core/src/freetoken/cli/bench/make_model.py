@@ -30,6 +30,13 @@ Qwen3.5-MoE files (``qwen35moe``) follow the same rules with llama.cpp's countin
 DeltaNet layers (one per layer, so ``use_more_bits(i, n)`` again picks them by layer),
 and "ffn_down" covers both ffn_down_exps and the shared expert's ffn_down_shexp. The
 DeltaNet's short-convolution kernel, ssm_a, ssm_dt, the norms and both routers stay F32.
+
+GLM-4.5 files (``glm4moe``, llama.cpp's src/models/glm4-moe.cpp tensor set) have q/k/v biases,
+a dense SwiGLU first layer, a shared expert and the routing's score-correction bias
+(``exp_probs_b.bias``, F32 like the router). Rows whose length is no multiple of 256 (GLM-4.5-Air's
+expert intermediate 1408 and dense intermediate 10944: every down projection) cannot be K-quants:
+they are Q8_0, where llama.cpp's own Q4_K_M falls back to Q5_0 (not a format FreeToken runs).
+Its files carry no next-token-prediction layer (``nextn_predict_layers`` 0).
 """
 
 from __future__ import annotations
@@ -49,11 +56,18 @@ from freetoken.handoff import Fmt
 from freetoken.models.gguf_writer import RandomBlockPool
 from freetoken.loading.tensors import row_bytes
 from freetoken.models.config import ModelConfig
+from freetoken.models.glm4_moe import Glm4MoeConfig
 from freetoken.models.qwen_hybrid import FULL, LINEAR, HybridConfig, finish_config
 
 
 def _hybrid_layers(n: int, interval: int = 4) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n))
+
+
+def _glm(**kw: object) -> Glm4MoeConfig:
+    cfg = Glm4MoeConfig(architecture="glm4_moe", **kw)  # type: ignore[arg-type]
+    cfg.mlp_only_layers = tuple(range(cfg.first_k_dense_replace))
+    return cfg
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -102,6 +116,26 @@ PRESETS: dict[str, ModelConfig] = {
         linear_key_dim=64, linear_value_dim=64, conv_kernel=4, rotary_dim=32, shared_expert_intermediate_size=256,
         value_heads_tiled=True,
     ), "qwen3.5-moe-tiny"),
+    # GLM-4.5-Air (zai-org/GLM-4.5-Air config.json): 46 layers, the first a dense MLP of
+    # 10944, then 128 routed experts of 1408 (top-8: sigmoid scores, one group, weights
+    # renormalised, scale 1.0) plus one shared expert; 96 q / 8 kv heads of 128 with q/k/v
+    # biases, no q/k norms, half of each head rotated; vocab 151552. The checkpoint's
+    # next-token-prediction layer is left out (not run).
+    "glm-4.5-air": _glm(
+        vocab_size=151552, hidden_size=4096, num_layers=46, num_heads=96, num_kv_heads=8, head_dim=128,
+        intermediate_size=10944, moe_intermediate_size=1408, num_experts=128, top_k=8, norm_topk_prob=True,
+        rms_norm_eps=1e-5, rope_theta=1_000_000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+        rotary_dim=64, attention_bias=True, use_qk_norm=False, n_shared_experts=1, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, first_k_dense_replace=1,
+    ),
+    # The same tensor set at a few tens of MB (every row a multiple of 256).
+    "glm-4.5-air-tiny": _glm(
+        vocab_size=32768, hidden_size=512, num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64,
+        intermediate_size=1024, moe_intermediate_size=256, num_experts=16, top_k=4, norm_topk_prob=True,
+        rms_norm_eps=1e-5, rope_theta=1_000_000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+        rotary_dim=32, attention_bias=True, use_qk_norm=False, n_shared_experts=1, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, first_k_dense_replace=1,
+    ),
     "gpt-oss-tiny": ModelConfig(
         architecture="gpt_oss", vocab_size=4096, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
         head_dim=32, intermediate_size=0, moe_intermediate_size=128, num_experts=8, top_k=2,
@@ -309,9 +343,70 @@ def plan_qwen35(cfg: HybridConfig, quant: str) -> list[Planned]:
     return out
 
 
+_K_QUANTS = (int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K))
+
+
+def _row_format(fmt: int, cols: int) -> int:
+    """``fmt``, or Q8_0 for a K-quant whose rows are no multiple of its 256-value blocks."""
+    return int(Fmt.Q8_0) if int(fmt) in _K_QUANTS and cols % 256 else fmt
+
+
+def plan_glm4moe(cfg: Glm4MoeConfig, quant: str) -> list[Planned]:
+    """llama.cpp's glm4moe tensor set (src/models/glm4-moe.cpp), layer by layer as its converter
+    writes it: attention with q/k/v biases (q/k norms where ``use_qk_norm``), the post-attention
+    norm, then a dense MLP (the first ``first_k_dense_replace`` layers) or the router, its
+    score-correction bias, the routed experts and the shared expert."""
+    H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
+    S = I * cfg.n_shared_experts
+    out: list[Planned] = []
+
+    def add(name: str, shape: tuple[int, ...], fmt: int, make=None, gain: float = 1.0) -> None:
+        fmt = _row_format(fmt, shape[-1])
+        out.append(Planned(name, shape, fmt, make or _packed(shape, fmt, gain), gain))
+
+    def q(role: str, i: int) -> int:
+        return tensor_format(quant, role, i, L)
+
+    add("token_embd.weight", (cfg.vocab_size, H), q("token_embd", 0))
+    for i in range(L):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", (H,), Fmt.F32, _f32((H,), 1.0, 0.05))
+        for n, rows in (("attn_q", cfg.num_heads * D), ("attn_k", cfg.num_kv_heads * D), ("attn_v", cfg.num_kv_heads * D)):
+            add(b + n + ".weight", (rows, H), q(n, i))
+            if cfg.attention_bias:
+                add(b + n + ".bias", (rows,), Fmt.F32, _f32((rows,), 0.0, 0.02))
+        add(b + "attn_output.weight", (H, cfg.num_heads * D), q("attn_output", i), gain=RESIDUAL_GAIN)
+        if cfg.use_qk_norm:
+            add(b + "attn_q_norm.weight", (D,), Fmt.F32, _f32((D,), QK_NORM_GAIN, 0.05))
+            add(b + "attn_k_norm.weight", (D,), Fmt.F32, _f32((D,), QK_NORM_GAIN, 0.05))
+        add(b + "post_attention_norm.weight", (H,), Fmt.F32, _f32((H,), 1.0, 0.05))
+        if i < cfg.first_k_dense_replace:
+            F = cfg.intermediate_size
+            add(b + "ffn_gate.weight", (F, H), q("ffn_gate", i))
+            add(b + "ffn_up.weight", (F, H), q("ffn_up", i))
+            add(b + "ffn_down.weight", (H, F), q("ffn_down_shexp", i), gain=RESIDUAL_GAIN)
+            continue
+        add(b + "ffn_gate_inp.weight", (E, H), Fmt.F32, _f32((E, H), 0.0, 0.02))
+        add(b + "exp_probs_b.bias", (E,), Fmt.F32, _f32((E,), 0.0, 0.01))
+        add(b + "ffn_gate_exps.weight", (E, I, H), q("ffn_gate_exps", i))
+        add(b + "ffn_up_exps.weight", (E, I, H), q("ffn_up_exps", i))
+        add(b + "ffn_down_exps.weight", (E, H, I), q("ffn_down_exps", i), gain=RESIDUAL_GAIN)
+        if S:
+            add(b + "ffn_gate_shexp.weight", (S, H), q("ffn_gate_shexp", i))
+            add(b + "ffn_up_shexp.weight", (S, H), q("ffn_up_shexp", i))
+            add(b + "ffn_down_shexp.weight", (H, S), q("ffn_down_shexp", i), gain=RESIDUAL_GAIN)
+    add("output_norm.weight", (H,), Fmt.F32, _f32((H,), 1.0, 0.05))
+    add("output.weight", (cfg.vocab_size, H), q("output", L))
+    return out
+
+
 def cut_layers(cfg: ModelConfig, n: int) -> ModelConfig:
-    """The preset with only its first ``n`` layers (hybrids keep their layer pattern)."""
+    """The preset with only its first ``n`` layers (hybrids keep their layer pattern, GLM-4.5
+    at most ``n`` dense leading layers)."""
     out = dataclasses.replace(cfg, num_layers=n)
+    if isinstance(out, Glm4MoeConfig):
+        out.first_k_dense_replace = min(out.first_k_dense_replace, n)
+        out.mlp_only_layers = tuple(range(out.first_k_dense_replace))
     if isinstance(out, HybridConfig):
         out.layer_types = tuple(cfg.layer_types[:n])
         out = finish_config(out, f"{cfg.architecture} cut to {n} layers")
@@ -325,6 +420,8 @@ def plan(cfg: ModelConfig, quant: str) -> list[Planned]:
         raise ValueError("mxfp4 is for GPT-OSS presets (its experts); use q4_k_m, q8_0, q4_k or q6_k")
     if cfg.architecture == "qwen3_5_moe":
         return plan_qwen35(cfg, quant)  # type: ignore[arg-type]
+    if cfg.architecture == "glm4_moe":
+        return plan_glm4moe(cfg, quant)  # type: ignore[arg-type]
     packed, f32 = _packed, _f32
     H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
     out: list[Planned] = []
@@ -391,6 +488,11 @@ def write(path: str, cfg: ModelConfig, quant: str, seed: int = 0, progress: bool
 
         w = gguf.GGUFWriter(path, "qwen35moe")
         write_hybrid_metadata(w, cfg, name)
+    elif cfg.architecture == "glm4_moe":
+        from freetoken.models.gguf_writer import write_glm4moe_metadata
+
+        w = gguf.GGUFWriter(path, "glm4moe")
+        write_glm4moe_metadata(w, cfg, name)
     else:
         w = gguf.GGUFWriter(path, ARCH)
         write_qwen3moe_metadata(w, cfg, name)

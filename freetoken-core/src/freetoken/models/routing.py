@@ -1,0 +1,73 @@
+"""Grouped top-k routing over sigmoid scores with a score-correction bias (GLM-4.5, and the
+"noaux_tc" routing of DeepSeek-V3).
+
+Per token, from the router's float32 logits ``[T, E]``:
+
+1. ``scores = sigmoid(logits)``;
+2. the choice uses ``scores + correction_bias`` (the checkpoint's
+   ``e_score_correction_bias``, GGUF ``exp_probs_b.bias``): with ``n_group > 1`` the experts
+   are split into ``n_group`` consecutive groups, a group's score is the sum of its two best
+   corrected scores, the ``topk_group`` best groups are kept and the experts of the others
+   are out;
+3. the ``top_k`` best corrected scores among the experts left are chosen;
+4. their weights are the *uncorrected* ``scores``, divided by their sum (plus 1e-20) when
+   ``norm_topk_prob``, then times ``routed_scaling_factor``.
+
+Everything runs as device tensor ops (no host sync), so a decode graph captures it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from freetoken.loading.hf import CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedTopK:
+    """The hyper-parameters of :func:`grouped_sigmoid_top_k`."""
+
+    num_experts: int
+    top_k: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    def check(self, where: str) -> None:
+        """Raise :class:`CheckpointError` (naming the field) for values the routing cannot use."""
+        E, g = self.num_experts, self.n_group
+        if g < 1 or E % g:
+            raise CheckpointError(f"{where}: n_group={g} does not divide the {E} routed experts")
+        if not 1 <= self.topk_group <= g:
+            raise CheckpointError(f"{where}: topk_group={self.topk_group} is not in 1..n_group={g}")
+        if not 1 <= self.top_k <= self.topk_group * (E // g):
+            raise CheckpointError(f"{where}: num_experts_per_tok={self.top_k} exceeds the "
+                                  f"{self.topk_group * (E // g)} experts of topk_group={self.topk_group} groups")
+        if not self.routed_scaling_factor > 0:
+            raise CheckpointError(f"{where}: routed_scaling_factor={self.routed_scaling_factor} is not positive")
+
+
+def grouped_sigmoid_top_k(logits: torch.Tensor, correction_bias: torch.Tensor,
+                          r: GroupedTopK) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Expert ids (int32 ``[T, top_k]``) and float32 weights of the routing in the module
+    docstring; ``correction_bias`` float32 ``[E]``."""
+    scores = logits.float().sigmoid()
+    choice = scores + correction_bias
+    if r.n_group > 1 and r.topk_group < r.n_group:
+        T = choice.shape[0]
+        per = r.num_experts // r.n_group
+        grouped = choice.view(T, r.n_group, per)
+        group_scores = grouped.topk(min(2, per), dim=-1).values.sum(-1)  # [T, n_group]
+        keep = group_scores.topk(r.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, r.num_experts)
+    ids = choice.topk(r.top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if r.norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    if r.routed_scaling_factor != 1.0:
+        w = w * r.routed_scaling_factor
+    return ids.to(torch.int32), w
