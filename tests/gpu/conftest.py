@@ -77,22 +77,14 @@ def _patch_language_once_per_launch() -> None:
 
     run = interpreter.GridExecutor.__call__
 
-    # The language patches are process-wide (module attributes): a launch that ends restores
-    # them under another thread's running launch (a fake GPU stream's worker, a benchmark's
-    # host callbacks), whose next language call then fails with "Cannot call @triton.jit'd
-    # outside of the scope of a kernel", and the restores of the two interleave so that later
-    # launches fail too. One launch at a time (nested ones in the same thread go through).
-    launch_lock = threading.RLock()
-
     def run_patching_once(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not hasattr(local, "launches"):
             local.launches = []
-        with launch_lock:
-            local.launches.append([frozenset(), False])
-            try:
-                return run(self, *args, **kwargs)
-            finally:
-                local.launches.pop()
+        local.launches.append([frozenset(), False])
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            local.launches.pop()
 
     patch_lang.once_per_launch = True  # type: ignore[attr-defined]
     interpreter._patch_lang = patch_lang
