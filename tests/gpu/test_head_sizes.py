@@ -211,6 +211,9 @@ def test_head_size_interpreted_kernels_in_the_engine_match_cpu(checkpoint, monke
     ops = dense_ops.TritonDenseOps()
     monkeypatch.setattr(dense_ops, "_triton_ops_for", lambda device: (ops, "Triton's interpreter (forced)"))
     monkeypatch.setattr(gpu_session, "_attention_impl", lambda device, head_dim=None, v_head_dim=None: "triton")
+    # the cpu backend installs its native ops for the host's device type once it ran in this
+    # process (the reference did): the fake GPU's model must not take them
+    monkeypatch.delitem(dense_ops._INSTALLED, "cpu", raising=False)
     launches = _count_launches(monkeypatch)
     eng = _engine(_fake_gpu_backend(), path, dtype="float32", moe_cpu_layers="all", cuda_graph_max_bs=8)
     try:
