@@ -45,6 +45,7 @@ def test_model_on_fakegpu_prints_the_decision_and_plan(demo_model: str) -> None:
     assert "activations: float32" in out
     assert "MoE experts: CPU layers 1-3, 1 layers on the GPU" in out
     assert "memory plan: budget -, dense " in out and "(1 layers on the GPU, CPU layers 1-3)" in out
+    assert "step reserve" in out and "prompt chunks of 256 tokens" in out  # no budget: the chunk as asked
     assert "KV cache: " in out and "weights: dense: " in out
     assert "locked fetch: auto: off on " in out  # the default, measured on NVIDIA GPUs only
     assert "warning:" not in out and "Traceback" not in out + r.stderr

@@ -285,7 +285,9 @@ def format_model(m: dict[str, Any]) -> list[str]:
         lines.append(f"  memory plan: budget {_gib(plan.get('budget'))}, dense {_gib(plan.get('dense'))}, "
                      f"routed experts {_gib(plan.get('expert_layer_bytes'))} per layer "
                      f"({plan.get('gpu_layers')} layers on the GPU, CPU layers {plan.get('cpu_layers')}), "
-                     f"KV budget {_gib(plan.get('kv_budget'))}, reserve {_gib(plan.get('reserve'))}")
+                     f"KV budget {_gib(plan.get('kv_budget'))}, step reserve {_gib(plan.get('reserve'))} "
+                     f"(prompt chunks of {plan.get('prefill_chunk')} tokens {_gib(plan.get('activations'))}, "
+                     f"outside the allocator {_gib(plan.get('outside'))}, workspaces {_gib(plan.get('workspace'))})")
     else:
         lines.append("  memory plan: none (the backend plans no device memory)")
     lines.append(f"  KV cache: {m['kv_cache_tokens']} tokens ({_gib(m['kv_cache_bytes'])}), "
