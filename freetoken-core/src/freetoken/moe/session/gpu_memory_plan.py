@@ -32,11 +32,12 @@ log = logging.getLogger(__name__)
 
 GIB = float(1 << 30)
 
-#: Device memory kept out of the plan, inside torch's allocator, for cuBLAS/Triton
-#: workspaces, decode graphs' pools and the small tensors of a step. The CUDA context and
-#: whatever else holds device memory outside the allocator is measured at plan time, and
-#: a prompt chunk's activations are planned from the model's shape (both on top of this).
-WORKSPACE_BYTES = 512 << 20
+#: Device memory kept out of the plan, inside torch's allocator, for what loading the
+#: weights holds for a moment, cuBLAS/Triton workspaces, decode graphs' pools and the small
+#: tensors of a step. The CUDA context and whatever else holds device memory outside the
+#: allocator is measured at plan time, and a prompt chunk's activations are planned from
+#: the model's shape (both on top of this).
+WORKSPACE_BYTES = 1 << 30
 
 #: A prompt chunk's activations may take this share of the budget (at least
 #: MIN_ACTIVATION_BYTES): the plan lowers the prefill chunk to the largest power of two
