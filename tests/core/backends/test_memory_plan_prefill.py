@@ -33,11 +33,11 @@ def _shape(per_token: int, layer_bytes: int = 256 << 20, layers: int = 8) -> Mod
                       activation_bytes_per_token=per_token)
 
 
-def _plan(budget: int, chunk: int, shape: ModelShape, **kw):
+def _plan(budget: int, chunk: int, shape: ModelShape, max_model_len: int = 4096, **kw):
     from freetoken_fakegpu.backend import FakeGpuBackend
 
     session = FakeGpuBackend().open_model(EngineOptions(act_dtype=torch.bfloat16, gpu_memory_limit=budget,
-                                                        max_model_len=4096, prefill_chunk=chunk, **kw))
+                                                        max_model_len=max_model_len, prefill_chunk=chunk, **kw))
     session.plan(shape)
     return session
 
@@ -94,5 +94,28 @@ def test_the_engine_schedules_with_the_planned_chunk() -> None:
         assert plan is not None and plan.prefill_chunk < (1 << 20)
         assert eng.prefill_chunk == eng.scheduler.prefill_chunk == plan.prefill_chunk
         assert eng.backend_info()["memory_plan"]["prefill_chunk"] == plan.prefill_chunk
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("ctx", [2048, 16900, 32768])
+def test_the_kv_cache_of_the_longest_context_is_planned(ctx: int) -> None:
+    """The engine allocates one request of --max-model-len (in whole blocks) whatever the
+    budget: the plan counts it before it places the experts."""
+    shape = _shape(200_000, layers=40)
+    plan = _plan(16 * GIB, 2048, shape, max_model_len=ctx).plan_result
+    need = -(-ctx // 16) * 16 * shape.kv_bytes_per_token
+    assert plan.kv_budget >= need
+    assert plan.reserve + plan.dense + plan.expert_bytes + plan.scratch + plan.kv_budget == 16 * GIB
+
+
+def test_a_context_that_is_not_whole_blocks_starts() -> None:
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(backend="fakegpu", dtype="float32", max_model_len=130, max_running_requests=1,
+                                 gpu_memory_limit=2 * GIB))
+    try:
+        assert eng.max_model_len == 130 and eng.kv.total_tokens >= 144
     finally:
         eng.close()

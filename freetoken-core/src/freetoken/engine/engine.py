@@ -135,10 +135,14 @@ class LLMEngine:
             )
         kv_tokens = config.kv_cache_tokens
         budget = self.session.kv_cache_budget()
+        bs = config.kv_block_size
+        # at least one request of the longest context given (whole blocks), even past the budget:
+        # the plan counted that much (ModelSession.plan); without a context given, 4096 tokens
+        floor = -(-ctx // bs) * bs if config.max_model_len else 4096
         if kv_tokens is None:
             kv_tokens = ctx * config.max_running_requests
             if budget is not None:
-                kv_tokens = min(kv_tokens, max(ctx if config.max_model_len else 4096, budget // per_tok))
+                kv_tokens = min(kv_tokens, max(floor, budget // per_tok))
         elif budget is not None and kv_tokens * per_tok > budget:
             from freetoken.loading.memory import InsufficientMemory, gib
 
@@ -156,7 +160,9 @@ class LLMEngine:
                         len(cfg.recurrent.layers), self.states.num_slots, self.states.bytes / 2**20)
             if budget is not None and config.kv_cache_tokens is None:
                 budget = max(0, budget - self.states.bytes)
-                kv_tokens = min(kv_tokens, max(ctx if config.max_model_len else 4096, budget // per_tok))
+                kv_tokens = min(kv_tokens, max(floor, budget // per_tok))
+        if config.kv_cache_tokens is None:
+            kv_tokens = -(-kv_tokens // bs) * bs  # whole blocks: a context of ctx tokens fits
         self.kv = KVCache(cfg, kv_tokens, config.kv_block_size, act, self.device)
         if config.max_model_len and config.max_model_len > self.kv.total_tokens:
             raise ValueError(

@@ -46,7 +46,7 @@ ACTIVATION_SHARE = 1 / 16
 MIN_ACTIVATION_BYTES = 256 << 20
 MIN_PREFILL_CHUNK = 64
 
-#: The KV cache the plan guarantees at least (tokens), when max_model_len is larger.
+#: The KV cache the plan guarantees at least (tokens) when no context length is given.
 MIN_KV_TOKENS = 4096
 
 
@@ -148,8 +148,10 @@ class GpuMemoryPlanner:
             ("the device total", total)) if c}  # fmt: skip
         budget = min(caps.values()) if caps else None
         budget_from = min(caps, key=lambda k: caps[k]) if caps else None
-        ctx = o.max_model_len or MIN_KV_TOKENS
-        kv_tokens = o.kv_cache_tokens or min(ctx, MIN_KV_TOKENS)  # an explicit KV cache size is kept in full
+        # the KV cache holds at least one request of the longest context given (the engine
+        # allocates that much whatever the budget), else MIN_KV_TOKENS; an explicit size in full
+        bs = max(1, o.kv_block_size)
+        kv_tokens = o.kv_cache_tokens or (-(-o.max_model_len // bs) * bs if o.max_model_len else MIN_KV_TOKENS)
         kv_min = kv_tokens * shape.kv_bytes_per_token
         chunk, activations = self._prefill_chunk(shape, budget)
         outside = self._outside_allocator(mem) if budget is not None else 0
