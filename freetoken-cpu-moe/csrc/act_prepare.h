@@ -1,7 +1,10 @@
 // Preparation of float32 activations for the quantized dot products: symmetric
 // int8 with a float scale per 32 elements (Q8_0 blocks; K-quant super-blocks of
-// 256 also carry sums per 16 for the mins / the Q6_K offset, and the int8 values
-// again in the AVX-512 kernels' register order).
+// 256 also carry sums per 16 and per 32 for the mins / the Q6_K offset, and the int8
+// values again in the AVX-512 kernels' register order). On the AVX2 tiers (avx2,
+// avx_vnni) the K-quant super-blocks take one scale per 256 (absmax of the 256 / 127, as
+// llama.cpp's Q8_K): their one-token kernels then add the sub-blocks' integer sums times
+// the weights' integer scales over the whole super-block and convert once per block.
 // Included inside an ISA namespace by isa_*.cpp.
 #pragma once
 
@@ -43,19 +46,29 @@ static inline int32_t hsum_epi32_avx2(__m256i v) {
     return _mm_cvtsi128_si32(h);
 }
 
-// 32 floats -> their 32 int8 codes at q (scale absmax / 127); sums[0], sums[1]: the code
-// sums of elements 0-15 and 16-31. Returns absmax.
-static inline float quant32_avx2(const float* x, int8_t* q, int32_t* sums) {
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k);
-    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
-                                   _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+static inline float hmax256_ps(__m256 m) {
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
-    const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    return _mm_cvtss_f32(m4);
+}
+
+// lane-wise absmax of n floats (n a multiple of 32)
+static inline __m256 absmax_avx2(const float* x, uint32_t n) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+    for (uint32_t i = 0; i < n; i += 16) {
+        m0 = _mm256_max_ps(m0, _mm256_and_ps(_mm256_loadu_ps(x + i), absmask));
+        m1 = _mm256_max_ps(m1, _mm256_and_ps(_mm256_loadu_ps(x + i + 8), absmask));
+    }
+    return _mm256_max_ps(m0, m1);
+}
+
+// 32 floats -> their 32 int8 codes at q (x * id, rounded as quant_round); sums[0], sums[1]:
+// the code sums of elements 0-15 and 16-31.
+static inline void quant32_id_avx2(const float* x, __m256 id, int8_t* q, int32_t* sums) {
+    __m256 v[4];
+    for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k);
     __m256i c[4];
     for (int k = 0; k < 4; ++k) c[k] = quant8_avx2(v[k], id);
     // the packs work per 128-bit lane: their dwords hold codes 0-3, 8-11, 16-19, 24-27, 4-7, ...
@@ -63,6 +76,13 @@ static inline float quant32_avx2(const float* x, int8_t* q, int32_t* sums) {
     _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     sums[0] = hsum_epi32_avx2(_mm256_add_epi32(c[0], c[1]));
     sums[1] = hsum_epi32_avx2(_mm256_add_epi32(c[2], c[3]));
+}
+
+// 32 floats -> their 32 int8 codes at q (scale absmax / 127); sums as quant32_id_avx2.
+// Returns absmax.
+static inline float quant32_avx2(const float* x, int8_t* q, int32_t* sums) {
+    const float amax = hmax256_ps(absmax_avx2(x, 32));
+    quant32_id_avx2(x, _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f), q, sums);
     return amax;
 }
 #endif
@@ -124,9 +144,13 @@ static inline void quant_block_q8_k(const float* xb, BlockQ8xK& o) {
         o.d[s] = amax / 127.0f;
     }
 #elif defined(FT_HAVE_AVX2)
+    // one scale for the whole super-block (see the top of the file)
+    const float amax = hmax256_ps(absmax_avx2(xb, 256));
+    const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
     for (int s = 0; s < 8; ++s) {
         int32_t sums[2];
-        o.d[s] = quant32_avx2(xb + 32 * s, o.qs + 32 * s, sums) / 127.0f;
+        quant32_id_avx2(xb + 32 * s, id, o.qs + 32 * s, sums);
+        o.d[s] = amax / 127.0f;
         o.bsums[2 * s] = (int16_t)sums[0];
         o.bsums[2 * s + 1] = (int16_t)sums[1];
     }
@@ -166,7 +190,8 @@ static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
             o.dx16[g] = g % 8 >= 6 ? o.d[g / 2] * 0.25f : o.d[g / 2];
         }
         for (int s = 0; s < 8; ++s) {
-            o.xs32[s] = o.d[s] * (float)((int)o.bsums[2 * s] + (int)o.bsums[2 * s + 1]);
+            o.bsums32[s] = (int16_t)((int)o.bsums[2 * s] + (int)o.bsums[2 * s + 1]);
+            o.xs32[s] = o.d[s] * (float)o.bsums32[s];
             // odd sub-blocks are the high nibbles, which the kernels multiply as 16x
             // (Q4_K) or 8x (Q5_K) the code: exact powers of two, undone here
             o.xdm4[2 * s] = (s & 1) ? o.d[s] * 0.0625f : o.d[s];
@@ -185,7 +210,7 @@ static void prepare_q8_k(const float* x, uint32_t n, BlockQ8xK* out) {
 #else
         for (uint32_t i = 0; i < 256; ++i) o.qs4k[i] = o.qs[kq45_act_index(i)];
 #endif
-        for (int i = 0; i < 8; ++i) o.pad[i] = 0.0f;
+        for (int i = 0; i < 4; ++i) o.pad[i] = 0.0f;
     }
 }
 

@@ -76,7 +76,8 @@ static inline ActQ8x32View q8x32_view(const void* p, uint32_t n) {
 // and AVX2 kernels read d/bsums/qs/xs16/xs32; the AVX-512 kernels read the copies
 // laid out the way their registers hold the weights (see fmt_kquant_avx512.h).
 struct BlockQ8xK {
-    float d[8];           // x ~= d[i / 32] * qs[i] (a scale per 32: h is heavy-tailed)
+    float d[8];           // x ~= d[i / 32] * qs[i]: a scale per 32 (h is heavy-tailed); on the AVX2
+                          // tiers one scale per 256 (all eight equal, see act_prepare.h)
     int16_t bsums[16];    // sums of qs over each group of 16
     int8_t qs[256];       // natural order (also the Q6_K register order)
     int8_t qs4k[256];     // Q4_K/Q5_K register order (kq45_act_index)
@@ -85,7 +86,8 @@ struct BlockQ8xK {
     float dx16[16];       // Q6_K: d[g / 2] / k, k = 4 for groups 6, 7 of each 128 (4 x code there), else 1
     float xs16[16];       // d[g / 2] * bsums[g]
     float xs32[8];        // d[s] * (sum of qs over sub-block s of 32)
-    float pad[8];
+    int16_t bsums32[8];   // sums of qs over each sub-block of 32
+    float pad[4];
 };
 static_assert(sizeof(BlockQ8xK) == 896, "BlockQ8xK layout");
 

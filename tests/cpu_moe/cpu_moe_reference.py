@@ -150,6 +150,23 @@ def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
 #: (the documented numerics of freetoken_cpu_moe: symmetric, scale = absmax/127,
 #: round half away from zero); None = float32 activations.
 ACT_QUANT_BLOCK = {"q8_0": 32, "q4_k": 32, "q5_k": 32, "q6_k": 32, "mxfp4": 32}
+#: tiers whose K-quant kernels take one activation scale per super-block of 256
+#: (csrc/act_prepare.h: the AVX2 tiers' one-token kernels sum a block in integers)
+KQUANT_PER_256_TIERS = frozenset({"avx2", "avx_vnni"})
+
+
+def act_quant_block(fmt: str, isa: Optional[str] = None) -> Optional[int]:
+    """int8 block length of the activations ``fmt`` multiplies against on tier ``isa``
+    (None: the active tier); None = float32 activations."""
+    block = ACT_QUANT_BLOCK.get(fmt)
+    if fmt in ("q4_k", "q5_k", "q6_k"):
+        if isa is None:
+            import freetoken_cpu_moe
+
+            isa = freetoken_cpu_moe.active_isa()
+        if isa in KQUANT_PER_256_TIERS:
+            return 256
+    return block
 
 
 def quantize_act(v: np.ndarray, block: Optional[int]) -> np.ndarray:
@@ -178,15 +195,17 @@ def quantize_act_ambiguous(v: np.ndarray, block: Optional[int], window: float = 
 def moe_reference(
     gate: RawWeights, up: RawWeights, down: RawWeights, x: np.ndarray, ids: np.ndarray, w: np.ndarray,
     act: str = "silu", alpha: float = 1.702, limit: float = 7.0, quantized: bool = True, with_allowance: bool = False,
+    isa: Optional[str] = None,
 ) -> Any:
     """float64 MoE, vectorised per expert; with ``quantized`` the kernels' int8
-    activation quantization (x before gate/up, h before down) is modelled too.
+    activation quantization (x before gate/up, h before down) of tier ``isa`` (None:
+    the active tier) is modelled too.
 
     ``with_allowance`` also returns, per output element, how far y may move because
     elements of h sit on an int8 rounding boundary (within 1e-3 of a step; the
     kernels compute h in float32, so they may round those the other way)."""
     def q(v: np.ndarray, fmt: str) -> np.ndarray:
-        return quantize_act(v, ACT_QUANT_BLOCK.get(fmt)) if quantized else v
+        return quantize_act(v, act_quant_block(fmt, isa)) if quantized else v
 
     T, K = ids.shape
     y = np.zeros((T, down.dense.shape[1]), dtype=np.float64)
@@ -199,7 +218,7 @@ def moe_reference(
         h = act_ref(act, g, u, alpha, limit)
         amb = np.zeros_like(h)
         if quantized:
-            h, amb = quantize_act_ambiguous(h, ACT_QUANT_BLOCK.get(down.fmt), window=1e-3)
+            h, amb = quantize_act_ambiguous(h, act_quant_block(down.fmt, isa), window=1e-3)
         wt = w[t_idx, k_idx].astype(np.float64)[:, None]
         np.add.at(y, t_idx, wt * (h @ down.dense[e].T))
         np.add.at(allowance, t_idx, np.abs(wt) * (amb @ np.abs(down.dense[e]).T))
@@ -212,8 +231,10 @@ def rel_err_allowing(y: np.ndarray, ref: np.ndarray, allowance: np.ndarray) -> f
     return float(np.linalg.norm(excess) / max(np.linalg.norm(ref), 1e-30))
 
 
-def moe_error(y: np.ndarray, raws: list, x: np.ndarray, ids: np.ndarray, w: np.ndarray, act: str = "silu") -> float:
-    """Normwise error of y against the quantization-aware float64 reference,
-    forgiving the int8 rounding-boundary cases (see moe_reference)."""
-    ref, allowance = moe_reference(*raws, x, ids, w, act=act, with_allowance=True)
+def moe_error(y: np.ndarray, raws: list, x: np.ndarray, ids: np.ndarray, w: np.ndarray, act: str = "silu",
+              isa: Optional[str] = None) -> float:
+    """Normwise error of y against the quantization-aware float64 reference of tier
+    ``isa`` (None: the active tier), forgiving the int8 rounding-boundary cases (see
+    moe_reference)."""
+    ref, allowance = moe_reference(*raws, x, ids, w, act=act, with_allowance=True, isa=isa)
     return rel_err_allowing(y, ref, allowance)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cpu_moe_cases import E, H, cm
-from cpu_moe_reference import ACT_QUANT_BLOCK, make_weights, moe_error, moe_reference, quantize_act, random_routes, rel_err
+from cpu_moe_reference import ACT_QUANT_BLOCK, act_quant_block, make_weights, moe_error, moe_reference, quantize_act, random_routes, rel_err
 
 import freetoken
 
@@ -182,7 +182,7 @@ def test_many_tokens_on_one_expert(bank_for, fmt: str, isa: str, rng) -> None:
     ids[:, 1] = rng.integers(1, case.E, size=T)
     w = rng.uniform(0.2, 1.0, size=(T, 2)).astype(np.float32)
     y = cm.moe_forward(case.bank, x, ids, w, isa=isa)
-    assert moe_error(y, case.raw, x.astype(np.float64), ids, w) < (1e-3 if fmt in ACT_QUANT_BLOCK else 1e-5)
+    assert moe_error(y, case.raw, x.astype(np.float64), ids, w, isa=isa) < (1e-3 if fmt in ACT_QUANT_BLOCK else 1e-5)
     if isa == "avx_vnni":
         assert np.array_equal(y, cm.moe_forward(case.bank, x, ids, w, isa="avx2"))
 
@@ -316,7 +316,7 @@ def test_linear(fmt: str, isa: str, rng) -> None:
         x = rng.standard_normal((T, cols)).astype(np.float32)
         y = cm.linear(wts, x, isa=isa)
         assert y.shape == (T, rows)
-        tight = quantize_act(x.astype(np.float64), ACT_QUANT_BLOCK.get(fmt)) @ r.dense[0].T
+        tight = quantize_act(x.astype(np.float64), act_quant_block(fmt, isa)) @ r.dense[0].T
         loose = x.astype(np.float64) @ r.dense[0].T
         assert rel_err(y, tight) < (1e-3 if fmt in ACT_QUANT_BLOCK else 1e-5)  # see test_moe_matrix
         assert rel_err(y, loose) < (3e-2 if fmt in ACT_QUANT_BLOCK else 1e-5)
@@ -333,7 +333,7 @@ def test_linear_large_output_head(rng) -> None:
     wts = cm.Weights(r.data, "q6_k", 1, rows, cols)
     x = rng.standard_normal(cols).astype(np.float32)
     y = cm.linear(wts, x)
-    assert rel_err(y, quantize_act(x.astype(np.float64), 32) @ r.dense[0].T) < 1e-3
+    assert rel_err(y, quantize_act(x.astype(np.float64), act_quant_block("q6_k")) @ r.dense[0].T) < 1e-3
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -363,5 +363,5 @@ def test_linear_tails(fmt: str, rows: int, cols: int, isa: str, rng) -> None:
         x = rng.standard_normal((T, cols)).astype(np.float32)
         out = np.full((T, rows), np.nan, np.float32)
         cm.linear(wts, x, out=out, isa=isa)
-        tight = quantize_act(x.astype(np.float64), ACT_QUANT_BLOCK.get(fmt)) @ r.dense[0].T
+        tight = quantize_act(x.astype(np.float64), act_quant_block(fmt, isa)) @ r.dense[0].T
         assert rel_err(out, tight) < (1e-3 if fmt in ACT_QUANT_BLOCK else 1e-5)  # see test_moe_matrix

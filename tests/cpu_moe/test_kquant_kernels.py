@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cpu_moe_cases import cm
-from cpu_moe_reference import BLOCK_BYTES, FP16_FIELDS, gguf_dequantize, quantize_act
+from cpu_moe_reference import BLOCK_BYTES, FP16_FIELDS, act_quant_block, gguf_dequantize, quantize_act
 from freetoken_cpu_moe.timing import time_dot_rows
 
 KQUANTS = ["q4_k", "q5_k", "q6_k"]
@@ -37,7 +37,7 @@ def test_kquant_full_range_and_tails(fmt: str, rows: int, cols: int, isa: str, r
         x[0, : cols // 2] *= 50.0  # sub-blocks of very different activation scales in one block
         out = np.full((T, rows), np.nan, np.float32)
         cm.linear(wts, x, out=out, isa=isa)
-        xq = quantize_act(x.astype(np.float64), 32)
+        xq = quantize_act(x.astype(np.float64), act_quant_block(fmt, isa))
         tight = xq @ dense.T
         # float32 accumulation: each output within 1e-5 of the sum of its products' magnitudes
         # (measured: below 1e-7; a dot product can cancel, so no bound relative to the result)
@@ -61,7 +61,8 @@ def test_time_dot_rows(fmt: str, rng) -> None:
 def test_activation_codes_on_every_tier(isa: str, rng) -> None:
     """Q6_K rows that each pick one element (code 33 there, 32 = zero elsewhere, scales 1,
     d = 1) return the int8-quantized activations themselves: every tier must round like
-    the reference (half away from zero, ties included) and scale by absmax / 127."""
+    the reference (half away from zero, ties included) and scale by absmax / 127 of its
+    block (32 elements; 256 on the AVX2 tiers, act_quant_block)."""
     n = 512
     nb = n // 256
     raw = np.zeros((n, nb, 210), dtype=np.uint8)
@@ -80,9 +81,14 @@ def test_activation_codes_on_every_tier(isa: str, rng) -> None:
     x[1, :32] = np.arange(-16, 16) + 0.5  # amax 15.5, scale 127/15.5: no exact ties
     x[2, :32] = np.concatenate([[127.0], np.arange(-15, 16) + 0.5])  # id = 1: ties at every k + 0.5
     x[2, 32:64] = -0.0
+    block = act_quant_block("q6_k", isa)
+    if block == 256:  # the same cases over whole super-blocks
+        x[1, :256] = np.arange(-128, 128) / 8.0 + 0.0625  # amax 15.9375: no exact ties
+        x[2, :256] = np.concatenate([[127.0, -0.5, -126.5], np.arange(-126, 127) + 0.5])  # id = 1: ties at k + 0.5
+        x[2, 256:288] = -0.0
     y = cm.linear(wts, x, isa=isa)
-    xq = quantize_act(x.astype(np.float64), 32)
-    step = np.repeat(np.abs(x).reshape(3, -1, 32).max(axis=2) / 127.0, 32, axis=1)
+    xq = quantize_act(x.astype(np.float64), block)
+    step = np.repeat(np.abs(x).reshape(3, -1, block).max(axis=2) / 127.0, block, axis=1)
     # the zero codes (32) cancel against the -32 offset only up to float32 rounding of the
     # block's partial sums; one code off is a whole step, far above both allowances
     noise = np.repeat(32.0 * np.abs(xq).reshape(3, -1, 256).sum(axis=2), 256, axis=1) * 1e-6

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_moe_reference import make_weights, quantize_act, rel_err
+from cpu_moe_reference import act_quant_block, make_weights, quantize_act, rel_err
 from freetoken.handoff import Fmt
 from freetoken.loading.tensors import RawTensor
 from freetoken_cpu_moe.dense import CpuWeightPolicy, GroupLinear
 from freetoken_cpu_moe.pool import Pool
 
 FMT_IDS = {"q4_k": Fmt.Q4_K, "q6_k": Fmt.Q6_K, "q8_0": Fmt.Q8_0, "bf16": Fmt.BF16, "f32": Fmt.F32}
-BLOCK = {"q4_k": 32, "q6_k": 32, "q8_0": 32}  # activation quantization block of each format
+BLOCK = {"q4_k": 32, "q6_k": 32, "q8_0": 32}  # the int8-quantized formats (block: act_quant_block, the active tier)
 
 
 def raw_of(name: str, fmt: str, rows: int, cols: int, rng: np.random.Generator):
@@ -42,7 +42,7 @@ def test_group_matches_float64_and_parts(rng, threads, fmts):
             xd = x.double().numpy()
             at = 0
             for f, d, n in zip(fmts, dense, rows):
-                tight = quantize_act(xd, BLOCK.get(f)) @ d.T
+                tight = quantize_act(xd, act_quant_block(f) if f in BLOCK else None) @ d.T
                 assert rel_err(y[:, at:at + n].double().numpy(), tight) < (1e-3 if f in BLOCK else 1e-5), (f, T)
                 at += n
             alone = torch.cat([p(x) for p in lin.parts], dim=-1)

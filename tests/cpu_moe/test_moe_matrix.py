@@ -72,7 +72,7 @@ def check_case(case, isa: str, dtype: str, T: int, K: int, rng: np.random.Genera
     unrouted = (ids < 0).all(axis=1)
     assert (y64[unrouted] == 0).all(), "a token with no CPU route must get y = 0"
     fmt = max(case.fmts, key=lambda f: TIGHT[f])
-    tight, allowance = moe_reference(*case.raw, x64, ids, w, act=case.activation, with_allowance=True)
+    tight, allowance = moe_reference(*case.raw, x64, ids, w, act=case.activation, with_allowance=True, isa=isa)
     loose = moe_reference(*case.raw, x64, ids, w, act=case.activation, quantized=False)
     extra = OUT_ROUNDING[dtype]
     err_t, err_l = rel_err_allowing(y64, tight, allowance), rel_err(y64, loose)

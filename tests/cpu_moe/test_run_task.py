@@ -32,7 +32,7 @@ def test_run_task_matches_reference(bank_for, rng, isa, act_dtype, out_dtype) ->
     y = task.y.to(torch.float64).numpy()
     assert np.isnan(y[T:]).all(), "rows past num_tokens were written"
     tol = 1e-3 + (4e-3 if out_dtype == torch.bfloat16 else 0.0)  # see test_moe_matrix
-    assert moe_error(y[:T], case.raw, x.to(torch.float64).numpy(), ids, w) < tol
+    assert moe_error(y[:T], case.raw, x.to(torch.float64).numpy(), ids, w, isa=isa) < tol
 
 
 def test_run_task_accumulate(bank_for, rng) -> None:

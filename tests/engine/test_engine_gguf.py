@@ -87,14 +87,25 @@ def write_tiny_gguf(path: str, seed: int, tokenizer: bool = False,
     return ref
 
 
+#: tiers whose K-quant kernels quantize the activation with one scale per 256 (the
+#: AVX2 tiers, csrc/act_prepare.h; tests/cpu_moe/cpu_moe_reference.py act_quant_block)
+KQUANT_PER_256_TIERS = ("avx2", "avx_vnni")
+
+
 def quantize_activations(x: torch.Tensor, fmt: int) -> torch.Tensor:
     """What the CPU kernels do to activations before an integer dot product with
     packed weights (freetoken-cpu-moe csrc/act_prepare.h, the llama.cpp scheme):
-    symmetric int8 with one float scale amax/127 per 32 values, round half away
-    from zero. Float weights see the FP32 activations."""
+    symmetric int8 with one float scale amax/127 per 32 values (per 256 for the
+    K-quants on the AVX2 tiers, as llama.cpp's Q8_K), round half away from zero.
+    Float weights see the FP32 activations."""
     if fmt in (Fmt.F32, Fmt.F16, Fmt.BF16):
         return x
     blk = 32
+    if fmt in (Fmt.Q4_K, Fmt.Q5_K, Fmt.Q6_K):
+        import freetoken_cpu_moe
+
+        if freetoken_cpu_moe.active_isa() in KQUANT_PER_256_TIERS:
+            blk = 256
     xb = x.float().reshape(*x.shape[:-1], -1, blk)
     amax = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
