@@ -39,6 +39,12 @@ GIB = float(1 << 30)
 #: the model's shape (both on top of this).
 WORKSPACE_BYTES = 1 << 30
 
+#: Device memory outside torch's allocator grows after the plan is made (library handles,
+#: loaded kernel modules, decode graphs' executables): 0.16-0.17 GiB between the plan and the
+#: first prompts on an H100 at 12 and 16 GiB limits (whole-process peak against the cap plus
+#: what was outside at plan time). The plan counts this much on top of what it measures.
+OUTSIDE_GROWTH_BYTES = 384 << 20
+
 #: A prompt chunk's activations may take this share of the budget (at least
 #: MIN_ACTIVATION_BYTES): the plan lowers the prefill chunk to the largest power of two
 #: whose activations fit, rather than give the experts' and the KV cache's room to them.
@@ -234,13 +240,13 @@ class GpuMemoryPlanner:
         return chunk, chunk * per_token
 
     def _outside_allocator(self, mem: Optional[tuple[int, int]]) -> int:
-        """Device memory in use outside torch's allocator now: the CUDA context, library
-        handles, and other processes on the same card (which this process cannot have
-        either). 0 on devices that are not GPUs."""
+        """Device memory outside torch's allocator: in use now (the CUDA context, library
+        handles, other processes on the same card, which this process cannot have either)
+        plus :data:`OUTSIDE_GROWTH_BYTES`. 0 on devices that are not GPUs."""
         if mem is None or not on_gpu(self.device):
             return 0
         free, total = mem
-        return max(0, total - free - torch.cuda.memory_reserved(self.device))
+        return max(0, total - free - torch.cuda.memory_reserved(self.device)) + OUTSIDE_GROWTH_BYTES
 
     def _dense_form(self, shape: ModelShape, budget: Optional[int], other: int, per_layer: dict[int, int]) -> int:
         """Choose the dense part's form (``--gpu-dense``), install its weight policy and
