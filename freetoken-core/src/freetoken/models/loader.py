@@ -118,6 +118,7 @@ def _load_hf(path: str, session: ModelSession, show: Optional[bool]) -> LoadedMo
     check_fits(path, weights=total, copies=expert_bytes)
     policy = session.weight_policy
     shape = model_shape(cfg, policy.dtype)
+    shape.dense_bytes = _hf_dense_bytes(ck, cfg, policy.dtype)
     _hf_expert_formats(ck, shape)
     session.plan(shape)
     policy = session.weight_policy  # the plan may choose the dense part's form
@@ -194,6 +195,32 @@ def _gguf_shape(ck: Any, names: Any, cfg: ModelConfig, act: torch.dtype) -> Mode
     _gguf_expert_layout(ck, names, shape)
     _gguf_dense_layout(ck, names, shape, act)
     return shape
+
+
+#: an HF checkpoint's routed-expert tensors (not ``shared_experts``), routers, and layer index
+_HF_ROUTED = re.compile(r"(?<!shared_)experts\.")
+_HF_ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|router)\.weight$")
+_HF_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _hf_dense_bytes(ck: Any, cfg: ModelConfig, act: torch.dtype) -> int:
+    """The dense part's device bytes counted from the checkpoint's tensors: every tensor but
+    the routed experts and the layers past the model's last (next-token prediction), at the
+    activation dtype, routers float32. (The families' attention blocks differ too much, e.g.
+    linear-attention layers, for the config to say it.)"""
+    elt = torch.empty((), dtype=act).element_size()
+    total = 0
+    for name in ck.names():
+        if _HF_ROUTED.search(name):
+            continue
+        m = _HF_LAYER.search(name)
+        if m and int(m.group(1)) >= cfg.num_layers:
+            continue
+        n = 1
+        for d in ck.get(name).shape:
+            n *= int(d)
+        total += n * (4 if _HF_ROUTER.search(name) else elt)
+    return total
 
 
 #: an HF checkpoint's per-expert tensors of expert 0: (layer, projection)
@@ -292,7 +319,7 @@ def _gguf_dense_layout(ck: Any, names: Any, shape: ModelShape, act: torch.dtype)
                 into.add(names.layer(i, role))
             except (KeyError, AttributeError):  # a family without that role
                 pass
-    total = 0
+    total = dequantized = 0
     for name in ck.names():
         if name in experts or "_exps" in name:
             continue
@@ -312,8 +339,10 @@ def _gguf_dense_layout(ck: Any, names: Any, shape: ModelShape, act: torch.dtype)
                 scratch = max(scratch, chunk_rows(dims[0], dims[1]) * dims[1] * elt)
         else:
             total += ck.tensor_elements(name) * (4 if name in routers else elt)
+        dequantized += ck.tensor_elements(name) * (4 if name in routers else elt)
     shape.dense_file_bytes = total
     shape.dense_scratch_bytes = scratch
+    shape.dense_bytes = dequantized  # counted from the file, not estimated from the config
 
 
 def load_tokenizer(path: str) -> Tokenizer:
