@@ -157,6 +157,21 @@ def test_full_size_plan_follows_q4_k_m():
     assert sum(t.nbytes for t in ts.values()) == want == 18_550_716_416
 
 
+def test_qwen3_235b_a22b_preset_is_the_published_q4_k_m_size():
+    """94 layers of 128 experts of 1536 (top-8), 64 q / 4 kv heads: the published Q4_K_M
+    file is about 142 GB; --layers keeps the per-layer shape."""
+    from freetoken.cli.bench.make_model import PRESETS, cut_layers, plan
+
+    cfg = PRESETS["qwen3-235b-a22b"]
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size) == \
+        (94, 4096, 128, 8, 1536)
+    total = sum(t.nbytes for t in plan(cfg, "q4_k_m"))
+    assert 138e9 < total < 146e9
+    cut = {t.name: t for t in plan(cut_layers(cfg, 8), "q4_k_m")}
+    assert cut["blk.7.ffn_gate_exps.weight"].nbytes == 128 * 1536 * 4096 * 144 // 256
+    assert "blk.8.ffn_gate_exps.weight" not in cut
+
+
 def test_layers_option_cuts_the_file(tmp_path):
     import gguf
 

@@ -41,3 +41,16 @@ def test_gpt_oss_tiny_file_names_and_engine(tmp_path):
     while eng.has_work():
         eng.step()
     assert len(r.output_ids) == 4 and all(0 <= t < cfg.vocab_size for t in r.output_ids)
+
+
+def test_gpt_oss_120b_preset_shape_and_cut():
+    from freetoken.cli.bench.make_model import cut_layers
+
+    c = PRESETS["gpt-oss-120b"]
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (2880, 36, 64, 8, 64)
+    assert (c.num_experts, c.top_k, c.moe_intermediate_size, c.vocab_size) == (128, 4, 2880, 201088)
+    total = sum(t.nbytes for t in plan(c, "mxfp4"))
+    assert 62e9 < total < 65e9  # the published MXFP4 GGUF is about 63.4 GB
+    cut = plan(cut_layers(c, 6), "mxfp4")
+    layers = {int(t.name.split(".")[1]) for t in cut if t.name.startswith("blk.")}
+    assert layers == set(range(6)) and sum(t.nbytes for t in cut) < total / 5

@@ -77,6 +77,14 @@ PRESETS: dict[str, ModelConfig] = {
         norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
         tie_word_embeddings=False,
     ),
+    # Qwen3-235B-A22B: 94 layers, 64 q / 4 kv heads of 128, 128 experts of 1536, top-8,
+    # vocab 151936 (about 142 GB at Q4_K_M; cut it with --layers).
+    "qwen3-235b-a22b": ModelConfig(
+        architecture="qwen3_moe", vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
+        head_dim=128, intermediate_size=12288, moe_intermediate_size=1536, num_experts=128, top_k=8,
+        norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
     # A few tens of MB with the same tensor set and Q4_K_M rules (every row a multiple of
     # 256 values, 16 experts): for tests and for checking that llama.cpp loads the files.
     "qwen3-moe-tiny": ModelConfig(
@@ -91,6 +99,14 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt-oss-20b": ModelConfig(
         architecture="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64, num_kv_heads=8,
         head_dim=64, intermediate_size=0, moe_intermediate_size=2880, num_experts=32, top_k=4,
+        norm_topk_prob=True, rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    ),
+    # GPT-OSS-120B: the 20B's layer (alternating windows, 64 q / 8 kv heads of 64, experts of
+    # 2880, top-4) with 36 layers and 128 experts (about 63 GB with MXFP4 experts).
+    "gpt-oss-120b": ModelConfig(
+        architecture="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64, num_kv_heads=8,
+        head_dim=64, intermediate_size=0, moe_intermediate_size=2880, num_experts=128, top_k=4,
         norm_topk_prob=True, rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
         tie_word_embeddings=False,
     ),
