@@ -161,7 +161,8 @@ static inline __m256 kq_row_avx2(const uint8_t* row, uint32_t nb, const BlockQ8x
 }
 
 // Tokens per call from which the tiles are faster than the row kernel (from two: one thread,
-// weights in L2, q4_k T=2 42 GB/s x tokens against the row kernel's 28 for each token).
+// weights in L2, q4_k T=2 42 GB/s x tokens against the row kernel's 28 for each token when
+// this was set; the row kernel with one activation scale per super-block does 36-38).
 constexpr uint32_t kKqTileMinTokens = 2;
 
 template <int FMT>
