@@ -13,7 +13,10 @@ token routed entirely elsewhere), poisons the output with NaN, runs
 * loose: the exact float64 math without activation quantization, i.e. what a
   checkpoint means. Two int8 roundings (x, then h = act(g) * u) add ~1.2% normwise
   (median; max 1.8% over 3600 random draws of these shapes), below the 4-8 bit
-  weight formats' own error; LOOSE bounds it at 3%.
+  weight formats' own error; LOOSE bounds it at 3%. On the tiers whose K-quant
+  kernels take one activation scale per 256 elements (avx2, avx_vnni) the int8
+  step is coarser: 1.9% median, 2.8% p99, max 3.4% over 3360 draws of K-quant
+  banks of these shapes, so LOOSE_PER_256 bounds it at 5%.
 
 Output rounding is added on top: bf16 keeps 8 bits (relative 2^-9 per element,
 we allow 4e-3), float16 11 bits (1e-3).
@@ -25,12 +28,27 @@ import numpy as np
 import pytest
 
 from cpu_moe_cases import cm
-from cpu_moe_reference import moe_reference, random_routes, rel_err, rel_err_allowing, round_to
+from cpu_moe_reference import (
+    KQUANT_PER_256_TIERS,
+    moe_reference,
+    random_routes,
+    rel_err,
+    rel_err_allowing,
+    round_to,
+)
 
 TIERS = cm.isa_tiers()
 QUANTIZED = {"q8_0", "q4_k", "q5_k", "q6_k", "mxfp4"}
 TIGHT = {f: (1e-4 if f in QUANTIZED else 1e-5) for f in cm.FORMATS}
 LOOSE = {f: (3e-2 if f in QUANTIZED else 1e-5) for f in cm.FORMATS}
+KQUANTS = {"q4_k", "q5_k", "q6_k"}
+LOOSE_PER_256 = 5e-2
+
+
+def loose_bound(fmt: str, isa: str) -> float:
+    if fmt in KQUANTS and isa in KQUANT_PER_256_TIERS:
+        return LOOSE_PER_256
+    return LOOSE[fmt]
 OUT_ROUNDING = {"float32": 0.0, "float16": 1e-3, "bfloat16": 4e-3}
 
 
@@ -78,7 +96,7 @@ def check_case(case, isa: str, dtype: str, T: int, K: int, rng: np.random.Genera
     err_t, err_l = rel_err_allowing(y64, tight, allowance), rel_err(y64, loose)
     info = f"{case.fmts} isa={isa} {dtype} T={T} K={K} bank seed={case.seed}: err {err_t:.2e} / {err_l:.2e}"
     assert err_t <= TIGHT[fmt] + extra, info
-    assert err_l <= max(LOOSE[f] for f in case.fmts) + extra, info
+    assert err_l <= max(loose_bound(f, isa) for f in case.fmts) + extra, info
 
 
 @pytest.mark.parametrize("K", [1, 2, 8])
