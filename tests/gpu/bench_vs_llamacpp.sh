@@ -21,6 +21,8 @@
 # --layers N: cut the model to its first N layers when time is short (48 = full, ~17.3 GiB).
 # --cpu-only: build llama.cpp without CUDA (a smoke test of this script on a machine without a GPU).
 # Environment: OUT, MODEL_DIR, THREADS (16), NCMOE (24), BUDGET_S (530), REPS (llama-bench -r, 2),
+# LONG (a prompt length, e.g. 16384: llama-bench -ncmoe runs pp$LONG and tg64 at depth $LONG instead of
+# pp512/tg64, and FreeToken's runs take a $LONG-token prompt with --max-model-len $LONG + 512),
 # LLAMA_HOST_EXPERTS, LLAMA_ALL_GPU (1; 0 skips llama-bench's all-experts-on-the-CPU or all-on-the-GPU run),
 # LLAMA_AFTER (0; 1 runs llama-bench -ncmoe again after FreeToken's runs),
 # FT_TESTS (GPU test files run while llama.cpp compiles; FT_TESTS_TIMEOUT 180), FT_PLACEMENTS (FreeToken's
@@ -55,7 +57,7 @@ mkdir -p "$OUT" "$MODEL_DIR"
 SUM=$OUT/summary.txt
 : > "$SUM"
 export PYTHONUNBUFFERED=1 FREETOKEN_CUDA_ARCH=${FREETOKEN_CUDA_ARCH:-90}
-export B SRC CPU_ONLY OUT MODEL THREADS NCMOE
+export B SRC CPU_ONLY OUT MODEL THREADS NCMOE LONG
 unset TRITON_INTERPRET  # compiled Triton kernels on the GPU
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
@@ -158,12 +160,14 @@ LB=$OUT/llama-bench.log
 MD=$OUT/llama-bench.md
 TMPB=/tmp/llama-bench-run.txt  # scratch, outside $OUT
 : > "$MD"
-bench() {  # bench "TITLE" LIMIT_S ARGS...
+bench() {  # bench "TITLE" LIMIT_S ARGS... (-p/-n: $PN, default pp512 and tg64)
   local title=$1 limit=$2; shift 2
   if [ "$(left "$limit")" -lt 20 ]; then say "skip llama-bench ($title): out of time"; return; fi
   echo "# $title" | tee -a "$MD" >> "$LB"
   local t=$(date +%s)
-  timeout "$(left "$limit")" "$B/bin/llama-bench" -m "$MODEL" -t "$THREADS" -p 512 -n 64 -r "${REPS:-2}" -o md "$@" > "$TMPB" 2>&1
+  # shellcheck disable=SC2086
+  timeout "$(left "$limit")" "$B/bin/llama-bench" -m "$MODEL" -t "$THREADS" ${PN:--p 512 -n 64} -r "${REPS:-2}" -o md "$@" \
+    > "$TMPB" 2>&1
   local rc=$?
   cat "$TMPB" >> "$LB"
   grep -E '^\|' "$TMPB" >> "$MD"  # its table (the columns differ between configurations)
@@ -172,7 +176,13 @@ bench() {  # bench "TITLE" LIMIT_S ARGS...
 }
 if [ -x "$B/bin/llama-bench" ] && [ -f "$MODEL.ok" ]; then
   [ "${LLAMA_HOST_EXPERTS:-1}" = 1 ] && bench "all routed experts on the CPU, the rest on the GPU" 150 -ngl 99 -ot exps=CPU
-  bench "experts of the first $NCMOE layers on the CPU" 120 -ngl 99 -ncmoe "$NCMOE"
+  if [ -n "${LONG:-}" ]; then
+    PN="-p $LONG -n 0" bench "experts of the first $NCMOE layers on the CPU, a $LONG-token prompt" 120 -ngl 99 -ncmoe "$NCMOE"
+    PN="-p 0 -n 64 -d $LONG" bench "experts of the first $NCMOE layers on the CPU, decode at depth $LONG" 150 \
+      -ngl 99 -ncmoe "$NCMOE"
+  else
+    bench "experts of the first $NCMOE layers on the CPU" 120 -ngl 99 -ncmoe "$NCMOE"
+  fi
   [ "${LLAMA_ALL_GPU:-1}" = 1 ] && bench "everything on the GPU" 90 -ngl 99
   tee -a "$SUM" < "$MD"
 else
@@ -196,8 +206,8 @@ run_freetoken_bench() {
     echo "# freetoken bench decode ${args[*]}"
     # (the placement's flags last: they override these defaults, e.g. --cpu-threads)
     python3 -m freetoken.cli.main bench decode --model "$MODEL" --backend cuda --stages \
-      --cpu-threads "$((THREADS - 1))" --batch ${FT_BATCHES:-1 8} --prompt-len 512 --gen-len 64 --repeats 1 \
-      --max-model-len 1024 "${args[@]}" --json > "/tmp/ft-bench/decode-$tag.json" || continue
+      --cpu-threads "$((THREADS - 1))" --batch ${FT_BATCHES:-1 8} --prompt-len "${LONG:-512}" --gen-len 64 --repeats 1 \
+      --max-model-len "$(( ${LONG:-512} + 512 ))" "${args[@]}" --json > "/tmp/ft-bench/decode-$tag.json" || continue
     python3 -c "import json; d=json.load(open('/tmp/ft-bench/decode-$tag.json'))
 rep = d['backend_report']; plan = rep.get('memory_plan') or {}
 print('SUMMARY freetoken $tag host read bandwidth %.1f GB/s before, %.1f after' % (d.get('bandwidth_GBs') or 0, d.get('bandwidth_GBs_after') or 0))
