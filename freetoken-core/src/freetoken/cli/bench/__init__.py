@@ -15,6 +15,7 @@ BENCH_MODULES = (
     "freetoken.cli.bench.decode",
     "freetoken.cli.bench.moe_layer",
     "freetoken.cli.bench.serve",
+    "freetoken.cli.bench.clients",
     "freetoken.cli.bench.schema_decode",
 )
 
