@@ -112,3 +112,16 @@ def run_random_greedy(eng: Any, seed: int, lens: list[tuple[int, int]]) -> list[
     while eng.has_work():
         eng.step()
     return reqs
+
+
+def run_with_faults(eng: Any, requests: list[tuple[list[int], Any]], params: Any, max_steps: int) -> list[Any]:
+    """Add one request per ``(prompt ids, fault)`` (``fault`` as ``LLMEngine.add_request``
+    takes it, None for none) with ``params``, step until nothing is left (at most
+    ``max_steps`` steps); the requests in order."""
+    reqs = [eng.add_request(ids, params, fault=fault) for ids, fault in requests]
+    steps = 0
+    while eng.has_work():
+        eng.step()
+        steps += 1
+        assert steps < max_steps, f"still working after {steps} steps"
+    return reqs

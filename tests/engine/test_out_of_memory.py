@@ -17,6 +17,7 @@ from freetoken import SamplingParams
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
 from freetoken.engine.step_faults import IMPOSSIBLE_BYTES
+from helpers import run_with_faults
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -41,14 +42,7 @@ def _prompts(seed: int) -> tuple[list[int], list[int]]:
 
 
 def _run(engine: LLMEngine, requests: list[tuple[list[int], Any]]) -> list[Any]:
-    """Add the requests, step until done; the Request objects in order."""
-    reqs = [engine.add_request(ids, GREEDY, fault=fault) for ids, fault in requests]
-    steps = 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
-        assert steps < 500
-    return reqs
+    return run_with_faults(engine, requests, GREEDY, 500)
 
 
 def _reference(engine: LLMEngine, ids: list[int]) -> list[int]:

@@ -10,9 +10,13 @@ per-call cost: the language patched once per launch, not again at every helper c
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import pytest
+
+# the engine tests' helpers (tests/engine/helpers.py) serve these tests too, also when they run alone
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine"))
 
 
 def _widen_bf16_dots_in_interpreter() -> None:

@@ -18,6 +18,7 @@ from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.engine.step_faults import IMPOSSIBLE_BYTES
+from helpers import run_with_faults
 
 pytestmark = pytest.mark.gpu
 
@@ -32,13 +33,7 @@ def _engine(backend: Any, **kw: Any) -> LLMEngine:
 
 
 def _run(eng: LLMEngine, prompts: list[tuple[list[int], Any]]) -> list[Any]:
-    reqs = [eng.add_request(p, GREEDY, fault=f) for p, f in prompts]
-    steps = 0
-    while eng.has_work():
-        eng.step()
-        steps += 1
-        assert steps < 300
-    return reqs
+    return run_with_faults(eng, prompts, GREEDY, 300)
 
 
 class _FailsOnceInWait:
