@@ -298,7 +298,7 @@ def load_gguf_tokenizer(ckpt: Any, vocab_size: int) -> Tokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     else:
-        if pre not in ("gpt2", "default"):
+        if pre not in ("gpt2", "gpt-2", "default"):  # "gpt-2": llama.cpp's name for the same rule
             logger.warning("%s: pre-tokenizer %r unknown; using GPT-2's split rule", ckpt.path, pre)
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

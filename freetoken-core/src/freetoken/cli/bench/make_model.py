@@ -480,13 +480,14 @@ def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> int:
 
 
 def write(path: str, cfg: ModelConfig, quant: str, seed: int = 0, progress: bool = True,
-          threads: Optional[int] = None, router_skew: float = 0.0) -> int:
+          threads: Optional[int] = None, router_skew: float = 0.0, vocab: str = "ids") -> int:
     """Write the file; return its size. gguf-py writes the header and the tensor infos; the
     data section is written by ``threads`` threads with ``pwrite`` straight from the block
     pools (no copy in user space): on VMs, filling the page cache costs kernel time per core,
     so one writer thread is the bottleneck (about 0.4 GB/s; the blocks themselves cost ~0).
     The bytes do not depend on ``threads``: every random draw happens in this thread, in
-    tensor order, exactly as ``Planned.make`` draws them."""
+    tensor order, exactly as ``Planned.make`` draws them. ``vocab``: "ids" (token ids only,
+    no texts) or "bpe" (:mod:`freetoken.cli.bench.synthetic_vocab`, for servers)."""
     import gguf
 
     from freetoken.models.gguf_writer import ARCH, write_ids_only_vocab, write_qwen3moe_metadata
@@ -512,7 +513,12 @@ def write(path: str, cfg: ModelConfig, quant: str, seed: int = 0, progress: bool
     else:
         w = gguf.GGUFWriter(path, ARCH)
         write_qwen3moe_metadata(w, cfg, name)
-    write_ids_only_vocab(w, cfg.vocab_size)
+    if vocab == "bpe":
+        from freetoken.cli.bench.synthetic_vocab import write_synthetic_bpe
+
+        write_synthetic_bpe(w, cfg.vocab_size, seed)
+    else:
+        write_ids_only_vocab(w, cfg.vocab_size)
     w.add_uint32("general.file_type", {"q4_k_m": 15, "q8_0": 7, "q4_k": 14, "q6_k": 18, "mxfp4": 38}[quant])
     w.add_string("general.description", "random but valid blocks, written by freetoken bench make-model")
     for t in tensors:
@@ -579,6 +585,10 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
                    help="scale router row e by exp(-S * rank(e) / E), the ranks a per-layer permutation of the "
                         "experts, so routing concentrates on some experts, as a trained model's does (default 0: "
                         "random weights route uniformly); for expert-cache runs")
+    p.add_argument("--vocab", default="ids", choices=("ids", "bpe"),
+                   help="ids: token ids only, no texts (engines and llama-bench); bpe: a byte-level BPE vocabulary "
+                        "of the model's size with texts, which servers (llama-server too) need to stream text "
+                        "(default: ids)")
     p.add_argument("--out", required=True, help="output .gguf path")
     p.set_defaults(func=run)
 
@@ -603,7 +613,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.router_skew >= 0:
         print("--router-skew must be >= 0", file=sys.stderr)
         return 2
-    size = write(args.out, cfg, args.quant, args.seed, threads=args.threads, router_skew=args.router_skew)
+    size = write(args.out, cfg, args.quant, args.seed, threads=args.threads, router_skew=args.router_skew,
+                 vocab=args.vocab)
     dt = time.time() - t0
     print(f"wrote {args.out}: {size / 2**30:.2f} GiB, {cfg.num_layers} layers, {args.quant}, "
           f"in {dt:.1f}s ({size / 1e9 / max(dt, 1e-9):.2f} GB/s)")
