@@ -98,7 +98,7 @@ for config in $CONFIGS; do
   case $config in
     hybrid) lflags=(-ngl 99 -ncmoe "$NCMOE"); fflags=(--backend cuda --gpu-memory-limit "$LIMIT") ;;
     gpu) lflags=(-ngl 99); fflags=(--backend cuda --moe-cpu-layers 0) ;;
-    cpu) lflags=(-ngl 0); fflags=(--backend cpu) ;;
+    cpu) lflags=(-ngl 0); fflags=(--backend cpu --cpu-threads "$THREADS") ;;  # (the last --cpu-threads wins)
     *) say "unknown configuration $config"; continue ;;
   esac
   [ -x "$B/bin/llama-server" ] && [ -f "$MODEL.ok" ] && \
