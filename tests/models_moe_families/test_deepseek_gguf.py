@@ -21,14 +21,15 @@ from freetoken.handoff import Fmt
 from freetoken.models import deepseek_v3
 from freetoken.models.gguf_writer import random_blocks, write_deepseek2_metadata
 from helpers import LogitsRecorder, assert_close, engine_for
-from test_engine_gguf import assert_close_rounding
+from test_engine_gguf import _quantizing_experts, assert_close_rounding, quantize_activations
 
 #: HF name (under model.layers.{i}.) -> GGUF name (under blk.{i}.) of the 2-D tensors
 ATTN = {"self_attn.q_a_proj.weight": "attn_q_a", "self_attn.q_b_proj.weight": "attn_q_b",
         "self_attn.q_proj.weight": "attn_q", "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa",
         "self_attn.o_proj.weight": "attn_output"}  # fmt: skip
 NORMS = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
-         "self_attn.q_a_layernorm.weight": "attn_q_a_norm", "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm"}  # fmt: skip
+         "self_attn.q_a_layernorm.weight": "attn_q_a_norm",
+         "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm"}  # fmt: skip
 
 
 def _config(model) -> deepseek_v3.DeepseekConfig:
@@ -189,18 +190,50 @@ def test_split_kv_b_equals_kv_b(tmp_path):
     torch.testing.assert_close(ea.prompt_logits(ids), eb.prompt_logits(ids), atol=0, rtol=0)
 
 
+#: the K-quant/Q8_0 mix (GGUF names without ``blk.{i}.``/``.weight``)
+KQUANT_MIX = {"token_embd": Fmt.Q8_0, "output": Fmt.Q6_K, "attn_q_a": Fmt.Q8_0, "attn_kv_a_mqa": Fmt.Q5_K,
+              "attn_output": Fmt.Q8_0, "attn_q_b": Fmt.F16, "ffn_gate_exps": Fmt.Q4_K, "ffn_up_exps": Fmt.Q5_K,
+              "ffn_down_exps": Fmt.Q6_K, "ffn_gate_shexp": Fmt.Q4_K, "ffn_up_shexp": Fmt.Q8_0,
+              "ffn_down_shexp": Fmt.Q6_K, "ffn_gate": Fmt.Q4_K, "ffn_up": Fmt.Q6_K, "ffn_down": Fmt.Q8_0}  # fmt: skip
+
+
+def _kernel_rounding(model, formats: dict[str, int]) -> None:
+    """The CPU kernels' int8 activation rounding in front of every packed matrix of the HF
+    model (the embedding's rows are dequantized, the router is float32: neither rounds)."""
+
+    def pre(fmt):
+        return lambda mod, args: (quantize_activations(args[0], fmt),)
+
+    def hook(module, short: str) -> None:
+        fmt = formats.get(short, Fmt.F32)
+        if fmt not in (Fmt.F32, Fmt.F16):
+            module.register_forward_pre_hook(pre(fmt))
+
+    hook(model.lm_head, "output")
+    for L in model.model.layers:
+        a = L.self_attn
+        for mod, short in ((a.q_a_proj, "attn_q_a"), (a.kv_a_proj_with_mqa, "attn_kv_a_mqa"), (a.o_proj, "attn_output")):
+            hook(mod, short)
+        if hasattr(L.mlp, "experts"):
+            for r in ("gate", "up", "down"):
+                hook(getattr(L.mlp.shared_experts, f"{r}_proj"), f"ffn_{r}_shexp")
+            _quantizing_experts(L.mlp.experts, *(formats[f"ffn_{r}_exps"] for r in ("gate", "up", "down")))
+        else:
+            for r in ("gate", "up", "down"):
+                hook(getattr(L.mlp, f"{r}_proj"), f"ffn_{r}")
+
+
 def test_kquant_mix_matches_dequantized_transformers(tmp_path):
-    """Q4_K/Q5_K/Q6_K/Q8_0 blocks in the attention, experts, shared experts and head,
-    against transformers with gguf-py's dequantization of the same blocks."""
+    """Q4_K/Q5_K/Q6_K/Q8_0 blocks in the attention, experts, shared experts, dense MLP and
+    head, against transformers holding gguf-py's dequantization of the same blocks and the
+    kernels' activation rounding (what is left: rounding-boundary flips, see
+    ``assert_close_rounding``)."""
     seed = random.randrange(1 << 30)
     model = make_model("deepseek_v3", seed, hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
                        v_head_dim=16, rope=dict(DEEPSEEK_YARN))  # fmt: skip
-    formats = {"token_embd": Fmt.Q8_0, "output": Fmt.Q6_K, "attn_q_a": Fmt.Q8_0, "attn_kv_a_mqa": Fmt.Q5_K,
-               "attn_output": Fmt.Q8_0, "attn_q_b": Fmt.F16, "ffn_gate_exps": Fmt.Q4_K, "ffn_up_exps": Fmt.Q5_K,
-               "ffn_down_exps": Fmt.Q6_K, "ffn_gate_shexp": Fmt.Q4_K, "ffn_up_shexp": Fmt.Q8_0,
-               "ffn_down_shexp": Fmt.Q6_K, "ffn_gate": Fmt.Q4_K, "ffn_up": Fmt.Q6_K, "ffn_down": Fmt.Q8_0}  # fmt: skip
     path = str(tmp_path / "mix.gguf")
-    write_gguf(model, path, split_kv_b=True, formats=formats, seed=seed)
+    write_gguf(model, path, split_kv_b=True, formats=KQUANT_MIX, seed=seed)
+    _kernel_rounding(model, KQUANT_MIX)
     eng = engine_for(path, prefill_chunk=16)
     rng = random.Random(seed)
     ids = [rng.randrange(160) for _ in range(24)]

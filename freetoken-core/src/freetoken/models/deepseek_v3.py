@@ -148,9 +148,10 @@ def _hf_rope(cfg: dict[str, Any], where: str) -> tuple[float, RopeScaling, float
     factor = float(factor) if factor is not None else int(cfg["max_position_embeddings"]) / original
     mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
     attention = rope.get("attention_factor")
-    if attention is None:
-        attention = (yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all)) if mscale and mscale_all
-                     else yarn_mscale(factor))  # fmt: skip
+    if attention is None and mscale and mscale_all:
+        attention = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all))
+    elif attention is None:
+        attention = yarn_mscale(factor)
     scaling = RopeScaling(kind="yarn", factor=factor, original_max_positions=original,
                           beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
                           truncate=bool(rope.get("truncate", True)), attention_factor=float(attention))  # fmt: skip
