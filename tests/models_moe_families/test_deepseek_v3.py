@@ -191,3 +191,59 @@ def test_bad_gguf_gating_names_the_key():
     meta[f"{a}.rope.scaling.type"] = "longrope"
     with pytest.raises(CheckpointError, match=f"{a}.rope.scaling.type='longrope'"):
         deepseek_v3.config_from_gguf(meta, has_output=True)
+
+
+# ------------------------------------------------------------------ GPU session
+
+
+def _fake_gpu_backend():
+    """The fake GPU backend of the qualification tests (tests/qualify/fake_backend.py): the
+    GPU session's code and decode graphs (replays with capture semantics) on CPU tensors."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("ft_deepseek_fake_backend",
+                                                  Path(__file__).resolve().parents[1] / "qualify" / "fake_backend.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FakeGpuBackend()
+
+
+@pytest.mark.parametrize("case", ["v3", "v2-grouped"])
+@pytest.mark.parametrize("session", ["fakegpu", "graphs"])
+def test_gpu_session_equals_the_cpu_backend(case, session, tmp_path):
+    """Three requests through the GPU session's code -- the fakegpu plugin (eager, experts
+    handed to the CPU workers over its simulated stream) or the qualification tests' fake
+    backend with decode graphs (latent attention over the static block tables, captured and
+    replayed) -- against the CPU backend: the same greedy tokens, logits within 1e-4."""
+    from freetoken.backends import registry
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import LLMEngine
+
+    family, over = CASES[case]
+    seed = random.randrange(1 << 30)
+    path = str(tmp_path / "hf")
+    save(make_model(family, seed, **over), path)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(160) for _ in range(n)] for n in (7, 30, 12)]
+    other = (dict(backend="fakegpu"), None) if session == "fakegpu" else (
+        dict(moe_cpu_layers="all", cuda_graph_max_bs=4), _fake_gpu_backend())
+    runs = {}
+    for name, (kw, backend) in (("cpu", (dict(backend="cpu"), None)), (session, other)):
+        registry.reset()
+        eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
+                                     max_running_requests=4, **kw), **({"backend": backend} if backend else {}))
+        try:
+            if name == "graphs":
+                assert eng.backend_info()["graphs"] is True
+            reqs, rows = _run(eng, prompts, 8)
+            if name == "graphs":
+                assert eng.session.runner.replays > 0
+            runs[name] = ([r.output_ids for r in reqs], [torch.stack(rows[r.request_id]) for r in reqs])
+        finally:
+            eng.close()
+    registry.reset()
+    (want_ids, want_rows), (got_ids, got_rows) = runs["cpu"], runs[session]
+    assert got_ids == want_ids, f"{case} seed {seed}"
+    for g, w in zip(got_rows, want_rows):
+        assert_close(g, w, f"{case} seed {seed}: {session} vs CPU backend")

@@ -221,16 +221,27 @@ def absorbed_attention(q_lat: torch.Tensor, cache: torch.Tensor, meta: Attention
                        kv_lora: int) -> torch.Tensor:  # fmt: skip
     """Causal attention of latent-space queries ``q_lat`` ``[T, heads, kv_lora + rope]`` over
     the cached latents, whose first ``kv_lora`` values serve as the value: ``[T, heads,
-    kv_lora]``. Softmax in float32."""
+    kv_lora]``. Softmax in float32. Batched decode steps (and decode-graph replays) take one
+    batched product over the padded block tables; other steps go sequence by sequence."""
     T, H, W = q_lat.shape
-    if meta.static_decode is not None:
-        raise NotImplementedError("multi-head latent attention has no static decode-graph kernel")
-    if meta.decode and len(meta.seqs) > 1 and meta.block_tables is not None and meta.mask is not None:
-        B = len(meta.seqs)
-        nbk = meta.block_tables.shape[1]
-        lat = cache.index_select(0, meta.block_tables.reshape(-1)).view(B, nbk * meta.block_size, W)
+    static = meta.static_decode is not None
+    if static or (meta.decode and len(meta.seqs) > 1 and meta.block_tables is not None and meta.mask is not None):
+        # one query per sequence over its whole block table, the positions past its context
+        # masked; a decode graph's static buffers (``static_decode``: int32 block tables and
+        # context lengths on the device) give the mask without any host-side shape
+        assert meta.block_tables is not None
+        B, nbk = meta.block_tables.shape
+        flat = meta.block_tables.reshape(-1)
+        lat = cache.index_select(0, flat.long() if static else flat).view(B, nbk * meta.block_size, W)
+        if static:
+            assert meta.ctx_lens is not None
+            pos = torch.arange(nbk * meta.block_size, device=q_lat.device)
+            mask = pos.view(1, -1) < meta.ctx_lens.view(-1, 1)
+        else:
+            assert meta.mask is not None
+            mask = meta.mask.view(B, -1)
         scores = torch.matmul(q_lat.view(B, H, W), lat.transpose(1, 2)).float() * scale  # [B, H, L]
-        scores = scores.masked_fill(~meta.mask.view(B, 1, -1), float("-inf"))
+        scores = scores.masked_fill(~mask.view(B, 1, -1), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q_lat.dtype)
         return torch.matmul(probs, lat[..., :kv_lora])
     out = q_lat.new_empty(T, H, kv_lora)
