@@ -237,7 +237,10 @@ def test_kquant_mix_matches_dequantized_transformers(tmp_path):
     eng = engine_for(path, prefill_chunk=16)
     rng = random.Random(seed)
     ids = [rng.randrange(160) for _ in range(24)]
-    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}")
+    # one rounding flip that changes a routing choice (3 of 16 experts) moves its position by up
+    # to a quarter of the logit scale (0.244 the largest over 31 files; the others' errors stay
+    # below 3.2e-2 and their mean below 2e-2); a wrong layout moves every position by 0.1..1
+    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}", one_flip=0.5)
 
 
 def test_nextn_layer_is_skipped_and_logged(tmp_path, caplog):
