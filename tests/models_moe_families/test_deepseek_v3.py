@@ -168,6 +168,7 @@ BASE = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=160, hidden_size
     (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling type='linear'"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(attention_bias=True), "attention_bias"),
+    (dict(kv_lora_rank=None), "kv_lora_rank is missing"),
 ])  # fmt: skip
 def test_bad_hf_config_names_the_field(over, field):
     deepseek_v3.config_from_hf(BASE)  # the base is fine

@@ -158,6 +158,12 @@ def _hf_rope(cfg: dict[str, Any], where: str) -> tuple[float, RopeScaling, float
     return theta, scaling, yarn_mscale(factor, float(mscale_all)) if mscale_all else 1.0
 
 
+def _required(cfg: dict[str, Any], key: str, where: str) -> int:
+    if cfg.get(key) is None:
+        raise CheckpointError(f"{where}: {key} is missing (multi-head latent attention needs it)")
+    return int(cfg[key])
+
+
 def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, Any]] = None) -> DeepseekConfig:
     v2 = "DeepseekV2ForCausalLM" in (cfg.get("architectures") or [])
     family = "DeepSeek-V2" if v2 else "DeepSeek-V3"
@@ -184,10 +190,10 @@ def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, An
         norm_topk_prob=bool(cfg.get("norm_topk_prob", not v2)),
         rope_theta=theta,
         q_lora_rank=int(cfg.get("q_lora_rank") or 0),
-        kv_lora_rank=int(cfg["kv_lora_rank"]),
-        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-        v_head_dim=int(cfg["v_head_dim"]),
+        kv_lora_rank=_required(cfg, "kv_lora_rank", where),
+        qk_nope_head_dim=_required(cfg, "qk_nope_head_dim", where),
+        qk_rope_head_dim=_required(cfg, "qk_rope_head_dim", where),
+        v_head_dim=_required(cfg, "v_head_dim", where),
         rope_interleave=True if v2 else bool(cfg.get("rope_interleave", True)),
         rope_scaling=scaling,
         softmax_mscale=softmax_mscale,
