@@ -248,3 +248,52 @@ def test_gpu_session_equals_the_cpu_backend(case, session, tmp_path):
     assert got_ids == want_ids, f"{case} seed {seed}"
     for g, w in zip(got_rows, want_rows):
         assert_close(g, w, f"{case} seed {seed}: {session} vs CPU backend")
+
+
+# ------------------------------------------------------------------ tokenizer
+
+
+class _FakeGguf:
+    def __init__(self, meta: dict) -> None:
+        self.metadata, self.path = meta, "fake.gguf"
+
+    def field(self, key: str):
+        return self.metadata.get(key)
+
+
+@pytest.mark.parametrize("pre", ["deepseek-v3", "gpt2"])
+def test_deepseek_v3_pre_tokenizer(pre):
+    """llama.cpp's deepseek-v3 rule splits numbers in runs of at most three digits and CJK
+    ideographs from the letters before them; GPT-2's rule keeps both whole, so merges across
+    those boundaries show the difference."""
+    from tokenizers import pre_tokenizers
+
+    from freetoken.loading.tokenizer import load_gguf_tokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    byte = {b: c for b, c in zip(range(256), _bytes_to_unicode())}
+    zhong = "".join(byte[b] for b in "中".encode())  # three byte-level symbols
+    tokens = alphabet + ["34", "12", "123", "45", "a" + byte["中".encode()[0]], byte[0xB8] + byte[0xAD]]
+    merges = ["3 4", "1 2", "12 3", "4 5", "a " + byte["中".encode()[0]], f"{byte[0xB8]} {byte[0xAD]}"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": merges, "tokenizer.ggml.token_type": [1] * len(tokens)}  # fmt: skip
+    tok = load_gguf_tokenizer(_FakeGguf(meta), len(tokens))
+    pieces = [tokens[i] for i in tok.encode("12345 a中", add_special_tokens=False)]
+    if pre == "deepseek-v3":
+        assert pieces == ["123", "45", byte[ord(" ")], "a", zhong[0], zhong[1:]]
+    else:
+        assert pieces == ["12", "34", "5", byte[ord(" ")], "a" + zhong[0], zhong[1:]]
+    assert tok.decode(tok.encode("12345 a中", add_special_tokens=False)) == "12345 a中"
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte-level alphabet in byte order (byte b -> its printable stand-in)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]

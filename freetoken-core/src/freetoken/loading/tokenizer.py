@@ -31,9 +31,22 @@ _QWEN35_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
-# GLM-4/4.5 ("glm4", older files "chatglm-bpe"): llama.cpp's CHATGLM4 rule, Llama 3's regex
-_PRE_REGEX = {"qwen2": _QWEN2_REGEX, "qwen35": _QWEN35_REGEX, "llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX,
-              "glm4": _LLAMA3_REGEX, "chatglm-bpe": _LLAMA3_REGEX}
+# DeepSeek-V3/R1 ("deepseek-v3"): three splits in turn -- numbers in runs of at most three
+# digits, runs of CJK ideographs and kana, then words (a letter run may take one leading
+# non-letter, an ASCII punctuation mark before ASCII letters stays with them), punctuation
+# and spaces
+_DEEPSEEK3_REGEXES = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+# GLM-4/4.5 ("glm4", older files "chatglm-bpe"): llama.cpp's CHATGLM4 rule, Llama 3's regex.
+# A tuple: regexes applied one after the other, each within the pieces of the one before.
+_PRE_REGEX: dict[str, "str | tuple[str, ...]"] = {
+    "qwen2": _QWEN2_REGEX, "qwen35": _QWEN35_REGEX, "llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX,
+    "glm4": _LLAMA3_REGEX, "chatglm-bpe": _LLAMA3_REGEX, "deepseek-v3": _DEEPSEEK3_REGEXES,
+}  # fmt: skip
 #: pre-tokenizers whose vocabularies llama.cpp gives no BOS (GLM's chat template writes its
 #: own ``[gMASK]<sop>`` prefix)
 _NO_BOS_PRE = ("glm4", "chatglm-bpe")
@@ -293,10 +306,11 @@ def load_gguf_tokenizer(ckpt: Any, vocab_size: int) -> Tokenizer:
     tok = HFTok(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     pre = meta.get("tokenizer.ggml.pre", "gpt2")
     if pre in _PRE_REGEX:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_PRE_REGEX[pre]), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        rule = _PRE_REGEX[pre]
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
+                  for r in ((rule,) if isinstance(rule, str) else rule)]  # fmt: skip
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     else:
         if pre not in ("gpt2", "default"):
             logger.warning("%s: pre-tokenizer %r unknown; using GPT-2's split rule", ckpt.path, pre)
