@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from freetoken import SamplingParams
@@ -36,6 +37,9 @@ def test_deepseek_v3_preset_shape():
     assert tensors["blk.0.attn_kv_a_mqa.weight"].shape == (576, 7168)
     assert "blk.2.ffn_gate_inp.weight" not in tensors and "blk.3.exp_probs_b.bias" in tensors
     assert tensors["blk.2.ffn_gate.weight"].shape == (18432, 7168)
+    # the config's attention size (the memory plan's estimate before loading) is the file's
+    attn = [t for n, t in tensors.items() if n.startswith("blk.0.attn") and len(t.shape) > 1]
+    assert c.attention_weights() == sum(int(np.prod(t.shape)) for t in attn) == 187_105_280
     two = cut_layers(c, 2)
     assert two.num_layers == 2 and two.first_k_dense_replace == 2 and two.mlp_only_layers == (0, 1)
     assert {t.name.split(".")[1] for t in plan(two, "q4_k_m") if t.name.startswith("blk.")} == {"0", "1"}

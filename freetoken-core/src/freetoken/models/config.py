@@ -80,6 +80,11 @@ class ModelConfig:
     def num_kv_layers(self) -> int:
         return self.num_layers if self.kv_layers is None else len(self.kv_layers)
 
+    def attention_weights(self) -> int:
+        """Weights of one layer's attention projections (q, k, v, o), for the sizes estimated
+        from the config before loading."""
+        return self.hidden_size * self.head_dim * 2 * (self.num_heads + self.num_kv_heads)
+
     def kv_layout(self) -> KVLayout:
         """What the KV cache holds per token and attention layer: K and V per KV head."""
         return KVLayout(self.num_kv_heads, self.head_dim, self.head_dim)

@@ -97,6 +97,11 @@ class DeepseekConfig(ModelConfig):
     def kv_layout(self) -> KVLayout:
         return self.mla_shape().kv_layout()
 
+    def attention_weights(self) -> int:
+        H, s = self.hidden_size, self.mla_shape()
+        q = H * s.q_lora_rank + s.q_lora_rank * s.heads * s.qk_head_dim if s.q_lora_rank else H * s.heads * s.qk_head_dim
+        return q + H * s.latent + s.kv_lora_rank * s.heads * (s.nope + s.v_dim) + s.heads * s.v_dim * H
+
     def softmax_scale(self) -> float:
         return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 * self.softmax_mscale**2
 

@@ -30,7 +30,9 @@ SDPA. For ``n`` queries over ``L`` positions the absorbed form's scores cost
 ``n L heads (kv_lora + rope)`` (576 per head for DeepSeek-V3) against ``n L heads (nope +
 rope)`` (192) plus the one-off expansion ``L kv_lora heads (nope + v)``: for a chunk of more
 than a few tokens expansion is cheaper, and it keeps SDPA's fused causal kernels. A single
-query (decode, or a one-token chunk) takes the absorbed form.
+query (decode, or a one-token chunk) takes the absorbed form. The expansion is transient
+but covers the whole context of the chunk: ``L x heads x (nope + rope + v)`` values (for
+DeepSeek-V3 about 0.9 GB in BF16 at 8k positions), freed after each layer.
 
 RoPE layout: DeepSeek's checkpoints (HF with ``rope_interleave``, the V2 code's complex
 rotation, and llama.cpp's GGUF files, which its converter leaves unpermuted) rotate
@@ -151,8 +153,6 @@ class MlaAttention:
         self.kv_a_norm = policy.tensor(get("kv_a_norm"))
         if has("kv_b"):
             kv_b = policy.tensor(_expect(get("kv_b"), (H * (s.nope + s.v_dim), s.kv_lora_rank)))
-            per_head = kv_b.view(H, s.nope + s.v_dim, s.kv_lora_rank)
-            w_uk, w_uv = per_head[:, : s.nope], per_head[:, s.nope :]
         else:
             w_uk = policy.tensor(_expect(get("k_b"), (H, s.kv_lora_rank, s.nope))).transpose(1, 2)
             w_uv = policy.tensor(_expect(get("v_b"), (H, s.v_dim, s.kv_lora_rank)))
