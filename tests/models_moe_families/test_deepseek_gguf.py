@@ -186,7 +186,8 @@ def test_split_kv_b_equals_kv_b(tmp_path):
     for La, Lb in zip(ea.model.layers, eb.model.layers):
         assert torch.equal(La.attn.kv_b, Lb.attn.kv_b)
     assert ea.model.config.kv_layout() == eb.model.config.kv_layout()
-    ids = [random.Random(seed).randrange(160) for _ in range(13)]
+    rng = random.Random(seed)
+    ids = [rng.randrange(160) for _ in range(13)]
     torch.testing.assert_close(ea.prompt_logits(ids), eb.prompt_logits(ids), atol=0, rtol=0)
 
 
@@ -253,7 +254,8 @@ def test_nextn_layer_is_skipped_and_logged(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "next-token-prediction" in r.getMessage()]
     assert len(lines) == 1 and all(n in lines[0] for n in extra), lines
     assert eng.model.config.num_layers == 3 and eng.model.skipped_tensors == sorted(extra)
-    ids = [random.Random(seed).randrange(160) for _ in range(11)]
+    rng = random.Random(seed)
+    ids = [rng.randrange(160) for _ in range(11)]
     assert_close(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}")
 
 

@@ -145,7 +145,8 @@ def test_hf_nextn_layer_is_skipped_and_logged(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert len(lines) == 1 and f"[{n}]" in lines[0] and all(k in lines[0] for k in mtp), lines
     assert eng.model.skipped_tensors == sorted(mtp)
-    ids = [random.Random(seed).randrange(160) for _ in range(17)]
+    rng = random.Random(seed)
+    ids = [rng.randrange(160) for _ in range(17)]
     assert_close(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}")
 
 
@@ -297,3 +298,85 @@ def _bytes_to_unicode() -> list[str]:
             cs.append(256 + n)
             n += 1
     return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+# ------------------------------------------------------------------ FP8 checkpoints
+
+
+def _fp8_blockwise(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` as FP8 E4M3 with one float32 scale per ``block x block`` tile (DeepSeek-V3's
+    published checkpoints' ``weight_scale_inv``)."""
+    rows, cols = w.shape
+    sr, sc = -(-rows // block), -(-cols // block)
+    pad = torch.zeros(sr * block, sc * block)
+    pad[:rows, :cols] = w
+    tiles = pad.view(sr, block, sc, block)
+    scale = tiles.abs().amax(dim=(1, 3)) / 448.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return q.view(sr * block, sc * block)[:rows, :cols].contiguous(), scale.float()
+
+
+def _fp8_decoded(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, cols = q.shape
+    return q.float() * scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+
+
+def test_rope_row_order_keeps_fp8_blocks():
+    """Reordering rows within their 128-row scale blocks (a head's RoPE rows) keeps FP8 as
+    stored; a reordering across blocks falls back to float32. Both give the permuted rows of
+    the decoded matrix."""
+    from freetoken.handoff import Fmt
+    from freetoken.loading.tensors import RawTensor
+    from freetoken.models.hybrid_weights import take_rows
+    from freetoken.models.mla import MlaShape, _rope_rows
+
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    w = torch.randn(3 * 192, 256, generator=g)
+    q, scale = _fp8_blockwise(w)
+    raw = RawTensor("q_b", tuple(w.shape), int(Fmt.FP8_E4M3_B128), q, "test", scale)
+    rows, _ = _rope_rows(MlaShape(3, 256, 512, 128, 64, 128), interleaved=True)
+    kept = take_rows(raw, rows, "q_b")
+    assert kept.fmt == Fmt.FP8_E4M3_B128 and kept.scale is scale
+    torch.testing.assert_close(kept.to_float(), _fp8_decoded(q, scale)[rows], atol=0, rtol=0)
+    across = torch.arange(w.shape[0]).roll(1)
+    moved = take_rows(raw, across, "q_b")
+    assert moved.fmt == Fmt.F32
+    torch.testing.assert_close(moved.to_float(), _fp8_decoded(q, scale)[across], atol=0, rtol=0)
+
+
+def test_fp8_block_quantized_checkpoint(tmp_path):
+    """DeepSeek-V3's published form: the attention projections, shared experts and dense MLP
+    in FP8 with 128 x 128 block scales (heads of 128 + 64 dims: the RoPE rows reordered
+    inside their blocks), against transformers holding the decoded values."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    seed = random.randrange(1 << 30)
+    model = make_model("deepseek_v3", seed, hidden_size=256, qk_nope_head_dim=64, qk_rope_head_dim=64,
+                       v_head_dim=32, q_lora_rank=128, kv_lora_rank=64)  # fmt: skip
+    src = str(tmp_path / "f32")
+    save(model, src)
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    params = dict(model.named_parameters())
+    for name, t in sd.items():
+        if name.endswith("_proj.weight") and t.dim() == 2 and ".experts." not in name:
+            q, s = _fp8_blockwise(t)
+            out[name], out[name[: -len("weight")] + "weight_scale_inv"] = q, s
+            with torch.no_grad():
+                params[name].copy_(_fp8_decoded(q, s))
+        else:
+            out[name] = t
+    assert sum(t.dtype == torch.float8_e4m3fn for t in out.values()) >= 3 * 5
+    dst = tmp_path / "fp8"
+    dst.mkdir()
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    json.dump(cfg, open(dst / "config.json", "w"))
+    eng = engine_for(str(dst))
+    rng = random.Random(seed)
+    ids = [rng.randrange(160) for _ in range(19)]
+    assert_close(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}")
