@@ -179,10 +179,10 @@ class MlaAttention:
         c = rms_norm(kva[:, : s.kv_lora_rank], self.kv_a_norm, eps)
         k_pe = rotary.apply(kva[:, s.kv_lora_rank :].view(T, 1, s.rope), cos, sin).view(T, s.rope)
         write_latents(cache, torch.cat([c, k_pe], dim=-1), meta.slot_mapping)
-        out = q.new_empty(T, s.heads, s.v_dim)
         if meta.decode:
             out = self.absorbed(q_nope, q_pe, cache, meta, scale)
         else:
+            out = q.new_empty(T, s.heads, s.v_dim)
             for seq in meta.seqs:
                 rows = slice(seq.q_start, seq.q_start + seq.q_len)
                 one = _one_seq(meta, seq)
