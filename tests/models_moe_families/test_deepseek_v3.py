@@ -70,6 +70,25 @@ def test_hf_matches_transformers(case, tmp_path):
         assert_close(torch.stack(rows[r.request_id]), ref, f"{case} seed {seed} decode")
 
 
+def test_prefix_cache_reuses_cached_latents(tmp_path):
+    """A second request whose first 32 tokens (two blocks) a finished one computed reads their
+    latents from the prefix cache and computes only its own tokens; its logits are still
+    transformers'."""
+    seed = random.randrange(1 << 30)
+    model = make_model("deepseek_v3", seed)
+    path = str(tmp_path / "hf")
+    save(model, path)
+    rng = random.Random(seed)
+    prefix = [rng.randrange(160) for _ in range(32)]
+    eng = engine_for(path, enable_prefix_cache=True)
+    first, _ = _run(eng, [prefix + [rng.randrange(160) for _ in range(3)]], 2)
+    second_prompt = prefix + [rng.randrange(160) for _ in range(5)]
+    reqs, rows = _run(eng, [second_prompt], 4)
+    assert reqs[0].cached_tokens == 32
+    ref = hf_logits(model, second_prompt + reqs[0].output_ids)[len(second_prompt) - 1 : -1]
+    assert_close(torch.stack(rows[reqs[0].request_id]), ref, f"seed {seed}")
+
+
 def test_kv_cache_holds_the_compressed_latent(tmp_path):
     """One latent of kv_lora_rank + qk_rope_head_dim values per token and layer, no V: the
     cache's tensors, its bytes, the config's bytes per token and the memory plan's."""
