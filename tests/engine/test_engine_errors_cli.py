@@ -33,15 +33,16 @@ def test_unsupported_architecture_lists_supported(hf_dir, tmp_path):
 
     d = _copy(hf_dir[1], str(tmp_path / "m"))
     cfg = json.load(open(os.path.join(d, "config.json")))
-    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
+    cfg["architectures"] = ["DbrxForCausalLM"]
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
     with pytest.raises(UnsupportedArchitecture) as e:
         engine_for(d)
     msg = str(e.value)
-    assert "DeepseekV3ForCausalLM" in msg
+    assert "DbrxForCausalLM" in msg
     # the supported set, HF and GGUF names of every family
     for name in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "GptOssForCausalLM",
-                 "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "qwen3moe", "qwen35moe", "gpt-oss"):
+                 "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "DeepseekV3ForCausalLM", "qwen3moe",
+                 "qwen35moe", "gpt-oss", "deepseek2"):
         assert name in msg, name
 
 
@@ -50,14 +51,14 @@ def test_unsupported_gguf_architecture(tmp_path):
 
     from freetoken.models.registry import UnsupportedArchitecture
 
-    p = str(tmp_path / "deepseek2.gguf")
-    w = gguf.GGUFWriter(p, "deepseek2")
+    p = str(tmp_path / "dbrx.gguf")
+    w = gguf.GGUFWriter(p, "dbrx")
     w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedArchitecture, match=r"'deepseek2'.*Supported.*qwen3moe.*qwen35moe"):
+    with pytest.raises(UnsupportedArchitecture, match=r"'dbrx'.*Supported.*qwen3moe.*deepseek2.*qwen35moe"):
         engine_for(p)
 
 

@@ -4,8 +4,8 @@
   implementations of :func:`freetoken.models.decode_attention.paged_decode_attention`
   against a float64 reference (on a CPU machine the Triton kernels run in Triton's
   interpreter, see conftest.py).
-* Mixtral, OLMoE, GPT-OSS and GLM-4.5 tiny random models: greedy tokens and logits of the GPU
-  engine (eager and with decode graphs) against the CPU engine (marked ``gpu``).
+* Mixtral, OLMoE, GPT-OSS, GLM-4.5 and DeepSeek-V3/V2 tiny random models: greedy tokens and
+  logits of the GPU engine (eager and with decode graphs) against the CPU engine (marked ``gpu``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,9 @@ def test_decode_window_and_sinks(impl, window, with_sinks, dtype):
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models_moe_families"))
 
-FAMILY_CASES = {"mixtral": dict(sliding_window=6), "olmoe": dict(), "gpt_oss": dict(), "glm4_moe": dict()}
+FAMILY_CASES = {"mixtral": dict(sliding_window=6), "olmoe": dict(), "gpt_oss": dict(), "glm4_moe": dict(),
+                "deepseek_v3": dict(), "deepseek_v2": dict(q_lora_rank=24, topk_method="group_limited_greedy",
+                                                          n_group=4, topk_group=2, n_routed_experts=16)}  # fmt: skip
 PROMPTS = [[(7 * i + 3 * j) % 150 + 5 for j in range(n)] for i, n in enumerate((5, 23, 9, 40, 2, 17))]
 
 

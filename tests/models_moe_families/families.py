@@ -1,5 +1,5 @@
-"""Tiny random transformers models of the Mixtral, OLMoE, GPT-OSS and GLM-4.5 families
-(FP32, eager attention), saved as HF checkpoints for the engine to load."""
+"""Tiny random transformers models of the Mixtral, OLMoE, GPT-OSS, GLM-4.5 and DeepSeek-V3/V2
+families (FP32, eager attention), saved as HF checkpoints for the engine to load."""
 
 from __future__ import annotations
 
@@ -82,12 +82,56 @@ def glm4_moe_config(**over: Any) -> Any:
     return cfg
 
 
+#: a YaRN RoPE with DeepSeek-V3's mscale/mscale_all_dim, over a short original context so that
+#: the tiny models' positions reach the interpolated frequencies
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def deepseek_v3_config(**over: Any) -> Any:
+    """Every feature on: query LoRA, YaRN with mscale_all_dim (softmax scale and rotary tables
+    both scaled: mscale 0.707 != mscale_all_dim 1), interleaved RoPE, one dense first layer,
+    a shared expert, 4 groups of 4 experts of which 2 are kept, top-3, renormalised weights
+    scaled by 2.5, one next-token-prediction layer declared."""
+    from transformers import DeepseekV3Config
+
+    kw = dict(COMMON, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=32, n_routed_experts=16,
+              num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+              norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+              qk_rope_head_dim=8, v_head_dim=10, rope_interleave=True, num_nextn_predict_layers=1)  # fmt: skip
+    rope = over.pop("rope", None) or dict(DEEPSEEK_YARN, mscale=0.707)
+    kw.update(over)
+    cfg = DeepseekV3Config(**kw)
+    cfg.rope_parameters = rope
+    return cfg
+
+
+def deepseek_v2_config(**over: Any) -> Any:
+    """DeepSeek-V2-Lite's shape in small: no query LoRA, softmax routing (``topk_method``
+    "greedy" unless given), two shared experts, one dense first layer, YaRN with
+    mscale = mscale_all_dim (tables unscaled, softmax scale scaled)."""
+    from transformers import DeepseekV2Config
+
+    kw = dict(COMMON, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=32, n_routed_experts=8,
+              num_experts_per_tok=3, n_shared_experts=2, first_k_dense_replace=1, norm_topk_prob=False,
+              routed_scaling_factor=1.0, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+              v_head_dim=10, topk_method="greedy", n_group=None, topk_group=None)  # fmt: skip
+    rope = over.pop("rope", None) or DEEPSEEK_YARN
+    kw.update(over)
+    cfg = DeepseekV2Config(**kw)
+    cfg.rope_parameters = rope
+    return cfg
+
+
 def make_model(family: str, seed: int, **over: Any) -> Any:
-    from transformers import Glm4MoeForCausalLM, GptOssForCausalLM, MixtralForCausalLM, OlmoeForCausalLM
+    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Glm4MoeForCausalLM, GptOssForCausalLM
+    from transformers import MixtralForCausalLM, OlmoeForCausalLM
 
     cls, cfg = {"mixtral": (MixtralForCausalLM, mixtral_config), "olmoe": (OlmoeForCausalLM, olmoe_config),
                 "gpt_oss": (GptOssForCausalLM, gpt_oss_config),
-                "glm4_moe": (Glm4MoeForCausalLM, glm4_moe_config)}[family]
+                "glm4_moe": (Glm4MoeForCausalLM, glm4_moe_config),
+                "deepseek_v3": (DeepseekV3ForCausalLM, deepseek_v3_config),
+                "deepseek_v2": (DeepseekV2ForCausalLM, deepseek_v2_config)}[family]
     config = cfg(**over)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

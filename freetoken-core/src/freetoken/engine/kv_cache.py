@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from freetoken.models.config import ModelConfig
+from freetoken.models.config import KVLayout, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -18,21 +18,29 @@ class OutOfBlocks(RuntimeError):
 class KVCache:
     """Per attention layer (``config.kv_layers``: every layer unless the model has
     linear-attention layers) a K and a V tensor ``[num_blocks, block_size, kv_heads, head_dim]``
-    and a free list of blocks. Memory is reserved with ``torch.empty`` and only
+    and a free list of blocks. The config's :meth:`~freetoken.models.config.ModelConfig.kv_layout`
+    sets the widths: multi-head latent attention caches one latent vector per token as K (one
+    "head" of its compressed width) and has no separate V (a zero-width V tensor, so every
+    layer is still a (K, V) pair). Memory is reserved with ``torch.empty`` and only
     touched as blocks are used."""
 
     def __init__(self, config: ModelConfig, num_tokens: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.block_size = block_size
         self.num_blocks = max(1, num_tokens // block_size)
-        shape = (self.num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        kv_layers = getattr(config, "kv_layers", None)  # a ModelConfig, or any object with its shape fields
+        # a ModelConfig, or any object with its shape fields
+        layout = config.kv_layout() if hasattr(config, "kv_layout") else KVLayout(
+            config.num_kv_heads, config.head_dim, config.head_dim)
+        self.layout = layout
+        k_shape = (self.num_blocks, block_size, layout.heads, layout.k_dim)
+        v_shape = (self.num_blocks, block_size, layout.heads, layout.v_dim)
+        kv_layers = getattr(config, "kv_layers", None)
         n_layers = config.num_layers if kv_layers is None else len(kv_layers)
         self.layers = [
-            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            (torch.empty(k_shape, dtype=dtype, device=device), torch.empty(v_shape, dtype=dtype, device=device))
             for _ in range(n_layers)
         ]
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self.bytes = 2 * n_layers * self.num_blocks * block_size * config.num_kv_heads * config.head_dim * (
+        self.bytes = n_layers * self.num_blocks * block_size * layout.values_per_token() * (
             torch.empty((), dtype=dtype).element_size())
 
     @property

@@ -16,6 +16,20 @@ class RecurrentStateShape:
     ssm: tuple[int, ...]  # [value heads, key head dim, value head dim] per layer
 
 
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """What the paged KV cache holds per token and attention layer: ``heads`` K vectors of
+    ``k_dim`` values and as many V vectors of ``v_dim`` (0: no separate V; multi-head latent
+    attention caches one compressed latent per token that serves as both)."""
+
+    heads: int
+    k_dim: int
+    v_dim: int
+
+    def values_per_token(self) -> int:
+        return self.heads * (self.k_dim + self.v_dim)
+
+
 @dataclasses.dataclass
 class ModelConfig:
     """Shapes and hyper-parameters the engine and the model code need.
@@ -66,8 +80,17 @@ class ModelConfig:
     def num_kv_layers(self) -> int:
         return self.num_layers if self.kv_layers is None else len(self.kv_layers)
 
+    def attention_weights(self) -> int:
+        """Weights of one layer's attention projections (q, k, v, o), for the sizes estimated
+        from the config before loading."""
+        return self.hidden_size * self.head_dim * 2 * (self.num_heads + self.num_kv_heads)
+
+    def kv_layout(self) -> KVLayout:
+        """What the KV cache holds per token and attention layer: K and V per KV head."""
+        return KVLayout(self.num_kv_heads, self.head_dim, self.head_dim)
+
     def kv_bytes_per_token(self, element_size: int) -> int:
-        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim * element_size
+        return self.num_kv_layers * self.kv_layout().values_per_token() * element_size
 
 
 def hf_config_fields(cfg: dict[str, Any], eos_token_ids: tuple[int, ...], *, rms_norm_eps: float = 1e-6,

@@ -10,6 +10,7 @@ tens of GB.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Optional
 
 import numpy as np
@@ -21,23 +22,35 @@ from freetoken.models.config import ModelConfig
 ARCH = "qwen3moe"
 
 
-def write_qwen3moe_metadata(w: Any, cfg: ModelConfig, name: str) -> None:
-    """The ``qwen3moe`` hyper-parameters llama.cpp reads."""
-    a = ARCH
+def write_moe_base_metadata(w: Any, cfg: ModelConfig, name: str, *, arch: Optional[str] = None,
+                            block_count: Optional[int] = None, feed_forward: Optional[int] = None,
+                            head_count_kv: Optional[int] = None, key_length: Optional[int] = None,
+                            value_length: Optional[int] = None) -> None:  # fmt: skip
+    """The hyper-parameters every MoE architecture's llama.cpp metadata has: name, layers
+    (``block_count``, default ``cfg.num_layers``), context, hidden size, dense MLP size
+    (``feed_forward``, default ``cfg.intermediate_size``), heads, KV heads and head sizes
+    (default ``cfg``'s), RoPE base, norm epsilon, expert count, experts per token and
+    expert size. ``arch`` defaults to the writer's."""
+    a = arch or w.arch
     w.add_string("general.name", name)
-    w.add_uint32(f"{a}.block_count", cfg.num_layers)
+    w.add_uint32(f"{a}.block_count", cfg.num_layers if block_count is None else block_count)
     w.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
     w.add_uint32(f"{a}.embedding_length", cfg.hidden_size)
-    w.add_uint32(f"{a}.feed_forward_length", cfg.intermediate_size)
+    w.add_uint32(f"{a}.feed_forward_length", cfg.intermediate_size if feed_forward is None else feed_forward)
     w.add_uint32(f"{a}.attention.head_count", cfg.num_heads)
-    w.add_uint32(f"{a}.attention.head_count_kv", cfg.num_kv_heads)
+    w.add_uint32(f"{a}.attention.head_count_kv", cfg.num_kv_heads if head_count_kv is None else head_count_kv)
+    w.add_uint32(f"{a}.attention.key_length", cfg.head_dim if key_length is None else key_length)
+    w.add_uint32(f"{a}.attention.value_length", cfg.head_dim if value_length is None else value_length)
     w.add_float32(f"{a}.rope.freq_base", float(cfg.rope_theta))
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
-    w.add_uint32(f"{a}.expert_used_count", cfg.top_k)
-    w.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
     w.add_uint32(f"{a}.expert_count", cfg.num_experts)
+    w.add_uint32(f"{a}.expert_used_count", cfg.top_k)
     w.add_uint32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size)
+
+
+def write_qwen3moe_metadata(w: Any, cfg: ModelConfig, name: str) -> None:
+    """The ``qwen3moe`` hyper-parameters llama.cpp reads."""
+    write_moe_base_metadata(w, cfg, name, arch=ARCH)
 
 
 def mrope_sections(rotary_dim: int) -> list[int]:
@@ -54,23 +67,10 @@ def write_hybrid_metadata(w: Any, cfg: Any, name: str) -> None:
     """The ``qwen35moe``/``qwen3next`` hyper-parameters llama.cpp reads (``cfg``: a
     :class:`freetoken.models.qwen_hybrid.HybridConfig`; ``w.arch`` names the architecture)."""
     a = w.arch
-    w.add_string("general.name", name)
-    w.add_uint32(f"{a}.block_count", cfg.num_layers)
-    w.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
-    w.add_uint32(f"{a}.embedding_length", cfg.hidden_size)
-    w.add_uint32(f"{a}.feed_forward_length", cfg.intermediate_size)
-    w.add_uint32(f"{a}.attention.head_count", cfg.num_heads)
-    w.add_uint32(f"{a}.attention.head_count_kv", cfg.num_kv_heads)
-    w.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
-    w.add_float32(f"{a}.rope.freq_base", float(cfg.rope_theta))
+    write_moe_base_metadata(w, cfg, name)
     w.add_uint32(f"{a}.rope.dimension_count", cfg.rotary_dim)
     if a == "qwen35moe":  # llama.cpp requires the (text-only: unused) multimodal RoPE sections
         w.add_array(f"{a}.rope.dimension_sections", mrope_sections(cfg.rotary_dim))
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
-    w.add_uint32(f"{a}.expert_count", cfg.num_experts)
-    w.add_uint32(f"{a}.expert_used_count", cfg.top_k)
-    w.add_uint32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size)
     w.add_uint32(f"{a}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
     w.add_bool(f"{a}.expert_weights_norm", bool(cfg.norm_topk_prob))
     w.add_uint32(f"{a}.ssm.conv_kernel", cfg.conv_kernel)
@@ -238,21 +238,8 @@ def write_moe_metadata(w: Any, cfg: ModelConfig, name: str, expert_weights_norm:
     """The hyper-parameters llama.cpp reads for its ``llama`` (Mixtral), ``olmoe`` and
     ``gpt-oss`` architectures (``w.arch``); GPT-OSS adds :func:`write_gpt_oss_metadata`."""
     a = w.arch
-    w.add_string("general.name", name)
-    w.add_uint32(f"{a}.block_count", cfg.num_layers)
-    w.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
-    w.add_uint32(f"{a}.embedding_length", cfg.hidden_size)
-    w.add_uint32(f"{a}.feed_forward_length", cfg.moe_intermediate_size)
-    w.add_uint32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size)
-    w.add_uint32(f"{a}.attention.head_count", cfg.num_heads)
-    w.add_uint32(f"{a}.attention.head_count_kv", cfg.num_kv_heads)
-    w.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
+    write_moe_base_metadata(w, cfg, name, feed_forward=cfg.moe_intermediate_size)
     w.add_uint32(f"{a}.rope.dimension_count", cfg.head_dim)
-    w.add_float32(f"{a}.rope.freq_base", float(cfg.rope_theta))
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
-    w.add_uint32(f"{a}.expert_count", cfg.num_experts)
-    w.add_uint32(f"{a}.expert_used_count", cfg.top_k)
     if expert_weights_norm is not None:
         w.add_bool(f"{a}.expert_weights_norm", expert_weights_norm)
 
@@ -274,27 +261,66 @@ def write_glm4moe_metadata(w: Any, cfg: Any, name: str) -> None:
     ``expert_weights_scale``; grouped routing (``expert_group_count``/``expert_group_used_count``)
     only where there are several groups (GLM-4.5's checkpoints have one)."""
     a = w.arch
-    w.add_string("general.name", name)
-    w.add_uint32(f"{a}.block_count", cfg.num_layers + cfg.num_nextn_predict_layers)
-    w.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
-    w.add_uint32(f"{a}.embedding_length", cfg.hidden_size)
-    w.add_uint32(f"{a}.feed_forward_length", cfg.intermediate_size)
-    w.add_uint32(f"{a}.attention.head_count", cfg.num_heads)
-    w.add_uint32(f"{a}.attention.head_count_kv", cfg.num_kv_heads)
-    w.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
+    write_moe_base_metadata(w, cfg, name, block_count=cfg.num_layers + cfg.num_nextn_predict_layers)
     w.add_uint32(f"{a}.rope.dimension_count", cfg.rotary_dim)
-    w.add_float32(f"{a}.rope.freq_base", float(cfg.rope_theta))
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
-    w.add_uint32(f"{a}.expert_count", cfg.num_experts)
-    w.add_uint32(f"{a}.expert_used_count", cfg.top_k)
-    w.add_uint32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size)
-    w.add_uint32(f"{a}.expert_shared_count", cfg.n_shared_experts)
-    w.add_uint32(f"{a}.leading_dense_block_count", cfg.first_k_dense_replace)
-    w.add_uint32(f"{a}.expert_gating_func", 2)
-    w.add_float32(f"{a}.expert_weights_scale", float(cfg.routed_scaling_factor))
+    write_shared_expert_routing_metadata(w, cfg, gating=2)
     w.add_bool(f"{a}.expert_weights_norm", bool(cfg.norm_topk_prob))
     w.add_uint32(f"{a}.nextn_predict_layers", cfg.num_nextn_predict_layers)
+
+
+def write_shared_expert_routing_metadata(w: Any, cfg: Any, gating: int) -> None:
+    """The keys of grouped routing with shared experts and dense leading layers (GLM-4.5,
+    DeepSeek): shared experts, dense layers, the gating function (llama.cpp's
+    ``expert_gating_func``: 1 softmax, 2 sigmoid), the routed scaling factor and, where there
+    are several groups, ``expert_group_count``/``expert_group_used_count``."""
+    a = w.arch
+    w.add_uint32(f"{a}.expert_shared_count", cfg.n_shared_experts)
+    w.add_uint32(f"{a}.leading_dense_block_count", cfg.first_k_dense_replace)
+    w.add_uint32(f"{a}.expert_gating_func", gating)
+    w.add_float32(f"{a}.expert_weights_scale", float(cfg.routed_scaling_factor))
     if cfg.n_group > 1:
         w.add_uint32(f"{a}.expert_group_count", cfg.n_group)
         w.add_uint32(f"{a}.expert_group_used_count", cfg.topk_group)
+
+
+def write_deepseek2_metadata(w: Any, cfg: Any, name: str, mla_lengths: bool = True) -> None:
+    """The ``deepseek2`` hyper-parameters llama.cpp reads (``cfg``: a
+    :class:`freetoken.models.deepseek_v3.DeepseekConfig`), as its converter writes them: with
+    ``mla_lengths`` (newer files, whose ``kv_b`` is split into ``attn_k_b``/``attn_v_b``) one
+    KV head whose ``key_length``/``value_length`` are the latent's (``kv_lora_rank +
+    qk_rope_head_dim`` and ``kv_lora_rank``) and the per-head sizes as ``key_length_mla``/
+    ``value_length_mla``; without, ``key_length``/``value_length`` are the per-head sizes.
+    ``expert_weights_norm`` only when set (llama.cpp's default is off); YaRN as
+    ``rope.scaling.*`` with ``yarn_log_multiplier = 0.1 * mscale_all_dim``. llama.cpp runs
+    the rotary tables unscaled (``mscale == mscale_all_dim``): a config whose YaRN attention
+    factor is not 1 cannot be written."""
+    a = w.arch
+    qk, v, latent = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    write_moe_base_metadata(w, cfg, name, block_count=cfg.num_layers + cfg.num_nextn_predict_layers,
+                            head_count_kv=1 if mla_lengths else cfg.num_heads,
+                            key_length=latent if mla_lengths else qk,
+                            value_length=cfg.kv_lora_rank if mla_lengths else v)  # fmt: skip
+    if mla_lengths:
+        w.add_uint32(f"{a}.attention.key_length_mla", qk)
+        w.add_uint32(f"{a}.attention.value_length_mla", v)
+    if cfg.q_lora_rank:
+        w.add_uint32(f"{a}.attention.q_lora_rank", cfg.q_lora_rank)
+    w.add_uint32(f"{a}.attention.kv_lora_rank", cfg.kv_lora_rank)
+    w.add_uint32(f"{a}.rope.dimension_count", cfg.qk_rope_head_dim)
+    write_shared_expert_routing_metadata(w, cfg, gating=2 if cfg.scoring == "sigmoid" else 1)
+    if cfg.norm_topk_prob:
+        w.add_bool(f"{a}.expert_weights_norm", True)
+    if cfg.num_nextn_predict_layers:
+        w.add_uint32(f"{a}.nextn_predict_layers", cfg.num_nextn_predict_layers)
+    r = cfg.rope_scaling
+    if r.kind == "yarn":
+        if r.attention_factor not in (None, 1.0):
+            raise ValueError(f"YaRN attention factor {r.attention_factor} (mscale != mscale_all_dim) has no deepseek2 "
+                             "GGUF key: llama.cpp runs the rotary tables unscaled")  # fmt: skip
+        w.add_string(f"{a}.rope.scaling.type", "yarn")
+        w.add_float32(f"{a}.rope.scaling.factor", float(r.factor))
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", r.original_max_positions)
+        w.add_float32(f"{a}.rope.scaling.yarn_beta_fast", float(r.beta_fast))
+        w.add_float32(f"{a}.rope.scaling.yarn_beta_slow", float(r.beta_slow))
+        if r.factor > 1:
+            w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", (cfg.softmax_mscale - 1.0) / math.log(r.factor))

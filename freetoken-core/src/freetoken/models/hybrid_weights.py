@@ -11,10 +11,20 @@ from freetoken.loading.tensors import RawTensor
 from freetoken.models.layers import Rotary
 
 
+#: the rows one block scale of FP8 block-quantized weights covers
+FP8_SCALE_ROWS = 128
+
+
 def take_rows(raw: RawTensor, idx: torch.Tensor, name: str) -> RawTensor:
     """The rows ``idx`` of a matrix, in that order. Packed and plain rows are copied as
-    stored; block-scaled FP8 (whose scales span 128 rows) is dequantized to float32 first."""
+    stored; so is block-scaled FP8 when every row stays in its 128-row scale block (a
+    reordering within blocks, e.g. of a head's RoPE rows), else it is dequantized to
+    float32 first."""
     rows = int(idx.numel())
+    if raw.scale is not None and rows == raw.shape[0] and torch.equal(
+            idx // FP8_SCALE_ROWS, torch.arange(rows) // FP8_SCALE_ROWS):
+        t = raw.raw_torch().reshape(raw.shape[0], -1)
+        return RawTensor(name, raw.shape, raw.fmt, t.index_select(0, idx).contiguous(), raw.source, raw.scale)
     if raw.scale is not None:
         data = raw.to_float(torch.float32).index_select(0, idx).contiguous()
         return RawTensor(name, (rows, *raw.shape[1:]), int(Fmt.F32), data, raw.source)

@@ -77,7 +77,7 @@ def model_shape(cfg: ModelConfig, act: torch.dtype) -> ModelShape:
     """The sizes a backend plans memory with, from the config alone (before loading)."""
     elt = torch.empty((), dtype=act).element_size()
     H = cfg.hidden_size
-    attn = H * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * H + 2 * cfg.head_dim
+    attn = cfg.attention_weights() + 2 * H + 2 * cfg.head_dim
     moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
     dense_mlp = 3 * H * (cfg.intermediate_size * (cfg.num_layers - len(moe_layers))
                          + cfg.shared_expert_intermediate() * len(moe_layers))
@@ -143,7 +143,7 @@ def _load_hf(path: str, session: ModelSession, show: Optional[bool]) -> LoadedMo
 def _expert_fraction(cfg: ModelConfig) -> float:
     e = 3 * cfg.num_experts * cfg.hidden_size * cfg.moe_intermediate_size * sum(
         cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    attn = cfg.num_layers * cfg.hidden_size * cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads)
+    attn = cfg.num_layers * cfg.attention_weights()
     emb = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     return e / max(1, e + attn + emb)
 

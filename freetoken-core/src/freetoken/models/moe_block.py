@@ -2,8 +2,9 @@
 (:class:`~freetoken.models.moe_layer.MoELayer`: router, softmax top-k, optional renormalisation,
 the backend's experts), with a router bias and expert biases where the family has them
 (:class:`BiasedMoELayer`), or a gated shared expert beside them
-(:class:`SharedExpertMoELayer`), or grouped sigmoid routing with a score-correction bias and
-ungated shared experts (:class:`CorrectedSigmoidMoELayer`, GLM-4.5); or a dense SwiGLU MLP
+(:class:`SharedExpertMoELayer`), or grouped top-k routing (sigmoid with a score-correction
+bias, or softmax) and ungated shared experts (:class:`GroupedTopKMoELayer`, GLM-4.5 and the
+DeepSeek family); or a dense SwiGLU MLP
 (:class:`SwiGLU`). Also the
 loader of a layer's SwiGLU expert stacks in the checkpoint layouts the families share
 (:func:`swiglu_experts`).
@@ -23,7 +24,7 @@ from freetoken.models.config import ModelConfig
 from freetoken.models.dense_ops import DenseOps
 from freetoken.models.layers import FusedLinears
 from freetoken.models.moe_layer import ExpertWeights, MoELayer, stack_experts
-from freetoken.models.routing import GroupedTopK, grouped_sigmoid_top_k
+from freetoken.models.routing import GroupedTopK, grouped_sigmoid_top_k, grouped_softmax_top_k
 
 #: the constant the folded gate/up biases of :class:`BiasedMoELayer` multiply: columns
 #: ``hidden .. hidden + BIAS_PAD`` of the experts' input hold ``BIAS_ONES`` ones, then
@@ -72,19 +73,26 @@ class SharedExpertMoELayer(MoELayer):
     __call__ = forward
 
 
-class CorrectedSigmoidMoELayer(MoELayer):
+class GroupedTopKMoELayer(MoELayer):
     """Routed experts chosen by :func:`~freetoken.models.routing.grouped_sigmoid_top_k`
     (sigmoid scores, the correction bias for the choice only, grouped top-k, renormalised and
-    scaled weights), plus shared experts added unscaled when the layer has them."""
+    scaled weights) or, for ``routing.scoring == "softmax"`` (no correction bias),
+    :func:`~freetoken.models.routing.grouped_softmax_top_k`; plus shared experts added
+    unscaled when the layer has them."""
 
     def __init__(self, layer: int, router: object, experts: ExpertWeights, routing: GroupedTopK,
-                 correction_bias: torch.Tensor, shared: Optional[SwiGLU] = None) -> None:  # fmt: skip
+                 correction_bias: Optional[torch.Tensor], shared: Optional[SwiGLU] = None) -> None:  # fmt: skip
         super().__init__(layer, router, experts, routing.top_k, routing.norm_topk_prob)  # type: ignore[arg-type]
+        if (correction_bias is None) != (routing.scoring == "softmax"):
+            raise ValueError(f"layer {layer}: {routing.scoring} routing "
+                             f"{'needs' if correction_bias is None else 'takes no'} correction bias")  # fmt: skip
         self.routing = routing
         self.correction_bias = correction_bias  # float32 [E]
         self.shared = shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.correction_bias is None:
+            return grouped_softmax_top_k(self.router(x), self.routing)  # type: ignore[operator]
         return grouped_sigmoid_top_k(self.router(x), self.correction_bias, self.routing)  # type: ignore[operator]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,9 +162,9 @@ def moe_layer(i: int, c: ModelConfig, get: Callable[[str], RawTensor], policy: W
               routing: Optional[GroupedTopK] = None) -> MoELayer:  # fmt: skip
     """Layer ``i``'s routed-experts block: the router of role ``router`` (plus
     ``router_bias``), ``experts``, their down bias when they have biases (float32 ``[E,
-    hidden]``; :class:`BiasedMoELayer`), or, with ``routing``, grouped sigmoid routing with
-    the correction bias of role ``expert_bias`` and (``shared``) the ungated shared experts
-    of roles ``shexp_*`` (:class:`CorrectedSigmoidMoELayer`), or the shared expert of roles
+    hidden]``; :class:`BiasedMoELayer`), or, with ``routing``, grouped top-k routing (sigmoid:
+    with the correction bias of role ``expert_bias``; softmax: none) and (``shared``) the
+    ungated shared experts of roles ``shexp_*`` (:class:`GroupedTopKMoELayer`), or the shared expert of roles
     ``shexp_*`` with its gate ``shexp_router`` (:class:`SharedExpertMoELayer`); its top-k on
     ``ops``."""
     router = policy.router(get("router"))
@@ -167,12 +175,15 @@ def moe_layer(i: int, c: ModelConfig, get: Callable[[str], RawTensor], policy: W
         moe = BiasedMoELayer(i, router, experts, c.top_k, c.norm_topk_prob, activation, c.hidden_size,
                              down_bias.float().to(policy.device))  # fmt: skip
     elif routing is not None:
-        bias = get("expert_bias")
-        if tuple(bias.shape) != (c.num_experts,):
-            raise CheckpointError(f"{bias.source}: {bias.name} has shape {tuple(bias.shape)}, "
-                                  f"expected ({c.num_experts},)")  # fmt: skip
-        moe = CorrectedSigmoidMoELayer(i, router, experts, routing, bias.to_float(torch.float32).to(policy.device),
-                                       SwiGLU.load(get, policy, "shexp") if shared else None)  # fmt: skip
+        correction: Optional[torch.Tensor] = None
+        if routing.scoring == "sigmoid":
+            bias = get("expert_bias")
+            if tuple(bias.shape) != (c.num_experts,):
+                raise CheckpointError(f"{bias.source}: {bias.name} has shape {tuple(bias.shape)}, "
+                                      f"expected ({c.num_experts},)")  # fmt: skip
+            correction = bias.to_float(torch.float32).to(policy.device)
+        moe = GroupedTopKMoELayer(i, router, experts, routing, correction,
+                                  SwiGLU.load(get, policy, "shexp") if shared else None)  # fmt: skip
     elif shared:
         moe = SharedExpertMoELayer(i, router, experts, c.top_k, c.norm_topk_prob, SwiGLU.load(get, policy, "shexp"),
                                    policy.tensor(get("shexp_router")).reshape(-1))  # fmt: skip
@@ -186,7 +197,7 @@ def moe_dense_bytes(moe: MoELayer) -> int:
     """Bytes of a routed-experts block's weights other than the routed experts (router,
     shared expert) that one token reads."""
     nbytes = moe.router.nbytes  # type: ignore[attr-defined]
-    if isinstance(moe, (SharedExpertMoELayer, CorrectedSigmoidMoELayer)) and moe.shared is not None:
+    if isinstance(moe, (SharedExpertMoELayer, GroupedTopKMoELayer)) and moe.shared is not None:
         nbytes += moe.shared.nbytes
     return nbytes
 

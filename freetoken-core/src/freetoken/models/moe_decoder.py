@@ -86,7 +86,7 @@ class Arch:
     #: q.k products are unchanged), and the tables leave the other dimensions alone
     rotary_dim: Optional[int] = None
     #: grouped sigmoid routing with a score-correction bias (role ``expert_bias``) instead
-    #: of softmax top-k (:class:`~freetoken.models.moe_block.CorrectedSigmoidMoELayer`)
+    #: of softmax top-k (:class:`~freetoken.models.moe_block.GroupedTopKMoELayer`)
     routing: Optional[GroupedTopK] = None
     #: ungated shared experts (roles ``shexp_gate``/``shexp_up``/``shexp_down``) beside
     #: ``routing``'s routed experts

@@ -1,6 +1,6 @@
 """Which model family runs a checkpoint.
 
-:data:`FAMILIES` holds the seven families the engine runs, each with its module, model class,
+:data:`FAMILIES` holds the eight families the engine runs, each with its module, model class,
 HF ``architectures`` names and GGUF ``general.architecture`` values:
 
 * ``qwen3_5_moe`` -- Qwen3.5/3.6-MoE (:mod:`freetoken.models.qwen3_5_moe`) and ``qwen3_next`` --
@@ -9,7 +9,10 @@ HF ``architectures`` names and GGUF ``general.architecture`` values:
 * ``qwen3_moe``, ``mixtral``, ``olmoe``, ``gpt_oss`` -- Qwen3-MoE, Mixtral, OLMoE, GPT-OSS
   (:mod:`freetoken.models.qwen3_moe`, :mod:`freetoken.models.mixtral`,
   :mod:`freetoken.models.olmoe`, :mod:`freetoken.models.gpt_oss`), and ``glm4_moe`` -- GLM-4.5
-  (:mod:`freetoken.models.glm4_moe`), each a set of switches of :mod:`freetoken.models.moe_decoder`.
+  (:mod:`freetoken.models.glm4_moe`), each a set of switches of :mod:`freetoken.models.moe_decoder`;
+* ``deepseek_v3`` -- DeepSeek-V3/V3.1/R1, Kimi-K2 and DeepSeek-V2
+  (:mod:`freetoken.models.deepseek_v3`), multi-head latent attention
+  (:mod:`freetoken.models.mla`) over a cache of compressed latents.
 
 :mod:`freetoken.models.loader` looks the checkpoint's architecture up here
 (:func:`family_for_hf`, :func:`family_for_gguf`; anything else raises
@@ -83,6 +86,13 @@ FAMILIES: tuple[ModelFamily, ...] = (
         model_class="Glm4MoeModel",
         hf_architectures=("Glm4MoeForCausalLM",),
         gguf_architectures=("glm4moe",),
+    ),
+    ModelFamily(
+        key="deepseek_v3",
+        module="freetoken.models.deepseek_v3",
+        model_class="DeepseekV3Model",
+        hf_architectures=("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
+        gguf_architectures=("deepseek2",),
     ),
     ModelFamily(
         key="qwen3_5_moe",

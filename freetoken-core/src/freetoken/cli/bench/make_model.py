@@ -37,6 +37,9 @@ a dense SwiGLU first layer, a shared expert and the routing's score-correction b
 expert intermediate 1408 and dense intermediate 10944: every down projection) cannot be K-quants:
 they are Q8_0, where llama.cpp's own Q4_K_M falls back to Q5_0 (not a format FreeToken runs).
 Its files carry no next-token-prediction layer (``nextn_predict_layers`` 0).
+
+GLM-4.5's tensor set: :mod:`freetoken.cli.bench.make_model_glm`; DeepSeek-V3 files (``deepseek2``):
+:mod:`freetoken.cli.bench.make_model_deepseek`.
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from freetoken.cli.bench import make_model_deepseek as deepseek
 from freetoken.handoff import Fmt
+from freetoken.models.deepseek_v3 import DeepseekConfig
 from freetoken.models.gguf_writer import RandomBlockPool
 from freetoken.loading.tensors import row_bytes
 from freetoken.models.config import ModelConfig
@@ -158,6 +163,7 @@ PRESETS: dict[str, ModelConfig] = {
         norm_topk_prob=True, rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=4096,
         tie_word_embeddings=False,
     ),
+    **deepseek.PRESETS,
 }
 
 QUANTS = ("q4_k_m", "q8_0", "q4_k", "q6_k", "mxfp4")
@@ -367,58 +373,11 @@ def _row_format(fmt: int, cols: int) -> int:
     return int(Fmt.Q8_0) if int(fmt) in _K_QUANTS and cols % 256 else fmt
 
 
-def plan_glm4moe(cfg: Glm4MoeConfig, quant: str) -> list[Planned]:
-    """llama.cpp's glm4moe tensor set (src/models/glm4-moe.cpp), layer by layer as its converter
-    writes it: attention with q/k/v biases (q/k norms where ``use_qk_norm``), the post-attention
-    norm, then a dense MLP (the first ``first_k_dense_replace`` layers) or the router, its
-    score-correction bias, the routed experts and the shared expert."""
-    H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
-    S = I * cfg.n_shared_experts
-    out: list[Planned] = []
-
-    def add(name: str, shape: tuple[int, ...], fmt: int, make=None, gain: float = 1.0) -> None:
-        fmt = _row_format(fmt, shape[-1])
-        out.append(Planned(name, shape, fmt, make or _packed(shape, fmt, gain), gain))
-
-    def q(role: str, i: int) -> int:
-        return tensor_format(quant, role, i, L)
-
-    add("token_embd.weight", (cfg.vocab_size, H), q("token_embd", 0))
-    for i in range(L):
-        b = f"blk.{i}."
-        add(b + "attn_norm.weight", (H,), Fmt.F32, _f32((H,), 1.0, 0.05))
-        for n, rows in (("attn_q", cfg.num_heads * D), ("attn_k", cfg.num_kv_heads * D), ("attn_v", cfg.num_kv_heads * D)):
-            add(b + n + ".weight", (rows, H), q(n, i))
-            if cfg.attention_bias:
-                add(b + n + ".bias", (rows,), Fmt.F32, _f32((rows,), 0.0, 0.02))
-        add(b + "attn_output.weight", (H, cfg.num_heads * D), q("attn_output", i), gain=RESIDUAL_GAIN)
-        if cfg.use_qk_norm:
-            add(b + "attn_q_norm.weight", (D,), Fmt.F32, _f32((D,), QK_NORM_GAIN, 0.05))
-            add(b + "attn_k_norm.weight", (D,), Fmt.F32, _f32((D,), QK_NORM_GAIN, 0.05))
-        add(b + "post_attention_norm.weight", (H,), Fmt.F32, _f32((H,), 1.0, 0.05))
-        if i < cfg.first_k_dense_replace:
-            F = cfg.intermediate_size
-            add(b + "ffn_gate.weight", (F, H), q("ffn_gate", i))
-            add(b + "ffn_up.weight", (F, H), q("ffn_up", i))
-            add(b + "ffn_down.weight", (H, F), q("ffn_down_shexp", i), gain=RESIDUAL_GAIN)
-            continue
-        add(b + "ffn_gate_inp.weight", (E, H), Fmt.F32, _f32((E, H), 0.0, 0.02))
-        add(b + "exp_probs_b.bias", (E,), Fmt.F32, _f32((E,), 0.0, 0.01))
-        add(b + "ffn_gate_exps.weight", (E, I, H), q("ffn_gate_exps", i))
-        add(b + "ffn_up_exps.weight", (E, I, H), q("ffn_up_exps", i))
-        add(b + "ffn_down_exps.weight", (E, H, I), q("ffn_down_exps", i), gain=RESIDUAL_GAIN)
-        if S:
-            add(b + "ffn_gate_shexp.weight", (S, H), q("ffn_gate_shexp", i))
-            add(b + "ffn_up_shexp.weight", (S, H), q("ffn_up_shexp", i))
-            add(b + "ffn_down_shexp.weight", (H, S), q("ffn_down_shexp", i), gain=RESIDUAL_GAIN)
-    add("output_norm.weight", (H,), Fmt.F32, _f32((H,), 1.0, 0.05))
-    add("output.weight", (cfg.vocab_size, H), q("output", L))
-    return out
-
-
 def cut_layers(cfg: ModelConfig, n: int) -> ModelConfig:
     """The preset with only its first ``n`` layers (hybrids keep their layer pattern, GLM-4.5
     at most ``n`` dense leading layers)."""
+    if isinstance(cfg, DeepseekConfig):
+        return deepseek.cut(cfg, n)
     out = dataclasses.replace(cfg, num_layers=n)
     if isinstance(out, Glm4MoeConfig):
         out.first_k_dense_replace = min(out.first_k_dense_replace, n)
@@ -437,7 +396,11 @@ def plan(cfg: ModelConfig, quant: str) -> list[Planned]:
     if cfg.architecture == "qwen3_5_moe":
         return plan_qwen35(cfg, quant)  # type: ignore[arg-type]
     if cfg.architecture == "glm4_moe":
+        from freetoken.cli.bench.make_model_glm import plan_glm4moe
+
         return plan_glm4moe(cfg, quant)  # type: ignore[arg-type]
+    if cfg.architecture == "deepseek_v3":
+        return deepseek.plan_deepseek2(cfg, quant)  # type: ignore[arg-type]
     packed, f32 = _packed, _f32
     H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
     out: list[Planned] = []
@@ -510,6 +473,11 @@ def write(path: str, cfg: ModelConfig, quant: str, seed: int = 0, progress: bool
 
         w = gguf.GGUFWriter(path, "glm4moe")
         write_glm4moe_metadata(w, cfg, name)
+    elif cfg.architecture == "deepseek_v3":
+        from freetoken.models.gguf_writer import write_deepseek2_metadata
+
+        w = gguf.GGUFWriter(path, "deepseek2")
+        write_deepseek2_metadata(w, cfg, name)
     else:
         w = gguf.GGUFWriter(path, ARCH)
         write_qwen3moe_metadata(w, cfg, name)
