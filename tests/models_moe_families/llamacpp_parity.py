@@ -63,6 +63,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--port", type=int, default=18471)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--llama-args", default="", help="more llama-server arguments, e.g. \"-ctk f32 -fa off\"")
     args = ap.parse_args()
 
     from freetoken.engine.config import EngineConfig
@@ -85,7 +86,7 @@ def main() -> int:
 
     url = f"http://127.0.0.1:{args.port}"
     proc = subprocess.Popen([args.llama_server, "-m", args.gguf, "-t", str(args.threads), "-c", str(4 * (args.len + 8)),
-                             "--host", "127.0.0.1", "--port", str(args.port)],
+                             "--host", "127.0.0.1", "--port", str(args.port), *args.llama_args.split()],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_health(url, proc, 120)
