@@ -48,7 +48,7 @@ from freetoken.models.glm4_moe import skip_nextn_layers
 from freetoken.models.mla import MlaAttention, MlaShape
 from freetoken.models.moe_decoder import Names, swiglu_experts_builder
 from freetoken.models.rope import RopeScaling, hf_rope_parameters, make_rotary
-from freetoken.models.routing import GroupedTopK
+from freetoken.models.routing import GroupedTopK, gguf_routing_fields
 from freetoken.models.tensor_names import GGUF_ATTENTION_ROLES, GGUF_MLP_ROLES, HF_ATTENTION_ROLES, HF_MLP_ROLES
 from freetoken.models.tensor_names import gguf_names, hf_names
 
@@ -232,7 +232,7 @@ def _gguf_rope(meta: dict[str, Any], a: str, where: str) -> tuple[RopeScaling, f
 
 
 def config_from_gguf(meta: dict[str, Any], has_output: bool) -> DeepseekConfig:
-    from freetoken.loading.gguf import gguf_float, gguf_int
+    from freetoken.loading.gguf import gguf_int
 
     a = meta.get("general.architecture", "deepseek2")
     where = f"GGUF {a}"
@@ -266,11 +266,7 @@ def config_from_gguf(meta: dict[str, Any], has_output: bool) -> DeepseekConfig:
         rope_scaling=scaling,
         softmax_mscale=softmax_mscale,
         scoring=GGUF_GATING[gating],
-        n_shared_experts=gguf_int(meta, f"{a}.expert_shared_count", 0),
-        n_group=gguf_int(meta, f"{a}.expert_group_count", 1) or 1,
-        topk_group=gguf_int(meta, f"{a}.expert_group_used_count", 1) or 1,
-        routed_scaling_factor=gguf_float(meta, f"{a}.expert_weights_scale", 1.0),
-        first_k_dense_replace=gguf_int(meta, f"{a}.leading_dense_block_count", 0),
+        **gguf_routing_fields(meta, a, shared_default=0, dense_default=0),
         num_nextn_predict_layers=nextn,
     ), where)
 

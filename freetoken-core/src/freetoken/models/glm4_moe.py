@@ -28,7 +28,7 @@ from freetoken.loading.tensors import TensorSource
 from freetoken.models.config import ModelConfig, check_hf_support, gguf_config_fields, hf_config_fields, hf_eos_ids
 from freetoken.models.moe_decoder import Arch, MoeDecoderModel, Names, swiglu_experts_builder
 from freetoken.models.rope import default_rope_theta, hf_rope_parameters
-from freetoken.models.routing import GroupedTopK
+from freetoken.models.routing import GroupedTopK, gguf_routing_fields
 from freetoken.models.tensor_names import GGUF_ATTENTION_ROLES, GGUF_MLP_ROLES, HF_ATTENTION_ROLES, HF_MLP_ROLES
 from freetoken.models.tensor_names import gguf_names, hf_names
 
@@ -120,7 +120,7 @@ def config_from_hf(cfg: dict[str, Any], generation_config: Optional[dict[str, An
 
 
 def config_from_gguf(meta: dict[str, Any], has_output: bool) -> Glm4MoeConfig:
-    from freetoken.loading.gguf import gguf_float, gguf_int
+    from freetoken.loading.gguf import gguf_int
 
     a = meta.get("general.architecture", "glm4moe")
     where = f"GGUF {a}"
@@ -145,11 +145,7 @@ def config_from_gguf(meta: dict[str, Any], has_output: bool) -> Glm4MoeConfig:
         rotary_dim=gguf_int(meta, f"{a}.rope.dimension_count", fields["head_dim"] // 2),
         attention_bias=True,  # decided per file by its tensors (Glm4MoeModel)
         use_qk_norm=False,
-        n_shared_experts=gguf_int(meta, f"{a}.expert_shared_count", 1),
-        n_group=gguf_int(meta, f"{a}.expert_group_count", 1) or 1,
-        topk_group=gguf_int(meta, f"{a}.expert_group_used_count", 1) or 1,
-        routed_scaling_factor=gguf_float(meta, f"{a}.expert_weights_scale", 1.0),
-        first_k_dense_replace=gguf_int(meta, f"{a}.leading_dense_block_count", 1),
+        **gguf_routing_fields(meta, a, shared_default=1, dense_default=1),
         num_nextn_predict_layers=nextn,
     ), where)
 

@@ -26,6 +26,7 @@ Everything runs as device tensor ops (no host sync), so a decode graph captures 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -65,6 +66,32 @@ class GroupedTopK:
             raise CheckpointError(f"{where}: routed_scaling_factor={self.routed_scaling_factor} is not positive")
 
 
+def _chosen(scores: torch.Tensor, choice: torch.Tensor, r: GroupedTopK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` experts by ``choice`` (int32 ids) and their weights: their ``scores``,
+    renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``."""
+    ids = choice.topk(r.top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if r.norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    if r.routed_scaling_factor != 1.0:
+        w = w * r.routed_scaling_factor
+    return ids.to(torch.int32), w
+
+
+def gguf_routing_fields(meta: dict[str, Any], a: str, shared_default: int, dense_default: int) -> dict[str, Any]:
+    """The grouped-routing fields of a config (shared experts, groups, scale, leading dense
+    layers) from GGUF metadata of architecture ``a``, as llama.cpp's converter writes them."""
+    from freetoken.loading.gguf import gguf_float, gguf_int
+
+    return dict(
+        n_shared_experts=gguf_int(meta, f"{a}.expert_shared_count", shared_default),
+        n_group=gguf_int(meta, f"{a}.expert_group_count", 1) or 1,
+        topk_group=gguf_int(meta, f"{a}.expert_group_used_count", 1) or 1,
+        routed_scaling_factor=gguf_float(meta, f"{a}.expert_weights_scale", 1.0),
+        first_k_dense_replace=gguf_int(meta, f"{a}.leading_dense_block_count", dense_default),
+    )
+
+
 def grouped_sigmoid_top_k(logits: torch.Tensor, correction_bias: torch.Tensor,
                           r: GroupedTopK) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Expert ids (int32 ``[T, top_k]``) and float32 weights of the sigmoid routing in the
@@ -79,13 +106,7 @@ def grouped_sigmoid_top_k(logits: torch.Tensor, correction_bias: torch.Tensor,
         keep = group_scores.topk(r.topk_group, dim=-1).indices
         mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
         choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, r.num_experts)
-    ids = choice.topk(r.top_k, dim=-1).indices
-    w = scores.gather(1, ids)
-    if r.norm_topk_prob:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    if r.routed_scaling_factor != 1.0:
-        w = w * r.routed_scaling_factor
-    return ids.to(torch.int32), w
+    return _chosen(scores, choice, r)
 
 
 def grouped_softmax_top_k(logits: torch.Tensor, r: GroupedTopK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,10 +120,4 @@ def grouped_softmax_top_k(logits: torch.Tensor, r: GroupedTopK) -> tuple[torch.T
         keep = grouped.amax(-1).topk(r.topk_group, dim=-1).indices
         mask = torch.zeros(T, r.n_group, dtype=torch.bool, device=scores.device).scatter_(1, keep, True)
         choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, r.num_experts)
-    ids = choice.topk(r.top_k, dim=-1).indices
-    w = scores.gather(1, ids)
-    if r.norm_topk_prob:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    if r.routed_scaling_factor != 1.0:
-        w = w * r.routed_scaling_factor
-    return ids.to(torch.int32), w
+    return _chosen(scores, choice, r)
