@@ -3,12 +3,11 @@ names and metadata keys, ``--layers``, and the engine runs the file."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from freetoken import SamplingParams
-from freetoken.cli.bench.make_model import PRESETS, cut_layers, plan, write
+from freetoken.cli.bench.make_model import PRESETS, cut_layers, plan
 from freetoken.handoff import Fmt
 from helpers import engine_for
+from make_model_files import write_tiny_and_read
 
 
 def test_glm_45_air_preset_shape():
@@ -34,19 +33,10 @@ def test_glm_45_air_preset_shape():
 
 
 def test_glm_tiny_file_names_metadata_and_engine(tmp_path):
-    import gguf
-    from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
+    from gguf.constants import MODEL_ARCH
 
-    path = str(tmp_path / "glm-tiny.gguf")
-    cfg = dataclasses.replace(PRESETS["glm-4.5-air-tiny"])
-    write(path, cfg, "q4_k_m", seed=3, progress=False)
-    reader = gguf.GGUFReader(path)
-    known = {TENSOR_NAMES[t].format(bid=i) for t in MODEL_TENSORS[MODEL_ARCH.GLM4_MOE] for i in range(cfg.num_layers)}
-    names = {t.name for t in reader.tensors}
-    assert {n.rsplit(".", 1)[0] for n in names} <= known
-    keys = {f.name: f for f in reader.fields.values()}
+    path, cfg, keys = write_tiny_and_read(tmp_path, "glm-4.5-air-tiny", MODEL_ARCH.GLM4_MOE, "glm4moe")
     a = "glm4moe"
-    assert str(bytes(keys["general.architecture"].parts[-1]), "utf-8") == a
     for key, want in ((f"{a}.block_count", 3), (f"{a}.leading_dense_block_count", 1), (f"{a}.expert_shared_count", 1),
                       (f"{a}.expert_gating_func", 2), (f"{a}.rope.dimension_count", 32),
                       (f"{a}.nextn_predict_layers", 0), (f"{a}.expert_feed_forward_length", 256)):  # fmt: skip
