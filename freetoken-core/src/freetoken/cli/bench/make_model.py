@@ -51,15 +51,25 @@ import sys
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
 from freetoken.cli.bench import make_model_deepseek as deepseek
 from freetoken.handoff import Fmt
 from freetoken.models.deepseek_v3 import DeepseekConfig
+from freetoken.cli.bench.tensor_plan import (
+    MXFP4,
+    QK_NORM_GAIN,
+    QUANTS,
+    RESIDUAL_GAIN,
+    Planned,
+    f32_values,
+    packed_blocks,
+    tensor_format,
+    uniform_values,
+)
 from freetoken.models.gguf_writer import RandomBlockPool
-from freetoken.loading.tensors import row_bytes
 from freetoken.models.config import ModelConfig
 from freetoken.models.glm4_moe import Glm4MoeConfig
 from freetoken.models.qwen_hybrid import FULL, LINEAR, HybridConfig, finish_config
@@ -166,75 +176,8 @@ PRESETS: dict[str, ModelConfig] = {
     **deepseek.PRESETS,
 }
 
-QUANTS = ("q4_k_m", "q8_0", "q4_k", "q6_k", "mxfp4")
 #: GPT-OSS's hyper-parameters beyond ModelConfig (sliding window, YaRN factor and original context)
 GPT_OSS_WINDOW, GPT_OSS_YARN_FACTOR, GPT_OSS_YARN_ORIGINAL = 128, 32.0, 4096
-MXFP4 = 39  # ggml type id
-
-
-def use_more_bits(i: int, n: int) -> bool:
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
-def tensor_format(quant: str, role: str, layer: int, n_layers: int) -> int:
-    if quant == "q8_0":
-        return Fmt.Q8_0
-    if quant == "q4_k":
-        return Fmt.Q4_K
-    if quant == "q6_k":
-        return Fmt.Q6_K
-    # q4_k_m
-    if role == "output":
-        return Fmt.Q6_K
-    if role in ("attn_v", "attn_qkv", "ffn_down_exps", "ffn_down_shexp") and use_more_bits(layer, n_layers):
-        return Fmt.Q6_K
-    return Fmt.Q4_K
-
-
-@dataclasses.dataclass
-class Planned:
-    name: str
-    shape: tuple[int, ...]  # row-major
-    fmt: int
-    make: Callable[[np.random.Generator, RandomBlockPool], np.ndarray]
-    gain: float = 1.0  # packed blocks: scale of the block scales (the residual branches' outputs are smaller)
-
-    @property
-    def nbytes(self) -> int:
-        rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
-        if self.fmt == MXFP4:
-            return rows * self.shape[-1] // 32 * 17
-        return rows * row_bytes(self.fmt, self.shape[-1])
-
-
-#: how a planned tensor's bytes are drawn
-Maker = Callable[[np.random.Generator, RandomBlockPool], np.ndarray]
-
-
-def _f32(shape: tuple[int, ...], mean: float, std: float) -> Maker:
-    return lambda rng, pool: (mean + std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-
-
-def _uniform(shape: tuple[int, ...], lo: float, hi: float) -> Maker:
-    return lambda rng, pool: rng.uniform(lo, hi, size=shape).astype(np.float32)
-
-
-def _packed(shape: tuple[int, ...], fmt: int, gain: float = 1.0) -> Maker:
-    rows = int(np.prod(shape[:-1]))
-    return lambda rng, pool: pool.blocks(fmt, rows, shape[-1], gain).reshape(*shape[:-1], -1)
-
-
-#: the block-scale gain of the matrices that write into the residual stream (attention
-#: output, expert down projections): with weights of one scale everywhere each layer's
-#: output is ~10x the token embedding; scaled down, the token's own embedding keeps a
-#: larger share of the hidden state (on its own this did not spread the deeper layers'
-#: routing over the experts; the sharper attention below did)
-RESIDUAL_GAIN = 0.1
-#: the q/k RMSNorm weights' mean: attention logits of standard deviation ~4, so each query
-#: attends to a few positions instead of averaging the whole context (near-uniform
-#: attention gives every position the context's mean value vector, the same for all tokens,
-#: and the routers then pick the same few experts for every token)
-QK_NORM_GAIN = 4.0
 
 
 def skew_routers(tensors: list[Planned], skew: float) -> list[Planned]:
@@ -277,7 +220,7 @@ def plan_gpt_oss(cfg: ModelConfig, quant: str) -> list[Planned]:
     H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
     out: list[Planned] = []
 
-    f32 = _f32
+    f32 = f32_values
 
     def add(name: str, shape: tuple[int, ...], fmt: int, make=None) -> None:
         if make is None and fmt == MXFP4:
@@ -323,7 +266,7 @@ def plan_qwen35(cfg: HybridConfig, quant: str) -> list[Planned]:
     out: list[Planned] = []
 
     def add(name: str, shape: tuple[int, ...], fmt: int, make=None) -> None:
-        out.append(Planned(name, shape, fmt, make or _packed(shape, fmt)))
+        out.append(Planned(name, shape, fmt, make or packed_blocks(shape, fmt)))
 
     def q(role: str, i: int) -> int:
         return tensor_format(quant, role, i, L)
@@ -331,46 +274,38 @@ def plan_qwen35(cfg: HybridConfig, quant: str) -> list[Planned]:
     add("token_embd.weight", (cfg.vocab_size, H), q("token_embd", 0))
     for i in range(L):
         b = f"blk.{i}."
-        add(b + "attn_norm.weight", (H,), Fmt.F32, _f32((H,), 1.0, 0.05))
+        add(b + "attn_norm.weight", (H,), Fmt.F32, f32_values((H,), 1.0, 0.05))
         if cfg.layer_types[i] == FULL:
             add(b + "attn_q.weight", (2 * cfg.num_heads * D, H), q("attn_q", i))
             add(b + "attn_k.weight", (cfg.num_kv_heads * D, H), q("attn_k", i))
             add(b + "attn_v.weight", (cfg.num_kv_heads * D, H), q("attn_v", i))
             add(b + "attn_output.weight", (H, cfg.num_heads * D), q("attn_output", i))
-            add(b + "attn_q_norm.weight", (D,), Fmt.F32, _f32((D,), 1.0, 0.05))
-            add(b + "attn_k_norm.weight", (D,), Fmt.F32, _f32((D,), 1.0, 0.05))
+            add(b + "attn_q_norm.weight", (D,), Fmt.F32, f32_values((D,), 1.0, 0.05))
+            add(b + "attn_k_norm.weight", (D,), Fmt.F32, f32_values((D,), 1.0, 0.05))
         else:
             conv_dim = 2 * hk * dk + hv * dv
             add(b + "attn_qkv.weight", (conv_dim, H), q("attn_qkv", i))
             add(b + "attn_gate.weight", (hv * dv, H), q("attn_gate", i))
             conv = (conv_dim, cfg.conv_kernel)
-            add(b + "ssm_conv1d.weight", conv, Fmt.F32, _f32(conv, 0.0, 0.3))
-            add(b + "ssm_dt.bias", (hv,), Fmt.F32, _uniform((hv,), 0.5, 2.0))
-            add(b + "ssm_a", (hv,), Fmt.F32, _uniform((hv,), -16.0, -1.0))
+            add(b + "ssm_conv1d.weight", conv, Fmt.F32, f32_values(conv, 0.0, 0.3))
+            add(b + "ssm_dt.bias", (hv,), Fmt.F32, uniform_values((hv,), 0.5, 2.0))
+            add(b + "ssm_a", (hv,), Fmt.F32, uniform_values((hv,), -16.0, -1.0))
             add(b + "ssm_beta.weight", (hv, H), q("ssm_beta", i))
             add(b + "ssm_alpha.weight", (hv, H), q("ssm_alpha", i))
-            add(b + "ssm_norm.weight", (dv,), Fmt.F32, _f32((dv,), 1.0, 0.05))
+            add(b + "ssm_norm.weight", (dv,), Fmt.F32, f32_values((dv,), 1.0, 0.05))
             add(b + "ssm_out.weight", (H, hv * dv), q("ssm_out", i))
-        add(b + "post_attention_norm.weight", (H,), Fmt.F32, _f32((H,), 1.0, 0.05))
-        add(b + "ffn_gate_inp.weight", (E, H), Fmt.F32, _f32((E, H), 0.0, 0.02))
+        add(b + "post_attention_norm.weight", (H,), Fmt.F32, f32_values((H,), 1.0, 0.05))
+        add(b + "ffn_gate_inp.weight", (E, H), Fmt.F32, f32_values((E, H), 0.0, 0.02))
         add(b + "ffn_gate_exps.weight", (E, I, H), q("ffn_gate_exps", i))
         add(b + "ffn_up_exps.weight", (E, I, H), q("ffn_up_exps", i))
         add(b + "ffn_down_exps.weight", (E, H, I), q("ffn_down_exps", i))
-        add(b + "ffn_gate_inp_shexp.weight", (H,), Fmt.F32, _f32((H,), 0.0, 0.02))
+        add(b + "ffn_gate_inp_shexp.weight", (H,), Fmt.F32, f32_values((H,), 0.0, 0.02))
         add(b + "ffn_gate_shexp.weight", (S, H), q("ffn_gate_shexp", i))
         add(b + "ffn_up_shexp.weight", (S, H), q("ffn_up_shexp", i))
         add(b + "ffn_down_shexp.weight", (H, S), q("ffn_down_shexp", i))
-    add("output_norm.weight", (H,), Fmt.F32, _f32((H,), 1.0, 0.05))
+    add("output_norm.weight", (H,), Fmt.F32, f32_values((H,), 1.0, 0.05))
     add("output.weight", (cfg.vocab_size, H), q("output", L))
     return out
-
-
-_K_QUANTS = (int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K))
-
-
-def _row_format(fmt: int, cols: int) -> int:
-    """``fmt``, or Q8_0 for a K-quant whose rows are no multiple of its 256-value blocks."""
-    return int(Fmt.Q8_0) if int(fmt) in _K_QUANTS and cols % 256 else fmt
 
 
 def cut_layers(cfg: ModelConfig, n: int) -> ModelConfig:
@@ -401,7 +336,7 @@ def plan(cfg: ModelConfig, quant: str) -> list[Planned]:
         return plan_glm4moe(cfg, quant)  # type: ignore[arg-type]
     if cfg.architecture == "deepseek_v3":
         return deepseek.plan_deepseek2(cfg, quant)  # type: ignore[arg-type]
-    packed, f32 = _packed, _f32
+    packed, f32 = packed_blocks, f32_values
     H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
     out: list[Planned] = []
 

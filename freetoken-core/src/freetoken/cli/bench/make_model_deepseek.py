@@ -2,26 +2,30 @@
 llama.cpp's converter writes today: ``kv_b`` split into ``attn_k_b``, transposed per head,
 and ``attn_v_b``; one KV head of the latent's size in the metadata).
 
-Q4_K_M follows :func:`freetoken.cli.bench.make_model.tensor_format` (Q4_K, the output head
+Q4_K_M follows :func:`freetoken.cli.bench.tensor_plan.tensor_format` (Q4_K, the output head
 Q6_K, ``ffn_down_exps``/``ffn_down_shexp`` Q6_K in the ``use_more_bits`` layers); rows whose
 length is no multiple of 256 are Q8_0 (``attn_k_b``'s rows of ``qk_nope_head_dim``), and so
 is ``attn_v_b`` (the engine dequantizes both at load: the absorbed decode multiplies by them
 as dense matrices). Norms, the router and the score-correction bias are F32. The query
-LoRA's norm weights have mean :data:`~freetoken.cli.bench.make_model.QK_NORM_GAIN` (sharper
+LoRA's norm weights have mean :data:`~freetoken.cli.bench.tensor_plan.QK_NORM_GAIN` (sharper
 attention, see there). The checkpoint's next-token-prediction layer is left out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
+from freetoken.cli.bench.tensor_plan import (
+    QK_NORM_GAIN,
+    RESIDUAL_GAIN,
+    Planned,
+    f32_values,
+    packed_blocks,
+    row_format,
+    tensor_format,
+)
 from freetoken.handoff import Fmt
 from freetoken.models.deepseek_v3 import DeepseekConfig, yarn_mscale
 from freetoken.models.rope import RopeScaling
-
-if TYPE_CHECKING:
-    from freetoken.cli.bench.make_model import Planned
 
 
 def _deepseek(yarn: RopeScaling, **kw: object) -> DeepseekConfig:
@@ -78,9 +82,6 @@ def cut(cfg: DeepseekConfig, n: int) -> DeepseekConfig:
 
 def plan_deepseek2(cfg: DeepseekConfig, quant: str) -> "list[Planned]":
     """llama.cpp's deepseek2 tensor set, layer by layer as its converter writes it."""
-    from freetoken.cli.bench.make_model import QK_NORM_GAIN, RESIDUAL_GAIN, Planned, _f32, _packed, _row_format
-    from freetoken.cli.bench.make_model import tensor_format
-
     H, E, I, L = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
     Hq, nope, rope, v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     lora, q_lora = cfg.kv_lora_rank, cfg.q_lora_rank
@@ -88,14 +89,14 @@ def plan_deepseek2(cfg: DeepseekConfig, quant: str) -> "list[Planned]":
     out: list[Planned] = []
 
     def add(name: str, shape: tuple[int, ...], fmt: int, make=None, gain: float = 1.0) -> None:
-        fmt = _row_format(fmt, shape[-1])
-        out.append(Planned(name, shape, fmt, make or _packed(shape, fmt, gain), gain))
+        fmt = row_format(fmt, shape[-1])
+        out.append(Planned(name, shape, fmt, make or packed_blocks(shape, fmt, gain), gain))
 
     def q(role: str, i: int) -> int:
         return tensor_format(quant, role, i, L)
 
     def norm(name: str, n: int, mean: float = 1.0) -> None:
-        add(name, (n,), Fmt.F32, _f32((n,), mean, 0.05))
+        add(name, (n,), Fmt.F32, f32_values((n,), mean, 0.05))
 
     add("token_embd.weight", (cfg.vocab_size, H), q("token_embd", 0))
     for i in range(L):
@@ -119,9 +120,9 @@ def plan_deepseek2(cfg: DeepseekConfig, quant: str) -> "list[Planned]":
             add(b + "ffn_up.weight", (F, H), q("ffn_up", i))
             add(b + "ffn_down.weight", (H, F), q("ffn_down_shexp", i), gain=RESIDUAL_GAIN)
             continue
-        add(b + "ffn_gate_inp.weight", (E, H), Fmt.F32, _f32((E, H), 0.0, 0.02))
+        add(b + "ffn_gate_inp.weight", (E, H), Fmt.F32, f32_values((E, H), 0.0, 0.02))
         if cfg.scoring == "sigmoid":
-            add(b + "exp_probs_b.bias", (E,), Fmt.F32, _f32((E,), 0.0, 0.01))
+            add(b + "exp_probs_b.bias", (E,), Fmt.F32, f32_values((E,), 0.0, 0.01))
         add(b + "ffn_gate_exps.weight", (E, I, H), q("ffn_gate_exps", i))
         add(b + "ffn_up_exps.weight", (E, I, H), q("ffn_up_exps", i))
         add(b + "ffn_down_exps.weight", (E, H, I), q("ffn_down_exps", i), gain=RESIDUAL_GAIN)
