@@ -60,13 +60,24 @@ _DEEPSEEK_LLM_RULES = (
     "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
     "\\p{N}+",
 )
+# Kimi-K2 ("kimi-k2"): Han runs apart, letter runs split at lower-to-upper case changes (an
+# upper-case run may open a lower-case one), contractions kept with their word, digits in
+# threes; letters and marks here exclude Han ("&&": class intersection)
+_KIMI_K2_REGEX = (
+    r"[\p{Han}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 #: llama.cpp's pre-tokenizer names -> the split rules (regexes, applied in order, each to the
 #: pieces the ones before left) that run before byte-level BPE. GLM-4/4.5 ("glm4", older files
 #: "chatglm-bpe") is llama.cpp's CHATGLM4 rule, Llama 3's regex.
 SPLIT_RULES: dict[str, tuple[str, ...]] = {
     "qwen2": (_QWEN2_REGEX,), "qwen35": (_QWEN35_REGEX,), "llama-bpe": (_LLAMA3_REGEX,), "llama3": (_LLAMA3_REGEX,),
     "glm4": (_LLAMA3_REGEX,), "chatglm-bpe": (_LLAMA3_REGEX,), "deepseek-v3": _DEEPSEEK3_RULES,
-    "deepseek-llm": _DEEPSEEK_LLM_RULES,
+    "deepseek-llm": _DEEPSEEK_LLM_RULES, "kimi-k2": (_KIMI_K2_REGEX,),
 }
 #: pre-tokenizers whose BPE takes a word found whole in the vocabulary as that one token
 #: before any merge (llama.cpp's ``ignore_merges``; HF tokenizers' BPE option of that name)
