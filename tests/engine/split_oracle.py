@@ -17,6 +17,8 @@ import os
 import random
 from typing import Any
 
+from freetoken.loading.byte_level import byte_symbols
+
 DATA = os.path.join(os.path.dirname(__file__), "data")
 #: the pre-tokenizer names compared (GGUF ``tokenizer.ggml.pre``)
 PRE_NAMES = ("gpt-2", "llama-bpe", "qwen2", "qwen35", "deepseek-llm", "deepseek-v3", "glm4", "kimi-k2")
@@ -46,23 +48,9 @@ def llama_cpp_texts() -> list[str]:
     return [t for t in texts if t] + list(EXTRA_TEXTS)
 
 
-def byte_symbols() -> list[str]:
-    """The byte-level alphabet in byte order: byte b -> its printable stand-in (GPT-2's table:
-    printable Latin-1 bytes stand for themselves, the others for code points from 256 up)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return [out[b] for b in range(256)]
-
-
 def oracle_vocab(texts: list[str]) -> tuple[list[str], list[str]]:
     """The tokens and merges (module docstring) for the characters of ``texts``."""
-    sym = byte_symbols()
+    sym = byte_symbols()  # byte -> its character
     tokens = list(sym)
     index = {t: i for i, t in enumerate(tokens)}
     merges: list[str] = []

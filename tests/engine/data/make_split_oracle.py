@@ -18,9 +18,10 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from split_oracle import DATA, PRE_NAMES, SEED, byte_symbols, llama_cpp_texts, oracle_vocab  # noqa: E402
+from split_oracle import DATA, PRE_NAMES, SEED, llama_cpp_texts, oracle_vocab  # noqa: E402
 from split_oracle import write_vocab_gguf  # noqa: E402
 
+from freetoken.loading.byte_level import byte_decoder  # noqa: E402
 from freetoken.loading.tokenizer import SPLIT_RULES  # noqa: E402
 
 
@@ -29,7 +30,7 @@ def tiktoken_ids(texts: list[str], tokens: list[str], pattern: str) -> list[list
     first, then the merged ones in merge order, as BPE over the merges ranks them)."""
     import tiktoken
 
-    sym = {c: b for b, c in enumerate(byte_symbols())}
+    sym = byte_decoder()
     ranks = {bytes(sym[c] for c in t): i for i, t in enumerate(tokens)}
     enc = tiktoken.Encoding("split-oracle", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
     return [enc.encode(t) for t in texts]

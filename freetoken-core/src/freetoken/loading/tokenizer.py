@@ -283,17 +283,31 @@ def _token_str(v: Any) -> Optional[str]:
     return str(v)
 
 
+def has_hf_tokenizer(path: str) -> bool:
+    """Whether the checkpoint directory has a tokenizer FreeToken reads: ``tokenizer.json``,
+    or a tiktoken vocabulary (:mod:`freetoken.loading.tiktoken_vocab`)."""
+    from freetoken.loading.tiktoken_vocab import has_tiktoken_vocab
+
+    return os.path.exists(os.path.join(path, "tokenizer.json")) or has_tiktoken_vocab(path)
+
+
 def load_hf_tokenizer(path: str, eos_from_config: Iterable[int] = ()) -> Tokenizer:
     from tokenizers import Tokenizer as HFTok
 
-    tj = os.path.join(path, "tokenizer.json")
-    if not os.path.exists(tj):
-        raise CheckpointError(f"{path}: no tokenizer.json (FreeToken reads fast-tokenizer files only)")
-    try:
-        tok = HFTok.from_file(tj)
-    except Exception as exc:
-        raise CheckpointError(f"{tj}: cannot load tokenizer: {exc}") from exc
+    from freetoken.loading.tiktoken_vocab import build_tiktoken_tokenizer, has_tiktoken_vocab
+
     tc = read_json(os.path.join(path, "tokenizer_config.json"), required=False) or {}
+    tj = os.path.join(path, "tokenizer.json")
+    if os.path.exists(tj):
+        try:
+            tok = HFTok.from_file(tj)
+        except Exception as exc:
+            raise CheckpointError(f"{tj}: cannot load tokenizer: {exc}") from exc
+    elif has_tiktoken_vocab(path):
+        tok = build_tiktoken_tokenizer(path, tc)
+    else:
+        raise CheckpointError(f"{path}: no tokenizer.json or tiktoken.model (FreeToken reads fast-tokenizer files "
+                              "and tiktoken vocabularies)")
     template = tc.get("chat_template")
     if isinstance(template, list):  # named templates: take "default"
         template = next((t["template"] for t in template if t.get("name") == "default"), None)

@@ -15,7 +15,7 @@ from freetoken.backends.contract import ModelSession, ModelShape
 from freetoken.handoff import Fmt
 from freetoken.loading.hf import CheckpointError, HFCheckpoint, hf_architecture
 from freetoken.loading.memory import check_fits
-from freetoken.loading.tokenizer import IdsOnlyTokenizer, Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
+from freetoken.loading.tokenizer import IdsOnlyTokenizer, Tokenizer, has_hf_tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 from freetoken.models.config import ModelConfig
 from freetoken.models.registry import family_for_gguf, family_for_hf
 
@@ -128,10 +128,10 @@ def _load_hf(path: str, session: ModelSession, show: Optional[bool]) -> LoadedMo
     model = getattr(mod, fam.model_class)(cfg, ck, mod.HF_NAMES, policy, progress=prog)
     if bar is not None:
         bar.close()
-    if os.path.exists(os.path.join(path, "tokenizer.json")):
+    if has_hf_tokenizer(path):
         tok = load_hf_tokenizer(path, cfg.eos_token_ids)
     else:
-        logger.warning("%s has no tokenizer.json: token ids only", path)
+        logger.warning("%s has no tokenizer.json or tiktoken.model: token ids only", path)
         tok = IdsOnlyTokenizer(cfg.eos_token_ids, cfg.vocab_size, path)
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = tuple(tok.eos_token_ids)
@@ -351,7 +351,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     if os.path.isdir(path):
         ck = HFCheckpoint(path)
         cfg = family_for_hf(hf_architecture(ck.config), path).load().config_from_hf(ck.config, ck.generation_config)
-        if os.path.exists(os.path.join(path, "tokenizer.json")):
+        if has_hf_tokenizer(path):
             return load_hf_tokenizer(path, cfg.eos_token_ids)
         return IdsOnlyTokenizer(cfg.eos_token_ids, cfg.vocab_size, path)
     from freetoken.loading.gguf import GGUFCheckpoint

@@ -36,6 +36,7 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 import numpy as np
 import torch
 
+from freetoken.loading.byte_level import byte_decoder
 from freetoken.server.grammar_closing import (
     MAX_CLOSING,
     candidate_tokens,
@@ -52,19 +53,6 @@ class SchemaError(ValueError):
     """A schema or grammar llguidance cannot enforce (the message names the feature)."""
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
 def token_bytes(tokenizer: Any) -> tuple[list[bytes], list[int]]:
     """Every token id's bytes and the ids of the special tokens (whose bytes are
     ``b"\\xff" + name``, llguidance's convention, so no grammar text matches them)."""
@@ -73,7 +61,7 @@ def token_bytes(tokenizer: Any) -> tuple[list[bytes], list[int]]:
     special = {int(i) for i, t in hf.get_added_tokens_decoder().items() if t.special}
     decoder = json.loads(hf.to_str()).get("decoder") or {}
     byte_level = decoder.get("type") == "ByteLevel"
-    u2b = _byte_decoder()
+    u2b = byte_decoder()
     out: list[bytes] = []
     for i in range(n):
         piece = hf.id_to_token(i)
