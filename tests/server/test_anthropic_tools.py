@@ -16,7 +16,8 @@ from tool_model import tool_model_dir
 
 from freetoken.server.anthropic_protocol import MessagesRequest
 from freetoken.server.anthropic_tools import BlockEvents, chat_request
-from freetoken.server.tool_calls import HermesFormat, ToolCallParser
+from freetoken.server.tool_call_formats import HermesFormat
+from freetoken.server.tool_calls import ToolCallParser
 
 pytestmark = pytest.mark.timeout(300)
 

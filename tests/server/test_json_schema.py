@@ -237,7 +237,7 @@ def test_closing_walk_finishes_the_document(tokenizer: Any) -> None:
 def test_small_max_tokens_still_give_valid_json(client: openai.OpenAI, tokenizer: Any, choice: Any) -> None:
     """max_tokens from the closing of the empty output (in-process, same tokenizer) up:
     "stop" ("tool_calls") and valid JSON, within max_tokens."""
-    from freetoken.server.tool_calls import HermesFormat
+    from freetoken.server.tool_call_formats import HermesFormat
     from freetoken.server.tool_constraint import call_grammar, tool_call_constraint
 
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}

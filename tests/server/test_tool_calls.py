@@ -14,11 +14,11 @@ from freetoken.server.tool_calls import (
     CallArguments,
     CallEnd,
     CallStart,
-    HermesFormat,
     ToolCall,
     ToolCallParser,
     parse_tool_calls,
 )
+from freetoken.server.tool_call_formats import HermesFormat
 from freetoken.server.tool_constraint import call_grammar, tool_call_constraint
 
 FMT = HermesFormat()

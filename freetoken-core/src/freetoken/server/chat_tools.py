@@ -38,9 +38,9 @@ from freetoken.server.tool_calls import (
     Event,
     ToolCall,
     ToolCallParser,
-    format_for,
     parse_tool_calls,
 )
+from freetoken.server.tool_call_formats import format_for
 from freetoken.server.schema_constraint import SchemaError, grammar_vocab
 from freetoken.server.schema_constraint import check_supported as check_schema_support
 from freetoken.server.tool_constraint import call_grammar, tool_call_constraint
@@ -97,6 +97,10 @@ class ChatTools:
             [choice.function.name] if isinstance(choice, NamedToolChoice)
             else list(self.names) if self.mode == "required" else None
         )
+        if self.forced is not None and self.fmt.constrained_call(self.forced[0]) is None:
+            raise APIError(400, f"This model writes tool calls in the {self.fmt.name} markup, whose arguments are not "
+                                "one JSON object, so a call cannot be forced; use tool_choice 'auto'.",
+                           param="tool_choice", code="tool_choice_not_supported")
 
     def stop_strings(self) -> list[str]:
         """Extra stop strings: the end of the first call when only one call is wanted."""

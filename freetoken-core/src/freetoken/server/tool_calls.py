@@ -1,13 +1,8 @@
 """Tool calls in generated text: finding them, streaming or not.
 
-A model announces a function call in its own markup. :class:`ToolCallFormat` describes
-one markup (how a call starts and ends, how its body names the function and its
-arguments, and what text a constrained call is made of); :class:`HermesFormat` is
-the one Qwen2.5/Qwen3 and the Hermes models use::
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+A model announces a function call in its own markup
+(:mod:`freetoken.server.tool_call_formats`: how a call starts and ends, the section tags
+around a group of calls, how its body names the function and its arguments).
 
 :class:`ToolCallParser` reads generated text incrementally (the server feeds it each
 streamed delta) and turns it into events: content text, and complete calls. Text that
@@ -25,10 +20,10 @@ text before, between and after calls is content.
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 import uuid
-from typing import Any, Optional, Union
+from typing import Optional, Union
+
+from freetoken.server.tool_call_formats import ToolCallFormat
 
 
 @dataclasses.dataclass
@@ -65,87 +60,6 @@ class CallEnd:
 
 #: a parser event: content text, a complete call, or (incremental parsing) a call in pieces
 Event = Union[str, ToolCall, CallStart, CallArguments, CallEnd]
-
-
-class ToolCallFormat:
-    """One model family's call markup."""
-
-    name = ""
-    start_tag = ""
-    end_tag = ""
-
-    def parse_body(self, body: str) -> Optional[tuple[str, str]]:
-        """(function name, arguments as a JSON string) of the text between the tags, or None."""
-        raise NotImplementedError
-
-    def constrained_call(self, name: str) -> tuple[str, str]:
-        """(text before, text after) the arguments object of a call to ``name``, as the
-        model writes it: a constrained call is ``before + {json object} + after``."""
-        raise NotImplementedError
-
-    def arguments_start(self, body: str) -> Optional[tuple[str, int]]:
-        """(function name, offset of the arguments object's ``{``) once the beginning of a
-        call's body names the function and opens its arguments, else None (not yet, or a
-        body that is not read incrementally)."""
-        return None
-
-
-class HermesFormat(ToolCallFormat):
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5, Qwen3, Hermes)."""
-
-    name = "hermes"
-    start_tag = "<tool_call>"
-    end_tag = "</tool_call>"
-
-    def parse_body(self, body: str) -> Optional[tuple[str, str]]:
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict):
-            return None
-        name = obj.get("name")
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if not isinstance(name, str) or not name:
-            return None
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return None
-        if not isinstance(args, dict):
-            return None
-        return name, json.dumps(args, ensure_ascii=False)
-
-    def constrained_call(self, name: str) -> tuple[str, str]:
-        return f'{self.start_tag}\n{{"name": {json.dumps(name)}, "arguments": ', f"}}\n{self.end_tag}"
-
-    def arguments_start(self, body: str) -> Optional[tuple[str, int]]:
-        m = _HERMES_HEAD.match(body)
-        if m is None:
-            return None
-        try:
-            name = json.loads(m.group(1))
-        except ValueError:
-            return None
-        return (name, m.end()) if isinstance(name, str) and name else None
-
-
-#: the beginning of a Hermes call body up to the arguments object: ``{"name": "N", "arguments": {``
-_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
-
-
-FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HermesFormat(),)}
-
-
-def format_for(tokenizer: Any) -> ToolCallFormat:
-    """The call markup of the model behind ``tokenizer`` (read from its chat template;
-    the Hermes format when the template does not say)."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    for fmt in FORMATS.values():
-        if fmt.start_tag and fmt.start_tag in template:
-            return fmt
-    return FORMATS["hermes"]
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -211,6 +125,8 @@ class ToolCallParser:
         self._after_call = False
         self._streamed: Optional[int] = None  # open incremental call: body characters consumed
         self._args: Optional[_ObjectEnd] = None
+        #: the tags looked for outside a call: a call's start, and the section tags (dropped)
+        self._outer_tags = (fmt.start_tag, *fmt.section_tags)
 
     def _content(self, text: str, out: list[Event]) -> None:
         if self._after_call:
@@ -230,13 +146,13 @@ class ToolCallParser:
 
     def _call(self, body: str, closed: bool, out: list[Event]) -> None:
         parsed = self.fmt.parse_body(body)
-        if parsed is None or self._full() or (self.names is not None and parsed[0] not in self.names):
+        if parsed is None or self._full() or (self.names is not None and parsed.name not in self.names):
             self._content(self.fmt.start_tag + body + (self.fmt.end_tag if closed else ""), out)
             return
         self._held_ws = ""
         self._after_call = True
         self.calls += 1
-        out.append(ToolCall(parsed[0], parsed[1]))
+        out.append(ToolCall(parsed.name, parsed.arguments, parsed.call_id or new_call_id()))
 
     def _stream_body(self, body: str, out: list[Event]) -> None:
         """An open call's body so far: start the call, or pass on new argument text."""
@@ -248,7 +164,7 @@ class ToolCallParser:
             self.calls += 1
             self._streamed = head[1]
             self._args = _ObjectEnd()
-            out.append(CallStart(ToolCall(head[0], "")))
+            out.append(CallStart(ToolCall(head[0], "", self.fmt.call_id(body) or new_call_id())))
         assert self._args is not None
         if self._args.done:
             return
@@ -287,13 +203,14 @@ class ToolCallParser:
                 self._in_call = False
                 self._call(body, True, out)
                 continue
-            i = self._pending.find(self.fmt.start_tag)
-            if i >= 0:
+            found = [(i, tag) for tag in self._outer_tags if (i := self._pending.find(tag)) >= 0]
+            if found:
+                i, tag = min(found)
                 self._content(self._pending[:i], out)
-                self._pending = self._pending[i + len(self.fmt.start_tag):]
-                self._in_call = True
+                self._pending = self._pending[i + len(tag):]
+                self._in_call = tag == self.fmt.start_tag  # a section tag is dropped
                 continue
-            keep = _partial_suffix(self._pending, self.fmt.start_tag)
+            keep = max(_partial_suffix(self._pending, tag) for tag in self._outer_tags)
             self._content(self._pending[:len(self._pending) - keep], out)
             self._pending = self._pending[len(self._pending) - keep:]
             break

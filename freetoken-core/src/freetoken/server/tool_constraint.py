@@ -21,7 +21,7 @@ import json
 from typing import Any, Optional
 
 from freetoken.server.schema_constraint import SchemaConstraint, lark_grammar, schema_constraint, schema_for_lark
-from freetoken.server.tool_calls import ToolCallFormat
+from freetoken.server.tool_call_formats import ToolCallFormat
 
 
 def call_grammar(fmt: ToolCallFormat, schemas: dict[str, Optional[dict[str, Any]]]) -> str:
@@ -30,7 +30,10 @@ def call_grammar(fmt: ToolCallFormat, schemas: dict[str, Optional[dict[str, Any]
     llguidance does not support."""
     rules = []
     for i, (name, schema) in enumerate(sorted(schemas.items())):
-        before, after = fmt.constrained_call(name)
+        ends = fmt.constrained_call(name)
+        if ends is None:
+            raise ValueError(f"the {fmt.name} markup cannot be constrained (its arguments are no JSON object)")
+        before, after = ends
         rules.append(f"call_{i}: {json.dumps(before)} args_{i} {json.dumps(after)}\n"
                      f"args_{i}: %json {schema_for_lark(schema if schema is not None else {'type': 'object'})}\n")
     start = "start: " + " | ".join(f"call_{i}" for i in range(len(rules))) + "\n"

@@ -1,0 +1,168 @@
+"""The call markups of GLM-4.5, DeepSeek-V3/V3.1 and Kimi-K2 (Hermes has
+test_tool_calls.py): calls found whole and streamed at every split, section tags never in
+the content, what is not a call stays content, a forced call's text parses back to the
+call, the markup found from the chat template, and a forced call refused where the markup
+cannot be constrained."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from freetoken.server.tool_call_formats import FORMATS, DeepSeekFormat, Glm45Format, KimiK2Format, format_for
+from freetoken.server.tool_calls import CallArguments, CallStart, ToolCall, ToolCallParser, parse_tool_calls
+
+NAMES = {"get_weather", "add"}
+GLM, DS31, DS3, KIMI = Glm45Format(), DeepSeekFormat(fenced=False), DeepSeekFormat(fenced=True), KimiK2Format()
+
+
+def glm(name: str, args: dict[str, Any]) -> str:
+    pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
+                    for k, v in args.items())
+    return f"<tool_call>{name}\n{pairs}</tool_call>"
+
+
+def ds31(*calls: tuple[str, dict[str, Any]]) -> str:
+    body = "".join(f"<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{json.dumps(a)}<｜tool▁call▁end｜>" for n, a in calls)
+    return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
+
+
+def ds3(*calls: tuple[str, dict[str, Any]]) -> str:
+    body = "".join(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{json.dumps(a)}\n```<｜tool▁call▁end｜>"
+                   for n, a in calls)
+    return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
+
+
+def kimi(*calls: tuple[str, dict[str, Any]]) -> str:
+    body = "".join(f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
+                   for i, (n, a) in enumerate(calls))
+    return f"<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
+
+
+W = ("get_weather", {"city": "Zürich ✓", "days": 3})
+A = ("add", {"a": 1, "b": [2, {"c": None}], "flag": True})
+
+CASES = [
+    (GLM, "one call", glm(*W), "", [W]),
+    (GLM, "text around two calls", "Checking.\n" + glm(*W) + "\n" + glm(*A) + "\nDone.", "Checking.Done.", [W, A]),
+    (GLM, "a string that reads as a number stays JSON's number", glm("add", {"a": "12"}), "", [("add", {"a": 12})]),
+    (GLM, "no arguments", "<tool_call>get_weather\n</tool_call>", "", [("get_weather", {})]),
+    (GLM, "junk between pairs stays content", "<tool_call>add\n<arg_key>a</arg_key>oops</tool_call>",
+     "<tool_call>add\n<arg_key>a</arg_key>oops</tool_call>", []),
+    (GLM, "unknown function stays content", glm("rm", {}), glm("rm", {}), []),
+    (DS31, "one call in a section", "Sure. " + ds31(W), "Sure.", [W]),
+    (DS31, "two calls in one section", ds31(W, A) + " ok", "ok", [W, A]),
+    (DS31, "the fenced form read too", ds3(A), "", [A]),
+    (DS31, "malformed arguments stay content", "<｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": }<｜tool▁call▁end｜>",
+     "<｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": }<｜tool▁call▁end｜>", []),
+    (DS31, "a partial section tag at the end", "x <｜tool▁calls▁be", "x <｜tool▁calls▁be", []),
+    (DS3, "fenced calls", "Let me see." + ds3(W, A), "Let me see.", [W, A]),
+    (KIMI, "one call", kimi(W), "", [W]),
+    (KIMI, "text and two calls", "I will call two.\n" + kimi(A, W), "I will call two.", [A, W]),
+    (KIMI, "an id without an index stays content",
+     "<|tool_call_begin|>functions.add<|tool_call_argument_begin|>{}<|tool_call_end|>",
+     "<|tool_call_begin|>functions.add<|tool_call_argument_begin|>{}<|tool_call_end|>", []),
+]
+
+
+def _events(fmt: Any, text: str, cuts: list[int], incremental: bool = False) -> list[Any]:
+    parser = ToolCallParser(fmt, NAMES, incremental=incremental)
+    events: list[Any] = []
+    prev = 0
+    for cut in [*cuts, len(text)]:
+        events += parser.feed(text[prev:cut])
+        prev = cut
+    return events + parser.finish()
+
+
+def _calls(events: list[Any]) -> list[tuple[str, Any]]:
+    out: list[list[Any]] = []
+    for e in events:
+        if isinstance(e, ToolCall):
+            out.append([e.name, e.arguments])
+        elif isinstance(e, CallStart):
+            out.append([e.call.name, ""])
+        elif isinstance(e, CallArguments):
+            out[-1][1] += e.text
+    return [(n, json.loads(a)) for n, a in out]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0].name}: {c[1]}" for c in CASES])
+def test_whole_streamed_and_incremental(case: tuple[Any, str, str, str, list[Any]]) -> None:
+    fmt, _, text, want_content, want_calls = case
+    content, calls = parse_tool_calls(text, fmt, NAMES)
+    assert content == want_content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == want_calls
+    rng = random.Random(len(text))
+    splits = [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]
+    splits += [sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 8))) for _ in range(10)]
+    # an incremental call is not taken back once its arguments began (see ToolCallParser)
+    modes = (False,) if case[1].startswith("malformed") else (False, True)
+    for cuts in splits:
+        for incremental in modes:
+            events = _events(fmt, text, cuts, incremental)
+            assert "".join(e for e in events if isinstance(e, str)) == want_content, (cuts, incremental)
+            assert _calls(events) == want_calls, (cuts, incremental)
+
+
+@pytest.mark.parametrize("fmt", [DS31, DS3, KIMI], ids=lambda f: f.name)
+def test_no_markup_reaches_the_content(fmt: Any) -> None:
+    text = "Sure." + {"deepseek-v3.1": ds31, "deepseek-v3": ds3, "kimi-k2": kimi}[fmt.name](W, A) + "bye"
+    for incremental in (False, True):
+        pieces = [e for e in _events(fmt, text, list(range(1, len(text))), incremental) if isinstance(e, str)]
+        assert "".join(pieces) == "Sure.bye"
+        assert all("<" not in p and "｜" not in p for p in pieces), pieces
+
+
+def test_kimi_calls_keep_the_models_ids() -> None:
+    text = kimi(A, W)
+    _, calls = parse_tool_calls(text, KIMI, NAMES)
+    assert [c.id for c in calls] == ["functions.add:0", "functions.get_weather:1"]
+    starts = [e.call.id for e in _events(KIMI, text, list(range(1, len(text))), True) if isinstance(e, CallStart)]
+    assert starts == ["functions.add:0", "functions.get_weather:1"]
+
+
+@pytest.mark.parametrize("fmt", [DS31, DS3, KIMI, FORMATS["hermes"]], ids=lambda f: f.name)
+def test_a_forced_calls_text_parses_back(fmt: Any) -> None:
+    for name, args in (W, A):
+        before, after = fmt.constrained_call(name)
+        content, calls = parse_tool_calls(before + json.dumps(args) + after, fmt, NAMES)
+        assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [(name, args)]
+    assert GLM.constrained_call("add") is None
+
+
+class _Tok:
+    template_renders_tools = True
+
+    def __init__(self, template: str) -> None:
+        self.chat_template = template
+
+
+@pytest.mark.parametrize("template, name", [
+    ("{{ '<tool_call>' + tc.name }}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value></tool_call>", "glm45"),
+    ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{{ n }}<｜tool▁sep｜>{{ a }}<｜tool▁call▁end｜>", "deepseek-v3.1"),
+    ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ n }}\n```json\n{{ a }}\n```<｜tool▁call▁end｜>", "deepseek-v3"),
+    ("<|tool_calls_section_begin|><|tool_call_begin|>{{ id }}<|tool_call_argument_begin|>", "kimi-k2"),
+    ("<tool_call>\n{\"name\": {{ n }}}</tool_call>", "hermes"),
+    ("no markup at all", "hermes"),
+])
+def test_the_markup_is_found_in_the_template(template: str, name: str) -> None:
+    assert format_for(_Tok(template)).name == name
+
+
+def test_a_forced_call_in_glms_markup_is_a_clear_400() -> None:
+    from freetoken.server.chat_tools import ChatTools
+    from freetoken.server.errors import APIError
+    from freetoken.server.protocol import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                tool_choice="required")
+    with pytest.raises(APIError) as err:
+        ChatTools(req, _Tok("<tool_call>{{ n }}<arg_key>k</arg_key>"))
+    assert err.value.status == 400 and "tool_choice 'auto'" in str(err.value.body())
+    auto = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools)
+    assert ChatTools(auto, _Tok("<tool_call>{{ n }}<arg_key>k</arg_key>")).fmt.name == "glm45"
