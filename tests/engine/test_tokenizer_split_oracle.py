@@ -1,11 +1,12 @@
 """FreeToken's GGUF pre-tokenizers split text where llama.cpp's do, for every name it reads,
 including those llama.cpp ships no vocabulary test for (``deepseek-v3``, ``glm4``,
-``kimi-k2``): the texts' token ids under a vocabulary that records split points
+``kimi-k2``, ``gpt-4o``): the texts' token ids under a vocabulary that records split points
 (split_oracle.py) equal llama.cpp's, stored by data/make_split_oracle.py from
-``llama-tokenize``. ``kimi-k2`` follows Kimi-K2's own tokenizer instead (tiktoken with the
-pattern of its tokenization_kimi.py, stored by the same script): llama.cpp's hand-written
-splitter for that name keeps lower-to-upper case changes inside one piece ("ResponseCode")
-and parts combining marks from their letters, which the pattern does not."""
+``llama-tokenize``. ``kimi-k2`` and ``gpt-4o`` follow the models' own tokenizers instead
+(tiktoken with the pattern of Kimi-K2's tokenization_kimi.py, and GPT-4o's o200k pattern,
+which GPT-OSS uses; stored by the same script): llama.cpp's hand-written or rewritten
+splitters for them part combining marks from their letters, and for ``kimi-k2`` also keep
+lower-to-upper case changes inside one piece ("ResponseCode"), which the patterns do not."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import os
 from typing import Any
 
 import pytest
-from split_oracle import DATA, PRE_NAMES, oracle_vocab, write_vocab_gguf, freetoken_ids
+from split_oracle import DATA, PRE_NAMES, TIKTOKEN_NAMES, freetoken_ids, oracle_vocab, write_vocab_gguf
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +51,14 @@ def test_the_texts_tell_the_rule_from_gpt2s(oracle: dict[str, Any], pre: str, tm
     assert sum(g != w for g, w in zip(gpt2, want)) >= 1
 
 
-def test_llama_cpps_kimi_k2_splitter_differs_where_said(oracle: dict[str, Any]) -> None:
-    """Where llama.cpp and Kimi-K2's pattern part ways (the module docstring), on these texts."""
+@pytest.mark.parametrize("pre", TIKTOKEN_NAMES)
+def test_llama_cpps_splitter_differs_where_said(oracle: dict[str, Any], pre: str) -> None:
+    """Where llama.cpp and the models' patterns part ways (the module docstring), on these texts."""
     import re
     import unicodedata
 
     def case_change_or_mark(t: str) -> bool:
         return bool(re.search(r"[a-z][A-Z]", t)) or any(unicodedata.category(c).startswith("M") for c in t)
 
-    differ = [t for t, a, b in zip(oracle["texts"], oracle["ids"]["kimi-k2"], oracle["tiktoken"]["kimi-k2"]) if a != b]
+    differ = [t for t, a, b in zip(oracle["texts"], oracle["ids"][pre], oracle["tiktoken"][pre]) if a != b]
     assert differ and all(case_change_or_mark(t) for t in differ), differ

@@ -1,7 +1,7 @@
 """Store llama.cpp's token ids of the split-oracle texts for each pre-tokenizer name
-(tests/engine/split_oracle.py says what they show), and for ``kimi-k2`` also tiktoken's (the
-engine of Kimi-K2's own tokenizer, given the pattern of its tokenization_kimi.py, which
-FreeToken's rule copies): data/split-oracle.json.
+(tests/engine/split_oracle.py says what they show), and for the names of TIKTOKEN_NAMES also
+tiktoken's (the engine of those models' own tokenizers, given their patterns, which
+FreeToken's rules copy): data/split-oracle.json.
 
     pip install tiktoken
     python tests/engine/data/make_split_oracle.py /path/to/llama-tokenize
@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from split_oracle import DATA, PRE_NAMES, SEED, llama_cpp_texts, oracle_vocab  # noqa: E402
+from split_oracle import DATA, PRE_NAMES, SEED, TIKTOKEN_NAMES, llama_cpp_texts, oracle_vocab  # noqa: E402
 from split_oracle import write_vocab_gguf  # noqa: E402
 
 from freetoken.loading.byte_level import byte_decoder  # noqa: E402
@@ -55,7 +55,8 @@ def main(llama_tokenize: str) -> None:
                 ids.append(json.loads(line))
             out["ids"][pre] = ids
             print(pre, sum(len(x) for x in ids), "ids")
-    out["tiktoken"]["kimi-k2"] = tiktoken_ids(texts, tokens, SPLIT_RULES["kimi-k2"][0])
+    for pre in TIKTOKEN_NAMES:
+        out["tiktoken"][pre] = tiktoken_ids(texts, tokens, SPLIT_RULES[pre][0])
     with open(os.path.join(DATA, "split-oracle.json"), "w", encoding="utf-8") as f:
         json.dump(out, f, ensure_ascii=False)
 

@@ -71,13 +71,21 @@ _KIMI_K2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-4o's o200k rule ("gpt-4o": GPT-OSS and Llama 4 files): as Kimi-K2's without the Han
+# exclusion, and "/" may follow a punctuation run with the line breaks
+_GPT4O_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 #: llama.cpp's pre-tokenizer names -> the split rules (regexes, applied in order, each to the
 #: pieces the ones before left) that run before byte-level BPE. GLM-4/4.5 ("glm4", older files
 #: "chatglm-bpe") is llama.cpp's CHATGLM4 rule, Llama 3's regex.
 SPLIT_RULES: dict[str, tuple[str, ...]] = {
     "qwen2": (_QWEN2_REGEX,), "qwen35": (_QWEN35_REGEX,), "llama-bpe": (_LLAMA3_REGEX,), "llama3": (_LLAMA3_REGEX,),
     "glm4": (_LLAMA3_REGEX,), "chatglm-bpe": (_LLAMA3_REGEX,), "deepseek-v3": _DEEPSEEK3_RULES,
-    "deepseek-llm": _DEEPSEEK_LLM_RULES, "kimi-k2": (_KIMI_K2_REGEX,),
+    "deepseek-llm": _DEEPSEEK_LLM_RULES, "kimi-k2": (_KIMI_K2_REGEX,), "gpt-4o": (_GPT4O_REGEX,),
+    "llama4": (_GPT4O_REGEX,),
 }
 #: pre-tokenizers whose BPE takes a word found whole in the vocabulary as that one token
 #: before any merge (llama.cpp's ``ignore_merges``; HF tokenizers' BPE option of that name)
