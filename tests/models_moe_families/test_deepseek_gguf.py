@@ -249,7 +249,7 @@ def test_nextn_layer_is_skipped_and_logged(tmp_path, caplog):
     model = make_model("deepseek_v3", seed, rope=dict(DEEPSEEK_YARN))
     path = str(tmp_path / "mtp.gguf")
     extra = write_gguf(model, path, split_kv_b=True, mtp=True)
-    with caplog.at_level(logging.INFO, logger="freetoken.models.glm4_moe"):
+    with caplog.at_level(logging.INFO, logger="freetoken.models.tensor_names"):
         eng = engine_for(path)
     lines = [r.getMessage() for r in caplog.records if "next-token-prediction" in r.getMessage()]
     assert len(lines) == 1 and all(n in lines[0] for n in extra), lines

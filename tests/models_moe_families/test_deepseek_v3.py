@@ -20,7 +20,7 @@ from freetoken.loading.hf import CheckpointError
 from freetoken.models import deepseek_v3
 from helpers import LogitsRecorder, assert_close, engine_for
 
-LOGGER = "freetoken.models.glm4_moe"  # the next-token-prediction layers' log line
+LOGGER = "freetoken.models.tensor_names"  # the next-token-prediction layers' log line
 
 #: (family, overrides of families.deepseek_*_config)
 CASES = {

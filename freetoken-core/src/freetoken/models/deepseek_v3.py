@@ -44,13 +44,12 @@ from freetoken.models.attention import AttentionMetadata
 from freetoken.models.config import KVLayout, ModelConfig, check_hf_support, gguf_config_fields, hf_config_fields
 from freetoken.models.config import hf_eos_ids
 from freetoken.models.decoder_base import DecoderModelBase
-from freetoken.models.glm4_moe import skip_nextn_layers
 from freetoken.models.mla import MlaAttention, MlaShape
 from freetoken.models.moe_decoder import Names, swiglu_experts_builder
 from freetoken.models.rope import RopeScaling, hf_rope_parameters, make_rotary
 from freetoken.models.routing import GroupedTopK, gguf_routing_fields
 from freetoken.models.tensor_names import GGUF_ATTENTION_ROLES, GGUF_MLP_ROLES, HF_ATTENTION_ROLES, HF_MLP_ROLES
-from freetoken.models.tensor_names import gguf_names, hf_names
+from freetoken.models.tensor_names import gguf_names, hf_names, skip_nextn_layers
 
 logger = logging.getLogger(__name__)
 

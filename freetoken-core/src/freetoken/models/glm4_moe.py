@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from typing import Any, Optional
 
 from freetoken.loading.hf import CheckpointError
@@ -30,7 +29,7 @@ from freetoken.models.moe_decoder import Arch, MoeDecoderModel, Names, swiglu_ex
 from freetoken.models.rope import default_rope_theta, hf_rope_parameters
 from freetoken.models.routing import GroupedTopK, gguf_routing_fields
 from freetoken.models.tensor_names import GGUF_ATTENTION_ROLES, GGUF_MLP_ROLES, HF_ATTENTION_ROLES, HF_MLP_ROLES
-from freetoken.models.tensor_names import gguf_names, hf_names
+from freetoken.models.tensor_names import gguf_names, hf_names, skip_nextn_layers
 
 logger = logging.getLogger(__name__)
 
@@ -170,21 +169,6 @@ _GGUF_ROLES = {
 HF_NAMES = hf_names(_HF_ROLES)
 GGUF_NAMES = gguf_names(_GGUF_ROLES)
 _experts = swiglu_experts_builder(lambda l, e, r: f"model.layers.{l}.mlp.experts.{e}.{r}_proj.weight")
-
-_LAYER_OF = {"hf": re.compile(r"^model\.layers\.(\d+)\."), "gguf": re.compile(r"^blk\.(\d+)\.")}
-
-
-def skip_nextn_layers(source: TensorSource, names: Names, config: ModelConfig) -> list[str]:
-    """The tensors of layers past the decoder's last (the next-token-prediction layers),
-    logged in one line; they are never read."""
-    pattern = _LAYER_OF[names.fmt]
-    skipped = sorted(n for n in source.names() if (m := pattern.match(n)) and int(m.group(1)) >= config.num_layers)
-    if skipped:
-        layers = sorted({int(pattern.match(n).group(1)) for n in skipped})  # type: ignore[union-attr]
-        logger.info("skipping %d tensors of next-token-prediction layer(s) %s (not run): %s", len(skipped), layers,
-                    ", ".join(skipped))  # fmt: skip
-    return skipped
-
 
 # ------------------------------------------------------------------------ model
 

@@ -9,7 +9,15 @@ adds its own or overrides these in its module.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import logging
+import re
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from freetoken.loading.tensors import TensorSource
+    from freetoken.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 #: the attention block's tensors as transformers' decoders name them (under ``model.layers.{i}.``)
 HF_ATTENTION_ROLES = {
@@ -82,3 +90,18 @@ def gguf_names(roles: dict[str, str]) -> Names:
     """:class:`Names` of a llama.cpp GGUF file whose layer tensors are ``blk.{i}.{roles[role]}``."""
     return Names(embed="token_embd.weight", norm="output_norm.weight", lm_head="output.weight",
                  layer=lambda i, r: f"blk.{i}.{roles[r]}", fmt="gguf")  # fmt: skip
+
+
+_LAYER_OF = {"hf": re.compile(r"^model\.layers\.(\d+)\."), "gguf": re.compile(r"^blk\.(\d+)\.")}
+
+
+def skip_nextn_layers(source: TensorSource, names: Names, config: "ModelConfig") -> list[str]:
+    """The tensors of layers past the decoder's last (the next-token-prediction layers),
+    logged in one line; they are never read."""
+    pattern = _LAYER_OF[names.fmt]
+    skipped = sorted(n for n in source.names() if (m := pattern.match(n)) and int(m.group(1)) >= config.num_layers)
+    if skipped:
+        layers = sorted({int(pattern.match(n).group(1)) for n in skipped})  # type: ignore[union-attr]
+        logger.info("skipping %d tensors of next-token-prediction layer(s) %s (not run): %s", len(skipped), layers,
+                    ", ".join(skipped))  # fmt: skip
+    return skipped
