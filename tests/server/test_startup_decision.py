@@ -98,6 +98,19 @@ def test_startup_log_states_the_decision_once(fakegpu_server: Any) -> None:
     assert "startup check:" not in log  # no warnings
 
 
+def test_health_states_the_memory_plan(server_factory: Any) -> None:
+    """Under a GPU memory limit the plan's parts are in /health, and they add up: the dense
+    part, the experts on the GPU, the KV cache and the step reserve (workspace, prompt-chunk
+    activations, memory outside the allocator) within the budget."""
+    srv = server_factory(["--backend", "fakegpu", "--gpu-memory-limit", "3GiB", "--max-model-len", "512"])
+    body = httpx.get(srv.base_url + "/health", timeout=10).json()
+    plan = body["memory_plan"]
+    assert plan["budget"] == 3 << 30
+    assert plan["reserve"] >= plan["workspace"] + plan["activations"] + plan["outside"] > 0
+    assert plan["dense"] + plan["expert_bytes"] + plan["kv_budget"] + plan["reserve"] <= plan["budget"]
+    assert plan["prefill_chunk"] >= 64 and plan["gpu_layers"] == body["moe_gpu_layers"]
+
+
 def test_resident_experts_have_no_hand_off(fakegpu_resident_server: Any) -> None:
     base = fakegpu_resident_server.base_url
     body = httpx.get(base + "/health", timeout=10).json()

@@ -72,6 +72,8 @@ async def health(request: Request) -> Response:
         "reason": info.get("reason"),
     }
     body.update({key: info[key] for key in HEALTH_DECISION_KEYS if key in info})
+    if info.get("memory_plan"):  # a GPU session under a memory budget: the plan's parts, in bytes
+        body["memory_plan"] = info["memory_plan"]
     body["version"] = __version__
     return JSONResponse(body)
 
