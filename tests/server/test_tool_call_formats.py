@@ -166,3 +166,15 @@ def test_a_forced_call_in_glms_markup_is_a_clear_400() -> None:
     assert err.value.status == 400 and "tool_choice 'auto'" in str(err.value.body())
     auto = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools)
     assert ChatTools(auto, _Tok("<tool_call>{{ n }}<arg_key>k</arg_key>")).fmt.name == "glm45"
+
+
+def test_glm_values_follow_the_functions_schema() -> None:
+    """GLM-4.5 writes strings bare, so "123" is a string where the schema says string, a
+    number where it says integer or says nothing."""
+    schemas = {"add": {"type": "object", "properties": {"id": {"type": "string"}, "zip": {"type": ["string", "null"]},
+                                                        "n": {"type": "integer"}}}}
+    text = glm("add", {"id": "123", "zip": "02139", "n": 7, "free": "42"})
+    _, calls = parse_tool_calls(text, GLM, NAMES, schemas=schemas)
+    assert [json.loads(c.arguments) for c in calls] == [{"id": "123", "zip": "02139", "n": 7, "free": 42}]
+    _, untyped = parse_tool_calls(text, GLM, NAMES)
+    assert json.loads(untyped[0].arguments)["id"] == 123

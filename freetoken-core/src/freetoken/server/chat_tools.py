@@ -140,11 +140,11 @@ class ChatTools:
 
     def parser(self, incremental: bool = False) -> ToolCallParser:
         """A parser of this request's calls (``incremental``: calls in pieces, for streaming)."""
-        return ToolCallParser(self.fmt, set(self.names), 1 if self.single else None, incremental)
+        return ToolCallParser(self.fmt, set(self.names), 1 if self.single else None, incremental, self.schemas)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a whole answer."""
-        return parse_tool_calls(text, self.fmt, set(self.names), 1 if self.single else None)
+        return parse_tool_calls(text, self.fmt, set(self.names), 1 if self.single else None, self.schemas)
 
     def message(self, text: str, finish_reason: Optional[str]) -> tuple[ChatResponseMessage, Optional[str]]:
         """The whole answer: content and calls, and the finish reason to report."""

@@ -57,8 +57,9 @@ class ToolCallFormat:
     #: text of a chat template that shows it uses this markup
     marker = ""
 
-    def parse_body(self, body: str) -> Optional[ParsedCall]:
-        """The call of the text between the tags, or None (not a call)."""
+    def parse_body(self, body: str, schemas: Optional[dict[str, Any]] = None) -> Optional[ParsedCall]:
+        """The call of the text between the tags, or None (not a call); ``schemas`` (function
+        name -> parameters schema) where the markup leaves argument types open."""
         raise NotImplementedError
 
     def constrained_call(self, name: str) -> Optional[tuple[str, str]]:
@@ -97,7 +98,7 @@ class HermesFormat(ToolCallFormat):
     end_tag = "</tool_call>"
     marker = "<tool_call>"
 
-    def parse_body(self, body: str) -> Optional[ParsedCall]:
+    def parse_body(self, body: str, schemas: Optional[dict[str, Any]] = None) -> Optional[ParsedCall]:
         try:
             obj = json.loads(body)
         except ValueError:
@@ -132,9 +133,10 @@ _HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"argu
 
 class Glm45Format(ToolCallFormat):
     """GLM-4.5's ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>``.
-    A value that reads as JSON other than a string (a number, true, an object, ...) is that
-    value, anything else is a string: the template writes strings as they are and other
-    values as JSON. Its arguments are no JSON object, so a forced call cannot be constrained."""
+    The template writes strings as they are and other values as JSON, so a value is a string
+    where the function's schema types the argument as one; otherwise, if it reads as JSON other
+    than a string (a number, true, an object, ...) it is that value, else a string. Its
+    arguments are no JSON object, so a forced call cannot be constrained."""
 
     name = "glm45"
     start_tag = "<tool_call>"
@@ -142,12 +144,13 @@ class Glm45Format(ToolCallFormat):
     marker = "<arg_key>"
     _PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
-    def parse_body(self, body: str) -> Optional[ParsedCall]:
+    def parse_body(self, body: str, schemas: Optional[dict[str, Any]] = None) -> Optional[ParsedCall]:
         head, sep, rest = body.partition("<arg_key>")
         name = head.strip()
         if not name or "<" in name or "\n" in name:
             return None
         rest = sep + rest
+        props = ((schemas or {}).get(name) or {}).get("properties") or {}
         args: dict[str, Any] = {}
         pos = 0
         while pos < len(rest):
@@ -155,11 +158,14 @@ class Glm45Format(ToolCallFormat):
             if m is None:
                 break
             key, raw = m.group(1).strip(), m.group(2)
-            try:
-                value = json.loads(raw)
-            except ValueError:
-                value = raw
-            args[key] = raw if isinstance(value, str) else value
+            if _typed_string(props.get(key)):
+                args[key] = raw
+            else:
+                try:
+                    value = json.loads(raw)
+                except ValueError:
+                    value = raw
+                args[key] = raw if isinstance(value, str) else value
             pos = m.end()
         if rest[pos:].strip():
             return None
@@ -167,6 +173,14 @@ class Glm45Format(ToolCallFormat):
 
     def constrained_call(self, name: str) -> Optional[tuple[str, str]]:
         return None
+
+
+def _typed_string(schema: Any) -> bool:
+    """Whether a property's schema allows strings only."""
+    if not isinstance(schema, dict):
+        return False
+    t = schema.get("type")
+    return t == "string" or (isinstance(t, list) and [x for x in t if x != "null"] == ["string"])
 
 
 class DeepSeekFormat(ToolCallFormat):
@@ -185,7 +199,7 @@ class DeepSeekFormat(ToolCallFormat):
         self.fenced = fenced
         self.name = "deepseek-v3" if fenced else "deepseek-v3.1"
 
-    def parse_body(self, body: str) -> Optional[ParsedCall]:
+    def parse_body(self, body: str, schemas: Optional[dict[str, Any]] = None) -> Optional[ParsedCall]:
         m = self._FENCED.match(body.strip())
         if m is not None:
             args = _json_object(m.group(2))
@@ -236,7 +250,7 @@ class KimiK2Format(ToolCallFormat):
         m = self._ID.match(call_id)
         return m.group(1) if m else None
 
-    def parse_body(self, body: str) -> Optional[ParsedCall]:
+    def parse_body(self, body: str, schemas: Optional[dict[str, Any]] = None) -> Optional[ParsedCall]:
         call_id, sep, rest = body.partition(self.ARGS)
         name = self._name(call_id) if sep else None
         args = _json_object(rest) if name else None

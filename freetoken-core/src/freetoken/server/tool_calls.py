@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from freetoken.server.tool_call_formats import ToolCallFormat
 
@@ -113,9 +113,10 @@ class ToolCallParser:
     out); any other call is reported whole as without ``incremental``."""
 
     def __init__(self, fmt: ToolCallFormat, names: Optional[set[str]] = None, max_calls: Optional[int] = None,
-                 incremental: bool = False) -> None:
+                 incremental: bool = False, schemas: Optional[dict[str, Any]] = None) -> None:
         self.fmt = fmt
         self.names = names  # functions that were offered (None: any name)
+        self.schemas = schemas  # their parameters schemas, for markups that leave types open
         self.max_calls = max_calls  # calls beyond this many stay content
         self.incremental = incremental
         self.calls = 0
@@ -145,7 +146,7 @@ class ToolCallParser:
         return self.max_calls is not None and self.calls >= self.max_calls
 
     def _call(self, body: str, closed: bool, out: list[Event]) -> None:
-        parsed = self.fmt.parse_body(body)
+        parsed = self.fmt.parse_body(body, self.schemas)
         if parsed is None or self._full() or (self.names is not None and parsed.name not in self.names):
             self._content(self.fmt.start_tag + body + (self.fmt.end_tag if closed else ""), out)
             return
@@ -234,9 +235,10 @@ class ToolCallParser:
 
 
 def parse_tool_calls(text: str, fmt: ToolCallFormat, names: Optional[set[str]] = None,
-                     max_calls: Optional[int] = None) -> tuple[str, list[ToolCall]]:
+                     max_calls: Optional[int] = None, schemas: Optional[dict[str, Any]] = None,
+                     ) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole generated text."""
-    parser = ToolCallParser(fmt, names, max_calls)
+    parser = ToolCallParser(fmt, names, max_calls, schemas=schemas)
     events = parser.feed(text) + parser.finish()
     content = "".join(e for e in events if isinstance(e, str))
     return content, [e for e in events if isinstance(e, ToolCall)]
