@@ -153,6 +153,61 @@ def test_the_markup_is_found_in_the_template(template: str, name: str) -> None:
     assert format_for(_Tok(template)).name == name
 
 
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from freetoken.loading.tokenizer import load_hf_tokenizer
+    from freetoken.models.demo import ensure_demo_model
+
+    return load_hf_tokenizer(ensure_demo_model().hf_dir)
+
+
+def _forced(tokenizer: Any, fmt: Any, schemas: dict[str, Any], rng: random.Random, budget: int) -> str:
+    """The text of a forced call, its tokens drawn at random among those the grammar allows
+    as the sampler draws them (a pick ``allows`` rejects for the budget is drawn again)."""
+    from freetoken.server.tool_constraint import call_grammar, tool_call_constraint
+
+    c = tool_call_constraint(tokenizer, call_grammar(fmt, schemas))
+    ids: list[int] = []
+    while not c.is_complete() and len(ids) < budget:
+        remaining = budget - len(ids)
+        allowed = c.allowed_mask(tokenizer.vocab_size, remaining).nonzero().flatten().tolist()
+        tid = rng.choice(allowed)
+        while not c.allows(tid, remaining):
+            allowed.remove(tid)
+            assert allowed, "the constraint allowed nothing"
+            tid = rng.choice(allowed)
+        ids.append(tid)
+        c.advance(tid)
+    assert c.is_complete() and len(ids) <= budget
+    return tokenizer.decode(ids)
+
+
+SCHEMAS = {
+    "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                    "required": ["city"]},
+    "add": {"type": "object", "properties": {"a": {"type": "number"}, "tags": {"type": "array",
+                                                                              "items": {"type": "string"}}},
+            "required": ["a", "tags"]},
+}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("fmt", [DS31, DS3, KIMI], ids=lambda f: f.name)
+def test_a_forced_call_parses_back_and_follows_the_schema(tokenizer: Any, fmt: Any, seed: int) -> None:
+    rng = random.Random(seed)
+    names = sorted(SCHEMAS) if seed % 2 else ["add"]
+    text = _forced(tokenizer, fmt, {n: SCHEMAS[n] for n in names}, rng, 160)
+    content, calls = parse_tool_calls(text, fmt, set(names), schemas=SCHEMAS)
+    assert content == "" and len(calls) == 1, text
+    args = json.loads(calls[0].arguments)
+    schema = SCHEMAS[calls[0].name]
+    assert set(schema["required"]) <= set(args) <= set(schema["properties"]), (text, args)
+    if calls[0].name == "get_weather":
+        assert isinstance(args["city"], str) and isinstance(args.get("days", 0), int)
+    else:
+        assert isinstance(args["a"], (int, float)) and all(isinstance(t, str) for t in args["tags"])
+
+
 def test_a_forced_call_in_glms_markup_is_a_clear_400() -> None:
     from freetoken.server.chat_tools import ChatTools
     from freetoken.server.errors import APIError

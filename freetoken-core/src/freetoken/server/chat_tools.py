@@ -98,6 +98,8 @@ class ChatTools:
             else list(self.names) if self.mode == "required" else None
         )
         if self.forced is not None and self.fmt.constrained_call(self.forced[0]) is None:
+            # GLM-4.5 writes string arguments bare: a grammar of its call has no shortest
+            # closing to keep within max_tokens
             raise APIError(400, f"This model writes tool calls in the {self.fmt.name} markup, whose arguments are not "
                                 "one JSON object, so a call cannot be forced; use tool_choice 'auto'.",
                            param="tool_choice", code="tool_choice_not_supported")

@@ -26,15 +26,16 @@
       <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
 
 A format names the tags that open and close one call and the section tags around a group of
-calls (dropped from the content), parses a call's body, and says what text a call forced by
-``tool_choice`` is made of (``before + {arguments object} + after``), where it can.
+calls (dropped from the content), parses a call's body, and gives the grammar of a call
+forced by ``tool_choice`` (:meth:`ToolCallFormat.call_rules`: ``before + {arguments object} +
+after``) where its arguments are one JSON object.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 
 class ParsedCall(NamedTuple):
@@ -73,6 +74,18 @@ class ToolCallFormat:
         call's body names the function and opens its arguments, else None (not yet, or a
         body that is not read incrementally)."""
         return None
+
+    def call_rules(self, rule: str, name: str, schema: Optional[dict[str, Any]],
+                   schema_json: Callable[[Optional[dict[str, Any]]], str]) -> str:
+        """Lark rules whose rule ``rule`` is one whole call to ``name`` in this markup, its
+        arguments following the ``parameters`` ``schema`` (None: any object), which
+        ``schema_json`` writes as a ``%json`` rule's body: by default ``before + %json +
+        after`` of :meth:`constrained_call`."""
+        ends = self.constrained_call(name)
+        if ends is None:
+            raise ValueError(f"the {self.name} markup has no constrained form")
+        before, after = ends
+        return f"{rule}: {json.dumps(before)} {rule}_args {json.dumps(after)}\n{rule}_args: %json {schema_json(schema)}\n"
 
     def call_id(self, body: str) -> Optional[str]:
         """The id the model wrote at the beginning of a call's body (None: it writes none)."""

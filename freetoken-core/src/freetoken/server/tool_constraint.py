@@ -1,7 +1,7 @@
 """``tool_choice: "required"`` or a named function: decoding constrained to one call.
 
 The output is forced to be exactly one call in the model's markup
-(:meth:`freetoken.server.tool_calls.ToolCallFormat.constrained_call`), e.g. for the
+(:meth:`freetoken.server.tool_call_formats.ToolCallFormat.call_rules`), e.g. for the
 Hermes format::
 
     <tool_call>\\n{"name": "NAME", "arguments": {JSON object}}\\n</tool_call>
@@ -17,7 +17,6 @@ json_schema answer is.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional
 
 from freetoken.server.schema_constraint import SchemaConstraint, lark_grammar, schema_constraint, schema_for_lark
@@ -28,14 +27,12 @@ def call_grammar(fmt: ToolCallFormat, schemas: dict[str, Optional[dict[str, Any]
     """The llguidance grammar of one call to any function of ``schemas`` (name -> parameters
     schema; None: any object). Raises SchemaError naming what the schemas use that
     llguidance does not support."""
-    rules = []
-    for i, (name, schema) in enumerate(sorted(schemas.items())):
-        ends = fmt.constrained_call(name)
-        if ends is None:
-            raise ValueError(f"the {fmt.name} markup cannot be constrained (its arguments are no JSON object)")
-        before, after = ends
-        rules.append(f"call_{i}: {json.dumps(before)} args_{i} {json.dumps(after)}\n"
-                     f"args_{i}: %json {schema_for_lark(schema if schema is not None else {'type': 'object'})}\n")
+
+    def schema_json(schema: Optional[dict[str, Any]]) -> str:
+        return schema_for_lark(schema if schema is not None else {"type": "object"})
+
+    rules = [fmt.call_rules(f"call_{i}", name, schema, schema_json)
+             for i, (name, schema) in enumerate(sorted(schemas.items()))]
     start = "start: " + " | ".join(f"call_{i}" for i in range(len(rules))) + "\n"
     return lark_grammar(start + "".join(rules))
 
