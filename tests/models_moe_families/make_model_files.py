@@ -25,3 +25,19 @@ def write_tiny_and_read(tmp_path: Any, preset: str, arch: Any, gguf_arch: str) -
     keys = {f.name: f for f in reader.fields.values()}
     assert str(bytes(keys["general.architecture"].parts[-1]), "utf-8") == gguf_arch
     return path, cfg, keys
+
+
+def check_layers_option(tmp_path: Any, capsys: Any, tiny: str, full: str, gguf_arch: str, full_layers: int) -> None:
+    """``--layers 2`` cuts ``tiny`` to layers 0 and 1 (metadata and tensors); ``--layers 0``
+    of ``full`` is refused naming the range."""
+    import gguf
+
+    from freetoken.cli.main import main
+
+    path = str(tmp_path / "two.gguf")
+    assert main(["bench", "make-model", "--preset", tiny, "--layers", "2", "--quant", "q8_0", "--out", path]) == 0
+    reader = gguf.GGUFReader(path)
+    assert int(reader.fields[f"{gguf_arch}.block_count"].parts[-1][0]) == 2
+    assert {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")} == {"0", "1"}
+    assert main(["bench", "make-model", "--preset", full, "--layers", "0", "--out", path]) == 2
+    assert f"--layers must be in 1..{full_layers}" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from freetoken import SamplingParams
 from freetoken.cli.bench.make_model import PRESETS, cut_layers, plan
 from freetoken.handoff import Fmt
 from helpers import engine_for
-from make_model_files import write_tiny_and_read
+from make_model_files import check_layers_option, write_tiny_and_read
 
 
 def test_deepseek_v3_preset_shape():
@@ -70,15 +70,4 @@ def test_deepseek_tiny_file_names_metadata_and_engine(tmp_path):
 
 
 def test_cli_layers(tmp_path, capsys):
-    from freetoken.cli.main import main
-
-    path = str(tmp_path / "two.gguf")
-    assert main(["bench", "make-model", "--preset", "deepseek-v3-tiny", "--layers", "2", "--quant", "q8_0",
-                 "--out", path]) == 0  # fmt: skip
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    assert int(reader.fields["deepseek2.block_count"].parts[-1][0]) == 2
-    assert {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")} == {"0", "1"}
-    assert main(["bench", "make-model", "--preset", "deepseek-v3", "--layers", "0", "--out", path]) == 2
-    assert "--layers must be in 1..61" in capsys.readouterr().err
+    check_layers_option(tmp_path, capsys, "deepseek-v3-tiny", "deepseek-v3", "deepseek2", 61)

@@ -14,15 +14,7 @@ attention, see there). The checkpoint's next-token-prediction layer is left out.
 from __future__ import annotations
 
 import dataclasses
-from freetoken.cli.bench.tensor_plan import (
-    QK_NORM_GAIN,
-    RESIDUAL_GAIN,
-    Planned,
-    f32_values,
-    packed_blocks,
-    row_format,
-    tensor_format,
-)
+from freetoken.cli.bench.tensor_plan import QK_NORM_GAIN, RESIDUAL_GAIN, Planned, TensorList, f32_values
 from freetoken.handoff import Fmt
 from freetoken.models.deepseek_v3 import DeepseekConfig, yarn_mscale
 from freetoken.models.rope import RopeScaling
@@ -86,14 +78,8 @@ def plan_deepseek2(cfg: DeepseekConfig, quant: str) -> "list[Planned]":
     Hq, nope, rope, v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     lora, q_lora = cfg.kv_lora_rank, cfg.q_lora_rank
     S = I * cfg.n_shared_experts
-    out: list[Planned] = []
-
-    def add(name: str, shape: tuple[int, ...], fmt: int, make=None, gain: float = 1.0) -> None:
-        fmt = row_format(fmt, shape[-1])
-        out.append(Planned(name, shape, fmt, make or packed_blocks(shape, fmt, gain), gain))
-
-    def q(role: str, i: int) -> int:
-        return tensor_format(quant, role, i, L)
+    plan = TensorList(quant, L)
+    add, q = plan.add, plan.fmt
 
     def norm(name: str, n: int, mean: float = 1.0) -> None:
         add(name, (n,), Fmt.F32, f32_values((n,), mean, 0.05))
@@ -132,4 +118,4 @@ def plan_deepseek2(cfg: DeepseekConfig, quant: str) -> "list[Planned]":
             add(b + "ffn_down_shexp.weight", (H, S), q("ffn_down_shexp", i), gain=RESIDUAL_GAIN)
     norm("output_norm.weight", H)
     add("output.weight", (cfg.vocab_size, H), q("output", L))
-    return out
+    return plan.tensors

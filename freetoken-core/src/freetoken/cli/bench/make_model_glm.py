@@ -3,15 +3,7 @@ the format rules are in :mod:`freetoken.cli.bench.tensor_plan`."""
 
 from __future__ import annotations
 
-from freetoken.cli.bench.tensor_plan import (
-    QK_NORM_GAIN,
-    RESIDUAL_GAIN,
-    Planned,
-    f32_values,
-    packed_blocks,
-    row_format,
-    tensor_format,
-)
+from freetoken.cli.bench.tensor_plan import QK_NORM_GAIN, RESIDUAL_GAIN, Planned, TensorList, f32_values
 from freetoken.handoff import Fmt
 from freetoken.models.glm4_moe import Glm4MoeConfig
 
@@ -23,14 +15,8 @@ def plan_glm4moe(cfg: Glm4MoeConfig, quant: str) -> "list[Planned]":
     score-correction bias, the routed experts and the shared expert."""
     H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
     S = I * cfg.n_shared_experts
-    out: list[Planned] = []
-
-    def add(name: str, shape: tuple[int, ...], fmt: int, make=None, gain: float = 1.0) -> None:
-        fmt = row_format(fmt, shape[-1])
-        out.append(Planned(name, shape, fmt, make or packed_blocks(shape, fmt, gain), gain))
-
-    def q(role: str, i: int) -> int:
-        return tensor_format(quant, role, i, L)
+    plan = TensorList(quant, L)
+    add, q = plan.add, plan.fmt
 
     add("token_embd.weight", (cfg.vocab_size, H), q("token_embd", 0))
     for i in range(L):
@@ -62,4 +48,4 @@ def plan_glm4moe(cfg: Glm4MoeConfig, quant: str) -> "list[Planned]":
             add(b + "ffn_down_shexp.weight", (H, S), q("ffn_down_shexp", i), gain=RESIDUAL_GAIN)
     add("output_norm.weight", (H,), Fmt.F32, f32_values((H,), 1.0, 0.05))
     add("output.weight", (cfg.vocab_size, H), q("output", L))
-    return out
+    return plan.tensors

@@ -90,3 +90,20 @@ _K_QUANTS = (int(Fmt.Q4_K), int(Fmt.Q5_K), int(Fmt.Q6_K))
 def row_format(fmt: int, cols: int) -> int:
     """``fmt``, or Q8_0 for a K-quant whose rows are no multiple of its 256-value blocks."""
     return int(Fmt.Q8_0) if int(fmt) in _K_QUANTS and cols % 256 else fmt
+
+
+class TensorList:
+    """A family's plan being written: :meth:`add` appends a tensor (a K-quant whose rows are no
+    multiple of 256 values falls back to Q8_0; bytes drawn as packed blocks unless ``make``
+    says otherwise), :meth:`fmt` is the format llama.cpp's rules give a role in a layer."""
+
+    def __init__(self, quant: str, n_layers: int) -> None:
+        self.quant, self.n_layers = quant, n_layers
+        self.tensors: list[Planned] = []
+
+    def add(self, name: str, shape: tuple[int, ...], fmt: int, make: "Maker | None" = None, gain: float = 1.0) -> None:
+        fmt = row_format(fmt, shape[-1])
+        self.tensors.append(Planned(name, shape, fmt, make or packed_blocks(shape, fmt, gain), gain))
+
+    def fmt(self, role: str, layer: int) -> int:
+        return tensor_format(self.quant, role, layer, self.n_layers)
