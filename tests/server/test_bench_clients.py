@@ -57,7 +57,7 @@ def test_counts_agree_with_the_server(server: Any) -> None:
     for run in (one, five):
         assert run["errors"] == []
         assert 0 < run["ttft_ms_p50"] <= run["ttft_ms_p99"] < run["wall_s"] * 1e3
-        assert 0 < run["itl_ms_p50"] <= run["itl_ms_p99"]
+        assert 0 <= run["itl_ms_p50"] <= run["itl_ms_p99"]  # chunks of one step can arrive together
         assert 0 < run["per_user_tok_s_min"] <= run["per_user_tok_s_p50"]
 
 
