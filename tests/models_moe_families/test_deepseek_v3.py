@@ -70,6 +70,29 @@ def test_hf_matches_transformers(case, tmp_path):
         assert_close(torch.stack(rows[r.request_id]), ref, f"{case} seed {seed} decode")
 
 
+def test_prompt_chunks_absorb_or_expand_by_length(tmp_path, monkeypatch):
+    """A prompt chunk of up to ``absorb_max_queries`` queries attends in latent space, a longer
+    one over its context expanded to per-head K/V; both give transformers' logits."""
+    from freetoken.models import mla
+
+    seed = random.randrange(1 << 30)
+    model = make_model("deepseek_v3", seed)
+    path = str(tmp_path / "hf")
+    save(model, path)
+    eng = engine_for(path)
+    expanded: list[int] = []
+    expand = mla.MlaAttention.expand
+    monkeypatch.setattr(mla.MlaAttention, "expand",
+                        lambda self, lat: expanded.append(lat.shape[0]) or expand(self, lat))  # fmt: skip
+    most = eng.model.layers[0].attn.shape.absorb_max_queries
+    rng = random.Random(seed)
+    for n, expands in ((most, False), (most + 1, True)):
+        ids = [rng.randrange(160) for _ in range(n)]
+        expanded.clear()
+        assert_close(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}, {n} tokens")
+        assert expanded == ([n] * len(eng.model.layers) if expands else []), n
+
+
 def test_prefix_cache_reuses_cached_latents(tmp_path):
     """A second request whose first 32 tokens (two blocks) a finished one computed reads their
     latents from the prefix cache and computes only its own tokens; its logits are still

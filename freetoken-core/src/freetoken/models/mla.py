@@ -24,15 +24,17 @@ scores are one product with the cached latents; the output ``sum_j p_j v_j = W_u
 p_j c_j)`` is taken in latent space and projected once. A decode step reads the compressed
 cache only, and never expands the context.
 
-**Prompt chunks expand** (:func:`expanded_attention`): the context's latents are
-up-projected to per-head K/V once per chunk and the chunk's queries attend over them with
-SDPA. For ``n`` queries over ``L`` positions the absorbed form's scores cost
-``n L heads (kv_lora + rope)`` (576 per head for DeepSeek-V3) against ``n L heads (nope +
-rope)`` (192) plus the one-off expansion ``L kv_lora heads (nope + v)``: for a chunk of more
-than a few tokens expansion is cheaper, and it keeps SDPA's fused causal kernels. A single
-query (decode, or a one-token chunk) takes the absorbed form. The expansion is transient
-but covers the whole context of the chunk: ``L x heads x (nope + rope + v)`` values (for
-DeepSeek-V3 about 0.9 GB in BF16 at 8k positions), freed after each layer.
+**Short prompt chunks absorb too, long ones expand** (:func:`expanded_attention`): for a
+long chunk the context's latents are up-projected to per-head K/V once and the chunk's
+queries attend over them with SDPA. For ``n`` queries over ``L`` positions the absorbed
+form's attention costs ``n L heads (2 kv_lora + rope)`` products (1088 per head for
+DeepSeek-V3) against ``n L heads (nope + rope + v)`` (320) plus the expansion's ``L heads
+kv_lora (nope + v)``, and both run as torch products; the absorbed form's own up-projections
+(``n`` queries) run on the backend's per-head projection in the checkpoint's format. So a
+chunk of up to :attr:`MlaShape.absorb_max_queries` queries (170 for DeepSeek-V3) takes the
+absorbed form, a longer one expands. The expansion is transient but covers the whole
+context of the chunk: ``L x heads x (nope + rope + v)`` values (for DeepSeek-V3 about 0.9 GB
+in BF16 at 8k positions), freed after each layer.
 
 RoPE layout: DeepSeek's checkpoints (HF with ``rope_interleave``, the V2 code's complex
 rotation, and llama.cpp's GGUF files, which its converter leaves unpermuted) rotate
@@ -81,6 +83,14 @@ class MlaShape:
 
     def kv_layout(self) -> KVLayout:
         return KVLayout(1, self.latent, 0)
+
+    @property
+    def absorb_max_queries(self) -> int:
+        """The most queries of a prompt chunk that attend in latent space: where the absorbed
+        form's extra products per query and position, ``heads (2 kv_lora + rope - nope - rope
+        - v)``, reach the expansion's ``heads kv_lora (nope + v)`` per position."""
+        extra = 2 * self.kv_lora_rank - self.nope - self.v_dim
+        return self.kv_lora_rank * (self.nope + self.v_dim) // extra if extra > 0 else 1 << 30
 
     def check(self, where: str) -> None:
         for name, value in (("num_attention_heads", self.heads), ("kv_lora_rank", self.kv_lora_rank),
@@ -188,14 +198,14 @@ class MlaAttention:
         c = rms_norm(kva[:, : s.kv_lora_rank], self.kv_a_norm, eps)
         k_pe = rotary.apply(kva[:, s.kv_lora_rank :].view(T, 1, s.rope), cos, sin).view(T, s.rope)
         write_latents(cache, torch.cat([c, k_pe], dim=-1), meta.slot_mapping)
-        if meta.decode:
+        if meta.decode or all(seq.q_len <= s.absorb_max_queries for seq in meta.seqs):
             out = self.absorbed(q_nope, q_pe, cache, meta, scale)
         else:
             out = q.new_empty(T, s.heads, s.v_dim)
             for seq in meta.seqs:
                 rows = slice(seq.q_start, seq.q_start + seq.q_len)
                 one = _one_seq(meta, seq)
-                if seq.q_len == 1:
+                if seq.q_len <= s.absorb_max_queries:
                     out[rows] = self.absorbed(q_nope[rows], q_pe[rows], cache, one, scale)
                 else:
                     k, v = self.expand(_context(cache, seq.block_table, seq.ctx_len))
