@@ -289,13 +289,16 @@ def absorbed_attention(q_lat: torch.Tensor, cache: torch.Tensor, meta: Attention
     for s in meta.seqs:
         lat = _context(cache, s.block_table, s.ctx_len)  # [L, W]
         q = q_lat[s.q_start : s.q_start + s.q_len]  # [n, H, W]
-        scores = torch.matmul(q.reshape(-1, W), lat.T).view(s.q_len, H, -1).float() * scale
+        scores = torch.matmul(q.reshape(-1, W), lat.T).view(s.q_len, H, -1).float()
+        scores.mul_(scale)  # (a copy for other dtypes, the product's own buffer for float32)
         if s.q_len > 1:  # query i sits at position ctx_len - q_len + i
             pos_q = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device).view(-1, 1, 1)
             pos_k = torch.arange(s.ctx_len, device=q.device).view(1, 1, -1)
-            scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+            scores.masked_fill_(pos_k > pos_q, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q_lat.dtype)
-        out[s.q_start : s.q_start + s.q_len] = torch.matmul(probs, lat[:, :kv_lora])
+        # one [q_len * heads, L] x [L, kv_lora] product (a 3-D matmul broadcasts the latents)
+        o = torch.matmul(probs.view(-1, s.ctx_len), lat[:, :kv_lora])
+        out[s.q_start : s.q_start + s.q_len] = o.view(s.q_len, H, kv_lora)
     return out
 
 
