@@ -175,9 +175,9 @@ class MlaAttention:
         #: [heads * (nope + v), kv_lora]: the expansion of a prompt chunk's context
         self.kv_b = kv_b.contiguous()
         per_head = self.kv_b.view(H, s.nope + s.v_dim, s.kv_lora_rank)
-        #: the absorbed products per head (decode): ``uk`` [T, H, nope] -> [T, H, kv_lora] and
-        #: ``uv`` [T, H, kv_lora] -> [T, H, v], through the policy's per-head projection (in
-        #: the checkpoint's format) where it has one, else over ``kv_b``
+        #: the absorbed products per head (decode and short prompt chunks): ``uk`` [T, H, nope]
+        #: -> [T, H, kv_lora] and ``uv`` [T, H, kv_lora] -> [T, H, v], through the policy's
+        #: per-head projection (in the checkpoint's format) where it has one, else over ``kv_b``
         self.uk: Any = policy.head_linear(k_b) or FloatHeads(per_head[:, : s.nope].transpose(1, 2))
         self.uv: Any = policy.head_linear(v_b) or FloatHeads(per_head[:, s.nope :])
         self.o = policy.linear(get("o"))
@@ -290,7 +290,7 @@ def absorbed_attention(q_lat: torch.Tensor, cache: torch.Tensor, meta: Attention
         lat = _context(cache, s.block_table, s.ctx_len)  # [L, W]
         q = q_lat[s.q_start : s.q_start + s.q_len]  # [n, H, W]
         scores = torch.matmul(q.reshape(-1, W), lat.T).view(s.q_len, H, -1).float()
-        scores.mul_(scale)  # (a copy for other dtypes, the product's own buffer for float32)
+        scores.mul_(scale)  # in place: float32 products are scaled in their own buffer
         if s.q_len > 1:  # query i sits at position ctx_len - q_len + i
             pos_q = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device).view(-1, 1, 1)
             pos_k = torch.arange(s.ctx_len, device=q.device).view(1, 1, -1)
