@@ -10,6 +10,7 @@
 #include "deltanet.h"
 #include "dispatch.h"
 #include "linear_group.h"
+#include "linear_heads.h"
 #include "pool.h"
 
 namespace py = pybind11;
@@ -136,6 +137,20 @@ void register_attention(py::module_& m) {
         },
         py::arg("descs"), py::arg("n"), py::arg("x"), py::arg("x_fmt"), py::arg("T"), py::arg("y"), py::arg("y_fmt"),
         py::arg("y_stride"), py::arg("cols"), py::arg("pool"), py::arg("isa") = "");
+
+    m.def(
+        "linear_heads",
+        [](uint64_t wdesc, uint64_t x, uint32_t x_fmt, uint32_t T, uint64_t y, uint32_t y_fmt,
+           std::shared_ptr<Pool> pool, const std::string& isa) {
+            if (!pool) throw std::invalid_argument("linear_heads: no pool");
+            if (!wdesc) throw std::invalid_argument("linear_heads: null weight descriptor");
+            const KernelTable& k = isa.empty() ? *active_kernels() : *kernels_by_name(isa);
+            py::gil_scoped_release nogil;
+            linear_heads(*(const ft_weight_desc*)(uintptr_t)wdesc, (const void*)(uintptr_t)x, x_fmt, T,
+                         (void*)(uintptr_t)y, y_fmt, *pool, k);
+        },
+        py::arg("wdesc"), py::arg("x"), py::arg("x_fmt"), py::arg("T"), py::arg("y"), py::arg("y_fmt"),
+        py::arg("pool"), py::arg("isa") = "");
 
     m.def(
         "deltanet_decode",

@@ -216,19 +216,36 @@ static void dot_rows_kquant_avx512(const ft_weight_desc& w, uint32_t e, uint32_t
         }
         return;
     }
-    for (uint32_t j0 = 0; j0 < ntok; j0 += 4) {
-        const uint32_t nt = ntok - j0 < 4 ? ntok - j0 : 4;
-        for (uint32_t j = 0; j < nt; ++j) xv[j] = (const BlockQ8xK*)xs[j0 + j];
-        for (uint32_t r = r0; r < r1; ++r) {
-            const uint8_t* row = base + (size_t)r * w.row_stride;
-            __m512 v[4];
-            switch (nt) {
-                case 4: kq_row_avx512<FMT, 4>(row, nb, xv, ix, kc, v); break;
-                case 3: kq_row_avx512<FMT, 3>(row, nb, xv, ix, kc, v); break;
-                case 2: kq_row_avx512<FMT, 2>(row, nb, xv, ix, kc, v); break;
-                default: kq_row_avx512<FMT, 1>(row, nb, xv, ix, kc, v); break;
+    // Many tokens: tiles of kTileRows rows x kTileBlocks super-blocks (a few dozen KiB of
+    // weights, kept in L2) run against every group of 4 tokens before the next tile, so
+    // the weights stream from memory once per call and each group's activations for the
+    // tile (4 x kTileBlocks Q8_K blocks) stay in L1; a row's dot product is the sum of its
+    // tiles' partial sums.
+    constexpr size_t BB = FMT == FT_FMT_Q4_K ? Q4_K_BYTES : (FMT == FT_FMT_Q5_K ? Q5_K_BYTES : Q6_K_BYTES);
+    constexpr uint32_t kTileRows = 16, kTileBlocks = 16;
+    for (uint32_t rt = r0; rt < r1; rt += kTileRows) {
+        const uint32_t re = r1 - rt < kTileRows ? r1 : rt + kTileRows;
+        for (uint32_t b0 = 0; b0 < nb; b0 += kTileBlocks) {
+            const uint32_t nbt = nb - b0 < kTileBlocks ? nb - b0 : kTileBlocks;
+            for (uint32_t j0 = 0; j0 < ntok; j0 += 4) {
+                const uint32_t nt = ntok - j0 < 4 ? ntok - j0 : 4;
+                for (uint32_t j = 0; j < nt; ++j) xv[j] = (const BlockQ8xK*)xs[j0 + j] + b0;
+                for (uint32_t r = rt; r < re; ++r) {
+                    const uint8_t* row = base + (size_t)r * w.row_stride + (size_t)b0 * BB;
+                    __m512 v[4];
+                    switch (nt) {
+                        case 4: kq_row_avx512<FMT, 4>(row, nbt, xv, ix, kc, v); break;
+                        case 3: kq_row_avx512<FMT, 3>(row, nbt, xv, ix, kc, v); break;
+                        case 2: kq_row_avx512<FMT, 2>(row, nbt, xv, ix, kc, v); break;
+                        default: kq_row_avx512<FMT, 1>(row, nbt, xv, ix, kc, v); break;
+                    }
+                    for (uint32_t j = 0; j < nt; ++j) {
+                        float& o = out[(j0 + j) * os + (r - r0)];
+                        const float part = _mm512_reduce_add_ps(v[j]);
+                        o = b0 == 0 ? part : o + part;
+                    }
+                }
             }
-            for (uint32_t j = 0; j < nt; ++j) out[(j0 + j) * os + (r - r0)] = _mm512_reduce_add_ps(v[j]);
         }
     }
 }

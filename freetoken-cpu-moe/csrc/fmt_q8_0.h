@@ -131,6 +131,35 @@ static void dot_rows_q8_0(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint
         }
         return;
     }
+    // Many tokens: rows in groups of 16 against every group of 8 tokens, each token's 16
+    // sums reduced together (short rows, e.g. a 128-column head of attn_k_b, spend less on
+    // the reductions and on each row's scale gather than on the products)
+    for (uint32_t j0 = 0; j0 < ntok; j0 += 8) {
+        const uint32_t nt = ntok - j0 < 8 ? ntok - j0 : 8;
+        ActQ8x32View xw[8];
+        for (uint32_t j = 0; j < nt; ++j) xw[j] = q8x32_view(xs[j0 + j], w.cols);
+        for (uint32_t g = r0; g < r1; g += 16) {
+            const uint32_t n = r1 - g < 16 ? r1 - g : 16;
+            __m512 v[8][16];
+            for (uint32_t i = 0; i < n; ++i) {
+                const uint8_t* row = base + (size_t)(g + i) * w.row_stride;
+                __m512 r[8];
+                switch (nt) {
+                    case 8: q8_0_row_avx512<8>(row, xw, nb, r); break;
+                    case 7: q8_0_row_avx512<7>(row, xw, nb, r); break;
+                    case 6: q8_0_row_avx512<6>(row, xw, nb, r); break;
+                    case 5: q8_0_row_avx512<5>(row, xw, nb, r); break;
+                    case 4: q8_0_row_avx512<4>(row, xw, nb, r); break;
+                    case 3: q8_0_row_avx512<3>(row, xw, nb, r); break;
+                    case 2: q8_0_row_avx512<2>(row, xw, nb, r); break;
+                    default: q8_0_row_avx512<1>(row, xw, nb, r); break;
+                }
+                for (uint32_t j = 0; j < nt; ++j) v[j][i] = r[j];
+            }
+            for (uint32_t j = 0; j < nt; ++j) hsum16_avx512(v[j], (int)n, out + (j0 + j) * os + (g - r0));
+        }
+    }
+    return;
 #endif
 #if defined(FT_HAVE_AVX2) && !defined(FT_HAVE_AVX512)
     if (ntok >= kQ8TileMinTokens) {

@@ -28,7 +28,9 @@ def random_blocks(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> t
 
 @pytest.mark.parametrize("isa", cm.isa_tiers())
 @pytest.mark.parametrize("fmt", KQUANTS)
-@pytest.mark.parametrize("rows,cols", [(1, 256), (15, 768), (17, 512), (33, 2048)])
+# (35, 4608): many-token calls run rows in tiles of 16 rows x 16 super-blocks (4096 columns):
+# two column tiles, the second partial, and a partial row tile
+@pytest.mark.parametrize("rows,cols", [(1, 256), (15, 768), (17, 512), (33, 2048), (35, 4608)])
 def test_kquant_full_range_and_tails(fmt: str, rows: int, cols: int, isa: str, rng) -> None:
     raw, dense = random_blocks(fmt, rows, cols, rng)
     wts = cm.Weights(raw, fmt, 1, rows, cols)

@@ -70,6 +70,29 @@ def test_hf_matches_transformers(case, tmp_path):
         assert_close(torch.stack(rows[r.request_id]), ref, f"{case} seed {seed} decode")
 
 
+def test_prompt_chunks_absorb_or_expand_by_length(tmp_path, monkeypatch):
+    """A prompt chunk of up to ``absorb_max_queries`` queries attends in latent space, a longer
+    one over its context expanded to per-head K/V; both give transformers' logits."""
+    from freetoken.models import mla
+
+    seed = random.randrange(1 << 30)
+    model = make_model("deepseek_v3", seed)
+    path = str(tmp_path / "hf")
+    save(model, path)
+    eng = engine_for(path)
+    expanded: list[int] = []
+    expand = mla.MlaAttention.expand
+    monkeypatch.setattr(mla.MlaAttention, "expand",
+                        lambda self, lat: expanded.append(lat.shape[0]) or expand(self, lat))  # fmt: skip
+    most = eng.model.layers[0].attn.shape.absorb_max_queries
+    rng = random.Random(seed)
+    for n, expands in ((most, False), (most + 1, True)):
+        ids = [rng.randrange(160) for _ in range(n)]
+        expanded.clear()
+        assert_close(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}, {n} tokens")
+        assert expanded == ([n] * len(eng.model.layers) if expands else []), n
+
+
 def test_prefix_cache_reuses_cached_latents(tmp_path):
     """A second request whose first 32 tokens (two blocks) a finished one computed reads their
     latents from the prefix cache and computes only its own tokens; its logits are still
@@ -132,7 +155,8 @@ def test_absorbed_decode_equals_expanded_attention(tmp_path):
     q_nope, q_pe = torch.randn(1, s.heads, s.nope, generator=g), torch.randn(1, s.heads, s.rope, generator=g)
     meta = AttentionMetadata(slots[-1:], [SeqSlice(0, 1, ctx, blocks)], bs, decode=True)
     got = attn.absorbed(q_nope, q_pe, cache, meta, eng.model.scale)
-    want = expanded_attention(q_nope, q_pe, cache, meta, attn.kv_b, s, eng.model.scale)
+    k, v = attn.expand(cache.view(-1, s.latent)[slots])
+    want = expanded_attention(q_nope, q_pe, k, v, meta, eng.model.scale)
     assert got.shape == (1, s.heads, s.v_dim)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5, msg=lambda m: f"seed {seed}: {m}")
     # and in float64 from the checkpoint's own kv_b_proj (an independent expansion)

@@ -212,6 +212,13 @@ class CpuWeightPolicy(WeightPolicy):
             return GroupLinear(parts, self.pool)
         return None
 
+    def head_linear(self, raw: RawTensor) -> Any:
+        from freetoken_cpu_moe.head_linear import HeadLinear
+
+        if int(raw.fmt) not in FORMAT_NAMES or self.dtype not in ACT_FMT:
+            return None
+        return HeadLinear(raw, self.pool, huge_pages=self.huge_pages)
+
     def router(self, raw: RawTensor) -> Any:
         # a small dense projection: an F32 copy run on the same worker pool, float32 logits
         rows, cols = raw.shape

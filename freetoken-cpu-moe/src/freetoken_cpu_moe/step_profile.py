@@ -2,8 +2,9 @@
 
 :class:`StepProfiler` wraps the parts of a loaded engine's model (the embedding, each
 layer's fused q/k/v and output projections (a hybrid model's gated-attention and
-DeltaNet projections among them), paged attention, router, routed experts, the output
-head) and the session's ``forward`` with wall-clock timers, and splits
+DeltaNet projections among them, multi-head latent attention's projections and
+up-projections), paged attention, dense MLP layers and shared experts, router, routed
+experts, the output head) and the session's ``forward`` with wall-clock timers, and splits
 prefill and decode steps apart. A part is put in place as a :class:`TimedPart`: calls to it
 and to its fused entry points (:data:`TIMED_METHODS`: a fused projection's
 ``add_norm_call``, which includes the residual add and the input RMSNorm before the
@@ -32,10 +33,19 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-#: parts in report order; "other" is the step's time outside them
-PARTS = ("embed", "qkv", "attention", "o_proj", "router", "experts", "lm_head")
+#: parts in report order; "other" is the step's time outside them. For multi-head latent
+#: attention (freetoken.models.mla) "qkv" is the query and latent projections, "kv_b" the
+#: up-projections (decode: the absorbed products per head; prompts: the expansion of the
+#: context to per-head keys and values) and "attention" the attention over the cache; "mlp"
+#: is the dense MLP layers and shared experts
+PARTS = ("embed", "qkv", "kv_b", "attention", "o_proj", "mlp", "router", "experts", "lm_head")
 #: parts that call into the worker pool once per call (attention: when it runs natively)
-POOL_PARTS = ("qkv", "attention", "o_proj", "router", "experts", "lm_head")
+POOL_PARTS = ("qkv", "kv_b", "attention", "o_proj", "mlp", "router", "experts", "lm_head")
+#: attributes of a multi-head latent attention block (freetoken.models.mla.MlaAttention) and
+#: their parts; the attention functions of its module count as "attention"
+MLA_PARTS = (("proj_a", "qkv"), ("q_b", "qkv"), ("uk", "kv_b"), ("uv", "kv_b"), ("expand", "kv_b"),
+             ("o", "o_proj"))
+MLA_ATTENTION = ("absorbed_attention", "expanded_attention")
 #: a wrapped part's methods that are timed as calls of the part: the models' fused entry into a
 #: projection (freetoken.models.layers.FusedLinears.add_norm_call: residual add, RMSNorm, q/k/v)
 TIMED_METHODS = ("add_norm_call",)
@@ -210,10 +220,21 @@ class StepProfiler:
             if deltanet is not None:
                 self._wrap_attr(deltanet, "proj", "qkv")
                 self._wrap_attr(deltanet, "out", "o_proj")
+            mla = getattr(L, "attn", None)
+            if mla is not None and hasattr(mla, "absorbed"):
+                for name, part in MLA_PARTS:
+                    self._wrap_attr(mla, name, part)
+                module = sys.modules.get(type(mla).__module__)
+                for name in MLA_ATTENTION:
+                    if module is not None and getattr(module, name, None) is not None:
+                        if not isinstance(getattr(module, name), TimedPart):  # once for all layers
+                            self._wrap_attr(module, name, "attention")
+            self._wrap_attr(L, "mlp", "mlp")
             moe = getattr(L, "moe", None)
             if moe is not None:
                 self._wrap_attr(moe, "router", "router")
                 self._wrap_attr(moe, "run_experts", "experts")
+                self._wrap_attr(moe, "shared", "mlp")
         # the attention the model's forward calls, in the module of its class or of a base
         # class (a family's model class may inherit its forward: qwen_hybrid)
         modules = {sys.modules.get(cls.__module__) for cls in type(model).__mro__}

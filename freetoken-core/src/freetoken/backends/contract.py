@@ -231,6 +231,13 @@ class WeightPolicy(abc.ABC):
         stacks matrices of one format (the caller then groups by format)."""
         return None
 
+    def head_linear(self, raw: Any) -> Optional[Callable[[Any], Any]]:
+        """One projection per head over the 3-D ``raw`` (``[heads, out, in]``): input ``[T,
+        heads, in]`` -> output ``[T, heads, out]``, both in :attr:`dtype` (the absorbed
+        up-projections of multi-head latent attention); or None when this policy has none
+        (the caller then runs the dequantized weights)."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """What this policy does with each format (shown in the startup log and /health)."""
         return {}

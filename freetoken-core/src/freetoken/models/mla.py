@@ -24,15 +24,17 @@ scores are one product with the cached latents; the output ``sum_j p_j v_j = W_u
 p_j c_j)`` is taken in latent space and projected once. A decode step reads the compressed
 cache only, and never expands the context.
 
-**Prompt chunks expand** (:func:`expanded_attention`): the context's latents are
-up-projected to per-head K/V once per chunk and the chunk's queries attend over them with
-SDPA. For ``n`` queries over ``L`` positions the absorbed form's scores cost
-``n L heads (kv_lora + rope)`` (576 per head for DeepSeek-V3) against ``n L heads (nope +
-rope)`` (192) plus the one-off expansion ``L kv_lora heads (nope + v)``: for a chunk of more
-than a few tokens expansion is cheaper, and it keeps SDPA's fused causal kernels. A single
-query (decode, or a one-token chunk) takes the absorbed form. The expansion is transient
-but covers the whole context of the chunk: ``L x heads x (nope + rope + v)`` values (for
-DeepSeek-V3 about 0.9 GB in BF16 at 8k positions), freed after each layer.
+**Short prompt chunks absorb too, long ones expand** (:func:`expanded_attention`): for a
+long chunk the context's latents are up-projected to per-head K/V once and the chunk's
+queries attend over them with SDPA. For ``n`` queries over ``L`` positions the absorbed
+form's attention costs ``n L heads (2 kv_lora + rope)`` products (1088 per head for
+DeepSeek-V3) against ``n L heads (nope + rope + v)`` (320) plus the expansion's ``L heads
+kv_lora (nope + v)``, and both run as torch products; the absorbed form's own up-projections
+(``n`` queries) run on the backend's per-head projection in the checkpoint's format. So a
+chunk of up to :attr:`MlaShape.absorb_max_queries` queries (170 for DeepSeek-V3) takes the
+absorbed form, a longer one expands. The expansion is transient but covers the whole
+context of the chunk: ``L x heads x (nope + rope + v)`` values (for DeepSeek-V3 about 0.9 GB
+in BF16 at 8k positions), freed after each layer.
 
 RoPE layout: DeepSeek's checkpoints (HF with ``rope_interleave``, the V2 code's complex
 rotation, and llama.cpp's GGUF files, which its converter leaves unpermuted) rotate
@@ -55,7 +57,7 @@ from freetoken.loading.hf import CheckpointError
 from freetoken.loading.tensors import RawTensor
 from freetoken.models.attention import AttentionMetadata
 from freetoken.models.config import KVLayout
-from freetoken.models.hybrid_weights import take_rows
+from freetoken.models.hybrid_weights import float_tensor, take_rows
 from freetoken.models.layers import FusedLinears, Rotary, rms_norm
 
 
@@ -81,6 +83,14 @@ class MlaShape:
 
     def kv_layout(self) -> KVLayout:
         return KVLayout(1, self.latent, 0)
+
+    @property
+    def absorb_max_queries(self) -> int:
+        """The most queries of a prompt chunk that attend in latent space: where the absorbed
+        form's extra products per query and position, ``heads (2 kv_lora + rope - nope - rope
+        - v)``, reach the expansion's ``heads kv_lora (nope + v)`` per position."""
+        extra = 2 * self.kv_lora_rank - self.nope - self.v_dim
+        return self.kv_lora_rank * (self.nope + self.v_dim) // extra if extra > 0 else 1 << 30
 
     def check(self, where: str) -> None:
         for name, value in (("num_attention_heads", self.heads), ("kv_lora_rank", self.kv_lora_rank),
@@ -153,18 +163,27 @@ class MlaAttention:
         self.kv_a_norm = policy.tensor(get("kv_a_norm"))
         if has("kv_b"):
             kv_b = policy.tensor(_expect(get("kv_b"), (H * (s.nope + s.v_dim), s.kv_lora_rank)))
+            per_head = kv_b.view(H, s.nope + s.v_dim, s.kv_lora_rank)
+            k_b = float_tensor(f"{get('kv_b').name} (k part, per head transposed)",
+                               per_head[:, : s.nope].transpose(1, 2), get("kv_b").source)  # fmt: skip
+            v_b = float_tensor(f"{get('kv_b').name} (v part)", per_head[:, s.nope :], get("kv_b").source)
         else:
-            w_uk = policy.tensor(_expect(get("k_b"), (H, s.kv_lora_rank, s.nope))).transpose(1, 2)
-            w_uv = policy.tensor(_expect(get("v_b"), (H, s.v_dim, s.kv_lora_rank)))
-            kv_b = torch.cat([w_uk, w_uv], dim=1).reshape(H * (s.nope + s.v_dim), s.kv_lora_rank)
-        #: [heads * (nope + v), kv_lora] (expansion) and its parts per head (absorption)
+            k_b = _expect(get("k_b"), (H, s.kv_lora_rank, s.nope))
+            v_b = _expect(get("v_b"), (H, s.v_dim, s.kv_lora_rank))
+            w_uk = policy.tensor(k_b).transpose(1, 2)
+            kv_b = torch.cat([w_uk, policy.tensor(v_b)], dim=1).reshape(H * (s.nope + s.v_dim), s.kv_lora_rank)
+        #: [heads * (nope + v), kv_lora]: the expansion of a prompt chunk's context
         self.kv_b = kv_b.contiguous()
         per_head = self.kv_b.view(H, s.nope + s.v_dim, s.kv_lora_rank)
-        self.w_uk = per_head[:, : s.nope]  # [H, nope, kv_lora]
-        self.w_uv = per_head[:, s.nope :]  # [H, v, kv_lora]
+        #: the absorbed products per head (decode and short prompt chunks): ``uk`` [T, H, nope]
+        #: -> [T, H, kv_lora] and ``uv`` [T, H, kv_lora] -> [T, H, v], through the policy's
+        #: per-head projection (in the checkpoint's format) where it has one, else over ``kv_b``
+        self.uk: Any = policy.head_linear(k_b) or FloatHeads(per_head[:, : s.nope].transpose(1, 2))
+        self.uv: Any = policy.head_linear(v_b) or FloatHeads(per_head[:, s.nope :])
         self.o = policy.linear(get("o"))
+        #: the weight bytes one decode token reads (the expansion's kv_b only serves prompts)
         self.nbytes = (self.proj_a.nbytes + self.kv_a_norm.numel() * self.kv_a_norm.element_size()
-                       + self.kv_b.numel() * self.kv_b.element_size() + self.o.nbytes
+                       + self.uk.nbytes + self.uv.nbytes + self.o.nbytes
                        + (self.q_b.nbytes if self.q_b is not None else 0))  # fmt: skip
 
     def __call__(self, qa: torch.Tensor, kva: torch.Tensor, rotary: Rotary, cos: torch.Tensor, sin: torch.Tensor,
@@ -179,25 +198,47 @@ class MlaAttention:
         c = rms_norm(kva[:, : s.kv_lora_rank], self.kv_a_norm, eps)
         k_pe = rotary.apply(kva[:, s.kv_lora_rank :].view(T, 1, s.rope), cos, sin).view(T, s.rope)
         write_latents(cache, torch.cat([c, k_pe], dim=-1), meta.slot_mapping)
-        if meta.decode:
+        if meta.decode or all(seq.q_len <= s.absorb_max_queries for seq in meta.seqs):
             out = self.absorbed(q_nope, q_pe, cache, meta, scale)
         else:
             out = q.new_empty(T, s.heads, s.v_dim)
             for seq in meta.seqs:
                 rows = slice(seq.q_start, seq.q_start + seq.q_len)
                 one = _one_seq(meta, seq)
-                if seq.q_len == 1:
+                if seq.q_len <= s.absorb_max_queries:
                     out[rows] = self.absorbed(q_nope[rows], q_pe[rows], cache, one, scale)
                 else:
-                    out[rows] = expanded_attention(q_nope[rows], q_pe[rows], cache, one, self.kv_b, s, scale)
+                    k, v = self.expand(_context(cache, seq.block_table, seq.ctx_len))
+                    out[rows] = expanded_attention(q_nope[rows], q_pe[rows], k, v, one, scale)
         return self.o(out.reshape(T, s.heads * s.v_dim))
 
     def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:  # fmt: skip
         """Attention with the up-projections absorbed (module docstring): ``[T, heads, v]``."""
-        q_lat = torch.einsum("thn,hnl->thl", q_nope, self.w_uk.to(q_nope.dtype))
+        q_lat = self.uk(q_nope)
         o_lat = absorbed_attention(torch.cat([q_lat, q_pe], dim=-1), cache, meta, scale, self.shape.kv_lora_rank)
-        return torch.einsum("thl,hvl->thv", o_lat, self.w_uv.to(o_lat.dtype))
+        return self.uv(o_lat)
+
+    def expand(self, lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A context's latents ``[L, kv_lora + rope]`` up-projected to per-head keys ``[L,
+        heads, nope + rope]`` and values ``[L, heads, v]``."""
+        s = self.shape
+        L = lat.shape[0]
+        kv = F.linear(lat[:, : s.kv_lora_rank].to(self.kv_b.dtype), self.kv_b).view(L, s.heads, s.nope + s.v_dim)
+        k_pe = lat[:, s.kv_lora_rank :].unsqueeze(1).expand(L, s.heads, s.rope).to(kv.dtype)
+        return torch.cat([kv[..., : s.nope], k_pe], dim=-1), kv[..., s.nope :]
+
+
+class FloatHeads:
+    """``y[t, h] = W[h] @ x[t, h]`` over a float ``[heads, out, in]`` tensor (a policy
+    without a per-head projection)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+        self.nbytes = w.numel() * w.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("thi,hoi->tho", x, self.w.to(x.dtype))
 
 
 def _one_seq(meta: AttentionMetadata, seq: Any) -> AttentionMetadata:
@@ -248,26 +289,26 @@ def absorbed_attention(q_lat: torch.Tensor, cache: torch.Tensor, meta: Attention
     for s in meta.seqs:
         lat = _context(cache, s.block_table, s.ctx_len)  # [L, W]
         q = q_lat[s.q_start : s.q_start + s.q_len]  # [n, H, W]
-        scores = torch.matmul(q.reshape(-1, W), lat.T).view(s.q_len, H, -1).float() * scale
+        scores = torch.matmul(q.reshape(-1, W), lat.T).view(s.q_len, H, -1).float()
+        scores.mul_(scale)  # in place: float32 products are scaled in their own buffer
         if s.q_len > 1:  # query i sits at position ctx_len - q_len + i
             pos_q = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device).view(-1, 1, 1)
             pos_k = torch.arange(s.ctx_len, device=q.device).view(1, 1, -1)
-            scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+            scores.masked_fill_(pos_k > pos_q, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q_lat.dtype)
-        out[s.q_start : s.q_start + s.q_len] = torch.matmul(probs, lat[:, :kv_lora])
+        # one [q_len * heads, L] x [L, kv_lora] product (a 3-D matmul broadcasts the latents)
+        o = torch.matmul(probs.view(-1, s.ctx_len), lat[:, :kv_lora])
+        out[s.q_start : s.q_start + s.q_len] = o.view(s.q_len, H, kv_lora)
     return out
 
 
-def expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                       kv_b: torch.Tensor, s: MlaShape, scale: float) -> torch.Tensor:  # fmt: skip
-    """Causal attention of one sequence's queries (``meta.seqs[0]``, tokens from 0) with its
-    context's latents up-projected to per-head K/V by ``kv_b``: ``[n, heads, v]``."""
+def expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       meta: AttentionMetadata, scale: float) -> torch.Tensor:  # fmt: skip
+    """Causal attention of one sequence's queries (``meta.seqs[0]``, tokens from 0) over its
+    context's per-head keys ``k`` ``[L, heads, nope + rope]`` and values ``v`` ``[L, heads,
+    v]`` (:meth:`MlaAttention.expand`): ``[n, heads, v]``."""
     seq = meta.seqs[0]
     n, L = seq.q_len, seq.ctx_len
-    lat = _context(cache, seq.block_table, L)
-    kv = F.linear(lat[:, : s.kv_lora_rank].to(kv_b.dtype), kv_b).view(L, s.heads, s.nope + s.v_dim)
-    k = torch.cat([kv[..., : s.nope], lat[:, s.kv_lora_rank :].unsqueeze(1).expand(L, s.heads, s.rope)], dim=-1)
-    v = kv[..., s.nope :]
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     k, v = k.transpose(0, 1).unsqueeze(0).to(q.dtype), v.transpose(0, 1).unsqueeze(0).to(q.dtype)
     if n == L:
