@@ -13,7 +13,7 @@ from cpu_moe_reference import act_quant_block, make_weights, quantize_act, rel_e
 from freetoken.handoff import Fmt
 from freetoken.loading.tensors import RawTensor
 from freetoken_cpu_moe.dense import CpuWeightPolicy
-from freetoken_cpu_moe.head_linear import HeadLinear
+from freetoken_cpu_moe.dense import HeadLinear
 from freetoken_cpu_moe.pool import Pool
 
 FMT_IDS = {"q8_0": Fmt.Q8_0, "bf16": Fmt.BF16, "f32": Fmt.F32}

@@ -22,7 +22,7 @@ from split_oracle import DATA, PRE_NAMES, SEED, TIKTOKEN_NAMES, llama_cpp_texts,
 from split_oracle import write_vocab_gguf  # noqa: E402
 
 from freetoken.loading.byte_level import byte_decoder  # noqa: E402
-from freetoken.loading.tokenizer import SPLIT_RULES  # noqa: E402
+from freetoken.loading.split_rules import SPLIT_RULES  # noqa: E402
 
 
 def tiktoken_ids(texts: list[str], tokens: list[str], pattern: str) -> list[list[int]]:

@@ -25,7 +25,7 @@ def main(src: str, dst: str) -> None:
     from tokenizers import pre_tokenizers
 
     sys.path.insert(0, "freetoken-core/src")
-    from freetoken.loading.tokenizer import split_pre_tokenizer
+    from freetoken.loading.split_rules import split_pre_tokenizer
 
     r = GGUFReader(src)
     tokens = field(r, "tokenizer.ggml.tokens")

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from freetoken.loading.byte_level import to_symbols
 from freetoken.loading.hf import CheckpointError
+from freetoken.loading.split_rules import split_pre_tokenizer
 
 VOCAB_FILE = "tiktoken.model"
 #: the split rule of each known tiktoken tokenizer module (``auto_map`` of tokenizer_config.json)
@@ -86,8 +87,6 @@ def build_tiktoken_tokenizer(path: str, tokenizer_config: dict[str, Any]) -> Any
     special tokens of ``added_tokens_decoder`` at their ids."""
     from tokenizers import AddedToken, decoders, models
     from tokenizers import Tokenizer as HFTok
-
-    from freetoken.loading.tokenizer import split_pre_tokenizer
 
     rule = split_rule_name(path, tokenizer_config)
     ranks = read_ranks(os.path.join(path, VOCAB_FILE))
