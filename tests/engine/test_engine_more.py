@@ -33,12 +33,13 @@ def test_gguf_qwen2_pretokenizer_matches_hf(tmp_path):
 
     from freetoken.loading.gguf import GGUFCheckpoint
     from freetoken.models.gguf_writer import write_tokenizer
-    from freetoken.loading.tokenizer import _QWEN2_REGEX, load_gguf_tokenizer
+    from freetoken.loading.split_rules import SPLIT_RULES
+    from freetoken.loading.tokenizer import load_gguf_tokenizer
     from freetoken.models.demo import corpus, train_tokenizer
 
     tok = train_tokenizer(corpus()[:400], vocab_size=1500)
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(SPLIT_RULES["qwen2"][0]), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     hf = Tokenizer.from_str(tok.to_str())
