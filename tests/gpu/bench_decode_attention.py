@@ -93,6 +93,9 @@ def setup(batch: int, ctx: int, table_tokens: int) -> Setup:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="also time Triton tile/warp/stage variants")
+    parser.add_argument("--sweep-partitions", action="store_true",
+                        help="also time partition counts at batch 1-2 and long contexts, merged in the last "
+                             "partial program and by a second launch")  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -123,7 +126,37 @@ def main() -> int:
         torch.cuda.empty_cache()
     if args.sweep:
         sweep(ceiling)
+    if args.sweep_partitions:
+        sweep_partitions(ceiling)
     return 0
+
+
+def sweep_partitions(ceiling: float) -> None:
+    """Few sequences over a long context leave each partial program a few steps when the
+    partitions fill the GPU, and one program then merges every partition: time the counts
+    in between (the default count is marked *)."""
+    from freetoken.kernels import decode_attention as dat
+
+    print("\nPartitions (us per call, % of the copy bandwidth; merge in the last partial / in a second launch):")
+    for batch, ctx in ((1, 4096), (1, 16384), (1, 32768), (2, 32768)):
+        s = setup(batch, ctx, ctx)
+        out = torch.empty(batch, HQ * D, dtype=DTYPE, device="cuda")
+        default = da.num_partitions(batch, HKV, ctx // BS, BS, "cuda")
+        row = []
+        for P in sorted({8, 16, 33, 66, 132, 256, default}):
+            cells = []
+            for merge_in_partial in (True, False):
+                cfg = dataclasses.replace(dat.DEFAULT_CONFIG, reduce_in_partial=merge_in_partial)
+
+                def call(P: int = P, cfg: dat.KernelConfig = cfg) -> None:
+                    dat.launch(s.q, s.k, s.v, s.tables, s.ctx, D**-0.5, out, P, cfg)
+
+                t = time_graph(call)
+                cells.append(f"{t * 1e6:.1f} ({100 * s.kv_bytes / t / 1e9 / ceiling:.0f}%)")
+            row.append(f"P={P}{'*' if P == default else ''}: " + " / ".join(cells))
+        print(f"B={batch} ctx={ctx}:\n  " + "\n  ".join(row))
+        del s
+        torch.cuda.empty_cache()
 
 
 def sweep(ceiling: float) -> None:

@@ -3,11 +3,24 @@
 # engine tests, then tests/gpu/memory_peaks.py on the 48-layer Qwen3-30B-A3B-shaped Q4_K_M file
 # (made once under /tmp/ft-bench) at each limit in LIMITS (GiB) with the chunks in CHUNKS and
 # the prompts in PROMPTS; then each tiny preset of TINY ("PRESET:LIMIT_GIB ...", context 4096,
-# prompts 1024 and 4000) at its limit. Usage (repository root, .whl carried): bash tests/gpu/memory_run.sh
+# prompts 1024 and 4000) at its limit. With LLAMA_NCMOE="N ..." (and .bench/llama.cpp carried) llama-bench
+# is built meanwhile and, at the end, runs tg16 at depth LLAMA_DEPTH (16384) with -ncmoe N on the same
+# file while nvidia-smi samples the device's used memory: llama.cpp's whole-process peak at that depth.
+# Usage (repository root, .whl carried): bash tests/gpu/memory_run.sh
 set -uo pipefail
 LIMITS=${LIMITS:-"16"}; CHUNKS=${CHUNKS:-"256,2048,16384"}; PROMPTS=${PROMPTS:-"1024,8192,16384"}
 CTX=${CTX:-32768}; LAYERS=${LAYERS:-48}; TESTS=${TESTS-"tests/gpu/test_gpu_out_of_memory.py"}
 source tests/gpu/device_setup.sh || exit 1
+B=${LLAMACPP_BUILD:-/tmp/llamacpp-build}
+if [ -n "${LLAMA_NCMOE:-}" ] && [ ! -x "$B/bin/llama-bench" ]; then
+  # the flags of tests/gpu/bench_vs_llamacpp.sh (ggml's AMX matmul left out: it crashed on this host)
+  ( cmake -B "$B" -S .bench/llama.cpp -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+      -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+      -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
+      "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" && cmake --build "$B" -j 8 --target llama-bench ) \
+    > /tmp/llamacpp-build.log 2>&1 &
+  BUILD_PID=$!
+fi
 if [ -n "$TESTS" ]; then
   # shellcheck disable=SC2086
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -q -rs -m "gpu or not gpu" $TESTS -o addopts="" \
@@ -35,3 +48,19 @@ for spec in ${TINY:-}; do
   stamp "$preset at $limit GiB rc=$?"; sed "s/^/$preset /" "$OUT/tiny.tmp" | tee -a "$OUT/peaks-tiny.jsonl"
   grep -E "Error|error" "$OUT/tiny.err" | head -3
 done
+if [ -n "${LLAMA_NCMOE:-}" ]; then
+  [ -n "${BUILD_PID:-}" ] && wait "$BUILD_PID"
+  stamp "llama-bench build: $(tail -1 /tmp/llamacpp-build.log)"
+  idle=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+  for n in $LLAMA_NCMOE; do
+    "$B/bin/llama-bench" -m "$M" -t 16 -ngl 99 -ncmoe "$n" -p 0 -n 16 -d "${LLAMA_DEPTH:-16384}" -r 1 -o md \
+      > /tmp/llama-bench-mem.txt 2>&1 &
+    pid=$!; peak=0
+    while kill -0 "$pid" 2>/dev/null; do
+      used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+      [ "$used" -gt "$peak" ] && peak=$used; sleep 0.2
+    done
+    stamp "llama-bench -ncmoe $n -d ${LLAMA_DEPTH:-16384}: device peak $peak MiB (idle $idle MiB)"
+    grep -E "^\| qwen" /tmp/llama-bench-mem.txt || tail -3 /tmp/llama-bench-mem.txt
+  done
+fi

@@ -43,6 +43,22 @@ def test_gpt_oss_tiny_file_names_and_engine(tmp_path):
     assert len(r.output_ids) == 4 and all(0 <= t < cfg.vocab_size for t in r.output_ids)
 
 
+def test_gpt_oss_presets_default_to_mxfp4(tmp_path, capsys):
+    """Without --quant a GPT-OSS preset is written as its published files are (MXFP4 experts),
+    the others as Q4_K_M; an explicit K-quant for GPT-OSS is refused naming the formats."""
+    import gguf
+
+    from freetoken.cli.main import main
+
+    path = tmp_path / "gpt-oss-tiny.gguf"
+    assert main(["bench", "make-model", "--preset", "gpt-oss-tiny", "--out", str(path)]) == 0
+    assert "mxfp4" in capsys.readouterr().out
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == gguf.GGMLQuantizationType.MXFP4
+    assert main(["bench", "make-model", "--preset", "gpt-oss-tiny", "--quant", "q4_k_m", "--out", str(path)]) == 2
+    assert "mxfp4 or q8_0, as llama.cpp writes them" in capsys.readouterr().err
+
+
 def test_gpt_oss_120b_preset_shape_and_cut():
     from freetoken.cli.bench.make_model import cut_layers
 

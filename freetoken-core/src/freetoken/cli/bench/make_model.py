@@ -215,8 +215,8 @@ def plan_gpt_oss(cfg: ModelConfig, quant: str) -> list[Planned]:
     """llama.cpp's gpt-oss tensor set: Q8_0 matrices (experts MXFP4 with ``mxfp4``), F32
     norms, biases, sinks and router."""
     if quant not in ("mxfp4", "q8_0"):
-        raise ValueError(f"GPT-OSS files are mxfp4 or q8_0 (hidden {cfg.hidden_size} is no multiple of 256), "
-                         f"not {quant}")
+        raise ValueError(f"GPT-OSS files are mxfp4 or q8_0, as llama.cpp writes them (its K-quants need hidden "
+                         f"sizes that are multiples of 256, and GPT-OSS's 2880 is not), not {quant}")
     H, D, E, I, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_layers
     out: list[Planned] = []
 
@@ -480,7 +480,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
     p = subparsers.add_parser("make-model", help="write a synthetic GGUF of a real model's shapes (random weights)")
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
-    p.add_argument("--quant", default="q4_k_m", choices=QUANTS)
+    p.add_argument("--quant", default=None, choices=QUANTS,
+                   help="weight format (default: mxfp4 for the GPT-OSS presets, as their published files are, "
+                        "q4_k_m for the others)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help=f"writer threads (default min(8, cores) = {default_threads()}); the file does not depend on it")
@@ -496,8 +498,16 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> None:
     p.set_defaults(func=run)
 
 
+def default_quant(cfg: ModelConfig) -> str:
+    """The format a preset is written in without ``--quant``: GPT-OSS's published GGUF files
+    keep the experts MXFP4; the other families' are commonly Q4_K_M."""
+    return "mxfp4" if cfg.architecture == "gpt_oss" else "q4_k_m"
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(PRESETS[args.preset])
+    if args.quant is None:
+        args.quant = default_quant(cfg)
     if args.threads is not None and args.threads < 1:
         print("--threads must be at least 1", file=sys.stderr)
         return 2
@@ -506,7 +516,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"--layers must be in 1..{cfg.num_layers}", file=sys.stderr)
             return 2
         cfg = cut_layers(cfg, args.layers)
-    need = sum(t.nbytes for t in plan(cfg, args.quant))
+    try:
+        need = sum(t.nbytes for t in plan(cfg, args.quant))
+    except ValueError as exc:  # a format the preset's family is not written in
+        print(f"--preset {args.preset} --quant {args.quant}: {exc}", file=sys.stderr)
+        return 2
     d = os.path.dirname(os.path.abspath(args.out))
     free = os.statvfs(d).f_bavail * os.statvfs(d).f_frsize
     if need > free:
