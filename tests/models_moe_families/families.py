@@ -3,6 +3,7 @@ families (FP32, eager attention), saved as HF checkpoints for the engine to load
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import torch
@@ -147,3 +148,37 @@ def save(model: Any, path: str) -> None:
 @torch.no_grad()
 def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0].float()
+
+
+def assert_engine_matches_hf(eng: Any, model: Any, rng: random.Random, what: str,
+                             prompts: tuple[int, ...] = (3, 21), new_tokens: int = 5) -> None:
+    """The engine's logits of a random 29-token prompt, then of requests with prompts of the
+    given lengths prefilled and decoded together (greedy), against transformers' forward of
+    the same ids."""
+    from freetoken import SamplingParams
+    from helpers import LogitsRecorder, assert_close
+
+    ids = [rng.randrange(160) for _ in range(29)]
+    assert_close(eng.prompt_logits(ids), hf_logits(model, ids), what)
+    token_lists = [[rng.randrange(160) for _ in range(n)] for n in prompts]
+    with LogitsRecorder(eng) as rec:
+        reqs = [eng.add_request(p, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+                for p in token_lists]
+        while eng.has_work():
+            eng.step()
+    for p, r in zip(token_lists, reqs):
+        ref = hf_logits(model, p + r.output_ids)[len(p) - 1 : -1]
+        assert_close(torch.stack(rec[r.request_id]), ref, f"{what} decode")
+
+
+def fake_gpu_backend() -> Any:
+    """The fake GPU backend of the qualification tests (tests/qualify/fake_backend.py): the
+    GPU session's code and decode graphs (replays with capture semantics) on CPU tensors."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("ft_families_fake_backend",
+                                                  Path(__file__).resolve().parents[1] / "qualify" / "fake_backend.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FakeGpuBackend()

@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from families import DEEPSEEK_YARN, hf_logits, make_model
-from freetoken import SamplingParams
+from families import assert_engine_matches_hf, DEEPSEEK_YARN, hf_logits, make_model
 from freetoken.handoff import Fmt
 from freetoken.models import deepseek_v3
 from freetoken.models.gguf_writer import random_blocks, write_deepseek2_metadata
-from helpers import LogitsRecorder, assert_close, engine_for
+from helpers import assert_close, engine_for
 from test_engine_gguf import _quantizing_experts, assert_close_rounding, quantize_activations
 
 #: HF name (under model.layers.{i}.) -> GGUF name (under blk.{i}.) of the 2-D tensors
@@ -163,16 +162,7 @@ def test_float_gguf_matches_transformers(case, split, tmp_path):
               "n_group", "topk_group", "first_k_dense_replace", "n_shared_experts", "norm_topk_prob"):  # fmt: skip
         assert getattr(c, f) == getattr(want, f), f
     assert eng.model.scale == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-6)
-    ids = [rng.randrange(160) for _ in range(29)]
-    assert_close(eng.prompt_logits(ids), hf_logits(model, ids), f"{case} seed {seed}")
-    prompts = [[rng.randrange(160) for _ in range(n)] for n in (4, 19)]
-    with LogitsRecorder(eng) as rec:
-        reqs = [eng.add_request(p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)) for p in prompts]
-        while eng.has_work():
-            eng.step()
-    for p, r in zip(prompts, reqs):
-        ref = hf_logits(model, p + r.output_ids)[len(p) - 1 : -1]
-        assert_close(torch.stack(rec[r.request_id]), ref, f"{case} seed {seed} decode")
+    assert_engine_matches_hf(eng, model, rng, f"{case} seed {seed}", prompts=(4, 19), new_tokens=4)
 
 
 def test_split_kv_b_equals_kv_b(tmp_path):

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from families import hf_logits, make_model, save
+from families import fake_gpu_backend, hf_logits, make_model, save
 from freetoken import SamplingParams
 from freetoken.loading.hf import CheckpointError
 from freetoken.models import deepseek_v3
@@ -241,19 +241,6 @@ def test_bad_gguf_gating_names_the_key():
 # ------------------------------------------------------------------ GPU session
 
 
-def _fake_gpu_backend():
-    """The fake GPU backend of the qualification tests (tests/qualify/fake_backend.py): the
-    GPU session's code and decode graphs (replays with capture semantics) on CPU tensors."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("ft_deepseek_fake_backend",
-                                                  Path(__file__).resolve().parents[1] / "qualify" / "fake_backend.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.FakeGpuBackend()
-
-
 @pytest.mark.parametrize("case", ["v3", "v2-grouped"])
 @pytest.mark.parametrize("session", ["fakegpu", "graphs"])
 def test_gpu_session_equals_the_cpu_backend(case, session, tmp_path):
@@ -272,7 +259,7 @@ def test_gpu_session_equals_the_cpu_backend(case, session, tmp_path):
     rng = random.Random(seed)
     prompts = [[rng.randrange(160) for _ in range(n)] for n in (7, 30, 12)]
     other = (dict(backend="fakegpu"), None) if session == "fakegpu" else (
-        dict(moe_cpu_layers="all", cuda_graph_max_bs=4), _fake_gpu_backend())
+        dict(moe_cpu_layers="all", cuda_graph_max_bs=4), fake_gpu_backend())
     runs = {}
     for name, (kw, backend) in (("cpu", (dict(backend="cpu"), None)), (session, other)):
         registry.reset()

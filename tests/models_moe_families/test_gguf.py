@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from families import hf_logits, make_model
-from freetoken import SamplingParams
+from families import assert_engine_matches_hf, hf_logits, make_model
 from freetoken.handoff import Fmt
 from freetoken.models.gguf_writer import write_gpt_oss_metadata, write_moe_metadata
 from freetoken.models.config import ModelConfig
-from helpers import LogitsRecorder, assert_close, engine_for
+from helpers import engine_for
 from test_engine_gguf import assert_close_rounding, quantize_activations
 
 GGUF_ARCH = {"mixtral": "llama", "olmoe": "olmoe", "gpt_oss": "gpt-oss"}
@@ -124,17 +123,7 @@ def test_float_gguf_matches_transformers(case, tmp_path):
     _as_written(model)
     rng = random.Random(seed)
     eng = engine_for(path, prefill_chunk=16)
-    ids = [rng.randrange(160) for _ in range(29)]
-    assert_close(eng.prompt_logits(ids), hf_logits(model, ids), f"{case} seed {seed}")
-    # prefill then paged decode of two prompts of different lengths
-    prompts = [[rng.randrange(160) for _ in range(n)] for n in (3, 21)]
-    with LogitsRecorder(eng) as rec:
-        reqs = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)) for p in prompts]
-        while eng.has_work():
-            eng.step()
-    for p, r in zip(prompts, reqs):
-        ref = hf_logits(model, p + r.output_ids)[len(p) - 1 : -1]
-        assert_close(torch.stack(rec[r.request_id]), ref, f"{case} seed {seed} decode")
+    assert_engine_matches_hf(eng, model, rng, f"{case} seed {seed}")
 
 
 def _quantizing_gpt_oss_experts(experts) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from families import hf_logits, make_model, save
+from families import assert_engine_matches_hf, fake_gpu_backend, hf_logits, make_model, save
 from freetoken import SamplingParams
 from freetoken.loading.hf import CheckpointError
 from freetoken.models import glm4_moe
@@ -120,16 +120,7 @@ def test_gguf_matches_transformers_and_skips_nextn_layer(case, tmp_path, caplog)
     assert c.num_layers == model.config.num_hidden_layers and c.num_nextn_predict_layers == 1
     assert (c.rotary_dim, c.n_group, c.topk_group) == (8, model.config.n_group, model.config.topk_group)
     assert c.routed_scaling_factor == pytest.approx(model.config.routed_scaling_factor)
-    ids = [rng.randrange(160) for _ in range(29)]
-    assert_close(eng.prompt_logits(ids), hf_logits(model, ids), f"{case} seed {seed}")
-    prompts = [[rng.randrange(160) for _ in range(n)] for n in (3, 21)]
-    with LogitsRecorder(eng) as rec:
-        reqs = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)) for p in prompts]
-        while eng.has_work():
-            eng.step()
-    for p, r in zip(prompts, reqs):
-        ref = hf_logits(model, p + r.output_ids)[len(p) - 1 : -1]
-        assert_close(torch.stack(rec[r.request_id]), ref, f"{case} seed {seed} decode")
+    assert_engine_matches_hf(eng, model, rng, f"{case} seed {seed}")
 
 
 def test_gguf_plan_leaves_the_nextn_layer_out(tmp_path):
@@ -262,19 +253,6 @@ def test_glm4_pre_tokenizer_splits_digits_in_threes_without_bos(pre):
 # ------------------------------------------------------------------ GPU session
 
 
-def _fake_gpu_backend():
-    """The fake GPU backend of the qualification tests (tests/qualify/fake_backend.py): the
-    GPU session's code and decode graphs (replays with capture semantics) on CPU tensors."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("ft_glm_fake_backend",
-                                                  Path(__file__).resolve().parents[1] / "qualify" / "fake_backend.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.FakeGpuBackend()
-
-
 @pytest.mark.parametrize("case", ["all", "air"])
 def test_gpu_session_decode_graphs_equal_the_cpu_backend(case, tmp_path):
     """Three requests decoded by the GPU session's code in decode graphs (fake GPU backend:
@@ -290,7 +268,7 @@ def test_gpu_session_decode_graphs_equal_the_cpu_backend(case, tmp_path):
     prompts = [[rng.randrange(160) for _ in range(n)] for n in (7, 30, 12)]
     runs = {}
     for name, kw, backend in (("cpu", dict(backend="cpu"), None),
-                              ("gpu-session", dict(moe_cpu_layers="all", cuda_graph_max_bs=4), _fake_gpu_backend())):
+                              ("gpu-session", dict(moe_cpu_layers="all", cuda_graph_max_bs=4), fake_gpu_backend())):
         eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
                                      max_running_requests=4, **kw), **({"backend": backend} if backend else {}))
         try:

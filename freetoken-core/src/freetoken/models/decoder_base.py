@@ -57,6 +57,14 @@ class DecoderModelBase:
         else:
             L.mlp = SwiGLU.load(get, policy, "mlp")
 
+    def _feed_forward(self, L: Any, h: torch.Tensor, o: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``L``'s second half: the residual ``h + o`` and its post-norm, then the routed
+        experts or the dense MLP; returns (residual, what the block adds to it)."""
+        if L.moe is not None:
+            return L.moe.add_norm_forward(h, o, L.post_norm, eps)
+        h, x = self.ops.add_rms_norm(h, o, L.post_norm, eps)
+        return h, L.mlp(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 

@@ -338,11 +338,7 @@ class DeepseekV3Model(DecoderModelBase):
         for L, (latents, _) in zip(self.layers, kv_caches):
             h, (qa, kva) = L.attn.proj_a.add_norm_call(ops, h, delta, L.in_norm, eps)
             o = L.attn(qa, kva, self.rotary, cos, sin, meta, latents, self.scale, eps)
-            if L.moe is not None:
-                h, delta = L.moe.add_norm_forward(h, o, L.post_norm, eps)
-            else:
-                h, x = ops.add_rms_norm(h, o, L.post_norm, eps)
-                delta = L.mlp(x)
+            h, delta = self._feed_forward(L, h, o, eps)
         return ops.add_rms_norm(h, delta, self.norm, eps)[1]
 
     def _mixer_bytes(self, L: Any) -> int:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F

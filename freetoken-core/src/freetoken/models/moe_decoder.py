@@ -208,11 +208,7 @@ class MoeDecoderModel(DecoderModelBase):
             o = L.o(paged_attention(qh, kc, vc, meta, self.scale, window=L.window, sinks=L.sinks))
             if L.o_bias is not None:
                 o = o + L.o_bias
-            if L.moe is not None:
-                h, delta = L.moe.add_norm_forward(h, o, L.post_norm, eps)
-            else:
-                h, x = ops.add_rms_norm(h, o, L.post_norm, eps)
-                delta = L.mlp(x)
+            h, delta = self._feed_forward(L, h, o, eps)
         return ops.add_rms_norm(h, delta, self.norm, eps)[1]
 
     # ------------------------------------------------------------- accounting
