@@ -166,7 +166,7 @@ def _forced(tokenizer: Any, fmt: Any, schemas: dict[str, Any], rng: random.Rando
     as the sampler draws them (a pick ``allows`` rejects for the budget is drawn again)."""
     from freetoken.server.tool_constraint import call_grammar, tool_call_constraint
 
-    c = tool_call_constraint(tokenizer, call_grammar(fmt, schemas))
+    c = tool_call_constraint(tokenizer, call_grammar(fmt, schemas), fmt)
     ids: list[int] = []
     while not c.is_complete() and len(ids) < budget:
         remaining = budget - len(ids)
@@ -192,7 +192,7 @@ SCHEMAS = {
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("fmt", [DS31, DS3, KIMI], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [DS31, DS3, KIMI, GLM], ids=lambda f: f.name)
 def test_a_forced_call_parses_back_and_follows_the_schema(tokenizer: Any, fmt: Any, seed: int) -> None:
     rng = random.Random(seed)
     names = sorted(SCHEMAS) if seed % 2 else ["add"]
@@ -208,19 +208,35 @@ def test_a_forced_call_parses_back_and_follows_the_schema(tokenizer: Any, fmt: A
         assert isinstance(args["a"], (int, float)) and all(isinstance(t, str) for t in args["tags"])
 
 
-def test_a_forced_call_in_glms_markup_is_a_clear_400() -> None:
+@pytest.mark.parametrize("seed", range(3))
+def test_a_forced_glm_call_without_properties_and_with_an_enum(tokenizer: Any, seed: int) -> None:
+    """GLM-4.5's markup: a function without properties takes any keys with bare values; a
+    string enum allows only its values; both close within the budget though bare text ends
+    only at ``<``."""
+    rng = random.Random(seed)
+    schemas = {"note": {"type": "object"},
+               "pick": {"type": "object", "properties": {"side": {"type": "string", "enum": ["left", "right"]}},
+                        "required": ["side"]}}  # fmt: skip
+    for name in schemas:
+        text = _forced(tokenizer, GLM, {name: schemas[name]}, rng, 60)
+        content, calls = parse_tool_calls(text, GLM, set(schemas), schemas=schemas)
+        assert content == "" and [c.name for c in calls] == [name], text
+        args = json.loads(calls[0].arguments)
+        if name == "pick":
+            assert args in ({"side": "left"}, {"side": "right"}), text
+        else:
+            assert all(isinstance(k, str) and k.strip() for k in args), text
+
+
+def test_a_forced_call_in_glms_markup_is_accepted() -> None:
     from freetoken.server.chat_tools import ChatTools
-    from freetoken.server.errors import APIError
     from freetoken.server.protocol import ChatCompletionRequest
 
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
                                 tool_choice="required")
-    with pytest.raises(APIError) as err:
-        ChatTools(req, _Tok("<tool_call>{{ n }}<arg_key>k</arg_key>"))
-    assert err.value.status == 400 and "tool_choice 'auto'" in str(err.value.body())
-    auto = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools)
-    assert ChatTools(auto, _Tok("<tool_call>{{ n }}<arg_key>k</arg_key>")).fmt.name == "glm45"
+    tools_of_request = ChatTools(req, _Tok("<tool_call>{{ n }}<arg_key>k</arg_key>"))
+    assert tools_of_request.fmt.name == "glm45" and tools_of_request.forced == ["add"]
 
 
 def test_glm_values_follow_the_functions_schema() -> None:

@@ -97,12 +97,6 @@ class ChatTools:
             [choice.function.name] if isinstance(choice, NamedToolChoice)
             else list(self.names) if self.mode == "required" else None
         )
-        if self.forced is not None and self.fmt.constrained_call(self.forced[0]) is None:
-            # GLM-4.5 writes string arguments bare: a grammar of its call has no shortest
-            # closing to keep within max_tokens
-            raise APIError(400, f"This model writes tool calls in the {self.fmt.name} markup, whose arguments are not "
-                                "one JSON object, so a call cannot be forced; use tool_choice 'auto'.",
-                           param="tool_choice", code="tool_choice_not_supported")
 
     def stop_strings(self) -> list[str]:
         """Extra stop strings: the end of the first call when only one call is wanted."""
@@ -125,7 +119,7 @@ class ChatTools:
         if self.forced is None:
             return None
         assert self.grammar is not None, "compile() first"
-        return functools.partial(tool_call_constraint, self.tokenizer, self.grammar)
+        return functools.partial(tool_call_constraint, self.tokenizer, self.grammar, self.fmt)
 
     async def checked_constraint(self) -> Optional[Callable[[], Any]]:
         """:meth:`constraint`, after checking that the tokenizer can run it and compiling

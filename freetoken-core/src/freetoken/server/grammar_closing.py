@@ -33,15 +33,15 @@ CLOSING_ORDER: bytes = (
 MAX_CLOSING = 512
 
 
-def candidate_tokens(token_bytes: list[bytes], special: set[int]) -> list[int]:
-    """The single-byte token of each byte of :data:`CLOSING_ORDER` that has one, in that order."""
+def candidate_tokens(token_bytes: list[bytes], special: set[int], order: bytes = CLOSING_ORDER) -> list[int]:
+    """The single-byte token of each byte of ``order`` that has one, in that order."""
     by_byte: dict[int, int] = {}
     for i, b in enumerate(token_bytes):
         if len(b) == 1 and i not in special and b[0] not in by_byte:
             by_byte[b[0]] = i
     seen: set[int] = set()
     out = []
-    for b in CLOSING_ORDER:
+    for b in order:
         if b in by_byte and b not in seen:
             seen.add(b)
             out.append(by_byte[b])
@@ -61,10 +61,30 @@ def still_closes_after(matcher: Any, token: Optional[int], closing: list[int], e
     return matcher.validate_tokens(body + [eos]) == len(body) + 1
 
 
-def closing_tokens(matcher: Any, candidates: list[int], eos: int, limit: int = MAX_CLOSING) -> Optional[list[int]]:
+def _accepted(matcher: Any, candidates: list[int]) -> list[int]:
+    return [tok for tok in candidates if matcher.validate_tokens([tok]) == 1]
+
+
+def _leaves_the_loop(matcher: Any, tok: int, accepted: list[int], candidates: list[int]) -> bool:
+    """Whether taking ``tok`` changes what can follow: text is then forced, the document
+    may end, or another set of candidates is accepted. Inside free text (a regular
+    expression's star) a character leads back to the same state, so none of these holds."""
+    m = matcher.deep_copy()
+    m.consume_token(tok)
+    return m.is_accepting() or bool(m.compute_ff_tokens()) or _accepted(m, candidates) != accepted
+
+
+def closing_tokens(matcher: Any, candidates: list[int], eos: int, limit: int = MAX_CLOSING,
+                   skip_loops: bool = False) -> Optional[list[int]]:  # fmt: skip
     """The tokens that finish the document from ``matcher``'s state (left unchanged): the
     walk described above; an EOS last if the grammar needs one to end. None when the
-    walk finds no way to finish within ``limit`` bytes (or the matcher is in error)."""
+    walk finds no way to finish within ``limit`` bytes (or the matcher is in error).
+
+    ``skip_loops``: for grammars with free text that ends at a byte late in the order (a
+    tool call's bare string arguments, ended by ``<``), the walk takes the first accepted
+    byte that leaves the text's loop (:func:`_leaves_the_loop`), and only if none does the
+    first accepted one; a choice that depends only on the state, so the walk stays
+    deterministic. It costs a matcher copy and a pass over the candidates per byte tried."""
     if matcher.is_error():
         return None
     m = matcher.deep_copy()
@@ -79,6 +99,14 @@ def closing_tokens(matcher: Any, candidates: list[int], eos: int, limit: int = M
         if forced:  # text only one way on: its tokens as llguidance splits it (all the mask allows)
             m.consume_tokens(forced)
             out.extend(forced)
+            continue
+        if skip_loops:
+            accepted = _accepted(m, candidates)
+            if not accepted:
+                return None
+            tok = next((t for t in accepted if _leaves_the_loop(m, t, accepted, candidates)), accepted[0])
+            m.consume_token(tok)
+            out.append(tok)
             continue
         for tok in candidates:
             if m.validate_tokens([tok]) == 1:

@@ -49,6 +49,17 @@ from freetoken.server.grammar_closing import (
 _OVERRIDES = {"whitespace_flexible": False, "lenient": False}
 
 
+@dataclasses.dataclass(frozen=True)
+class ClosingWalk:
+    """How the closing walk of a grammar goes
+    (:func:`freetoken.server.grammar_closing.closing_tokens`): the order it tries bytes in
+    (None: :data:`~freetoken.server.grammar_closing.CLOSING_ORDER`) and whether it steps out
+    of free text's loops."""
+
+    order: Optional[bytes] = None
+    skip_loops: bool = False
+
+
 class SchemaError(ValueError):
     """A schema or grammar llguidance cannot enforce (the message names the feature)."""
 
@@ -88,6 +99,8 @@ class GrammarVocab:
         self.eos_ids = list(eos_ids)
         self.eos = eos
         self.closing_candidates = candidate_tokens(tokens, set(special))
+        self._candidates_by_order: dict[bytes, list[int]] = {}
+        self._token_list, self._special = tokens, set(special)
         encode = self._encode
 
         class _Vocab:
@@ -125,6 +138,14 @@ class GrammarVocab:
             else:
                 raise ValueError(f"byte {data[i]:#x} has no token in this vocabulary")
         return out
+
+    def candidates(self, order: Optional[bytes]) -> list[int]:
+        """The closing walk's single-byte tokens in ``order`` (None: the default order)."""
+        if order is None:
+            return self.closing_candidates
+        if order not in self._candidates_by_order:
+            self._candidates_by_order[order] = candidate_tokens(self._token_list, self._special, order)
+        return self._candidates_by_order[order]
 
     @classmethod
     def of_tokenizer(cls, tokenizer: Any) -> "GrammarVocab":
@@ -261,10 +282,13 @@ class SchemaConstraint:
     applies and the choice may end with "length" and a prefix of a document.
     """
 
-    def __init__(self, vocab: GrammarVocab, grammar: str) -> None:
+    def __init__(self, vocab: GrammarVocab, grammar: str, closing: Optional["ClosingWalk"] = None) -> None:
         import llguidance
 
         self.vocab = vocab
+        walk = closing or ClosingWalk()
+        self._candidates = vocab.candidates(walk.order)
+        self._skip_loops = walk.skip_loops
         self.matcher = llguidance.LLMatcher(vocab.llg, grammar, log_level=0)
         if self.matcher.is_error():
             raise SchemaError(self.matcher.get_error())
@@ -295,7 +319,7 @@ class SchemaConstraint:
             for option in (last[1:], last):
                 if option and bool(mask[option[0]]) and still_closes(self.matcher, option, eos):
                     return option
-        return closing_tokens(self.matcher, self.vocab.closing_candidates, eos)
+        return closing_tokens(self.matcher, self._candidates, eos, skip_loops=self._skip_loops)
 
     def _state(self) -> _StateInfo:
         if self._info is None:
@@ -329,7 +353,7 @@ class SchemaConstraint:
         m = self.matcher.deep_copy()
         if not m.consume_token(token_id):
             return False
-        after = closing_tokens(m, self.vocab.closing_candidates, self.vocab.eos)
+        after = closing_tokens(m, self._candidates, self.vocab.eos, skip_loops=self._skip_loops)
         return after is not None and len(after) <= remaining - 1
 
     def allows(self, token_id: int, remaining: int) -> bool:
@@ -381,6 +405,6 @@ def compile_schema(tokenizer: Any, schema: Any) -> str:
     return grammar
 
 
-def schema_constraint(tokenizer: Any, grammar: str) -> SchemaConstraint:
+def schema_constraint(tokenizer: Any, grammar: str, closing: Optional[ClosingWalk] = None) -> SchemaConstraint:
     """A fresh constraint for one choice over a compiled grammar."""
-    return SchemaConstraint(grammar_vocab(tokenizer), grammar)
+    return SchemaConstraint(grammar_vocab(tokenizer), grammar, closing)

@@ -37,6 +37,8 @@ import json
 import re
 from typing import Any, Callable, NamedTuple, Optional
 
+from freetoken.server.grammar_closing import CLOSING_ORDER
+
 
 class ParsedCall(NamedTuple):
     """A call's function name, its arguments as a JSON object string, and the id the model
@@ -57,6 +59,11 @@ class ToolCallFormat:
     section_tags: tuple[str, ...] = ()
     #: text of a chat template that shows it uses this markup
     marker = ""
+    #: how the closing walk of a forced call's grammar tries bytes (None: the JSON order of
+    #: :data:`freetoken.server.grammar_closing.CLOSING_ORDER`), and whether arguments hold
+    #: free text the walk must step out of (``closing_tokens(skip_loops=...)``)
+    closing_order: Optional[bytes] = None
+    free_text_arguments = False
 
     def parse_body(self, body: str, schemas: Optional[dict[str, Any]] = None) -> Optional[ParsedCall]:
         """The call of the text between the tags, or None (not a call); ``schemas`` (function
@@ -148,13 +155,22 @@ class Glm45Format(ToolCallFormat):
     """GLM-4.5's ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>``.
     The template writes strings as they are and other values as JSON, so a value is a string
     where the function's schema types the argument as one; otherwise, if it reads as JSON other
-    than a string (a number, true, an object, ...) it is that value, else a string. Its
-    arguments are no JSON object, so a forced call cannot be constrained."""
+    than a string (a number, true, an object, ...) it is that value, else a string.
+
+    A forced call (:meth:`call_rules`) writes the schema's properties in its order, the
+    required ones always, each value as the template writes it: bare text without ``<``
+    where the property is a string (one of its values where it has an enum), else JSON of
+    its schema; a function without properties takes any keys with bare values. Bare text
+    ends at ``<``, a byte the JSON closing walk would reach only after every character it
+    may hold, so the walk tries ``/`` and ``<`` after the JSON closers and steps out of
+    the text's loop."""
 
     name = "glm45"
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
     marker = "<arg_key>"
+    closing_order = b'"}]/<' + bytes(b for b in CLOSING_ORDER if b not in b'"}]/<')
+    free_text_arguments = True
     _PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
     def parse_body(self, body: str, schemas: Optional[dict[str, Any]] = None) -> Optional[ParsedCall]:
@@ -186,6 +202,30 @@ class Glm45Format(ToolCallFormat):
 
     def constrained_call(self, name: str) -> Optional[tuple[str, str]]:
         return None
+
+    def call_rules(self, rule: str, name: str, schema: Optional[dict[str, Any]],
+                   schema_json: Callable[[Optional[dict[str, Any]]], str]) -> str:
+        head = f"{rule}: {json.dumps(self.start_tag + name + chr(10))} "
+        tail = f" {json.dumps(self.end_tag)}\n"
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        if not props:
+            pair = '"<arg_key>" /[^<\\n]+/ "</arg_key>\\n<arg_value>" /[^<]*/ "</arg_value>\\n"'
+            return head + f"({pair})*" + tail
+        required = set(schema.get("required") or [])
+        parts, values = [], []
+        for i, (key, sub) in enumerate(props.items()):
+            value = f"{rule}_v{i}"
+            sub = sub if isinstance(sub, dict) else {}
+            if _typed_string(sub) and isinstance(sub.get("enum"), list):
+                values.append(f"{value}: " + " | ".join(json.dumps(str(v)) for v in sub["enum"]) + "\n")
+            elif _typed_string(sub):
+                values.append(f"{value}: /[^<]*/\n")
+            else:
+                values.append(f"{value}: %json {schema_json(sub)}\n")
+            pair = (f"{json.dumps(f'<arg_key>{key}</arg_key>' + chr(10) + '<arg_value>')} {value} "
+                    f"{json.dumps('</arg_value>' + chr(10))}")  # fmt: skip
+            parts.append(pair if key in required else f"({pair})?")
+        return head + " ".join(parts) + tail + "".join(values)
 
 
 def _typed_string(schema: Any) -> bool:

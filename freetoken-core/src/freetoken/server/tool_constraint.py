@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from freetoken.server.schema_constraint import SchemaConstraint, lark_grammar, schema_constraint, schema_for_lark
+from freetoken.server.schema_constraint import ClosingWalk, SchemaConstraint, lark_grammar, schema_constraint
+from freetoken.server.schema_constraint import schema_for_lark
 from freetoken.server.tool_call_formats import ToolCallFormat
 
 
@@ -37,6 +38,8 @@ def call_grammar(fmt: ToolCallFormat, schemas: dict[str, Optional[dict[str, Any]
     return lark_grammar(start + "".join(rules))
 
 
-def tool_call_constraint(tokenizer: Any, grammar: str) -> SchemaConstraint:
-    """A fresh constraint for one choice: one call following ``grammar`` (:func:`call_grammar`)."""
-    return schema_constraint(tokenizer, grammar)
+def tool_call_constraint(tokenizer: Any, grammar: str, fmt: Optional[ToolCallFormat] = None) -> SchemaConstraint:
+    """A fresh constraint for one choice: one call following ``grammar`` (:func:`call_grammar`),
+    closed the way ``fmt``'s arguments close (None: JSON arguments)."""
+    walk = ClosingWalk(fmt.closing_order, fmt.free_text_arguments) if fmt is not None else None
+    return schema_constraint(tokenizer, grammar, walk)
