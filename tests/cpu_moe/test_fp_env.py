@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cpu_moe_cases import cm
-from cpu_moe_reference import make_weights, moe_error, random_routes, rel_err
+from cpu_moe_reference import make_weights, random_routes, rel_err
 from cpu_moe_tasks import fill_inputs, new_task
 
 TINY = np.float32(1e-38)  # the smallest normal float32 is 1.18e-38

@@ -16,7 +16,8 @@ def test_split_trace_parts_add_up_to_the_gap():
 
     offset = 1000
     recs, t = [], 10_000
-    publish_start, ready, seen, y_read = {}, {}, {}, {}
+    seen: dict = {}
+    y_read: dict = {}
     for step in range(2):
         for layer in range(3):
             g_start = t - offset - 900  # publish entry (GPU clock)

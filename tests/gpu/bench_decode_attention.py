@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -148,7 +148,7 @@ def sweep_partitions(ceiling: float) -> None:
             for merge_in_partial in (True, False):
                 cfg = dataclasses.replace(dat.DEFAULT_CONFIG, reduce_in_partial=merge_in_partial)
 
-                def call(P: int = P, cfg: dat.KernelConfig = cfg) -> None:
+                def call(P: int = P, cfg: dat.KernelConfig = cfg, s: Any = s) -> None:
                     dat.launch(s.q, s.k, s.v, s.tables, s.ctx, D**-0.5, out, P, cfg)
 
                 t = time_graph(call)
@@ -172,7 +172,7 @@ def sweep(ceiling: float) -> None:
         row = []
         for cfg in configs:
 
-            def call(cfg: dat.KernelConfig = cfg) -> None:
+            def call(cfg: dat.KernelConfig = cfg, s: Any = s) -> None:
                 dat.launch(s.q, s.k, s.v, s.tables, s.ctx, D**-0.5, out, P, cfg)
 
             try:

@@ -21,7 +21,7 @@ import torch
 
 from freetoken.backends.contract import WeightPolicy
 from freetoken.loading.hf import CheckpointError
-from freetoken.loading.tensors import TensorSource
+from freetoken.loading.tensors import RawTensor, TensorSource
 from freetoken.models.attention import AttentionMetadata, paged_attention, write_kv
 from freetoken.models.config import ModelConfig
 from freetoken.models.decoder_base import DecoderModelBase
@@ -217,12 +217,12 @@ class MoeDecoderModel(DecoderModelBase):
         return L.qkv.nbytes + L.o.nbytes
 
 
-def _check_rows(raw: "RawTensor", rows: int) -> None:  # noqa: F821
+def _check_rows(raw: RawTensor, rows: int) -> None:
     if raw.shape[0] != rows:
         raise CheckpointError(f"{raw.source}: {raw.name} has {raw.shape[0]} rows, expected {rows}")
 
 
-def unpermute_rows(raw: "RawTensor", heads: int) -> "RawTensor":  # noqa: F821
+def unpermute_rows(raw: RawTensor, heads: int) -> RawTensor:
     """Undo llama.cpp's converter permutation of q/k rows (per head, rows ``[a0, b0, a1,
     b1, ...]`` of the interleaved-RoPE layout back to ``[a0, a1, ..., b0, b1, ...]``);
     rows move whole, so packed formats stay packed."""
