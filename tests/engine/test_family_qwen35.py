@@ -4,7 +4,9 @@ and from the same weights written as GGUF."""
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,9 @@ import torch
 from freetoken import SamplingParams
 from helpers import LogitsRecorder, engine_for, hf_logits
 from qwen35_helpers import FAMILIES, first_route_tie, make_hf, prompt_without_route_ties, round_to_f16, write_gguf
+
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models_moe_families"))
+import families  # noqa: E402
 
 
 #: Where the engine and transformers split a sequence differently (prefill pieces against
@@ -197,19 +202,6 @@ def test_unsupported_layer_type_is_named(tmp_path):
         qwen3_5_moe.config_from_hf(cfg)
 
 
-def _fake_gpu_backend():
-    """The fake GPU backend of the qualification tests (tests/qualify/fake_backend.py): the
-    GPU session's code and decode graphs (replays with capture semantics) on CPU tensors."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("ft_q35_fake_backend",
-                                                  Path(__file__).resolve().parents[1] / "qualify" / "fake_backend.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.FakeGpuBackend()
-
-
 def test_gpu_session_decode_graphs_equal_the_cpu_backend(checkpoint):
     """Three requests of different lengths decoded by the GPU session's code in decode graphs
     (fake GPU backend: the DeltaNet steps through DenseOps' torch form, the recurrent states
@@ -223,7 +215,7 @@ def test_gpu_session_decode_graphs_equal_the_cpu_backend(checkpoint):
     prompts = _prompts(model, rng, (7, 30, 12))
     runs = {}
     for name, kw, backend in (("cpu", dict(backend="cpu"), None),
-                              ("gpu-session", dict(moe_cpu_layers="all", cuda_graph_max_bs=4), _fake_gpu_backend())):
+                              ("gpu-session", dict(moe_cpu_layers="all", cuda_graph_max_bs=4), families.fake_gpu_backend())):
         eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
                                      max_running_requests=4, **kw), **({"backend": backend} if backend else {}))
         try:

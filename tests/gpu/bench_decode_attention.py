@@ -131,6 +131,16 @@ def main() -> int:
     return 0
 
 
+def _launch(s: Any, out: torch.Tensor, partitions: int, cfg: Any) -> Callable[[], None]:
+    """One call of the Triton kernel over ``s``'s batch with ``partitions`` and ``cfg``."""
+    from freetoken.kernels import decode_attention as dat
+
+    def call() -> None:
+        dat.launch(s.q, s.k, s.v, s.tables, s.ctx, D**-0.5, out, partitions, cfg)
+
+    return call
+
+
 def sweep_partitions(ceiling: float) -> None:
     """Few sequences over a long context leave each partial program a few steps when the
     partitions fill the GPU, and one program then merges every partition: time the counts
@@ -148,10 +158,7 @@ def sweep_partitions(ceiling: float) -> None:
             for merge_in_partial in (True, False):
                 cfg = dataclasses.replace(dat.DEFAULT_CONFIG, reduce_in_partial=merge_in_partial)
 
-                def call(P: int = P, cfg: dat.KernelConfig = cfg, s: Any = s) -> None:
-                    dat.launch(s.q, s.k, s.v, s.tables, s.ctx, D**-0.5, out, P, cfg)
-
-                t = time_graph(call)
+                t = time_graph(_launch(s, out, P, cfg))
                 cells.append(f"{t * 1e6:.1f} ({100 * s.kv_bytes / t / 1e9 / ceiling:.0f}%)")
             row.append(f"P={P}{'*' if P == default else ''}: " + " / ".join(cells))
         print(f"B={batch} ctx={ctx}:\n  " + "\n  ".join(row))
@@ -171,12 +178,8 @@ def sweep(ceiling: float) -> None:
         P = da.num_partitions(batch, HKV, ctx // BS, BS, "cuda")
         row = []
         for cfg in configs:
-
-            def call(cfg: dat.KernelConfig = cfg, s: Any = s) -> None:
-                dat.launch(s.q, s.k, s.v, s.tables, s.ctx, D**-0.5, out, P, cfg)
-
             try:
-                t = time_graph(call)
+                t = time_graph(_launch(s, out, P, cfg))
                 row.append(f"n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}: {t * 1e6:.1f} "
                            f"({s.kv_bytes / t / 1e9:.0f}, {100 * s.kv_bytes / t / 1e9 / ceiling:.0f}%)")  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - a variant that does not fit (shared memory) is reported
