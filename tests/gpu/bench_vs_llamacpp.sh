@@ -23,6 +23,8 @@
 # Environment: OUT, MODEL_DIR, THREADS (16), NCMOE (24), BUDGET_S (530), REPS (llama-bench -r, 2),
 # LONG (a prompt length, e.g. 16384: llama-bench -ncmoe runs pp$LONG and tg64 at depth $LONG instead of
 # pp512/tg64, and FreeToken's runs take a $LONG-token prompt with --max-model-len $LONG + 512),
+# LLAMA_FIT_MIB (a card size in MiB, e.g. 24576: NCMOE becomes the smallest -ncmoe whose llama-bench
+# process peaks within it, its own GPU memory sampled with nvidia-smi over a run of the same prompt/depth),
 # LLAMA_HOST_EXPERTS, LLAMA_ALL_GPU (1; 0 skips llama-bench's all-experts-on-the-CPU or all-on-the-GPU run),
 # LLAMA_AFTER (0; 1 runs llama-bench -ncmoe again after FreeToken's runs),
 # FT_TESTS (GPU test files run while llama.cpp compiles; FT_TESTS_TIMEOUT 180), FT_PLACEMENTS (FreeToken's
@@ -174,6 +176,34 @@ bench() {  # bench "TITLE" LIMIT_S ARGS... (-p/-n: $PN, default pp512 and tg64)
   rm -f "$TMPB"
   say "llama-bench ($title) rc=$rc in $(( $(date +%s) - t ))s"
 }
+process_peak_mib() {  # process_peak_mib ARGS...: llama-bench's peak GPU memory (MiB, nvidia-smi) over one run
+  "$B/bin/llama-bench" -m "$MODEL" -t "$THREADS" -r 1 -o md "$@" > /tmp/llama-bench-fit.txt 2>&1 &
+  local pid=$! peak=0 used
+  while kill -0 "$pid" 2>/dev/null; do
+    used=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits \
+      | awk -F', ' -v p="$pid" '$1 == p {print $2}')
+    [ -n "$used" ] && [ "$used" -gt "$peak" ] && peak=$used
+    sleep 0.2
+  done
+  wait "$pid" || peak=999999  # a run that failed (out of memory) does not fit
+  echo "$peak"
+}
+fit_ncmoe() {  # the smallest -ncmoe (0..LAYERS) whose run peaks within LLAMA_FIT_MIB, by bisection
+  local lo=0 hi=$LAYERS mid peak pn
+  if [ -n "${LONG:-}" ]; then pn=(-p 0 -n 16 -d "$LONG"); else pn=(-p 512 -n 16); fi
+  while [ "$lo" -lt "$hi" ]; do
+    mid=$(( (lo + hi) / 2 ))
+    peak=$(timeout "$(left 120)" bash -c "$(declare -f process_peak_mib); process_peak_mib -ngl 99 -ncmoe $mid ${pn[*]}")
+    say "llama-bench -ncmoe $mid ${pn[*]}: process peak ${peak:-?} MiB (fit: ${LLAMA_FIT_MIB} MiB)"
+    if [ -n "$peak" ] && [ "$peak" -le "$LLAMA_FIT_MIB" ]; then hi=$mid; else lo=$(( mid + 1 )); fi
+  done
+  echo "$lo"
+}
+if [ -x "$B/bin/llama-bench" ] && [ -f "$MODEL.ok" ] && [ -n "${LLAMA_FIT_MIB:-}" ] && [ "$CPU_ONLY" = 0 ]; then
+  export B MODEL THREADS
+  NCMOE=$(fit_ncmoe | tail -1); export NCMOE
+  say "largest llama.cpp placement within $LLAMA_FIT_MIB MiB: -ngl 99 -ncmoe $NCMOE"
+fi
 if [ -x "$B/bin/llama-bench" ] && [ -f "$MODEL.ok" ]; then
   [ "${LLAMA_HOST_EXPERTS:-1}" = 1 ] && bench "all routed experts on the CPU, the rest on the GPU" 150 -ngl 99 -ot exps=CPU
   if [ -n "${LONG:-}" ]; then
