@@ -239,13 +239,15 @@ static inline __attribute__((always_inline)) void fp8_step32(const uint8_t* row,
 // unreduced, in res (times CV::kOut^-1), over the whole row (the scales are in the
 // activations). K accumulators per token cover the FMA latency (4 cycles): 8 at one token,
 // 4 at two (one FMA each per 32 columns), 2 at three and four (FMA-bound, as at eight with
-// one). One or two tokens: the weight stream prefetched in software FT_FP8_PREFETCH ahead,
-// across row ends (a core that converts between its loads keeps too few lines in flight with the
+// one). One or two tokens: the weight stream prefetched in software (FT_FP8_PREFETCH), across
+// row ends (a core that converts between its loads keeps too few lines in flight with the
 // hardware prefetchers alone).
-// Software prefetch distance of the FP8 weight stream at one and two tokens: 4 KB (this
-// 2-core Zen 4 VM: 2 KB gave 29-32 GB/s at T=1, 4 KB 32-33, 8 KB 30-32).
+// Software prefetch of the FP8 weight stream at one and two tokens: into L2 (prefetcht1),
+// 8 KB ahead. On this 2-core Zen 4 VM at T=1, against a 37 GB/s ceiling: into L1 2 KB
+// ahead 29-32 GB/s, 4 KB 32-33, 8 KB 30-32; into L2 8-16 KB ahead 35-36 (and 44-46 where
+// the ceiling rose to ~66).
 #ifndef FT_FP8_PREFETCH
-#define FT_FP8_PREFETCH 4096
+#define FT_FP8_PREFETCH 8192
 #endif
 template <class CV, int NT>
 static inline void fp8_row_avx2(const uint8_t* row, uint32_t n32, const float* const* xp, __m256 (&res)[NT]) {
@@ -255,7 +257,7 @@ static inline void fp8_row_avx2(const uint8_t* row, uint32_t n32, const float* c
         for (int k = 0; k < K; ++k) acc[t][k] = _mm256_setzero_ps();
     uint32_t c = 0;
     for (; c + 64 <= n32; c += 64) {
-        if (NT <= 2) _mm_prefetch((const char*)row + c + FT_FP8_PREFETCH, _MM_HINT_T0);
+        if (NT <= 2) _mm_prefetch((const char*)row + c + FT_FP8_PREFETCH, _MM_HINT_T1);
         fp8_step32<CV, NT, K, 0>(row, xp, c, acc);
         fp8_step32<CV, NT, K, 1>(row, xp, c + 32, acc);
     }
