@@ -6,11 +6,9 @@
 // serves NT tokens, each activation load NR rows. One or two tokens: one row at a time, four
 // or two accumulators (FMA latency), the weight stream prefetched in software 2 KB ahead,
 // across row ends (a core that converts between its loads keeps too few lines in flight with
-// the hardware prefetchers alone). More tokens: 2 rows x 4 tokens (F32/F16/BF16), FMA-bound;
-// FP8 1 row x 4 tokens (its per-block scales need a second set of accumulators), or x 8 tokens
-// with the block scale applied to the converted weights.
-// Columns past the last whole 16 (FP8: 32 per 128-column block) are added by the portable
-// loaders.
+// the hardware prefetchers alone). More tokens: 2 rows x 4 tokens (F32/F16/BF16), FMA-bound.
+// FP8: 1 row x up to 4 or 8 tokens, its block scales folded into the activations (see the
+// FP8 section). Columns past the last whole 16 (FP8: 32) are added by the portable loaders.
 #pragma once
 
 struct AvxF32 {
@@ -34,36 +32,100 @@ struct AvxBF16 {  // bf16 = the high half of a float32
         hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 16))), 16));
     }
 };
-// FP8 E4M3, 32 weights at a time, converted to f16 bits of value / 2^8 in 16-bit lanes
-// without crossing 128-bit lanes: the even bytes shifted to the high byte and the odd bytes
-// as they are, then an arithmetic shift right by 1 puts the sign in bit 15 (and a copy in
-// bit 14, cleared) and exponent/mantissa in bits 13..7; the bits below (the other byte) are
-// cleared too. Subnormal E4M3 codes become subnormal f16, exactly; the 2^8 goes into the
-// block scale. NaN codes do not occur in checkpoints. The four vectors hold the elements in
-// the order [0 2 .. 14 | 16 18 .. 30 | 1 3 .. 15 | 17 19 .. 31]; the activations are
-// copied in that order once per call (fp8_permute_x).
-static inline void fp8_load32(const uint8_t* p, __m256* w) {
-    const __m256i m = _mm256_set1_epi16((short)0xBF80);
-    const __m256i v = _mm256_loadu_si256((const __m256i*)p);
-    const __m256i ev = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 1), m);
-    const __m256i od = _mm256_and_si256(_mm256_srai_epi16(v, 1), m);
-    w[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(ev));
-    w[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(ev, 1));
-    w[2] = _mm256_cvtph_ps(_mm256_castsi256_si128(od));
-    w[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(od, 1));
-}
-// dst = x's whole 32s in fp8_load32's order (the columns past them are read from x itself)
-static inline void fp8_permute_x(const float* x, uint32_t n, float* dst) {
-    for (uint32_t c = 0; c + 32 <= n; c += 32)
-        for (int h = 0; h < 2; ++h) {
-            const __m256 a = _mm256_loadu_ps(x + c + 16 * h), b = _mm256_loadu_ps(x + c + 16 * h + 8);
-            // [a0 a2 b0 b2 | a4 a6 b4 b6] -> qwords 0, 2, 1, 3 -> even elements of the 16 in order
-            const __m256 ev = _mm256_shuffle_ps(a, b, 0x88), od = _mm256_shuffle_ps(a, b, 0xDD);
-            _mm256_storeu_ps(dst + c + 8 * h, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xD8)));
-            _mm256_storeu_ps(dst + c + 16 + 8 * h, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), 0xD8)));
+// FP8 E4M3 with 128x128 block scales. Each conversion turns 32 bytes into four float
+// vectors without crossing 128-bit lanes, in an order of its own; the activations are
+// copied in that order, each whole 32 times its 128-column block's scale of the current
+// 128-row block and the conversion's factor kAct (prepare, once per row block and token),
+// so that a row is one plain dot product: no per-block sums or scales in the inner loop.
+// The products are then the real ones times kOut^-1. The NaN codes (0x7f, 0xff) do not
+// occur in checkpoints and are not special-cased: they read as +-480, what their bits would
+// mean as a normal number.
+//
+// Fp8F16: f16 bits of value / 2^8 in 16-bit lanes, then vcvtph2ps: the even bytes shifted
+// to the high byte and the odd bytes as they are, an arithmetic shift right by 1 puts the
+// sign in bit 15 (and a copy in bit 14, cleared) and exponent/mantissa in bits 13..7; the
+// bits below (the other byte) are cleared too. Subnormal E4M3 codes become subnormal f16
+// (normal float32), exactly. Order [0 2 .. 14 | 16 18 .. 30 | 1 3 .. 15 | 17 19 .. 31].
+// vcvtph2ps runs on the FMA pipes (2 of them here, AMD Zen 4): one core converts and
+// multiplies ~15 GB/s of E4M3 at one token, short of its share of the memory bandwidth.
+struct Fp8F16 {
+    static constexpr float kAct = 0x1p8f, kOut = 1.0f;
+    static inline void load32(const uint8_t* p, __m256* w) {
+        const __m256i m = _mm256_set1_epi16((short)0xBF80);
+        const __m256i v = _mm256_loadu_si256((const __m256i*)p);
+        const __m256i ev = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 1), m);
+        const __m256i od = _mm256_and_si256(_mm256_srai_epi16(v, 1), m);
+        w[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(ev));
+        w[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(ev, 1));
+        w[2] = _mm256_cvtph_ps(_mm256_castsi256_si128(od));
+        w[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(od, 1));
+    }
+    // dst[0, n32) = x's whole 32s in load32's order, each times srow[its block] * kAct
+    static inline void prepare(const float* x, uint32_t n32, const float* srow, float* dst) {
+        for (uint32_t c = 0; c < n32; c += 32) {
+            const __m256 k = _mm256_set1_ps(srow[c / FP8_BLOCK] * kAct);
+            for (int h = 0; h < 2; ++h) {
+                const __m256 a = _mm256_loadu_ps(x + c + 16 * h), b = _mm256_loadu_ps(x + c + 16 * h + 8);
+                // [a0 a2 b0 b2 | a4 a6 b4 b6] -> qwords 0, 2, 1, 3 -> even elements of the 16 in order
+                const __m256 ev = _mm256_shuffle_ps(a, b, 0x88), od = _mm256_shuffle_ps(a, b, 0xDD);
+                _mm256_storeu_ps(dst + c + 8 * h, _mm256_mul_ps(_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xD8)), k));
+                _mm256_storeu_ps(dst + c + 16 + 8 * h, _mm256_mul_ps(_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), 0xD8)), k));
+            }
         }
-}
-struct LoadFP8Div256 { static float at(const uint8_t* p, uint32_t i) { return fp8_e4m3_to_float(p[i]) * 0x1p-8f; } };
+    }
+};
+
+// Fp8Bits: float32 bits by integer moves alone (shifts and ands, off the FMA pipes): the
+// code s.eeee.mmm as s << 31 | eeee.mmm << 20, i.e. the 4-bit exponent in the low bits of
+// the float32 exponent field, not rebiased, and the 3-bit mantissa at the top of the
+// float32 mantissa. That is the value times 2^-120 (float32 bias 127 against E4M3's 7),
+// exactly, for normal codes (exponent field 1..15 -> float32 exponents 1..15, normal) and
+// subnormal ones (exponent field 0, (m/8) 2^-6 -> (m/8) 2^-126, a float32 subnormal) alike;
+// +-0 stays +-0. The 16-bit lanes hold bytes 4j, 4j+1 (low half of dword j) and 4j+2, 4j+3
+// (high half): the even byte moved to the high byte of its lane (the odd one is there), an
+// arithmetic shift right by 4 puts the sign in bits 15..11 and exponent/mantissa in 10..4
+// (3..0: bits of the other byte); high halves are then in place, low halves go up by a
+// 32-bit shift by 16, and the mask 0x87F00000 keeps the sign and the seven bits. Order:
+// vector q holds bytes 4j + q, j = 0..7 (prepare: a 8x4 -> 4x8 transpose).
+//
+// The 2^120 goes into the activations (kAct = 2^64, with the block scale) and the output
+// (kOut = 2^56), so the inner loop has no extra multiply; the products are v s x 2^-56
+// (v the E4M3 value, s the block scale). Ranges: |x s| below 2^64 (1.8e19). The kernels
+// that use it run with DAZ off (DenormalInputsScope: else the subnormal weights read as
+// zero) and FTZ on, so a running sum of a row's products is flushed to zero only while
+// below 2^-126, i.e. below 2^-70 (8.5e-22) in real units (2^-126 with Fp8F16).
+// Activations that are subnormal float32 are read as they are (x s 2^64 is normal unless
+// s is tiny).
+struct Fp8Bits {
+    static constexpr float kAct = 0x1p64f, kOut = 0x1p56f;
+    static inline void load32(const uint8_t* p, __m256* w) {
+        const __m256i m = _mm256_set1_epi32((int)0x87F00000u);
+        const __m256i v = _mm256_loadu_si256((const __m256i*)p);
+        const __m256i e = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4);  // bytes 4j (low half), 4j+2 (high)
+        const __m256i o = _mm256_srai_epi16(v, 4);                        // bytes 4j+1, 4j+3
+        w[0] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(e, 16), m));
+        w[1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(o, 16), m));
+        w[2] = _mm256_castsi256_ps(_mm256_and_si256(e, m));
+        w[3] = _mm256_castsi256_ps(_mm256_and_si256(o, m));
+    }
+    // dst[8q + j] = x[4j + q] * srow[its block] * kAct for each whole 32 of [0, n32)
+    static inline void prepare(const float* x, uint32_t n32, const float* srow, float* dst) {
+        for (uint32_t c = 0; c < n32; c += 32) {
+            const __m256 k = _mm256_set1_ps(srow[c / FP8_BLOCK] * kAct);
+            const __m256 a = _mm256_loadu_ps(x + c), b = _mm256_loadu_ps(x + c + 8);
+            const __m256 e = _mm256_loadu_ps(x + c + 16), d = _mm256_loadu_ps(x + c + 24);
+            // rows of 4: A = [0 | 4], B = [1 | 5], C = [2 | 6], D = [3 | 7] (128-bit lanes)
+            const __m256 A = _mm256_permute2f128_ps(a, e, 0x20), B = _mm256_permute2f128_ps(a, e, 0x31);
+            const __m256 C = _mm256_permute2f128_ps(b, d, 0x20), D = _mm256_permute2f128_ps(b, d, 0x31);
+            const __m256 t0 = _mm256_unpacklo_ps(A, B), t1 = _mm256_unpacklo_ps(C, D);
+            const __m256 t2 = _mm256_unpackhi_ps(A, B), t3 = _mm256_unpackhi_ps(C, D);
+            _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_shuffle_ps(t0, t1, 0x44), k));
+            _mm256_storeu_ps(dst + c + 8, _mm256_mul_ps(_mm256_shuffle_ps(t0, t1, 0xEE), k));
+            _mm256_storeu_ps(dst + c + 16, _mm256_mul_ps(_mm256_shuffle_ps(t2, t3, 0x44), k));
+            _mm256_storeu_ps(dst + c + 24, _mm256_mul_ps(_mm256_shuffle_ps(t2, t3, 0xEE), k));
+        }
+    }
+};
 
 #ifndef FT_FLOAT_PREFETCH
 #define FT_FLOAT_PREFETCH 2048
@@ -159,113 +221,110 @@ static void dot_rows_float_avx2(const uint8_t* base, size_t row_stride, uint32_t
     }
 }
 
-// acc[r][t][k] += the products of columns [c0, c0 + n32) of FP8 rows[r] and the permuted
-// activations xp[t] (n32 a multiple of 32).
-template <int NR, int NT, int K>
-static inline void fp8_tile_avx2(const uint8_t* const* rows, const float* const* xp, uint32_t c0, uint32_t n32,
-                                 __m256 (*acc)[NT][K]) {
-    for (uint32_t c = 0; c < n32; c += 32) {
-        const uint32_t cc = c0 + c;
-        if (NT <= 2 && (cc & 63) == 0)
-            for (int r = 0; r < NR; ++r) _mm_prefetch((const char*)rows[r] + cc + FT_FLOAT_PREFETCH, _MM_HINT_T0);
-        __m256 w[NR][4];
-        for (int r = 0; r < NR; ++r) fp8_load32(rows[r] + cc, w[r]);
-        for (int t = 0; t < NT; ++t)
-            for (int q = 0; q < 4; ++q) {
-                const __m256 xv = _mm256_loadu_ps(xp[t] + cc + 8 * q);
-                for (int r = 0; r < NR; ++r) acc[r][t][q % K] = _mm256_fmadd_ps(w[r][q], xv, acc[r][t][q % K]);
-            }
+// acc[t][k] += the products of the 32 columns from c of an FP8 row and the prepared
+// activations xp[t]; S alternates accumulator sets between consecutive 32s.
+template <class CV, int NT, int K, int S>
+static inline __attribute__((always_inline)) void fp8_step32(const uint8_t* row, const float* const* xp, uint32_t c,
+                                                             __m256 (&acc)[NT][K]) {
+    __m256 w[4];
+    CV::load32(row + c, w);
+    for (int t = 0; t < NT; ++t)
+        for (int q = 0; q < 4; ++q) {
+            constexpr int k0 = 4 * S;
+            acc[t][(k0 + q) % K] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(xp[t] + c + 8 * q), acc[t][(k0 + q) % K]);
+        }
+}
+
+// One FP8 row's whole 32s [0, n32) x NT tokens of prepared activations: the dot products,
+// unreduced, in res (times CV::kOut^-1), over the whole row (the scales are in the
+// activations). K accumulators per token cover the FMA latency (4 cycles): 8 at one token,
+// 4 at two (one FMA each per 32 columns), 2 at three and four (FMA-bound, as at eight with
+// one). One or two tokens: the weight stream prefetched in software (FT_FP8_PREFETCH), across
+// row ends (a core that converts between its loads keeps too few lines in flight with the
+// hardware prefetchers alone).
+// Software prefetch of the FP8 weight stream at one and two tokens: into L2 (prefetcht1),
+// 8 KB ahead. On this 2-core Zen 4 VM at T=1, against a 37 GB/s ceiling: into L1 2 KB
+// ahead 29-32 GB/s, 4 KB 32-33, 8 KB 30-32; into L2 8-16 KB ahead 35-36 (and 44-46 where
+// the ceiling rose to ~66).
+#ifndef FT_FP8_PREFETCH
+#define FT_FP8_PREFETCH 8192
+#endif
+template <class CV, int NT>
+static inline void fp8_row_avx2(const uint8_t* row, uint32_t n32, const float* const* xp, __m256 (&res)[NT]) {
+    constexpr int K = NT == 1 ? 8 : NT == 2 ? 4 : NT <= 4 ? 2 : 1;
+    __m256 acc[NT][K];
+    for (int t = 0; t < NT; ++t)
+        for (int k = 0; k < K; ++k) acc[t][k] = _mm256_setzero_ps();
+    uint32_t c = 0;
+    for (; c + 64 <= n32; c += 64) {
+        if (NT <= 2) _mm_prefetch((const char*)row + c + FT_FP8_PREFETCH, _MM_HINT_T1);
+        fp8_step32<CV, NT, K, 0>(row, xp, c, acc);
+        fp8_step32<CV, NT, K, 1>(row, xp, c + 32, acc);
+    }
+    if (c < n32) fp8_step32<CV, NT, K, 0>(row, xp, c, acc);
+    // in loops of constant trip counts, unrolled early, so that acc stays in registers (a
+    // loop that halved its bound kept it in memory, reloaded in the FMA chains)
+    for (int t = 0; t < NT; ++t) {
+        if (K == 8)
+            for (int k = 0; k < 4; ++k) acc[t][k] = _mm256_add_ps(acc[t][k], acc[t][(k + 4) % K]);
+        if (K >= 4)
+            for (int k = 0; k < 2; ++k) acc[t][k] = _mm256_add_ps(acc[t][k], acc[t][(k + 2) % K]);
+        if (K >= 2) acc[t][0] = _mm256_add_ps(acc[t][0], acc[t][1 % K]);
+        res[t] = acc[t][0];
     }
 }
 
-// FP8 rows [r, r + NR) x tokens [j, j + NT) (xp: the permuted activations, x: as they are):
-// per 128-column block, the block's products in acc, then scaled by the block's scale (x 2^8)
-// into tot.
-template <int NR, int NT>
-static inline void fp8_rows_avx2(const uint8_t* base, size_t row_stride, const float* sbase, uint32_t ncb, uint32_t cols,
-                                 uint32_t r, uint32_t r0, const float* const* x, const float* const* xp, float* out,
-                                 size_t os) {
-    constexpr int K = NR * NT >= 4 ? 1 : (NR * NT == 2 ? 2 : 4);
-    const uint8_t* rows[NR];
-    const float* srow[NR];
-    for (int i = 0; i < NR; ++i) {
-        rows[i] = base + (size_t)(r + i) * row_stride;
-        srow[i] = sbase + (size_t)((r + i) / FP8_BLOCK) * ncb;
-    }
-    __m256 tot[NR][NT];
-    float tail[NR][NT];
-    for (int i = 0; i < NR; ++i)
-        for (int t = 0; t < NT; ++t) {
-            tot[i][t] = _mm256_setzero_ps();
-            tail[i][t] = 0.0f;
-        }
-    for (uint32_t cb = 0, c0 = 0; c0 < cols; ++cb, c0 += FP8_BLOCK) {
-        const uint32_t n = std::min(FP8_BLOCK, cols - c0), n32 = n & ~31u;
-        __m256 acc[NR][NT][K];
-        for (int i = 0; i < NR; ++i)
-            for (int t = 0; t < NT; ++t)
-                for (int k = 0; k < K; ++k) acc[i][t][k] = _mm256_setzero_ps();
-        fp8_tile_avx2<NR, NT, K>(rows, xp, c0, n32, acc);
-        for (int i = 0; i < NR; ++i) {
-            const float s = srow[i][cb] * 256.0f;
-            const __m256 sv = _mm256_set1_ps(s);
+// Rows [r0, r1) x tokens [0, NT), per 128-row block and, from three tokens on (FMA-bound,
+// where every row reads each prepared activation), in passes over columns whose prepared
+// activations take at most 16 KB, half an L1 (whole rows of 2048 columns at four tokens
+// filled it): the pass's activations prepared with the block's scales, one token after the
+// other in one contiguous piece (token arrays a multiple of 4 KB apart fell into the same
+// L1 sets), then row by row, each pass adding its part of the dot products to out. The
+// columns past the whole 32s (all in the last column block) in real units: exact E4M3
+// values, the activations as they are, that block's scale. scratch: NT x cols floats.
+template <class CV, int NT>
+static void fp8_rows_avx2(const uint8_t* base, size_t row_stride, const float* sbase, uint32_t ncb, uint32_t cols,
+                          uint32_t r0, uint32_t r1, const float* const* x, float* scratch, float* out, size_t os) {
+    constexpr uint32_t CHUNK = NT <= 2 ? 0xFFFFFFFFu : (16384u / 4 / NT) & ~(FP8_BLOCK - 1);
+    const uint32_t n32 = cols & ~31u;
+    for (uint32_t r = r0; r < r1;) {
+        const uint32_t rb = r / FP8_BLOCK, rend = std::min(r1, (rb + 1) * FP8_BLOCK);
+        const float* srow = sbase + (size_t)rb * ncb;
+        for (uint32_t c0 = 0; c0 < n32 || c0 == 0; c0 += CHUNK) {
+            const uint32_t n = std::min(CHUNK, n32 - c0);
+            const float* xp[NT];
             for (int t = 0; t < NT; ++t) {
-                for (int k = 1; k < K; ++k) acc[i][t][0] = _mm256_add_ps(acc[i][t][0], acc[i][t][k]);
-                tot[i][t] = _mm256_fmadd_ps(acc[i][t][0], sv, tot[i][t]);
-                if (n32 < n) {
-                    float p = 0.0f;
-                    for (uint32_t c = c0 + n32; c < c0 + n; ++c) p += LoadFP8Div256::at(rows[i], c) * x[t][c];
-                    tail[i][t] += p * s;
+                CV::prepare(x[t] + c0, n, srow + c0 / FP8_BLOCK, scratch + (size_t)t * n);
+                xp[t] = scratch + (size_t)t * n;
+            }
+            for (uint32_t i = r; i < rend; ++i) {
+                __m256 res[NT];
+                fp8_row_avx2<CV, NT>(base + (size_t)i * row_stride + c0, n, xp, res);
+                for (int t = 0; t < NT; ++t) {
+                    float& o = out[(size_t)t * os + (i - r0)];
+                    const float v = hsum256(res[t]) * CV::kOut;
+                    o = c0 == 0 ? v : o + v;
                 }
             }
+            if (n32 - c0 <= CHUNK) break;
         }
-    }
-    for (int i = 0; i < NR; ++i)
-        for (int t = 0; t < NT; ++t) out[(size_t)t * os + (r + i - r0)] = hsum256(tot[i][t]) + tail[i][t];
-}
-
-// Eight tokens: one row, the block scale (x 2^8) folded into the converted weights (one
-// multiply per 8 weights, shared by the 8 tokens), so the 8 accumulators run over the whole
-// row and no second set is needed: the conversion, which shares the FMA pipes, is spread
-// over twice as many FMAs as with 4 tokens.
-static inline void fp8_row8_avx2(const uint8_t* row, const float* srow, uint32_t cols, const float* const* x,
-                                 const float* const* xp, float* out, size_t os) {
-    __m256 acc[8];
-    float tail[8];
-    for (int t = 0; t < 8; ++t) {
-        acc[t] = _mm256_setzero_ps();
-        tail[t] = 0.0f;
-    }
-    for (uint32_t cb = 0, c0 = 0; c0 < cols; ++cb, c0 += FP8_BLOCK) {
-        const uint32_t n = std::min(FP8_BLOCK, cols - c0), n32 = n & ~31u;
-        const float s = srow[cb] * 256.0f;
-        const __m256 sv = _mm256_set1_ps(s);
-        for (uint32_t c = c0; c < c0 + n32; c += 32) {
-            __m256 w[4];
-            fp8_load32(row + c, w);
-            for (int q = 0; q < 4; ++q) w[q] = _mm256_mul_ps(w[q], sv);
-            for (int t = 0; t < 8; ++t)
-                for (int q = 0; q < 4; ++q) acc[t] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(xp[t] + c + 8 * q), acc[t]);
-        }
-        if (n32 < n)
-            for (int t = 0; t < 8; ++t) {
-                float p = 0.0f;
-                for (uint32_t c = c0 + n32; c < c0 + n; ++c) p += LoadFP8Div256::at(row, c) * x[t][c];
-                tail[t] += p * s;
+        if (n32 < cols)
+            for (uint32_t i = r; i < rend; ++i) {
+                const uint8_t* row = base + (size_t)i * row_stride;
+                for (int t = 0; t < NT; ++t) {
+                    float tail = 0.0f;
+                    for (uint32_t c = n32; c < cols; ++c) tail += fp8_e4m3_to_float(row[c]) * x[t][c];
+                    out[(size_t)t * os + (i - r0)] += tail * srow[ncb - 1];
+                }
             }
+        r = rend;
     }
-    for (int t = 0; t < 8; ++t) out[(size_t)t * os] = hsum256(acc[t]) + tail[t];
 }
 
-template <int NR, int NT>
-static inline void fp8_rows_nt_avx2(const uint8_t* base, size_t row_stride, const float* sbase, uint32_t ncb, uint32_t cols,
-                                    uint32_t r0, uint32_t r1, const float* const* x, const float* const* xp, float* out,
-                                    size_t os) {
-    uint32_t r = r0;
-    for (; r + NR <= r1; r += NR) fp8_rows_avx2<NR, NT>(base, row_stride, sbase, ncb, cols, r, r0, x, xp, out, os);
-    for (; r < r1; ++r) fp8_rows_avx2<1, NT>(base, row_stride, sbase, ncb, cols, r, r0, x, xp, out, os);
-}
-
+// Tokens in eights with Fp8F16 (FMA-bound: vcvtph2ps is spread over 32 FMAs per 32
+// weights, and on par with Fp8Bits there, measured; its weights are never subnormal, which
+// spares Intel cores the assists), the rest in fours and fewer with Fp8Bits (one to four
+// tokens are the memory-bound calls), under DenormalInputsScope.
 static void dot_rows_fp8_avx2(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint32_t r1, const void* const* xs,
                               uint32_t ntok, float* out, size_t os) {
     const uint8_t* base = (const uint8_t*)(uintptr_t)w.data + (size_t)e * w.expert_stride;
@@ -273,32 +332,20 @@ static void dot_rows_fp8_avx2(const ft_weight_desc& w, uint32_t e, uint32_t r0, 
     const uint32_t ncb = (w.cols + FP8_BLOCK - 1) / FP8_BLOCK;
     const float* const* x = (const float* const*)xs;
     thread_local std::vector<float> scratch;
-    const size_t per = ((size_t)w.cols + 15) & ~(size_t)15;
-    if (scratch.size() < 8 * per) scratch.resize(8 * per);
+    if (scratch.size() < 8 * (size_t)w.cols) scratch.resize(8 * (size_t)w.cols);
+    float* sc = scratch.data();
     uint32_t j = 0;
-    for (; j + 8 <= ntok; j += 8) {
-        const float* xp[8];
-        for (uint32_t t = 0; t < 8; ++t) {
-            fp8_permute_x(x[j + t], w.cols, scratch.data() + t * per);
-            xp[t] = scratch.data() + t * per;
-        }
-        for (uint32_t r = r0; r < r1; ++r)
-            fp8_row8_avx2(base + (size_t)r * w.row_stride, sbase + (size_t)(r / FP8_BLOCK) * ncb, w.cols, x + j, xp,
-                          out + (size_t)j * os + (r - r0), os);
-    }
+    for (; j + 8 <= ntok; j += 8)
+        fp8_rows_avx2<Fp8F16, 8>(base, w.row_stride, sbase, ncb, w.cols, r0, r1, x + j, sc, out + (size_t)j * os, os);
+    if (j == ntok) return;
+    DenormalInputsScope subnormal_weights;  // Fp8Bits' weights are 2^-120 times their values
     for (; j < ntok; j += 4) {
-        const uint32_t nt = std::min(4u, ntok - j);
-        const float* xp[4];
-        for (uint32_t t = 0; t < nt; ++t) {
-            fp8_permute_x(x[j + t], w.cols, scratch.data() + t * per);
-            xp[t] = scratch.data() + t * per;
-        }
         float* o = out + (size_t)j * os;
-        switch (nt) {
-            case 4: fp8_rows_nt_avx2<1, 4>(base, w.row_stride, sbase, ncb, w.cols, r0, r1, x + j, xp, o, os); break;
-            case 3: fp8_rows_nt_avx2<1, 3>(base, w.row_stride, sbase, ncb, w.cols, r0, r1, x + j, xp, o, os); break;
-            case 2: fp8_rows_nt_avx2<1, 2>(base, w.row_stride, sbase, ncb, w.cols, r0, r1, x + j, xp, o, os); break;
-            default: fp8_rows_nt_avx2<1, 1>(base, w.row_stride, sbase, ncb, w.cols, r0, r1, x + j, xp, o, os); break;
+        switch (std::min(4u, ntok - j)) {
+            case 4: fp8_rows_avx2<Fp8Bits, 4>(base, w.row_stride, sbase, ncb, w.cols, r0, r1, x + j, sc, o, os); break;
+            case 3: fp8_rows_avx2<Fp8Bits, 3>(base, w.row_stride, sbase, ncb, w.cols, r0, r1, x + j, sc, o, os); break;
+            case 2: fp8_rows_avx2<Fp8Bits, 2>(base, w.row_stride, sbase, ncb, w.cols, r0, r1, x + j, sc, o, os); break;
+            default: fp8_rows_avx2<Fp8Bits, 1>(base, w.row_stride, sbase, ncb, w.cols, r0, r1, x + j, sc, o, os); break;
         }
     }
 }
