@@ -239,13 +239,11 @@ static inline __attribute__((always_inline)) void fp8_step32(const uint8_t* row,
 // unreduced, in res (times CV::kOut^-1), over the whole row (the scales are in the
 // activations). K accumulators per token cover the FMA latency (4 cycles): 8 at one token,
 // 4 at two (one FMA each per 32 columns), 2 at three and four (FMA-bound, as at eight with
-// one). One or two tokens: the weight stream prefetched in software (FT_FP8_PREFETCH), across
-// row ends (a core that converts between its loads keeps too few lines in flight with the
-// hardware prefetchers alone).
-// Software prefetch of the FP8 weight stream at one and two tokens: into L2 (prefetcht1),
-// 8 KB ahead. On this 2-core Zen 4 VM at T=1, against a 37 GB/s ceiling: into L1 2 KB
-// ahead 29-32 GB/s, 4 KB 32-33, 8 KB 30-32; into L2 8-16 KB ahead 35-36 (and 44-46 where
-// the ceiling rose to ~66).
+// one). One or two tokens: the weight stream prefetched in software into L2 (prefetcht1)
+// FT_FP8_PREFETCH bytes ahead, across row ends (a core that converts between its loads keeps
+// too few lines in flight with the hardware prefetchers alone). On a 2-core Zen 4 VM at T=1,
+// against a 37 GB/s ceiling: into L1 2 KB ahead 29-32 GB/s, 4 KB 32-33, 8 KB 30-32; into L2
+// 8-16 KB ahead 35-36 (and 44-46 where the ceiling rose to ~66).
 #ifndef FT_FP8_PREFETCH
 #define FT_FP8_PREFETCH 8192
 #endif

@@ -19,6 +19,7 @@ microseconds per byte (``validate_tokens`` on a copy of the matcher).
 
 from __future__ import annotations
 
+import dataclasses
 import string
 from typing import Any, Optional
 
@@ -31,6 +32,15 @@ CLOSING_ORDER: bytes = (
 
 #: a walk longer than this many bytes gives up (the closing is then unknown)
 MAX_CLOSING = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class ClosingWalk:
+    """How :func:`closing_tokens` walks a grammar: the order it tries bytes in (None:
+    :data:`CLOSING_ORDER`) and whether it steps out of free text's loops (``skip_loops``)."""
+
+    order: Optional[bytes] = None
+    skip_loops: bool = False
 
 
 def candidate_tokens(token_bytes: list[bytes], special: set[int], order: bytes = CLOSING_ORDER) -> list[int]:

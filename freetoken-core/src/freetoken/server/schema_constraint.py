@@ -39,6 +39,7 @@ import torch
 from freetoken.loading.byte_level import byte_decoder
 from freetoken.server.grammar_closing import (
     MAX_CLOSING,
+    ClosingWalk,
     candidate_tokens,
     closing_tokens,
     still_closes,
@@ -47,17 +48,6 @@ from freetoken.server.grammar_closing import (
 
 #: options applied to every schema: compact output, unknown keywords are errors
 _OVERRIDES = {"whitespace_flexible": False, "lenient": False}
-
-
-@dataclasses.dataclass(frozen=True)
-class ClosingWalk:
-    """How the closing walk of a grammar goes
-    (:func:`freetoken.server.grammar_closing.closing_tokens`): the order it tries bytes in
-    (None: :data:`~freetoken.server.grammar_closing.CLOSING_ORDER`) and whether it steps out
-    of free text's loops."""
-
-    order: Optional[bytes] = None
-    skip_loops: bool = False
 
 
 class SchemaError(ValueError):
@@ -282,7 +272,7 @@ class SchemaConstraint:
     applies and the choice may end with "length" and a prefix of a document.
     """
 
-    def __init__(self, vocab: GrammarVocab, grammar: str, closing: Optional["ClosingWalk"] = None) -> None:
+    def __init__(self, vocab: GrammarVocab, grammar: str, closing: Optional[ClosingWalk] = None) -> None:
         import llguidance
 
         self.vocab = vocab

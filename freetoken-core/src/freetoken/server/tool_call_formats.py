@@ -37,7 +37,7 @@ import json
 import re
 from typing import Any, Callable, NamedTuple, Optional
 
-from freetoken.server.grammar_closing import CLOSING_ORDER
+from freetoken.server.grammar_closing import CLOSING_ORDER, ClosingWalk
 
 
 class ParsedCall(NamedTuple):
@@ -59,11 +59,9 @@ class ToolCallFormat:
     section_tags: tuple[str, ...] = ()
     #: text of a chat template that shows it uses this markup
     marker = ""
-    #: how the closing walk of a forced call's grammar tries bytes (None: the JSON order of
-    #: :data:`freetoken.server.grammar_closing.CLOSING_ORDER`), and whether arguments hold
-    #: free text the walk must step out of (``closing_tokens(skip_loops=...)``)
-    closing_order: Optional[bytes] = None
-    free_text_arguments = False
+    #: how the closing walk of a forced call's grammar goes: the default JSON walk for
+    #: markups whose arguments are one JSON object
+    closing_walk = ClosingWalk()
 
     def parse_body(self, body: str, schemas: Optional[dict[str, Any]] = None) -> Optional[ParsedCall]:
         """The call of the text between the tags, or None (not a call); ``schemas`` (function
@@ -169,8 +167,7 @@ class Glm45Format(ToolCallFormat):
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
     marker = "<arg_key>"
-    closing_order = b'"}]/<' + bytes(b for b in CLOSING_ORDER if b not in b'"}]/<')
-    free_text_arguments = True
+    closing_walk = ClosingWalk(order=b'"}]/<' + bytes(b for b in CLOSING_ORDER if b not in b'"}]/<'), skip_loops=True)
     _PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
     def parse_body(self, body: str, schemas: Optional[dict[str, Any]] = None) -> Optional[ParsedCall]:

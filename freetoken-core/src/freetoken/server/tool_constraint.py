@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from freetoken.server.schema_constraint import ClosingWalk, SchemaConstraint, lark_grammar, schema_constraint
-from freetoken.server.schema_constraint import schema_for_lark
+from freetoken.server.schema_constraint import SchemaConstraint, lark_grammar, schema_constraint, schema_for_lark
 from freetoken.server.tool_call_formats import ToolCallFormat
 
 
@@ -41,5 +40,4 @@ def call_grammar(fmt: ToolCallFormat, schemas: dict[str, Optional[dict[str, Any]
 def tool_call_constraint(tokenizer: Any, grammar: str, fmt: Optional[ToolCallFormat] = None) -> SchemaConstraint:
     """A fresh constraint for one choice: one call following ``grammar`` (:func:`call_grammar`),
     closed the way ``fmt``'s arguments close (None: JSON arguments)."""
-    walk = ClosingWalk(fmt.closing_order, fmt.free_text_arguments) if fmt is not None else None
-    return schema_constraint(tokenizer, grammar, walk)
+    return schema_constraint(tokenizer, grammar, fmt.closing_walk if fmt is not None else None)
