@@ -148,12 +148,12 @@ def sweep_partitions(ceiling: float) -> None:
     from freetoken.kernels import decode_attention as dat
 
     print("\nPartitions (us per call, % of the copy bandwidth; merge in the last partial / in a second launch):")
-    for batch, ctx in ((1, 4096), (1, 16384), (1, 32768), (2, 32768)):
+    for batch, ctx in ((1, 4096), (1, 16384), (1, 32768), (2, 32768), (4, 16384)):
         s = setup(batch, ctx, ctx)
         out = torch.empty(batch, HQ * D, dtype=DTYPE, device="cuda")
         default = da.num_partitions(batch, HKV, ctx // BS, BS, "cuda")
         row = []
-        for P in sorted({8, 16, 33, 66, 132, 256, default}):
+        for P in sorted({8, 16, 24, 33, 48, 66, 99, 132, 198, 256, default}):
             cells = []
             for merge_in_partial in (True, False):
                 cfg = dataclasses.replace(dat.DEFAULT_CONFIG, reduce_in_partial=merge_in_partial)

@@ -296,6 +296,27 @@ def test_long_context_many_steps(impl):
         run_checked(case, impl, partitions=3)  # partitions of 384 tokens: the last one ragged
 
 
+@pytest.mark.skipif(not TRITON_RUNS, reason="the Triton kernels need triton (a GPU or Triton's interpreter)")
+def test_merge_of_many_partitions():
+    """More active partitions than the merge takes at a time (kernels.decode_attention.merge_tile):
+    several rounds, the last one ragged, the running max rescaled between them; with a window
+    the first rounds hold only empty partitions (-inf maxima) and sinks join the denominator."""
+    from freetoken.kernels import decode_attention as dat
+
+    seed = seed_of("many-partitions")
+    case = Case([3000, 2100, 0, 1500], 8, 2, 32, 16, 190, torch.float32, seed)
+    assert dat.merge_tile(4, 32)["MERGE_P"] == 16  # 3000 tokens in 40 partitions of 128: 24 active
+    run_checked(case, "triton", partitions=40)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float().to(DEV)
+    out = torch.full((4, 8 * 32), float("nan"), device=DEV)
+    case.run("triton", out=out, window=700, sinks=sinks, partitions=40)
+    ref = reference_window_sinks(case, 700, sinks)
+    check_heads(out, ref, case.ctx.tolist(), 8, 1e-5, f"window 700, sinks, 40 partitions seed={seed}")
+    wide = Case([2600, 900], 16, 2, 128, 16, 170, torch.bfloat16, seed + 1)
+    assert dat.merge_tile(8, 128)["MERGE_P"] == 8  # 2600 tokens in 24 partitions of 128: 21 active
+    run_checked(wide, "triton", partitions=24)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_out_dtype_strides_and_strided_q(impl):
     seed = seed_of("strides", impl)
@@ -420,7 +441,7 @@ def partial(dt, G, D, BS, split, DV=None):
     consts = dict(G=G, D=D, DV=DV, BS=BS, BLOCK_G=max(16, triton.next_power_of_2(G)),
                   BLOCK_D=dat.block_d(D), BLOCK_DV=dat.block_d(DV), BLOCK_N=cfg.block_n,
                   MIN_PART=cfg.min_part, SPLIT=split, PRECISION="ieee" if dt == "fp32" else "tf32",
-                  LAST_REDUCES=split and cfg.reduce_in_partial)
+                  LAST_REDUCES=split and cfg.reduce_in_partial, **dat.merge_tile(G, DV))
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in [*range(9), *range(12, 22)]}
     return triton.compile(ASTSource(dat._partial_kernel, sig, consts, attrs), target=target,

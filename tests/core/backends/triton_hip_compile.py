@@ -160,9 +160,9 @@ def attention_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
     partial = {**ptrs, **ints, "scale_log2": "fp32"}
     consts = dict(G=g, D=d, DV=d, BS=bs, BLOCK_G=16, BLOCK_D=d, BLOCK_DV=d, BLOCK_N=cfg.block_n,
                   MIN_PART=cfg.min_part, SPLIT=True, PRECISION=target.dot_precision(False),
-                  LAST_REDUCES=cfg.reduce_in_partial)  # fmt: skip
+                  LAST_REDUCES=cfg.reduce_in_partial, **dat.merge_tile(g, d))  # fmt: skip
     # a head size that is not a power of two (tiles of 128, masked) with a v head of its own
-    d80 = dict(consts, D=80, DV=48, BLOCK_D=dat.block_d(80), BLOCK_DV=dat.block_d(48))
+    d80 = dict(consts, D=80, DV=48, BLOCK_D=dat.block_d(80), BLOCK_DV=dat.block_d(48), **dat.merge_tile(g, 48))
     red = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "P": "i32",
            "max_tokens": "i32", "stride_ob": "i32"}  # fmt: skip
     rconsts = dict(D=d, BLOCK_D=d, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part)

@@ -102,13 +102,13 @@ def _partial_kernel(
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_PART: tl.constexpr,
+    MIN_PART: tl.constexpr, BLOCK_GM: tl.constexpr, MERGE_P: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr,
 ):  # fmt: skip
     _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, out_ptr, scale_log2, P,
              max_tokens, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-             stride_btb, stride_ob, G, D, DV, BS, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, MIN_PART, SPLIT, PRECISION,
-             0, False, LAST_REDUCES)  # fmt: skip
+             stride_btb, stride_ob, G, D, DV, BS, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, MIN_PART, BLOCK_GM, MERGE_P,
+             SPLIT, PRECISION, 0, False, LAST_REDUCES)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["P", "max_tokens", "scale_log2"])
@@ -119,14 +119,14 @@ def _partial_window_sinks_kernel(
     sink_ptr,
     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_PART: tl.constexpr,
+    MIN_PART: tl.constexpr, BLOCK_GM: tl.constexpr, MERGE_P: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     LAST_REDUCES: tl.constexpr,
 ):  # fmt: skip
     _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, sink_ptr, scale_log2, P,
              max_tokens, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-             stride_btb, stride_ob, G, D, DV, BS, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, MIN_PART, SPLIT, PRECISION,
-             WINDOW, HAS_SINKS, LAST_REDUCES)  # fmt: skip
+             stride_btb, stride_ob, G, D, DV, BS, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, MIN_PART, BLOCK_GM, MERGE_P,
+             SPLIT, PRECISION, WINDOW, HAS_SINKS, LAST_REDUCES)  # fmt: skip
 
 
 @triton.jit
@@ -136,7 +136,7 @@ def _partial(
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_PART: tl.constexpr,
+    MIN_PART: tl.constexpr, BLOCK_GM: tl.constexpr, MERGE_P: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     LAST_REDUCES: tl.constexpr,
 ):  # fmt: skip
@@ -201,8 +201,8 @@ def _partial(
             tl.debug_barrier()
             done = tl.atomic_add(count_ptr + b * tl.num_programs(1) + h, 1, sem="acq_rel", scope="gpu")
             if done == P - 1:
-                _merge_heads(acc_ptr, ml_ptr, sink_ptr, out_ptr, b, heads, hq_count, P, tl.cdiv(ctx, part),
-                             stride_ob, offs_dv, g_ok, dv_ok, DV, BLOCK_G, BLOCK_DV, HAS_SINKS)  # fmt: skip
+                _merge_heads(acc_ptr, ml_ptr, sink_ptr, out_ptr, b, h, hq_count, P, tl.cdiv(ctx, part), stride_ob,
+                             G, DV, BLOCK_DV, BLOCK_GM, MERGE_P, HAS_SINKS)  # fmt: skip
                 tl.atomic_xchg(count_ptr + b * tl.num_programs(1) + h, 0, sem="relaxed", scope="gpu")
     else:  # the only partition: normalise here (no context: acc = 0, l = 0 -> zeros)
         _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_dv, g_ok, dv_ok, acc, l_i, m_i, DV, HAS_SINKS)
@@ -223,26 +223,39 @@ def _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_d, g_ok, d_ok, acc
 
 
 @triton.jit
-def _merge_heads(acc_ptr, ml_ptr, sink_ptr, out_ptr, b, heads, hq_count, P, n_active, stride_ob, offs_d, g_ok, d_ok,
-                 D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
-    """What the reduce programs of ``heads`` compute, in the partial program that stored the
-    last partitions (loads through L2: other programs wrote them)."""
-    rows = (b * hq_count + heads) * P  # [BLOCK_G]: each head's first partition
-    m_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    for pp in range(0, n_active):
-        m = tl.load(ml_ptr + (rows + pp) * 2, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
-        m_max = tl.maximum(m_max, m)
-    den = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for pp in range(0, n_active):
-        m = tl.load(ml_ptr + (rows + pp) * 2, mask=g_ok, other=0.0, cache_modifier=".cg")
-        l = tl.load(ml_ptr + (rows + pp) * 2 + 1, mask=g_ok, other=0.0, cache_modifier=".cg")
-        w = tl.where(g_ok, tl.exp2(m - m_max), 0.0)
-        a = tl.load(acc_ptr + (rows + pp)[:, None] * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
-                    other=0.0, cache_modifier=".cg")
-        acc += a * w[:, None]
-        den += w * l
-    _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_d, g_ok, d_ok, acc, den, m_max, D, HAS_SINKS)
+def _merge_heads(acc_ptr, ml_ptr, sink_ptr, out_ptr, b, h, hq_count, P, n_active, stride_ob,
+                 G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_GM: tl.constexpr,
+                 MERGE_P: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
+    """What the reduce programs of kv head ``h``'s G query heads compute, in the partial
+    program that stored the last partitions (loads through L2: other programs wrote them).
+    ``MERGE_P`` partitions of all G heads at a time (``[BLOCK_GM, MERGE_P, BLOCK_D]`` tiles),
+    with a running max: one dependent round trip to L2 per ``MERGE_P`` partitions."""
+    offs_g = tl.arange(0, BLOCK_GM)
+    offs_p = tl.arange(0, MERGE_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    heads = h * G + offs_g
+    rows = (b * hq_count + heads) * P  # [BLOCK_GM]: each head's first partition
+    m_run = tl.full([BLOCK_GM], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BLOCK_GM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_GM, BLOCK_D], dtype=tl.float32)
+    for p0 in range(0, n_active, MERGE_P):
+        pp = p0 + offs_p
+        ok = g_ok[:, None] & (pp < n_active)[None, :]  # [BLOCK_GM, MERGE_P]
+        r = rows[:, None] + pp[None, :]
+        m = tl.load(ml_ptr + r * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(ml_ptr + r * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        a = tl.load(acc_ptr + r[:, :, None] * D + offs_d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
+                    other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m_run, tl.max(m, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing attended yet: weights stay 0
+        alpha = tl.exp2(m_run - m_ref)
+        w = tl.exp2(m - m_ref[:, None])
+        den = den * alpha + tl.sum(w * l, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], axis=1)
+        m_run = m_new
+    _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_d, g_ok, d_ok, acc, den, m_run, D, HAS_SINKS)
 
 
 @triton.jit(do_not_specialize=["P", "max_tokens"])
@@ -307,6 +320,19 @@ def _reduce(
     tl.store(out_ptr + b * stride_ob + hq * D + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+#: elements of one ``[BLOCK_GM, MERGE_P, BLOCK_DV]`` tile of the merge in the partial kernel
+MERGE_TILE = 8192
+
+
+def merge_tile(g: int, dv: int) -> dict[str, int]:
+    """The merge's tile (constants ``BLOCK_GM``, ``MERGE_P``) for ``g`` query heads per kv
+    head and v heads of ``dv``: the heads padded to a power of two, as many partitions at a
+    time (a power of two, 1-16) as :data:`MERGE_TILE` elements hold."""
+    gm = triton.next_power_of_2(g)
+    per_partition = gm * block_d(dv)
+    return dict(BLOCK_GM=gm, MERGE_P=max(1, min(16, 1 << max(0, (MERGE_TILE // per_partition).bit_length() - 1))))
+
+
 def block_d(d: int) -> int:
     """The tile width of a head of ``d`` values: the next power of two, at least 16 (``tl.dot``'s
     smallest K and N); lanes past ``d`` are masked."""
@@ -334,6 +360,7 @@ def _constants(q: Any, k_cache: Any, v_cache: Any, num_partitions: int, config: 
         BLOCK_N=config.block_n, MIN_PART=config.min_part, SPLIT=num_partitions > 1,
         PRECISION=triton_target.for_device(q.device).dot_precision(q.dtype == torch.float32),
         LAST_REDUCES=num_partitions > 1 and config.reduce_in_partial,
+        **merge_tile(G, DV),
     )  # fmt: skip
     if window is not None or sinks is not None:  # the kernel with a window and/or sinks
         c["WINDOW"] = int(window or 0)
