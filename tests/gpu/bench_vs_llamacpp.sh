@@ -30,7 +30,7 @@
 # FT_TESTS (GPU test files run while llama.cpp compiles; FT_TESTS_TIMEOUT 180), FT_PLACEMENTS (FreeToken's
 # --moe-cpu-layers values, or limit:SIZE; SPEC@FLAG,VALUE,... adds flags; default "all $NCMOE 0"), FT_BATCHES ("1 8"), LLAMACPP_SRC
 # (.bench/llama.cpp), LLAMACPP_BUILD (/tmp/llamacpp-build: an existing llama-bench there is
-# reused), SKIP_SETUP=1 (install and build nothing of ours: python3 already has it all).
+# reused, e.g. a carried build: tests/gpu/llamacpp_libs.sh), SKIP_SETUP=1 (install and build nothing of ours: python3 already has it all).
 set -uo pipefail
 
 LAYERS=48
@@ -56,6 +56,7 @@ SRC=${LLAMACPP_SRC:-.bench/llama.cpp}
 B=${LLAMACPP_BUILD:-/tmp/llamacpp-build}
 MODEL=$MODEL_DIR/$PRESET-q4_k_m-L$LAYERS.gguf
 mkdir -p "$OUT" "$MODEL_DIR"
+source tests/gpu/llamacpp_libs.sh "$B"  # a carried build: its libraries, and cuBLAS from the torch wheels
 SUM=$OUT/summary.txt
 : > "$SUM"
 export PYTHONUNBUFFERED=1 FREETOKEN_CUDA_ARCH=${FREETOKEN_CUDA_ARCH:-90}
@@ -123,7 +124,7 @@ if [ -f "$MODEL.ok" ]; then
 else
   rm -f "$MODEL"
   t=$(date +%s)
-  timeout "$(left 300)" python3 -m freetoken.cli.main bench make-model --preset "$PRESET" --layers "$LAYERS" \
+  timeout "$(left 300)" python3 -m freetoken.cli.main bench make-model --preset "$PRESET" --layers "$LAYERS" --threads "$(nproc)" \
     --out "$MODEL" > "$MM" 2>&1
   rc=$?; dt=$(( $(date +%s) - t ))
   if [ $rc = 0 ]; then

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: long contexts on the 48-layer Qwen3-30B-A3B-shaped Q4_K_M file.
 #   1. tests/gpu/device_setup.sh, the model file (shared with memory_run.sh and bench_vs_llamacpp.sh),
-#      llama-bench built in the background (niced; the GPU-side figures below barely use the CPU)
+#      llama-bench built in the background (niced; the GPU-side figures below barely use the CPU) unless
+#      LLAMACPP_BUILD names a carried build (tests/gpu/llamacpp_libs.sh)
 #   2. tests/gpu/bench_decode_attention.py: the paged split-K decode attention against its ceiling
-#   3. `freetoken bench decode` with a prompt of each length of LENS, everything on the GPU and under
-#      --gpu-memory-limit $LIMIT (LIMIT_LENS: the lengths of that placement)
+#   3. `freetoken bench decode` with a prompt of each length of LENS, everything on the GPU, and (after
+#      the build, which would share the host's cores) under --gpu-memory-limit $LIMIT (LIMIT_LENS: the
+#      lengths of that placement)
 #   4. llama-bench on the same file: everything on the GPU, pp N and tg64 at depth N for each N of LENS;
 #      -ncmoe N for each N of NCMOE at depth LIMIT_DEPTH, nvidia-smi sampling the device's peak.
 # Usage (repository root, .whl and .bench carried): bash tests/gpu/long_context_run.sh
@@ -13,6 +15,7 @@ LENS=${LENS:-"16384 32704"}; LIMIT=${LIMIT:-16GiB}; LIMIT_LENS=${LIMIT_LENS:-327
 NCMOE=${NCMOE:-"16 17"}; LIMIT_DEPTH=${LIMIT_DEPTH:-32704}; LAYERS=48
 source tests/gpu/device_setup.sh || exit 1
 B=${LLAMACPP_BUILD:-/tmp/llamacpp-build}
+source tests/gpu/llamacpp_libs.sh "$B"
 M=/tmp/ft-bench/qwen3-30b-a3b-q4_k_m-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
 if [ ! -x "$B/bin/llama-bench" ]; then
   ( nice -n 19 cmake -B "$B" -S .bench/llama.cpp -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
@@ -43,10 +46,10 @@ print('freetoken', sys.argv[2], 'prompt', sys.argv[3], 'prompt %.1f tok/s decode
     "$OUT/decode-$tag-$n.json" "$tag" "$n" || { stamp "$tag $n rc=$rc"; tail -3 "/tmp/decode-$tag-$n.err"; }
 }
 for n in $LENS; do ft all-gpu "$n" --moe-cpu-layers 0; done
+[ -n "${BUILD_PID:-}" ] && wait "$BUILD_PID"  # the hybrid runs use the host's cores: not beside the build
+stamp "llama-bench build: $(tail -1 /tmp/llamacpp-build.log 2>/dev/null || echo "reused $B")"
 for n in $LIMIT_LENS; do ft "limit-$LIMIT" "$n" --gpu-memory-limit "$LIMIT"; done
 stamp "freetoken runs done"
-[ -n "${BUILD_PID:-}" ] && wait "$BUILD_PID"
-stamp "llama-bench build: $(tail -1 /tmp/llamacpp-build.log)"
 lb() {  # lb ARGS...: one llama-bench run, its device peak sampled
   "$B/bin/llama-bench" -m "$M" -t 16 -o md "$@" > /tmp/llama-bench.txt 2>&1 &
   local pid=$! peak=0 used
