@@ -3,13 +3,15 @@
 #   1. tests/gpu/device_setup.sh, the model file (shared with memory_run.sh and bench_vs_llamacpp.sh),
 #      llama-bench built in the background (niced; the GPU-side figures below barely use the CPU) unless
 #      LLAMACPP_BUILD names a carried build (tests/gpu/llamacpp_libs.sh)
-#   2. tests/gpu/bench_decode_attention.py: the paged split-K decode attention against its ceiling
+#   2. tests/gpu/bench_decode_attention.py $ATTN_ARGS (e.g. --sweep-partitions): the paged split-K decode
+#      attention against its ceiling
 #   3. `freetoken bench decode` with a prompt of each length of LENS, everything on the GPU, and (after
 #      the build, which would share the host's cores) under --gpu-memory-limit $LIMIT (LIMIT_LENS: the
 #      lengths of that placement)
 #   4. llama-bench on the same file: everything on the GPU, pp N and tg64 at depth N for each N of LENS;
 #      -ncmoe N for each N of NCMOE at depth LIMIT_DEPTH, nvidia-smi sampling the device's peak.
-# Usage (repository root, .whl and .bench carried): bash tests/gpu/long_context_run.sh
+# TESTS: GPU test files run beside make-model. Usage (repository root, .whl and .bench carried):
+#   bash tests/gpu/long_context_run.sh
 set -uo pipefail
 LENS=${LENS:-"16384 32704"}; LIMIT=${LIMIT:-16GiB}; LIMIT_LENS=${LIMIT_LENS:-32704}
 NCMOE=${NCMOE:-"16 17"}; LIMIT_DEPTH=${LIMIT_DEPTH:-32704}; LAYERS=48
@@ -25,12 +27,18 @@ if [ ! -x "$B/bin/llama-bench" ]; then
       && nice -n 19 cmake --build "$B" -j 14 --target llama-bench ) > /tmp/llamacpp-build.log 2>&1 &
   BUILD_PID=$!
 fi
+if [ -n "${TESTS:-}" ]; then  # GPU tests beside make-model (CPU), done before the GPU timings
+  ( timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "gpu or not gpu" $TESTS > "$OUT/pytest.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/pytest.txt" ) &
+  TESTS_PID=$!
+fi
 if [ ! -f "$M.ok" ]; then
   timeout 200 python3 -m freetoken.cli.main bench make-model --preset qwen3-30b-a3b --layers "$LAYERS" \
     --quant q4_k_m --threads 16 --out "$M" > "$OUT/make-model.log" 2>&1 && touch "$M.ok"
 fi
 stamp "make-model $( [ -f "$M.ok" ] && echo ok || echo FAILED)"
-timeout 120 python3 tests/gpu/bench_decode_attention.py > "$OUT/attention.txt" 2>&1
+[ -n "${TESTS_PID:-}" ] && { wait "$TESTS_PID"; stamp "GPU tests: $(grep -E 'passed|failed' "$OUT/pytest.txt" | tail -1)"; }
+timeout 240 python3 tests/gpu/bench_decode_attention.py ${ATTN_ARGS:-} > "$OUT/attention.txt" 2>&1
 stamp "bench_decode_attention rc=$?"; cat "$OUT/attention.txt"
 ft() {  # ft TAG PROMPT_LEN FLAGS...
   local tag=$1 n=$2; shift 2

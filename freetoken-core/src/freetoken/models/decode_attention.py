@@ -55,8 +55,13 @@ log = logging.getLogger(__name__)
 
 IMPLS = ("auto", "triton", "torch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: programs of the Triton partial kernel aimed for per streaming multiprocessor
-PROGRAMS_PER_SM = 4
+#: programs of the Triton partial kernel aimed for per streaming multiprocessor. Swept on an
+#: H200 (132 SMs, 4 kv heads of 128, bf16; tests/gpu/bench_decode_attention.py
+#: --sweep-partitions): the counts nearest 3 per SM (99 partitions at batch 1, 48 at batch 2,
+#: 24 at batch 4) were the fastest or within 5% of it over 16k and 32k tokens, where 4 per SM
+#: took 20-40% longer (longer partitions keep more of a program's loads in flight; more
+#: partitions leave the merge more to do).
+PROGRAMS_PER_SM = 3
 MAX_PARTITIONS = 256
 #: the torch implementation gathers K and V (as fp32) in chunks of at most this many bytes
 TORCH_CHUNK_BYTES = 256 << 20
