@@ -2,7 +2,7 @@
 // against float32 activations. Included inside an ISA namespace by isa_*.cpp:
 // the portable loops are vectorised by the compiler with that file's flags, and
 // FT_HAVE_AVX512 sections add hand-written kernels; the AVX2 tiers take theirs from
-// fmt_float_avx2.h.
+// fmt_float_avx2.h (kernels_isa.inc includes it after this file).
 #pragma once
 
 // Portable element loaders.
@@ -104,9 +104,7 @@ FT_FLOAT_KERNEL(k_f16, load16_f16, 2)
 FT_FLOAT_KERNEL(k_bf16, load16_bf16, 2)
 FT_FLOAT_KERNEL(k_fp8, load16_fp8_div256, 1)
 #define FT_FLOAT_SIMD 1
-#elif defined(FT_HAVE_AVX2)
-#include "fmt_float_avx2.h"
-#else
+#elif !defined(FT_HAVE_AVX2)  // (the AVX2 tiers' kernels: fmt_float_avx2.h)
 #define FT_FLOAT_KERNEL(NAME, PORT, SCALE)                                                        \
     template <int NT>                                                                             \
     static inline void NAME##_tile(const uint8_t* row, const float* const* x, uint32_t c0,        \
@@ -206,12 +204,10 @@ static inline void fp8_row_avx512(const uint8_t* row, const float* srow, const f
 }
 #endif
 
+#if !defined(FT_HAVE_AVX2)  // (the AVX2 tiers: dot_rows_fp8_avx2 in fmt_float_avx2.h)
 // FP8: the dot runs per 128-column block, each weighted by its block scale.
 static void dot_rows_fp8(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint32_t r1,
                          const void* const* xs, uint32_t ntok, float* out, size_t os) {
-#if defined(FT_HAVE_AVX2) && !defined(FT_HAVE_AVX512)
-    dot_rows_fp8_avx2(w, e, r0, r1, xs, ntok, out, os);
-#else
     const uint8_t* base = (const uint8_t*)(uintptr_t)w.data + (size_t)e * w.expert_stride;
     const float* sbase = (const float*)((const uint8_t*)(uintptr_t)w.scale + (size_t)e * w.scale_expert_stride);
     const uint32_t ncb = (w.cols + FP8_BLOCK - 1) / FP8_BLOCK;
@@ -246,5 +242,5 @@ static void dot_rows_fp8(const ft_weight_desc& w, uint32_t e, uint32_t r0, uint3
             for (uint32_t q = 0; q < nt; ++q) out[(j + q) * os + (r - r0)] = res[q];
         }
     }
-#endif
 }
+#endif

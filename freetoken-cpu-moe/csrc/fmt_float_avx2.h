@@ -1,5 +1,6 @@
 // Float weight formats (F32, F16, BF16, FP8 E4M3 with 128x128 block scales) on the AVX2
-// tiers (avx2, avx_vnni), against float32 activations. Included by fmt_float.h.
+// tiers (avx2, avx_vnni), against float32 activations. Included by kernels_isa.inc after
+// fmt_float.h (whose portable loaders add the columns past the vectors).
 //
 // Weights are converted 16 at a time into two float vectors (Avx*::load16; FP8 32 at a time
 // into four) and multiplied into register tiles of NR rows x NT tokens: each converted vector
