@@ -82,7 +82,12 @@ class NvccBuildExt(build_ext):
             str(HERE / SOURCE), "-o", str(out),
         ]  # fmt: skip
         print(" ".join(cmd), file=sys.stderr)
-        subprocess.run(cmd, check=True, cwd=HERE)
+        if subprocess.run(cmd, cwd=HERE).returncode != 0:
+            # nvcc 13 compiling the targets in parallel (-t0) once failed to read its own
+            # temporary file ("nvlink fatal: Could not read file ..._dlink.reg.c"); a second
+            # try compiles them one after the other (a real compile error fails again)
+            print("nvcc failed; once more with the targets compiled one at a time (-t1)", file=sys.stderr)
+            subprocess.run(["-t1" if a == "-t0" else a for a in cmd], check=True, cwd=HERE)
 
 
 setup(
