@@ -38,6 +38,7 @@ import torch
 
 from freetoken.loading.byte_level import byte_decoder
 from freetoken.server.grammar_closing import (
+    CLOSING_ORDER,
     MAX_CLOSING,
     ClosingWalk,
     candidate_tokens,
@@ -89,7 +90,7 @@ class GrammarVocab:
         self.eos_ids = list(eos_ids)
         self.eos = eos
         self.closing_candidates = candidate_tokens(tokens, set(special))
-        self._candidates_by_order: dict[bytes, list[int]] = {}
+        self._candidates_by_order = {CLOSING_ORDER: self.closing_candidates}
         self._token_list, self._special = tokens, set(special)
         encode = self._encode
 
@@ -131,8 +132,7 @@ class GrammarVocab:
 
     def candidates(self, order: Optional[bytes]) -> list[int]:
         """The closing walk's single-byte tokens in ``order`` (None: the default order)."""
-        if order is None:
-            return self.closing_candidates
+        order = CLOSING_ORDER if order is None else order
         if order not in self._candidates_by_order:
             self._candidates_by_order[order] = candidate_tokens(self._token_list, self._special, order)
         return self._candidates_by_order[order]
