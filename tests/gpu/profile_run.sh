@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build, write a Qwen3-30B-A3B-shaped Q4_K_M file of LAYERS
-# layers, then tests/gpu/profile_decode.py for each placement and `bench cpu-moe` (T=1)
+# One call on the GPU machine: build, write a Q4_K_M file of LAYERS layers of a make-model preset
+# (PRESET, default qwen3-30b-a3b), then tests/gpu/profile_decode.py for each placement and `bench cpu-moe` (T=1)
 # at a few thread counts: where a decode step's time goes. TESTS (GPU test files and pytest
 # arguments) run while the file is written. A placement is a --moe-cpu-layers value, or
 # limit:SIZE (the default placement under --gpu-memory-limit SIZE), then optionally
@@ -10,8 +10,9 @@ set -uo pipefail
 LAYERS=${1:-24}; shift || true
 PLACEMENTS=${*:-all 0}
 source tests/gpu/device_setup.sh || exit 1
-M=/tmp/ft-bench/q4km-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
-[ -f "$M" ] || { timeout 240 python3 -m freetoken.cli.main bench make-model --preset qwen3-30b-a3b --layers "$LAYERS" \
+PRESET=${PRESET:-qwen3-30b-a3b}
+M=/tmp/ft-bench/$PRESET-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
+[ -f "$M" ] || { timeout 240 python3 -m freetoken.cli.main bench make-model --preset "$PRESET" --layers "$LAYERS" \
   --quant q4_k_m --threads 16 --out "$M" > "$OUT/make-model.log" 2>&1; echo "rc=$?" >> "$OUT/make-model.log"; } &
 MAKE=$!
 if [ -n "${TESTS:-}" ]; then  # pytest arguments, quoted as in a shell: TESTS="tests/gpu/x.py -k 'a or b'"

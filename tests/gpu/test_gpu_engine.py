@@ -358,9 +358,10 @@ def test_cuda_engine_int8_dots_match_rounding_reference(backend, int8_gguf, monk
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_cuda_engine_int8_dense_match_rounding_reference(backend, int8_gguf, eager):
-    """FP32, every expert on the GPU and the dense weights packed, NVIDIA's default tiles: the
+    """FP32, every expert on the GPU and the dense weights packed, NVIDIA's defaults: the
     one-token GEMV of Q4_K/Q6_K projections and of the Q6_K head runs int8 dots (the
-    activations quantized per 32 values), batches of several tokens the byte tiles. One
+    activations quantized per 32 values), of Q8_0 ones too (the native GEMV, the default on
+    NVIDIA), batches of several tokens the byte tiles. One
     request, so the prompt's projections are one batch and every decode step and every logits
     row is one token: the float64 reference rounds the dense inputs of the positions after the
     prompt and every head input, and the experts' inputs as above. Position by position, as
@@ -390,7 +391,7 @@ def test_cuda_engine_int8_dense_match_rounding_reference(backend, int8_gguf, eag
     ids = prompt + out
 
     err, plain = (position_errors(tg, tensors, ids, len(prompt), logits, experts, hook)
-                  for hook in (dense_hook(mix, tg.OUTPUT_FMT, len(prompt)), None))  # fmt: skip
+                  for hook in (dense_hook(mix, tg.OUTPUT_FMT, len(prompt), native=True), None))  # fmt: skip
     assert len(err) == 12, err
     assert sum(e <= 3e-3 for e in err) >= 9, f"int8 GEMV against the rounding reference, per position: {err}"
     assert max(err) <= 4e-2, f"int8 GEMV against the rounding reference, per position: {err}"

@@ -1,8 +1,8 @@
 """The native one-token GEMV of freetoken-cuda (``packed_gemv``, freetoken/include/freetoken/gpu/
 packed_gemv.cuh) behind PackedLinear, on the GPU machine.
 
-Every result is compared with numpy float64 over gguf-py's dequantization of random Q4_K and
-Q6_K blocks, times the token quantized as the kernel does it (tests/gpu/expert_reference.int8_groups,
+Every result is compared with numpy float64 over gguf-py's dequantization of random Q4_K,
+Q6_K and Q8_0 blocks, times the token quantized as the kernel does it (tests/gpu/expert_reference.int8_groups,
 the same rounding as the Triton int8 dots); outputs are poisoned (NaN) first; row counts are
 odd and wide matrices take several rows per warp. Without a GPU, or with an extension built
 without the kernel, the module is skipped (CI compiles the kernel with nvcc: test_gpu_packages).
@@ -23,7 +23,7 @@ if not hasattr(_C, "packed_gemv"):
 
 from expert_reference import int8_groups  # noqa: E402
 from graph_timing import graph_sequence_time_us  # noqa: E402
-from test_packed_dense import BF16_TOL, INT8_TOL, Q4, Q5, Q6, SCALES, packed, relative_error  # noqa: E402
+from test_packed_dense import BF16_TOL, INT8_TOL, Q4, Q5, Q6, Q8, SCALES, packed, relative_error  # noqa: E402
 
 from freetoken.models.gguf_writer import random_blocks  # noqa: E402
 from freetoken.models import packed_linear  # noqa: E402
@@ -32,7 +32,7 @@ from freetoken.native_gpu.gemv import NativePackedGemv  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-NAMES = {Q4: "q4_k", Q6: "q6_k"}
+NAMES = {Q4: "q4_k", Q6: "q6_k", Q8: "q8_0"}
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -46,13 +46,17 @@ def blocks(fmt: int, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, np.
     return torch.from_numpy(np.ascontiguousarray(raw.data)).reshape(rows, -1).cuda(), ref
 
 
+#: (format, row length): the K-quants' rows of 1 .. 16 blocks; Q8_0's of 8 .. 128 blocks, also
+#: lengths no K-quant takes (GLM-4.5-Air's 1408-value expert rows, GPT-OSS's 2880-value hidden)
+GEMV_CASES = [(f, c) for f in (Q4, Q6) for c in (256, 2048, 4096)] + [(Q8, c) for c in (256, 1408, 2880, 4096)]
+
+
 @pytest.mark.parametrize("x_dtype", list(DTYPES))
-@pytest.mark.parametrize("cols", [256, 2048, 4096])
-@pytest.mark.parametrize("fmt", [Q4, Q6], ids=[NAMES[Q4], NAMES[Q6]])
+@pytest.mark.parametrize("fmt,cols", GEMV_CASES, ids=[f"{NAMES[f]}-{c}" for f, c in GEMV_CASES])
 def test_native_gemv_matches_quantized_float64(fmt, cols, x_dtype):
-    """Rows of 1 .. 16 blocks, 517 and 3 rows (fewer than a block's four warps), every
-    activation dtype; float32 out against float64 over the quantized token (and farther from
-    the unquantized product: the token was quantized), BF16 and FP16 out within their step."""
+    """517 and 3 rows (fewer than a block's four warps), every activation dtype; float32 out
+    against float64 over the quantized token (and farther from the unquantized product: the
+    token was quantized), BF16 and FP16 out within their step."""
     gemv = gemv_native()
     for rows in (517, 3):
         data, ref = blocks(fmt, rows, cols, seed=fmt * 1000 + cols + rows)
@@ -70,7 +74,7 @@ def test_native_gemv_matches_quantized_float64(fmt, cols, x_dtype):
         assert relative_error(y, unquantized) > 1e-3, "no quantization error: was the token quantized?"
 
 
-@pytest.mark.parametrize("fmt", [Q4, Q6], ids=[NAMES[Q4], NAMES[Q6]])
+@pytest.mark.parametrize("fmt", [Q4, Q6, Q8], ids=[NAMES[Q4], NAMES[Q6], NAMES[Q8]])
 def test_native_gemv_wide_matrix(fmt):
     """A head-like matrix (40,000 rows: several rows per warp over a grid of the resident
     blocks), against float64."""
@@ -97,6 +101,8 @@ def test_packed_linear_takes_the_native_gemv_in_a_graph():
                                       dtype=torch.bfloat16).native is None
     assert "Q4_K" in gemv.refusal(Q5, 2048, torch.bfloat16)
     assert "256" in gemv.refusal(Q4, 300, torch.bfloat16)
+    assert "multiple of 32" in gemv.refusal(Q8, 300, torch.bfloat16)
+    assert gemv.refusal(Q8, 1408, torch.bfloat16) == "" and gemv.refusal(Q4, 1408, torch.bfloat16) != ""
     x = torch.zeros(1, 2048, dtype=torch.bfloat16, device="cuda")
     out: dict[str, torch.Tensor] = {}
 
@@ -134,7 +140,8 @@ def _rms64(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("with_delta", [True, False])
-@pytest.mark.parametrize("formats", [(Q4, Q6), (Q4,), (Q6, Q4)], ids=["q4k+q6k", "q4k", "q6k+q4k"])
+@pytest.mark.parametrize("formats", [(Q4, Q6), (Q4,), (Q6, Q4), (Q8, Q8), (Q4, Q8), (Q8, Q6)],
+                         ids=["q4k+q6k", "q4k", "q6k+q4k", "q8+q8", "q4k+q8", "q8+q6k"])
 def test_native_norm_gemv_against_float64(dtype, with_delta, formats):
     """The pre-norm in front of one or two matrices, one launch: h + delta exact (one rounding
     to the dtype, as torch adds), x against float64's RMSNorm within the dtype's rounding, and

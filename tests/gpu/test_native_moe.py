@@ -1,8 +1,8 @@
 """The native routed-expert kernels of freetoken-cuda (``packed_moe``, freetoken/include/freetoken/
 gpu/packed_moe.cuh) behind PackedGpuExperts, on the GPU machine.
 
-Every result is compared with float64 over gguf-py's dequantization of random Q4_K and Q6_K
-blocks (tests/gpu/expert_reference.reference_experts), with the token and each route's h
+Every result is compared with float64 over gguf-py's dequantization of random Q4_K, Q6_K and
+Q8_0 blocks (tests/gpu/expert_reference.reference_experts), with the token and each route's h
 quantized per 32 values as the kernels do it (int8_groups, the Triton int8 dots' rounding),
 and against the unquantized result (the quantization's error is there, and small). Outputs
 are poisoned (NaN) first; the Triton launch is made to fail, so a result can only come from
@@ -62,7 +62,8 @@ def _inputs(tokens: int, top_k: int, seed: int):
 
 
 MIXES = {"q4k_q4k_q6k": (Q4, Q4, Q6), "q4k_q4k_q4k": (Q4, Q4, Q4), "q6k_q6k_q6k": (Q6, Q6, Q6),
-         "q4k_q6k_q4k": (Q4, Q6, Q4), "q6k_q4k_q6k": (Q6, Q4, Q6)}  # fmt: skip
+         "q4k_q6k_q4k": (Q4, Q6, Q4), "q6k_q4k_q6k": (Q6, Q4, Q6), "q4k_q4k_q8": (Q4, Q4, Q8),
+         "q8_q8_q8": (Q8, Q8, Q8), "q8_q8_q6k": (Q8, Q8, Q6)}  # fmt: skip
 
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 8), (3, 8), (5, 3), (1, 1)])
@@ -142,9 +143,16 @@ def test_native_experts_through_a_slot_table_in_a_graph(no_triton):
     assert experts.capture_fallbacks == 0
 
 
-def test_native_experts_qwen3_30b_shape(no_triton):
-    """A Qwen3-30B-A3B layer's shape (128 experts, 2048 x 768, 8 routes; several blocks per row
-    on both sides, 24 gate/up blocks per route, 256 down blocks) against float64."""
+#: (experts, hidden, intermediate, gate/up format, down format) of real layers: Qwen3-30B-A3B
+#: (several blocks per row on both sides, 24 gate/up blocks per route, 256 down blocks) and
+#: GLM-4.5-Air (1408-value down rows, no multiple of 256: Q8_0 as llama.cpp writes them; 32 of
+#: its 128 experts, which the kernels address alike)
+REAL_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, Q4, Q6), "glm-4.5-air": (32, 4096, 1408, Q4, Q8)}
+
+
+@pytest.mark.parametrize("shape", list(REAL_SHAPES))
+def test_native_experts_real_shapes(shape, no_triton):
+    """A real layer's shape, 8 routes of one BF16 token, against float64."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
@@ -152,15 +160,16 @@ def test_native_experts_qwen3_30b_shape(no_triton):
     from freetoken.models.gguf_writer import random_blocks
     from freetoken.loading.tensors import RawTensor
 
-    e, hidden, inter = 128, 2048, 768
+    e, hidden, inter, gu_fmt, down_fmt = REAL_SHAPES[shape]
     rng = np.random.default_rng(9)
     raws, refs = [], []
-    for name, fmt, rows, cols, scale in (("gate", Q4, inter, hidden, 1e-4), ("up", Q4, inter, hidden, 1e-4),
-                                         ("down", Q6, hidden, inter, 1e-4)):
+    for name, fmt, rows, cols, scale in (("gate", gu_fmt, inter, hidden, 1e-4), ("up", gu_fmt, inter, hidden, 1e-4),
+                                         ("down", down_fmt, hidden, inter, 1e-4)):
         b = random_blocks(fmt, e * rows, cols, rng, scale=scale)
         raws.append(RawTensor(name=name, shape=(e, rows, cols), fmt=fmt, data=b.reshape(e, rows, -1), source="random"))
         refs.append((b, fmt, rows, cols))
     experts = PackedGpuExperts(*raws, DEV, native=native())
+    assert experts.native is not None, experts.native_refusal
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(1, hidden, generator=gen).to(torch.bfloat16)
     ids = torch.randperm(e, generator=gen)[:8].reshape(1, 8).to(torch.int32)
@@ -181,12 +190,13 @@ def test_native_experts_qwen3_30b_shape(no_triton):
 
 def test_refusals_leave_the_triton_kernels():
     """What the native kernels do not serve runs the Triton kernels, with the reason kept:
-    other formats, another activation, more than 16 routes; the extension's own checks name
-    what is wrong."""
+    other formats, Q8_0 beside a K-quant in gate/up, another activation, more than 16 routes,
+    intermediate sizes the down format cannot split; the extension's own checks name what is
+    wrong."""
     kernels = native()
-    (gate, up, down), _ = random_layer((Q4, Q4, Q8), seed=1)
+    (gate, up, down), _ = random_layer((Q4, Q8, Q4), seed=1)
     experts = PackedGpuExperts(gate, up, down, DEV, native=kernels)
-    assert experts.native is None and "down format 8" in experts.native_refusal
+    assert experts.native is None and "both Q8_0 or both K-quants" in experts.native_refusal
     (gate, up, down), _ = random_layer((Q5, Q5, Q6), seed=1)
     assert "gate format 13" in PackedGpuExperts(gate, up, down, DEV, native=kernels).native_refusal
     (gate, up, down), _ = random_layer((Q4, Q4, Q6), seed=1)
@@ -194,6 +204,9 @@ def test_refusals_leave_the_triton_kernels():
     assert gelu.native is None and "activation" in gelu.native_refusal
     assert "1 to 16" in kernels.experts_refusal((Q4, Q4, Q6), H, 256, 17, "silu", torch.bfloat16)
     assert "multiple of 256" in kernels.experts_refusal((Q4, Q4, Q6), H, 96, 8, "silu", None)
+    assert kernels.experts_refusal((Q4, Q4, Q8), H, 96, 8, "silu", None) == ""  # Q8_0 rows: of 32 values
+    assert "multiple of 32" in kernels.experts_refusal((Q4, Q4, Q8), H, 80, 8, "silu", None)
+    assert "multiple of 32 " in kernels.experts_refusal((Q8, Q8, Q8), 2880 + 16, 256, 8, "silu", None)
     assert "float64" in kernels.experts_refusal((Q4, Q4, Q6), H, 256, 8, "silu", torch.float64)
     with pytest.raises(ValueError, match="aligned"):
         _C.packed_moe(0, 8, 0, 1, 16, 0, 0, 16, 0, 8, 16, Q4, 16, Q4, 16, Q6, H, 256, 16, 16, 0)

@@ -1,9 +1,9 @@
 """The native backends' one-token GEMV over packed blocks (``packed_gemv`` of the extension,
-``freetoken/include/freetoken/gpu/packed_gemv.cuh``): Q4_K and Q6_K rows times the token
+``freetoken/include/freetoken/gpu/packed_gemv.cuh``): Q4_K, Q6_K and Q8_0 rows times the token
 quantized to int8 per 32 values, as the Triton int8 dots compute them, in one launch
 without Triton's per-weight overhead; with ``packed_gemv_norm`` the decoder's pre-norm and
 up to two matrices (q/k and a v of another format) in one launch; with ``packed_moe``
-(``freetoken/gpu/packed_moe.cuh``) a decode step's routes through Q4_K/Q6_K experts with
+(``freetoken/gpu/packed_moe.cuh``) a decode step's routes through Q4_K/Q6_K/Q8_0 experts with
 SiLU in two launches. NVIDIA builds only; a ROCm build has none.
 """
 

@@ -134,19 +134,19 @@ inline void bind_module(py::module_& m) {
     m.attr("GEMV_MAX_COLS") = GEMV_MAX_COLS;
     m.def("packed_gemv", &packed_gemv, py::arg("stream"), py::arg("x"), py::arg("x_dtype"), py::arg("w"), py::arg("fmt"),
           py::arg("rows"), py::arg("cols"), py::arg("row_bytes"), py::arg("y"), py::arg("y_dtype"),
-          "one token through Q4_K/Q6_K blocks: y[rows] = W x (dtype codes 0 f32, 1 f16, 2 bf16; int8 dots)");
+          "one token through Q4_K/Q6_K/Q8_0 blocks: y[rows] = W x (dtype codes 0 f32, 1 f16, 2 bf16; int8 dots)");
     m.def("packed_gemv_norm", &packed_gemv_norm, py::arg("stream"), py::arg("h"), py::arg("delta"), py::arg("weight"),
           py::arg("eps"), py::arg("h_out"), py::arg("x_out"), py::arg("dtype"), py::arg("cols"), py::arg("w_a"),
           py::arg("fmt_a"), py::arg("rows_a"), py::arg("row_bytes_a"), py::arg("y_a"), py::arg("w_b"), py::arg("fmt_b"),
           py::arg("rows_b"), py::arg("row_bytes_b"), py::arg("y_b"),
-          "x = weight * rmsnorm(h + delta), then y_a = A x and y_b = B x (Q4_K/Q6_K), one launch");
+          "x = weight * rmsnorm(h + delta), then y_a = A x and y_b = B x (Q4_K/Q6_K/Q8_0), one launch");
     m.def("packed_gemv_refusal", &packed_gemv_refusal, py::arg("fmt"), py::arg("cols"),
           "'' when packed_gemv serves this format and width, else why not");
     m.def("packed_moe", &packed_moe, py::arg("stream"), py::arg("x"), py::arg("x_dtype"), py::arg("tokens"),
           py::arg("ids"), py::arg("ids_64"), py::arg("table"), py::arg("w"), py::arg("w_dtype"), py::arg("top_k"),
           py::arg("gate"), py::arg("gate_fmt"), py::arg("up"), py::arg("up_fmt"), py::arg("down"), py::arg("down_fmt"),
           py::arg("hidden"), py::arg("inter"), py::arg("scratch"), py::arg("y"), py::arg("y_dtype"),
-          "a few tokens through their routed Q4_K/Q6_K experts (SiLU), two launches, int8 dots");
+          "a few tokens through their routed Q4_K/Q6_K/Q8_0 experts (SiLU), two launches, int8 dots");
     m.def("packed_moe_refusal", &packed_moe_refusal, py::arg("gate_fmt"), py::arg("up_fmt"), py::arg("down_fmt"),
           py::arg("hidden"), py::arg("inter"), py::arg("top_k"),
           "'' when packed_moe serves these expert formats and shapes, else why not");

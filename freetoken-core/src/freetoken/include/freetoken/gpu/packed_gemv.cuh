@@ -1,5 +1,5 @@
 /*
- * One token through a matrix kept as a GGUF file's Q4_K or Q6_K blocks: y[n] = sum_k x[k] W[n, k].
+ * One token through a matrix kept as a GGUF file's Q4_K, Q6_K or Q8_0 blocks: y[n] = sum_k x[k] W[n, k].
  *
  * The token is quantized to int8 per 32 values in each block's shared memory, exactly as the
  * Triton int8 dots do it (freetoken/kernels/packed_int8.py: q = floor(x * (127 / amax) + 1/2)
@@ -16,6 +16,9 @@
  *     16 positions of one 128-value half, which feed four 16-value sub-blocks;
  *     per sub-block d*sc * dx * (sum(q * xq) - 32 * sum(xq)). Its blocks align to 2 bytes
  *     only, so words are put together from 16-bit loads.
+ *   Q8_0 (34 bytes: d, 32 int8 codes): a whole block, d * dx * sum(q * xq); 2-byte aligned as
+ *     Q6_K. Its rows need only a multiple of 32 values (the K-quants: of 256), which is what
+ *     rows such as GLM-4.5-Air's 1408-value expert down projections are written in.
  *
  * NVIDIA only (dp4a and 32-lane warps); the bindings leave it out of HIP builds.
  */
@@ -33,12 +36,14 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace freetoken_gpu {
 
 /* element types of x and y (as the Python side names them) */
 enum GemvDtype : int { GEMV_F32 = 0, GEMV_F16 = 1, GEMV_BF16 = 2 };
 /* ggml block formats served here */
+constexpr int GEMV_Q8_0 = 8;
 constexpr int GEMV_Q4_K = 12;
 constexpr int GEMV_Q6_K = 14;
 /* the longest token: its int8 codes, scales and 16-value sums stay in shared memory */
@@ -125,6 +130,20 @@ struct TokenValues {
 
 __device__ __forceinline__ int dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
 
+/* values and bytes of one block of a served format */
+__host__ __device__ constexpr int block_values(int fmt) { return fmt == GEMV_Q8_0 ? 32 : 256; }
+__host__ __device__ constexpr int block_bytes(int fmt) {
+    return fmt == GEMV_Q4_K ? 144 : fmt == GEMV_Q6_K ? 210 : 34;
+}
+/* bytes of a row of `cols` values */
+__host__ __device__ constexpr int64_t row_bytes_of(int fmt, int64_t cols) {
+    return cols / block_values(fmt) * block_bytes(fmt);
+}
+/* a lane's items of a row of `cols` values: a quarter of a K-quant block, a whole Q8_0 block */
+__host__ __device__ constexpr int items_of(int fmt, int cols) {
+    return fmt == GEMV_Q8_0 ? cols / 32 : cols / 256 * 4;
+}
+
 __device__ __forceinline__ uint32_t word16(const uint8_t* p) {
     const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
     return static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16);
@@ -202,6 +221,18 @@ __device__ __forceinline__ float q6k_item(const uint8_t* blk, int b, int h, int 
     return d * acc;
 }
 
+/* Q8_0: lane item = block b, against the token's 32-value group b */
+__device__ __forceinline__ float q8_0_item(const uint8_t* blk, int b, const int8_t* xq, const float* xd) {
+    const float d = __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(blk)));
+    const int4* xw = reinterpret_cast<const int4*>(xq + b * 32);
+    const int4 x0 = xw[0], x1 = xw[1];
+    const int xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum = dp4a(static_cast<int>(word16(blk + 2 + 4 * i)), xv[i], sum);
+    return d * xd[b] * static_cast<float>(sum);
+}
+
 template <int DT>
 __device__ __forceinline__ void store_out(void* y, int row, float v) {
     if (DT == GEMV_F32) static_cast<float*>(y)[row] = v;
@@ -209,8 +240,6 @@ __device__ __forceinline__ void store_out(void* y, int row, float v) {
     else static_cast<__half*>(y)[row] = __float2half_rn(v);
 }
 
-/* bytes of one 256-value block of a served format */
-__host__ __device__ constexpr int block_bytes(int fmt) { return fmt == GEMV_Q4_K ? 144 : 210; }
 
 /* v summed over the warp (every lane gets the sum) */
 __device__ __forceinline__ float warp_sum(float v) {
@@ -219,10 +248,12 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-/* item `it` of a row wr (four per 256-value block: a lane's share) against the quantized token */
+/* item `it` of a row wr (four per 256-value block, one per Q8_0 block: a lane's share) against
+ * the quantized token */
 template <int FMT>
 __device__ __forceinline__ float row_item(const uint8_t* wr, int it, const int8_t* xq, const float* xd,
                                           const int* xs) {
+    if (FMT == GEMV_Q8_0) return q8_0_item(wr + it * block_bytes(FMT), it, xq, xd);
     const int b = it >> 2;
     if (FMT == GEMV_Q4_K) return q4k_item(wr + b * block_bytes(FMT), b, it & 3, xq, xd, xs);
     return q6k_item(wr + b * block_bytes(FMT), b, (it >> 1) & 1, (it & 1) * 16, xq, xd, xs);
@@ -233,7 +264,7 @@ template <int FMT>
 __device__ __forceinline__ float row_dot(const uint8_t* wr, int cols, const int8_t* xq, const float* xd,
                                          const int* xs) {
     const int lane = threadIdx.x & 31;
-    const int items = (cols / 256) * 4;
+    const int items = items_of(FMT, cols);
     float acc = 0.f;
     for (int it = lane; it < items; it += 32) acc += row_item<FMT>(wr, it, xq, xd, xs);
     return warp_sum(acc);
@@ -255,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 8) packed_gemv_kernel(const void* __
     float* xd = reinterpret_cast<float*>(smem + cols);
     int* xs = reinterpret_cast<int*>(smem + cols + (cols / 32) * 4);
     const int first = blockIdx.x * kWarps + (threadIdx.x >> 5);
-    if (first < rows) prefetch_row(w + static_cast<int64_t>(first) * row_bytes, (cols / 256) * block_bytes(FMT));
+    if (first < rows) prefetch_row(w + static_cast<int64_t>(first) * row_bytes, row_bytes_of(FMT, cols));
     quantize_from(TokenValues<XT>{x}, cols, xq, xd, xs);
     __syncthreads();
     const int lane = threadIdx.x & 31;
@@ -363,9 +394,9 @@ __global__ void __launch_bounds__(kThreads, 8) packed_gemv_norm_kernel(NormArgs 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rows = a.rows + b.rows, first = blockIdx.x * kWarps + warp;
     if (first < a.rows)
-        prefetch_row(a.w + static_cast<int64_t>(first) * a.row_bytes, (cols / 256) * block_bytes(FA));
+        prefetch_row(a.w + static_cast<int64_t>(first) * a.row_bytes, row_bytes_of(FA, cols));
     else if (first < rows)
-        prefetch_row(b.w + static_cast<int64_t>(first - a.rows) * b.row_bytes, (cols / 256) * block_bytes(FB));
+        prefetch_row(b.w + static_cast<int64_t>(first - a.rows) * b.row_bytes, row_bytes_of(FB, cols));
     float ss = 0.f;
     for (int c = threadIdx.x * 8; c < cols; c += kThreads * 8) {
         float hv[8];
@@ -440,31 +471,23 @@ void launch_norm(cudaStream_t stream, const NormArgs& n, const GemvPart& a, cons
     FT_CHECK_LAUNCH("packed_gemv_norm_kernel<<<>>>");
 }
 
-template <int FA, int FB>
-void launch_norm_dt(int dtype, cudaStream_t s, const NormArgs& n, const GemvPart& a, const GemvPart& b, int cols) {
+/* f(std::integral_constant<int, FMT>) for a served format code (checked before: Q8_0 is the rest) */
+template <class F>
+void with_format(int fmt, F&& f) {
+    switch (fmt) {
+        case GEMV_Q4_K: return f(std::integral_constant<int, GEMV_Q4_K>{});
+        case GEMV_Q6_K: return f(std::integral_constant<int, GEMV_Q6_K>{});
+        default: return f(std::integral_constant<int, GEMV_Q8_0>{});
+    }
+}
+
+/* f(std::integral_constant<int, DT>) for a dtype code (checked before: bf16 is the rest) */
+template <class F>
+void with_dtype(int dtype, F&& f) {
     switch (dtype) {
-        case GEMV_F32: return launch_norm<FA, FB, GEMV_F32>(s, n, a, b, cols);
-        case GEMV_F16: return launch_norm<FA, FB, GEMV_F16>(s, n, a, b, cols);
-        default: return launch_norm<FA, FB, GEMV_BF16>(s, n, a, b, cols);
-    }
-}
-
-template <int FMT, int XT>
-void launch_y(int y_dtype, cudaStream_t s, const void* x, const uint8_t* w, void* y, int rows, int cols, int64_t rb) {
-    switch (y_dtype) {
-        case GEMV_F32: return launch<FMT, XT, GEMV_F32>(s, x, w, y, rows, cols, rb);
-        case GEMV_F16: return launch<FMT, XT, GEMV_F16>(s, x, w, y, rows, cols, rb);
-        default: return launch<FMT, XT, GEMV_BF16>(s, x, w, y, rows, cols, rb);
-    }
-}
-
-template <int FMT>
-void launch_xy(int x_dtype, int y_dtype, cudaStream_t s, const void* x, const uint8_t* w, void* y, int rows,
-               int cols, int64_t rb) {
-    switch (x_dtype) {
-        case GEMV_F32: return launch_y<FMT, GEMV_F32>(y_dtype, s, x, w, y, rows, cols, rb);
-        case GEMV_F16: return launch_y<FMT, GEMV_F16>(y_dtype, s, x, w, y, rows, cols, rb);
-        default: return launch_y<FMT, GEMV_BF16>(y_dtype, s, x, w, y, rows, cols, rb);
+        case GEMV_F32: return f(std::integral_constant<int, GEMV_F32>{});
+        case GEMV_F16: return f(std::integral_constant<int, GEMV_F16>{});
+        default: return f(std::integral_constant<int, GEMV_BF16>{});
     }
 }
 
@@ -472,10 +495,12 @@ void launch_xy(int x_dtype, int y_dtype, cudaStream_t s, const void* x, const ui
 
 /* The block formats and widths packed_gemv serves ("" if it does, else why not). */
 inline std::string packed_gemv_refusal(int fmt, int64_t cols) {
-    if (fmt != GEMV_Q4_K && fmt != GEMV_Q6_K)
-        return "format " + std::to_string(fmt) + " is not Q4_K (12) or Q6_K (14)";
-    if (cols <= 0 || cols % 256 != 0 || cols > GEMV_MAX_COLS)
-        return std::to_string(cols) + " columns: a multiple of 256 up to " + std::to_string(GEMV_MAX_COLS) + " is needed";
+    if (fmt != GEMV_Q4_K && fmt != GEMV_Q6_K && fmt != GEMV_Q8_0)
+        return "format " + std::to_string(fmt) + " is not Q8_0 (8), Q4_K (12) or Q6_K (14)";
+    const int per_block = gemv_detail::block_values(fmt);
+    if (cols <= 0 || cols % per_block != 0 || cols > GEMV_MAX_COLS)
+        return std::to_string(cols) + " columns: a multiple of " + std::to_string(per_block) + " up to " +
+               std::to_string(GEMV_MAX_COLS) + " is needed";
     return "";
 }
 
@@ -490,10 +515,10 @@ inline void check_dtype(const char* what, int dt) {
 inline void check_matrix(const char* what, uint64_t w, int fmt, int64_t rows, int64_t cols, int64_t row_bytes) {
     const std::string refusal = packed_gemv_refusal(fmt, cols);
     if (!refusal.empty()) throw std::invalid_argument(std::string(what) + ": " + refusal);
-    if (row_bytes < cols / 256 * block_bytes(fmt))
+    if (row_bytes < row_bytes_of(fmt, cols))
         throw std::invalid_argument(std::string(what) + ": rows of " + std::to_string(row_bytes) +
-                                    " bytes hold fewer than " + std::to_string(cols / 256) + " blocks");
-    const int64_t align = fmt == GEMV_Q4_K ? 16 : 2;
+                                    " bytes hold fewer than " + std::to_string(cols / block_values(fmt)) + " blocks");
+    const int64_t align = fmt == GEMV_Q4_K ? 16 : 2; /* Q6_K and Q8_0 blocks: 2 bytes */
     if (w % align || row_bytes % align)
         throw std::invalid_argument(std::string(what) + ": the weights and their rows must be " +
                                     std::to_string(align) + "-byte aligned for this format");
@@ -515,12 +540,16 @@ inline void packed_gemv(uint64_t stream, uint64_t x, int x_dtype, uint64_t w, in
     const auto* wp = reinterpret_cast<const uint8_t*>(w);
     auto s = reinterpret_cast<cudaStream_t>(stream);
     const int r = static_cast<int>(rows), c = static_cast<int>(cols);
-    if (fmt == GEMV_Q4_K)
-        gemv_detail::launch_xy<GEMV_Q4_K>(x_dtype, y_dtype, s, reinterpret_cast<const void*>(x), wp,
-                                           reinterpret_cast<void*>(y), r, c, row_bytes);
-    else
-        gemv_detail::launch_xy<GEMV_Q6_K>(x_dtype, y_dtype, s, reinterpret_cast<const void*>(x), wp,
-                                           reinterpret_cast<void*>(y), r, c, row_bytes);
+    const auto* xp = reinterpret_cast<const void*>(x);
+    auto* yp = reinterpret_cast<void*>(y);
+    gemv_detail::with_format(fmt, [&](auto f) {
+        gemv_detail::with_dtype(x_dtype, [&](auto xt) {
+            gemv_detail::with_dtype(y_dtype, [&](auto yt) {
+                gemv_detail::launch<decltype(f)::value, decltype(xt)::value, decltype(yt)::value>(s, xp, wp, yp, r, c,
+                                                                                                  row_bytes);
+            });
+        });
+    });
 }
 
 /* The decoder's pre-norm and the projections that read it, one launch: x = weight *
@@ -546,15 +575,15 @@ inline void packed_gemv_norm(uint64_t stream, uint64_t h, uint64_t delta, uint64
                                   reinterpret_cast<void*>(y_a)};
     const gemv_detail::GemvPart b{reinterpret_cast<const uint8_t*>(w_b), row_bytes_b,
                                   rows_b > 0 ? static_cast<int>(rows_b) : 0, reinterpret_cast<void*>(y_b)};
-    const bool b_q6 = rows_b > 0 && fmt_b == GEMV_Q6_K;
     auto s = reinterpret_cast<cudaStream_t>(stream);
     const int c = static_cast<int>(cols);
-    if (fmt_a == GEMV_Q4_K)
-        b_q6 ? gemv_detail::launch_norm_dt<GEMV_Q4_K, GEMV_Q6_K>(dtype, s, n, a, b, c)
-             : gemv_detail::launch_norm_dt<GEMV_Q4_K, GEMV_Q4_K>(dtype, s, n, a, b, c);
-    else
-        b_q6 ? gemv_detail::launch_norm_dt<GEMV_Q6_K, GEMV_Q6_K>(dtype, s, n, a, b, c)
-             : gemv_detail::launch_norm_dt<GEMV_Q6_K, GEMV_Q4_K>(dtype, s, n, a, b, c);
+    gemv_detail::with_format(fmt_a, [&](auto fa) {
+        gemv_detail::with_format(rows_b > 0 ? fmt_b : fmt_a, [&](auto fb) {
+            gemv_detail::with_dtype(dtype, [&](auto dt) {
+                gemv_detail::launch_norm<decltype(fa)::value, decltype(fb)::value, decltype(dt)::value>(s, n, a, b, c);
+            });
+        });
+    });
 }
 
 }  // namespace freetoken_gpu

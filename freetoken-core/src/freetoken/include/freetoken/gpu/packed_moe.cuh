@@ -1,6 +1,6 @@
 /*
- * A few tokens through their routed experts, the experts kept as a GGUF file's Q4_K or Q6_K
- * blocks (gate and up [E, I, H], down [E, H, I]): decode's mixture of experts in two launches
+ * A few tokens through their routed experts, the experts kept as a GGUF file's Q4_K, Q6_K or
+ * Q8_0 blocks (gate and up [E, I, H], down [E, H, I]; gate and up both Q8_0 or both K-quants): decode's mixture of experts in two launches
  * built from packed_gemv.cuh's pieces (the same int8 quantization of activations, the same
  * per-lane block items and dp4a products).
  *
@@ -33,6 +33,8 @@ constexpr int64_t MOE_MAX_DOWN_SHARED = 48 * 1024;
 namespace moe_detail {
 
 using gemv_detail::block_bytes;
+using gemv_detail::items_of;
+using gemv_detail::row_bytes_of;
 using gemv_detail::quantize_from;
 using gemv_detail::row_item;
 using gemv_detail::store_out;
@@ -95,9 +97,10 @@ __global__ void __launch_bounds__(kGuThreads, 2) moe_gate_up_kernel(const void* 
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int i0 = blockIdx.y * kGuRows;
-    const int64_t g_rb = static_cast<int64_t>(hidden / 256) * block_bytes(GF);
-    const int64_t u_rb = static_cast<int64_t>(hidden / 256) * block_bytes(UF);
-    const int items = (hidden / 256) * 4;
+    static_assert((GF == GEMV_Q8_0) == (UF == GEMV_Q8_0), "gate and up: both Q8_0 or both K-quants (as many items)");
+    const int64_t g_rb = row_bytes_of(GF, hidden);
+    const int64_t u_rb = row_bytes_of(UF, hidden);
+    const int items = items_of(GF, hidden);
     for (int pass = 0; pass < kGuRows / (kGuWarps * kRowsInFlight); ++pass) {
         const uint8_t* g_row[kRowsInFlight];
         const uint8_t* u_row[kRowsInFlight];
@@ -178,8 +181,8 @@ __global__ void __launch_bounds__(kDownThreads) moe_down_kernel(Routes routes, c
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = blockIdx.x * kDownWarps + warp;
     if (n >= hidden) return;
-    const int64_t rb = static_cast<int64_t>(inter / 256) * block_bytes(DF);
-    const int items = (inter / 256) * 4, total = k_routes * items;
+    const int64_t rb = row_bytes_of(DF, inter);
+    const int items = items_of(DF, inter), total = k_routes * items;
     float acc = 0.f;
     for (int it = lane; it < total; it += 32) {
         const int k = it / items;
@@ -192,39 +195,7 @@ __global__ void __launch_bounds__(kDownThreads) moe_down_kernel(Routes routes, c
     if (lane == 0) store_out<YT>(y, t * hidden + n, acc);
 }
 
-template <int GF, int UF>
-void launch_gate_up_x(int x_dtype, cudaStream_t s, dim3 grid, size_t smem, const void* x, const Routes& routes,
-                      const uint8_t* gate, const uint8_t* up, int hidden, int inter, int8_t* hq, float* hd, int* hs) {
-    switch (x_dtype) {
-        case GEMV_F32:
-            moe_gate_up_kernel<GF, UF, GEMV_F32><<<grid, kGuThreads, smem, s>>>(x, routes, gate, up, hidden, inter, hq, hd, hs);
-            break;
-        case GEMV_F16:
-            moe_gate_up_kernel<GF, UF, GEMV_F16><<<grid, kGuThreads, smem, s>>>(x, routes, gate, up, hidden, inter, hq, hd, hs);
-            break;
-        default:
-            moe_gate_up_kernel<GF, UF, GEMV_BF16><<<grid, kGuThreads, smem, s>>>(x, routes, gate, up, hidden, inter, hq, hd, hs);
-    }
-    FT_CHECK_LAUNCH("moe_gate_up_kernel<<<>>>");
-}
-
-template <int DF>
-void launch_down_y(int y_dtype, cudaStream_t s, dim3 grid, size_t smem, const Routes& routes, const int8_t* hq,
-                   const float* hd, const int* hs, const uint8_t* down, int hidden, int inter, void* y) {
-    switch (y_dtype) {
-        case GEMV_F32:
-            moe_down_kernel<DF, GEMV_F32><<<grid, kDownThreads, smem, s>>>(routes, hq, hd, hs, down, hidden, inter, y);
-            break;
-        case GEMV_F16:
-            moe_down_kernel<DF, GEMV_F16><<<grid, kDownThreads, smem, s>>>(routes, hq, hd, hs, down, hidden, inter, y);
-            break;
-        default:
-            moe_down_kernel<DF, GEMV_BF16><<<grid, kDownThreads, smem, s>>>(routes, hq, hd, hs, down, hidden, inter, y);
-    }
-    FT_CHECK_LAUNCH("moe_down_kernel<<<>>>");
-}
-
-inline bool served_format(int fmt) { return fmt == GEMV_Q4_K || fmt == GEMV_Q6_K; }
+inline bool served_format(int fmt) { return fmt == GEMV_Q4_K || fmt == GEMV_Q6_K || fmt == GEMV_Q8_0; }
 
 }  // namespace moe_detail
 
@@ -235,12 +206,20 @@ inline std::string packed_moe_refusal(int gate_fmt, int up_fmt, int down_fmt, in
     const int fmts[3] = {gate_fmt, up_fmt, down_fmt};
     for (int i = 0; i < 3; ++i)
         if (!moe_detail::served_format(fmts[i]))
-            return std::string(names[i]) + " format " + std::to_string(fmts[i]) + " is not Q4_K (12) or Q6_K (14)";
-    if (hidden <= 0 || hidden % 256 || hidden > GEMV_MAX_COLS)
-        return "hidden size " + std::to_string(hidden) + ": a multiple of 256 up to " + std::to_string(GEMV_MAX_COLS) +
+            return std::string(names[i]) + " format " + std::to_string(fmts[i]) +
+                   " is not Q8_0 (8), Q4_K (12) or Q6_K (14)";
+    if ((gate_fmt == GEMV_Q8_0) != (up_fmt == GEMV_Q8_0))
+        return "gate format " + std::to_string(gate_fmt) + " with up format " + std::to_string(up_fmt) +
+               ": gate and up are both Q8_0 or both K-quants";
+    const int64_t hidden_block = gemv_detail::block_values(gate_fmt);
+    if (hidden <= 0 || hidden % hidden_block || hidden > GEMV_MAX_COLS)
+        return "hidden size " + std::to_string(hidden) + ": a multiple of " + std::to_string(hidden_block) + " up to " +
+               std::to_string(GEMV_MAX_COLS) + " is needed";
+    /* gate/up blocks quantize h in groups of 32 rows; a K-quant down row takes 256-value blocks */
+    const int64_t inter_block = down_fmt == GEMV_Q8_0 ? moe_detail::kGuRows : 256;
+    if (inter <= 0 || inter % inter_block)
+        return "intermediate size " + std::to_string(inter) + ": a multiple of " + std::to_string(inter_block) +
                " is needed";
-    if (inter <= 0 || inter % 256)
-        return "intermediate size " + std::to_string(inter) + ": a multiple of 256 is needed";
     if (top_k < 1 || top_k > MOE_MAX_TOP_K)
         return std::to_string(top_k) + " routes per token: 1 to " + std::to_string(MOE_MAX_TOP_K) + " are served";
     if (static_cast<int64_t>(moe_detail::down_shared_bytes(top_k, inter)) > MOE_MAX_DOWN_SHARED)
@@ -276,7 +255,7 @@ inline void packed_moe(uint64_t stream, uint64_t x, int x_dtype, int64_t tokens,
     const int fmts[3] = {gate_fmt, up_fmt, down_fmt};
     for (int i = 0; i < 3; ++i)
         if (stacks[i] == 0 || stacks[i] % (fmts[i] == GEMV_Q4_K ? 16 : 2))
-            throw std::invalid_argument("packed_moe: the expert stacks must be 16-byte aligned (Q6_K: 2)");
+            throw std::invalid_argument("packed_moe: the expert stacks must be 16-byte aligned (Q6_K, Q8_0: 2)");
     if (x % 16 || scratch % 16 || ids == 0 || w == 0 || y == 0 || x == 0 || scratch == 0)
         throw std::invalid_argument("packed_moe: x, ids, w, y and a 16-byte aligned scratch are needed (x aligned too)");
     if (tokens == 0) return;
@@ -293,23 +272,30 @@ inline void packed_moe(uint64_t stream, uint64_t x, int x_dtype, int64_t tokens,
     const auto* up_p = reinterpret_cast<const uint8_t*>(up);
     const dim3 gu_grid(static_cast<unsigned>(routes_n), static_cast<unsigned>(i / moe_detail::kGuRows));
     const size_t gu_smem = moe_detail::gate_up_shared_bytes(h);
-    if (gate_fmt == GEMV_Q4_K && up_fmt == GEMV_Q4_K)
-        moe_detail::launch_gate_up_x<GEMV_Q4_K, GEMV_Q4_K>(x_dtype, s, gu_grid, gu_smem, xp, routes, gp, up_p, h, i, hq, hd, hs);
-    else if (gate_fmt == GEMV_Q4_K)
-        moe_detail::launch_gate_up_x<GEMV_Q4_K, GEMV_Q6_K>(x_dtype, s, gu_grid, gu_smem, xp, routes, gp, up_p, h, i, hq, hd, hs);
-    else if (up_fmt == GEMV_Q4_K)
-        moe_detail::launch_gate_up_x<GEMV_Q6_K, GEMV_Q4_K>(x_dtype, s, gu_grid, gu_smem, xp, routes, gp, up_p, h, i, hq, hd, hs);
-    else
-        moe_detail::launch_gate_up_x<GEMV_Q6_K, GEMV_Q6_K>(x_dtype, s, gu_grid, gu_smem, xp, routes, gp, up_p, h, i, hq, hd, hs);
+    gemv_detail::with_format(gate_fmt, [&](auto gf) {
+        gemv_detail::with_format(up_fmt, [&](auto uf) {
+            constexpr int GF = decltype(gf)::value, UF = decltype(uf)::value;
+            if constexpr ((GF == GEMV_Q8_0) == (UF == GEMV_Q8_0)) {
+                gemv_detail::with_dtype(x_dtype, [&](auto xt) {
+                    moe_detail::moe_gate_up_kernel<GF, UF, decltype(xt)::value>
+                        <<<gu_grid, moe_detail::kGuThreads, gu_smem, s>>>(xp, routes, gp, up_p, h, i, hq, hd, hs);
+                    FT_CHECK_LAUNCH("moe_gate_up_kernel<<<>>>");
+                });
+            }
+        });
+    });
     const dim3 down_grid(static_cast<unsigned>((h + moe_detail::kDownWarps - 1) / moe_detail::kDownWarps),
                          static_cast<unsigned>(tokens));
     const size_t down_smem = moe_detail::down_shared_bytes(top_k, inter);
     const auto* dp = reinterpret_cast<const uint8_t*>(down);
     auto* yp = reinterpret_cast<void*>(y);
-    if (down_fmt == GEMV_Q4_K)
-        moe_detail::launch_down_y<GEMV_Q4_K>(y_dtype, s, down_grid, down_smem, routes, hq, hd, hs, dp, h, i, yp);
-    else
-        moe_detail::launch_down_y<GEMV_Q6_K>(y_dtype, s, down_grid, down_smem, routes, hq, hd, hs, dp, h, i, yp);
+    gemv_detail::with_format(down_fmt, [&](auto df) {
+        gemv_detail::with_dtype(y_dtype, [&](auto yt) {
+            moe_detail::moe_down_kernel<decltype(df)::value, decltype(yt)::value>
+                <<<down_grid, moe_detail::kDownThreads, down_smem, s>>>(routes, hq, hd, hs, dp, h, i, yp);
+            FT_CHECK_LAUNCH("moe_down_kernel<<<>>>");
+        });
+    });
 }
 
 }  // namespace freetoken_gpu
