@@ -11,7 +11,9 @@ trace, the top host functions (cProfile) and the top GPU kernels and host ops
 
 The GPU timeline of the profiled steps is also summed by kernel kind (per step: busy time
 per kind, the idle time between kernels and the largest idle gaps), which separates the
-GPU layers' work from the waits on the CPU layers.
+GPU layers' work from the waits on the CPU layers. ``--prompt-profile N`` adds the same
+kernel table and timeline for one prompt of N tokens (its prefill alone, timed first
+without the profiler).
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def main() -> None:
     ap.add_argument("--gpu-dense", default="auto", choices=["auto", "packed", "dequantized"])
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--kernels", type=int, default=30, help="rows of the kernel table")
+    ap.add_argument("--prompt-profile", type=int, default=0, metavar="N",
+                    help="also profile the prefill of one N-token prompt")
     ap.add_argument("--gpu-memory-limit", default=None, help="e.g. 16GiB (the default placement under it)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="another EngineConfig field, e.g. moe_locked_fetch=0.25 (repeatable)")
@@ -106,7 +110,8 @@ def main() -> None:
 
     more = {k: value(v) for k, v in (item.split("=", 1) for item in args.set)}
     limit = parse_size(args.gpu_memory_limit) if args.gpu_memory_limit else None
-    eng = LLMEngine(EngineConfig(model=args.model, backend=args.backend, max_model_len=1024, max_running_requests=8,
+    eng = LLMEngine(EngineConfig(model=args.model, backend=args.backend, max_model_len=max(1024, args.prompt_profile + 64),
+                                 max_running_requests=8,
                                  moe_cpu_layers=None if limit and args.moe_cpu_layers == "all" else args.moe_cpu_layers,
                                  cpu_threads=args.cpu_threads, enforce_eager=args.eager, gpu_dense=args.gpu_dense,
                                  gpu_memory_limit=limit, **more))
@@ -144,7 +149,39 @@ def main() -> None:
     table = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
     print(table)
     print_timeline(p, 12)
+    if args.prompt_profile:
+        profile_prompt(eng, args.prompt_profile, args.kernels)
     eng.close()
+
+
+def profile_prompt(eng: LLMEngine, n: int, rows: int) -> None:
+    """One prompt of ``n`` tokens: its prefill's wall time (the step that returns its first
+    token; median of three, after a warm-up), then one more under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def prefill(seed: int) -> float:
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        req = eng.add_request([(7 * i + 11 * seed) % 1000 + 5 for i in range(n)], params)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while not req.output_ids:
+            eng.step()
+        torch.cuda.synchronize()
+        took = time.perf_counter() - t0
+        while eng.has_work():
+            eng.step()
+        return took
+
+    prefill(0)
+    walls = [prefill(s) for s in (1, 2, 3)]
+    wall = statistics.median(walls)
+    print(f"prompt {n}: {wall * 1e3:.1f} ms (median of 3: {[round(w * 1e3, 1) for w in walls]}) -> {n / wall:.0f} tok/s")
+    p = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    p.start()
+    prefill(4)
+    p.stop()
+    print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+    print_timeline(p, 1)
 
 
 #: kernel kinds by name fragment, first match wins

@@ -44,7 +44,7 @@ for spec in $PLACEMENTS; do
   timeout ${PROFILE_TIMEOUT:-150} python3 tests/gpu/profile_decode.py "$M" "${args[@]}" ${PROFILE_ARGS:-} \
     > "$OUT/profile-$tag.txt" 2> "$OUT/profile-$tag.err"
   stamp "profile $tag rc=$?"
-  grep -E "^(backend|plan|step|host split|hand-off)" "$OUT/profile-$tag.txt" || tail -5 "$OUT/profile-$tag.err"
+  grep -E "^(backend|plan|step|host split|hand-off|prompt [0-9])" "$OUT/profile-$tag.txt" || tail -5 "$OUT/profile-$tag.err"
   sed -n '/^timeline/,$p' "$OUT/profile-$tag.txt" | head -30
 done
 if [ -n "${CPU_MOE_THREADS:-}" ]; then
