@@ -32,12 +32,16 @@ DRIVER_FUNCS="cuDeviceGet cuDeviceGetAttribute cuGetErrorString cuMemAddressFree
   cuMemGetAllocationGranularity cuMemMap cuMemRelease cuMemSetAccess cuMemUnmap"
 for f in $DRIVER_FUNCS; do echo "int $f(void) { return 0; }"; done > "$DEPS/stub/stub.c"
 gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$DEPS/stub/libcuda.so" "$DEPS/stub/stub.c"
+# the programs link against libggml-cuda.so, which names libcuda.so.1: the linker looks it up
+# by that name (-rpath-link), so the stub answers to it too
+ln -sf libcuda.so "$DEPS/stub/libcuda.so.1"
 cmake -B "$B" -S "$SRC" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON \
   -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DCMAKE_LIBRARY_PATH="$LIB" -DCMAKE_INCLUDE_PATH="$INC" -DCUDA_cuda_driver_LIBRARY="$DEPS/stub/libcuda.so" \
-  "-DCMAKE_CUDA_FLAGS=-I$INC" "-DCMAKE_CXX_FLAGS=-I$INC" "-DCMAKE_C_FLAGS=-I$INC" > /tmp/llamacpp-cuda-cfg.log
+  "-DCMAKE_CUDA_FLAGS=-I$INC" "-DCMAKE_CXX_FLAGS=-I$INC" "-DCMAKE_C_FLAGS=-I$INC" \
+  "-DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath-link,$DEPS/stub" > /tmp/llamacpp-cuda-cfg.log
 nice -n 10 cmake --build "$B" -j "$(nproc)" --target llama-bench llama-server
 missing=$(nm -D --undefined-only "$B/bin/libggml-cuda.so" | awk '$2 ~ /^cu[A-Z]/ {sub(/@.*/, "", $2); print $2}' \
   | sort -u | grep -v -x -F -f <(tr ' ' '\n' <<< "$DRIVER_FUNCS" | sed '/^$/d') || true)

@@ -214,6 +214,67 @@ def test_router_top_k(ops, T, E, K, norm):
     assert math.isclose(float(w.sum(-1).max()), 1.0, rel_tol=1e-5) or not norm
 
 
+def _grouped_top_k64(logits: torch.Tensor, bias, groups: int, topk_group: int, k: int, norm: bool,
+                     scale: float) -> tuple[list[set[int]], torch.Tensor]:  # fmt: skip
+    """From the definition, in float64, token by token: the chosen experts (as sets, in the
+    order chosen) and their weights, for sigmoid scores with ``bias`` (softmax when None)."""
+    T, E = logits.shape
+    per = E // groups
+    chosen, weights = [], torch.zeros(T, k, dtype=torch.float64)
+    for t in range(T):
+        lg = logits[t].double()
+        scores = torch.sigmoid(lg) if bias is not None else torch.softmax(lg, dim=0)
+        choice = scores + bias.double() if bias is not None else scores.clone()
+        if topk_group < groups:
+            gscore = []
+            for g in range(groups):
+                part = sorted(choice[g * per:(g + 1) * per].tolist(), reverse=True)
+                gscore.append(sum(part[:2]) if bias is not None else part[0])
+            keep = sorted(range(groups), key=lambda g: -gscore[g])[:topk_group]
+            for g in range(groups):
+                if g not in keep:
+                    choice[g * per:(g + 1) * per] = float("-inf")
+        order = sorted(range(E), key=lambda e: -float(choice[e]))[:k]
+        w = scores[order]
+        if norm:
+            w = w / w.sum()
+        chosen.append(order)
+        weights[t] = w * scale
+    return chosen, weights
+
+
+#: (experts, groups, groups kept, routes, sigmoid, norm, scale): GLM-4.5-Air, DeepSeek-V3, Kimi-K2,
+#: DeepSeek-V2 (softmax, 20 experts per group: no power of two), DeepSeek-V2-Lite, a small odd one
+GROUPED = {"glm-4.5-air": (128, 1, 1, 8, True, True, 1.0), "deepseek-v3": (256, 8, 4, 8, True, True, 2.5),
+           "kimi-k2": (384, 1, 1, 8, True, True, 2.827), "deepseek-v2": (160, 8, 3, 6, False, False, 16.0),
+           "deepseek-v2-lite": (64, 1, 1, 6, False, False, 1.0), "odd": (24, 3, 2, 5, True, False, 1.5)}
+
+
+@pytest.mark.parametrize("ops", OPS, ids=_ids)
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("shape", list(GROUPED))
+def test_grouped_top_k_against_float64(ops, T, shape):
+    """The grouped routings of GLM-4.5 and DeepSeek-V2/V3 (Kimi-K2's 384 experts too) against
+    a float64 reference written from their definition: the same experts in the same order,
+    weights within float32 rounding; a correction bias large enough to change the choice;
+    outputs of fresh tensors (no result carried over)."""
+    from freetoken.models.routing import GroupedTopK
+
+    E, groups, topk_group, k, sigmoid, norm, scale = GROUPED[shape]
+    gen = torch.Generator().manual_seed(E * 31 + T)
+    logits = (torch.randn(T, E, generator=gen, dtype=torch.float64) * 2).float()
+    bias = (torch.randn(E, generator=gen) * 0.5).float() if sigmoid else None
+    routing = GroupedTopK(E, k, groups, topk_group, norm, scale, "sigmoid" if sigmoid else "softmax")
+    ids, w = ops.grouped_top_k(logits.to(DEV), None if bias is None else bias.to(DEV), routing)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and tuple(ids.shape) == (T, k) == tuple(w.shape)
+    chosen, ref = _grouped_top_k64(logits, bias, groups, topk_group, k, norm, scale)
+    assert ids.cpu().tolist() == chosen, f"{shape}: experts"
+    assert float((w.cpu().double() - ref).abs().max() / ref.abs().max()) <= 1e-6, f"{shape}: weights"
+    if sigmoid:  # the bias moved the choice: without it other experts win
+        plain, _ = _grouped_top_k64(logits, torch.zeros(E), groups, topk_group, k, norm, scale)
+        assert plain != chosen
+
+
 @pytest.mark.parametrize("T,E,H", [(1, 128, 2048), (3, 60, 100), (16, 32, 640)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_router_logits(T, E, H, dtype):

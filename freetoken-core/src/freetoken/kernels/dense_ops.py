@@ -264,3 +264,74 @@ def add_norm_route(h, delta, norm_weight, eps: float, router_weight, k: int, nor
         h, delta, norm_weight, router_weight, h_out, x_out, logits, counts, ids_out, w_out, N, E, eps, K=k,
         KP=triton.next_power_of_2(k), NORM=norm, BLOCK=block, BLOCK_E=block_e, EP=triton.next_power_of_2(E),
         **opts)  # fmt: skip
+
+
+@triton.jit
+def _grouped_top_k_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, E: tl.constexpr, GROUPS: tl.constexpr,
+                          PER: tl.constexpr, GP: tl.constexpr, PP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                          K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, GP)[:, None]
+    p = tl.arange(0, PP)[None, :]
+    ok = (g < GROUPS) & (p < PER)
+    idx = g * PER + p  # [GP, PP]: the expert of each lane
+    v = tl.load(logits_ptr + row * E + idx, mask=ok, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = tl.where(ok, 1.0 / (1.0 + tl.exp(-v)), 0.0)
+        choice = tl.where(ok, scores + tl.load(bias_ptr + idx, mask=ok, other=0.0), float("-inf"))
+    else:
+        ex = tl.where(ok, tl.exp(v - tl.max(tl.max(v, axis=1), axis=0)), 0.0)
+        scores = ex / tl.sum(tl.sum(ex, axis=1), axis=0)
+        choice = tl.where(ok, scores, float("-inf"))
+    if TOPK_GROUP < GROUPS:
+        # a group's score: its two best corrected scores summed (sigmoid), its best (softmax)
+        best = tl.max(choice, axis=1)  # [GP]
+        if SIGMOID and PER > 1:
+            first = tl.min(tl.where(choice == best[:, None], idx, E), axis=1)
+            best += tl.max(tl.where(idx == first[:, None], float("-inf"), choice), axis=1)
+        gi = tl.arange(0, GP)
+        best = tl.where(gi < GROUPS, best, float("-inf"))
+        kept = gi < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            m = tl.max(best, axis=0)
+            pick = tl.min(tl.where(best == m, gi, GP), axis=0)
+            kept = kept | (gi == pick)
+            best = tl.where(gi == pick, float("-inf"), best)
+        choice = tl.where(kept[:, None], choice, float("-inf"))
+    kk = tl.arange(0, KP)
+    ids = tl.zeros((KP,), tl.int32)
+    w = tl.zeros((KP,), tl.float32)
+    for j in tl.static_range(K):
+        m = tl.max(tl.max(choice, axis=1), axis=0)
+        i = tl.min(tl.min(tl.where(choice == m, idx, E), axis=1), axis=0)
+        ids = tl.where(kk == j, i, ids)
+        w = tl.where(kk == j, tl.sum(tl.sum(tl.where(idx == i, scores, 0.0), axis=1), axis=0), w)
+        choice = tl.where(idx == i, float("-inf"), choice)
+    if NORM:
+        w = w / (tl.sum(w, axis=0) + 1e-20)
+    tl.store(ids_ptr + row * K + kk, ids, mask=kk < K)
+    tl.store(w_ptr + row * K + kk, w * scale, mask=kk < K)
+
+
+#: the most routed experts :func:`grouped_top_k` takes (a program holds a token's scores)
+GROUPED_TOP_K_MAX_EXPERTS = 1024
+
+
+def grouped_top_k(logits, bias, groups: int, topk_group: int, k: int, sigmoid: bool, norm: bool, scale: float,
+                  ids_out, w_out) -> None:  # fmt: skip
+    """Grouped top-``k`` of float32 ``logits [T, E]`` into ``ids_out`` (int32 ``[T, k]``) and
+    ``w_out`` (float32), one program per token: sigmoid scores plus the float32 correction
+    ``bias [E]`` for the choice (``sigmoid``; else softmax scores and no bias), the experts
+    of the ``topk_group`` best of ``groups`` consecutive groups (a group's score: the sum of
+    its two best choices, or its best under softmax), the ``k`` best choices among them in
+    descending order (the lowest id among equals), weighted by their scores, divided by
+    their sum (plus 1e-20) when ``norm``, times ``scale``."""
+    T, E = logits.shape
+    if T == 0:
+        return
+    per = E // groups
+    opts = triton_target.for_device(logits.device).launch_options(1 if E <= 256 else 4)
+    _grouped_top_k_kernel[(T,)](logits, bias if bias is not None else logits, ids_out, w_out, float(scale), E=E,
+                                GROUPS=groups, PER=per, GP=triton.next_power_of_2(groups),
+                                PP=triton.next_power_of_2(per), TOPK_GROUP=topk_group, K=k,
+                                KP=triton.next_power_of_2(k), SIGMOID=sigmoid, NORM=norm, **opts)  # fmt: skip

@@ -66,6 +66,19 @@ class DenseOps:
         under the softmax over every expert."""
         raise NotImplementedError
 
+    def grouped_top_k(self, logits: torch.Tensor, correction_bias: Optional[torch.Tensor],
+                      routing: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Expert ids (int32 ``[T, top_k]``) and float32 weights of the grouped routing of
+        GLM-4.5 and DeepSeek (``routing``: a :class:`~freetoken.models.routing.GroupedTopK`;
+        sigmoid scores with ``correction_bias``, or softmax scores without) from the router's
+        float32 ``logits``. This implementation: the torch ops of
+        :mod:`freetoken.models.routing` (the reference)."""
+        from freetoken.models.routing import grouped_sigmoid_top_k, grouped_softmax_top_k
+
+        if correction_bias is None:
+            return grouped_softmax_top_k(logits, routing)
+        return grouped_sigmoid_top_k(logits, correction_bias, routing)
+
     def add_norm_route(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, router: Any,
                        k: int, norm: bool) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
         """:meth:`add_rms_norm` of ``h`` and ``delta`` followed by the router (``router(x)``,
@@ -195,6 +208,20 @@ class TritonDenseOps(DenseOps):
         ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
         w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
         self.k.router_top_k(logits.contiguous(), k, norm, ids, w)
+        return ids, w
+
+    def grouped_top_k(self, logits, correction_bias, routing):
+        """One launch (one program per token) where the experts fit a program
+        (:data:`~freetoken.kernels.dense_ops.GROUPED_TOP_K_MAX_EXPERTS`), else the torch ops."""
+        T, E = logits.shape
+        if E > self.k.GROUPED_TOP_K_MAX_EXPERTS or logits.dtype != torch.float32:
+            return super().grouped_top_k(logits, correction_bias, routing)
+        ids = torch.empty(T, routing.top_k, dtype=torch.int32, device=logits.device)
+        w = torch.empty(T, routing.top_k, dtype=torch.float32, device=logits.device)
+        groups = routing.n_group if routing.topk_group < routing.n_group else 1
+        self.k.grouped_top_k(logits.contiguous(), correction_bias, groups, routing.topk_group if groups > 1 else 1,
+                             routing.top_k, correction_bias is not None, routing.norm_topk_prob,
+                             routing.routed_scaling_factor, ids, w)  # fmt: skip
         return ids, w
 
     def add_norm_route(self, h, delta, weight, eps, router, k, norm):

@@ -24,7 +24,7 @@ from freetoken.models.config import ModelConfig
 from freetoken.models.dense_ops import DenseOps
 from freetoken.models.layers import FusedLinears
 from freetoken.models.moe_layer import ExpertWeights, MoELayer, stack_experts
-from freetoken.models.routing import GroupedTopK, grouped_sigmoid_top_k, grouped_softmax_top_k
+from freetoken.models.routing import GroupedTopK
 
 #: the constant the folded gate/up biases of :class:`BiasedMoELayer` multiply: columns
 #: ``hidden .. hidden + BIAS_PAD`` of the experts' input hold ``BIAS_ONES`` ones, then
@@ -77,8 +77,9 @@ class GroupedTopKMoELayer(MoELayer):
     """Routed experts chosen by :func:`~freetoken.models.routing.grouped_sigmoid_top_k`
     (sigmoid scores, the correction bias for the choice only, grouped top-k, renormalised and
     scaled weights) or, for ``routing.scoring == "softmax"`` (no correction bias),
-    :func:`~freetoken.models.routing.grouped_softmax_top_k`; plus shared experts added
-    unscaled when the layer has them."""
+    :func:`~freetoken.models.routing.grouped_softmax_top_k`, through the dense ops'
+    :meth:`~freetoken.models.dense_ops.DenseOps.grouped_top_k` (one launch on a GPU); plus
+    shared experts added unscaled when the layer has them."""
 
     def __init__(self, layer: int, router: object, experts: ExpertWeights, routing: GroupedTopK,
                  correction_bias: Optional[torch.Tensor], shared: Optional[SwiGLU] = None) -> None:  # fmt: skip
@@ -91,9 +92,7 @@ class GroupedTopKMoELayer(MoELayer):
         self.shared = shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.correction_bias is None:
-            return grouped_softmax_top_k(self.router(x), self.routing)  # type: ignore[operator]
-        return grouped_sigmoid_top_k(self.router(x), self.correction_bias, self.routing)  # type: ignore[operator]
+        return self.ops.grouped_top_k(self.router(x), self.correction_bias, self.routing)  # type: ignore[operator]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
