@@ -1,8 +1,8 @@
 /*
  * A few tokens through their routed experts, the experts kept as a GGUF file's Q4_K, Q6_K or
- * Q8_0 blocks (gate and up [E, I, H], down [E, H, I]; gate and up both Q8_0 or both K-quants): decode's mixture of experts in two launches
- * built from packed_gemv.cuh's pieces (the same int8 quantization of activations, the same
- * per-lane block items and dp4a products).
+ * Q8_0 blocks (gate and up [E, I, H], down [E, H, I]; gate and up both Q8_0 or both K-quants):
+ * decode's mixture of experts in two launches built from packed_gemv.cuh's pieces (the same
+ * int8 quantization of activations, the same per-lane block items and dp4a products).
  *
  *   gate/up  grid (T * K routes, I / 32): route r = (t, k) runs expert e = ids[t, k] (through
  *            the slot table when one is given; -1: skipped, nothing written). The block
