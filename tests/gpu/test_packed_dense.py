@@ -182,6 +182,28 @@ def test_packed_linear_both_paths(fmt, impl, monkeypatch):
     assert_bf16_rows(got.cpu(), ref[ids.cpu().numpy()])
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_packed_linear_prompt_copy(impl):
+    """``prompt_weight`` (``--gpu-dense both``): calls above ``max_gemv_tokens`` multiply the
+    copy and never dequantize into the scratch; the GEMV keeps the calls it takes (Triton), the
+    torch path takes the copy for every call. The copy is marked (a scaled matrix) so the path
+    that ran is visible in the result."""
+    fmt = Q4
+    raw, ref = packed(fmt, ROWS, COLS, seed=21)
+    data = torch.from_numpy(np.ascontiguousarray(raw.data)).to(DEV)
+    config = dataclasses.replace(CONFIGS[0], max_gemv_tokens=4)
+    scratch = packed_linear.PrefillScratch(torch.device(DEV), torch.float32)
+    copy = (torch.from_numpy(ref) * 2).float().to(DEV)  # twice the weights: tells the paths apart
+    lin = packed_linear.PackedLinear(data, fmt, raw.shape, scratch, impl, config, prompt_weight=copy)
+    for tokens in (1, 4, 5, 37):
+        x, x64 = activations(tokens, torch.float32, seed=tokens + 3)
+        by_copy = impl == "torch" or tokens > config.max_gemv_tokens
+        want = x64 @ ref.T * (2 if by_copy else 1)
+        err = relative_error(lin(x), want)
+        assert err <= FP32_TOL, (tokens, err)
+    assert scratch.nbytes == 0, "a linear with a prompt copy dequantized into the scratch"
+
+
 def test_wide_matrices_take_the_wide_tiles():
     """An output head's row count selects the wide tiles (WIDE_CONFIG, 8 x 256; for one token
     on NVIDIA NVIDIA_WIDE_CONFIG, int8 dots), a projection's the default ones; the wide byte

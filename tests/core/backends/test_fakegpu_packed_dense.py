@@ -81,6 +81,18 @@ def test_dense_file_bytes_are_the_files(tiny):
         assert shape.dense_scratch_bytes == ck.tensor_elements("output.weight") * elt
 
 
+def test_prompt_copy_bytes_are_the_linears_at_the_activation_dtype(tiny):
+    """``prompt_copy_bytes`` (``--gpu-dense both``): every packed 2-D matrix of the file but the
+    embedding and the output head, at the activation dtype (counted from gguf-py's reader)."""
+    tiny, _ = tiny
+    ck = GGUFCheckpoint(tiny)
+    for dtype, elt in ((torch.float32, 4), (torch.bfloat16, 2)):
+        want = sum(int(t.n_elements) * elt for t in ck.reader.tensors
+                   if "_exps" not in t.name and int(t.tensor_type) in (8, 12, 13, 14) and len(t.shape) == 2
+                   and t.name not in ("token_embd.weight", "output.weight"))
+        assert want > 0 and gguf_model_shape(tiny, dtype).prompt_copy_bytes == want
+
+
 def test_auto_packs_exactly_when_it_frees_room_for_expert_layers(tiny, monkeypatch):
     tiny, _ = tiny
     monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("triton", "as on a GPU"))
@@ -119,6 +131,11 @@ def test_auto_packs_exactly_when_it_frees_room_for_expert_layers(tiny, monkeypat
     assert plan(other + deq + 2 * layer, moe_cpu_layers="0").dense_form == "dequantized"
     # forced forms, and no budget to plan with
     assert plan(other + deq + 2 * layer, gpu_dense="packed").dense_form == "packed"
+    both = plan(other + pk + shape.prompt_copy_bytes + 2 * layer, gpu_dense="both")
+    assert (both.dense_form, len(both.plan_result.gpu_layers)) == ("both", 2)
+    assert both.plan_result.dense == pk + shape.prompt_copy_bytes
+    assert isinstance(both.weight_policy, packed_linear.PackedWeightPolicy) and both.weight_policy.prompt_copies
+    assert len(plan(other + pk + shape.prompt_copy_bytes + layer, gpu_dense="both").plan_result.gpu_layers) == 1
     assert plan(other + pk + 2 * layer, gpu_dense="dequantized").dense_form == "dequantized"
     assert plan(None).dense_form == "dequantized"
     # where the kernels do not run, auto never packs
@@ -184,9 +201,10 @@ def test_packed_needs_a_packed_form():
     from freetoken.models.config import ModelConfig
 
     cfg = ModelConfig("qwen3_moe", 300, 256, 2, 4, 2, 64, 0, 256, 4, 2)
-    s = _session(None, gpu_dense="packed")
-    with pytest.raises(MemoryPlanError, match="GGUF files only"):
-        s.plan(model_shape(cfg, torch.float32))  # an HF checkpoint's sizes: no dense_file_bytes
+    for mode in ("packed", "both"):
+        s = _session(None, gpu_dense=mode)
+        with pytest.raises(MemoryPlanError, match=f"--gpu-dense {mode}: .*GGUF files only"):
+            s.plan(model_shape(cfg, torch.float32))  # an HF checkpoint's sizes: no dense_file_bytes
     with pytest.raises(MemoryPlanError, match="--gpu-dense"):
         _session(None, gpu_dense="int4").plan(model_shape(cfg, torch.float32))
 
@@ -240,6 +258,31 @@ def test_engine_with_packed_dense_equals_cpu_backend(tiny):
         same = next((i for i, (a, b) in enumerate(zip(got_ids, ref_ids)) if a != b), len(ref_ids) - 1)
         scale = max(1.0, float(ref.abs().max()))
         assert float((got[: same + 1] - ref[: same + 1]).abs().max()) <= 8e-2 * scale
+
+
+def test_engine_with_both_forms_runs_prompts_through_the_copies(tiny, monkeypatch):
+    """``--gpu-dense both``: the policy places the blocks and the copies the plan counted, the
+    prompts' linears multiply the copies (only the output head, which has none, dequantizes
+    into the scratch), and the logits equal the packed form's (the same gguf-py values)."""
+    tiny, _ = tiny
+    calls: list[int] = []
+    plain = packed_linear.PackedLinear._dequantized_matmul
+
+    def recorded(self, x, y):
+        calls.append(self.out_features)
+        return plain(self, x, y)
+
+    ids, logits, _, _ = _run(tiny, "fakegpu", moe_cpu_layers="0", gpu_dense="packed")
+    monkeypatch.setattr(packed_linear.PackedLinear, "_dequantized_matmul", recorded)
+    both_ids, both_logits, info, policy = _run(tiny, "fakegpu", moe_cpu_layers="0", gpu_dense="both")
+    shape = gguf_model_shape(tiny, torch.float32)
+    assert info["dense_form"] == "both" and info["weights"]["dense_form"] == "both"
+    assert policy.prompt_bytes == shape.prompt_copy_bytes > 0
+    assert policy.device_bytes == shape.dense_file_bytes + shape.prompt_copy_bytes
+    assert calls and set(calls) == {tg.V}, f"linears other than the head dequantized: {sorted(set(calls))}"
+    assert both_ids == ids
+    for got, want in zip(both_logits, logits):
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
 def test_locked_fetch_plans_its_slots(tiny):

@@ -225,6 +225,12 @@ class WeightPolicy(abc.ABC):
     def embedding(self, raw: Any) -> Callable[[Any], Any]:
         """Token embedding lookup: int64 ids ``[T]`` -> ``[T, hidden]`` in :attr:`dtype`."""
 
+    def output_head(self, raw: Any) -> Linear:
+        """The output head over the 2-D ``raw`` (``[vocab, hidden]``, the embedding's table
+        when tied): :meth:`linear` unless a policy holds heads apart (it runs a row or a few
+        per request, never a prompt's every position)."""
+        return self.linear(raw)
+
     def stacked_linear(self, raws: list[Any]) -> Optional[Linear]:
         """One projection over several matrices of the same input width stacked along their
         rows (q/k/v of a layer), whatever their formats, or None when this policy only
@@ -282,6 +288,9 @@ class ModelShape:
     #: of ``dense_file_bytes``: the token embedding's packed bytes when it is not also the
     #: output head (what ``gpu_embedding`` ``host`` keeps off the device; 0: none such)
     embedding_file_bytes: int = 0
+    #: the copies at the activation dtype that ``gpu_dense`` ``both`` keeps beside the blocks
+    #: for prompts: every packed 2-D matrix but the embedding and the output head
+    prompt_copy_bytes: int = 0
     #: device bytes per token of a prompt chunk's activations at their peak inside a layer
     #: (:func:`freetoken.models.loader.activation_bytes_per_token`; 0: not known)
     activation_bytes_per_token: int = 0

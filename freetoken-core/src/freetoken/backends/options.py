@@ -70,8 +70,9 @@ class EngineOptions:
     ``gpu_memory_limit`` (bytes) and ``gpu_memory_utilization`` (fraction of the device's
     total): the most this process may use on the device; the smaller wins.
     ``gpu_dense``: the form of the dense part on the device: ``dequantized`` (the activation
-    dtype), ``packed`` (a GGUF file's block formats kept as in the file), or ``auto``
-    (packed when that lets more layers' experts onto the device, or is needed to fit).
+    dtype), ``packed`` (a GGUF file's block formats kept as in the file), ``both`` (packed,
+    plus copies at the activation dtype of its linears but the head, which prompts use), or
+    ``auto`` (packed when that lets more layers' experts onto the device, or is needed to fit).
     ``gpu_embedding``: where a packed token embedding's table lives: ``device``, ``host``
     (page-locked host memory the GPU reads a step's rows from over PCIe; not for an embedding
     that is also the output head), or ``auto`` (host when the memory plan leaves layers'

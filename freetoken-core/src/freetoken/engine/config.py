@@ -116,7 +116,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_bs must hold batch sizes >= 1, got {self.cuda_graph_bs}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name, value, allowed in (("gpu_dense", self.gpu_dense, ("auto", "packed", "dequantized")),
+        for name, value, allowed in (("gpu_dense", self.gpu_dense, ("auto", "packed", "dequantized", "both")),
                                      ("gpu_embedding", self.gpu_embedding, ("auto", "device", "host")),
                                      ("gpu_gemv", self.gpu_gemv, ("auto", "native", "triton")),
                                      ("pin_host_threads", self.pin_host_threads, ("on", "off")),

@@ -40,7 +40,7 @@ class DecoderModelBase:
             c.vocab_size = self.embed.raw.shape[0]
         self.norm = (norm or policy.tensor)(get(names.norm))
         tied = c.tie_word_embeddings or not source.has(names.lm_head)
-        self.lm_head = policy.linear(get(names.embed if tied else names.lm_head))
+        self.lm_head = policy.output_head(get(names.embed if tied else names.lm_head))
         self.ops = dense_ops_for(self.device, head_dim=c.head_dim)
         self.layers = []
 

@@ -303,13 +303,16 @@ def _gguf_dense_layout(ck: Any, names: Any, shape: ModelShape, act: torch.dtype)
     block formats as their bytes in the file, routers float32, the rest at ``act``; and
     ``shape.dense_scratch_bytes``, its prefill scratch (the largest chunk of a packed linear:
     every packed matrix but an embedding that is not also the output head); and
-    ``shape.embedding_file_bytes``, such an embedding's packed bytes. Tensors of layers past
-    the model's last (GLM-4.5's next-token-prediction layers) are not counted."""
+    ``shape.embedding_file_bytes``, such an embedding's packed bytes; and
+    ``shape.prompt_copy_bytes``, the activation-dtype copies of the packed matrices but the
+    embedding and the head (``--gpu-dense both``). Tensors of layers past the model's last
+    (GLM-4.5's next-token-prediction layers) are not counted."""
     from freetoken.models.packed_linear import chunk_rows
 
     elt = torch.empty((), dtype=act).element_size()
     embed_only = names.embed if ck.has(names.lm_head) else None
-    scratch = 0
+    heads = {names.embed, names.lm_head}  # the embedding, the head, or one table that is both
+    scratch = copies = 0
     routers: set[str] = set()
     experts: set[str] = set()
     for i in shape.moe_layers:
@@ -337,11 +340,14 @@ def _gguf_dense_layout(ck: Any, names: Any, shape: ModelShape, act: torch.dtype)
             dims = ck.tensor_shape(name)
             if len(dims) == 2 and name != embed_only:
                 scratch = max(scratch, chunk_rows(dims[0], dims[1]) * dims[1] * elt)
+            if len(dims) == 2 and name not in heads:
+                copies += ck.tensor_elements(name) * elt
         else:
             total += ck.tensor_elements(name) * (4 if name in routers else elt)
         dequantized += ck.tensor_elements(name) * (4 if name in routers else elt)
     shape.dense_file_bytes = total
     shape.dense_scratch_bytes = scratch
+    shape.prompt_copy_bytes = copies
     shape.dense_bytes = dequantized  # counted from the file, not estimated from the config
 
 

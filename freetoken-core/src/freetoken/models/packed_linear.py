@@ -20,7 +20,10 @@ How a :class:`PackedLinear` computes, by the number of tokens ``T`` of a call:
   tile, no host synchronisation, capturable in graphs);
 * larger ``T`` (prefill): chunks of rows dequantized into one scratch shared by all the
   policy's linears (at most :data:`SCRATCH_VALUES` values, allocated once at first use),
-  each multiplied by ``torch.matmul``.
+  each multiplied by ``torch.matmul``; or, with ``prompt_copies`` (``--gpu-dense both``),
+  one ``torch.matmul`` over the matrix's copy at the activation dtype, kept beside the
+  blocks at load (every linear but the output head): decode reads the blocks, prompts the
+  copy, for the memory of both forms.
 
 Where Triton does not run (not an NVIDIA GPU of compute capability >= 8.0), every call
 takes the second path with the torch dequantization of :mod:`freetoken.loading.dequant`
@@ -97,8 +100,10 @@ class PackedLinear:
 
     def __init__(self, data: torch.Tensor, fmt: int, shape: tuple[int, int], scratch: PrefillScratch,
                  impl: str = "triton", config: Any = None, native: Any = None,
-                 dtype: Optional[torch.dtype] = None) -> None:  # fmt: skip
+                 dtype: Optional[torch.dtype] = None, prompt_weight: Optional[torch.Tensor] = None) -> None:  # fmt: skip
         self.out_features, self.in_features = (int(s) for s in shape)
+        #: ``[out, in]`` at the activation dtype for the calls the GEMVs do not take (prompts), or None
+        self.prompt_weight = prompt_weight
         self.fmt = int(fmt)
         self.data = data.reshape(self.out_features, -1)  # [N, row_bytes] uint8
         self.nbytes = int(data.numel())
@@ -125,7 +130,8 @@ class PackedLinear:
         self.native = native if native is not None and not native.refusal(self.fmt, self.in_features, dtype) \
             else None
         self.chunk_rows = chunk_rows(self.out_features, self.in_features)
-        scratch.reserve(self.chunk_rows * self.in_features)
+        if prompt_weight is None:
+            scratch.reserve(self.chunk_rows * self.in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -141,6 +147,8 @@ class PackedLinear:
             from freetoken.kernels import packed_linear as plt
 
             plt.gemv(x2, self.matrix, y, config)
+        elif tokens and self.prompt_weight is not None and self.prompt_weight.dtype == x2.dtype:
+            torch.matmul(x2, self.prompt_weight.t(), out=y)
         elif tokens:
             self._dequantized_matmul(x2, y)
         return y.reshape(*lead, self.out_features)
@@ -224,8 +232,12 @@ class PackedWeightPolicy(DeviceWeightPolicy):
     placed: equal to the checkpoint's ``ModelShape.dense_file_bytes`` for a GGUF file."""
 
     def __init__(self, device: Any, dtype: torch.dtype, impl: Optional[str] = None, config: Any = None,
-                 host_embedding: bool = False, gemv: Any = None) -> None:  # fmt: skip
+                 host_embedding: bool = False, gemv: Any = None, prompt_copies: bool = False) -> None:  # fmt: skip
         super().__init__(device, dtype)
+        #: each packed linear but the output head also keeps a copy at the activation dtype for
+        #: prompts (``--gpu-dense both``)
+        self.prompt_copies = prompt_copies
+        self.prompt_bytes = 0  # those copies
         self.impl = impl or packed_dense_impl(self.device)[0]
         #: the backend's one-token GEMV (:class:`~freetoken.backends.contract.PackedGemv`) or None
         self.gemv = gemv
@@ -268,10 +280,20 @@ class PackedWeightPolicy(DeviceWeightPolicy):
         return self._float(raw, self.dtype)
 
     def linear(self, raw: RawTensor) -> Any:
+        return self._linear(raw, self.prompt_copies)
+
+    def output_head(self, raw: RawTensor) -> Any:
+        return self._linear(raw, False)  # a few rows per request: the GEMVs', never a prompt's
+
+    def _linear(self, raw: RawTensor, prompt_copy: bool) -> Any:
         _check_matrix(raw)
         if int(raw.fmt) in PACKED_FORMATS:
+            copy = None
+            if prompt_copy:
+                copy = raw.to_float(self.dtype).to(self.device)
+                self.prompt_bytes += copy.numel() * copy.element_size()
             lin = PackedLinear(self._packed_bytes(raw), int(raw.fmt), tuple(raw.shape), self.scratch, self.impl,
-                               self.config, self.gemv, self.dtype)  # fmt: skip
+                               self.config, self.gemv, self.dtype, copy)  # fmt: skip
             self.native_linears += lin.native is not None
             return lin
         held = self._embedding[1] if self._embedding is not None and self._embedding[0] == self._key(raw) else None
@@ -310,16 +332,19 @@ class PackedWeightPolicy(DeviceWeightPolicy):
 
     @property
     def device_bytes(self) -> int:
-        return self.packed_bytes + self.float_bytes
+        return self.packed_bytes + self.float_bytes + self.prompt_bytes
 
     def describe(self) -> dict[str, Any]:
         kept = ", ".join(f"{n} x{c}" for n, c in sorted(self.formats.items())) or "none"
         act = str(self.dtype).replace("torch.", "")
         one = (f"; one token through {self.native_linears} of them by the backend's {self.gemv.name} GEMV"
                if self.gemv is not None else "")
+        copies = (f"; prompts through {act} copies of them ({self.prompt_bytes / 2**30:.2f} GiB)"
+                  if self.prompt_copies else "")
         return {"dense": f"GGUF blocks kept on {self.device} ({kept}; {self.packed_bytes / 2**30:.2f} GiB), "
-                         f"run by {self.impl} kernels{one}; other formats as {act} ({self.float_bytes / 2**30:.2f} GiB)",
+                         f"run by {self.impl} kernels{one}{copies}; other formats as {act} "
+                         f"({self.float_bytes / 2**30:.2f} GiB)",
                 "embedding": (f"packed table in page-locked host memory ({self.host_bytes / 2**30:.2f} GiB), its "
                               "rows read over PCIe and dequantized on the device per step" if self.host_bytes else
                               "packed rows dequantized on the device per step"),
-                "dense_form": "packed", "dense_device_bytes": self.device_bytes}
+                "dense_form": "both" if self.prompt_copies else "packed", "dense_device_bytes": self.device_bytes}

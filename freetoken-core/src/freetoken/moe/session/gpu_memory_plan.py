@@ -76,7 +76,9 @@ class MemoryPlan:
     expert_bytes: int = 0  # all GPU layers' experts on the device
     cache: int = 0  # the global expert cache
     scratch: int = 0  # the streaming buffers (a window of a layer's experts, or two layers) and locked fetch's copy slots
-    dense_form: str = "dequantized"  # or "packed": the file's block formats kept on the device
+    #: "dequantized", "packed" (the file's block formats kept on the device) or "both" (those
+    #: and copies at the activation dtype for prompts)
+    dense_form: str = "dequantized"
     embedding: str = "device"  # or "host": a packed embedding table in page-locked host memory
     prefill_chunk: int = 0  # the most prompt tokens a step computes (0: as the engine asks)
     activations: int = 0  # of reserve: a prompt chunk's activations at that chunk
@@ -253,15 +255,16 @@ class GpuMemoryPlanner:
         return its device bytes. ``auto``: packed when the file has a packed form, Triton
         runs and packing lets more layers' experts onto the device than dequantized (the
         default placement) or is needed to fit (explicit ``--moe-cpu-layers``); else
-        dequantized. ``other``: the plan's fixed bytes but the dense part."""
+        dequantized. ``both``: packed, and copies at the activation dtype of every packed
+        linear but the head for prompts. ``other``: the plan's fixed bytes but the dense part."""
         from freetoken.models.packed_linear import PackedWeightPolicy, packed_dense_impl
 
         mode = self.options.gpu_dense
-        if mode not in ("auto", "packed", "dequantized"):
-            raise MemoryPlanError(f"--gpu-dense {mode!r}: expected 'auto', 'packed' or 'dequantized'")
+        if mode not in ("auto", "packed", "dequantized", "both"):
+            raise MemoryPlanError(f"--gpu-dense {mode!r}: expected 'auto', 'packed', 'dequantized' or 'both'")
         packed = None if shape.dense_file_bytes is None else shape.dense_file_bytes + shape.dense_scratch_bytes
-        if mode == "packed" and packed is None:
-            raise MemoryPlanError("--gpu-dense packed: this checkpoint's dense weights have no packed form (GGUF "
+        if mode in ("packed", "both") and packed is None:
+            raise MemoryPlanError(f"--gpu-dense {mode}: this checkpoint's dense weights have no packed form (GGUF "
                                   "files only); use --gpu-dense dequantized or auto")
         form = mode
         if mode == "auto":
@@ -271,12 +274,14 @@ class GpuMemoryPlanner:
                 form = "packed" if self._layers_fit(shape, budget - other - packed, per_layer) > \
                     self._layers_fit(shape, budget - other - shape.dense_bytes, per_layer) else "dequantized"
         self.dense_form = form
-        if form == "packed":
+        if form in ("packed", "both"):
             assert packed is not None
+            if form == "both":
+                packed += shape.prompt_copy_bytes
             host = self._embedding_on_host(shape, budget, other, packed, per_layer)
             self.embedding_place = "host" if host else "device"
             self.weight_policy = PackedWeightPolicy(self.device, self.act_dtype, host_embedding=host,
-                                                    gemv=self._packed_gemv())
+                                                    gemv=self._packed_gemv(), prompt_copies=form == "both")
             return packed - (shape.embedding_file_bytes if host else 0)
         if self.options.gpu_embedding == "host":
             raise MemoryPlanError("--gpu-embedding host keeps a packed embedding table in host memory; the dense "
@@ -388,8 +393,8 @@ class GpuMemoryPlanner:
         if buffers:
             parts.append(f"streaming buffers {gib(buffers)} (--moe-stream-prefill off saves them, "
                          "--moe-stream-windows N shrinks them)")
-        if self.dense_form == "dequantized" and shape.dense_file_bytes is not None:
-            parts[0] += (f"; --gpu-dense packed keeps the file's blocks: about "
+        if self.dense_form in ("dequantized", "both") and shape.dense_file_bytes is not None:
+            parts[0] += (f"; --gpu-dense packed keeps the file's blocks alone: about "
                          f"{gib(shape.dense_file_bytes + shape.dense_scratch_bytes)}")
         advice = (f"Keep at most {fit} layers' experts on the GPU: --moe-cpu-layers {n - min(fit, n)} (or 'all'), "
                   "or raise the GPU memory limit." if fixed <= budget else

@@ -401,7 +401,7 @@ class GpuModelSession(ModelSession):
     # ---- report ---------------------------------------------------------------------------
     def _gemv_report(self) -> dict[str, Any]:
         """``--gpu-gemv`` and what it came to: the kernel of one-token packed linears."""
-        if self.dense_form != "packed":  # the dense part dequantized: no packed linear
+        if self.dense_form not in ("packed", "both"):  # the dense part dequantized: no packed linear
             return {"setting": self.options.gpu_gemv, "kernel": None, "native_linears": 0}
         policy: Any = self.weight_policy  # a PackedWeightPolicy
         return {"setting": self.options.gpu_gemv, "kernel": policy.gemv.name if policy.gemv is not None else "triton",
