@@ -244,10 +244,12 @@ def _grouped_top_k64(logits: torch.Tensor, bias, groups: int, topk_group: int, k
 
 
 #: (experts, groups, groups kept, routes, sigmoid, norm, scale): GLM-4.5-Air, DeepSeek-V3, Kimi-K2,
-#: DeepSeek-V2 (softmax, 20 experts per group: no power of two), DeepSeek-V2-Lite, a small odd one
+#: DeepSeek-V2 (softmax, 20 experts per group: no power of two), DeepSeek-V2-Lite, a small odd one,
+#: groups that are all kept (no group step)
 GROUPED = {"glm-4.5-air": (128, 1, 1, 8, True, True, 1.0), "deepseek-v3": (256, 8, 4, 8, True, True, 2.5),
            "kimi-k2": (384, 1, 1, 8, True, True, 2.827), "deepseek-v2": (160, 8, 3, 6, False, False, 16.0),
-           "deepseek-v2-lite": (64, 1, 1, 6, False, False, 1.0), "odd": (24, 3, 2, 5, True, False, 1.5)}
+           "deepseek-v2-lite": (64, 1, 1, 6, False, False, 1.0), "odd": (24, 3, 2, 5, True, False, 1.5),
+           "all-groups-kept": (64, 4, 4, 6, True, True, 1.0)}
 
 
 @pytest.mark.parametrize("ops", OPS, ids=_ids)

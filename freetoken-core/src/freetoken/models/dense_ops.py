@@ -218,10 +218,9 @@ class TritonDenseOps(DenseOps):
             return super().grouped_top_k(logits, correction_bias, routing)
         ids = torch.empty(T, routing.top_k, dtype=torch.int32, device=logits.device)
         w = torch.empty(T, routing.top_k, dtype=torch.float32, device=logits.device)
-        groups = routing.n_group if routing.topk_group < routing.n_group else 1
-        self.k.grouped_top_k(logits.contiguous(), correction_bias, groups, routing.topk_group if groups > 1 else 1,
-                             routing.top_k, correction_bias is not None, routing.norm_topk_prob,
-                             routing.routed_scaling_factor, ids, w)  # fmt: skip
+        self.k.grouped_top_k(logits.contiguous(), correction_bias, routing.n_group, routing.topk_group, routing.top_k,
+                             correction_bias is not None, routing.norm_topk_prob, routing.routed_scaling_factor,
+                             ids, w)  # fmt: skip
         return ids, w
 
     def add_norm_route(self, h, delta, weight, eps, router, k, norm):
