@@ -471,25 +471,23 @@ void launch_norm(cudaStream_t stream, const NormArgs& n, const GemvPart& a, cons
     FT_CHECK_LAUNCH("packed_gemv_norm_kernel<<<>>>");
 }
 
-/* f(std::integral_constant<int, FMT>) for a served format code (checked before: Q8_0 is the rest) */
-template <class F>
-void with_format(int fmt, F&& f) {
-    switch (fmt) {
-        case GEMV_Q4_K: return f(std::integral_constant<int, GEMV_Q4_K>{});
-        case GEMV_Q6_K: return f(std::integral_constant<int, GEMV_Q6_K>{});
-        default: return f(std::integral_constant<int, GEMV_Q8_0>{});
+/* f(std::integral_constant<int, C>) for the first C of the codes equal to `code`, else for the
+ * last (the caller has checked `code`): a runtime code to a kernel's template argument */
+template <int C, int... Rest, class F>
+void with_code(int code, F&& f) {
+    if constexpr (sizeof...(Rest) == 0) {
+        f(std::integral_constant<int, C>{});
+    } else {
+        if (code == C) return f(std::integral_constant<int, C>{});
+        with_code<Rest...>(code, f);
     }
 }
 
-/* f(std::integral_constant<int, DT>) for a dtype code (checked before: bf16 is the rest) */
 template <class F>
-void with_dtype(int dtype, F&& f) {
-    switch (dtype) {
-        case GEMV_F32: return f(std::integral_constant<int, GEMV_F32>{});
-        case GEMV_F16: return f(std::integral_constant<int, GEMV_F16>{});
-        default: return f(std::integral_constant<int, GEMV_BF16>{});
-    }
-}
+void with_format(int fmt, F&& f) { with_code<GEMV_Q4_K, GEMV_Q6_K, GEMV_Q8_0>(fmt, f); }
+
+template <class F>
+void with_dtype(int dtype, F&& f) { with_code<GEMV_F32, GEMV_F16, GEMV_BF16>(dtype, f); }
 
 }  // namespace gemv_detail
 
