@@ -7,16 +7,13 @@
 #          dequantized@grouped:block_m=64" (the default)
 #   TESTS  GPU test files (pytest arguments) run beside make-model
 #   REPEATS  runs per form (default 2)
-# Usage (repository root; .whl and .bench/llama-cuda.tar.xz carried, the build unpacked as the
-# other scripts do): bash tests/gpu/all_gpu_forms_run.sh
+# Usage (repository root; .whl and .bench/llama-cuda.tar.xz carried: tests/gpu/llamacpp_libs.sh
+# unpacks it): bash tests/gpu/all_gpu_forms_run.sh
 set -uo pipefail
 FORMS=${FORMS:-"dequantized packed both dequantized@grouped:block_m=64"}
 LAYERS=48
 source tests/gpu/device_setup.sh || exit 1
 B=${LLAMACPP_BUILD:-/tmp/llamacpp-build}
-if [ -f .bench/llama-cuda.tar.xz ] && [ ! -x "$B/bin/llama-bench" ]; then
-  mkdir -p "$B" && tar -C "$B" -xJf .bench/llama-cuda.tar.xz
-fi
 source tests/gpu/llamacpp_libs.sh "$B"
 M=/tmp/ft-bench/qwen3-30b-a3b-q4_k_m-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
 if [ -n "${TESTS:-}" ]; then

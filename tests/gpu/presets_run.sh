@@ -2,7 +2,8 @@
 # One call on the GPU machine: tests/gpu/bench_vs_llamacpp.sh for several make-model presets in turn, each
 # cut to a number of layers, against llama.cpp's largest placement within a card size. Each model file is
 # removed after its run (the disk holds about two of 30 GiB). llama.cpp should be carried prebuilt
-# (tests/gpu/build_llamacpp_cuda.sh: .bench/llama-cuda.tar.xz), else each preset's run builds it.
+# (tests/gpu/build_llamacpp_cuda.sh: .bench/llama-cuda.tar.xz, unpacked by tests/gpu/llamacpp_libs.sh),
+# else each preset's run builds it.
 #   PRESETS   "NAME:LAYERS ..." (default "deepseek-v3:7 gpt-oss-120b:16")
 #   CARD_MIB  the simulated card (default 24576): LLAMA_FIT_MIB for llama.cpp, --gpu-memory-limit for FreeToken
 #   PRESET_BUDGET_S  seconds for each preset's run (default 270)
@@ -12,9 +13,6 @@ set -uo pipefail
 PRESETS=${PRESETS:-"deepseek-v3:7 gpt-oss-120b:16"}
 CARD_MIB=${CARD_MIB:-24576}
 OUT=${OUT:-/tmp/ft-out}; mkdir -p "$OUT"
-if [ -f .bench/llama-cuda.tar.xz ] && [ ! -x /tmp/llamacpp-build/bin/llama-bench ]; then
-  mkdir -p /tmp/llamacpp-build && tar -C /tmp/llamacpp-build -xJf .bench/llama-cuda.tar.xz
-fi
 skip_setup=0
 for spec in $PRESETS; do
   preset=${spec%%:*} layers=${spec#*:}
