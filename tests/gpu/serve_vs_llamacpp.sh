@@ -38,6 +38,7 @@ if [ "$CPU_ONLY" != 1 ] && [ "${SETUP:-1}" = 1 ]; then
   say "setup done"
 fi
 export PYTHONUNBUFFERED=1
+[ "$CPU_ONLY" = 1 ] || source tests/gpu/llamacpp_libs.sh "$B"  # a carried build: unpacked, its libraries found
 
 build_server() {
   if [ -x "$B/bin/llama-server" ]; then echo "reusing $B/bin/llama-server"; return 0; fi

@@ -120,8 +120,10 @@ def test_config_validation():
         moe_grouped.GroupedConfig(block_k=48).validate()
     with pytest.raises(ValueError, match="block_m"):
         moe_grouped.GroupedConfig(block_m=8).validate()
-    assert moe_grouped.GroupedConfig().routes_block(4096, 128) == 32
+    assert moe_grouped.GroupedConfig().routes_block(4096, 128) == 64
+    assert moe_grouped.GroupedConfig().routes_block(1024, 128) == 16
     assert moe_grouped.GroupedConfig().routes_block(24, 128) == 16
+    assert moe_grouped.GroupedConfig(block_m=32).routes_block(4096, 128) == 32
 
 
 @pytest.mark.gpu
