@@ -94,6 +94,9 @@ def test_prompt_copy_bytes_are_the_linears_at_the_activation_dtype(tiny):
 
 
 def test_auto_packs_exactly_when_it_frees_room_for_expert_layers(tiny, monkeypatch):
+    """auto: packed where packing puts more layers' experts on the device, else both forms
+    (decode reads the blocks, prompts the copies) where they hold as many layers as the
+    dequantized form, else dequantized."""
     tiny, _ = tiny
     monkeypatch.setattr(packed_linear, "packed_dense_impl", lambda device: ("triton", "as on a GPU"))
     shape = gguf_model_shape(tiny, torch.float32)
@@ -101,7 +104,9 @@ def test_auto_packs_exactly_when_it_frees_room_for_expert_layers(tiny, monkeypat
     other = WORKSPACE_BYTES + 256 * shape.activation_bytes_per_token + MAX_LEN * shape.kv_bytes_per_token
     deq = shape.dense_bytes
     pk = shape.dense_file_bytes + shape.dense_scratch_bytes
-    assert 0 < deq - pk < layer
+    both = pk + shape.prompt_copy_bytes
+    # this tiny file's float32 copies outweigh what the packed head and embedding save
+    assert 0 < deq - pk < layer and 0 < both - deq < layer
 
     def plan(budget, **kw):
         s = _session(budget, **kw)
@@ -109,9 +114,11 @@ def test_auto_packs_exactly_when_it_frees_room_for_expert_layers(tiny, monkeypat
         return s
 
     cases = [  # (budget, form, GPU layers)
-        (other + deq + 2 * layer, "dequantized", 2),  # everything fits dequantized
+        (other + deq + 2 * layer, "dequantized", 2),  # both forms would hold one layer less
+        (other + both + 2 * layer, "both", 2),  # everything fits either way
         (other + pk + 2 * layer, "packed", 2),  # dequantized: 1 layer; packed: both
-        (other + deq + layer, "dequantized", 1),  # packed frees too little for another layer
+        (other + deq + layer, "dequantized", 1),  # packed frees too little for another layer; both: none
+        (other + both + layer, "both", 1),  # as many as dequantized
         (other + pk + layer, "packed", 1),  # dequantized: no layer
         (other + pk, "packed", 0),  # dequantized: not even the dense part fits
     ]
@@ -121,13 +128,16 @@ def test_auto_packs_exactly_when_it_frees_room_for_expert_layers(tiny, monkeypat
         s = plan(budget)
         assert (s.dense_form, len(s.plan_result.gpu_layers)) == (form, layers), budget - other
         # --gpu-embedding auto: a packed table goes to host memory when layers stay on the CPU
-        host = form == "packed" and layers < 2
+        host = form != "dequantized" and layers < 2
         assert s.plan_result.embedding == ("host" if host else "device")
-        assert s.plan_result.dense == (deq if form == "dequantized" else pk - emb if host else pk)
+        bytes_ = {"dequantized": deq, "packed": pk, "both": both}[form] - (emb if host else 0)
+        assert s.plan_result.dense == bytes_
         assert s.plan_result.dense_form == form
-        assert isinstance(s.weight_policy, packed_linear.PackedWeightPolicy) is (form == "packed")
-    # explicit placement: packed only when needed to fit it
+        assert isinstance(s.weight_policy, packed_linear.PackedWeightPolicy) is (form != "dequantized")
+        assert getattr(s.weight_policy, "prompt_copies", False) is (form == "both")
+    # explicit placement: packed only when needed to fit it, both forms when they fit it
     assert plan(other + pk + 2 * layer, moe_cpu_layers="0").dense_form == "packed"
+    assert plan(other + both + 2 * layer, moe_cpu_layers="0").dense_form == "both"
     assert plan(other + deq + 2 * layer, moe_cpu_layers="0").dense_form == "dequantized"
     # forced forms, and no budget to plan with
     assert plan(other + deq + 2 * layer, gpu_dense="packed").dense_form == "packed"

@@ -264,7 +264,8 @@ _OPTIONS: tuple[_Option, ...] = (
             "form of the dense weights (attention, output head, embedding) on the GPU: dequantized (the "
             "activation dtype), packed (GGUF Q4_K/Q5_K/Q6_K/Q8_0 kept as in the file, about a third of the "
             "memory), both (packed for decode plus dequantized copies of the linears for prompts: the memory "
-            "of both) or auto (packed when that lets more layers' experts onto the GPU) (default: {default})",
+            "of both) or auto (packed when that lets more layers' experts onto the GPU, else both where it fits as many, "
+            "else dequantized) (default: {default})",
             choice("auto", "packed", "dequantized", "both"), "MODE"),
     _Option("gpu_embedding", "--gpu-embedding",
             "where a packed token embedding table lives: device, host (page-locked host memory; the GPU reads "

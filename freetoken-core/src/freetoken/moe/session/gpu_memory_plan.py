@@ -252,9 +252,11 @@ class GpuMemoryPlanner:
 
     def _dense_form(self, shape: ModelShape, budget: Optional[int], other: int, per_layer: dict[int, int]) -> int:
         """Choose the dense part's form (``--gpu-dense``), install its weight policy and
-        return its device bytes. ``auto``: packed when the file has a packed form, Triton
-        runs and packing lets more layers' experts onto the device than dequantized (the
-        default placement) or is needed to fit (explicit ``--moe-cpu-layers``); else
+        return its device bytes. ``auto``, where the file has a packed form and Triton runs:
+        packed when packing lets more layers' experts onto the device than dequantized (the
+        default placement) or is needed to fit (explicit ``--moe-cpu-layers``); else both
+        when the two forms together (the head only packed) hold as many layers' experts as
+        dequantized (decode reads the blocks, prompts multiply the copies); else
         dequantized. ``both``: packed, and copies at the activation dtype of every packed
         linear but the head for prompts. ``other``: the plan's fixed bytes but the dense part."""
         from freetoken.models.packed_linear import PackedWeightPolicy, packed_dense_impl
@@ -271,8 +273,12 @@ class GpuMemoryPlanner:
             form = "dequantized"
             if packed is not None and budget is not None and packed < shape.dense_bytes \
                     and packed_dense_impl(self.device)[0] == "triton":
-                form = "packed" if self._layers_fit(shape, budget - other - packed, per_layer) > \
-                    self._layers_fit(shape, budget - other - shape.dense_bytes, per_layer) else "dequantized"
+                dequantized = self._layers_fit(shape, budget - other - shape.dense_bytes, per_layer)
+                if self._layers_fit(shape, budget - other - packed, per_layer) > dequantized:
+                    form = "packed"
+                elif dequantized >= 0 and dequantized <= self._layers_fit(
+                        shape, budget - other - packed - shape.prompt_copy_bytes, per_layer):
+                    form = "both"
         self.dense_form = form
         if form in ("packed", "both"):
             assert packed is not None
