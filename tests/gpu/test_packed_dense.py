@@ -184,9 +184,9 @@ def test_packed_linear_both_paths(fmt, impl, monkeypatch):
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_packed_linear_prompt_copy(impl):
-    """``prompt_weight`` (``--gpu-dense both``): calls above ``max_gemv_tokens`` multiply the
-    copy and never dequantize into the scratch; the GEMV keeps the calls it takes (Triton), the
-    torch path takes the copy for every call. The copy is marked (a scaled matrix) so the path
+    """``prompt_weight`` (``--gpu-dense both``): calls of several tokens multiply the copy and
+    never dequantize into the scratch; the one-token GEMV keeps its calls (Triton), the torch
+    path takes the copy for every call. The copy is marked (a scaled matrix) so the path
     that ran is visible in the result."""
     fmt = Q4
     raw, ref = packed(fmt, ROWS, COLS, seed=21)
@@ -197,7 +197,7 @@ def test_packed_linear_prompt_copy(impl):
     lin = packed_linear.PackedLinear(data, fmt, raw.shape, scratch, impl, config, prompt_weight=copy)
     for tokens in (1, 4, 5, 37):
         x, x64 = activations(tokens, torch.float32, seed=tokens + 3)
-        by_copy = impl == "torch" or tokens > config.max_gemv_tokens
+        by_copy = impl == "torch" or tokens > 1
         want = x64 @ ref.T * (2 if by_copy else 1)
         err = relative_error(lin(x), want)
         assert err <= FP32_TOL, (tokens, err)
