@@ -150,6 +150,29 @@ def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0].float()
 
 
+def smallest_router_gap(model: Any, ids: list[int], routers: list[Any], top_k: int) -> float:
+    """The smallest gap, over every layer's router (linear modules) and position of ``ids``,
+    between the ``top_k``-th and the next router logit in transformers' forward: where it is
+    below the engine's rounding noise, the two may choose different experts (a routing flip
+    is no error of the engine, but moves its position's logits by far more than rounding)."""
+    gaps: list[float] = []
+
+    def record(module: Any, inputs: Any, output: Any) -> None:
+        x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+        logits = x @ module.weight.float().T + (0 if module.bias is None else module.bias.float())
+        top = logits.topk(top_k + 1, dim=-1).values
+        gaps.append(float((top[:, top_k - 1] - top[:, top_k]).min()))
+
+    hooks = [r.register_forward_hook(record) for r in routers]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return min(gaps)
+
+
 def assert_engine_matches_hf(eng: Any, model: Any, rng: random.Random, what: str,
                              prompts: tuple[int, ...] = (3, 21), new_tokens: int = 5) -> None:
     """The engine's logits of a random 29-token prompt, then of requests with prompts of the
