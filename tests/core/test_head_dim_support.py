@@ -23,16 +23,30 @@ def test_every_even_size_up_to_256_runs_both_kernels(d, dv):
     assert s.torch_parts() == []
 
 
+@pytest.mark.parametrize("d,dv,tiles", [(576, 512, "512+64"), (320, 320, "256+64"), (512, 512, "512"),
+                                        (768, 128, "512+256")])  # fmt: skip
+def test_wide_heads_take_two_tiles(d, dv, tiles):
+    """MLA's latent queries with the up-projections absorbed (512 + 64 values against a v of
+    512) and other heads wider than one tile: a power of two and a second tile of the rest."""
+    s = head_dim_support(d, dv)
+    assert s.decode_attention and f"tile {tiles}/" in s.decode_attention_why, s
+    if d <= 512:
+        dat = pytest.importorskip("freetoken.kernels.decode_attention")  # (imports triton)
+
+        first, second = dat.split_d(d)
+        assert tiles == (f"{first}+{second}" if second else str(first))
+
+
 def test_what_the_kernels_do_not_take_is_named():
     odd = head_dim_support(25)
     assert not odd.qk_norm_rope and "odd" in odd.qk_norm_rope_why
     assert odd.decode_attention  # attention has no pairs: any size
-    wide = head_dim_support(320)
+    wide = head_dim_support(800)
     assert wide.qk_norm_rope and not wide.decode_attention
-    assert "320" in wide.decode_attention_why and "256" in wide.decode_attention_why
+    assert "800" in wide.decode_attention_why and "768" in wide.decode_attention_why
     assert wide.torch_parts() == [f"decode attention: {wide.decode_attention_why}"]
-    wide_v = head_dim_support(128, 512)
-    assert not wide_v.decode_attention and wide_v.qk_norm_rope
+    wide_v = head_dim_support(128, 640)
+    assert not wide_v.decode_attention and wide_v.qk_norm_rope and "512" in wide_v.decode_attention_why
     huge = head_dim_support(2048)
     assert not huge.qk_norm_rope and not huge.decode_attention and len(huge.torch_parts()) == 2
     with pytest.raises(ValueError, match="head sizes must be >= 1"):
@@ -90,11 +104,12 @@ def test_decode_graphs_attention_decides_at_capture(monkeypatch, caplog):
     monkeypatch.setattr(triton_target, "for_device", lambda device: types.SimpleNamespace(usable=True))
     dev = torch.device("cuda", 0)
     with caplog.at_level(logging.WARNING, logger=gpu_session.__name__):
-        for d in (None, 24, 80, 96, 192):
+        for d in (None, 24, 80, 96, 192, 320):
             assert gpu_session._attention_impl(dev, d) == "triton"
+        assert gpu_session._attention_impl(dev, 576, 512) == "triton"
         assert not caplog.records
-        assert gpu_session._attention_impl(dev, 320) == "torch"
-        assert gpu_session._attention_impl(dev, 192, 512) == "torch"
+        assert gpu_session._attention_impl(dev, 1024) == "torch"
+        assert gpu_session._attention_impl(dev, 192, 640) == "torch"
     assert sum("decode attention in the decode graphs: torch" in r.getMessage() for r in caplog.records) == 2
     monkeypatch.setattr(triton_target, "for_device", lambda device: types.SimpleNamespace(usable=False))
     assert gpu_session._attention_impl(dev, 24) == "torch"

@@ -13,7 +13,9 @@ The GPU timeline of the profiled steps is also summed by kernel kind (per step: 
 per kind, the idle time between kernels and the largest idle gaps), which separates the
 GPU layers' work from the waits on the CPU layers. ``--prompt-profile N`` adds the same
 kernel table and timeline for one prompt of N tokens (its prefill alone, timed first
-without the profiler).
+without the profiler); ``--prompt-syncs`` lists where that prefill makes the host wait for
+the GPU (torch's synchronisation debug mode: each call site with its count), the waits that
+keep the host from queueing the next layer's kernels while the GPU runs this one's.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import json
 import pstats
 import statistics
 import time
+import traceback
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -88,11 +92,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--cpu-threads", type=int, default=15)
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--gpu-dense", default="auto", choices=["auto", "packed", "dequantized"])
+    ap.add_argument("--gpu-dense", default="auto", choices=["auto", "packed", "dequantized", "both"])
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--kernels", type=int, default=30, help="rows of the kernel table")
     ap.add_argument("--prompt-profile", type=int, default=0, metavar="N",
                     help="also profile the prefill of one N-token prompt")
+    ap.add_argument("--prompt-syncs", action="store_true",
+                    help="with --prompt-profile: list the prefill's host-device synchronisation points")
     ap.add_argument("--gpu-memory-limit", default=None, help="e.g. 16GiB (the default placement under it)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="another EngineConfig field, e.g. moe_locked_fetch=0.25 (repeatable)")
@@ -150,13 +156,14 @@ def main() -> None:
     print(table)
     print_timeline(p, 12)
     if args.prompt_profile:
-        profile_prompt(eng, args.prompt_profile, args.kernels)
+        profile_prompt(eng, args.prompt_profile, args.kernels, args.prompt_syncs)
     eng.close()
 
 
-def profile_prompt(eng: LLMEngine, n: int, rows: int) -> None:
+def profile_prompt(eng: LLMEngine, n: int, rows: int, syncs: bool = False) -> None:
     """One prompt of ``n`` tokens: its prefill's wall time (the step that returns its first
-    token; median of three, after a warm-up), then one more under torch.profiler."""
+    token; median of five, after a warm-up), then one more under torch.profiler; ``syncs``:
+    one more in torch's synchronisation debug mode, its waits listed by call site."""
     from torch.profiler import ProfilerActivity, profile
 
     def prefill(seed: int) -> float:
@@ -173,15 +180,45 @@ def profile_prompt(eng: LLMEngine, n: int, rows: int) -> None:
         return took
 
     prefill(0)
-    walls = [prefill(s) for s in (1, 2, 3)]
+    walls = [prefill(s) for s in (1, 2, 3, 5, 6)]
     wall = statistics.median(walls)
-    print(f"prompt {n}: {wall * 1e3:.1f} ms (median of 3: {[round(w * 1e3, 1) for w in walls]}) -> {n / wall:.0f} tok/s")
+    print(f"prompt {n}: {wall * 1e3:.1f} ms (median of 5: {[round(w * 1e3, 1) for w in walls]}) -> {n / wall:.0f} tok/s")
+    if syncs:
+        print_syncs(lambda: prefill(7))
     p = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     p.start()
     prefill(4)
     p.stop()
     print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
     print_timeline(p, 1)
+
+
+def print_syncs(work: Any) -> None:
+    """Run ``work`` in torch's synchronisation debug mode and print each call site (the
+    innermost frames of this repository's code) where the host waited for the GPU."""
+    sites: dict[str, int] = {}
+    shown = warnings.showwarning
+
+    def record(message: Any, category: Any, *rest: Any, **kw: Any) -> None:
+        if "synchroniz" not in str(message):
+            shown(message, category, *rest, **kw)
+            return
+        ours = [f for f in traceback.extract_stack()[:-1] if "/freetoken" in f.filename]
+        where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(ours[-3:]))
+        sites[where or "(outside freetoken)"] = sites.get(where or "(outside freetoken)", 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            work()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    print(f"prompt syncs: {sum(sites.values())} at {len(sites)} call sites")
+    for where, count in sorted(sites.items(), key=lambda kv: -kv[1]):
+        print(f"  {count:5d}  {where}")
 
 
 #: kernel kinds by name fragment, first match wins

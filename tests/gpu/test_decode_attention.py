@@ -317,6 +317,50 @@ def test_merge_of_many_partitions():
     run_checked(wide, "triton", partitions=24)
 
 
+def latent_case(ctx: list[int], heads: int, kv_lora: int, rope: int, max_blocks: int, seed: int,
+                dtype: torch.dtype = torch.bfloat16) -> Case:  # fmt: skip
+    """MLA with the up-projections absorbed: ``heads`` latent queries over one cached latent
+    of ``kv_lora + rope`` values per token, whose first ``kv_lora`` values are the value (the
+    V cache a view of the K cache, as freetoken.models.mla passes it)."""
+    case = Case(ctx, heads, 1, kv_lora + rope, 16, max_blocks, dtype, seed, dv=kv_lora)
+    case.v_cache = case.k_cache[..., :kv_lora]
+    case.scale = float(128 + rope) ** -0.5
+    return case
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("heads,kv_lora,rope", [(32, 512, 64), (4, 32, 16)], ids=["deepseek-v3", "tiny"])
+def test_latent_attention(impl, heads, kv_lora, rope, monkeypatch):
+    """DeepSeek-V3's latents (512 + 64: two q/k tiles, the values read from the keys' tile,
+    the 32 query heads of the one kv head in two programs of 16) and a tiny model's (48
+    values, v the first 32: separate loads from the shared cache); direct output, split
+    partitions merged in the partial kernel, and by the reduce kernel."""
+    from freetoken.kernels import decode_attention as dat
+
+    seed = seed_of("latent", impl, heads, kv_lora)
+    case = latent_case([1, 17, 0, 40, 64, 33], heads, kv_lora, rope, 4, seed)
+    if impl == "torch":
+        run_checked(case, impl)
+        return
+    assert dat.shares_kv(case.k_cache, case.v_cache) == (kv_lora == 512)
+    assert dat.split_d(kv_lora + rope) == ((512, 64) if kv_lora == 512 else (64, 0))
+    assert dat.query_group(heads, kv_lora) == min(heads, 16)
+    for p in (1, 3):
+        run_checked(case, impl, partitions=p)
+    monkeypatch.setattr(dat, "DEFAULT_CONFIG", dataclasses.replace(dat.DEFAULT_CONFIG, reduce_in_partial=False))
+    run_checked(case, impl, partitions=3)
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="the Triton kernels need triton (a GPU or Triton's interpreter)")
+def test_wide_head_without_shared_values():
+    """A q/k head of 320 values (tiles of 256 and 64) with v heads of their own, two kv heads."""
+    seed = seed_of("wide320")
+    case = Case([5, 0, 70, 33], 4, 2, 320, 16, 5, torch.float32, seed, dv=96)
+    case.scale = 320.0**-0.5
+    for p in (1, 3):
+        run_checked(case, "triton", partitions=p)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_out_dtype_strides_and_strided_q(impl):
     seed = seed_of("strides", impl)
@@ -404,8 +448,8 @@ def test_auto_and_validation():
     if TRITON_RUNS:
         with pytest.raises(ValueError, match="partitions=0"):
             da.paged_decode_attention(*args, impl="triton", partitions=0)
-        wide = Case([3], 2, 1, 264, 16, 1, torch.float32, 2)
-        with pytest.raises(ValueError, match="wider than the kernel's 256"):
+        wide = Case([3], 2, 1, 776, 16, 1, torch.float32, 2)
+        with pytest.raises(ValueError, match="wider than the kernel's 768/512"):
             wide.run("triton")
 
 
@@ -433,15 +477,12 @@ STRIDES = ["stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "str
 cfg = dat.DEFAULT_CONFIG
 target = GPUTarget("cuda", 90, 32)
 
-def partial(dt, G, D, BS, split, DV=None):
+def partial(dt, G, D, BS, split, DV=None, shared=False):
     DV = D if DV is None else DV
     sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "bt_ptr": "*i32", "ctx_ptr": "*i32",
            "out_ptr": f"*{dt}", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "count_ptr": "*i32", "scale_log2": "fp32", "P": "i32",
            "max_tokens": "i32", **{s: "i32" for s in STRIDES}}
-    consts = dict(G=G, D=D, DV=DV, BS=BS, BLOCK_G=max(16, triton.next_power_of_2(G)),
-                  BLOCK_D=dat.block_d(D), BLOCK_DV=dat.block_d(DV), BLOCK_N=cfg.block_n,
-                  MIN_PART=cfg.min_part, SPLIT=split, PRECISION="ieee" if dt == "fp32" else "tf32",
-                  LAST_REDUCES=split and cfg.reduce_in_partial, **dat.merge_tile(G, DV))
+    consts = dat.kernel_constants(G, D, DV, BS, split, "ieee" if dt == "fp32" else "tf32", cfg, shared)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in [*range(9), *range(12, 22)]}
     return triton.compile(ASTSource(dat._partial_kernel, sig, consts, attrs), target=target,
@@ -473,6 +514,9 @@ report = {
     **{f"bf16_d{d}_v{dv}": describe(partial("bf16", 4, d, 16, True, dv))
        for d, dv in [(24, 24), (80, 80), (96, 96), (192, 192), (192, 128)]},
     "reduce_bf16_d24": describe(reduce("bf16", 24)),
+    # MLA with the up-projections absorbed (DeepSeek-V3: 128 heads over one latent of 512 + 64)
+    "bf16_mla_split": describe(partial("bf16", 128, 576, 16, True, 512, shared=True)),
+    "bf16_mla_direct": describe(partial("bf16", 16, 576, 64, False, 512, shared=True)),
 }
 print(json.dumps(report))
 """
@@ -492,6 +536,10 @@ def test_kernels_compile_for_sm90():
     assert report["fp16_d64_mha"]["mma_f16"], "fp16: no tensor-core MMA"
     for d, dv in [(24, 24), (80, 80), (96, 96), (192, 192), (192, 128)]:
         assert report[f"bf16_d{d}_v{dv}"]["mma_bf16"], f"head size {d}/{dv}: no bf16 tensor-core MMA"
+    for name in ("bf16_mla_split", "bf16_mla_direct"):  # within a consumer GPU's 100 KiB per block
+        assert report[name]["mma_bf16"], f"{name}: no bf16 tensor-core MMA"
+        assert report[name]["cp_async"], f"{name}: latent loads not pipelined"
+        assert report[name]["shared"] <= 100 * 1024, f"{name}: {report[name]['shared']} bytes of shared memory"
 
 
 # --------------------------------------------------------------------------------------

@@ -225,3 +225,91 @@ def test_head_size_interpreted_kernels_in_the_engine_match_cpu(checkpoint, monke
         eng.close()
     assert launches["qk_norm_rope"] > 0 and launches["decode_attention"] > 0, launches
     check_logits(got, ref, TOL)
+
+
+# --------------------------------------------------------------------------------------
+# MLA's latent queries (DeepSeek-V3/Kimi-K2 family): the decode graphs' attention with the
+# up-projections absorbed is the Triton decode attention over one cached latent per token
+# --------------------------------------------------------------------------------------
+
+#: tiny DeepSeek-V3 checkpoints (tests/models_moe_families/families.py, every feature on) of
+#: two latent widths: the tiny family tests' 16 + 8 (one tile, values loaded apart) and the
+#: real models' 512 + 64 (two q/k tiles, the values read from the keys' tile), 32 heads
+LATENTS = {"latent-24": dict(kv_lora_rank=16, qk_rope_head_dim=8),
+           "latent-576": dict(kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=32)}
+
+
+@pytest.fixture(scope="module", params=sorted(LATENTS))
+def latent_checkpoint(request, tmp_path_factory):
+    """(name, path, the CPU engine's greedy runs of the :data:`SMALL` share of PROMPTS)."""
+    from freetoken_cpu_moe.backend import CpuBackend
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models_moe_families"))
+    from families import make_model, save
+
+    path = str(tmp_path_factory.mktemp(request.param))
+    save(make_model("deepseek_v3", 4242, **LATENTS[request.param]), path)
+    eng = _engine(CpuBackend(), path, dtype="float32")
+    try:
+        ref = run_greedy(eng, PROMPTS[: SMALL["prompts"]], max_tokens=SMALL["max_tokens"])
+    finally:
+        eng.close()
+    return request.param, path, ref
+
+
+def _latent_launches(monkeypatch: Any) -> list[tuple[int, ...]]:
+    """The Triton decode attention's launches, each as its q's shape."""
+    from freetoken.kernels import decode_attention as attention_kernels
+
+    shapes: list[tuple[int, ...]] = []
+    real = attention_kernels.launch
+
+    def counted(q: Any, *args: Any, **kwargs: Any) -> Any:
+        shapes.append(tuple(q.shape))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention_kernels, "launch", counted)
+    return shapes
+
+
+@pytest.mark.gpu
+def test_latent_attention_in_gpu_decode_graphs_matches_cpu(backend, latent_checkpoint, monkeypatch):
+    name, path, ref = latent_checkpoint
+    shapes = _latent_launches(monkeypatch)
+    eng = _engine(backend, path, dtype="float32", moe_cpu_layers="all", cuda_graph_max_bs=8)
+    try:
+        info = eng.backend_info()
+        assert info["graphs"] is True and info["attention"] == "triton", info
+        got = run_greedy(eng, PROMPTS[: SMALL["prompts"]], max_tokens=SMALL["max_tokens"])
+    finally:
+        eng.close()
+    kv_lora, rope = LATENTS[name]["kv_lora_rank"], LATENTS[name]["qk_rope_head_dim"]
+    assert shapes and all(s[2] == kv_lora + rope for s in shapes), f"{name}: latent launches {shapes[:4]}"
+    check_logits(got, ref, TOL)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, test_latent_attention_in_gpu_decode_graphs_"
+                    "matches_cpu runs the compiled kernel; Triton's interpreter (CPU tensors) is for machines without one")  # fmt: skip
+def test_latent_attention_interpreted_in_decode_graphs_matches_cpu(latent_checkpoint, monkeypatch):
+    """The fake GPU backend's decode graphs (recorded and replayed on CPU tensors) with the
+    Triton decode attention forced on, in Triton's interpreter: the latent queries, the
+    cache's latents as keys and (cut) values, against the CPU engine."""
+    import triton
+
+    from freetoken.moe.session import gpu_session
+
+    if not triton.knobs.runtime.interpret:
+        pytest.skip("Triton's interpreter is off (conftest.py turns it on without a GPU)")
+    name, path, ref = latent_checkpoint
+    monkeypatch.setattr(gpu_session, "_attention_impl", lambda device, head_dim=None, v_head_dim=None: "triton")
+    shapes = _latent_launches(monkeypatch)
+    eng = _engine(_fake_gpu_backend(), path, dtype="float32", moe_cpu_layers="all", cuda_graph_max_bs=8)
+    try:
+        info = eng.backend_info()
+        assert info["graphs"] is True and info["attention"] == "triton", info
+        got = run_greedy(eng, PROMPTS[: SMALL["prompts"]], max_tokens=SMALL["max_tokens"])
+    finally:
+        eng.close()
+    kv_lora, rope = LATENTS[name]["kv_lora_rank"], LATENTS[name]["qk_rope_head_dim"]
+    assert shapes and all(s[2] == kv_lora + rope for s in shapes), f"{name}: latent launches {shapes[:4]}"
+    check_logits(got, ref, TOL)

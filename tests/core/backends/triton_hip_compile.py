@@ -158,11 +158,12 @@ def attention_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
     ints = {n: "i32" for n in ("P", "max_tokens", "stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh",
                                "stride_vb", "stride_vt", "stride_vh", "stride_btb", "stride_ob")}  # fmt: skip
     partial = {**ptrs, **ints, "scale_log2": "fp32"}
-    consts = dict(G=g, D=d, DV=d, BS=bs, BLOCK_G=16, BLOCK_D=d, BLOCK_DV=d, BLOCK_N=cfg.block_n,
-                  MIN_PART=cfg.min_part, SPLIT=True, PRECISION=target.dot_precision(False),
-                  LAST_REDUCES=cfg.reduce_in_partial, **dat.merge_tile(g, d))  # fmt: skip
+    consts = dat.kernel_constants(g, d, d, bs, True, target.dot_precision(False), cfg)
     # a head size that is not a power of two (tiles of 128, masked) with a v head of its own
-    d80 = dict(consts, D=80, DV=48, BLOCK_D=dat.block_d(80), BLOCK_DV=dat.block_d(48), **dat.merge_tile(g, 48))
+    d80 = dat.kernel_constants(g, 80, 48, bs, True, target.dot_precision(False), cfg)
+    # MLA's latent queries with the up-projections absorbed: 128 heads over one latent of
+    # 512 + 64 values whose first 512 are the value
+    mla = dat.kernel_constants(128, 576, 512, bs, True, target.dot_precision(False), cfg, shared_kv=True)
     red = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "P": "i32",
            "max_tokens": "i32", "stride_ob": "i32"}  # fmt: skip
     rconsts = dict(D=d, BLOCK_D=d, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, MIN_PART=cfg.min_part)
@@ -174,6 +175,8 @@ def attention_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
             {**consts, "WINDOW": 128, "HAS_SINKS": True}, cfg.num_warps, cfg.num_stages),
         "attention.partial.d80v48": lambda: compile_kernel(dat._partial_kernel, target, partial, d80, cfg.num_warps,
                                                            cfg.num_stages),
+        "attention.partial.mla": lambda: compile_kernel(dat._partial_kernel, target, partial, mla, cfg.num_warps,
+                                                        cfg.num_stages),
         "attention.reduce": lambda: compile_kernel(dat._reduce_kernel, target, red, rconsts, 4),
         "attention.reduce_sinks": lambda: compile_kernel(dat._reduce_sinks_kernel, target,
                                                          {**red, "sink_ptr": "*fp32"}, rconsts, 4),

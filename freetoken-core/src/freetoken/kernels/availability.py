@@ -40,9 +40,11 @@ def check_triton(device: Any) -> None:
         raise ValueError(f"impl='triton' on {device}: {target.reason}; use impl='torch' (or 'auto')")
 
 
-#: the widest q/k or v head the decode attention kernel tiles (one program holds a
-#: ``[BLOCK_G, 256]`` float32 accumulator and ``[BLOCK_N, 256]`` K and V tiles)
-DECODE_ATTENTION_MAX_HEAD_DIM = 256
+#: the widest q/k head the decode attention kernel tiles: one tile of up to 512 values and
+#: a second of up to 256 (MLA's latent queries with the up-projections absorbed: 512 + 64)
+DECODE_ATTENTION_MAX_HEAD_DIM = 768
+#: the widest v head it tiles (a program's ``[16, 512]`` float32 accumulator at the most)
+DECODE_ATTENTION_MAX_V_HEAD_DIM = 512
 #: the widest head the fused q/k norm + RoPE kernel takes (one head per program, in registers)
 QK_NORM_ROPE_MAX_HEAD_DIM = 1024
 
@@ -78,8 +80,8 @@ def head_dim_support(head_dim: int, v_head_dim: Optional[int] = None) -> HeadDim
 
     * q/k norm + RoPE: an even ``head_dim`` (NeoX pairs ``(i, i + head_dim/2)``) of at most
       :data:`QK_NORM_ROPE_MAX_HEAD_DIM`; any ``v_head_dim`` up to the same bound.
-    * decode attention: ``head_dim`` and ``v_head_dim`` of at most
-      :data:`DECODE_ATTENTION_MAX_HEAD_DIM`.
+    * decode attention: ``head_dim`` of at most :data:`DECODE_ATTENTION_MAX_HEAD_DIM` and
+      ``v_head_dim`` of at most :data:`DECODE_ATTENTION_MAX_V_HEAD_DIM`.
     """
     d = int(head_dim)
     dv = d if v_head_dim is None else int(v_head_dim)
@@ -92,13 +94,22 @@ def head_dim_support(head_dim: int, v_head_dim: Optional[int] = None) -> HeadDim
                                  f"{QK_NORM_ROPE_MAX_HEAD_DIM}")  # fmt: skip
     else:
         rope, rope_why = True, f"head_dim {d}, v_head_dim {dv}: tile {_pow2(d)}/{_pow2(dv)}, masked"
-    if max(d, dv) > DECODE_ATTENTION_MAX_HEAD_DIM:
+    if d > DECODE_ATTENTION_MAX_HEAD_DIM or dv > DECODE_ATTENTION_MAX_V_HEAD_DIM:
         attn, attn_why = False, (f"head_dim {d}/v_head_dim {dv} wider than the kernel's "
-                                 f"{DECODE_ATTENTION_MAX_HEAD_DIM}")  # fmt: skip
+                                 f"{DECODE_ATTENTION_MAX_HEAD_DIM}/{DECODE_ATTENTION_MAX_V_HEAD_DIM}")  # fmt: skip
     else:
-        attn, attn_why = True, (f"head_dim {d}, v_head_dim {dv}: tile {max(16, _pow2(d))}/"
-                                f"{max(16, _pow2(dv))}, masked")  # fmt: skip
+        attn, attn_why = True, f"head_dim {d}, v_head_dim {dv}: tile {_attention_tiles(d)}/{max(16, _pow2(dv))}, masked"
     return HeadDimSupport(d, dv, rope, rope_why, attn, attn_why)
+
+
+def _attention_tiles(d: int) -> str:
+    """The decode attention kernel's q/k tiles for a head of ``d`` (kernels.decode_attention.split_d,
+    without importing triton): one power of two (>= 16), or above 256 the largest power of two
+    within ``d`` and one more for the rest."""
+    if d <= 256 or d & (d - 1) == 0:
+        return str(max(16, _pow2(d)))
+    first = 1 << (d.bit_length() - 1)
+    return f"{first}+{max(16, _pow2(d - first))}"
 
 
 def _pow2(n: int) -> int:

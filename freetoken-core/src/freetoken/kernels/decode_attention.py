@@ -2,12 +2,16 @@
 
 Split-K (flash-decoding) over the paged KV cache::
 
-    partial  grid (B, Hkv, P)   program (b, h, p): partition p of sequence b's context,
-                                all G = Hq/Hkv query heads of kv head h at once
-    reduce   grid (B, Hq)       program (b, hq): merges the active partitions of (b, hq)
+    partial  grid (B, Hkv*GB, P)  program (b, h*GB + j, p): partition p of sequence b's
+                                  context, query group j (GP = G/GB heads) of kv head h
+    reduce   grid (B, Hq)         program (b, hq): merges the active partitions of (b, hq)
+
+A kv head's G = Hq/Hkv query heads are one group (GB = 1) unless their float32
+accumulator would exceed :data:`ACC_TILE` elements (MLA's 128 heads of 512 values:
+groups of 16, :func:`query_group`).
 
 By default (``KernelConfig.reduce_in_partial``) one launch does both: the last of a
-(b, h)'s P partial programs to store its partials (a per-(b, h) counter taken with an
+(b, group)'s P partial programs to store its partials (a per-(b, h) counter taken with an
 atomic add after the stores) merges the G heads' partitions itself, as the reduce program
 does, and sets the counter back to zero for the next launch.
 
@@ -32,11 +36,16 @@ a padded batch row) has no active partition and gets zeros.
 With ``P == 1`` (``SPLIT`` off) the partial program normalises and writes the output
 itself and no reduce is launched.
 
-Head sizes: q/k heads of ``D`` and v heads of ``DV`` values (MLA: 192 and 128; else equal),
-any sizes up to 256 (:func:`freetoken.kernels.availability.head_dim_support`). The tiles
-are ``BLOCK_D``/``BLOCK_DV`` wide, the next power of two of at least 16 (:func:`block_d`);
-lanes past the head load zeros (they add nothing to ``Q K^T``) and are never stored. The
-caller's ``scale`` comes from the true head size.
+Head sizes: q/k heads of ``D`` and v heads of ``DV`` values (MLA: 192 and 128, or, with
+the up-projections absorbed, 576 and 512; else equal), the sizes
+:func:`freetoken.kernels.availability.head_dim_support` accepts. The tiles are
+``BLOCK_D``/``BLOCK_DV`` wide, the next power of two of at least 16 (:func:`block_d`);
+lanes past the head load zeros (they add nothing to ``Q K^T``) and are never stored. A
+q/k head wider than :data:`SINGLE_TILE_HEAD` that is no power of two takes a second tile
+of ``BLOCK_D2`` values past the first (:func:`split_d`: 576 = 512 + 64), its product
+added to the scores. Where the values are the keys' first ``DV = BLOCK_D`` values in the
+same cache (MLA's latents, :func:`shares_kv`), one load serves both. The caller's
+``scale`` comes from the true head size.
 
 A sliding window (``WINDOW > 0``) moves each program's first token up to ``L - WINDOW``;
 a partition left without tokens stores ``m = -inf, l = 0, acc = 0``, which the reduce
@@ -100,15 +109,15 @@ def _partial_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr,
     scale_log2, P, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
-    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_PART: tl.constexpr, BLOCK_GM: tl.constexpr, MERGE_P: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, GB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr, BLOCK_GM: tl.constexpr, MERGE_P: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr, SHARED_KV: tl.constexpr,
 ):  # fmt: skip
     _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, out_ptr, scale_log2, P,
              max_tokens, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-             stride_btb, stride_ob, G, D, DV, BS, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, MIN_PART, BLOCK_GM, MERGE_P,
-             SPLIT, PRECISION, 0, False, LAST_REDUCES)  # fmt: skip
+             stride_btb, stride_ob, G, GP, GB, D, DV, BS, BLOCK_G, BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_N, MIN_PART,
+             BLOCK_GM, MERGE_P, SPLIT, PRECISION, 0, False, LAST_REDUCES, SHARED_KV)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["P", "max_tokens", "scale_log2"])
@@ -117,16 +126,16 @@ def _partial_window_sinks_kernel(
     scale_log2, P, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
     sink_ptr,
-    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_PART: tl.constexpr, BLOCK_GM: tl.constexpr, MERGE_P: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, GB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr, BLOCK_GM: tl.constexpr, MERGE_P: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    LAST_REDUCES: tl.constexpr,
+    LAST_REDUCES: tl.constexpr, SHARED_KV: tl.constexpr,
 ):  # fmt: skip
     _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, sink_ptr, scale_log2, P,
              max_tokens, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-             stride_btb, stride_ob, G, D, DV, BS, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N, MIN_PART, BLOCK_GM, MERGE_P,
-             SPLIT, PRECISION, WINDOW, HAS_SINKS, LAST_REDUCES)  # fmt: skip
+             stride_btb, stride_ob, G, GP, GB, D, DV, BS, BLOCK_G, BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_N, MIN_PART,
+             BLOCK_GM, MERGE_P, SPLIT, PRECISION, WINDOW, HAS_SINKS, LAST_REDUCES, SHARED_KV)  # fmt: skip
 
 
 @triton.jit
@@ -134,16 +143,18 @@ def _partial(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, sink_ptr,
     scale_log2, P, max_tokens,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb, stride_ob,
-    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_PART: tl.constexpr, BLOCK_GM: tl.constexpr, MERGE_P: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, GB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr, BLOCK_GM: tl.constexpr, MERGE_P: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    LAST_REDUCES: tl.constexpr,
+    LAST_REDUCES: tl.constexpr, SHARED_KV: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    group = tl.program_id(1)  # GB groups of GP query heads per kv head
     p = tl.program_id(2)
-    hq_count = tl.num_programs(1) * G
+    h = group // GB  # the kv head
+    head0 = h * G + (group % GB) * GP  # the group's first query head
+    hq_count = tl.num_programs(1) * GP
     ctx = tl.load(ctx_ptr + b)
     ctx = tl.minimum(tl.maximum(ctx, 0), max_tokens)
     part = _partition(ctx, P, BLOCK_N, MIN_PART)
@@ -157,12 +168,17 @@ def _partial(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
-    g_ok = offs_g < G
+    g_ok = offs_g < GP
     d_ok = offs_d < D  # any head size: the tiles are padded to a power of two (>= 16), lanes past D masked
     dv_ok = offs_dv < DV
-    heads = h * G + offs_g  # the query heads of kv head h
+    heads = head0 + offs_g  # the group's query heads (of kv head h)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    if BLOCK_D2 > 0:  # a wide head's values past BLOCK_D: a second tile (MLA's rope part)
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        d2_ok = offs_d2 < D
+        q2 = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d2[None, :],
+                     mask=g_ok[:, None] & d2_ok[None, :], other=0.0)  # fmt: skip
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -176,15 +192,22 @@ def _partial(
         k_off = blk * stride_kb + row * stride_kt + h * stride_kh
         # [BLOCK_N, BLOCK_D]
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_G, BLOCK_N]
+        if BLOCK_D2 > 0:
+            k2 = tl.load(k_ptr + k_off[:, None] + offs_d2[None, :], mask=t_ok[:, None] & d2_ok[None, :], other=0.0)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
+        s = s * scale_log2
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the step has a valid token
         alpha = tl.exp2(m_i - m_new)
         pr = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, axis=1)
-        v_off = blk * stride_vb + row * stride_vt + h * stride_vh
-        # [BLOCK_N, BLOCK_DV]
-        v = tl.load(v_ptr + v_off[:, None] + offs_dv[None, :], mask=t_ok[:, None] & dv_ok[None, :], other=0.0)
+        if SHARED_KV:  # the values are the keys' first DV = BLOCK_D values (MLA's latents): no second load
+            v = k
+        else:
+            v_off = blk * stride_vb + row * stride_vt + h * stride_vh
+            # [BLOCK_N, BLOCK_DV]
+            v = tl.load(v_ptr + v_off[:, None] + offs_dv[None, :], mask=t_ok[:, None] & dv_ok[None, :], other=0.0)
         acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
@@ -199,11 +222,11 @@ def _partial(
             # every thread's partials stored before the count goes up (the atomic releases
             # them at GPU scope); the program that takes it to P merges the partitions
             tl.debug_barrier()
-            done = tl.atomic_add(count_ptr + b * tl.num_programs(1) + h, 1, sem="acq_rel", scope="gpu")
+            done = tl.atomic_add(count_ptr + b * tl.num_programs(1) + group, 1, sem="acq_rel", scope="gpu")
             if done == P - 1:
-                _merge_heads(acc_ptr, ml_ptr, sink_ptr, out_ptr, b, h, hq_count, P, tl.cdiv(ctx, part), stride_ob,
-                             G, DV, BLOCK_DV, BLOCK_GM, MERGE_P, HAS_SINKS)  # fmt: skip
-                tl.atomic_xchg(count_ptr + b * tl.num_programs(1) + h, 0, sem="relaxed", scope="gpu")
+                _merge_heads(acc_ptr, ml_ptr, sink_ptr, out_ptr, b, head0, hq_count, P, tl.cdiv(ctx, part),
+                             stride_ob, GP, DV, BLOCK_DV, BLOCK_GM, MERGE_P, HAS_SINKS)  # fmt: skip
+                tl.atomic_xchg(count_ptr + b * tl.num_programs(1) + group, 0, sem="relaxed", scope="gpu")
     else:  # the only partition: normalise here (no context: acc = 0, l = 0 -> zeros)
         _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_dv, g_ok, dv_ok, acc, l_i, m_i, DV, HAS_SINKS)
 
@@ -223,19 +246,20 @@ def _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_d, g_ok, d_ok, acc
 
 
 @triton.jit
-def _merge_heads(acc_ptr, ml_ptr, sink_ptr, out_ptr, b, h, hq_count, P, n_active, stride_ob,
+def _merge_heads(acc_ptr, ml_ptr, sink_ptr, out_ptr, b, head0, hq_count, P, n_active, stride_ob,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_GM: tl.constexpr,
                  MERGE_P: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
-    """What the reduce programs of kv head ``h``'s G query heads compute, in the partial
-    program that stored the last partitions (loads through L2: other programs wrote them).
-    ``MERGE_P`` partitions of all G heads at a time (``[BLOCK_GM, MERGE_P, BLOCK_D]`` tiles),
-    with a running max: one dependent round trip to L2 per ``MERGE_P`` partitions."""
+    """What the reduce programs of the G query heads from ``head0`` on compute, in the
+    partial program that stored their last partitions (loads through L2: other programs
+    wrote them). ``MERGE_P`` partitions of all G heads at a time (``[BLOCK_GM, MERGE_P,
+    BLOCK_D]`` tiles), with a running max: one dependent round trip to L2 per ``MERGE_P``
+    partitions."""
     offs_g = tl.arange(0, BLOCK_GM)
     offs_p = tl.arange(0, MERGE_P)
     offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < G
     d_ok = offs_d < D
-    heads = h * G + offs_g
+    heads = head0 + offs_g
     rows = (b * hq_count + heads) * P  # [BLOCK_GM]: each head's first partition
     m_run = tl.full([BLOCK_GM], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BLOCK_GM], dtype=tl.float32)
@@ -339,6 +363,64 @@ def block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+#: the widest q/k head one tile takes; a wider one (MLA's latent queries: 512 + 64 values)
+#: is read as a power-of-two tile and a second tile of the rest (:func:`split_d`)
+SINGLE_TILE_HEAD = 256
+#: float32 accumulator elements (``[query heads, v head]``) one program holds at most: the
+#: query heads of a kv head that do not fit go to several programs, ``GP`` heads each
+ACC_TILE = 8192
+#: tokens per step of a program whose tiles are wider than :data:`SINGLE_TILE_HEAD`: MLA's
+#: latents (512 + 64 bf16 values) at 32 tokens a step in two pipelined stages take 55 KiB of
+#: shared memory compiled for sm_90 (64 tokens in one stage: 114 KiB, more than consumer
+#: GPUs give a block)
+WIDE_BLOCK_N = 32
+
+
+def split_d(d: int) -> tuple[int, int]:
+    """``(BLOCK_D, BLOCK_D2)``: a q/k head of ``d`` values as one tile (``BLOCK_D2`` 0) up
+    to :data:`SINGLE_TILE_HEAD` or when ``d`` is a power of two, else a power-of-two tile and
+    a second one for the values past it (576: 512 and 64)."""
+    if d <= SINGLE_TILE_HEAD or d & (d - 1) == 0:
+        return block_d(d), 0
+    first = 1 << (d.bit_length() - 1)
+    return first, block_d(d - first)
+
+
+def query_group(g: int, dv: int) -> int:
+    """``GP``, the query heads one program takes of a kv head's ``g``: the most that divide
+    ``g`` with an accumulator (heads padded to a power of two >= 16, times the v tile) of at
+    most :data:`ACC_TILE` elements (all of them for the usual groups; 16 of MLA's 128)."""
+    for gp in range(g, 0, -1):
+        if g % gp == 0 and max(16, triton.next_power_of_2(gp)) * block_d(dv) <= ACC_TILE:
+            return gp
+    return 1
+
+
+def program_groups(q_heads: int, kv_heads: int, dv: int) -> int:
+    """Programs per sequence and partition: the kv heads times their query groups."""
+    g = q_heads // kv_heads
+    return kv_heads * (g // query_group(g, dv))
+
+
+def tiles(config: KernelConfig, d: int, dv: int) -> tuple[int, int]:
+    """``(BLOCK_N, MIN_PART)`` for heads of ``d``/``dv`` values: the config's, but at most
+    :data:`WIDE_BLOCK_N` tokens a step where a tile is wider than :data:`SINGLE_TILE_HEAD`
+    (bounded shared memory)."""
+    b1, b2 = split_d(d)
+    if b1 + b2 <= SINGLE_TILE_HEAD and block_d(dv) <= SINGLE_TILE_HEAD:
+        return config.block_n, config.min_part
+    n = min(config.block_n, WIDE_BLOCK_N)
+    return n, n * config.min_part_blocks
+
+
+def shares_kv(k_cache: Any, v_cache: Any) -> bool:
+    """Whether the values are the keys' first ``DV`` values, the whole first tile (MLA's
+    cache: one latent per token serves as key and, cut, as value), so one load serves both."""
+    d, dv = k_cache.shape[3], v_cache.shape[3]
+    return (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride()[:3] == k_cache.stride()[:3]
+            and dv <= d and dv == split_d(d)[0])  # fmt: skip
+
+
 def _spec(value: Any) -> Any:
     """What of one launch argument selects a compiled variant: a tensor's dtype and
     16-byte alignment, an integer's being 1 or a multiple of 16."""
@@ -347,21 +429,31 @@ def _spec(value: Any) -> Any:
     return (value == 1, value % 16 == 0)
 
 
+def kernel_constants(g: int, d: int, dv: int, block_size: int, split: bool, precision: str,
+                     config: KernelConfig = DEFAULT_CONFIG, shared_kv: bool = False) -> dict[str, Any]:  # fmt: skip
+    """The partial kernel's constants for ``g`` query heads per kv head, heads of ``d``/``dv``
+    values, cache blocks of ``block_size`` tokens, split partitions or not, ``tl.dot``'s
+    ``precision``, and whether one load serves K and V (:func:`shares_kv`)."""
+    gp = query_group(g, dv)
+    first, second = split_d(d)
+    block_n, min_part = tiles(config, d, dv)
+    return dict(
+        G=g, GP=gp, GB=g // gp, D=d, DV=dv, BS=block_size, BLOCK_G=max(16, triton.next_power_of_2(gp)),
+        BLOCK_D=first, BLOCK_D2=second, BLOCK_DV=block_d(dv), BLOCK_N=block_n, MIN_PART=min_part, SPLIT=split,
+        PRECISION=precision, LAST_REDUCES=split and config.reduce_in_partial, SHARED_KV=shared_kv,
+        **merge_tile(gp, dv),
+    )  # fmt: skip
+
+
 def _constants(q: Any, k_cache: Any, v_cache: Any, num_partitions: int, config: KernelConfig,
                window: Optional[int] = None, sinks: Any = None) -> dict[str, Any]:  # fmt: skip
     import torch
 
     _, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
-    DV = v_cache.shape[3]
-    G = Hq // Hkv
-    c = dict(
-        G=G, D=D, DV=DV, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=block_d(D), BLOCK_DV=block_d(DV),
-        BLOCK_N=config.block_n, MIN_PART=config.min_part, SPLIT=num_partitions > 1,
-        PRECISION=triton_target.for_device(q.device).dot_precision(q.dtype == torch.float32),
-        LAST_REDUCES=num_partitions > 1 and config.reduce_in_partial,
-        **merge_tile(G, DV),
-    )  # fmt: skip
+    c = kernel_constants(Hq // Hkv, D, v_cache.shape[3], bs, num_partitions > 1,
+                         triton_target.for_device(q.device).dot_precision(q.dtype == torch.float32), config,
+                         shares_kv(k_cache, v_cache))  # fmt: skip
     if window is not None or sinks is not None:  # the kernel with a window and/or sinks
         c["WINDOW"] = int(window or 0)
         c["HAS_SINKS"] = sinks is not None
@@ -416,20 +508,21 @@ def launch(
         ml = torch.empty(B, Hq, P, 2, dtype=torch.float32, device=q.device)
     else:
         acc = ml = out  # not used: SPLIT off stores the output directly
+    groups = Hkv * consts["GB"]  # programs per sequence and partition
     # the merging programs' counters (not read without LAST_REDUCES)
-    counts = zeroed_counters("attention_merge", q.device, B * Hkv) if consts["LAST_REDUCES"] else out
+    counts = zeroed_counters("attention_merge", q.device, B * groups) if consts["LAST_REDUCES"] else out
     args = (q, k_cache, v_cache, block_tables, ctx_lens, out, acc, ml, counts, float(scale) * LOG2E, P, max_tokens,
             *_strides(q, k_cache, v_cache, block_tables, out))  # fmt: skip
     extended = window is not None or sinks is not None
     target = triton_target.for_device(q.device)
     opts = target.launch_options(config.num_warps, config.num_stages)
     if extended:
-        _partial_window_sinks_kernel[(B, Hkv, P)](*args, sink_arg, **consts, **opts)
+        _partial_window_sinks_kernel[(B, groups, P)](*args, sink_arg, **consts, **opts)
     else:
-        _partial_kernel[(B, Hkv, P)](*args, **consts, **opts)
+        _partial_kernel[(B, groups, P)](*args, **consts, **opts)
     if P > 1 and not consts["LAST_REDUCES"]:
-        rconsts = dict(D=DV, BLOCK_D=consts["BLOCK_DV"], BLOCK_P=config.block_p, BLOCK_N=config.block_n,
-                       MIN_PART=config.min_part)  # fmt: skip
+        rconsts = dict(D=DV, BLOCK_D=consts["BLOCK_DV"], BLOCK_P=config.block_p, BLOCK_N=consts["BLOCK_N"],
+                       MIN_PART=consts["MIN_PART"])  # fmt: skip
         if sinks is not None:
             _reduce_sinks_kernel[(B, Hq)](acc, ml, ctx_lens, out, P, max_tokens, out.stride(0), sinks, **rconsts,
                                           **target.launch_options(4))  # fmt: skip

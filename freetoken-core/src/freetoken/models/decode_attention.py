@@ -103,7 +103,9 @@ def _sm_count(device: torch.device) -> int:
 def num_partitions(batch: int, kv_heads: int, max_blocks: int, block_size: int, device: Any,
                    min_part_tokens: int = 128) -> int:  # fmt: skip
     """Partitions per sequence of the Triton implementation, from shapes only: about
-    :data:`PROGRAMS_PER_SM` programs per SM over ``batch * kv_heads * P`` programs, at
+    :data:`PROGRAMS_PER_SM` programs per SM over ``batch * kv_heads * P`` programs (``kv_heads``:
+    the programs per sequence and partition, more than the kv heads where a kv head's query
+    heads are split into groups), at
     most one partition per ``min_part_tokens`` of the longest context the block tables
     can hold, at most :data:`MAX_PARTITIONS`."""
     dev = torch.device(device)
@@ -218,7 +220,9 @@ def paged_decode_attention(
     _, bs, Hkv, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
     config = dat.DEFAULT_CONFIG
-    P = num_partitions(B, Hkv, max_blocks, bs, q.device, config.min_part) if partitions is None else partitions
+    groups = dat.program_groups(Hq, Hkv, Dv)
+    min_part = dat.tiles(config, D, Dv)[1]
+    P = num_partitions(B, groups, max_blocks, bs, q.device, min_part) if partitions is None else partitions
     if P < 1:
         raise ValueError(f"partitions={P}: must be >= 1")
     q = q if q.stride(-1) == 1 else q.contiguous()

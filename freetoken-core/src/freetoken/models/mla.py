@@ -22,7 +22,11 @@ per-head K/V), as the K of a one-head cache with no V
 latent space once (``[q_nope W_uk, q_pe]``, ``kv_lora + rope`` values per head) and the
 scores are one product with the cached latents; the output ``sum_j p_j v_j = W_uv[h] (sum_j
 p_j c_j)`` is taken in latent space and projected once. A decode step reads the compressed
-cache only, and never expands the context.
+cache only, and never expands the context. In decode graphs with the Triton decode attention
+(``AttentionMetadata.static_decode == "triton"``) this is the paged split-K kernel of
+:func:`freetoken.models.decode_attention.paged_decode_attention` as a one-kv-head attention
+of ``kv_lora + rope`` values whose value is the latent's first ``kv_lora``: it reads each
+sequence's context, not its whole block table.
 
 **Short prompt chunks absorb too, long ones expand** (:func:`expanded_attention`): for a
 long chunk the context's latents are up-projected to per-head K/V once and the chunk's
@@ -53,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.backends.contract import WeightPolicy
+from freetoken.kernels.availability import head_dim_support
 from freetoken.loading.hf import CheckpointError
 from freetoken.loading.tensors import RawTensor
 from freetoken.models.attention import AttentionMetadata
@@ -181,6 +186,8 @@ class MlaAttention:
         self.uk: Any = policy.head_linear(k_b) or FloatHeads(per_head[:, : s.nope].transpose(1, 2))
         self.uv: Any = policy.head_linear(v_b) or FloatHeads(per_head[:, s.nope :])
         self.o = policy.linear(get("o"))
+        #: whether the Triton decode attention takes the latent queries (decode graphs)
+        self.latent_kernel = head_dim_support(s.latent, s.kv_lora_rank).decode_attention
         #: the weight bytes one decode token reads (the expansion's kv_b only serves prompts)
         self.nbytes = (self.proj_a.nbytes + self.kv_a_norm.numel() * self.kv_a_norm.element_size()
                        + self.uk.nbytes + self.uv.nbytes + self.o.nbytes
@@ -216,7 +223,16 @@ class MlaAttention:
                  scale: float) -> torch.Tensor:  # fmt: skip
         """Attention with the up-projections absorbed (module docstring): ``[T, heads, v]``."""
         q_lat = self.uk(q_nope)
-        o_lat = absorbed_attention(torch.cat([q_lat, q_pe], dim=-1), cache, meta, scale, self.shape.kv_lora_rank)
+        q_lat = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
+        kv_lora = self.shape.kv_lora_rank
+        if meta.static_decode == "triton" and q_lat.dtype == cache.dtype and self.latent_kernel:
+            from freetoken.models.decode_attention import paged_decode_attention
+
+            T, H, _ = q_lat.shape
+            o_lat = paged_decode_attention(q_lat, cache, cache[..., :kv_lora], meta.block_tables, meta.ctx_lens,
+                                           scale, impl="triton").view(T, H, kv_lora)  # fmt: skip
+        else:
+            o_lat = absorbed_attention(q_lat, cache, meta, scale, kv_lora)
         return self.uv(o_lat)
 
     def expand(self, lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
