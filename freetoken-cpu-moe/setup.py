@@ -75,7 +75,7 @@ class IsaBuildExt(build_ext):
 
 
 SOURCES = [
-    "bindings.cpp", "coordinator.cpp", "dispatch.cpp", "host_driver.cpp", "moe.cpp", "pool.cpp", "stream.cpp",
+    "aligned_buffer.cpp", "bindings.cpp", "coordinator.cpp", "dispatch.cpp", "host_driver.cpp", "moe.cpp", "pool.cpp", "stream.cpp",
     "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx_vnni.cpp", "isa_avx512.cpp", "isa_amx.cpp",
     "attention.cpp", "attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp",
     "bindings_attention.cpp", "decode_ops.cpp", "deltanet.cpp", "linear_group.cpp", "linear_heads.cpp",

@@ -66,29 +66,8 @@ static inline AmxTiles amx_bf16_tiles() {
 #define FT_TB2 6
 #define FT_TB3 7
 
-// Growable 64-byte aligned buffer, one per thread and use.
-class AmxBuffer {
-public:
-    ~AmxBuffer() { std::free(p_); }
-    uint8_t* reserve(size_t n) {
-        if (n > cap_) {
-            std::free(p_);
-            cap_ = (n + 4095) & ~(size_t)4095;
-            p_ = (uint8_t*)std::aligned_alloc(64, cap_);
-            if (!p_) {
-                cap_ = 0;
-                throw std::bad_alloc();
-            }
-        }
-        return p_;
-    }
-
-private:
-    uint8_t* p_ = nullptr;
-    size_t cap_ = 0;
-};
 struct AmxScratch {
-    AmxBuffer act, weights, scales;
+    AlignedBuffer act, weights, scales;
 };
 static thread_local AmxScratch tls_amx;
 

@@ -10,34 +10,13 @@
 #include <vector>
 
 #include "activation.h"
+#include "aligned_buffer.h"
 #include "fp_env.h"
 #include "row_argmax.h"
 #include "spin_pause.h"
 
 namespace ft {
 namespace {
-
-// Growable 64-byte aligned scratch memory, one per calling thread.
-class Arena {
-public:
-    ~Arena() { std::free(p_); }
-    uint8_t* reserve(size_t n) {
-        if (n > cap_) {
-            std::free(p_);
-            cap_ = (n + 4095) & ~(size_t)4095;
-            p_ = (uint8_t*)std::aligned_alloc(64, cap_);
-            if (!p_) {
-                cap_ = 0;
-                throw std::bad_alloc();
-            }
-        }
-        return p_;
-    }
-
-private:
-    uint8_t* p_ = nullptr;
-    size_t cap_ = 0;
-};
 
 struct Carve {
     size_t off = 0;
@@ -119,7 +98,7 @@ const char* fmt_name(uint32_t f) {
 }
 
 struct Workspace {
-    Arena arena;
+    AlignedBuffer arena;
     std::vector<int32_t> slot_tok, slot_expert, expert_begin, expert_ids, count;
     std::vector<float> slot_w;
     std::vector<const void*> gptr, uptr, dptr, xptr;
