@@ -15,6 +15,10 @@
 # (everything on the GPU, both), cpu (both on the CPU: no GPU needed, CPU_ONLY=1 builds llama.cpp
 # without CUDA). Each server gets $MAXN = the largest of CLIENTS slots (llama-server -np, with
 # -c = slots x (PROMPT + GEN + 64), FreeToken --max-running-requests and --max-model-len PROMPT + GEN + 64).
+# FT_VARIANTS: FreeToken servers to run per configuration, ';'-separated sets of extra `serve` flags
+# (an empty set: the defaults), e.g. "; --prefill-chunk 256 --cuda-graph-max-bs 16"; each is
+# freetoken-CONFIG-vI in the results. LLAMA (1; 0: no llama-server). WARM (1): every server first
+# gets one untimed run (4 users, one request each) so kernels compiled at first use are not timed.
 # Environment: OUT (/tmp/ft-out), MODEL_DIR (/tmp/ft-bench), PRESET (qwen3-30b-a3b), LAYERS (48),
 # CLIENTS ("8 32"), REQUESTS (2), PROMPT (512), GEN (128), THREADS (16), NCMOE (7), LIMIT (16GiB),
 # CONFIGS ("hybrid gpu"), CPU_ONLY (0), SETUP (1), LLAMACPP_SRC (.bench/llama.cpp), LLAMACPP_BUILD
@@ -79,6 +83,8 @@ drive() {  # drive NAME CMD...: start a server, drive it with every N of CLIENTS
   "$@" --host 127.0.0.1 --port "$PORT" > "$OUT/server-$name.log" 2>&1 &
   local pid=$!
   if wait_health "$url" "$pid" "$(left 240)"; then
+    [ "${WARM:-1}" = 1 ] && timeout "$(left 120)" python3 -m freetoken.cli.main bench clients --url "$url" --clients 4 \
+      --requests 1 --prompt-tokens "$PROMPT" --max-tokens 16 --vocab 32000 --json > /dev/null 2> "$OUT/warm-$name.err"
     # shellcheck disable=SC2086
     timeout "$(left 400)" python3 -m freetoken.cli.main bench clients --url "$url" --clients $CLIENTS \
       --requests "$REQUESTS" --prompt-tokens "$PROMPT" --max-tokens "$GEN" --vocab 32000 --json \
@@ -102,9 +108,15 @@ for config in $CONFIGS; do
     cpu) lflags=(-ngl 0); fflags=(--backend cpu --cpu-threads "$THREADS") ;;  # (the last --cpu-threads wins)
     *) say "unknown configuration $config"; continue ;;
   esac
-  [ -x "$B/bin/llama-server" ] && [ -f "$MODEL.ok" ] && \
+  [ "${LLAMA:-1}" = 1 ] && [ -x "$B/bin/llama-server" ] && [ -f "$MODEL.ok" ] && \
     drive "llamacpp-$config" "$B/bin/llama-server" -m "$MODEL" -t "$THREADS" -np "$MAXN" -c $((MAXN * CTX)) "${lflags[@]}"
-  [ -f "$MODEL.ok" ] && drive "freetoken-$config" python3 -m freetoken.cli.main serve --model "$MODEL" \
-    --cpu-threads "$((THREADS > 1 ? THREADS - 1 : 1))" --max-running-requests "$MAXN" --max-model-len "$CTX" "${fflags[@]}"
+  IFS=';' read -ra variants <<< "${FT_VARIANTS:-}"; [ ${#variants[@]} -gt 0 ] || variants=("")
+  for i in "${!variants[@]}"; do
+    name=freetoken-$config; [ ${#variants[@]} -gt 1 ] && name=$name-v$i
+    read -ra extra <<< "${variants[$i]}"
+    [ -f "$MODEL.ok" ] && drive "$name" python3 -m freetoken.cli.main serve --model "$MODEL" \
+      --cpu-threads "$((THREADS > 1 ? THREADS - 1 : 1))" --max-running-requests "$MAXN" --max-model-len "$CTX" \
+      "${fflags[@]}" "${extra[@]}"
+  done
 done
 say "done (also $OUT/summary.txt)"

@@ -40,7 +40,7 @@ import dataclasses
 from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence
 
 from freetoken.backends.handoff_io import GpuSync, KernelIO, Staging, SyncMode
-from freetoken.backends.options import EngineOptions
+from freetoken.backends.options import CPU_PREFILL_CHUNK, EngineOptions
 
 #: Version of this contract. A backend declares the version it implements in
 #: ``Backend.api_version``; the registry refuses a backend whose value differs.
@@ -324,11 +324,12 @@ class ModelSession(abc.ABC):
         """Bytes the KV cache may take on the dense device, or None (the engine decides)."""
         return None
 
-    def prefill_chunk(self, requested: int) -> int:
+    def prefill_chunk(self, requested: Optional[int]) -> int:
         """The most prompt tokens one step may compute, given ``requested`` (the engine's
-        ``prefill_chunk``): what the session's memory plan holds the activations of (the
-        default: as requested)."""
-        return requested
+        ``prefill_chunk``; None: the default for the session's device): what the session's
+        memory plan holds the activations of (the default: as requested, else
+        :data:`~freetoken.backends.options.CPU_PREFILL_CHUNK`)."""
+        return requested or CPU_PREFILL_CHUNK
 
     @abc.abstractmethod
     def start(self, model: Any, kv: Any) -> None:

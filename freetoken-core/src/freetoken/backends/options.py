@@ -8,6 +8,16 @@ import dataclasses
 from typing import Any, Optional
 
 
+#: prompt tokens a step computes by default on the CPU: its prompt kernels are bound by the
+#: products, so a larger chunk gains little and stalls the running decodes longer
+CPU_PREFILL_CHUNK = 256
+#: ... and on a GPU: the grouped expert kernels pass over each routed expert's weights once
+#: a step whatever its tokens (a layer of 128 tokens takes nearly as long as one of 512), and
+#: a hybrid step that streams the CPU layers' experts copies them once a chunk, so small
+#: chunks cost most of the prompt rate
+GPU_PREFILL_CHUNK = 2048
+
+
 @dataclasses.dataclass
 class MoEOptions:
     """How a GPU backend keeps and moves routed experts (``freetoken serve --moe-*``).
@@ -91,19 +101,27 @@ class EngineOptions:
     cpu_spin_ms: Optional[float] = None
     graphs: bool = True
     graph_batch_sizes: Optional[list[int]] = None
-    graph_max_batch_size: int = 16
+    graph_max_batch_size: int = 64
     gpu_memory_limit: Optional[int] = None
     gpu_memory_utilization: Optional[float] = None
     max_running_requests: int = 16
     max_model_len: int = 4096
     kv_block_size: int = 16
     kv_cache_tokens: Optional[int] = None  # an explicit KV cache size (the plan keeps room for it)
-    #: the most prompt tokens one step computes; a GPU session's memory plan may lower it
-    #: to the chunk whose activations it holds (ModelSession.prefill_chunk)
-    prefill_chunk: int = 256
+    #: the most prompt tokens one step computes (None: :meth:`prompt_chunk`'s default); a GPU
+    #: session's memory plan may lower it to the chunk whose activations it holds
+    #: (ModelSession.prefill_chunk)
+    prefill_chunk: Optional[int] = None
     gpu_dense: str = "auto"
     gpu_embedding: str = "auto"
     gpu_gemv: str = "auto"
     pin_host_threads: str = "on"
     moe: MoEOptions = dataclasses.field(default_factory=lambda: MoEOptions())
+
+    def prompt_chunk(self, gpu: bool) -> int:
+        """The prompt chunk asked for: ``prefill_chunk``, else :data:`GPU_PREFILL_CHUNK` on a
+        GPU device and :data:`CPU_PREFILL_CHUNK` elsewhere."""
+        if self.prefill_chunk:
+            return int(self.prefill_chunk)
+        return GPU_PREFILL_CHUNK if gpu else CPU_PREFILL_CHUNK
 

@@ -248,7 +248,8 @@ _OPTIONS: tuple[_Option, ...] = (
             "so the host's work between steps overlaps the GPU's, and a step launched for a request that then "
             "stops (end of sequence, stop string) is discarded", flag_only=True, turns_off=True),
     _Option("cuda_graph_max_bs", "--cuda-graph-max-bs",
-            "largest decode batch captured as a graph; bigger batches run eagerly (default: {default})",
+            "largest decode batch captured as a graph; bigger batches run eagerly (default: {default}; none is "
+            "captured above --max-running-requests)",
             positive_int, "N"),
     _Option("cuda_graph_bs", "--cuda-graph-bs",
             "decode batch sizes to capture graphs for, comma-separated like 1,2,4,8 (default: {default})",
@@ -349,6 +350,7 @@ _DEFAULT_TEXT: dict[str, str] = {
     "cpu_spin_ms": "20 on a GPU device, longer than a decode step, so the workers are awake for the next step's "
                    "first hand-off; 2 elsewhere",
     "cuda_graph_bs": "powers of two and multiples of 8 up to --cuda-graph-max-bs",
+    "prefill_chunk": "2048 on a GPU, 256 on the CPU",
     "gpu_memory_utilization": "no limit",
     "gpu_memory_limit": "no limit",
     "moe_cache_size": "0, no cache",

@@ -18,7 +18,10 @@ class EngineConfig:
     checkpoint's context, capped by the KV budget ``kv_cache_tokens`` (default: enough
     for ``max_running_requests`` full-length sequences, capped by a quarter of the
     RAM left after the weights). ``prefill_chunk`` is the most prompt tokens one step
-    computes, so a long prompt does not stall running decodes.
+    computes, so a long prompt does not stall running decodes (None: the session's default,
+    :meth:`freetoken.backends.options.EngineOptions.prompt_chunk`). ``cuda_graph_max_bs``
+    bounds the decode batches captured as graphs; batches above ``max_running_requests``
+    never run, so none is captured for them.
     ``enable_prefix_cache`` shares the full KV blocks of equal token prefixes between
     requests (:mod:`freetoken.engine.prefix_cache`).
     """
@@ -29,7 +32,7 @@ class EngineConfig:
     max_running_requests: int = 16
     max_queued_requests: int = 256
     kv_cache_tokens: Optional[int] = None
-    prefill_chunk: int = 256
+    prefill_chunk: Optional[int] = None
     served_model_name: Optional[str] = None
     dtype: str = "auto"
     seed: int = 0
@@ -42,7 +45,7 @@ class EngineConfig:
     #: (sessions that support it: GPU backends), so the host's work between steps overlaps
     #: the device's
     decode_ahead: bool = True
-    cuda_graph_max_bs: int = 16
+    cuda_graph_max_bs: int = 64
     cuda_graph_bs: Optional[list[int]] = None
     gpu_memory_utilization: Optional[float] = None
     gpu_memory_limit: Optional[int] = None
@@ -98,7 +101,7 @@ class EngineConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")
-        if self.prefill_chunk < 1:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")

@@ -227,7 +227,7 @@ class GpuMemoryPlanner:
         """The prompt chunk a step computes and its activations' bytes: the engine's chunk,
         lowered (to a power of two, at least :data:`MIN_PREFILL_CHUNK`) while its activations
         exceed :data:`ACTIVATION_SHARE` of the budget (no budget: as asked)."""
-        asked = max(1, self.options.prefill_chunk)
+        asked = max(1, self.options.prompt_chunk(on_gpu(self.device)))
         per_token = shape.activation_bytes_per_token
         if budget is None or per_token <= 0:
             return asked, asked * per_token

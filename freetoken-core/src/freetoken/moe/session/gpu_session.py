@@ -119,9 +119,10 @@ class GpuModelSession(ModelSession):
     def kv_cache_budget(self) -> Optional[int]:
         return self.plan_result.kv_budget if self.plan_result else None
 
-    def prefill_chunk(self, requested: int) -> int:
+    def prefill_chunk(self, requested: Optional[int]) -> int:
+        asked = requested or self.options.prompt_chunk(on_gpu(self.device))
         plan = self.plan_result
-        return min(requested, plan.prefill_chunk) if plan is not None and plan.prefill_chunk else requested
+        return min(asked, plan.prefill_chunk) if plan is not None and plan.prefill_chunk else asked
 
     # ---- experts ------------------------------------------------------------------------
     def routed_experts(self, spec: MoELayerSpec) -> ExpertsFn:
