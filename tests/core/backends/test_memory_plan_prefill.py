@@ -5,12 +5,14 @@ Activation sizes are checked against a count of the tensors made from the config
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
 from freetoken.backends import registry
 from freetoken.backends.contract import MemoryPlanError, ModelShape
-from freetoken.backends.options import EngineOptions
+from freetoken.backends.options import CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK, EngineOptions
 from freetoken.models.config import ModelConfig
 from freetoken.models.loader import activation_bytes_per_token
 from freetoken.moe.session.gpu_memory_plan import (ACTIVATION_SHARE, MIN_ACTIVATION_BYTES, MIN_PREFILL_CHUNK,
@@ -33,7 +35,7 @@ def _shape(per_token: int, layer_bytes: int = 256 << 20, layers: int = 8) -> Mod
                       activation_bytes_per_token=per_token)
 
 
-def _plan(budget: int, chunk: int, shape: ModelShape, max_model_len: int = 4096, **kw):
+def _plan(budget: Optional[int], chunk: Optional[int], shape: ModelShape, max_model_len: int = 4096, **kw):
     from freetoken_fakegpu.backend import FakeGpuBackend
 
     session = FakeGpuBackend().open_model(EngineOptions(act_dtype=torch.bfloat16, gpu_memory_limit=budget,
@@ -119,3 +121,62 @@ def test_a_context_that_is_not_whole_blocks_starts() -> None:
         assert eng.max_model_len == 130 and eng.kv.total_tokens >= 144
     finally:
         eng.close()
+
+
+def _on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake GPU's tensors live on the host: plan as a GPU device would."""
+    from freetoken.moe.session import gpu_memory_plan, gpu_session
+
+    monkeypatch.setattr(gpu_memory_plan, "on_gpu", lambda device: True)
+    monkeypatch.setattr(gpu_session, "on_gpu", lambda device: True)
+
+
+def test_the_default_chunk_is_the_devices() -> None:
+    assert EngineOptions().prompt_chunk(gpu=True) == GPU_PREFILL_CHUNK == 2048
+    assert EngineOptions().prompt_chunk(gpu=False) == CPU_PREFILL_CHUNK == 256
+    assert EngineOptions(prefill_chunk=300).prompt_chunk(gpu=True) == 300
+
+
+@pytest.mark.parametrize("budget_mib", [2900, 3700, 4800, 4900, 9000])
+def test_the_default_chunk_grows_only_into_what_the_placement_leaves(monkeypatch: pytest.MonkeyPatch,
+                                                                     budget_mib: int) -> None:
+    """Without --prefill-chunk, a budgeted plan places the experts as for 256-token chunks
+    and then doubles the chunk while the added activations fit beside them: never fewer
+    expert layers on the device than with 256, the KV cache's minimum kept, at most 2048."""
+    _on_a_gpu(monkeypatch)
+    per_token = 200_000
+    shape = _shape(per_token)
+    budget = budget_mib << 20
+    small = _plan(budget, 256, shape).plan_result
+    default = _plan(budget, None, shape)
+    plan = default.plan_result
+    kv_min = 4096 * shape.kv_bytes_per_token  # max_model_len 4096 in 16-token blocks
+    spare = small.kv_budget - kv_min
+    expected = 256  # the largest doubling whose added activations fit the spare and the share
+    while (expected * 2 <= 2048 and (2 * expected - 256) * per_token <= spare
+           and 2 * expected * per_token <= max(MIN_ACTIVATION_BYTES, int(budget * ACTIVATION_SHARE))):
+        expected *= 2
+    assert plan.prefill_chunk == expected
+    assert plan.gpu_layers == small.gpu_layers and plan.dense == small.dense
+    assert plan.kv_budget == small.kv_budget - (expected - 256) * per_token >= kv_min
+    assert plan.reserve == WORKSPACE_BYTES + plan.outside + expected * per_token
+    assert default.prefill_chunk(None) == expected
+    assert plan.reserve + plan.dense + plan.expert_bytes + plan.cache + plan.scratch + plan.kv_budget == budget
+
+
+@pytest.mark.parametrize("budget_mib", [3700, 4800])
+def test_a_tight_budget_keeps_the_layer_a_fixed_2048_chunk_would_cost(monkeypatch: pytest.MonkeyPatch,
+                                                                     budget_mib: int) -> None:
+    _on_a_gpu(monkeypatch)
+    shape = _shape(200_000)  # the fake GPU's experts are dequantized: 1.2 GiB a layer
+    budget = budget_mib << 20
+    fixed = _plan(budget, 2048, shape).plan_result
+    default = _plan(budget, None, shape).plan_result
+    assert len(default.gpu_layers) > len(fixed.gpu_layers)
+    assert 256 <= default.prefill_chunk < 2048
+
+
+def test_without_a_budget_the_default_chunk_is_the_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _plan(None, None, _shape(200_000)).prefill_chunk(None) == 256  # the fake GPU's host tensors
+    _on_a_gpu(monkeypatch)
+    assert _plan(None, None, _shape(200_000)).prefill_chunk(None) == 2048

@@ -350,7 +350,8 @@ _DEFAULT_TEXT: dict[str, str] = {
     "cpu_spin_ms": "20 on a GPU device, longer than a decode step, so the workers are awake for the next step's "
                    "first hand-off; 2 elsewhere",
     "cuda_graph_bs": "powers of two and multiples of 8 up to --cuda-graph-max-bs",
-    "prefill_chunk": "2048 on a GPU, 256 on the CPU",
+    "prefill_chunk": "2048 on a GPU (under a memory budget: the largest of 256, 512, 1024 and 2048 whose "
+                     "activations fit beside the experts placed as for 256), 256 on the CPU",
     "gpu_memory_utilization": "no limit",
     "gpu_memory_limit": "no limit",
     "moe_cache_size": "0, no cache",

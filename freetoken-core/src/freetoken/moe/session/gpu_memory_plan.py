@@ -21,7 +21,7 @@ import torch
 
 from freetoken.backends.contract import Backend, BackendError, MemoryPlanError, ModelShape, on_gpu
 
-from freetoken.backends.options import EngineOptions
+from freetoken.backends.options import CPU_PREFILL_CHUNK, EngineOptions
 from freetoken.models.layers import DeviceWeightPolicy
 from freetoken.moe.experts.gpu_packed_experts import FMT_FP8_ROWS, PACKED_FORMATS, fp8_rows_bytes, fp8_rows_fit
 from freetoken.moe.experts.locked_fetch import FetchStaging, planned_fraction
@@ -51,6 +51,11 @@ OUTSIDE_GROWTH_BYTES = 384 << 20
 ACTIVATION_SHARE = 1 / 16
 MIN_ACTIVATION_BYTES = 256 << 20
 MIN_PREFILL_CHUNK = 64
+#: Without a --prefill-chunk, a plan under a budget places the experts as for chunks of this
+#: many tokens, then doubles the chunk (up to the GPU's default) while its activations fit in
+#: what the placement leaves beyond the KV cache's minimum: a larger chunk never costs a
+#: layer of experts on the device.
+PLACEMENT_CHUNK = CPU_PREFILL_CHUNK
 
 #: The KV cache the plan guarantees at least (tokens) when no context length is given.
 MIN_KV_TOKENS = 4096
@@ -59,6 +64,11 @@ MIN_KV_TOKENS = 4096
 def gib(n: float) -> str:
     """Bytes for a message: GiB, or MiB below an eighth of one."""
     return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 8 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _reserve_detail(chunk: int, activations: int, outside: int, workspace: int) -> str:
+    return (f"prompt chunks of {chunk} tokens {gib(activations)}: --prefill-chunk lowers it; "
+            f"outside the allocator {gib(outside)}; workspaces {gib(workspace)}")
 
 
 @dataclasses.dataclass
@@ -165,8 +175,7 @@ class GpuMemoryPlanner:
         outside = self._outside_allocator(mem) if budget is not None else 0
         workspace = WORKSPACE_BYTES if budget is not None else 0
         reserve = workspace + outside + activations if budget is not None else 0
-        self.reserve_detail = (f"prompt chunks of {chunk} tokens {gib(activations)}: --prefill-chunk lowers it; "
-                               f"outside the allocator {gib(outside)}; workspaces {gib(workspace)}")
+        self.reserve_detail = _reserve_detail(chunk, activations, outside, workspace)
         cache = o.moe.cache_bytes or (int(o.moe.cache_fraction * budget) if budget else 0)
         # the prefill of packed (or streamed) experts runs the grouped kernels, which read the
         # blocks where they are (their temporaries, ~70 MB per 1024 tokens, fit the reserve):
@@ -201,6 +210,11 @@ class GpuMemoryPlanner:
             cache = buffers = 0  # nothing to cache or stream
         experts = sum(per_layer[i] for i in gpu)
         kv_budget = None
+        if budget is not None and o.prefill_chunk is None:
+            spare = budget - (reserve + dense + kv_min + cache + buffers + experts)
+            chunk, activations = self._grown_chunk(shape, budget, chunk, spare)
+            reserve = workspace + outside + activations
+            self.reserve_detail = _reserve_detail(chunk, activations, outside, workspace)
         if budget is not None:
             fixed = reserve + dense + kv_min + cache + buffers
             need = fixed + experts
@@ -224,14 +238,18 @@ class GpuMemoryPlanner:
         return result
 
     def _prefill_chunk(self, shape: ModelShape, budget: Optional[int]) -> tuple[int, int]:
-        """The prompt chunk a step computes and its activations' bytes: the engine's chunk,
-        lowered (to a power of two, at least :data:`MIN_PREFILL_CHUNK`) while its activations
-        exceed :data:`ACTIVATION_SHARE` of the budget (no budget: as asked)."""
+        """The prompt chunk a step computes and its activations' bytes: the engine's chunk
+        (with none given, under a budget, :data:`PLACEMENT_CHUNK`: :meth:`_grown_chunk`
+        enlarges it once the experts are placed), lowered (to a power of two, at least
+        :data:`MIN_PREFILL_CHUNK`) while its activations exceed :data:`ACTIVATION_SHARE` of
+        the budget (no budget: as asked)."""
         asked = max(1, self.options.prompt_chunk(on_gpu(self.device)))
+        if self.options.prefill_chunk is None and budget is not None:
+            asked = min(asked, PLACEMENT_CHUNK)
         per_token = shape.activation_bytes_per_token
         if budget is None or per_token <= 0:
             return asked, asked * per_token
-        allowed = max(MIN_ACTIVATION_BYTES, int(budget * ACTIVATION_SHARE))
+        allowed = self._activation_share(budget)
         chunk = asked
         if chunk * per_token > allowed:
             chunk = max(MIN_PREFILL_CHUNK, 1 << max(0, (allowed // per_token).bit_length() - 1))
@@ -239,6 +257,25 @@ class GpuMemoryPlanner:
             log.info("prefill chunk lowered from %d to %d tokens: a chunk's activations take about %s per token, "
                      "and the plan gives them %s of the %s budget", asked, chunk, gib(per_token), gib(allowed),
                      gib(budget))
+        return chunk, chunk * per_token
+
+    @staticmethod
+    def _activation_share(budget: int) -> int:
+        return max(MIN_ACTIVATION_BYTES, int(budget * ACTIVATION_SHARE))
+
+    def _grown_chunk(self, shape: ModelShape, budget: int, chunk: int, spare: int) -> tuple[int, int]:
+        """The default chunk once the experts are placed: ``chunk`` doubled, up to the
+        device's default (:meth:`EngineOptions.prompt_chunk`), while the added activations
+        fit in ``spare`` (the budget beyond the placement and the KV cache's minimum) and
+        within :data:`ACTIVATION_SHARE`."""
+        per_token = shape.activation_bytes_per_token
+        top = self.options.prompt_chunk(on_gpu(self.device))
+        if per_token <= 0:
+            return top, 0
+        allowed = self._activation_share(budget)
+        while 2 * chunk <= top and chunk * per_token <= spare and 2 * chunk * per_token <= allowed:
+            spare -= chunk * per_token
+            chunk *= 2
         return chunk, chunk * per_token
 
     def _outside_allocator(self, mem: Optional[tuple[int, int]]) -> int:
