@@ -331,6 +331,17 @@ class ModelSession(abc.ABC):
         :data:`~freetoken.backends.options.CPU_PREFILL_CHUNK`)."""
         return requested or CPU_PREFILL_CHUNK
 
+    def warmup_prompt_lengths(self, chunk: int) -> list[int]:
+        """Prompt lengths (at most ``chunk``, the engine's prefill chunk) the engine prefills
+        once after :meth:`start`, before any request, so that kernels built at their first
+        use for a size (a GPU's JIT-compiled kernels) are built then and not inside the first
+        users' steps. The default: none."""
+        return []
+
+    def warmup_done(self) -> None:
+        """The warm-up prefills are over: forget them where the session counts or learns
+        from steps (routes, streamed bytes). The default does nothing."""
+
     @abc.abstractmethod
     def start(self, model: Any, kv: Any) -> None:
         """The model is loaded and its KV cache allocated (``kv``:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -192,6 +193,7 @@ class LLMEngine:
         self.prompt_tokens_added = 0
         self.prompt_tokens_computed = 0
         self.session.start(self.model, self.kv)
+        self._warm_prompts()
 
     def add_logits_observer(self, observer: LogitsObserver) -> Callable[[], None]:
         """Call ``observer(request_ids, logits)`` after every sampling step (logit-level
@@ -363,9 +365,43 @@ class LLMEngine:
         the paged cache in chunks of ``chunk`` tokens (default ``prefill_chunk``).
         Runs outside the scheduler: call it while no requests are in flight."""
         self.validate(prompt_ids, SamplingParams(max_tokens=1))
+        return torch.cat(self._prefill(prompt_ids, chunk or self.prefill_chunk, every_position=True))
+
+    @torch.inference_mode()
+    def _warm_prompts(self) -> None:
+        """Prefill the session's warm-up lengths once (random token ids, nothing kept), so
+        that the prompt kernels a GPU builds at first use are built before any request. A
+        warm-up that runs out of memory is logged and ends the warm-up (a request of that
+        size would fail the same way, alone)."""
+        room = min(self.max_model_len - 1, self.prefix_cache.num_available * self.kv.block_size)
+        lengths = [n for n in self.session.warmup_prompt_lengths(self.prefill_chunk) if 1 <= n <= room]
+        if not lengths:
+            return
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed(0)
+        try:
+            for n in lengths:
+                ids = torch.randint(0, self.model_config.vocab_size, (n,), generator=gen).tolist()
+                try:
+                    self._prefill(ids, n, every_position=False)
+                except Exception as exc:
+                    if not self.backend.out_of_memory(exc):
+                        raise
+                    logger.warning("warm-up prefill of %d tokens ran out of memory (%s): the prompt kernels of "
+                                   "larger steps are built at their first use", n, str(exc).strip().splitlines()[0])
+                    self.session.step_failed()
+                    return
+            logger.info("prompt kernels ready: prefills of %s tokens in %.1f s", ", ".join(map(str, lengths)),
+                        time.perf_counter() - t0)
+        finally:
+            self.session.warmup_done()
+
+    def _prefill(self, prompt_ids: list[int], chunk: int, every_position: bool) -> list[torch.Tensor]:
+        """Run a prompt through the paged cache outside the scheduler, in chunks of
+        ``chunk`` tokens; the logits of every position, or of each chunk's last one. The
+        blocks and the recurrent-state slot it takes are released after."""
         req = Request("prompt-logits", prompt_ids, SamplingParams(max_tokens=1), self.tokenizer, [],
                       self.max_model_len, None)
-        chunk = chunk or self.prefill_chunk
         out = []
         if self.states is not None:
             req.state_slot = self.states.allocate()
@@ -377,14 +413,14 @@ class LLMEngine:
                 batch = [Scheduled(req, n, False)]
                 ids, pos, meta = self._metadata(batch)
                 hidden = self.session.forward(ids, pos, meta)
-                out.append(self.model.compute_logits(hidden))
+                out.append(self.model.compute_logits(hidden if every_position else hidden[-1:]))
                 req.num_computed += n
         finally:
             self.prefix_cache.release(req.reset_blocks())
             if req.state_slot is not None and self.states is not None:
                 self.states.free(req.state_slot)
                 req.state_slot = None
-        return torch.cat(out)
+        return out
 
     def _take_ahead(self) -> Optional[tuple[list[Scheduled], torch.Tensor]]:
         """The step launched ahead, without the requests that finished (or were aborted)

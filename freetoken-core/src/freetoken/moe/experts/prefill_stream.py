@@ -163,6 +163,13 @@ class PrefillStreamer:
         """Whether routed copies run as gather kernels over the mapped banks."""
         return bool(self.gather_src)
 
+    def reset_counters(self) -> None:
+        """Count from zero again (after the engine's warm-up prefills)."""
+        self.streamed_layers = 0
+        self._copied_bytes = 0
+        if self._gathered is not None:
+            self._gathered.zero_()
+
     @property
     def streamed_bytes(self) -> int:
         """Expert bytes moved to the GPU so far (reads the gather kernels' device counter)."""

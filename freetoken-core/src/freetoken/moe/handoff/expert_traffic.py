@@ -251,6 +251,19 @@ class ExpertTraffic:
         self._streaming = False
         self._decode = True
 
+    def after_warmup(self) -> None:
+        """The engine's warm-up prefills ran the layers with random tokens: forget them (their
+        prompt routes, streamed bytes, CPU time)."""
+        self.after_capture()
+        self._busy_ns = None
+        if self._prompt_counts is not None:
+            self._prompt_counts.zero_()
+        self._prompt_counted = False
+        if self.streamer is not None:
+            self.streamer.reset_counters()
+        if self.stats is not None:
+            self.stats = MoEStats(self.moe_layers, self.options.stats_interval_s)
+
     def _after_decode(self, tokens: int) -> None:
         ids = self.route_log.read(tokens)  # type: ignore[union-attr]
         on_gpu = np.ones(ids.shape, dtype=bool)

@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 #: so the next step's first hand-off finds them awake instead of asleep.
 GPU_SPIN_MS = 20.0
 
+#: The shortest prompt the start-up warm-up prefills (:meth:`GpuModelSession.warmup_prompt_lengths`):
+#: shorter steps take the decode kernels, which the decode graphs' capture builds.
+WARMUP_MIN_PROMPT = 16
+
 
 class GpuModelSession(ModelSession):
     def __init__(self, backend: Backend, options: EngineOptions, cpu_experts: CpuExperts) -> None:
@@ -123,6 +127,26 @@ class GpuModelSession(ModelSession):
         asked = requested or self.options.prompt_chunk(on_gpu(self.device))
         plan = self.plan_result
         return min(asked, plan.prefill_chunk) if plan is not None and plan.prefill_chunk else asked
+
+    def warmup_prompt_lengths(self, chunk: int) -> list[int]:
+        """On a GPU whose Triton kernels run: powers of two from :data:`WARMUP_MIN_PROMPT`
+        tokens up to the chunk, and the chunk. The prompt kernels are compiled per variant
+        (the grouped expert kernels' routes block follows the tokens of a step, 16 to 64
+        routes), each taking seconds the first time."""
+        from freetoken.backends import triton_target
+
+        if not on_gpu(self.device) or not triton_target.for_device(self.device).usable:
+            return []
+        lengths = {chunk}
+        n = WARMUP_MIN_PROMPT
+        while n < chunk:
+            lengths.add(n)
+            n *= 2
+        return sorted(lengths)
+
+    def warmup_done(self) -> None:
+        if self.traffic is not None:
+            self.traffic.after_warmup()
 
     # ---- experts ------------------------------------------------------------------------
     def routed_experts(self, spec: MoELayerSpec) -> ExpertsFn:
