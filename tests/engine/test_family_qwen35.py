@@ -207,30 +207,10 @@ def test_gpu_session_decode_graphs_equal_the_cpu_backend(checkpoint):
     (fake GPU backend: the DeltaNet steps through DenseOps' torch form, the recurrent states
     gathered and scattered) against the CPU backend (one native DeltaNet op per layer): the same
     greedy tokens, logits within the forms' tolerance."""
-    from freetoken.engine.config import EngineConfig
-    from freetoken.engine.engine import LLMEngine
-
     family, model, path, seed = checkpoint
     rng = random.Random(seed + 7)
     prompts = _prompts(model, rng, (7, 30, 12))
-    runs = {}
-    for name, kw, backend in (("cpu", dict(backend="cpu"), None),
-                              ("gpu-session", dict(moe_cpu_layers="all", cuda_graph_max_bs=4), families.fake_gpu_backend())):
-        eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
-                                     max_running_requests=4, **kw), **({"backend": backend} if backend else {}))
-        try:
-            if backend is not None:
-                assert eng.backend_info()["graphs"] is True
-            with LogitsRecorder(eng) as rec:
-                reqs = [eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-                        for p in prompts]
-                while eng.has_work():
-                    eng.step()
-            if backend is not None:
-                assert eng.session.runner.replays > 0
-            runs[name] = ([r.output_ids for r in reqs], [torch.stack(rec[r.request_id]) for r in reqs])
-        finally:
-            eng.close()
+    runs = families.greedy_on_cpu_and_gpu_session(path, prompts)
     (want_ids, want_rows), (got_ids, got_rows) = runs["cpu"], runs["gpu-session"]
     for got, want, g, w in zip(got_ids, want_ids, got_rows, want_rows):
         # the same tokens up to a near-tie (the forms differ by ~5e-4 at most on these models)

@@ -112,7 +112,6 @@ def test_the_warmup_prefills_each_length_once_and_keeps_nothing(monkeypatch: pyt
 def test_a_warmup_that_runs_out_of_memory_ends_the_warmup(monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(GpuModelSession, "warmup_prompt_lengths", lambda self, chunk: [16, 64, 128])
-    calls = _spy_forward(monkeypatch)
     original = GpuModelSession.forward
 
     def forward(self: GpuModelSession, input_ids: Any, positions: Any, meta: Any) -> Any:
@@ -121,9 +120,11 @@ def test_a_warmup_that_runs_out_of_memory_ends_the_warmup(monkeypatch: pytest.Mo
         return original(self, input_ids, positions, meta)
 
     monkeypatch.setattr(GpuModelSession, "forward", forward)
+    calls = _spy_forward(monkeypatch)  # (around the failing forward: every attempt)
     with caplog.at_level(logging.WARNING, logger="freetoken.engine.engine"):
         eng = _engine()
     try:
+        assert calls == [(16, False), (64, False)]  # the warm-up ends at the failure
         assert "warm-up prefill of 64 tokens ran out of memory" in caplog.text
         assert eng.prefix_cache.num_available * eng.kv.block_size >= 2048 - eng.kv.block_size
         _generate(eng, list(range(5, 30)))  # it serves

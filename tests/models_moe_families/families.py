@@ -205,3 +205,35 @@ def fake_gpu_backend() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.FakeGpuBackend()
+
+
+def greedy_on_cpu_and_gpu_session(path: str, prompts: list[list[int]],
+                                  new_tokens: int = 8) -> dict[str, tuple[list[list[int]], list[torch.Tensor]]]:
+    """``prompts`` decoded greedily together by the CPU backend ("cpu") and by the GPU
+    session's code in decode graphs ("gpu-session": :func:`fake_gpu_backend`, every layer's
+    experts through the hybrid layer; the graphs must have been replayed): each run's output
+    ids and logit rows per request."""
+    from freetoken import SamplingParams
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import LLMEngine
+    from helpers import LogitsRecorder
+
+    runs = {}
+    for name, kw, backend in (("cpu", dict(backend="cpu"), None),
+                              ("gpu-session", dict(moe_cpu_layers="all", cuda_graph_max_bs=4), fake_gpu_backend())):
+        eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
+                                     max_running_requests=4, **kw), **({"backend": backend} if backend else {}))
+        try:
+            if backend is not None:
+                assert eng.backend_info()["graphs"] is True
+            with LogitsRecorder(eng) as rec:
+                reqs = [eng.add_request(p, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+                        for p in prompts]
+                while eng.has_work():
+                    eng.step()
+            if backend is not None:
+                assert eng.session.runner.replays > 0
+            runs[name] = ([r.output_ids for r in reqs], [torch.stack(rec[r.request_id]) for r in reqs])
+        finally:
+            eng.close()
+    return runs

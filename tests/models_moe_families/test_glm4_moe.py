@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from families import assert_engine_matches_hf, fake_gpu_backend, hf_logits, make_model, save
-from freetoken import SamplingParams
+from families import assert_engine_matches_hf, greedy_on_cpu_and_gpu_session, hf_logits, make_model, save
 from freetoken.loading.hf import CheckpointError
 from freetoken.models import glm4_moe
 from freetoken.models.gguf_writer import write_glm4moe_metadata
-from helpers import LogitsRecorder, assert_close, engine_for
+from helpers import assert_close, engine_for
 
 LOGGER = "freetoken.models.tensor_names"  # where the next-token-prediction layers are skipped
 
@@ -258,32 +257,12 @@ def test_gpu_session_decode_graphs_equal_the_cpu_backend(case, tmp_path):
     """Three requests decoded by the GPU session's code in decode graphs (fake GPU backend:
     the routing's torch ops captured and replayed, the experts through the hybrid layer)
     against the CPU backend: the same greedy tokens, logits within 1e-4."""
-    from freetoken.engine.config import EngineConfig
-    from freetoken.engine.engine import LLMEngine
-
     seed = random.randrange(1 << 30)
     path = str(tmp_path / "hf")
     save(make_model("glm4_moe", seed, **GGUF_CASES[case]), path)
     rng = random.Random(seed)
     prompts = [[rng.randrange(160) for _ in range(n)] for n in (7, 30, 12)]
-    runs = {}
-    for name, kw, backend in (("cpu", dict(backend="cpu"), None),
-                              ("gpu-session", dict(moe_cpu_layers="all", cuda_graph_max_bs=4), fake_gpu_backend())):
-        eng = LLMEngine(EngineConfig(model=path, dtype="float32", max_model_len=128, kv_cache_tokens=1024,
-                                     max_running_requests=4, **kw), **({"backend": backend} if backend else {}))
-        try:
-            if backend is not None:
-                assert eng.backend_info()["graphs"] is True
-            with LogitsRecorder(eng) as rec:
-                reqs = [eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-                        for p in prompts]
-                while eng.has_work():
-                    eng.step()
-            if backend is not None:
-                assert eng.session.runner.replays > 0
-            runs[name] = ([r.output_ids for r in reqs], [torch.stack(rec[r.request_id]) for r in reqs])
-        finally:
-            eng.close()
+    runs = greedy_on_cpu_and_gpu_session(path, prompts)
     (want_ids, want_rows), (got_ids, got_rows) = runs["cpu"], runs["gpu-session"]
     assert got_ids == want_ids, f"{case} seed {seed}"
     for g, w in zip(got_rows, want_rows):
