@@ -201,3 +201,16 @@ def test_decode_ahead_with_requests_sampled_on_the_device(monkeypatch, eager):
     want, _ = run(False)
     got, launched = run(True)
     assert got == want and want[0][1] == "stop" and len(want[0][0]) <= 6 and launched > 5
+
+
+@pytest.mark.parametrize("running,buckets", [(16, [1, 2, 4, 8, 16]), (32, [1, 2, 4, 8, 16, 24, 32]),
+                                             (3, [1, 2, 3]), (20, [1, 2, 4, 8, 16, 20])])
+def test_default_buckets_cover_the_running_requests(running: int, buckets: list[int]) -> None:
+    """Without --cuda-graph-max-bs (64), every decode batch up to --max-running-requests
+    replays a graph: powers of two, multiples of 8, and the running count itself."""
+    eng = LLMEngine(EngineConfig(dtype="float32", max_model_len=128, kv_cache_tokens=1024, moe_cpu_layers="all",
+                                 max_running_requests=running), backend=_fake_backend())
+    try:
+        assert eng.session.runner.buckets == buckets
+    finally:
+        eng.close()

@@ -297,8 +297,8 @@ class GpuModelSession(ModelSession):
         from freetoken.moe.session.decode_graphs import DecodeGraphRunner, graph_buckets
 
         o = self.options
-        buckets = [b for b in graph_buckets(o.graph_max_batch_size, o.graph_batch_sizes)
-                   if b <= max(o.max_running_requests, 1) or o.graph_batch_sizes]
+        # up to the running requests' count, that count included (a batch of it never pads)
+        buckets = graph_buckets(min(o.graph_max_batch_size, max(o.max_running_requests, 1)), o.graph_batch_sizes)
         if not buckets:
             return
         self.attention_impl = _attention_impl(self.device, getattr(self.model.config, "head_dim", None))
