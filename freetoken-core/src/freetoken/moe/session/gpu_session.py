@@ -130,9 +130,9 @@ class GpuModelSession(ModelSession):
 
     def warmup_prompt_lengths(self, chunk: int) -> list[int]:
         """On a GPU whose Triton kernels run: powers of two from :data:`WARMUP_MIN_PROMPT`
-        tokens up to the chunk, and the chunk. The prompt kernels are compiled per variant
-        (the grouped expert kernels' routes block follows the tokens of a step, 16 to 64
-        routes), each taking seconds the first time."""
+        tokens up to the chunk, and the chunk. The Triton prompt kernels are compiled at the
+        first use of each variant (the grouped expert kernels' routes block follows the
+        tokens of a step, 16 to 64 routes)."""
         from freetoken.backends import triton_target
 
         if not on_gpu(self.device) or not triton_target.for_device(self.device).usable:
