@@ -447,3 +447,38 @@ def test_host_threads_keep_off_the_workers_cores(backend, reference, setting, ph
         eng.close()
     assert os.sched_getaffinity(0) == before
     check_logits(got, reference, 1e-3)
+
+
+def _compiled_variants(kernels) -> list[int]:
+    """Compiled variants in this process's in-memory caches of each Triton kernel (Triton 3:
+    ``device_caches[device][0]`` maps a specialisation to its compiled kernel)."""
+    counts = []
+    for k in kernels:
+        caches = getattr(k, "device_caches", None)
+        if caches is None:
+            pytest.skip(f"{k}: this Triton keeps no device_caches, the compiled variants cannot be counted")
+        counts.append(sum(len(entry[0]) for entry in caches.values()))
+    return counts
+
+
+def test_prompts_compile_no_kernel_after_the_warmup(backend, caplog):
+    """After the start-up warm-up, prompts of other lengths (so other routes blocks and mixed
+    steps with decodes) build no new variant of the grouped prompt kernels."""
+    import logging
+
+    from freetoken.kernels import moe_grouped
+    from freetoken.models.demo import ensure_demo_model
+
+    kernels = (moe_grouped._gate_up_grouped_kernel, moe_grouped._down_grouped_kernel)
+    with caplog.at_level(logging.INFO, logger="freetoken.engine.engine"):
+        eng = LLMEngine(EngineConfig(model=ensure_demo_model().gguf_path, max_model_len=1024, kv_cache_tokens=8192,
+                                     dtype="bfloat16"), backend=backend)
+    try:
+        assert "prompt kernels ready" in caplog.text
+        before = _compiled_variants(kernels)
+        assert all(n > 0 for n in before), before
+        prompts = [[(11 * i + 5 * j) % 300 + 3 for j in range(n)] for i, n in enumerate((20, 150, 333, 700, 1000))]
+        run_greedy(eng, prompts, 3)
+        assert _compiled_variants(kernels) == before
+    finally:
+        eng.close()
