@@ -12,7 +12,14 @@ import torch
 from freetoken.backends import registry
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
-from freetoken.moe.experts.locked_fetch import LockedPlacement, first_routes, locked_routes, planned_fraction
+from freetoken.moe.experts.locked_fetch import (
+    FetchProfile,
+    LockedPlacement,
+    choose_fetch_routes,
+    first_routes,
+    locked_routes,
+    planned_fraction,
+)
 
 
 def expected(ids: np.ndarray, resident: np.ndarray, fraction: float, max_fetch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,6 +122,21 @@ def test_auto_share_only_where_measured():
     assert planned_fraction(0.0, "cuda", True, 0.25) == (0.0, "given")
     off, why = planned_fraction(None, "cuda", True, 0.0)
     assert off == 0.0 and "no measured share" in why
+
+
+@pytest.mark.parametrize("step_us,want", [
+    ({0: 100.0, 1: 80.0, 2: 79.0}, 1),  # a second route within 5% of the first: not worth its PCIe reads
+    ({0: 100.0, 1: 90.0, 2: 70.0}, 2),
+    ({0: 100.0, 1: 104.0, 2: 120.0}, 0),  # fetching only slows the step
+    ({0: 104.0, 1: 100.0, 2: 120.0}, 0),  # none is within 5% of the best
+    ({0: 200.0, 1: 150.0, 2: 151.0, 3: 100.0}, 3),
+])
+def test_fetch_count_chosen_from_the_measured_steps(step_us, want):
+    """``auto``'s start-up choice: the fewest fetched routes whose measured step is within 5%
+    of the shortest."""
+    assert choose_fetch_routes(step_us) == want
+    profile = FetchProfile({n: t for n, t in step_us.items()}, {n: t / 2 for n, t in step_us.items()}, want)
+    assert profile.step_us() == step_us and profile.as_dict()["routes"] == want
 
 
 def test_backends_declare_their_share():

@@ -148,8 +148,9 @@ def test_streamed_prefill_matches_cpu(backend, reference, lock, cache):
 def test_locked_fetch_matches_cpu(backend, reference, cache_experts, eager, mode):
     """Half of each step's missed routes (at most 2 per layer) copied by the GPU from the
     page-locked, mapped host banks into device slots and computed there, beside the cache
-    when there is one; ``auto``: no locked-fetch option given (the default: a quarter of the
-    missed routes, at most 2)."""
+    when there is one; ``auto``: no locked-fetch option given (the default: the start times
+    a CPU layer's step with 0, 1 and 2 fetched routes and fetches the count the rule picks,
+    a share of the top-k; none turns it off)."""
     given = {} if mode == "auto" else {"moe_locked_fetch": 0.5}
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_locked_max_fetch=2,
                   moe_cache_size=float(cache_experts * EXPERT_BYTES), moe_hybrid_max_fetch=1 if cache_experts else 0,
@@ -161,9 +162,20 @@ def test_locked_fetch_matches_cpu(backend, reference, cache_experts, eager, mode
         eng.close()
     assert rep["graphs"] is (not eager) and rep["host_locked_bytes"] > 0
     fetch = rep["locked_fetch"]
+    assert check_logits(got, reference, TOL) > 100
+    if mode == "auto":
+        profile = fetch["profile"]
+        step = {int(n): t for n, t in profile["step_us"].items()}
+        assert sorted(step) == [0, 1, 2], profile
+        assert profile["routes"] == min(n for n in step if step[n] <= 1.05 * min(step.values())), profile
+        print("locked fetch auto:", profile)
+        if profile["routes"] == 0:
+            assert fetch["fraction"] == 0 and fetch["setting"].startswith("auto: off (measured"), fetch
+            return
+        assert (fetch["setting"], fetch["fraction"]) == ("auto: measured", profile["routes"] / 4), fetch
+    else:
+        assert (fetch["setting"], fetch["fraction"]) == ("given", 0.5)
     assert fetch["routes"] > 100
-    assert (fetch["setting"], fetch["fraction"]) == (("auto", 0.25) if mode == "auto" else ("given", 0.5))
     assert fetch["staging_bytes"] == 2 * EXPERT_BYTES
     stats = rep["moe_stats"]
     assert 0 < stats["gpu_routes"] < stats["routes"]
-    assert check_logits(got, reference, TOL) > 100

@@ -45,8 +45,10 @@ def test_fakegpu_locked_fetch_copy_matches_the_cpu_workers(cache_experts, refere
 def test_fakegpu_locked_fetch_auto(reference, monkeypatch):
     """No locked-fetch option given (``auto``), the plugin standing in for an NVIDIA device
     (the plan's device check answered as for CUDA): where the host banks cannot be mapped the
-    engine runs with every missed route on the CPU and says why; where they can, a quarter of
-    the missed routes (at most 2 per layer) by copy."""
+    engine runs with every missed route on the CPU and says why; where they can, the start
+    times a CPU layer's step with 0, 1 and 2 fetched routes and takes the count the rule
+    picks from those timings (here the interpreter's fetch is slow: none); a count of 2
+    forced into the rule fetches half of the demo's 4 routes by copy."""
     from freetoken.kernels import availability
 
     from freetoken.moe.session import gpu_memory_plan
@@ -60,12 +62,27 @@ def test_fakegpu_locked_fetch_auto(reference, monkeypatch):
     got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off")  # the plugin registers no banks
     fetch = rep["locked_fetch"]
     assert fetch["fraction"] == 0 and fetch["setting"].startswith("auto: off (the host banks could not be"), fetch
-    assert any("locked fetch auto: off" in note for note in rep["moe_notes"]), rep
+    assert "profile" not in fetch and any("locked fetch auto: off" in note for note in rep["moe_notes"]), rep
     assert check_logits(got, reference, 1e-6) >= 5  # every route on the CPU workers, as the reference
     mapped_banks_in_the_interpreter(monkeypatch)
     got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_collect_stats=True)
     fetch = rep["locked_fetch"]
-    assert (fetch["setting"], fetch["fraction"]) == ("auto", 0.25), fetch
+    profile = fetch["profile"]
+    step = {int(n): t for n, t in profile["step_us"].items()}
+    assert sorted(step) == [0, 1, 2], profile
+    for n in step:
+        assert step[n] == max(profile["cpu_us"][str(n)], profile["gpu_us"][str(n)]) > 0 or n == 0, profile
+    # the fewest routes within 5% of the fastest
+    assert profile["routes"] == min(n for n in step if step[n] <= 1.05 * min(step.values())), profile
+    if profile["routes"]:
+        assert (fetch["setting"], fetch["fraction"]) == ("auto: measured", profile["routes"] / 4), fetch
+    else:
+        assert fetch["fraction"] == 0 and fetch["setting"].startswith("auto: off (measured"), fetch
+    assert check_logits(got, reference, TOL) >= 5
+    monkeypatch.setattr(locked_fetch, "choose_fetch_routes", lambda step_us: 2)
+    got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_collect_stats=True)
+    fetch = rep["locked_fetch"]
+    assert (fetch["setting"], fetch["fraction"], fetch["profile"]["routes"]) == ("auto: measured", 0.5, 2), fetch
     assert fetch["staging_bytes"] == 2 * EXPERT_BYTES and fetch["routes"] > 0, fetch
     assert 0 < rep["moe_stats"]["gpu_routes"] < rep["moe_stats"]["routes"], rep["moe_stats"]
     assert check_logits(got, reference, TOL) >= 5

@@ -322,8 +322,10 @@ _OPTIONS: tuple[_Option, ...] = (
             "share of a decode step's missed expert routes the GPU computes in the same step, beside the CPU "
             "workers: one gather kernel per stack copies their experts from the page-locked host banks over "
             "PCIe into a few device slots (a few MiB), then the GPU's kernels compute from there (about PCIe / "
-            "(PCIe + RAM bandwidth); GGUF K-quant/Q8_0/MXFP4 experts); 0: off; auto: 0.25 on an NVIDIA GPU when "
-            "the banks can be page-locked, else off (default: {default})", fraction_or_auto, "auto|FRACTION"),
+            "(PCIe + RAM bandwidth); GGUF K-quant/Q8_0/MXFP4 experts); 0: off; auto: on an NVIDIA GPU when the "
+            "banks can be page-locked, the start times a CPU layer's step with 0 to --moe-locked-max-fetch "
+            "routes fetched and takes the fewest within 5%% of the fastest (none: off), else off "
+            "(default: {default})", fraction_or_auto, "auto|FRACTION"),
     _Option("moe_locked_max_fetch", "--moe-locked-max-fetch",
             "most missed routes per layer and step served that way (default: {default})", non_negative_int, "N"),
     _Option("moe_collect_stats", "--moe-collect-stats",

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
+import time
 from typing import Any, ClassVar, Optional
 
 import numpy as np
@@ -71,6 +73,143 @@ def planned_fraction(fraction: Optional[float], device: Any, eligible: bool, aut
         return 0.0, ("auto: off (the CPU layers' experts are not in formats the GPU reads as stored, "
                      "or --moe-lock-host off)")
     return float(auto_share), "auto"
+
+
+#: start-up trials of each candidate route count (fresh random experts each)
+FETCH_TRIALS = 7
+#: a count is chosen over a smaller one only when its measured step is shorter by more than
+#: this share (fewer fetched routes: less PCIe traffic beside the CPU's reads)
+FETCH_GAIN = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchProfile:
+    """Start-up timings of one CPU layer's batch-1 decode step (``top_k`` routes, none of
+    their experts on the GPU) for each candidate count ``n`` of them fetched: the GPU's gather
+    and expert kernels for the first ``n`` routes (``gpu_us``) and, at the same time, the CPU
+    workers on the other routes (``cpu_us``); medians over the trials, microseconds.
+    ``routes`` is the count chosen (:func:`choose_fetch_routes`)."""
+
+    cpu_us: dict[int, float]
+    gpu_us: dict[int, float]
+    routes: int
+
+    def step_us(self) -> dict[int, float]:
+        """Per count: the later of the two sides (the layer's step waits for both)."""
+        return {n: max(self.cpu_us[n], self.gpu_us[n]) for n in sorted(self.cpu_us)}
+
+    def as_dict(self) -> dict[str, Any]:
+        def us(d: dict[int, float]) -> dict[str, float]:
+            return {str(n): round(t, 1) for n, t in sorted(d.items())}
+
+        return {"routes": self.routes, "step_us": us(self.step_us()), "cpu_us": us(self.cpu_us),
+                "gpu_us": us(self.gpu_us)}
+
+
+def choose_fetch_routes(step_us: dict[int, float], gain: float = FETCH_GAIN) -> int:
+    """The fewest fetched routes whose step is within ``gain`` of the shortest measured."""
+    best = min(step_us.values())
+    return min(n for n, t in step_us.items() if t <= best * (1.0 + gain))
+
+
+def measure_fetch_routes(
+    experts: Any, bank: Any, cpu: Any, registration: Any, staging: "FetchStaging", top_k: int, act_dtype: torch.dtype,
+    activation: str, max_routes: int, native: Any = None, trials: int = FETCH_TRIALS, seed: int = 0,
+) -> FetchProfile:  # fmt: skip
+    """Time a batch-1 step of one CPU layer (``experts``, its CPU ``bank``) with 0 ..
+    ``max_routes`` (at most ``top_k``) of its routes fetched from the page-locked banks while
+    ``cpu`` (:class:`~freetoken.backends.contract.CpuExperts`, synchronous kernels) computes
+    the rest, and choose the count. On a GPU the fetch (captured in a graph, as decode steps
+    run it) is launched first and the CPU kernels run while it does, so the two compete for
+    the host's memory as in a step; on a host device the two sides run one after the other."""
+    device = staging.device
+    gen = torch.Generator().manual_seed(seed)
+    counts = list(range(min(int(max_routes), int(top_k), staging.slots) + 1))
+    sides = {n: _FetchSide(experts, registration, staging, activation, top_k, n, act_dtype, native) for n in counts[1:]}
+    cpu_s: dict[int, list[float]] = {n: [] for n in counts}
+    gpu_s: dict[int, list[float]] = {n: [0.0] for n in counts[:1]} | {n: [] for n in counts[1:]}
+    for trial in range(trials + 1):  # the first round warms both sides up, untimed
+        for n in counts:
+            ids = torch.randperm(int(experts.num_experts), generator=gen)[:top_k].to(torch.int32).view(1, top_k)
+            x = torch.randn(1, int(experts.hidden), generator=gen).to(act_dtype)
+            w = torch.rand(1, top_k, generator=gen)
+            cpu_ids = ids.clone()
+            cpu_ids[0, :n] = -1
+            side = sides.get(n)
+            if side is not None:
+                side.launch(x, ids, w)
+            t0 = time.perf_counter()
+            cpu.run(bank, x, cpu_ids, w)
+            t_cpu = time.perf_counter() - t0
+            t_gpu = side.finish() if side is not None else 0.0
+            if trial:
+                cpu_s[n].append(t_cpu)
+                if side is not None:
+                    gpu_s[n].append(t_gpu)
+    cpu_us = {n: statistics.median(v) * 1e6 for n, v in cpu_s.items()}
+    gpu_us = {n: statistics.median(v) * 1e6 for n, v in gpu_s.items()}
+    step = {n: max(cpu_us[n], gpu_us[n]) for n in counts}
+    return FetchProfile(cpu_us, gpu_us, choose_fetch_routes(step))
+
+
+class _FetchSide:
+    """The GPU side of :func:`measure_fetch_routes` for ``n`` fetched routes: a
+    :class:`StagedFetch` over the shared slots taking the first ``n`` routes of a 1-token
+    step, replayed from a CUDA graph on a GPU (eager where capture fails, and on a host
+    device, where :meth:`launch` computes it and times it there and then)."""
+
+    def __init__(self, experts: Any, registration: Any, staging: "FetchStaging", activation: str, top_k: int,
+                 n: int, act_dtype: torch.dtype, native: Any) -> None:  # fmt: skip
+        self.device = staging.device
+        self.fetch = StagedFetch(experts, registration, staging, activation, top_k, n / top_k, n, native=native)
+        self.x = torch.zeros(1, int(experts.hidden), dtype=act_dtype, device=self.device)
+        self.ids = torch.zeros(1, top_k, dtype=torch.int32, device=self.device)
+        self.w = torch.zeros(1, top_k, dtype=torch.float32, device=self.device)
+        self.graph: Any = None
+        self.events: Any = None
+        self._host_s = 0.0
+
+    def _capture(self) -> None:
+        if not on_gpu(self.device) or self.events is not None:
+            return
+        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self.fetch.forward_routes(self.x, self.ids, self.w)  # kernels compiled, constants made
+        torch.cuda.synchronize(self.device)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.fetch.forward_routes(self.x, self.ids, self.w)
+            self.graph = graph
+        except RuntimeError as exc:  # timed eagerly: the launches count in, the fetch looks slower
+            log.debug("locked fetch timing: graph capture failed (%s); timing eager launches", exc)
+            torch.cuda.synchronize(self.device)
+
+    def launch(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
+        self._capture()
+        self.x.copy_(x)
+        self.ids.copy_(ids)
+        self.w.copy_(w)
+        if self.events is None:  # host device: compute now
+            t0 = time.perf_counter()
+            self.fetch.forward_routes(self.x, self.ids, self.w)
+            self._host_s = time.perf_counter() - t0
+            return
+        torch.cuda.synchronize(self.device)
+        start, end = self.events
+        start.record()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.fetch.forward_routes(self.x, self.ids, self.w)
+        end.record()
+
+    def finish(self) -> float:
+        """Seconds the GPU side took."""
+        if self.events is None:
+            return self._host_s
+        end = self.events[1]
+        end.synchronize()
+        return self.events[0].elapsed_time(end) / 1e3
 
 
 def locked_fetch_supported(experts: Any) -> bool:

@@ -7,7 +7,8 @@ from the ``--moe-*`` options (:class:`~freetoken.backends.options.MoEOptions`) a
 memory plan, and sits in three places of the session:
 
 * :meth:`start` (before the CPU coordinator takes the cores): registers the banks, fills
-  the cache, measures the streaming threshold;
+  the cache, measures the streaming threshold and (``--moe-locked-fetch auto``) how many
+  routes locked fetch takes;
 * :meth:`wrap` around each MoE layer's experts function: records the routes (when the
   cache or the statistics need them) and, in a streaming step, computes a CPU layer's
   experts on the GPU from the streamed bytes;
@@ -17,6 +18,7 @@ memory plan, and sits in three places of the session:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Optional
 
@@ -30,6 +32,7 @@ from freetoken.moe.experts.expert_cache import ExpertCache
 from freetoken.moe.experts.gpu_packed_experts import DequantScratch
 from freetoken.moe.handoff.host_pinning import HostRegistration, register_banks
 from freetoken.moe.experts.locked_fetch import (
+    FetchProfile,
     FetchStaging,
     FirstRoutesPlacement,
     LockedPlacement,
@@ -37,6 +40,7 @@ from freetoken.moe.experts.locked_fetch import (
     StagedFetch,
     locked_fetch_supported,
     locked_routes,
+    measure_fetch_routes,
 )
 from freetoken.moe.placement import Placement
 from freetoken.moe.handoff.moe_stats import MoEStats, RouteLog
@@ -82,6 +86,7 @@ class ExpertTraffic:
         self.locked = False
         self.locked_routes = 0
         self.fetch_staging: Optional[FetchStaging] = None  # locked fetch by copy
+        self.fetch_profile: Optional[FetchProfile] = None  # auto: the start-up measurement
         self._streaming = False
         self._decode = True  # the current step decodes (prompt steps count routes for the cache)
         self._prompt_counts: Optional[torch.Tensor] = None  # [cache rows, E] on the device
@@ -130,6 +135,8 @@ class ExpertTraffic:
             self.locked_setting = f"auto: off (the host banks could not be page-locked and mapped: {why})"
             self.notes.append(f"locked fetch {self.locked_setting}")
         self.locked = locked
+        if locked and auto:
+            self._measure_fetch(cpu, banks)
         if cache:
             self.cache = ExpertCache(cpu_layers, self.cache_bytes, self.device, self.act_dtype, self.activation,
                                      self.packed_ok, self.copies, o.hybrid_max_fetch, self.scratch,  # type: ignore[arg-type]
@@ -157,6 +164,28 @@ class ExpertTraffic:
             self.route_log = RouteLog(self.moe_layers, self.max_decode_tokens, self.top_k, self.device)
         if o.collect_stats:
             self.stats = MoEStats(self.moe_layers, o.stats_interval_s)
+
+    def _measure_fetch(self, cpu: Any, banks: dict[int, Any]) -> None:
+        """``auto``: time a step of the first CPU layer with 0 .. ``locked_max_fetch`` routes
+        fetched beside the CPU's (:func:`measure_fetch_routes`, before the coordinator takes
+        the cores) and fetch the fastest count's share of the missed routes; none: off."""
+        o = self.options
+        first = next(iter(self.cpu_layers))
+        self.fetch_staging = FetchStaging(self.cpu_layers, o.locked_max_fetch, self.device)
+        profile = measure_fetch_routes(self.cpu_layers[first], banks[first], cpu, self.registration,
+                                       self.fetch_staging, self.top_k, self.act_dtype, self.activation,
+                                       o.locked_max_fetch, native=self.native)  # fmt: skip
+        self.fetch_profile = profile
+        steps = ", ".join(f"{n}: {t:.0f}" for n, t in profile.step_us().items())
+        if profile.routes == 0:
+            self.locked = False
+            self.fetch_staging = None
+            self.locked_setting = f"auto: off (measured: a CPU layer's step in us by fetched routes {steps})"
+        else:
+            self.options = dataclasses.replace(o, locked_fetch=profile.routes / self.top_k)
+            self.locked_setting = "auto: measured"
+        log.info("locked fetch %s; a CPU layer's batch-1 step in us by fetched routes: %s",
+                 "off" if profile.routes == 0 else f"{profile.routes} of {self.top_k} routes", steps)
 
     def _register(self, staging: Any, wanted: bool, mapped: bool) -> None:
         mode = self.options.lock_host
@@ -312,10 +341,14 @@ class ExpertTraffic:
                                    "setting": self.locked_setting,
                                    "staging_bytes": self.fetch_staging.nbytes if self.fetch_staging else 0,
                                    "routes": self.locked_routes if self.route_log is not None else None}
+            if self.fetch_profile is not None:
+                out["locked_fetch"]["profile"] = self.fetch_profile.as_dict()
         elif self.cpu_layers:
             given = "off (--moe-locked-max-fetch 0)" if self.options.locked_fetch else "off (--moe-locked-fetch 0)"
             out["locked_fetch"] = {"fraction": 0.0,
                                    "setting": given if self.locked_setting == "given" else self.locked_setting}
+            if self.fetch_profile is not None:
+                out["locked_fetch"]["profile"] = self.fetch_profile.as_dict()
         if self.stats is not None:
             out["moe_stats"] = self.stats.snapshot()
         if self.notes:
