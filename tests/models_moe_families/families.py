@@ -173,6 +173,39 @@ def smallest_router_gap(model: Any, ids: list[int], routers: list[Any], top_k: i
     return min(gaps)
 
 
+def smallest_grouped_router_gap(model: Any, ids: list[int]) -> float:
+    """:func:`smallest_router_gap` for DeepSeek-V3's grouped routing (transformers'
+    ``DeepseekV3TopkRouter``, every MoE layer's ``mlp.gate``), in the choice scores (sigmoid
+    plus correction bias): the smallest gap, over layers and positions, between the
+    ``topk_group``-th and the next group score (each group's two best scores summed), and
+    between the ``top_k``-th and the next expert score within the chosen groups."""
+    gaps: list[float] = []
+
+    def record(gate: Any, inputs: Any, output: Any) -> None:
+        x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+        scores = (x @ gate.weight.float().T).sigmoid() + gate.e_score_correction_bias.float()
+        per_group = gate.num_experts // gate.num_group
+        groups = scores.view(-1, gate.num_group, per_group).topk(2, dim=-1).values.sum(-1)
+        if gate.topk_group < gate.num_group:
+            best = groups.topk(gate.topk_group + 1, dim=-1).values
+            gaps.append(float((best[:, -2] - best[:, -1]).min()))
+        chosen = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(gate.topk_group, dim=-1).indices,
+                                                                     True)  # fmt: skip
+        within = scores.masked_fill(~chosen.repeat_interleave(per_group, dim=1), float("-inf"))
+        top = within.topk(gate.top_k + 1, dim=-1).values
+        gaps.append(float((top[:, -2] - top[:, -1]).min()))
+
+    hooks = [layer.mlp.gate.register_forward_hook(record) for layer in model.model.layers
+             if hasattr(layer.mlp, "gate")]  # fmt: skip
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return min(gaps)
+
+
 def assert_engine_matches_hf(eng: Any, model: Any, rng: random.Random, what: str,
                              prompts: tuple[int, ...] = (3, 21), new_tokens: int = 5) -> None:
     """The engine's logits of a random 29-token prompt, then of requests with prompts of the
