@@ -4,6 +4,7 @@ built from the same tensors dequantized by gguf-py."""
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -201,10 +202,23 @@ def tiny_gguf(tmp_path_factory):
 #
 # ``one_flip`` raises the bound of the single worst position for a family whose one flip moves
 # its position further (every other position keeps 8e-2, the mean 3e-2).
-def assert_close_rounding(got: torch.Tensor, ref: torch.Tensor, what: str, one_flip: float = 8e-2) -> None:
+#
+# ``near_ties`` (bool per position) marks positions where a router's choice is within the
+# rounding noise of another (tests/models_moe_families/families.router_gaps): the engine may
+# take the other expert there, which moves the position by up to ROUTING_FLIP of the scale;
+# those positions are held to that bound alone.
+ROUTING_FLIP = 0.6
+
+
+def assert_close_rounding(got: torch.Tensor, ref: torch.Tensor, what: str, one_flip: float = 8e-2,
+                          near_ties: Optional[torch.Tensor] = None) -> None:  # fmt: skip
     assert got.shape == ref.shape, what
     scale = max(1.0, float(ref.abs().max()))
     row_err = (got - ref).abs().amax(-1) / scale
+    if near_ties is not None:
+        tied = row_err[near_ties]
+        assert bool((tied <= ROUTING_FLIP).all()), f"{what}: a routing near-tie's position off by {tied.tolist()}"
+        row_err = row_err[~near_ties]
     worst, second = (sorted(row_err.tolist(), reverse=True) + [0.0])[:2]
     assert worst <= one_flip, f"{what}: max error {worst:.3g} of scale: {row_err.tolist()}"
     assert second <= 8e-2, f"{what}: second-largest error {second:.3g} of scale: {row_err.tolist()}"

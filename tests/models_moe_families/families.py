@@ -150,18 +150,12 @@ def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0].float()
 
 
-def smallest_router_gap(model: Any, ids: list[int], routers: list[Any], top_k: int) -> float:
-    """The smallest gap, over every layer's router (linear modules) and position of ``ids``,
-    between the ``top_k``-th and the next router logit in transformers' forward: where it is
-    below the engine's rounding noise, the two may choose different experts (a routing flip
-    is no error of the engine, but moves its position's logits by far more than rounding)."""
-    gaps: list[float] = []
+def _per_position_min(model: Any, ids: list[int], routers: list[Any], gaps_of: Any) -> torch.Tensor:
+    """``[T]``: the smallest of ``gaps_of(router, inputs [T, H])`` over ``routers``."""
+    gaps: list[torch.Tensor] = []
 
     def record(module: Any, inputs: Any, output: Any) -> None:
-        x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
-        logits = x @ module.weight.float().T + (0 if module.bias is None else module.bias.float())
-        top = logits.topk(top_k + 1, dim=-1).values
-        gaps.append(float((top[:, top_k - 1] - top[:, top_k]).min()))
+        gaps.append(gaps_of(module, inputs[0].reshape(-1, inputs[0].shape[-1]).float()))
 
     hooks = [r.register_forward_hook(record) for r in routers]
     try:
@@ -170,40 +164,44 @@ def smallest_router_gap(model: Any, ids: list[int], routers: list[Any], top_k: i
     finally:
         for h in hooks:
             h.remove()
-    return min(gaps)
+    return torch.stack(gaps).amin(0)
 
 
-def smallest_grouped_router_gap(model: Any, ids: list[int]) -> float:
-    """:func:`smallest_router_gap` for DeepSeek-V3's grouped routing (transformers'
+def router_gaps(model: Any, ids: list[int], routers: list[Any], top_k: int) -> torch.Tensor:
+    """Per position of ``ids`` (``[T]``), the smallest gap over the layers' routers (linear
+    modules) between the ``top_k``-th and the next router logit in transformers' forward:
+    where it is within the engine's rounding noise, the two may choose different experts (a
+    routing flip is no error of the engine, but moves its position's logits by far more than
+    rounding)."""
+
+    def gaps_of(router: Any, x: torch.Tensor) -> torch.Tensor:
+        logits = x @ router.weight.float().T + (0 if router.bias is None else router.bias.float())
+        top = logits.topk(top_k + 1, dim=-1).values
+        return top[:, top_k - 1] - top[:, top_k]
+
+    return _per_position_min(model, ids, routers, gaps_of)
+
+
+def grouped_router_gaps(model: Any, ids: list[int]) -> torch.Tensor:
+    """:func:`router_gaps` for DeepSeek-V3's grouped routing (transformers'
     ``DeepseekV3TopkRouter``, every MoE layer's ``mlp.gate``), in the choice scores (sigmoid
-    plus correction bias): the smallest gap, over layers and positions, between the
-    ``topk_group``-th and the next group score (each group's two best scores summed), and
-    between the ``top_k``-th and the next expert score within the chosen groups."""
-    gaps: list[float] = []
+    plus correction bias): per position, the smallest gap between the ``topk_group``-th and
+    the next group score (each group's two best scores summed) and between the ``top_k``-th
+    and the next expert score within the chosen groups."""
 
-    def record(gate: Any, inputs: Any, output: Any) -> None:
-        x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+    def gaps_of(gate: Any, x: torch.Tensor) -> torch.Tensor:
         scores = (x @ gate.weight.float().T).sigmoid() + gate.e_score_correction_bias.float()
         per_group = gate.num_experts // gate.num_group
         groups = scores.view(-1, gate.num_group, per_group).topk(2, dim=-1).values.sum(-1)
-        if gate.topk_group < gate.num_group:
-            best = groups.topk(gate.topk_group + 1, dim=-1).values
-            gaps.append(float((best[:, -2] - best[:, -1]).min()))
-        chosen = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(gate.topk_group, dim=-1).indices,
-                                                                     True)  # fmt: skip
-        within = scores.masked_fill(~chosen.repeat_interleave(per_group, dim=1), float("-inf"))
-        top = within.topk(gate.top_k + 1, dim=-1).values
-        gaps.append(float((top[:, -2] - top[:, -1]).min()))
+        best = groups.topk(min(gate.topk_group + 1, gate.num_group), dim=-1)
+        group_gap = (best.values[:, -2] - best.values[:, -1] if gate.topk_group < gate.num_group
+                     else torch.full_like(groups[:, 0], float("inf")))  # fmt: skip
+        chosen = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, best.indices[:, :gate.topk_group], True)
+        top = scores.masked_fill(~chosen.repeat_interleave(per_group, dim=1), float("-inf")).topk(gate.top_k + 1, dim=-1)
+        return torch.minimum(group_gap, top.values[:, -2] - top.values[:, -1])
 
-    hooks = [layer.mlp.gate.register_forward_hook(record) for layer in model.model.layers
-             if hasattr(layer.mlp, "gate")]  # fmt: skip
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return min(gaps)
+    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    return _per_position_min(model, ids, routers, gaps_of)
 
 
 def assert_engine_matches_hf(eng: Any, model: Any, rng: random.Random, what: str,

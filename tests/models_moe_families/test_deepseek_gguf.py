@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from families import assert_engine_matches_hf, DEEPSEEK_YARN, hf_logits, make_model, smallest_grouped_router_gap
+from families import assert_engine_matches_hf, DEEPSEEK_YARN, hf_logits, grouped_router_gaps, make_model
 from freetoken.handoff import Fmt
 from freetoken.models import deepseek_v3
 from freetoken.models.gguf_writer import random_blocks, write_deepseek2_metadata
@@ -23,7 +23,7 @@ from helpers import assert_close, engine_for
 from test_engine_gguf import _quantizing_experts, assert_close_rounding, quantize_activations
 
 #: choice scores (sigmoid + correction bias) closer than this count as a routing near-tie
-ROUTER_TIE = 5e-3
+ROUTER_TIE = 1e-2
 #: HF name (under model.layers.{i}.) -> GGUF name (under blk.{i}.) of the 2-D tensors
 ATTN = {"self_attn.q_a_proj.weight": "attn_q_a", "self_attn.q_b_proj.weight": "attn_q_b",
         "self_attn.q_proj.weight": "attn_q", "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa",
@@ -229,21 +229,23 @@ def test_kquant_mix_matches_dequantized_transformers(tmp_path):
     _kernel_rounding(model, KQUANT_MIX)
     eng = engine_for(path, prefill_chunk=16)
     rng = random.Random(seed)
-    # a prompt whose routing has no near-tie (the k-th and next expert score, or the chosen
-    # groups' last and the next group score, within ROUTER_TIE): there the kernels' int8
-    # rounding can choose the other group or expert, which moved a position by 0.518 of the
-    # logit scale (seed 79175199: group scores 1.3e-3 apart) and by 0.312 (seed 397742186:
-    # 3.5e-3 apart). Prompts so drawn kept every position of 41 other files within 2e-2; with
-    # a 3e-3 bound one of 41 files had a position at 0.297 with no routing near-tie (seed
-    # 420477512, position 22; its cause not separated), hence one position may reach 0.5. A
-    # wrong layout moves every position by 0.1..1 (the second-largest and the mean bounds).
-    for _ in range(200):
+    # positions whose grouped routing has a near-tie (the k-th and next expert score, or the
+    # chosen groups' last and the next group score, within ROUTER_TIE in some layer) may take
+    # the other group or expert, which moved a position by 0.518 of the logit scale (seed
+    # 79175199: group scores 1.3e-3 apart) and by 0.312 (seed 397742186: 3.5e-3 apart): held
+    # to the routing-flip bound alone. One other position may reach 0.5: with ties below 3e-3
+    # left out, one of 41 files had a position at 0.297 with no routing near-tie (seed
+    # 420477512, position 22; its cause not separated). A wrong layout moves every position
+    # by 0.1..1 (the second-largest and the mean bounds).
+    for _ in range(50):
         ids = [rng.randrange(160) for _ in range(24)]
-        if smallest_grouped_router_gap(model, ids) >= ROUTER_TIE:
+        ties = grouped_router_gaps(model, ids) < ROUTER_TIE
+        if int(ties.sum()) * 2 <= len(ids):
             break
     else:
-        raise AssertionError(f"seed {seed}: no prompt of 200 without a routing near-tie")
-    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}", one_flip=0.5)
+        raise AssertionError(f"seed {seed}: no prompt of 50 with at most half its positions at a routing near-tie")
+    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}", one_flip=0.5,
+                          near_ties=ties)
 
 
 def test_nextn_layer_is_skipped_and_logged(tmp_path, caplog):

@@ -13,7 +13,7 @@ import random
 import numpy as np
 import torch
 
-from families import hf_logits, make_model, save, smallest_router_gap
+from families import hf_logits, make_model, router_gaps, save
 from freetoken.handoff import Fmt
 from helpers import engine_for
 from test_engine_gguf import assert_close_rounding
@@ -62,11 +62,10 @@ def write_mxfp4_checkpoint(path: str, seed: int):
     return model
 
 
-#: router logit gaps below this count as near-ties: the int8 rounding of the experts' inputs
-#: moves the next layer's router inputs by ~1e-3 of their scale (the rounding's size at a
-#: position, see test_engine_gguf.py); at 1e-2 most random prompts of this model had a gap
-#: below it somewhere, at 3e-3 a few draws find one without
-ROUTER_TIE = 3e-3
+#: router logit gaps below this count as near-ties: the engine's rounding moved a router logit
+#: by up to ~5e-3 (seed 694965715: a last-layer gap of 1.03e-2 chose the other expert, and the
+#: position matched transformers within 6.5e-3 once transformers' choice was swapped too)
+ROUTER_TIE = 2e-2
 
 
 def test_gpt_oss_hf_mxfp4_checkpoint(tmp_path):
@@ -80,15 +79,17 @@ def test_gpt_oss_hf_mxfp4_checkpoint(tmp_path):
     for L in eng.model.layers:
         e = L.moe.experts
         assert {int(e.gate.fmt), int(e.up.fmt), int(e.down.fmt)} == {int(Fmt.MXFP4)}
-    # prompts whose routing has no near-tie (a router's k-th and next logit within ROUTER_TIE):
-    # the int8 rounding can pick the other expert there, which moves that position by up to
-    # ~0.2 of the logit scale (seed 689887046: a gap of 5.4e-4 in the last layer)
+    # positions whose routing has a near-tie (a router's k-th and next logit within ROUTER_TIE
+    # in some layer) may take the other expert, which moves them by up to ~0.2 of the logit
+    # scale (seed 689887046: a gap of 5.4e-4 in the last layer): held to the routing-flip
+    # bound alone; a prompt keeps at least half of its positions to the tight bounds
     rng = random.Random(seed)
     routers = [L.mlp.router for L in model.model.layers]
-    for _ in range(20):
+    for _ in range(50):
         ids = [rng.randrange(160) for _ in range(25)]
-        if smallest_router_gap(model, ids, routers, model.config.num_experts_per_tok) >= ROUTER_TIE:
+        ties = router_gaps(model, ids, routers, model.config.num_experts_per_tok) < ROUTER_TIE
+        if int(ties.sum()) * 2 <= len(ids):
             break
     else:
-        raise AssertionError(f"seed {seed}: no prompt of 20 without a routing near-tie")
-    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}")
+        raise AssertionError(f"seed {seed}: no prompt of 50 with at most half its positions at a routing near-tie")
+    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}", near_ties=ties)
