@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from families import assert_engine_matches_hf, hf_logits, make_model
+from families import assert_engine_matches_hf, hf_logits, make_model, router_gaps
 from freetoken.handoff import Fmt
 from freetoken.models.gguf_writer import write_gpt_oss_metadata, write_moe_metadata
 from freetoken.models.config import ModelConfig
@@ -174,8 +174,11 @@ def test_gpt_oss_mxfp4_gguf(tmp_path):
         assert ex.gate.data.shape[-1] == (ex.hidden // 32) * 17
     # a rounding flip moves a GPT-OSS position further than a Qwen3 one: of 240 random files
     # 3 had one position at 0.18-0.24 of the logits' scale (a CI run's file 0.12), the other
-    # positions of those files within 2e-2
-    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}", one_flip=0.5)
+    # positions of those files within 2e-2; positions at a routing near-tie (test_hf_mxfp4's
+    # ROUTER_TIE) are held to the routing-flip bound alone
+    ties = router_gaps(model, ids, [L.mlp.router for L in model.model.layers], model.config.num_experts_per_tok) < 2e-2
+    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}", one_flip=0.5,
+                          near_ties=ties)
 
 
 def test_dense_llama_gguf_is_refused(tmp_path):

@@ -113,7 +113,7 @@ def choose_fetch_routes(step_us: dict[int, float], gain: float = FETCH_GAIN) -> 
 
 
 def measure_fetch_routes(
-    experts: Any, bank: Any, cpu: Any, registration: Any, staging: "FetchStaging", top_k: int, act_dtype: torch.dtype,
+    experts: Any, bank: Any, cpu: Any, registration: Any, staging: FetchStaging, top_k: int, act_dtype: torch.dtype,
     activation: str, max_routes: int, native: Any = None, trials: int = FETCH_TRIALS, seed: int = 0,
 ) -> FetchProfile:  # fmt: skip
     """Time a batch-1 step of one CPU layer (``experts``, its CPU ``bank``) with 0 ..
@@ -122,7 +122,6 @@ def measure_fetch_routes(
     the rest, and choose the count. On a GPU the fetch (captured in a graph, as decode steps
     run it) is launched first and the CPU kernels run while it does, so the two compete for
     the host's memory as in a step; on a host device the two sides run one after the other."""
-    device = staging.device
     gen = torch.Generator().manual_seed(seed)
     counts = list(range(min(int(max_routes), int(top_k), staging.slots) + 1))
     sides = {n: _FetchSide(experts, registration, staging, activation, top_k, n, act_dtype, native) for n in counts[1:]}
@@ -158,7 +157,7 @@ class _FetchSide:
     step, replayed from a CUDA graph on a GPU (eager where capture fails, and on a host
     device, where :meth:`launch` computes it and times it there and then)."""
 
-    def __init__(self, experts: Any, registration: Any, staging: "FetchStaging", activation: str, top_k: int,
+    def __init__(self, experts: Any, registration: Any, staging: FetchStaging, activation: str, top_k: int,
                  n: int, act_dtype: torch.dtype, native: Any) -> None:  # fmt: skip
         self.device = staging.device
         self.fetch = StagedFetch(experts, registration, staging, activation, top_k, n / top_k, n, native=native)
