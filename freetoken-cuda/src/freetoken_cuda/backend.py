@@ -17,9 +17,9 @@ class CudaBackend(NativeGpuBackend):
     priority: ClassVar[int] = 100
     native_module: ClassVar[str] = "freetoken_cuda._C"
     torch_flavour: ClassVar[str] = "cuda"
-    #: ``--moe-locked-fetch auto``: about a quarter of a step's missed routes (PCIe's ~55 GB/s
-    #: against the CPU workers' ~100 GB/s of host memory on the H200 machine where this was
-    #: measured; docs/benchmarks.md)
+    #: ``--moe-locked-fetch auto`` applies here: the plan's share until the session's start
+    #: measures the count (about a quarter: PCIe's ~55 GB/s against the CPU workers' ~100 GB/s
+    #: of host memory on the H200 machine; docs/benchmarks.md)
     locked_fetch_share: ClassVar[float] = 0.25
     install_hint: ClassVar[str] = (
         "reinstall with nvcc available: CUDA_HOME=/usr/local/cuda pip install --force-reinstall 'freetoken[cuda]'"

@@ -449,9 +449,10 @@ class Backend(abc.ABC):
       selection only: the engine and the MoE code ask the attributes below).
     * ``hands_off``   -- the MoE layers hand CPU routes to the workers across a GPU stream
       (False: the layers call the CPU kernels in place, so there is no hand-off to qualify).
-    * ``locked_fetch_share`` -- the share of a decode step's missed routes that locked fetch
-      takes when ``--moe-locked-fetch`` is ``auto`` (0: off; a backend sets what was measured
-      to pay on its hardware).
+    * ``locked_fetch_share`` -- whether ``--moe-locked-fetch auto`` applies on this backend
+      (0: off; a backend sets what was measured to pay on its hardware) and the share of a
+      decode step's missed routes the memory plan assumes; where it applies, the session's
+      start times the fetched route counts and takes the fastest.
     """
 
     name: ClassVar[str]
