@@ -49,11 +49,10 @@ def test_fakegpu_locked_fetch_auto(reference, monkeypatch):
     times a CPU layer's step with 0, 1 and 2 fetched routes and takes the count the rule
     picks from those timings (here the interpreter's fetch is slow: none); a count of 2
     forced into the rule fetches half of the demo's 4 routes by copy."""
+    from freetoken.cli.doctor import _traffic_lines
     from freetoken.kernels import availability
-
-    from freetoken.moe.session import gpu_memory_plan
-
     from freetoken.moe.experts import locked_fetch
+    from freetoken.moe.session import gpu_memory_plan
 
     planned = locked_fetch.planned_fraction
     monkeypatch.setattr(gpu_memory_plan, "planned_fraction", lambda f, device, ok, share: planned(f, "cuda", ok, 0.25))
@@ -83,6 +82,10 @@ def test_fakegpu_locked_fetch_auto(reference, monkeypatch):
     got, rep, _ = run_demo(PROMPTS, 5, moe_stream_prefill="off", moe_collect_stats=True)
     fetch = rep["locked_fetch"]
     assert (fetch["setting"], fetch["fraction"], fetch["profile"]["routes"]) == ("auto: measured", 0.5, 2), fetch
+    lines = _traffic_lines(rep)  # what `freetoken doctor --model` prints of this report
+    assert "  locked fetch (auto: measured): 0.5 of missed routes, at most 2 per layer" in lines, lines
+    steps = ", ".join(f"{n}: {t}" for n, t in fetch["profile"]["step_us"].items())
+    assert f"    measured at start, a CPU layer's batch-1 step in us by fetched routes: {steps}" in lines, lines
     assert fetch["staging_bytes"] == 2 * EXPERT_BYTES and fetch["routes"] > 0, fetch
     assert 0 < rep["moe_stats"]["gpu_routes"] < rep["moe_stats"]["routes"], rep["moe_stats"]
     assert check_logits(got, reference, TOL) >= 5

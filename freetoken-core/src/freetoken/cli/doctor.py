@@ -327,9 +327,13 @@ def _traffic_lines(info: dict[str, Any]) -> list[str]:
     locked = info.get("locked_fetch")
     if locked and locked["fraction"] > 0:
         lines.append(f"  locked fetch ({locked['setting']}): {locked['fraction']} of missed routes, at most "
-                     f"{locked['max_fetch']} per layer, {locked['mode']} mode")
+                     f"{locked['max_fetch']} per layer")
     elif locked:
         lines.append(f"  locked fetch: {locked['setting']}")
+    profile = (locked or {}).get("profile")
+    if profile:
+        steps = ", ".join(f"{n}: {t}" for n, t in profile["step_us"].items())
+        lines.append(f"    measured at start, a CPU layer's batch-1 step in us by fetched routes: {steps}")
     return lines
 
 
