@@ -75,21 +75,21 @@ def test_gpt_oss_hf_mxfp4_checkpoint(tmp_path):
     for L in model.model.layers:
         _quantizing_gpt_oss_experts(L.mlp.experts)
 
-    eng = engine_for(path, prefill_chunk=10)
+    eng = engine_for(path, prefill_chunk=4)
     for L in eng.model.layers:
         e = L.moe.experts
         assert {int(e.gate.fmt), int(e.up.fmt), int(e.down.fmt)} == {int(Fmt.MXFP4)}
-    # positions whose routing has a near-tie (a router's k-th and next logit within ROUTER_TIE
-    # in some layer) may take the other expert, which moves them by up to ~0.2 of the logit
-    # scale (seed 689887046: a gap of 5.4e-4 in the last layer): held to the routing-flip
-    # bound alone; a prompt keeps at least half of its positions to the tight bounds
+    # a prompt whose routing has no near-tie (a router's k-th and next logit within ROUTER_TIE
+    # in some layer at some position): the engine may take the other expert there, which moves
+    # that position by up to ~0.2 of the logit scale (seed 689887046: a gap of 5.4e-4 in the
+    # last layer) and, through its keys and values, every later one (seed 406094710: 0.02-0.2
+    # after a tied position); short prompts (10 tokens, 3 chunks) so that a draw finds one
     rng = random.Random(seed)
     routers = [L.mlp.router for L in model.model.layers]
-    for _ in range(50):
-        ids = [rng.randrange(160) for _ in range(25)]
-        ties = router_gaps(model, ids, routers, model.config.num_experts_per_tok) < ROUTER_TIE
-        if int(ties.sum()) * 2 <= len(ids):
+    for _ in range(100):
+        ids = [rng.randrange(160) for _ in range(10)]
+        if float(router_gaps(model, ids, routers, model.config.num_experts_per_tok).min()) >= ROUTER_TIE:
             break
     else:
-        raise AssertionError(f"seed {seed}: no prompt of 50 with at most half its positions at a routing near-tie")
-    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}", near_ties=ties)
+        raise AssertionError(f"seed {seed}: no prompt of 100 without a routing near-tie")
+    assert_close_rounding(eng.prompt_logits(ids), hf_logits(model, ids), f"seed {seed}")
