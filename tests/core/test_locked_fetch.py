@@ -135,7 +135,7 @@ def test_fetch_count_chosen_from_the_measured_steps(step_us, want):
     """``auto``'s start-up choice: the fewest fetched routes whose measured step is within 5%
     of the shortest."""
     assert choose_fetch_routes(step_us) == want
-    profile = FetchProfile({n: t for n, t in step_us.items()}, {n: t / 2 for n, t in step_us.items()}, want)
+    profile = FetchProfile({n: t for n, t in step_us.items()}, {n: t / 2 for n, t in step_us.items()})
     assert profile.step_us() == step_us and profile.as_dict()["routes"] == want
 
 

@@ -87,16 +87,19 @@ class FetchProfile:
     """Start-up timings of one CPU layer's batch-1 decode step (``top_k`` routes, none of
     their experts on the GPU) for each candidate count ``n`` of them fetched: the GPU's gather
     and expert kernels for the first ``n`` routes (``gpu_us``) and, at the same time, the CPU
-    workers on the other routes (``cpu_us``); medians over the trials, microseconds.
-    ``routes`` is the count chosen (:func:`choose_fetch_routes`)."""
+    workers on the other routes (``cpu_us``); medians over the trials, microseconds."""
 
     cpu_us: dict[int, float]
     gpu_us: dict[int, float]
-    routes: int
 
     def step_us(self) -> dict[int, float]:
         """Per count: the later of the two sides (the layer's step waits for both)."""
         return {n: max(self.cpu_us[n], self.gpu_us[n]) for n in sorted(self.cpu_us)}
+
+    @property
+    def routes(self) -> int:
+        """The count chosen (:func:`choose_fetch_routes`)."""
+        return choose_fetch_routes(self.step_us())
 
     def as_dict(self) -> dict[str, Any]:
         def us(d: dict[int, float]) -> dict[str, float]:
@@ -126,7 +129,7 @@ def measure_fetch_routes(
     counts = list(range(min(int(max_routes), int(top_k), staging.slots) + 1))
     sides = {n: _FetchSide(experts, registration, staging, activation, top_k, n, act_dtype, native) for n in counts[1:]}
     cpu_s: dict[int, list[float]] = {n: [] for n in counts}
-    gpu_s: dict[int, list[float]] = {n: [0.0] for n in counts[:1]} | {n: [] for n in counts[1:]}
+    gpu_s: dict[int, list[float]] = {n: [] for n in counts}
     for trial in range(trials + 1):  # the first round warms both sides up, untimed
         for n in counts:
             ids = torch.randperm(int(experts.num_experts), generator=gen)[:top_k].to(torch.int32).view(1, top_k)
@@ -143,12 +146,9 @@ def measure_fetch_routes(
             t_gpu = side.finish() if side is not None else 0.0
             if trial:
                 cpu_s[n].append(t_cpu)
-                if side is not None:
-                    gpu_s[n].append(t_gpu)
-    cpu_us = {n: statistics.median(v) * 1e6 for n, v in cpu_s.items()}
-    gpu_us = {n: statistics.median(v) * 1e6 for n, v in gpu_s.items()}
-    step = {n: max(cpu_us[n], gpu_us[n]) for n in counts}
-    return FetchProfile(cpu_us, gpu_us, choose_fetch_routes(step))
+                gpu_s[n].append(t_gpu)
+    return FetchProfile({n: statistics.median(v) * 1e6 for n, v in cpu_s.items()},
+                        {n: statistics.median(v) * 1e6 for n, v in gpu_s.items()})
 
 
 class _FetchSide:

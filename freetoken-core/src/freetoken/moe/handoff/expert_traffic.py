@@ -176,16 +176,17 @@ class ExpertTraffic:
                                        self.fetch_staging, self.top_k, self.act_dtype, self.activation,
                                        o.locked_max_fetch, native=self.native)  # fmt: skip
         self.fetch_profile = profile
+        routes = profile.routes
         steps = ", ".join(f"{n}: {t:.0f}" for n, t in profile.step_us().items())
-        if profile.routes == 0:
+        if routes == 0:
             self.locked = False
             self.fetch_staging = None
             self.locked_setting = f"auto: off (measured: a CPU layer's step in us by fetched routes {steps})"
         else:
-            self.options = dataclasses.replace(o, locked_fetch=profile.routes / self.top_k)
+            self.options = dataclasses.replace(o, locked_fetch=routes / self.top_k)
             self.locked_setting = "auto: measured"
         log.info("locked fetch %s; a CPU layer's batch-1 step in us by fetched routes: %s",
-                 "off" if profile.routes == 0 else f"{profile.routes} of {self.top_k} routes", steps)
+                 "off" if routes == 0 else f"{routes} of {self.top_k} routes", steps)
 
     def _register(self, staging: Any, wanted: bool, mapped: bool) -> None:
         mode = self.options.lock_host
