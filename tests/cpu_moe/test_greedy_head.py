@@ -138,9 +138,13 @@ def _counting(eng) -> list[int]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_tokens_equal_the_logits_path(checkpoints, kind, dtype):
     """Greedy requests (1-3 sampled rows per step): the same tokens with the head's picks as
-    with the logits (the head turned off), and the head answered every step."""
+    with the logits (the head turned off), and the head answered every step. No prefix cache:
+    the second run would take the 21-token prompt's first block from the first run's cache and
+    compute a prompt chunk of other rows; in bfloat16 that rounds some values differently, and
+    logits one unit apart become a tie the two runs break differently."""
     paths, seed = checkpoints
-    eng = engine_for(paths[kind], dtype=dtype, prefill_chunk=64, max_running_requests=3)
+    eng = engine_for(paths[kind], dtype=dtype, prefill_chunk=64, max_running_requests=3,
+                     enable_prefix_cache=False)
     rng = random.Random(seed)
     V = eng.model_config.vocab_size
     prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 21, 12)]
