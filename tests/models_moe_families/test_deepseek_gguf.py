@@ -235,9 +235,10 @@ def test_kquant_mix_matches_dequantized_transformers(tmp_path):
     # by 0.518 of the logit scale (seed 79175199: group scores 1.3e-3 apart) and by 0.312
     # (seed 397742186: 3.5e-3 apart), and through its keys and values moves every later one;
     # short prompts (16 tokens, 3 chunks) so that a draw finds one. One position may still
-    # reach 0.5: with ties below 3e-3 left out, one of 41 files had a position at 0.297 with
-    # no routing near-tie (seed 420477512, position 22; its cause not separated). A wrong
-    # layout moves every position by 0.1..1 (the second-largest and the mean bounds).
+    # reach 0.5: a flip of a wider gap where activation-rounding flips in the layers before
+    # add up (seed 420477512, 24 tokens, position 22 at 0.297: the last MoE layer's router
+    # input 2.7% off, the 3rd and 4th expert scores 2.6e-2 apart, the engine took the 4th).
+    # A wrong layout moves every position by 0.1..1 (the second-largest and the mean bounds).
     for _ in range(100):
         ids = [rng.randrange(160) for _ in range(16)]
         if float(grouped_router_gaps(model, ids).min()) >= ROUTER_TIE:
