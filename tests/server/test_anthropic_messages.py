@@ -171,6 +171,8 @@ def test_api_key_headers(server: Any, client: anthropic.Anthropic) -> None:
      "tools.0.input_schema"),
     ("bad role", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": "hi"}]},
      "messages.0.role"),
+    ("a lone assistant message", {"model": MODEL, "max_tokens": 4,
+                                  "messages": [{"role": "assistant", "content": "Once"}]}, "prefill that answers nothing"),
     ("string max_tokens", {"model": MODEL, "max_tokens": "4", "messages": USER}, "max_tokens"),
     ("temperature above 1", {"model": MODEL, "max_tokens": 4, "messages": USER, "temperature": 1.5}, "temperature"),
     ("not JSON", b"{", "JSON"),

@@ -145,6 +145,9 @@ class MessagesBase(BaseModel):
         if isinstance(self.system, list):
             _check_blocks(self.system, "system", ())
         self._check_tools()
+        if len(self.messages) == 1 and self.messages[0].role == "assistant" and not self.system_text():
+            raise FieldError("messages", "messages: the only message is an assistant message, a prefill that "
+                                         "answers nothing; put a user message (or a system prompt) before it")
         tool_use_ids: set[str] = set()
         last = len(self.messages) - 1
         for i, message in enumerate(self.messages):
