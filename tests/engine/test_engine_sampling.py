@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from freetoken.engine.request import Request
-from freetoken.engine.sampling import apply_penalties, argmax_rows, sample, sampling_probs
+from freetoken.engine.sampling import (apply_penalties, argmax_rows, plain_greedy, plain_sampled, sample,
+                                       sampling_probs)
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.loading.tokenizer import IdsOnlyTokenizer
 
@@ -81,6 +82,50 @@ def test_penalties_match_numpy():
     p = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)
     got = apply_penalties(torch.from_numpy(logits), p, prompt, counts).double().numpy()
     np.testing.assert_allclose(got, np_penalties(logits, prompt, out, 1.3, 0.5, 0.25), atol=1e-5)
+
+
+def test_logit_bias_is_added_after_the_penalties():
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    logits = (rng.standard_normal(50) * 3).astype(np.float32)
+    prompt = [int(t) for t in rng.integers(0, 50, 10)]
+    out = [int(t) for t in rng.integers(0, 50, 12)]
+    counts: dict[int, int] = {}
+    for t in out:
+        counts[t] = counts.get(t, 0) + 1
+    bias = {int(t): float(b) for t, b in zip(rng.choice(50, 6, replace=False), rng.uniform(-100, 100, 6))}
+    p = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25,
+                       logit_bias={**bias, 60: 5.0})  # 60: beyond the row, left out
+    got = apply_penalties(torch.from_numpy(logits), p, prompt, counts).double().numpy()
+    ref = np_penalties(logits, prompt, out, 1.3, 0.5, 0.25)
+    for t, b in bias.items():
+        ref[t] += b
+    np.testing.assert_allclose(got, ref, atol=1e-4)
+    alone = apply_penalties(torch.from_numpy(logits), SamplingParams(logit_bias=bias), prompt, counts)
+    ref = logits.astype(np.float64)
+    for t, b in bias.items():
+        ref[t] += b
+    np.testing.assert_allclose(alone.double().numpy(), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("bias", [{"3": 1.0}, {-1: 1.0}, {True: 1.0}, {3: float("nan")}, {3: float("inf")}])
+def test_logit_bias_refuses_what_is_no_token_id_or_number(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_requests_are_sampled_with_their_bias():
+    """A greedy request whose best token is biased by -100 takes the second best; a sampled one
+    biased +100 to a token takes it; the unbiased greedy request beside them keeps its argmax;
+    none of the biased ones is decided by the plain (argmax or on-device) paths."""
+    logits = torch.randn(3, 100) * 3
+    order = torch.argsort(logits, dim=-1, descending=True)
+    ban = int(order[0, 0])
+    reqs = [_req(SamplingParams(temperature=0.0, logit_bias={ban: -100.0})),
+            _req(SamplingParams(temperature=0.0)),
+            _req(SamplingParams(temperature=1.0, seed=4, logit_bias={int(order[2, -1]): 100.0}))]
+    assert not plain_greedy(reqs[0]) and plain_greedy(reqs[1]) and not plain_sampled(reqs[2])
+    got = [t for t, _ in sample(logits, reqs, torch.Generator().manual_seed(1))]
+    assert got == [int(order[0, 1]), int(order[1, 0]), int(order[2, -1])]
 
 
 def _req(params: SamplingParams, gen=None, prompt=(1,)) -> Request:

@@ -99,6 +99,11 @@ CHAT_CASES = [
     ("tools with a template that does not render them", {"tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
     ("seed wrong type", {"seed": "abc"}, "seed"),
+    ("logit_bias key not a token id", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("logit_bias negative token id", {"logit_bias": {"-3": 1}}, "logit_bias"),
+    ("logit_bias above 100", {"logit_bias": {"3": 100.5}}, "logit_bias"),
+    ("logit_bias string value", {"logit_bias": {"3": "1"}}, "logit_bias.3"),
+    ("logit_bias token id outside the vocabulary", {"logit_bias": {str(10**9): 1}}, "logit_bias"),
 ]
 
 
@@ -163,6 +168,8 @@ COMPLETION_CASES = [
     ("top_p zero", {"top_p": 0.0}, "top_p"),
     ("n zero", {"n": 0}, "n"),
     ("suffix unsupported", {"suffix": "end"}, "suffix"),
+    ("logit_bias below -100", {"logit_bias": {"3": -101}}, "logit_bias"),
+    ("logit_bias token id outside the vocabulary", {"logit_bias": {str(10**9): -1}}, "logit_bias"),
 ]
 
 

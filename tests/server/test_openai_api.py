@@ -245,6 +245,22 @@ def test_sampling_filters_reach_the_engine(client: openai.OpenAI) -> None:
     assert [t.token for t in pen.choices[0].logprobs.content] != [t.token for t in plain.choices[0].logprobs.content]
 
 
+def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI, ref_tokenizer: Any) -> None:
+    """+100 on a token makes a greedy answer that token throughout; -100 on it beside +100 on
+    another makes it the other (chat and text completions); the texts are the reference
+    tokenizer's decoding of the repeated token."""
+    first, second = (ref_tokenizer.encode(w, add_special_tokens=False)[0] for w in (" mountain", " river"))
+    assert first != second
+    messages = [{"role": "user", "content": "Describe a mountain."}]
+    out = greedy_chat(client, messages, 6, logit_bias={str(first): 100})
+    assert out.choices[0].message.content == ref_tokenizer.decode([first] * 6)
+    out = greedy_chat(client, messages, 6, logit_bias={str(first): -100, str(second): 100})
+    assert out.choices[0].message.content == ref_tokenizer.decode([second] * 6)
+    text = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=1.0, seed=3,
+                                     logit_bias={str(second): 100}, extra_body={"ignore_eos": True})
+    assert text.choices[0].text == ref_tokenizer.decode([second] * 5)
+
+
 def test_chat_logprobs_and_top_logprobs(client: openai.OpenAI) -> None:
     out = greedy_chat(client, [{"role": "user", "content": "Hi"}], 6, logprobs=True, top_logprobs=3)
     content = out.choices[0].logprobs.content

@@ -1,10 +1,11 @@
 """Turning a step's logits into tokens, per request.
 
 Order (as vLLM/transformers): repetition penalty (prompt + output tokens),
-presence/frequency penalties (output tokens), temperature, top-k, top-p, min-p,
-then a draw from the request's own generator (seeded requests are reproducible
-whatever else runs in the batch). Log-probabilities report the model's
-distribution (log-softmax of the raw logits), independent of the sampling knobs.
+presence/frequency penalties (output tokens), the request's logit bias, temperature,
+top-k, top-p, min-p, then a draw from the request's own generator (seeded requests
+are reproducible whatever else runs in the batch). Log-probabilities report the
+model's distribution (log-softmax of the raw logits), independent of the sampling
+knobs.
 
 A request with a token constraint (:mod:`freetoken.engine.constraints`) has its
 disallowed tokens masked right after the penalties, before temperature and the
@@ -43,11 +44,12 @@ from freetoken.engine.sampling_params import SamplingParams
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
                     out_counts: dict[int, int]) -> torch.Tensor:
-    """Penalised copy of one row of logits (float32 [V])."""
+    """Penalised copy of one row of logits (float32 [V]), the request's logit bias added
+    (token ids beyond the row are left out)."""
     rep = params.repetition_penalty
     pres = params.presence_penalty
     freq = params.frequency_penalty
-    if rep == 1.0 and pres == 0.0 and freq == 0.0:
+    if _trivial(params):
         return logits
     logits = logits.clone()
     V = logits.shape[0]
@@ -62,6 +64,11 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
         keep = ids < V
         ids, cnt = ids[keep], cnt[keep]
         logits[ids] -= freq * cnt + pres * (cnt > 0).float()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+        keep = ids < V
+        logits[ids[keep]] += bias[keep]
     return logits
 
 
@@ -168,12 +175,14 @@ def constrained_pick(raw: torch.Tensor, row: torch.Tensor, params: SamplingParam
 
 
 def _trivial(p: SamplingParams) -> bool:
-    return p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+    """No penalty and no logit bias: the logits are sampled as the model gave them."""
+    return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and not p.logit_bias)
 
 
 def plain_greedy(r: Request) -> bool:
-    """Whether ``r`` takes the largest logit as it is: greedy, with no penalty, no
-    constraint and no log-probabilities."""
+    """Whether ``r`` takes the largest logit as it is: greedy, with no penalty or logit
+    bias, no constraint and no log-probabilities."""
     p = r.params
     return p.greedy and _trivial(p) and r.constraint is None and not p.logprobs and p.top_logprobs == 0
 
@@ -191,8 +200,8 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
 
 def plain_sampled(r: Request) -> bool:
     """Whether ``r`` draws from softmax(logits / temperature), at most top-k filtered: a
-    temperature above 0, no penalty, no constraint, no log-probabilities, no top-p and
-    no min-p."""
+    temperature above 0, no penalty or logit bias, no constraint, no log-probabilities,
+    no top-p and no min-p."""
     p = r.params
     return (not p.greedy and _trivial(p) and r.constraint is None and not p.logprobs and p.top_logprobs == 0
             and p.top_p == 1.0 and p.min_p == 0.0)

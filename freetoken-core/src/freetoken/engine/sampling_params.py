@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 
@@ -14,6 +15,9 @@ class SamplingParams:
     ``stop`` strings are cut from the returned text; ``stop_token_ids`` end the
     request (the token is not included in the text). ``logprobs`` asks for the
     chosen token's log-probability, ``top_logprobs`` for that many alternatives.
+    ``logit_bias`` adds a value to the logits of the token ids it names before the
+    penalties' result is sampled (as OpenAI's: -100 all but bans a token, +100 all but
+    forces it).
     """
 
     max_tokens: Optional[int] = 16
@@ -30,6 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +51,11 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.top_logprobs < 0:
             raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not math.isfinite(bias):
+                raise ValueError(f"logit_bias of token {token} must be a finite number, got {bias!r}")
 
     @property
     def greedy(self) -> bool:

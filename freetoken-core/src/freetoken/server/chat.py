@@ -92,7 +92,8 @@ async def create_chat_completion(request: Request) -> Response:
             min_p=req.min_p, seed=choice_seed(req.seed, i), presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             stop=req.stop_list() + (tools.stop_strings() if tools else []), ignore_eos=req.ignore_eos,
-            logprobs=req.logprobs, top_logprobs=top_n,
+            logprobs=req.logprobs, top_logprobs=top_n, logit_bias=req.logit_bias_ids(),
+            vocab_size=getattr(engine.tokenizer, "vocab_size", None),
         ))
         for i in range(req.n)
     ]

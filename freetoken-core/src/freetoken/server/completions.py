@@ -103,6 +103,7 @@ async def create_completion(request: Request) -> Response:
                 min_p=req.min_p, seed=choice_seed(req.seed, j), presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                 stop=req.stop_list(), ignore_eos=req.ignore_eos, logprobs=want_logprobs, top_logprobs=top_n,
+                logit_bias=req.logit_bias_ids(), vocab_size=getattr(tokenizer, "vocab_size", None),
             )))
     maybe_fail(request, holder, "before")
     request_id = f"cmpl-{uuid.uuid4().hex}"

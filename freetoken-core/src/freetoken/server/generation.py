@@ -104,7 +104,13 @@ def build_params(
     ignore_eos: bool,
     logprobs: bool,
     top_logprobs: int,
+    logit_bias: Optional[dict[int, float]] = None,
+    vocab_size: Optional[int] = None,
 ) -> SamplingParams:
+    bad = sorted(t for t in logit_bias or {} if vocab_size is not None and t >= vocab_size)
+    if bad:
+        raise APIError(400, f"logit_bias has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}",
+                       param="logit_bias", code="invalid_token_id")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -120,6 +126,7 @@ def build_params(
             ignore_eos=ignore_eos,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            logit_bias=dict(logit_bias or {}),
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None

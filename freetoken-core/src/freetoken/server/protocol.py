@@ -17,9 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
+#: ``logit_bias``: at most this many tokens, each biased by a value in [-LOGIT_BIAS_BOUND, LOGIT_BIAS_BOUND]
+MAX_LOGIT_BIAS_TOKENS = 1024
+LOGIT_BIAS_BOUND = 100.0
 
 #: Request fields we recognise but do not implement: sending them is a 400.
-UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias", "suffix", "best_of", "audio")
+UNSUPPORTED_FIELDS = ("functions", "function_call", "suffix", "best_of", "audio")
 
 
 class FieldError(ValueError):
@@ -146,6 +149,7 @@ class _SamplingFields(_Request):
     n: int = Field(default=1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     user: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
 
     @field_validator("stop")
     @classmethod
@@ -159,10 +163,28 @@ class _SamplingFields(_Request):
             raise ValueError("stop sequences must not be empty")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        if not value:
+            return None
+        if len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} tokens may be biased, got {len(value)}")
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+            if not -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {bias}")
+        return value
+
     def check(self) -> None:
         super().check()
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """``logit_bias`` with token-id keys."""
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
     def stop_list(self) -> list[str]:
         return list(self.stop or [])  # type: ignore[arg-type]
