@@ -178,7 +178,9 @@ def test_router_top_k(rng, norm):
         ref = np.exp(top - top[:, :1]) / np.exp(top - top[:, :1]).sum(-1, keepdims=True)
     else:
         ref = np.exp(top - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)
-    close(w, ref, 1e-6)
+    # float32 exponentials summed over the 128 logits: up to ~10 units in the last place of the
+    # largest weight (1.15e-6, seed 266264720; 1.02e-6 the worst of 3000 seeds)
+    close(w, ref, 1e-6 if norm else 4e-6)
 
 
 # ------------------------------------------------------------------ engines
