@@ -135,6 +135,28 @@ def test_register_blocked_head_dims_every_tier(rng, isa, dtype, D):
                              sinks=None if s is None else s.numpy()), dt)  # fmt: skip
 
 
+@pytest.mark.parametrize("isa", cm.isa_tiers())
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("D, g", [(64, 1), (128, 8), (256, 2)])
+def test_prompt_blocks_across_key_chunks(rng, isa, dtype, D, g):
+    """Prompt chunks long enough for many query vectors per item (the avx512 tiers' block kernel:
+    64-key chunks of transposed keys): whole prompts and chunks after cached context whose
+    contexts end inside, on and just past 64-key chunks, queries whose causal limit falls in a
+    chunk's middle, beside decode tokens, plain and with a window and sinks, into a poisoned
+    output."""
+    dt = DTYPES[dtype]
+    ctxs, qlens = [129, 64, 300, 65, 18], [129, 40, 77, 1, 18]
+    q, k, v, starts, ql, ctx, table = make_case(rng, ctxs, qlens, kvh=2, g=g, D=D, bs=16, dtype=dt)
+    H = 2 * g
+    sinks = torch.from_numpy(rng.standard_normal(H).astype(np.float32) * 2)
+    scale = D ** -0.5
+    for w, s in ((None, None), (70, sinks)):
+        out = torch.full((int(ql.sum()), H * D), float("nan"), dtype=dt)
+        paged_attention(q, k, v, starts, ql, ctx, table, scale, window=w, sinks=s, out=out, isa=isa)
+        check(out, reference(q, k, v, starts, ql, ctx, table, scale, window=w,
+                             sinks=None if s is None else s.numpy()), dt)  # fmt: skip
+
+
 @pytest.mark.parametrize("window", [1, 5, 64])
 def test_window_and_sinks(rng, window):
     ctxs, qlens = [100, 40], [1, 40]
