@@ -139,11 +139,11 @@ def test_register_blocked_head_dims_every_tier(rng, isa, dtype, D):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("D, g", [(64, 1), (128, 8), (256, 2)])
 def test_prompt_blocks_across_key_chunks(rng, isa, dtype, D, g):
-    """Prompt chunks long enough for many query vectors per item (the avx512 tiers' block kernel:
-    64-key chunks of transposed keys): whole prompts and chunks after cached context whose
-    contexts end inside, on and just past 64-key chunks, queries whose causal limit falls in a
-    chunk's middle, beside decode tokens, plain and with a window and sinks, into a poisoned
-    output."""
+    """Many query vectors per kv head (the vector tiers' block kernels: chunks of 64 keys on
+    avx512, 16 on avx2, transposed): whole prompts and chunks after cached context whose contexts
+    end inside, on and just past a chunk, queries whose causal limit falls in a chunk's middle,
+    beside decode tokens (a GQA group of 8 or of 2 heads, or 1), plain and with a window and
+    sinks, into a poisoned output."""
     dt = DTYPES[dtype]
     ctxs, qlens = [129, 64, 300, 65, 18], [129, 40, 77, 1, 18]
     q, k, v, starts, ql, ctx, table = make_case(rng, ctxs, qlens, kvh=2, g=g, D=D, bs=16, dtype=dt)
