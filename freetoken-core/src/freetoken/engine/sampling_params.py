@@ -15,9 +15,8 @@ class SamplingParams:
     ``stop`` strings are cut from the returned text; ``stop_token_ids`` end the
     request (the token is not included in the text). ``logprobs`` asks for the
     chosen token's log-probability, ``top_logprobs`` for that many alternatives.
-    ``logit_bias`` adds a value to the logits of the token ids it names before the
-    penalties' result is sampled (as OpenAI's: -100 all but bans a token, +100 all but
-    forces it).
+    ``logit_bias`` maps token ids to values added to their logits after the penalties
+    (as OpenAI's: -100 all but bans a token, +100 all but forces it).
     """
 
     max_tokens: Optional[int] = 16

@@ -174,7 +174,8 @@ class _SamplingFields(_Request):
             if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
             if not -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND:
-                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {bias}")
+                raise ValueError(f"the bias of token {key} must be in [-{LOGIT_BIAS_BOUND:g}, "
+                                 f"{LOGIT_BIAS_BOUND:g}], got {bias}")
         return value
 
     def check(self) -> None:
