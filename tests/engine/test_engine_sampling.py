@@ -71,14 +71,20 @@ def test_distribution_matches_numpy(case):
         assert np.array_equal(got > 0, ref > 0)  # the same tokens survive
 
 
-def test_penalties_match_numpy():
-    rng = np.random.default_rng(random.randrange(1 << 30))
+def _penalty_case(rng: np.random.Generator) -> tuple[np.ndarray, list[int], list[int], dict[int, int]]:
+    """Random logits over 50 tokens, a prompt, the output so far and its token counts."""
     logits = (rng.standard_normal(50) * 3).astype(np.float32)
     prompt = [int(t) for t in rng.integers(0, 50, 10)]
     out = [int(t) for t in rng.integers(0, 50, 12)]
     counts: dict[int, int] = {}
     for t in out:
         counts[t] = counts.get(t, 0) + 1
+    return logits, prompt, out, counts
+
+
+def test_penalties_match_numpy():
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    logits, prompt, out, counts = _penalty_case(rng)
     p = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)
     got = apply_penalties(torch.from_numpy(logits), p, prompt, counts).double().numpy()
     np.testing.assert_allclose(got, np_penalties(logits, prompt, out, 1.3, 0.5, 0.25), atol=1e-5)
@@ -86,12 +92,7 @@ def test_penalties_match_numpy():
 
 def test_logit_bias_is_added_after_the_penalties():
     rng = np.random.default_rng(random.randrange(1 << 30))
-    logits = (rng.standard_normal(50) * 3).astype(np.float32)
-    prompt = [int(t) for t in rng.integers(0, 50, 10)]
-    out = [int(t) for t in rng.integers(0, 50, 12)]
-    counts: dict[int, int] = {}
-    for t in out:
-        counts[t] = counts.get(t, 0) + 1
+    logits, prompt, out, counts = _penalty_case(rng)
     bias = {int(t): float(b) for t, b in zip(rng.choice(50, 6, replace=False), rng.uniform(-100, 100, 6))}
     p = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25,
                        logit_bias={**bias, 60: 5.0})  # 60: beyond the row, left out
