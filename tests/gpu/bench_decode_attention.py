@@ -11,7 +11,7 @@ shorter contexts, as a decode graph sized for the model's longest context runs t
 
 Usage (on a GPU, from the repository root; under a minute on an H200):
     python tests/gpu/bench_decode_attention.py            # the table
-    python tests/gpu/bench_decode_attention.py --sweep    # also Triton tile/warp/stage variants
+    python tests/gpu/bench_decode_attention.py --sweep    # also Triton tile/warp/stage/walk variants
 """
 
 from __future__ import annotations
@@ -166,13 +166,19 @@ def sweep_partitions(ceiling: float) -> None:
         torch.cuda.empty_cache()
 
 
+def _name(cfg: Any) -> str:
+    return f"n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}{'/prefetch' if cfg.prefetch else ''}"
+
+
 def sweep(ceiling: float) -> None:
     from freetoken.kernels import decode_attention as dat
 
-    configs = [dat.KernelConfig(block_n=n, num_warps=w, num_stages=st, min_part_blocks=max(1, 128 // n))
-               for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]  # fmt: skip
+    base = dat.DEFAULT_CONFIG
+    configs = [dataclasses.replace(base, block_n=n, num_warps=w, num_stages=st, min_part_blocks=max(1, 128 // n),
+                                   prefetch=pf)
+               for n in (64, 128) for w in (4, 8) for st in (2, 3, 4) for pf in (False, True)]  # fmt: skip
     print("\nTriton variants (us per call, GB/s):")
-    for batch, ctx in ((1, 32768), (8, 4096), (32, 4096), (32, 32768)):
+    for batch, ctx in ((1, 16384), (1, 32768), (8, 4096), (32, 32768)):
         s = setup(batch, ctx, ctx)
         out = torch.empty(batch, HQ * D, dtype=DTYPE, device="cuda")
         P = da.num_partitions(batch, HKV, ctx // BS, BS, "cuda")
@@ -180,10 +186,10 @@ def sweep(ceiling: float) -> None:
         for cfg in configs:
             try:
                 t = time_graph(_launch(s, out, P, cfg))
-                row.append(f"n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}: {t * 1e6:.1f} "
+                row.append(f"{_name(cfg)}: {t * 1e6:.1f} "
                            f"({s.kv_bytes / t / 1e9:.0f}, {100 * s.kv_bytes / t / 1e9 / ceiling:.0f}%)")  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - a variant that does not fit (shared memory) is reported
-                row.append(f"n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}: {type(exc).__name__}")
+                row.append(f"{_name(cfg)}: {type(exc).__name__}")
         print(f"B={batch} ctx={ctx} P={P}:\n  " + "\n  ".join(row))
         del s
         torch.cuda.empty_cache()

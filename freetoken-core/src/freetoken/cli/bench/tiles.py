@@ -12,7 +12,9 @@ their dataclass (integers, 0/1 for switches), checked by its ``validate``:
   (``kernels.packed_linear.DEFAULT_CONFIG`` and ``NVIDIA_CONFIG``);
 * ``dense-wide``: its tiles for matrices of ``WIDE_ROWS`` rows and more, the output head
   (``WIDE_CONFIG`` and ``NVIDIA_WIDE_CONFIG``);
-* ``grouped``: the grouped prompt kernels' ``GroupedConfig`` (``moe_grouped.DEFAULT_CONFIG``).
+* ``grouped``: the grouped prompt kernels' ``GroupedConfig`` (``moe_grouped.DEFAULT_CONFIG``);
+* ``attention``: the paged decode attention's ``KernelConfig``
+  (``kernels.decode_attention.DEFAULT_CONFIG``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "dense": ("freetoken.kernels.packed_linear", ("DEFAULT_CONFIG", "NVIDIA_CONFIG")),
     "dense-wide": ("freetoken.kernels.packed_linear", ("WIDE_CONFIG", "NVIDIA_WIDE_CONFIG")),
     "grouped": ("freetoken.kernels.moe_grouped", ("DEFAULT_CONFIG",)),
+    "attention": ("freetoken.kernels.decode_attention", ("DEFAULT_CONFIG",)),
 }
 
 FORMS = f"expected KIND:name=value,... with KIND one of {', '.join(KINDS)}, like experts:block_n=4,int8_dot=0"
