@@ -20,6 +20,14 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 #: End-of-turn tokens we also stop on when the vocabulary marks them as control tokens.
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "</s>")
 
+#: GPT-OSS's harmony format: the ends of a turn (an answer, a tool call). A harmony vocabulary
+#: has them, and there ``<|end|>`` only closes one message of a turn (the reasoning, before
+#: the answer), so it is no end of generation.
+HARMONY_ENDS = ("<|return|>", "<|call|>")
+#: harmony's message markup: the role, the channel, the content type and the body follow
+#: them. Decoded text keeps these control tokens (the server reads the channels from them).
+HARMONY_MARKUP = ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>")
+
 #: pre-tokenizers whose vocabularies llama.cpp gives no BOS (GLM's chat template writes its
 #: own ``[gMASK]<sop>`` prefix)
 _NO_BOS_PRE = ("glm4", "chatglm-bpe")
@@ -55,6 +63,11 @@ class Tokenizer:
         self.source = source
         self._template: Any = None
         self._renders_tools: Optional[bool] = None
+        #: id -> text of the control tokens decoded text keeps (harmony's markup, where the
+        #: vocabulary is a harmony one)
+        self.markup: dict[int, str] = {}
+        if tok is not None and all(tok.token_to_id(t) is not None for t in HARMONY_ENDS + HARMONY_MARKUP):
+            self.markup = {tok.token_to_id(t): t for t in HARMONY_MARKUP}
 
     has_text = True
 
@@ -71,7 +84,21 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of ``ids``; special tokens skipped (``skip_special_tokens``) but for
+        :attr:`markup`'s, which stay as their text."""
+        ids = list(ids)
+        if not skip_special_tokens or not self.markup or not any(i in self.markup for i in ids):
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        parts, run = [], []
+        for i in ids:
+            if i in self.markup:
+                parts.append(self._tok.decode(run, skip_special_tokens=True) if run else "")
+                parts.append(self.markup[i])
+                run = []
+            else:
+                run.append(i)
+        parts.append(self._tok.decode(run, skip_special_tokens=True) if run else "")
+        return "".join(parts)
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tok.token_to_id(token)
@@ -258,6 +285,8 @@ def load_hf_tokenizer(path: str, eos_from_config: Iterable[int] = ()) -> Tokeniz
     eos = list(eos_from_config)
     if eos_token is not None and tok.token_to_id(eos_token) is not None:
         eos.append(tok.token_to_id(eos_token))
+    if all(tok.token_to_id(t) is not None for t in HARMONY_ENDS + HARMONY_MARKUP):
+        eos += [tok.token_to_id(t) for t in HARMONY_ENDS]  # a turn's ends, whatever the configs list
     return Tokenizer(tok, eos, template, bos_token, eos_token, add_bos=bool(tc.get("add_bos_token", False)), source=path)
 
 
@@ -303,9 +332,10 @@ def load_gguf_tokenizer(ckpt: Any, vocab_size: int) -> Tokenizer:
     special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if int(ty) in (3, 4)]
     if special:
         tok.add_special_tokens(special)
-    for t in _END_TOKENS:
+    harmony = all(t in vocab for t in HARMONY_ENDS)
+    for t in _END_TOKENS + (HARMONY_ENDS if harmony else ()):
         i = vocab.get(t)
-        if i is not None and int(types[i]) == 3:
+        if i is not None and int(types[i]) == 3 and not (harmony and t == "<|end|>"):
             eos_ids.append(i)
 
     def tok_text(key: str) -> Optional[str]:

@@ -27,6 +27,7 @@ from freetoken.server.generation import (
     until_disconnect,
 )
 from freetoken.server.logprobs import TokenText, chat_logprobs
+from freetoken.server.reasoning import REASONING, ReasoningSplit, split_for
 from freetoken.server.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -125,7 +126,8 @@ async def create_chat_completion(request: Request) -> Response:
     text_of = TokenText(engine.tokenizer)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = _stream(request, holder, streams, req, common, len(prompt_ids), text_of, include_usage, tools)
+        splits = {i: split_for(engine.tokenizer, prompt_ids) for i in range(req.n)}
+        chunks = _stream(request, holder, streams, req, common, len(prompt_ids), text_of, include_usage, tools, splits)
         return sse_response(chunks, request_id)
 
     results = {i: ChoiceResult(i, len(prompt_ids)) for i in range(req.n)}
@@ -137,8 +139,11 @@ async def create_chat_completion(request: Request) -> Response:
     for i in range(req.n):
         res = results[i]
         logprobs = ChatChoiceLogprobs(content=chat_logprobs(res.logprobs, text_of, top_n)) if req.logprobs else None
-        message, finish_reason = (tools.message(res.text, res.finish_reason) if tools
-                                  else (ChatResponseMessage(content=res.text), res.finish_reason))
+        split = split_for(engine.tokenizer, prompt_ids)
+        reasoning, text = split.whole(res.text) if split is not None else ("", res.text)
+        message, finish_reason = (tools.message(text, res.finish_reason) if tools
+                                  else (ChatResponseMessage(content=text), res.finish_reason))
+        message.reasoning_content = reasoning or None
         choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=finish_reason))
     completion_tokens = sum(len(r.token_ids) for r in results.values())
     response = ChatCompletionResponse(
@@ -149,9 +154,28 @@ async def create_chat_completion(request: Request) -> Response:
     return JSONResponse(response.model_dump(mode="json"))
 
 
+def _choice_deltas(text: str, finished: bool, split: Optional[ReasoningSplit],
+                   calls: Optional[StreamedCalls]) -> list[dict[str, Any]]:
+    """A choice's ``delta`` objects for its next text: the reasoning as ``reasoning_content``,
+    the answer as ``content`` and tool calls."""
+    parts = split.feed(text) + (split.finish() if finished else []) if split is not None else [("", text)]
+    out: list[dict[str, Any]] = []
+    for kind, piece in parts:
+        if kind == REASONING:
+            out.append({"reasoning_content": piece})
+        elif calls is not None:
+            out += calls.deltas(piece, False)
+        elif piece:
+            out.append({"content": piece})
+    if finished and calls is not None:
+        out += calls.deltas("", True)
+    return out
+
+
 async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams, req: ChatCompletionRequest,
                   common: dict[str, Any], prompt_tokens: int, text_of: TokenText,
-                  include_usage: bool, tools: Optional[ChatTools] = None) -> AsyncIterator[str]:
+                  include_usage: bool, tools: Optional[ChatTools] = None,
+                  splits: Optional[dict[int, Optional[ReasoningSplit]]] = None) -> AsyncIterator[str]:
     created = int(time.time())
     top_n = req.top_logprobs or 0
 
@@ -174,8 +198,7 @@ async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams
     async for index, delta in streams:
         completion_tokens += len(delta.token_ids)
         cached[index] = delta.cached_tokens
-        deltas = calls[index].deltas(delta.text, delta.finished) if tools else (
-            [{"content": delta.text}] if delta.text else [])
+        deltas = _choice_deltas(delta.text, delta.finished, (splits or {}).get(index), calls.get(index))
         if req.logprobs and delta.logprobs and not any("content" in d for d in deltas):
             deltas.insert(0, {"content": ""})  # log-probabilities of held-back text ride on an empty content delta
         lp_pending = req.logprobs

@@ -317,13 +317,16 @@ class ResponseToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    #: a reasoning model's reasoning (freetoken.server.reasoning), apart from ``content``
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[ResponseToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _omit_no_calls(self, handler: Any) -> dict[str, Any]:
         out: dict[str, Any] = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content"):
+            if out.get(key) is None:
+                out.pop(key, None)
         return out
 
 
