@@ -52,7 +52,7 @@ def test_tiles_reach_the_launches_defaults(restore_tiles):
 
     attention = dat.DEFAULT_CONFIG
     applied = apply_tiles([("experts", {"block_n": 2, "down_routes_tile": 0}), ("dense-wide", {"block_k": 512}),
-                           ("grouped", {"block_n": 64}), ("attention", {"prefetch": 1, "num_stages": 3})])
+                           ("grouped", {"block_n": 64}), ("attention", {"num_stages": 3, "block_n": 32})])
     assert tp.DEFAULT_CONFIG == dataclasses.replace(before[0], block_n=2, down_routes_tile=False)
     assert tp.NVIDIA_CONFIG == dataclasses.replace(before[1], block_n=2, down_routes_tile=False)
     assert tp.default_config("cpu") is tp.DEFAULT_CONFIG
@@ -61,7 +61,7 @@ def test_tiles_reach_the_launches_defaults(restore_tiles):
     assert tg.DEFAULT_CONFIG == dataclasses.replace(before[4], block_n=64)
     assert tg.variant_key(_Shaped(), _Shaped((1, 8)), _Shaped())[1] is tg.DEFAULT_CONFIG
     # the attention's launches read the module's constant when they run
-    assert dat.DEFAULT_CONFIG == dataclasses.replace(attention, prefetch=True, num_stages=3)
+    assert dat.DEFAULT_CONFIG == dataclasses.replace(attention, num_stages=3, block_n=32)
     assert applied["experts"]["NVIDIA_CONFIG"]["block_n"] == 2
     assert set(applied) == {"experts", "dense-wide", "grouped", "attention"}
 

@@ -230,3 +230,24 @@ def test_async_step_failure_fails_requests_in_flight_then_recovers(demo):
             await eng.shutdown()
 
     asyncio.run(main())
+
+
+def test_kv_cache_short_of_the_running_requests_says_how_to_fit_them(demo, monkeypatch, caplog):
+    """A KV budget that holds fewer full contexts than --max-running-requests allows: the
+    engine still starts (requests wait for blocks) and its warning names the size that
+    would run them all, and what that size costs."""
+    from freetoken_cpu_moe.backend import CpuModelSession
+
+    monkeypatch.setattr(CpuModelSession, "kv_cache_budget", lambda self: 0)
+    with caplog.at_level("WARNING", logger="freetoken.engine.engine"):
+        eng = LLMEngine(EngineConfig(model=demo.hf_dir, backend="cpu", max_model_len=200, max_running_requests=6))
+    assert eng.kv.total_tokens == 208  # one context in whole blocks of 16
+    warned = [r.getMessage() for r in caplog.records if "--kv-cache-tokens" in r.getMessage()]
+    assert len(warned) == 1 and "room for 1 full contexts of 200 tokens" in warned[0], warned
+    assert "--kv-cache-tokens 1200" in warned[0] and "--max-running-requests is 6" in warned[0], warned[0]
+    caplog.clear()
+    monkeypatch.undo()
+    with caplog.at_level("WARNING", logger="freetoken.engine.engine"):
+        LLMEngine(EngineConfig(model=demo.hf_dir, backend="cpu", max_model_len=200, max_running_requests=6,
+                               kv_cache_tokens=1200))
+    assert not [r for r in caplog.records if "--kv-cache-tokens" in r.getMessage()]

@@ -11,7 +11,7 @@ shorter contexts, as a decode graph sized for the model's longest context runs t
 
 Usage (on a GPU, from the repository root; under a minute on an H200):
     python tests/gpu/bench_decode_attention.py            # the table
-    python tests/gpu/bench_decode_attention.py --sweep    # also Triton tile/warp/stage/walk variants
+    python tests/gpu/bench_decode_attention.py --sweep    # also Triton tile/warp/stage variants
 """
 
 from __future__ import annotations
@@ -167,16 +167,15 @@ def sweep_partitions(ceiling: float) -> None:
 
 
 def _name(cfg: Any) -> str:
-    return f"n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}{'/prefetch' if cfg.prefetch else ''}"
+    return f"n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
 
 
 def sweep(ceiling: float) -> None:
     from freetoken.kernels import decode_attention as dat
 
     base = dat.DEFAULT_CONFIG
-    configs = [dataclasses.replace(base, block_n=n, num_warps=w, num_stages=st, min_part_blocks=max(1, 128 // n),
-                                   prefetch=pf)
-               for n in (64, 128) for w in (4, 8) for st in (2, 3, 4) for pf in (False, True)]  # fmt: skip
+    configs = [dataclasses.replace(base, block_n=n, num_warps=w, num_stages=st, min_part_blocks=max(1, 128 // n))
+               for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]  # fmt: skip
     print("\nTriton variants (us per call, GB/s):")
     for batch, ctx in ((1, 16384), (1, 32768), (8, 4096), (32, 32768)):
         s = setup(batch, ctx, ctx)

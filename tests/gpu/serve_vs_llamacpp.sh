@@ -14,7 +14,8 @@
 # CONFIGS: hybrid (llama.cpp -ncmoe $NCMOE against FreeToken --gpu-memory-limit $LIMIT), gpu
 # (everything on the GPU, both), cpu (both on the CPU: no GPU needed, CPU_ONLY=1 builds llama.cpp
 # without CUDA). Each server gets $MAXN = the largest of CLIENTS slots (llama-server -np, with
-# -c = slots x (PROMPT + GEN + 64), FreeToken --max-running-requests and --max-model-len PROMPT + GEN + 64).
+# -c = slots x (PROMPT + GEN + 64), FreeToken --max-running-requests, --max-model-len PROMPT + GEN + 64 and
+# --kv-cache-tokens as llama-server's -c: under a memory limit the plan otherwise keeps KV for one context).
 # FT_VARIANTS: FreeToken servers to run per configuration, ';'-separated sets of extra `serve` flags
 # (an empty set: the defaults), e.g. "; --prefill-chunk 256 --cuda-graph-max-bs 16"; each is
 # freetoken-CONFIG-vI in the results. LLAMA (1; 0: no llama-server). WARM (1): every server first
@@ -116,6 +117,7 @@ for config in $CONFIGS; do
     read -ra extra <<< "${variants[$i]}"
     [ -f "$MODEL.ok" ] && drive "$name" python3 -m freetoken.cli.main serve --model "$MODEL" \
       --cpu-threads "$((THREADS > 1 ? THREADS - 1 : 1))" --max-running-requests "$MAXN" --max-model-len "$CTX" \
+      --kv-cache-tokens $((MAXN * CTX)) \
       "${fflags[@]}" "${extra[@]}"
   done
 done

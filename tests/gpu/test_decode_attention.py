@@ -297,35 +297,6 @@ def test_long_context_many_steps(impl):
 
 
 @pytest.mark.skipif(not TRITON_RUNS, reason="the Triton kernels need triton (a GPU or Triton's interpreter)")
-@pytest.mark.parametrize("prefetch", [False, True], ids=["walk", "prefetching-walk"])
-def test_both_walks(prefetch, monkeypatch):
-    """Each way a partial program walks its tokens (kernels.decode_attention.KernelConfig.prefetch:
-    rows loaded a step ahead, cache blocks two steps ahead, or both at each step's start),
-    whichever is the default: partitions of one step, of a ragged last step and of many,
-    empty partitions, the window moving a program's first token, sinks, a head of 80 with
-    a v head of 48. Wide (MLA) heads keep the plain walk."""
-    from freetoken.kernels import decode_attention as dat
-
-    monkeypatch.setattr(dat, "DEFAULT_CONFIG", dataclasses.replace(dat.DEFAULT_CONFIG, prefetch=prefetch))
-    cfg = dat.DEFAULT_CONFIG
-    assert dat.kernel_constants(8, 128, 128, 16, True, "tf32", cfg)["PREFETCH"] is prefetch
-    assert dat.kernel_constants(128, 576, 512, 16, True, "tf32", cfg, shared_kv=True)["PREFETCH"] is False
-    seed = seed_of("walks", prefetch)
-    long = Case([1000, 517, 0, 64, 65], 8, 2, 32, 16, 63, torch.bfloat16, seed)
-    for p in (1, 3, 16):  # one program over 16 steps; partitions of 6 steps, the last ragged; of 1 step
-        run_checked(long, "triton", partitions=p)
-    small = Case(SMALL_CTX, 6, 2, 80, 16, 12, torch.float32, seed + 1, dv=48)
-    small.scale = 80.0 ** -0.5
-    run_checked(small, "triton", partitions=3)
-    sinks = torch.randn(6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float().to(DEV)
-    for window, p in ((9, 3), (70, 1), (130, 4)):
-        out = torch.full((len(SMALL_CTX), 6 * 48), float("nan"), device=DEV)
-        small.run("triton", out=out, window=window, sinks=sinks, partitions=p)
-        ref = reference_window_sinks(small, window, sinks)
-        check_heads(out, ref, small.ctx.tolist(), 6, 1e-5, f"window={window} P={p} prefetch={prefetch} seed={seed}")
-
-
-@pytest.mark.skipif(not TRITON_RUNS, reason="the Triton kernels need triton (a GPU or Triton's interpreter)")
 def test_merge_of_many_partitions():
     """More active partitions than the merge takes at a time (kernels.decode_attention.merge_tile):
     several rounds, the last one ragged, the running max rescaled between them; with a window
@@ -496,7 +467,7 @@ def test_partition_count_follows_shapes_only():
 # --------------------------------------------------------------------------------------
 
 SM90_SCRIPT = r"""
-import dataclasses, json, triton
+import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from freetoken.kernels import decode_attention as dat
@@ -506,13 +477,12 @@ STRIDES = ["stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "str
 cfg = dat.DEFAULT_CONFIG
 target = GPUTarget("cuda", 90, 32)
 
-def partial(dt, G, D, BS, split, DV=None, shared=False, walk=None):
+def partial(dt, G, D, BS, split, DV=None, shared=False):
     DV = D if DV is None else DV
-    config = cfg if walk is None else dataclasses.replace(cfg, prefetch=walk)
     sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "bt_ptr": "*i32", "ctx_ptr": "*i32",
            "out_ptr": f"*{dt}", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "count_ptr": "*i32", "scale_log2": "fp32", "P": "i32",
            "max_tokens": "i32", **{s: "i32" for s in STRIDES}}
-    consts = dat.kernel_constants(G, D, DV, BS, split, "ieee" if dt == "fp32" else "tf32", config, shared)
+    consts = dat.kernel_constants(G, D, DV, BS, split, "ieee" if dt == "fp32" else "tf32", cfg, shared)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in [*range(9), *range(12, 22)]}
     return triton.compile(ASTSource(dat._partial_kernel, sig, consts, attrs), target=target,
@@ -547,8 +517,6 @@ report = {
     # MLA with the up-projections absorbed (DeepSeek-V3: 128 heads over one latent of 512 + 64)
     "bf16_mla_split": describe(partial("bf16", 128, 576, 16, True, 512, shared=True)),
     "bf16_mla_direct": describe(partial("bf16", 16, 576, 64, False, 512, shared=True)),
-    # the other walk than the default's (KernelConfig.prefetch)
-    "bf16_qwen3_split_other_walk": describe(partial("bf16", 8, 128, 16, True, walk=not cfg.prefetch)),
 }
 print(json.dumps(report))
 """

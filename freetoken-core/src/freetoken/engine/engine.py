@@ -164,6 +164,17 @@ class LLMEngine:
                 kv_tokens = min(kv_tokens, max(floor, budget // per_tok))
         if config.kv_cache_tokens is None:
             kv_tokens = -(-kv_tokens // bs) * bs  # whole blocks: a context of ctx tokens fits
+            wanted = ctx * config.max_running_requests
+            if kv_tokens < wanted and config.max_model_len:
+                from freetoken.loading.memory import gib
+
+                logger.warning(
+                    "KV cache %d tokens (%s): room for %d full contexts of %d tokens at a time, where "
+                    "--max-running-requests is %d; the others wait or are preempted. --kv-cache-tokens %d (%s) runs "
+                    "them all at once (under a GPU memory limit, with fewer expert layers on the GPU)",
+                    kv_tokens, gib(kv_tokens * per_tok), kv_tokens // ctx, ctx, config.max_running_requests, wanted,
+                    gib(wanted * per_tok),
+                )  # fmt: skip
         self.kv = KVCache(cfg, kv_tokens, config.kv_block_size, act, self.device)
         if config.max_model_len and config.max_model_len > self.kv.total_tokens:
             raise ValueError(

@@ -80,10 +80,6 @@ class KernelConfig:
     #: the last partial program of each (sequence, kv head) merges the partitions (one launch)
     #: instead of a second launch of reduce programs
     reduce_in_partial: bool = True
-    #: a step's K/V rows loaded during the step before (its cache blocks two steps ahead)
-    #: instead of at its start; single-tile heads only (a wide head's tiles would double
-    #: its registers)
-    prefetch: bool = False
 
     def validate(self) -> None:
         for name in ("block_n", "block_p"):
@@ -117,12 +113,11 @@ def _partial_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr, BLOCK_GM: tl.constexpr, MERGE_P: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr, SHARED_KV: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, out_ptr, scale_log2, P,
              max_tokens, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
              stride_btb, stride_ob, G, GP, GB, D, DV, BS, BLOCK_G, BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_N, MIN_PART,
-             BLOCK_GM, MERGE_P, SPLIT, PRECISION, 0, False, LAST_REDUCES, SHARED_KV, PREFETCH)  # fmt: skip
+             BLOCK_GM, MERGE_P, SPLIT, PRECISION, 0, False, LAST_REDUCES, SHARED_KV)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["P", "max_tokens", "scale_log2"])
@@ -135,12 +130,12 @@ def _partial_window_sinks_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr, BLOCK_GM: tl.constexpr, MERGE_P: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    LAST_REDUCES: tl.constexpr, SHARED_KV: tl.constexpr, PREFETCH: tl.constexpr,
+    LAST_REDUCES: tl.constexpr, SHARED_KV: tl.constexpr,
 ):  # fmt: skip
     _partial(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, sink_ptr, scale_log2, P,
              max_tokens, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
              stride_btb, stride_ob, G, GP, GB, D, DV, BS, BLOCK_G, BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_N, MIN_PART,
-             BLOCK_GM, MERGE_P, SPLIT, PRECISION, WINDOW, HAS_SINKS, LAST_REDUCES, SHARED_KV, PREFETCH)  # fmt: skip
+             BLOCK_GM, MERGE_P, SPLIT, PRECISION, WINDOW, HAS_SINKS, LAST_REDUCES, SHARED_KV)  # fmt: skip
 
 
 @triton.jit
@@ -152,7 +147,7 @@ def _partial(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr, BLOCK_GM: tl.constexpr, MERGE_P: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    LAST_REDUCES: tl.constexpr, SHARED_KV: tl.constexpr, PREFETCH: tl.constexpr,
+    LAST_REDUCES: tl.constexpr, SHARED_KV: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)  # GB groups of GP query heads per kv head
@@ -184,42 +179,37 @@ def _partial(
         d2_ok = offs_d2 < D
         q2 = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d2[None, :],
                      mask=g_ok[:, None] & d2_ok[None, :], other=0.0)  # fmt: skip
-    else:  # not read
-        offs_d2, d2_ok, q2 = offs_d, d_ok, q
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
     bt_row = bt_ptr + b * stride_btb
-    if PREFETCH:
-        # step i's K/V rows are loaded during step i - 1 and its cache blocks during step
-        # i - 2, so a step waits for one memory trip, not for the block table and then the rows
-        t_ok = (first + offs_n) < hi
-        blk = tl.load(bt_row + (first + offs_n) // BS, mask=t_ok, other=0).to(tl.int64)
-        k, k2, v = _load_rows(k_ptr, v_ptr, blk, first + offs_n, t_ok, h, stride_kb, stride_kt, stride_kh,
-                              stride_vb, stride_vt, stride_vh, offs_d, d_ok, offs_d2, d2_ok, offs_dv, dv_ok, BS,
-                              BLOCK_D2, SHARED_KV)  # fmt: skip
-        t_next = first + BLOCK_N + offs_n
-        blk_next = tl.load(bt_row + t_next // BS, mask=t_next < hi, other=0).to(tl.int64)
-        for start in range(first, hi, BLOCK_N):  # every step holds at least one token < hi
-            next_ok = t_next < hi
-            k_n, k2_n, v_n = _load_rows(k_ptr, v_ptr, blk_next, t_next, next_ok, h, stride_kb, stride_kt, stride_kh,
-                                        stride_vb, stride_vt, stride_vh, offs_d, d_ok, offs_d2, d2_ok, offs_dv, dv_ok,
-                                        BS, BLOCK_D2, SHARED_KV)  # fmt: skip
-            t_after = t_next + BLOCK_N
-            blk_after = tl.load(bt_row + t_after // BS, mask=t_after < hi, other=0).to(tl.int64)
-            m_i, l_i, acc = _attend(q, q2, k, k2, v, t_ok, m_i, l_i, acc, scale_log2, BLOCK_D2, PRECISION)
-            k, k2, v, t_ok = k_n, k2_n, v_n, next_ok
-            t_next, blk_next = t_after, blk_after
-    else:
-        for start in range(first, hi, BLOCK_N):  # every step holds at least one token < hi
-            t = start + offs_n
-            t_ok = t < hi
-            blk = tl.load(bt_row + t // BS, mask=t_ok, other=0).to(tl.int64)
-            k, k2, v = _load_rows(k_ptr, v_ptr, blk, t, t_ok, h, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                                  stride_vh, offs_d, d_ok, offs_d2, d2_ok, offs_dv, dv_ok, BS, BLOCK_D2,
-                                  SHARED_KV)  # fmt: skip
-            m_i, l_i, acc = _attend(q, q2, k, k2, v, t_ok, m_i, l_i, acc, scale_log2, BLOCK_D2, PRECISION)
+    for start in range(first, hi, BLOCK_N):  # every step holds at least one token < hi
+        t = start + offs_n
+        t_ok = t < hi
+        blk = tl.load(bt_row + t // BS, mask=t_ok, other=0).to(tl.int64)
+        row = t % BS
+        k_off = blk * stride_kb + row * stride_kt + h * stride_kh
+        # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_G, BLOCK_N]
+        if BLOCK_D2 > 0:
+            k2 = tl.load(k_ptr + k_off[:, None] + offs_d2[None, :], mask=t_ok[:, None] & d2_ok[None, :], other=0.0)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
+        s = s * scale_log2
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the step has a valid token
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        if SHARED_KV:  # the values are the keys' first DV = BLOCK_D values (MLA's latents): no second load
+            v = k
+        else:
+            v_off = blk * stride_vb + row * stride_vt + h * stride_vh
+            # [BLOCK_N, BLOCK_DV]
+            v = tl.load(v_ptr + v_off[:, None] + offs_dv[None, :], mask=t_ok[:, None] & dv_ok[None, :], other=0.0)
+        acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
 
     if SPLIT:
         active = lo < hi
@@ -239,46 +229,6 @@ def _partial(
                 tl.atomic_xchg(count_ptr + b * tl.num_programs(1) + group, 0, sem="relaxed", scope="gpu")
     else:  # the only partition: normalise here (no context: acc = 0, l = 0 -> zeros)
         _store_heads(out_ptr, sink_ptr, b, heads, stride_ob, offs_dv, g_ok, dv_ok, acc, l_i, m_i, DV, HAS_SINKS)
-
-
-@triton.jit
-def _load_rows(k_ptr, v_ptr, blk, t, t_ok, h, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-               offs_d, d_ok, offs_d2, d2_ok, offs_dv, dv_ok, BS: tl.constexpr, BLOCK_D2: tl.constexpr,
-               SHARED_KV: tl.constexpr):  # fmt: skip
-    """The K rows (and the second K tile of a wide head; else the first again, unused) and V
-    rows of tokens ``t`` in cache blocks ``blk``; rows where ``t_ok`` is false read as zeros."""
-    row = t % BS
-    k_off = blk * stride_kb + row * stride_kt + h * stride_kh
-    # [BLOCK_N, BLOCK_D]
-    k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-    k2 = k
-    if BLOCK_D2 > 0:
-        k2 = tl.load(k_ptr + k_off[:, None] + offs_d2[None, :], mask=t_ok[:, None] & d2_ok[None, :], other=0.0)
-    if SHARED_KV:  # the values are the keys' first DV = BLOCK_D values (MLA's latents): no second load
-        v = k
-    else:
-        v_off = blk * stride_vb + row * stride_vt + h * stride_vh
-        # [BLOCK_N, BLOCK_DV]
-        v = tl.load(v_ptr + v_off[:, None] + offs_dv[None, :], mask=t_ok[:, None] & dv_ok[None, :], other=0.0)
-    return k, k2, v
-
-
-@triton.jit
-def _attend(q, q2, k, k2, v, t_ok, m_i, l_i, acc, scale_log2, BLOCK_D2: tl.constexpr, PRECISION: tl.constexpr):
-    """One step of the online softmax: the scores of the query heads ``q`` (``q2``: a wide
-    head's second tile) against keys ``k``/``k2`` (tokens where ``t_ok`` is false excluded),
-    then ``acc += P V``; returns the new ``(m, l, acc)``."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_G, BLOCK_N]
-    if BLOCK_D2 > 0:
-        s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
-    s = s * scale_log2
-    s = tl.where(t_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the step has a valid token
-    alpha = tl.exp2(m_i - m_new)
-    pr = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(pr, axis=1)
-    acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -452,17 +402,12 @@ def program_groups(q_heads: int, kv_heads: int, dv: int) -> int:
     return kv_heads * (g // query_group(g, dv))
 
 
-def wide(d: int, dv: int) -> bool:
-    """Whether heads of ``d``/``dv`` values take a tile wider than :data:`SINGLE_TILE_HEAD`."""
-    b1, b2 = split_d(d)
-    return b1 + b2 > SINGLE_TILE_HEAD or block_d(dv) > SINGLE_TILE_HEAD
-
-
 def tiles(config: KernelConfig, d: int, dv: int) -> tuple[int, int]:
     """``(BLOCK_N, MIN_PART)`` for heads of ``d``/``dv`` values: the config's, but at most
     :data:`WIDE_BLOCK_N` tokens a step where a tile is wider than :data:`SINGLE_TILE_HEAD`
     (bounded shared memory)."""
-    if not wide(d, dv):
+    b1, b2 = split_d(d)
+    if b1 + b2 <= SINGLE_TILE_HEAD and block_d(dv) <= SINGLE_TILE_HEAD:
         return config.block_n, config.min_part
     n = min(config.block_n, WIDE_BLOCK_N)
     return n, n * config.min_part_blocks
@@ -496,7 +441,6 @@ def kernel_constants(g: int, d: int, dv: int, block_size: int, split: bool, prec
         G=g, GP=gp, GB=g // gp, D=d, DV=dv, BS=block_size, BLOCK_G=max(16, triton.next_power_of_2(gp)),
         BLOCK_D=first, BLOCK_D2=second, BLOCK_DV=block_d(dv), BLOCK_N=block_n, MIN_PART=min_part, SPLIT=split,
         PRECISION=precision, LAST_REDUCES=split and config.reduce_in_partial, SHARED_KV=shared_kv,
-        PREFETCH=config.prefetch and not wide(d, dv),
         **merge_tile(gp, dv),
     )  # fmt: skip
 
