@@ -24,6 +24,7 @@ SEED = random.SystemRandom().randrange(1 << 30)
 CASES = [
     ("think", False, "<think>\nLet me think.\n\nStep 2.\n</think>\n\nHello!", "Let me think.\n\nStep 2.", "Hello!"),
     ("think", True, "First, 2 < 3.\n</think>\n\nIt is <b>3</b>.", "First, 2 < 3.", "It is <b>3</b>."),
+    ("think", True, "\n  Leading space.</think> Answer", "Leading space.", "Answer"),
     ("think", False, "  No reasoning <think> here </think>", "", "  No reasoning <think> here </think>"),
     ("think", False, "<thin", "", "<thin"),  # a tag the answer stopped in is answer text
     ("think", True, "cut off before the end </thi", "cut off before the end </thi", ""),
@@ -191,3 +192,33 @@ class _GGUFStub:
 
     def field(self, name: str) -> Any:
         return self.fields.get(name)
+
+
+def test_anthropic_block_events_thinking_text_and_call():
+    """The streamed blocks of an answer with reasoning, text and a call: a thinking block
+    (deltas, an empty signature, stopped), then the text block, then the tool_use block,
+    numbered 0, 1, 2, each started and stopped once, whatever the cuts."""
+    from freetoken.server.anthropic_messages import _answer_events
+    from freetoken.server.anthropic_tools import BlockEvents
+
+    call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    text = "Oslo's weather.\n</think>\n\nChecking.\n<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
+    rng = random.Random(SEED + 2)
+    for _ in range(50):
+        blocks = BlockEvents(ToolCallParser(HermesFormat(), {"get_weather"}, None, True), thinking=True)
+        split = ReasoningSplit("think", True)
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(0, 10)))
+        raw, prev = blocks.start(), 0
+        for i, cut in enumerate([*cuts, len(text)]):
+            raw += _answer_events(blocks, split, text[prev:cut], i == len(cuts))
+            prev = cut
+        raw += blocks.finish()
+        events = [json.loads(e.split("data: ", 1)[1]) for e in raw]
+        started = [(e["index"], e["content_block"]["type"]) for e in events if e["type"] == "content_block_start"]
+        assert started == [(0, "thinking"), (1, "text"), (2, "tool_use")], (started, cuts)
+        assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1, 2]
+        deltas = [(e["index"], e["delta"]) for e in events if e["type"] == "content_block_delta"]
+        assert "".join(d.get("thinking", "") for i, d in deltas if i == 0) == "Oslo's weather."
+        assert [d for i, d in deltas if i == 0][-1] == {"type": "signature_delta", "signature": ""}
+        assert "".join(d.get("text", "") for i, d in deltas if i == 1) == "Checking."
+        assert json.loads("".join(d["partial_json"] for i, d in deltas if i == 2)) == call["arguments"]

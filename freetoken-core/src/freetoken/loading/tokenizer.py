@@ -20,6 +20,11 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 #: End-of-turn tokens we also stop on when the vocabulary marks them as control tokens.
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "</s>")
 
+#: the names a chat template is given by :meth:`Tokenizer.apply_chat_template` itself (and the
+#: helpers it defines)
+TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception",
+                  "strftime_now")
+
 #: GPT-OSS's harmony format: the ends of a turn (an answer, a tool call). A harmony vocabulary
 #: has them, and there ``<|end|>`` only closes one message of a turn (the reasoning, before
 #: the answer), so it is no end of generation.
@@ -120,9 +125,12 @@ class Tokenizer:
         return self._renders_tools
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: Optional[list[dict[str, Any]]] = None) -> str:
+                            tools: Optional[list[dict[str, Any]]] = None,
+                            variables: Optional[dict[str, Any]] = None) -> str:
         """Render ``messages`` with the chat template. ``tools``: OpenAI-style tool definitions
-        (``{"type": "function", "function": {...}}``), passed to the template as transformers does."""
+        (``{"type": "function", "function": {...}}``), passed to the template as transformers does.
+        ``variables``: more names for the template (e.g. ``enable_thinking``); they cannot
+        replace the ones above (:data:`TEMPLATE_NAMES`)."""
         msgs = _alias_reasoning(validate_messages(messages))
         if not self.chat_template:
             raise ValueError(f"{self.source or 'this model'} has no chat template; send a plain prompt instead")
@@ -130,8 +138,12 @@ class Tokenizer:
 
         if self._template is None:
             self._template = _compile_template(self.chat_template)
+        taken = sorted(set(variables or {}) & set(TEMPLATE_NAMES))
+        if taken:
+            raise ValueError(f"template variables {taken} are set by the server and cannot be given")
         try:
             return self._template.render(
+                **(variables or {}),
                 messages=msgs,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
@@ -171,7 +183,8 @@ class IdsOnlyTokenizer(Tokenizer):
         return None
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: Optional[list[dict[str, Any]]] = None) -> str:
+                            tools: Optional[list[dict[str, Any]]] = None,
+                            variables: Optional[dict[str, Any]] = None) -> str:
         raise self._refuse()
 
 

@@ -24,6 +24,7 @@ from freetoken.server.anthropic_protocol import (
     MessageResponse,
     MessagesBase,
     MessagesRequest,
+    ThinkingBlock,
     Usage,
     error_body,
 )
@@ -42,6 +43,7 @@ from freetoken.server.generation import (
     resolve_max_tokens,
     until_disconnect,
 )
+from freetoken.server.reasoning import REASONING, ReasoningSplit, split_for
 from freetoken.server.sse import sse_response
 from freetoken.server.state import EngineHolder
 
@@ -115,7 +117,9 @@ async def create_message(request: Request) -> Response:
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED)
     if req.stream:
-        events = _stream(request, holder, streams, message_id, model, prompt_ids, stops, engine.tokenizer, tools)
+        blocks = BlockEvents(tools.parser(incremental=True) if tools else None, req.shows_thinking,
+                             not req.omits_thinking_text)
+        events = _stream(request, holder, streams, message_id, model, prompt_ids, stops, engine.tokenizer, blocks)
         return sse_response(events, message_id, error_events=_error_events)
 
     result = ChoiceResult(0, len(prompt_ids))
@@ -123,7 +127,11 @@ async def create_message(request: Request) -> Response:
         await until_disconnect(request.receive, collect(streams, {0: result}))
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED)
-    content, called = content_blocks(result.text, tools)
+    split = split_for(engine.tokenizer, prompt_ids)
+    reasoning, text = split.whole(result.text) if split is not None else ("", result.text)
+    content, called = content_blocks(text, tools)
+    if reasoning and req.shows_thinking:
+        content.insert(0, ThinkingBlock(thinking="" if req.omits_thinking_text else reasoning))
     reason, sequence = stop_reason(result, stops, engine.tokenizer, called)
     response = MessageResponse(
         id=message_id, model=model, content=content, stop_reason=reason,
@@ -132,11 +140,23 @@ async def create_message(request: Request) -> Response:
     return JSONResponse(response.model_dump(mode="json"))
 
 
+def _answer_events(blocks: BlockEvents, split: Optional[ReasoningSplit], text: str, finished: bool) -> list[str]:
+    """The block events of the answer's next text: its reasoning as thinking blocks (where
+    shown), the rest as text and tool_use blocks."""
+    parts = split.feed(text) + (split.finish() if finished else []) if split is not None else [("", text)]
+    out: list[str] = []
+    for kind, piece in parts:
+        if kind == REASONING:
+            out += blocks.thinking(piece) if blocks.shows_thinking else []
+        else:
+            out += blocks.feed(piece, False)
+    return out + (blocks.feed("", True) if finished else [])
+
+
 async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams, message_id: str, model: str,
-                  prompt_ids: list[int], stops: list[str], tokenizer: Any,
-                  tools: Optional[ChatTools]) -> AsyncIterator[str]:
+                  prompt_ids: list[int], stops: list[str], tokenizer: Any, blocks: BlockEvents) -> AsyncIterator[str]:
     result = ChoiceResult(0, len(prompt_ids))
-    blocks = BlockEvents(tools.parser(incremental=True) if tools else None)
+    split = split_for(tokenizer, prompt_ids)
     started = False
     sent = 0
     async for _, delta in streams:
@@ -150,7 +170,7 @@ async def _stream(request: Request, holder: EngineHolder, streams: ChoiceStreams
             }})
             for event in blocks.start():
                 yield event
-        for event in blocks.feed(delta.text, delta.finished):
+        for event in _answer_events(blocks, split, delta.text, delta.finished):
             yield event
             sent += 1
             if sent == 1:

@@ -28,8 +28,6 @@ _UNSUPPORTED_BLOCKS = {
     "search_result": "not supported by this server (text only)",
     "server_tool_use": "not supported by this server (client tools only)",
     "web_search_tool_result": "not supported by this server (client tools only)",
-    "thinking": "not supported yet",
-    "redacted_thinking": "not supported yet",
 }
 
 #: Request fields of the Messages API that are refused when set.
@@ -85,6 +83,9 @@ class ContentBlock(BaseModel):
     tool_use_id: Optional[str] = None
     content: Union[str, list["ContentBlock"], None] = None
     is_error: Optional[bool] = None
+    thinking: Optional[str] = None
+    signature: Optional[str] = None
+    data: Optional[str] = None
 
     def result_text(self) -> str:
         """A tool_result's content as one string (text blocks joined)."""
@@ -125,6 +126,22 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: Optional[bool] = None
 
 
+class ThinkingParam(BaseModel):
+    """Thinking: ``enabled`` (with a ``budget_tokens``, checked as Anthropic checks it, not
+    enforced), ``adaptive`` and ``between_tools`` show a reasoning model's reasoning as
+    ``thinking`` blocks (``display: omitted``: the blocks without their text); ``disabled``
+    asks the chat template for an answer without reasoning (``enable_thinking`` false)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: Optional[int] = None
+    display: Optional[Literal["summarized", "omitted"]] = None
+
+
+#: the smallest ``thinking.budget_tokens`` the Messages API takes
+MIN_THINKING_BUDGET = 1024
+
+
 class MessagesBase(BaseModel):
     """Fields shared by ``/v1/messages`` and ``/v1/messages/count_tokens``."""
 
@@ -134,6 +151,15 @@ class MessagesBase(BaseModel):
     system: Union[str, list[ContentBlock], None] = None
     tools: Optional[list[ToolParam]] = None
     tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[ThinkingParam] = None
+
+    @property
+    def shows_thinking(self) -> bool:
+        return self.thinking is not None and self.thinking.type != "disabled"
+
+    @property
+    def omits_thinking_text(self) -> bool:
+        return self.thinking is not None and self.thinking.display == "omitted"
 
     def check(self) -> None:
         """Refuse what is recognised but not implemented, and what is inconsistent
@@ -145,6 +171,13 @@ class MessagesBase(BaseModel):
         if isinstance(self.system, list):
             _check_blocks(self.system, "system", ())
         self._check_tools()
+        if self.thinking is not None and self.thinking.type == "enabled":
+            budget = self.thinking.budget_tokens
+            if budget is None:
+                raise FieldError("thinking.budget_tokens", "thinking.budget_tokens: field required for type 'enabled'")
+            if budget < MIN_THINKING_BUDGET:
+                raise FieldError("thinking.budget_tokens",
+                                 f"thinking.budget_tokens: must be at least {MIN_THINKING_BUDGET}, got {budget}")
         if len(self.messages) == 1 and self.messages[0].role == "assistant" and not self.system_text():
             raise FieldError("messages", "messages: the only message is an assistant message, a prefill that "
                                          "answers nothing; put a user message (or a system prompt) before it")
@@ -154,7 +187,8 @@ class MessagesBase(BaseModel):
             if isinstance(message.content, str):
                 continue
             where = f"messages.{i}.content"
-            _check_blocks(message.content, where, ("tool_use",) if message.role == "assistant" else ("tool_result",))
+            _check_blocks(message.content, where, ("tool_use", "thinking", "redacted_thinking")
+                          if message.role == "assistant" else ("tool_result",))
             for j, block in enumerate(message.content):
                 if block.type == "tool_use":
                     if block.id in tool_use_ids:
@@ -205,12 +239,15 @@ class MessagesBase(BaseModel):
 
 
 #: fields each accepted block type requires
-_REQUIRED = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
+_REQUIRED = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",),
+             "thinking": ("thinking",), "redacted_thinking": ("data",)}
+#: block types allowed in assistant messages only
+_ASSISTANT_BLOCKS = ("tool_use", "thinking", "redacted_thinking")
 
 
 def _check_blocks(blocks: list[ContentBlock], where: str, tool_blocks: tuple[str, ...]) -> None:
-    """Text blocks, plus the tool block types allowed here (``tool_use`` in assistant
-    messages, ``tool_result`` in user messages)."""
+    """Text blocks, plus the block types allowed here (``tool_use`` and thinking in
+    assistant messages, ``tool_result`` in user messages)."""
     for j, block in enumerate(blocks):
         param = f"{where}.{j}"
         if block.type in ("text", *tool_blocks):
@@ -222,8 +259,8 @@ def _check_blocks(blocks: list[ContentBlock], where: str, tool_blocks: tuple[str
             if block.type == "tool_result" and isinstance(block.content, list):
                 _check_blocks(block.content, f"{param}.content", ())
             continue
-        if block.type in ("tool_use", "tool_result"):
-            allowed = "assistant" if block.type == "tool_use" else "user"
+        if block.type in (*_ASSISTANT_BLOCKS, "tool_result"):
+            allowed = "assistant" if block.type in _ASSISTANT_BLOCKS else "user"
             raise FieldError(f"{param}.type", f"{param}: '{block.type}' blocks are only allowed in {allowed} messages")
         why = _UNSUPPORTED_BLOCKS.get(block.type)
         if why is None:
@@ -241,6 +278,12 @@ class MessagesRequest(MessagesBase):
     metadata: Optional[dict[str, Any]] = None
     #: extension: keep generating past EOS (benchmarks, tests)
     ignore_eos: bool = False
+
+    def check(self) -> None:
+        super().check()
+        if self.shows_thinking and self.thinking is not None and (self.thinking.budget_tokens or 0) >= self.max_tokens:
+            raise FieldError("thinking.budget_tokens", f"thinking.budget_tokens ({self.thinking.budget_tokens}) must "
+                                                       f"be less than max_tokens ({self.max_tokens})")
 
     @field_validator("stop_sequences")
     @classmethod
@@ -264,6 +307,15 @@ class CountTokensRequest(MessagesBase):
 class TextBlock(BaseModel):
     type: Literal["text"] = "text"
     text: str
+
+
+class ThinkingBlock(BaseModel):
+    """A reasoning model's reasoning (requests with ``thinking`` enabled); the signature is
+    empty: this server signs nothing, and takes thinking blocks back as they come."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
 
 
 class ToolUseBlock(BaseModel):
@@ -296,7 +348,7 @@ class MessageResponse(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[Union[TextBlock, ToolUseBlock]]
+    content: list[Union[ThinkingBlock, TextBlock, ToolUseBlock]]
     stop_reason: Optional[StopReason] = None
     stop_sequence: Optional[str] = None
     usage: Usage

@@ -11,13 +11,15 @@ whole or streamed.
   ``auto`` / ``required`` / the named function / ``none``, and
   ``disable_parallel_tool_use: true`` to ``parallel_tool_calls: false``;
 * an assistant message to one assistant message: its text blocks are the content,
-  its ``tool_use`` blocks the ``tool_calls`` (``input`` as the JSON arguments);
+  its ``tool_use`` blocks the ``tool_calls`` (``input`` as the JSON arguments), its
+  ``thinking`` blocks the ``reasoning_content`` (``redacted_thinking`` dropped);
 * a user message to, in the order of its blocks, a ``tool`` message per
   ``tool_result`` block (``tool_call_id`` = ``tool_use_id``, ``name`` = the tool
   used; the text of an ``is_error`` result is prefixed ``Error: ``) and a user message
   per run of text blocks;
 * ``system`` to a first system message, and a final assistant message to the prefill
-  text the answer continues.
+  text the answer continues;
+* ``thinking`` to the template variable ``enable_thinking`` (false for ``disabled``).
 
 So a conversation renders as the same conversation sent to /v1/chat/completions.
 Calls in the answer come from the same parser (``<tool_call>`` markup and the like)
@@ -60,7 +62,9 @@ def chat_request(req: MessagesBase) -> tuple[ChatCompletionRequest, str]:
             tool_names.update((str(b.id), str(b.name)) for b in uses)
             calls = [MessageToolCall(id=str(b.id), function=CalledFunction(
                 name=str(b.name), arguments=json.dumps(b.input, ensure_ascii=False))) for b in uses]
-            messages.append(ChatMessage(role="assistant", content=m.text(), tool_calls=calls or None))
+            reasoning = "".join(b.thinking or "" for b in m.blocks("thinking"))
+            extra = {"reasoning_content": reasoning} if reasoning else {}
+            messages.append(ChatMessage(role="assistant", content=m.text(), tool_calls=calls or None, **extra))
         elif isinstance(m.content, str):
             messages.append(ChatMessage(role="user", content=m.content))
         else:
@@ -79,8 +83,10 @@ def chat_request(req: MessagesBase) -> tuple[ChatCompletionRequest, str]:
             choice = _CHOICES[req.tool_choice.type]
         if req.tool_choice.disable_parallel_tool_use:
             parallel = False
+    variables = None if req.thinking is None else {"enable_thinking": req.thinking.type != "disabled"}
     chat = ChatCompletionRequest.model_construct(model=req.model, messages=messages, tools=tools or None,
-                                                 tool_choice=choice, parallel_tool_calls=parallel)
+                                                 tool_choice=choice, parallel_tool_calls=parallel,
+                                                 chat_template_kwargs=variables)
     return chat, prefill
 
 
@@ -126,29 +132,57 @@ def sse_event(kind: str, payload: dict[str, Any]) -> str:
 
 
 class BlockEvents:
-    """The content block events of one streamed answer, numbered in order: a text block
-    takes the text until a call comes; each call is a tool_use block of its own,
+    """The content block events of one streamed answer, numbered in order: a thinking
+    block takes the reasoning (:meth:`thinking`; its ``signature_delta`` is empty), a text
+    block the text until a call comes; each call is a tool_use block of its own,
     streamed as it is generated (``content_block_start`` with the id, name and
     ``input: {}`` once the name is known, an ``input_json_delta`` with each new piece of
     the input's JSON, ``content_block_stop`` at the end of the call; a call the parser
     could only read whole has one ``input_json_delta`` with all of it). Without tools
-    the text block opens at once."""
+    and without reasoning to show (``thinking`` false) the text block opens at once."""
 
-    def __init__(self, parser: Optional[ToolCallParser]) -> None:
+    def __init__(self, parser: Optional[ToolCallParser], thinking: bool = False, thinking_text: bool = True) -> None:
         self.parser = parser
         self.index = -1
         self.text_open = False
+        self.thinking_open = False
+        self.shows_thinking = thinking
+        self.thinking_text = thinking_text  # False: thinking blocks without their text (display "omitted")
+        self.answer_blocks = 0  # text and tool_use blocks opened
         self.calls = 0
 
     def start(self) -> list[str]:
         """The events after ``message_start``."""
-        opened = self._open_text() if self.parser is None else []
+        opened = self._open_text() if self.parser is None and not self.shows_thinking else []
         return opened + [sse_event("ping", {})]
 
+    def thinking(self, text: str) -> list[str]:
+        """Reasoning: into the open thinking block, else a new one."""
+        out: list[str] = []
+        if not self.thinking_open:
+            out += self._close_text()
+            self.index += 1
+            self.thinking_open = True
+            out.append(sse_event("content_block_start", {
+                "index": self.index, "content_block": {"type": "thinking", "thinking": "", "signature": ""}}))
+        if self.thinking_text:
+            out.append(sse_event("content_block_delta", {
+                "index": self.index, "delta": {"type": "thinking_delta", "thinking": text}}))
+        return out
+
+    def _close_thinking(self) -> list[str]:
+        if not self.thinking_open:
+            return []
+        self.thinking_open = False
+        return [sse_event("content_block_delta", {"index": self.index, "delta": {"type": "signature_delta",
+                                                                                 "signature": ""}}),
+                sse_event("content_block_stop", {"index": self.index})]
+
     def _open_call(self, call: ToolCall) -> list[str]:
-        out = self._close_text()
+        out = self._close_thinking() + self._close_text()
         self.index += 1
         self.calls += 1
+        self.answer_blocks += 1
         return out + [sse_event("content_block_start", {
             "index": self.index, "content_block": {"type": "tool_use", "id": tool_use_id(call), "name": call.name,
                                                    "input": {}}})]
@@ -186,13 +220,16 @@ class BlockEvents:
         return out
 
     def finish(self) -> list[str]:
-        """Closes the open text block (an answer without any block gets an empty text block)."""
-        return (self._open_text() if self.index < 0 else []) + self._close_text()
+        """Closes the open block (an answer without a text or tool_use block gets an empty text block)."""
+        return self._close_thinking() + (self._open_text() if not self.answer_blocks else []) + self._close_text()
 
     def _open_text(self) -> list[str]:
+        out = self._close_thinking()
         self.index += 1
         self.text_open = True
-        return [sse_event("content_block_start", {"index": self.index, "content_block": {"type": "text", "text": ""}})]
+        self.answer_blocks += 1
+        return out + [sse_event("content_block_start", {"index": self.index,
+                                                        "content_block": {"type": "text", "text": ""}})]
 
     def _close_text(self) -> list[str]:
         if not self.text_open:

@@ -50,11 +50,13 @@ def render_prompt(req: ChatCompletionRequest, tokenizer: Any, tools: Optional[Ch
         raise APIError(400, "This model has no text tokenizer; use /v1/completions with token-id prompts.",
                        param="messages", code="no_tokenizer")
     messages = template_messages(req)
+    variables = req.chat_template_kwargs or None
     try:
         if tools is not None:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools.definitions)
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools.definitions,
+                                                   variables=variables)
         else:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, variables=variables)
     except ValueError as exc:
         raise APIError(400, f"messages cannot be rendered with the model's chat template: {exc}",
                        param="messages", code="invalid_messages") from None

@@ -24,6 +24,7 @@ import functools
 import json
 from typing import Any, Callable, Optional
 
+from freetoken.loading.tokenizer import REASONING_KEYS
 from freetoken.server.errors import APIError
 from freetoken.server.protocol import (
     CalledFunction,
@@ -71,6 +72,8 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             msg["tool_call_id"] = m.tool_call_id
             if m.name is not None:
                 msg["name"] = m.name
+        if m.role == "assistant":  # an earlier answer's reasoning, for templates that show it again
+            msg.update({k: v for k, v in (m.model_extra or {}).items() if k in REASONING_KEYS and isinstance(v, str)})
         out.append(msg)
     return out
 

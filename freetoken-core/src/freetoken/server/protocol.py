@@ -13,6 +13,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from freetoken.loading.tokenizer import TEMPLATE_NAMES
+
 #: Maximum number of choices per request (``n``) and per-token alternatives.
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -201,9 +203,16 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[ChatTool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
+    #: more variables for the chat template (e.g. ``{"enable_thinking": false}``)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     def check(self) -> None:
         super().check()
+        taken = sorted(set(self.chat_template_kwargs or {}) & set(TEMPLATE_NAMES))
+        if taken:
+            raise FieldError("chat_template_kwargs", f"chat_template_kwargs: {', '.join(taken)} are set by the "
+                                                     "server (messages, tools and the generation prompt have fields "
+                                                     "of their own)")
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.response_format is not None and self.response_format.type == "json_schema" \

@@ -81,6 +81,7 @@ class ReasoningSplit:
         # think: "start" (the answer's first non-space text may open the reasoning),
         # "reasoning", "answer"; harmony: "answer", "header", "body"
         self._state = "start"
+        self._lead = False  # at the start of reasoning or of what follows it: leading whitespace dropped
         if style == "think" and in_reasoning:
             self._state, self._lead = "reasoning", True
         elif style == "harmony":
@@ -88,7 +89,6 @@ class ReasoningSplit:
         self._header = ""  # harmony: the current message's header, up to <|message|>
         self._kind = ANSWER  # harmony: where the current message's body goes
         self._raw = False  # harmony: the body stays in the answer with its markup (a tool call)
-        self._lead = False  # at the start of reasoning or of what follows it: leading whitespace dropped
         self._space = ""  # reasoning's trailing whitespace, held until more reasoning follows
 
     def whole(self, text: str) -> tuple[str, str]:
