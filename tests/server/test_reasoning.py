@@ -5,6 +5,7 @@ the streamed deltas; the harmony vocabulary's decoded markup and end tokens."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from typing import Any
 
@@ -36,8 +37,11 @@ CASES = [
     ("harmony", False, "Plain text, no channel.", "", "Plain text, no channel."),
     ("harmony", False, "<|channel|>analysis<|message|>Need the weather.<|start|>assistant<|channel|>commentary "
      "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo\"}", "Need the weather.",
-     "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
-     "{\"city\": \"Oslo\"}"),
+     "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Oslo\"}<|call|>"),
+    ("harmony", False, "<|start|>assistant to=functions.add<|channel|>commentary <|constrain|>json<|message|>{}",
+     "", "<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{}<|call|>"),
+    ("harmony", False, "<|channel|>commentary to=functions.f<|message|>{}<|start|>assistant<|channel|>final<|message|>ok",
+     "", "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}<|call|>ok"),
     ("harmony", False, "<|channel|>analysis<|message|>a<|start|>assistant<|channel|>analysis<|message|>b"
      "<|start|>assistant<|channel|>commentary<|message|>Checking.<|start|>assistant<|channel|>final<|message|>"
      "Done.", "ab", "Checking.Done."),
@@ -62,7 +66,7 @@ def joined(parts: list[tuple[str, str]]) -> tuple[str, str]:
 def test_whole_and_in_random_pieces(style, inside, text, reasoning, answer):
     assert ReasoningSplit(style, inside).whole(text) == (reasoning, answer)
     rng = random.Random(SEED)
-    markup = ("<think>", "</think>", *HARMONY_MARKUP)
+    markup = ("<think>", "</think>", *HARMONY_MARKUP, "<|call|>")
     for _ in range(200):
         cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(0, min(12, len(text) - 1))))
         parts = fed(ReasoningSplit(style, inside), text, cuts)
@@ -222,3 +226,56 @@ def test_anthropic_block_events_thinking_text_and_call():
         assert [d for i, d in deltas if i == 0][-1] == {"type": "signature_delta", "signature": ""}
         assert "".join(d.get("text", "") for i, d in deltas if i == 1) == "Checking."
         assert json.loads("".join(d["partial_json"] for i, d in deltas if i == 2)) == call["arguments"]
+
+
+GPT_OSS_TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "models_moe_families", "data", "chat_templates",
+                                "gpt_oss.jinja")  # fmt: skip
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def gpt_oss_tools(tool_choice: Any = "auto") -> Any:
+    from freetoken.server.chat_tools import ChatTools
+    from freetoken.server.protocol import ChatCompletionRequest
+
+    tok = harmony_tokenizer()
+    with open(GPT_OSS_TEMPLATE) as f:
+        tok.chat_template = f.read()
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "Oslo?"}],
+                                                "tools": [WEATHER], "tool_choice": tool_choice})  # fmt: skip
+    return ChatTools(req, tok)
+
+
+def test_gpt_oss_reasoning_then_a_call_streamed_and_whole():
+    """GPT-OSS's answer as its model writes it (the recipient after the channel, a
+    <|constrain|> content type, the turn ended by <|call|>, which is no text): the analysis as
+    reasoning_content, the call as tool_calls, no content, in any pieces."""
+    tools = gpt_oss_tools()
+    assert tools.fmt.name == "harmony"
+    text = ("<|channel|>analysis<|message|>The user wants Oslo's weather.<|start|>assistant<|channel|>commentary "
+            "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo\"}")  # fmt: skip
+    reasoning, answer = ReasoningSplit("harmony").whole(text)
+    message, finish = tools.message(answer, "stop")
+    assert reasoning == "The user wants Oslo's weather." and finish == "tool_calls" and message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Oslo"})]
+    rng = random.Random(SEED + 3)
+    for _ in range(50):
+        split, calls = ReasoningSplit("harmony"), StreamedCalls(tools.parser(incremental=True))
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(0, 10)))
+        deltas, prev = [], 0
+        for i, cut in enumerate([*cuts, len(text)]):
+            deltas += _choice_deltas(text[prev:cut], i == len(cuts), split, calls)
+            prev = cut
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == reasoning
+        assert not any(d.get("content") for d in deltas), deltas
+        args = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas if "tool_calls" in d)
+        assert json.loads(args) == {"city": "Oslo"} and calls.calls == 1, (deltas, cuts)
+
+
+def test_gpt_oss_calls_cannot_be_forced():
+    from freetoken.server.errors import APIError
+
+    with pytest.raises(APIError) as err:
+        gpt_oss_tools("required")
+    assert err.value.status == 400 and "harmony" in err.value.message and err.value.param == "tool_choice"

@@ -1,4 +1,4 @@
-"""The call markups of GLM-4.5, DeepSeek-V3/V3.1 and Kimi-K2 (Hermes has
+"""The call markups of GLM-4.5, DeepSeek-V3/V3.1, Kimi-K2 and GPT-OSS's harmony (Hermes has
 test_tool_calls.py): calls found whole and streamed at every split, section tags never in
 the content, what is not a call stays content, a forced call's text parses back to the
 call, the markup found from the chat template, and a forced call refused where the markup
@@ -12,11 +12,19 @@ from typing import Any
 
 import pytest
 
-from freetoken.server.tool_call_formats import FORMATS, DeepSeekFormat, Glm45Format, KimiK2Format, format_for
+from freetoken.server.tool_call_formats import (
+    FORMATS,
+    DeepSeekFormat,
+    Glm45Format,
+    HarmonyFormat,
+    KimiK2Format,
+    format_for,
+)
 from freetoken.server.tool_calls import CallArguments, CallStart, ToolCall, ToolCallParser, parse_tool_calls
 
 NAMES = {"get_weather", "add"}
 GLM, DS31, DS3, KIMI = Glm45Format(), DeepSeekFormat(fenced=False), DeepSeekFormat(fenced=True), KimiK2Format()
+HARMONY = HarmonyFormat()
 
 
 def glm(name: str, args: dict[str, Any]) -> str:
@@ -42,6 +50,12 @@ def kimi(*calls: tuple[str, dict[str, Any]]) -> str:
     return f"<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
 
 
+def harmony(name: str, args: dict[str, Any]) -> str:
+    """A call as GPT-OSS's template writes it back (freetoken.server.reasoning puts the model's
+    own headers in this form)."""
+    return f"<|start|>assistant to=functions.{name}<|channel|>commentary json<|message|>{json.dumps(args)}<|call|>"
+
+
 W = ("get_weather", {"city": "Zürich ✓", "days": 3})
 A = ("add", {"a": 1, "b": [2, {"c": None}], "flag": True})
 
@@ -62,6 +76,14 @@ CASES = [
     (DS3, "fenced calls", "Let me see." + ds3(W, A), "Let me see.", [W, A]),
     (KIMI, "one call", kimi(W), "", [W]),
     (KIMI, "text and two calls", "I will call two.\n" + kimi(A, W), "I will call two.", [A, W]),
+    (HARMONY, "one call", harmony(*W), "", [W]),
+    (HARMONY, "a preamble, then a call", "Looking it up." + harmony(*A), "Looking it up.", [A]),
+    (HARMONY, "a call to a built-in tool stays content",
+     "<|start|>assistant to=browser.search<|channel|>analysis json<|message|>{}<|call|>",
+     "<|start|>assistant to=browser.search<|channel|>analysis json<|message|>{}<|call|>", []),
+    (HARMONY, "arguments that are no object stay content",
+     "<|start|>assistant to=functions.add<|channel|>commentary json<|message|>[1]<|call|>",
+     "<|start|>assistant to=functions.add<|channel|>commentary json<|message|>[1]<|call|>", []),
     (KIMI, "an id without an index stays content",
      "<|tool_call_begin|>functions.add<|tool_call_argument_begin|>{}<|tool_call_end|>",
      "<|tool_call_begin|>functions.add<|tool_call_argument_begin|>{}<|tool_call_end|>", []),
@@ -132,6 +154,7 @@ def test_a_forced_calls_text_parses_back(fmt: Any) -> None:
         content, calls = parse_tool_calls(before + json.dumps(args) + after, fmt, NAMES)
         assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [(name, args)]
     assert GLM.constrained_call("add") is None
+    assert HARMONY.constrained_call("add") is None and not HARMONY.forcible
 
 
 class _Tok:
@@ -146,6 +169,7 @@ class _Tok:
     ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{{ n }}<｜tool▁sep｜>{{ a }}<｜tool▁call▁end｜>", "deepseek-v3.1"),
     ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ n }}\n```json\n{{ a }}\n```<｜tool▁call▁end｜>", "deepseek-v3"),
     ("<|tool_calls_section_begin|><|tool_call_begin|>{{ id }}<|tool_call_argument_begin|>", "kimi-k2"),
+    ("{{- \"<|start|>assistant to=\" }}{{- \"functions.\" + tool_call.name + \"<|channel|>commentary \" }}", "harmony"),
     ("<tool_call>\n{\"name\": {{ n }}}</tool_call>", "hermes"),
     ("no markup at all", "hermes"),
 ])

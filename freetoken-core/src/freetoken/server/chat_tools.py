@@ -100,6 +100,10 @@ class ChatTools:
             [choice.function.name] if isinstance(choice, NamedToolChoice)
             else list(self.names) if self.mode == "required" else None
         )
+        if self.forced is not None and not self.fmt.forcible:
+            raise APIError(400, f"this model's tool-call format ({self.fmt.name}) cannot be forced: send tool_choice "
+                                "'auto' (the model decides whether to call)", param="tool_choice",
+                           code="unsupported_tool_choice")
 
     def stop_strings(self) -> list[str]:
         """Extra stop strings: the end of the first call when only one call is wanted."""

@@ -10,8 +10,11 @@ Two markups, chosen from the vocabulary (:func:`style_for`):
 * harmony (GPT-OSS): the answer is a series of messages, each ``<|channel|>CHANNEL
   [header]<|message|>BODY``, a later one after ``<|start|>assistant``. The ``analysis``
   channel is reasoning; the others (``final``, ``commentary``) are the answer. A message
-  with a recipient (``to=...``: a tool call) stays in the answer as written, markup
-  included. Text before any channel is answer.
+  with a recipient (``to=...``: a tool call) stays in the answer in the form GPT-OSS's
+  chat template writes calls back, ``<|start|>assistant to=RECIPIENT<|channel|>CHANNEL
+  TYPE<|message|>ARGUMENTS<|call|>`` (whether the model put the recipient before or after
+  the channel), which :class:`freetoken.server.tool_call_formats.HarmonyFormat` reads.
+  Text before any channel is answer.
 
 :class:`ReasoningSplit` reads the generated text piece by piece (the streamed deltas) and
 returns ``(kind, text)`` pieces, ``kind`` :data:`REASONING` or :data:`ANSWER`; markup is
@@ -21,13 +24,14 @@ between the reasoning and the answer is dropped.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 REASONING = "reasoning"
 ANSWER = "answer"
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+START, CHANNEL, MESSAGE, CONSTRAIN, CALL = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>"
 #: harmony's channel of reasoning
 ANALYSIS = "analysis"
 
@@ -57,6 +61,22 @@ def split_for(tokenizer: Any, prompt_ids: list[int]) -> Optional["ReasoningSplit
     if style is None:
         return None
     return ReasoningSplit(style, style == "think" and starts_in_reasoning(tokenizer, prompt_ids))
+
+
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+
+
+def call_header(header: str) -> str:
+    """A message header with a recipient (``<|start|>assistant to=R<|channel|>C <|constrain|>T``,
+    or the recipient after the channel, or no ``<|start|>``) in the one form GPT-OSS's chat
+    template writes: ``<|start|>assistant to=R<|channel|>C T<|message|>`` (T ``json`` when
+    not given)."""
+    recipient = _RECIPIENT.search(header)
+    channel_part = header.split(CHANNEL, 1)[1] if CHANNEL in header else ""
+    words = _RECIPIENT.sub("", channel_part).replace(CONSTRAIN, " ").split()
+    channel = words[0] if words else "commentary"
+    kind = words[1] if len(words) > 1 else "json"
+    return f"{START}assistant to={recipient.group(1) if recipient else ''}{CHANNEL}{channel} {kind}{MESSAGE}"
 
 
 def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
@@ -111,6 +131,7 @@ class ReasoningSplit:
             self._think(out, final=True)
         else:
             self._harmony(out, final=True)
+            self._end_call(out)
         return _merged(out)
 
     # ------------------------------------------------------------------ think tags
@@ -164,6 +185,7 @@ class ReasoningSplit:
                 self._buf = self._buf[len(self._buf) - keep:]
                 return
             self._body(out, self._buf[:at], True)
+            self._end_call(out)
             mark = START if self._buf.startswith(START, at) else CHANNEL  # <|start|>: the role, then the channel
             self._buf = self._buf[at + len(mark):]
             self._header, self._state = mark, "header"
@@ -171,11 +193,18 @@ class ReasoningSplit:
     def _open_body(self, out: list[tuple[str, str]]) -> None:
         header, self._header = self._header, ""
         words = header.split(CHANNEL, 1)[1].split() if CHANNEL in header else []
-        self._raw = "to=" in header  # a message to a recipient (a tool call): kept as written
+        self._raw = "to=" in header  # a message to a recipient (a tool call)
         self._kind = REASONING if words[:1] == [ANALYSIS] and not self._raw else ANSWER
         self._state, self._lead, self._space = "body", not self._raw, ""
         if self._raw:
-            self._emit(out, ANSWER, header + MESSAGE)
+            self._emit(out, ANSWER, call_header(header))
+
+    def _end_call(self, out: list[tuple[str, str]]) -> None:
+        """The end of a message to a recipient (the generation stopped at its ``<|call|>``,
+        or another message follows)."""
+        if self._raw and self._state == "body":
+            self._emit(out, ANSWER, CALL)
+            self._raw = False
 
     def _body(self, out: list[tuple[str, str]], text: str, closing: bool) -> None:
         if self._state == "answer" or self._kind == ANSWER:

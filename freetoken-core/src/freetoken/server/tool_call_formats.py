@@ -21,6 +21,12 @@
 
   DeepSeek-V3/R1: ``function<｜tool▁sep｜>get_weather``, a newline and the arguments in a
   fenced ``json`` block.
+* GPT-OSS (harmony): a message to the function, as its chat template writes calls back
+  (:mod:`freetoken.server.reasoning` puts the model's own header in this form)::
+
+      <|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>
+
+  A call cannot be forced in this markup (its end is a control token that ends the turn).
 * Kimi-K2: the call's id names the function (``functions.NAME:INDEX``), inside a calls section::
 
       <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
@@ -62,6 +68,8 @@ class ToolCallFormat:
     #: how the closing walk of a forced call's grammar goes: the default JSON walk for
     #: markups whose arguments are one JSON object
     closing_walk = ClosingWalk()
+    #: whether a call can be forced (``tool_choice`` required or a named function)
+    forcible = True
 
     def parse_body(self, body: str, schemas: Optional[dict[str, Any]] = None) -> Optional[ParsedCall]:
         """The call of the text between the tags, or None (not a call); ``schemas`` (function
@@ -284,6 +292,35 @@ class DeepSeekFormat(ToolCallFormat):
         return (name.strip(), offset) if name.strip() else None
 
 
+class HarmonyFormat(ToolCallFormat):
+    """GPT-OSS's ``<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>``."""
+
+    name = "harmony"
+    start_tag = "<|start|>assistant to=functions."
+    end_tag = "<|call|>"
+    marker = "<|start|>assistant to="
+    forcible = False
+    MESSAGE = "<|message|>"
+    CHANNEL = "<|channel|>"
+
+    def parse_body(self, body: str, schemas: Optional[dict[str, Any]] = None) -> Optional[ParsedCall]:
+        start = self.arguments_start(body)
+        if start is None:
+            return None
+        args = _json_object(body[start[1]:])
+        return ParsedCall(start[0], args) if args is not None else None
+
+    def constrained_call(self, name: str) -> Optional[tuple[str, str]]:
+        return None
+
+    def arguments_start(self, body: str) -> Optional[tuple[str, int]]:
+        head, sep, rest = body.partition(self.MESSAGE)
+        name = head.partition(self.CHANNEL)[0].strip()
+        if not sep or not name or not rest.lstrip().startswith("{"):
+            return None
+        return name, len(head) + len(sep) + len(rest) - len(rest.lstrip())
+
+
 class KimiK2Format(ToolCallFormat):
     """Kimi-K2's ``<|tool_call_begin|>functions.NAME:I<|tool_call_argument_begin|>{...}<|tool_call_end|>``;
     the call keeps the model's id (its template writes the ids of earlier calls back)."""
@@ -325,7 +362,8 @@ class KimiK2Format(ToolCallFormat):
 #: the markups in the order :func:`format_for` tries their markers (GLM-4.5's template also
 #: holds Hermes' ``<tool_call>``, so it goes first)
 FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (
-    Glm45Format(), DeepSeekFormat(fenced=True), DeepSeekFormat(fenced=False), KimiK2Format(), HermesFormat())}
+    Glm45Format(), DeepSeekFormat(fenced=True), DeepSeekFormat(fenced=False), KimiK2Format(), HarmonyFormat(),
+    HermesFormat())}
 
 
 def format_for(tokenizer: Any) -> ToolCallFormat:
