@@ -58,6 +58,26 @@ def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0].float()
 
 
+@torch.no_grad()
+def hf_logits_kv_rounded(model: Any, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """:func:`hf_logits` with every attention's keys (after RoPE) and values rounded to
+    ``dtype`` first, as a KV cache of that dtype holds them (the eager attention of
+    transformers' Qwen3-MoE module wrapped for the call)."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+    assert model.config._attn_implementation == "eager", model.config._attn_implementation
+    eager = m.eager_attention_forward
+
+    def rounded(module: Any, query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> Any:
+        return eager(module, query, key.to(dtype).float(), value.to(dtype).float(), *args, **kw)
+
+    m.eager_attention_forward = rounded
+    try:
+        return model(torch.tensor([ids])).logits[0].float()
+    finally:
+        m.eager_attention_forward = eager
+
+
 def assert_close(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
 

@@ -29,7 +29,7 @@ COMMANDS = {
 }
 
 EVERY_FLAG = [
-    "--model", "/models/x.gguf", "--backend", "cpu", "--dtype", "bf16", "--max-model-len", "4096",
+    "--model", "/models/x.gguf", "--backend", "cpu", "--dtype", "bf16", "--kv-cache-dtype", "fp16", "--max-model-len", "4096",
     "--max-running-requests", "8", "--kv-cache-tokens", "65536", "--prefill-chunk", "1024", "--seed", "7",
     "--moe-cpu-layers", "0-11,40", "--cpu-threads", "12", "--enforce-eager", "--no-decode-ahead", "--cuda-graph-max-bs", "32",
     "--cuda-graph-bs", "8,1,4,4", "--gpu-memory-utilization", "0.85", "--gpu-memory-limit", "1.5GiB",
@@ -38,7 +38,7 @@ EVERY_FLAG = [
     "--moe-stats-interval", "2.5",
 ]  # fmt: skip
 EXPECTED = {
-    "model": "/models/x.gguf", "backend": "cpu", "dtype": "bfloat16", "max_model_len": 4096,
+    "model": "/models/x.gguf", "backend": "cpu", "dtype": "bfloat16", "kv_cache_dtype": "float16", "max_model_len": 4096,
     "max_running_requests": 8, "kv_cache_tokens": 65536, "prefill_chunk": 1024, "seed": 7,
     "moe_cpu_layers": "0-11,40", "cpu_threads": 12, "enforce_eager": True, "decode_ahead": False, "cuda_graph_max_bs": 32,
     "cuda_graph_bs": [1, 4, 8], "gpu_memory_utilization": 0.85, "gpu_memory_limit": 3 * 2**29,

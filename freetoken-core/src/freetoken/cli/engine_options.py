@@ -212,6 +212,9 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option("dtype", "--dtype",
             "activation and dense-weight dtype: auto, bfloat16, float16 or float32 "
             "(default: {default}; auto is the backend's choice)", dtype_name, "DTYPE"),
+    _Option("kv_cache_dtype", "--kv-cache-dtype",
+            "the KV cache's dtype: auto (the activation dtype), bfloat16, float16 or float32; another dtype "
+            "than the activations' on the cpu backend only (default: {default})", dtype_name, "DTYPE"),
     _Option("max_model_len", "--max-model-len",
             "longest sequence (prompt + generated tokens) a request may reach (default: {default})",
             int_at_least(2), "N"),

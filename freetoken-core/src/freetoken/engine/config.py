@@ -35,6 +35,9 @@ class EngineConfig:
     prefill_chunk: Optional[int] = None
     served_model_name: Optional[str] = None
     dtype: str = "auto"
+    #: the KV cache's dtype (``auto``: the activation dtype); another one is the CPU
+    #: backend's only (e.g. bfloat16 beside float32 activations: half the cache's bytes)
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     kv_block_size: int = 16
     moe_cpu_layers: Optional[str] = None

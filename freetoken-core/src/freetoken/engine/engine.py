@@ -105,6 +105,7 @@ class LLMEngine:
         act = resolve_dtype(config.dtype, self.backend.default_dtype)
         self.session = self.backend.open_model(config.backend_options(act))
         try:
+            self.kv_dtype = self._kv_dtype(act)  # refused before the weights load
             self._load(path, act, load)
         except BaseException:
             self.session.close()
@@ -113,6 +114,19 @@ class LLMEngine:
             "engine ready: %s, max_model_len %d, KV cache %d tokens (%.2f GiB), backend %s",
             self.model_name, self.max_model_len, self.kv.total_tokens, self.kv.bytes / 2**30, self.backend.name,
         )
+
+    def _kv_dtype(self, act: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype: ``kv_cache_dtype`` (``auto``: ``act``). A GPU's attention
+        kernels read a cache of the activation dtype only."""
+        from freetoken.models.loader import resolve_dtype
+
+        kv = resolve_dtype(self.config.kv_cache_dtype, str(act).removeprefix("torch."))
+        if kv != act and torch.device(self.session.weight_policy.device).type != "cpu":
+            raise ValueError(
+                f"--kv-cache-dtype {self.config.kv_cache_dtype}: the {self.backend.name} backend keeps the KV cache "
+                f"in the activation dtype ({str(act).removeprefix('torch.')}); leave it auto, or set --dtype"
+            )
+        return kv
 
     def _load(self, path: str, act: torch.dtype, load: Any) -> None:
         config = self.config
@@ -128,7 +142,8 @@ class LLMEngine:
         for layer in self.model.layers:
             if getattr(layer, "moe", None) is not None:
                 layer.moe.set_experts(self.session.routed_experts(layer.moe.spec()))
-        per_tok = cfg.kv_bytes_per_token(torch.empty((), dtype=act).element_size())
+        kv_dtype = self.kv_dtype
+        per_tok = cfg.kv_bytes_per_token(torch.empty((), dtype=kv_dtype).element_size())
         ctx = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -175,7 +190,7 @@ class LLMEngine:
                     kv_tokens, gib(kv_tokens * per_tok), kv_tokens // ctx, ctx, config.max_running_requests, wanted,
                     gib(wanted * per_tok),
                 )  # fmt: skip
-        self.kv = KVCache(cfg, kv_tokens, config.kv_block_size, act, self.device)
+        self.kv = KVCache(cfg, kv_tokens, config.kv_block_size, kv_dtype, self.device)
         if config.max_model_len and config.max_model_len > self.kv.total_tokens:
             raise ValueError(
                 f"max_model_len {config.max_model_len} does not fit the KV cache ({self.kv.total_tokens} tokens); "

@@ -82,7 +82,8 @@ def paged_attention(
     sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of the step's queries ``q`` ([T, heads, head_dim]) over each
-    sequence's cached context (which already holds this step's K/V).
+    sequence's cached context (which already holds this step's K/V; a cache of another
+    dtype than ``q``'s is read in ``q``'s).
 
     ``window``: sliding-window attention, the query at position ``p`` sees the keys at
     positions ``p - window < j <= p``. ``sinks`` (float ``[heads]``): one extra logit per
@@ -112,16 +113,16 @@ def paged_attention(
         g = H // kvh
         if B == 1:
             s = meta.seqs[0]
-            k = k_cache.index_select(0, s.block_table).view(-1, kvh, D)[: s.ctx_len].transpose(0, 1)
-            v = v_cache.index_select(0, s.block_table).view(-1, kvh, D)[: s.ctx_len].transpose(0, 1)
+            k = k_cache.index_select(0, s.block_table).to(q.dtype).view(-1, kvh, D)[: s.ctx_len].transpose(0, 1)
+            v = v_cache.index_select(0, s.block_table).to(q.dtype).view(-1, kvh, D)[: s.ctx_len].transpose(0, 1)
             scores = torch.matmul(q.view(kvh, g, D), k.transpose(1, 2)) * scale  # [kvh, g, L]
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             return torch.matmul(probs, v).reshape(1, H * D)
         assert meta.block_tables is not None and meta.mask is not None
         nbk = meta.block_tables.shape[1]
         flat = meta.block_tables.reshape(-1)
-        k = k_cache.index_select(0, flat).view(B, nbk * bs, kvh, D).transpose(1, 2)  # [B, kvh, L, D]
-        v = v_cache.index_select(0, flat).view(B, nbk * bs, kvh, D).transpose(1, 2)
+        k = k_cache.index_select(0, flat).to(q.dtype).view(B, nbk * bs, kvh, D).transpose(1, 2)  # [B, kvh, L, D]
+        v = v_cache.index_select(0, flat).to(q.dtype).view(B, nbk * bs, kvh, D).transpose(1, 2)
         # the g query heads sharing a kv head act as g queries of that head: no K/V repeat
         o = F.scaled_dot_product_attention(q.view(B, kvh, g, D), k, v, attn_mask=meta.mask, scale=scale)
         return o.reshape(B, H * D)
@@ -129,8 +130,8 @@ def paged_attention(
     out = q.new_empty(T, H * D)
     for s in meta.seqs:
         qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        k = k_cache[s.block_table].reshape(-1, kvh, D)[: s.ctx_len].transpose(0, 1).unsqueeze(0)
-        v = v_cache[s.block_table].reshape(-1, kvh, D)[: s.ctx_len].transpose(0, 1).unsqueeze(0)
+        k = k_cache[s.block_table].to(q.dtype).reshape(-1, kvh, D)[: s.ctx_len].transpose(0, 1).unsqueeze(0)
+        v = v_cache[s.block_table].to(q.dtype).reshape(-1, kvh, D)[: s.ctx_len].transpose(0, 1).unsqueeze(0)
         if s.q_len == s.ctx_len:
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         elif s.q_len == 1:

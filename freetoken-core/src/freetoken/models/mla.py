@@ -289,7 +289,7 @@ def absorbed_attention(q_lat: torch.Tensor, cache: torch.Tensor, meta: Attention
         assert meta.block_tables is not None
         B, nbk = meta.block_tables.shape
         flat = meta.block_tables.reshape(-1)
-        lat = cache.index_select(0, flat.long() if static else flat).view(B, nbk * meta.block_size, W)
+        lat = cache.index_select(0, flat.long() if static else flat).to(q_lat.dtype).view(B, nbk * meta.block_size, W)
         if static:
             assert meta.ctx_lens is not None
             pos = torch.arange(nbk * meta.block_size, device=q_lat.device)
@@ -303,7 +303,7 @@ def absorbed_attention(q_lat: torch.Tensor, cache: torch.Tensor, meta: Attention
         return torch.matmul(probs, lat[..., :kv_lora])
     out = q_lat.new_empty(T, H, kv_lora)
     for s in meta.seqs:
-        lat = _context(cache, s.block_table, s.ctx_len)  # [L, W]
+        lat = _context(cache, s.block_table, s.ctx_len).to(q_lat.dtype)  # [L, W]
         q = q_lat[s.q_start : s.q_start + s.q_len]  # [n, H, W]
         scores = torch.matmul(q.reshape(-1, W), lat.T).view(s.q_len, H, -1).float()
         scores.mul_(scale)  # in place: float32 products are scaled in their own buffer
