@@ -27,7 +27,6 @@ from freetoken.server.generation import (
     until_disconnect,
 )
 from freetoken.server.logprobs import TokenText, chat_logprobs
-from freetoken.server.reasoning import REASONING, ReasoningSplit, split_for
 from freetoken.server.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -36,6 +35,7 @@ from freetoken.server.protocol import (
     ChatResponseMessage,
     UsageInfo,
 )
+from freetoken.server.reasoning import REASONING, ReasoningSplit, split_for
 from freetoken.server.schema_constraint import SchemaError, compile_schema, schema_constraint
 from freetoken.server.schema_constraint import check_supported as check_schema_support
 from freetoken.server.sse import DONE, event, sse_response
