@@ -279,3 +279,27 @@ def test_gpt_oss_calls_cannot_be_forced():
     with pytest.raises(APIError) as err:
         gpt_oss_tools("required")
     assert err.value.status == 400 and "harmony" in err.value.message and err.value.param == "tool_choice"
+
+
+def test_reasoning_effort_reaches_gpt_oss_template():
+    """OpenAI's ``reasoning_effort`` is the variable GPT-OSS's template writes into its system
+    message; chat_template_kwargs name it too, and win where both do."""
+    from freetoken.server.chat import render_prompt
+    from freetoken.server.protocol import ChatCompletionRequest
+
+    tok = harmony_tokenizer()
+    with open(GPT_OSS_TEMPLATE) as f:
+        tok.chat_template = f.read()
+
+    rendered: list[str] = []
+    tok.encode = lambda text, add_special_tokens=False: rendered.append(text) or []  # the prompt text, kept
+
+    def system_line(**fields: Any) -> str:
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                                                    **fields})  # fmt: skip
+        render_prompt(req, tok)
+        return next(line for line in rendered.pop().splitlines() if line.startswith("Reasoning:"))
+
+    assert system_line() == "Reasoning: medium"  # the template's default
+    assert system_line(reasoning_effort="low") == "Reasoning: low"
+    assert system_line(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}) == "Reasoning: high"

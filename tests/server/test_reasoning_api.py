@@ -198,8 +198,11 @@ def test_bad_thinking_is_400_naming_the_field(http, body, param):
     assert param in err["error"]["message"], err
 
 
-def test_reserved_chat_template_kwargs_are_400(http):
+def test_reserved_chat_template_kwargs_and_unknown_efforts_are_400(http):
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4,
                                                 "chat_template_kwargs": {"messages": [], "enable_thinking": True}})
     assert_error(r, 400, "chat_template_kwargs")
-    assert chat(http, ASK, tokens=1)["choices"]  # the server keeps serving
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4,
+                                                "reasoning_effort": "extreme"})
+    assert_error(r, 400, "reasoning_effort")
+    assert chat(http, ASK, tokens=1, reasoning_effort="high")["choices"]  # the server keeps serving

@@ -50,7 +50,7 @@ def render_prompt(req: ChatCompletionRequest, tokenizer: Any, tools: Optional[Ch
         raise APIError(400, "This model has no text tokenizer; use /v1/completions with token-id prompts.",
                        param="messages", code="no_tokenizer")
     messages = template_messages(req)
-    variables = req.chat_template_kwargs or None
+    variables = req.template_variables()
     try:
         if tools is not None:
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools.definitions,

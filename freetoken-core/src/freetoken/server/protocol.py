@@ -205,6 +205,15 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     #: more variables for the chat template (e.g. ``{"enable_thinking": false}``)
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    #: the template variable ``reasoning_effort`` (GPT-OSS's template reads it)
+    reasoning_effort: Optional[Literal["minimal", "low", "medium", "high"]] = None
+
+    def template_variables(self) -> Optional[dict[str, Any]]:
+        """The chat template's variables beyond the messages and tools: ``reasoning_effort``,
+        then ``chat_template_kwargs`` (which win where both name one)."""
+        out = {"reasoning_effort": self.reasoning_effort} if self.reasoning_effort is not None else {}
+        out.update(self.chat_template_kwargs or {})
+        return out or None
 
     def check(self) -> None:
         super().check()
