@@ -184,6 +184,19 @@ def test_harmony_gguf_vocabulary_ends_turns_on_return_and_call_only():
     assert set(HARMONY_ENDS) <= ends
 
 
+def test_harmony_hf_tokenizer_ends_turns_on_return_and_call(tmp_path):
+    """An HF directory with a harmony vocabulary whose configs name only <|return|> as the end
+    token: <|call|> ends a turn too, <|end|> does not, and the markup stays in decoded text."""
+    from freetoken.loading.tokenizer import load_hf_tokenizer
+
+    harmony_tokenizer()._tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|return|>"}))
+    tok = load_hf_tokenizer(str(tmp_path))
+    ends = {tok._tok.id_to_token(i) for i in tok.eos_token_ids}
+    assert ends == {"<|return|>", "<|call|>"}, ends
+    assert style_for(tok) == "harmony"
+
+
 class _GGUFStub:
     """What load_gguf_tokenizer reads of a GGUF file: its tokenizer fields."""
 
