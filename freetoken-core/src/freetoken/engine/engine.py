@@ -155,8 +155,9 @@ class LLMEngine:
         # at least one request of the longest context given (whole blocks), even past the budget:
         # the plan counted that much (ModelSession.plan); without a context given, 4096 tokens
         floor = -(-ctx // bs) * bs if config.max_model_len else 4096
+        all_running = ctx * config.max_running_requests  # every running request at the full context
         if kv_tokens is None:
-            kv_tokens = ctx * config.max_running_requests
+            kv_tokens = all_running
             if budget is not None:
                 kv_tokens = min(kv_tokens, max(floor, budget // per_tok))
         elif budget is not None and kv_tokens * per_tok > budget:
@@ -179,16 +180,15 @@ class LLMEngine:
                 kv_tokens = min(kv_tokens, max(floor, budget // per_tok))
         if config.kv_cache_tokens is None:
             kv_tokens = -(-kv_tokens // bs) * bs  # whole blocks: a context of ctx tokens fits
-            wanted = ctx * config.max_running_requests
-            if kv_tokens < wanted and config.max_model_len:
+            if kv_tokens < all_running and config.max_model_len:
                 from freetoken.loading.memory import gib
 
                 logger.warning(
                     "KV cache %d tokens (%s): room for %d full contexts of %d tokens at a time, where "
                     "--max-running-requests is %d; the others wait or are preempted. --kv-cache-tokens %d (%s) runs "
                     "them all at once (under a GPU memory limit, with fewer expert layers on the GPU)",
-                    kv_tokens, gib(kv_tokens * per_tok), kv_tokens // ctx, ctx, config.max_running_requests, wanted,
-                    gib(wanted * per_tok),
+                    kv_tokens, gib(kv_tokens * per_tok), kv_tokens // ctx, ctx, config.max_running_requests,
+                    all_running, gib(all_running * per_tok),
                 )  # fmt: skip
         self.kv = KVCache(cfg, kv_tokens, config.kv_block_size, kv_dtype, self.device)
         if config.max_model_len and config.max_model_len > self.kv.total_tokens:

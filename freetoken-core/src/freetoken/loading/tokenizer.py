@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from datetime import datetime
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from freetoken.loading.hf import CheckpointError, read_json
 from freetoken.loading.split_rules import IGNORE_MERGES_PRE, SPLIT_RULES, split_pre_tokenizer
@@ -32,6 +32,12 @@ HARMONY_ENDS = ("<|return|>", "<|call|>")
 #: harmony's message markup: the role, the channel, the content type and the body follow
 #: them. Decoded text keeps these control tokens (the server reads the channels from them).
 HARMONY_MARKUP = ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>")
+
+
+def _is_harmony(token_to_id: Callable[[str], Optional[int]]) -> bool:
+    """Whether a vocabulary (its ``token_to_id``) has harmony's turn ends and markup."""
+    return all(token_to_id(t) is not None for t in HARMONY_ENDS + HARMONY_MARKUP)
+
 
 #: pre-tokenizers whose vocabularies llama.cpp gives no BOS (GLM's chat template writes its
 #: own ``[gMASK]<sop>`` prefix)
@@ -71,7 +77,7 @@ class Tokenizer:
         #: id -> text of the control tokens decoded text keeps (harmony's markup, where the
         #: vocabulary is a harmony one)
         self.markup: dict[int, str] = {}
-        if tok is not None and all(tok.token_to_id(t) is not None for t in HARMONY_ENDS + HARMONY_MARKUP):
+        if tok is not None and _is_harmony(tok.token_to_id):
             self.markup = {tok.token_to_id(t): t for t in HARMONY_MARKUP}
 
     has_text = True
@@ -298,7 +304,7 @@ def load_hf_tokenizer(path: str, eos_from_config: Iterable[int] = ()) -> Tokeniz
     eos = list(eos_from_config)
     if eos_token is not None and tok.token_to_id(eos_token) is not None:
         eos.append(tok.token_to_id(eos_token))
-    if all(tok.token_to_id(t) is not None for t in HARMONY_ENDS + HARMONY_MARKUP):
+    if _is_harmony(tok.token_to_id):
         eos += [tok.token_to_id(t) for t in HARMONY_ENDS]  # a turn's ends, whatever the configs list
     return Tokenizer(tok, eos, template, bos_token, eos_token, add_bos=bool(tc.get("add_bos_token", False)), source=path)
 

@@ -43,7 +43,7 @@ from freetoken.server.generation import (
     resolve_max_tokens,
     until_disconnect,
 )
-from freetoken.server.reasoning import REASONING, ReasoningSplit, split_for
+from freetoken.server.reasoning import REASONING, ReasoningSplit, pieces, split_for
 from freetoken.server.sse import sse_response
 from freetoken.server.state import EngineHolder
 
@@ -143,9 +143,8 @@ async def create_message(request: Request) -> Response:
 def _answer_events(blocks: BlockEvents, split: Optional[ReasoningSplit], text: str, finished: bool) -> list[str]:
     """The block events of the answer's next text: its reasoning as thinking blocks (where
     shown), the rest as text and tool_use blocks."""
-    parts = split.feed(text) + (split.finish() if finished else []) if split is not None else [("", text)]
     out: list[str] = []
-    for kind, piece in parts:
+    for kind, piece in pieces(split, text, finished):
         if kind == REASONING:
             out += blocks.thinking(piece) if blocks.shows_thinking else []
         else:

@@ -35,7 +35,7 @@ from freetoken.server.protocol import (
     ChatResponseMessage,
     UsageInfo,
 )
-from freetoken.server.reasoning import REASONING, ReasoningSplit, split_for
+from freetoken.server.reasoning import REASONING, ReasoningSplit, pieces, split_for
 from freetoken.server.schema_constraint import SchemaError, compile_schema, schema_constraint
 from freetoken.server.schema_constraint import check_supported as check_schema_support
 from freetoken.server.sse import DONE, event, sse_response
@@ -160,9 +160,8 @@ def _choice_deltas(text: str, finished: bool, split: Optional[ReasoningSplit],
                    calls: Optional[StreamedCalls]) -> list[dict[str, Any]]:
     """A choice's ``delta`` objects for its next text: the reasoning as ``reasoning_content``,
     the answer as ``content`` and tool calls."""
-    parts = split.feed(text) + (split.finish() if finished else []) if split is not None else [("", text)]
     out: list[dict[str, Any]] = []
-    for kind, piece in parts:
+    for kind, piece in pieces(split, text, finished):
         if kind == REASONING:
             out.append({"reasoning_content": piece})
         elif calls is not None:

@@ -47,11 +47,15 @@ def style_for(tokenizer: Any) -> Optional[str]:
 
 
 def starts_in_reasoning(tokenizer: Any, prompt_ids: list[int]) -> bool:
-    """Whether a think-tags prompt leaves the model inside the reasoning: its last
-    ``<think>`` comes after its last ``</think>`` (the template opened it)."""
+    """Whether a think-tags prompt leaves the model inside the reasoning: its last tag is a
+    ``<think>`` (the template opened it)."""
     open_id, close_id = tokenizer.token_to_id(THINK_OPEN), tokenizer.token_to_id(THINK_CLOSE)
-    last_open = max((i for i, t in enumerate(prompt_ids) if t == open_id), default=-1)
-    return last_open >= 0 and last_open > max((i for i, t in enumerate(prompt_ids) if t == close_id), default=-1)
+    for t in reversed(prompt_ids):
+        if t == close_id:
+            return False
+        if t == open_id:
+            return True
+    return False
 
 
 def split_for(tokenizer: Any, prompt_ids: list[int]) -> Optional["ReasoningSplit"]:
@@ -77,6 +81,14 @@ def call_header(header: str) -> str:
     channel = words[0] if words else "commentary"
     kind = words[1] if len(words) > 1 else "json"
     return f"{START}assistant to={recipient.group(1) if recipient else ''}{CHANNEL}{channel} {kind}{MESSAGE}"
+
+
+def pieces(split: Optional["ReasoningSplit"], text: str, finished: bool) -> list[tuple[str, str]]:
+    """The ``(kind, text)`` pieces of an answer's next ``text`` (``finished``: its last),
+    through ``split``; without one (no reasoning markup) the text is all answer."""
+    if split is None:
+        return [(ANSWER, text)]
+    return split.feed(text) + (split.finish() if finished else [])
 
 
 def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
