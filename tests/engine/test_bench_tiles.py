@@ -62,6 +62,7 @@ def test_tiles_reach_the_launches_defaults(restore_tiles):
     assert tg.variant_key(_Shaped(), _Shaped((1, 8)), _Shaped())[1] is tg.DEFAULT_CONFIG
     # the attention's launches read the module's constant when they run
     assert dat.DEFAULT_CONFIG == dataclasses.replace(attention, num_stages=3, block_n=32)
+    assert dat.ONE_SEQUENCE_CONFIG.block_n == 32 and dat.BATCH_CONFIG == dat.DEFAULT_CONFIG  # every batch's tiles
     assert applied["experts"]["NVIDIA_CONFIG"]["block_n"] == 2
     assert set(applied) == {"experts", "dense-wide", "grouped", "attention"}
 

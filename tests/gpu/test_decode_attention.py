@@ -176,6 +176,15 @@ def run_checked(case: Case, impl: str, tol: Optional[float] = None, out_dtype: O
     return check_heads(out, case.reference(), case.ctx.tolist(), case.hq, tol or TOL[case.dtype], what)
 
 
+def reduce_in_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tile config (by batch too) merges its partitions in reduce programs, not in the
+    last partial program."""
+    from freetoken.kernels import decode_attention as dat
+
+    for name in ("DEFAULT_CONFIG", "ONE_SEQUENCE_CONFIG", "BATCH_CONFIG"):
+        monkeypatch.setattr(dat, name, dataclasses.replace(getattr(dat, name), reduce_in_partial=False))
+
+
 # --------------------------------------------------------------------------------------
 # both implementations, small shapes (the interpreter on CPU; compiled on a GPU)
 # --------------------------------------------------------------------------------------
@@ -206,7 +215,7 @@ def test_matches_reference(impl, dtype, heads, monkeypatch):
         assert dat.DEFAULT_CONFIG.reduce_in_partial
         assert int(zeroed_counters("attention_merge", case.q.device, 1).abs().sum()) == 0, \
             "the merge counters are left at zero"
-        monkeypatch.setattr(dat, "DEFAULT_CONFIG", dataclasses.replace(dat.DEFAULT_CONFIG, reduce_in_partial=False))
+        reduce_in_programs(monkeypatch)
         run_checked(case, impl, partitions=3)
 
 
@@ -242,7 +251,7 @@ def test_head_sizes(impl, d, dv, monkeypatch):
         run_checked(case, impl, partitions=p)
     from freetoken.kernels import decode_attention as dat
 
-    monkeypatch.setattr(dat, "DEFAULT_CONFIG", dataclasses.replace(dat.DEFAULT_CONFIG, reduce_in_partial=False))
+    reduce_in_programs(monkeypatch)
     run_checked(case, impl, partitions=3)
 
 
@@ -347,7 +356,7 @@ def test_latent_attention(impl, heads, kv_lora, rope, monkeypatch):
     assert dat.query_group(heads, kv_lora) == min(heads, 16)
     for p in (1, 3):
         run_checked(case, impl, partitions=p)
-    monkeypatch.setattr(dat, "DEFAULT_CONFIG", dataclasses.replace(dat.DEFAULT_CONFIG, reduce_in_partial=False))
+    reduce_in_programs(monkeypatch)
     run_checked(case, impl, partitions=3)
 
 
@@ -462,6 +471,47 @@ def test_partition_count_follows_shapes_only():
     assert da.num_partitions(1, 1, 1, 16, DEV) == 1  # 16 tokens: one partition, no reduce
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_tiles_by_batch_where_shared_memory_holds_them():
+    from freetoken.kernels import decode_attention as dat
+
+    h100, consumer = 227 * 1024, 99 * 1024
+    assert dat.config_for(1, 128, 128, 2, h100) is dat.ONE_SEQUENCE_CONFIG
+    assert dat.config_for(4, 128, 128, 2, h100) is dat.DEFAULT_CONFIG
+    assert dat.config_for(dat.BATCH_FROM, 128, 128, 2, h100) is dat.BATCH_CONFIG
+    assert dat.config_for(64, 128, 128, 2, h100) is dat.BATCH_CONFIG
+    # a consumer GPU's shared memory holds neither at head size 128; the interpreter (0) none
+    for batch in (1, 4, 8, 64):
+        assert dat.config_for(batch, 128, 128, 2, consumer) is dat.DEFAULT_CONFIG
+        assert dat.config_for(batch, 128, 128, 2, 0) is dat.DEFAULT_CONFIG
+    # head size 64 in 16 bits: three 64-token stages fit a consumer GPU
+    assert dat.config_for(1, 64, 64, 2, consumer) is dat.ONE_SEQUENCE_CONFIG
+    # MLA's latents: 32-token steps whatever the config (tiles()), one load for K and V
+    assert dat.stage_bytes(dat.BATCH_CONFIG, 576, 512, 2, shared_kv=True) == 2 * 32 * 576 * 2
+    assert dat.stage_bytes(dat.BATCH_CONFIG, 128, 128, 4) == 2 * 128 * 256 * 4
+    assert dat.shared_limit(torch.device("cpu")) == 0
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="the Triton kernels need triton (a GPU or Triton's interpreter)")
+@pytest.mark.parametrize("batch", [1, 10], ids=["one_sequence", "batch"])
+def test_tiles_by_batch_match_reference(batch, monkeypatch):
+    """The batch's tiles (three stages for one sequence, 128-token steps from 8) against the
+    reference, whatever this device's shared memory (the interpreter's limit is raised)."""
+    from freetoken.kernels import decode_attention as dat
+
+    monkeypatch.setattr(dat, "shared_limit", lambda device: 1 << 30)
+    seed = seed_of("tiles-by-batch", batch)
+    gen = random.Random(seed)
+    ctx = ([gen.randrange(130, 385)] if batch == 1 else SMALL_CTX + [gen.randrange(2, 385) for _ in range(2)])
+    case = Case(ctx, 8, 2, 32, 16, 24, torch.bfloat16, seed)
+    expected = dat.ONE_SEQUENCE_CONFIG if batch == 1 else dat.BATCH_CONFIG
+    assert dat.config_for(batch, 32, 32, 2, dat.shared_limit(DEV)) is expected
+    for p in (1, 3):
+        run_checked(case, "triton", partitions=p)
+    reduce_in_programs(monkeypatch)
+    run_checked(case, "triton", partitions=3)
+
+
 # --------------------------------------------------------------------------------------
 # the kernels compile for the H200 (sm_90) without a GPU
 # --------------------------------------------------------------------------------------
@@ -477,7 +527,7 @@ STRIDES = ["stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "str
 cfg = dat.DEFAULT_CONFIG
 target = GPUTarget("cuda", 90, 32)
 
-def partial(dt, G, D, BS, split, DV=None, shared=False):
+def partial(dt, G, D, BS, split, DV=None, shared=False, cfg=cfg):
     DV = D if DV is None else DV
     sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "bt_ptr": "*i32", "ctx_ptr": "*i32",
            "out_ptr": f"*{dt}", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "count_ptr": "*i32", "scale_log2": "fp32", "P": "i32",
@@ -517,6 +567,10 @@ report = {
     # MLA with the up-projections absorbed (DeepSeek-V3: 128 heads over one latent of 512 + 64)
     "bf16_mla_split": describe(partial("bf16", 128, 576, 16, True, 512, shared=True)),
     "bf16_mla_direct": describe(partial("bf16", 16, 576, 64, False, 512, shared=True)),
+    # the tiles by batch (where the GPU's shared memory holds them: an H100/H200's 227 KiB)
+    "bf16_qwen3_one_sequence": describe(partial("bf16", 8, 128, 16, True, cfg=dat.ONE_SEQUENCE_CONFIG)),
+    "bf16_qwen3_batch": describe(partial("bf16", 8, 128, 16, True, cfg=dat.BATCH_CONFIG)),
+    "bf16_mla_batch": describe(partial("bf16", 128, 576, 16, True, 512, shared=True, cfg=dat.BATCH_CONFIG)),
 }
 print(json.dumps(report))
 """
@@ -540,6 +594,15 @@ def test_kernels_compile_for_sm90():
         assert report[name]["mma_bf16"], f"{name}: no bf16 tensor-core MMA"
         assert report[name]["cp_async"], f"{name}: latent loads not pipelined"
         assert report[name]["shared"] <= 100 * 1024, f"{name}: {report[name]['shared']} bytes of shared memory"
+    # the tiles by batch take at most what config_for counts for them (so its choice fits)
+    from freetoken.kernels import decode_attention as dat
+
+    for name, cfg, d, dv, shared_kv in [("bf16_qwen3_one_sequence", dat.ONE_SEQUENCE_CONFIG, 128, 128, False),
+                                        ("bf16_qwen3_batch", dat.BATCH_CONFIG, 128, 128, False),
+                                        ("bf16_mla_batch", dat.BATCH_CONFIG, 576, 512, True)]:
+        counted = dat.stage_bytes(cfg, d, dv, 2, shared_kv) + dat.SHARED_MARGIN
+        assert report[name]["mma_bf16"] and report[name]["cp_async"], name
+        assert report[name]["shared"] <= counted, f"{name}: {report[name]['shared']} bytes > {counted} counted"
 
 
 # --------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ triton is optional: import this module lazily, only when the Triton implementati
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import triton
@@ -95,6 +96,16 @@ class KernelConfig:
 
 
 DEFAULT_CONFIG = KernelConfig()
+#: the tiles of one sequence and of batches of :data:`BATCH_FROM` sequences and more, where
+#: the device's shared memory holds their stages (:func:`config_for`). On an H100
+#: (``tests/gpu/bench_decode_attention.py --sweep``): a third stage made one sequence's
+#: step 2-3% faster; 128-token steps made a batch's ~5% faster at 8 sequences and 17% at
+#: 32 sequences of 32k tokens (the copy bandwidth's pace); each slower in the other place.
+ONE_SEQUENCE_CONFIG = KernelConfig(num_stages=3)
+BATCH_CONFIG = KernelConfig(block_n=128)
+BATCH_FROM = 8
+#: shared memory a program needs besides its K/V stages (queries, scores, the merge)
+SHARED_MARGIN = 16 * 1024
 
 
 @triton.jit
@@ -411,6 +422,39 @@ def tiles(config: KernelConfig, d: int, dv: int) -> tuple[int, int]:
         return config.block_n, config.min_part
     n = min(config.block_n, WIDE_BLOCK_N)
     return n, n * config.min_part_blocks
+
+
+def stage_bytes(config: KernelConfig, d: int, dv: int, elem_bytes: int, shared_kv: bool = False) -> int:
+    """Shared memory of the partial kernel's pipelined K/V loads under ``config`` (its
+    ``num_stages`` buffers of a step's keys and values) for heads of ``d``/``dv`` values."""
+    block_n = tiles(config, d, dv)[0]
+    first, second = split_d(d)
+    return config.num_stages * block_n * (first + second + (0 if shared_kv else block_d(dv))) * elem_bytes
+
+
+def config_for(batch: int, d: int, dv: int, elem_bytes: int, shared_limit: int, shared_kv: bool = False,
+               ) -> KernelConfig:  # fmt: skip
+    """The tiles for a batch of ``batch`` sequences: :data:`ONE_SEQUENCE_CONFIG` for one,
+    :data:`BATCH_CONFIG` from :data:`BATCH_FROM`, where their stages and
+    :data:`SHARED_MARGIN` fit ``shared_limit`` bytes a program may take (a consumer GPU's
+    ~100 KiB holds neither at head size 128); :data:`DEFAULT_CONFIG` otherwise."""
+    chosen = ONE_SEQUENCE_CONFIG if batch == 1 else BATCH_CONFIG if batch >= BATCH_FROM else DEFAULT_CONFIG
+    if chosen is DEFAULT_CONFIG or stage_bytes(chosen, d, dv, elem_bytes, shared_kv) + SHARED_MARGIN > shared_limit:
+        return DEFAULT_CONFIG
+    return chosen
+
+
+def shared_limit(device: Any) -> int:
+    """The shared memory one program may take on ``device`` (Triton's figure for the GPU;
+    0 without one: the interpreter takes :data:`DEFAULT_CONFIG`)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return 0
+    return _shared_limit(device.index if device.index is not None else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_limit(index: int) -> int:
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
 def shares_kv(k_cache: Any, v_cache: Any) -> bool:

@@ -219,7 +219,7 @@ def paged_decode_attention(
         raise ValueError(f"impl='triton': {support.decode_attention_why}")
     _, bs, Hkv, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
-    config = dat.DEFAULT_CONFIG
+    config = dat.config_for(B, D, Dv, q.element_size(), dat.shared_limit(q.device), dat.shares_kv(k_cache, v_cache))
     groups = dat.program_groups(Hq, Hkv, Dv)
     min_part = dat.tiles(config, D, Dv)[1]
     P = num_partitions(B, groups, max_blocks, bs, q.device, min_part) if partitions is None else partitions

@@ -14,7 +14,8 @@ their dataclass (integers, 0/1 for switches), checked by its ``validate``:
   (``WIDE_CONFIG`` and ``NVIDIA_WIDE_CONFIG``);
 * ``grouped``: the grouped prompt kernels' ``GroupedConfig`` (``moe_grouped.DEFAULT_CONFIG``);
 * ``attention``: the paged decode attention's ``KernelConfig``
-  (``kernels.decode_attention.DEFAULT_CONFIG``).
+  (``kernels.decode_attention.DEFAULT_CONFIG`` and its tiles by batch,
+  ``ONE_SEQUENCE_CONFIG`` and ``BATCH_CONFIG``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "dense": ("freetoken.kernels.packed_linear", ("DEFAULT_CONFIG", "NVIDIA_CONFIG")),
     "dense-wide": ("freetoken.kernels.packed_linear", ("WIDE_CONFIG", "NVIDIA_WIDE_CONFIG")),
     "grouped": ("freetoken.kernels.moe_grouped", ("DEFAULT_CONFIG",)),
-    "attention": ("freetoken.kernels.decode_attention", ("DEFAULT_CONFIG",)),
+    "attention": ("freetoken.kernels.decode_attention", ("DEFAULT_CONFIG", "ONE_SEQUENCE_CONFIG", "BATCH_CONFIG")),
 }
 
 FORMS = f"expected KIND:name=value,... with KIND one of {', '.join(KINDS)}, like experts:block_n=4,int8_dot=0"
