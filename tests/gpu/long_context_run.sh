@@ -10,11 +10,16 @@
 #      lengths of that placement)
 #   4. llama-bench on the same file: everything on the GPU, pp N and tg64 at depth N for each N of LENS;
 #      -ncmoe N for each N of NCMOE at depth LIMIT_DEPTH, nvidia-smi sampling the device's peak.
-# TESTS: GPU test files run beside make-model. Usage (repository root, .whl and .bench carried):
+# TESTS: GPU test files run beside make-model. BATCH: the decode batch of the FreeToken runs (1; a batch
+# of B reads B contexts of each length). AB_TILES: a `--tiles` value (e.g. attention:block_n=64,num_stages=2)
+# each all-GPU run is repeated with, same file, same process order. LLAMA=0: no llama-bench runs;
+# ATTN=0: no attention benchmark. NCMOE_PROMPT=1: each -ncmoe N also runs a prompt of LIMIT_DEPTH tokens.
+# LIMIT_LENS="" or NCMOE="": none of those runs.
+# Usage (repository root, .whl and .bench carried):
 #   bash tests/gpu/long_context_run.sh
 set -uo pipefail
-LENS=${LENS:-"16384 32704"}; LIMIT=${LIMIT:-16GiB}; LIMIT_LENS=${LIMIT_LENS:-32704}
-NCMOE=${NCMOE:-"16 17"}; LIMIT_DEPTH=${LIMIT_DEPTH:-32704}; LAYERS=48
+LENS=${LENS:-"16384 32704"}; LIMIT=${LIMIT:-16GiB}; LIMIT_LENS=${LIMIT_LENS-32704}
+NCMOE=${NCMOE-"16 17"}; LIMIT_DEPTH=${LIMIT_DEPTH:-32704}; LAYERS=48
 source tests/gpu/device_setup.sh || exit 1
 B=${LLAMACPP_BUILD:-/tmp/llamacpp-build}
 source tests/gpu/llamacpp_libs.sh "$B"
@@ -38,22 +43,27 @@ if [ ! -f "$M.ok" ]; then
 fi
 stamp "make-model $( [ -f "$M.ok" ] && echo ok || echo FAILED)"
 [ -n "${TESTS_PID:-}" ] && { wait "$TESTS_PID"; stamp "GPU tests: $(grep -E 'passed|failed' "$OUT/pytest.txt" | tail -1)"; }
-timeout 240 python3 tests/gpu/bench_decode_attention.py ${ATTN_ARGS:-} > "$OUT/attention.txt" 2>&1
-stamp "bench_decode_attention rc=$?"; cat "$OUT/attention.txt"
+if [ "${ATTN:-1}" != 0 ]; then
+  timeout 240 python3 tests/gpu/bench_decode_attention.py ${ATTN_ARGS:-} > "$OUT/attention.txt" 2>&1
+  stamp "bench_decode_attention rc=$?"; cat "$OUT/attention.txt"
+fi
 ft() {  # ft TAG PROMPT_LEN FLAGS...
   local tag=$1 n=$2; shift 2
-  timeout 150 python3 -m freetoken.cli.main bench decode --model "$M" --backend cuda --cpu-threads 15 --batch 1 \
+  timeout 150 python3 -m freetoken.cli.main bench decode --model "$M" --backend cuda --cpu-threads 15 --batch "${BATCH:-1}" \
     --prompt-len "$n" --gen-len 64 --repeats 1 --max-model-len $((n + 512)) "$@" --json > "$OUT/decode-$tag-$n.json" \
     2> "/tmp/decode-$tag-$n.err"
   local rc=$?
   python3 -c "import json, sys
-d = json.load(open(sys.argv[1])); v = d['batches']['1']; p = d['backend_report'].get('memory_plan') or {}
+d = json.load(open(sys.argv[1])); v = d['batches'][sys.argv[4]]; p = d['backend_report'].get('memory_plan') or {}
 print('freetoken', sys.argv[2], 'prompt', sys.argv[3], 'prompt %.1f tok/s decode %.1f tok/s' % (v['prompt_tok_s'], v['decode_tok_s']),
       'median step %.2f ms' % (v.get('decode_step_ms_median') or 0), 'torch peak %.2f GiB' % ((v.get('gpu_max_allocated_bytes') or 0) / 2**30),
       'cpu layers', d['backend_report'].get('moe_cpu_layers'), 'chunk', p.get('prefill_chunk'))" \
-    "$OUT/decode-$tag-$n.json" "$tag" "$n" || { stamp "$tag $n rc=$rc"; tail -3 "/tmp/decode-$tag-$n.err"; }
+    "$OUT/decode-$tag-$n.json" "$tag" "$n" "${BATCH:-1}" || { stamp "$tag $n rc=$rc"; tail -3 "/tmp/decode-$tag-$n.err"; }
 }
-for n in $LENS; do ft all-gpu "$n" --moe-cpu-layers 0; done
+for n in $LENS; do
+  ft all-gpu "$n" --moe-cpu-layers 0
+  [ -n "${AB_TILES:-}" ] && ft all-gpu-tiles "$n" --moe-cpu-layers 0 --tiles "$AB_TILES"
+done
 [ -n "${BUILD_PID:-}" ] && wait "$BUILD_PID"  # the hybrid runs use the host's cores: not beside the build
 stamp "llama-bench build: $(tail -1 /tmp/llamacpp-build.log 2>/dev/null || echo "reused $B")"
 for n in $LIMIT_LENS; do ft "limit-$LIMIT" "$n" --gpu-memory-limit "$LIMIT"; done
@@ -68,9 +78,13 @@ lb() {  # lb ARGS...: one llama-bench run, its device peak sampled
   stamp "llama-bench $*: device peak $peak MiB"
   grep -E "^\| qwen" /tmp/llama-bench.txt || tail -3 /tmp/llama-bench.txt
 }
+[ "${LLAMA:-1}" = 0 ] && { stamp "done (no llama-bench runs)"; exit 0; }
 for n in $LENS; do
   lb -ngl 99 -p "$n" -n 0 -r 1
   lb -ngl 99 -p 0 -n 64 -d "$n" -r 2
 done
-for n in $NCMOE; do lb -ngl 99 -ncmoe "$n" -p 0 -n 64 -d "$LIMIT_DEPTH" -r 1; done
+for n in $NCMOE; do
+  lb -ngl 99 -ncmoe "$n" -p 0 -n 64 -d "$LIMIT_DEPTH" -r 1
+  [ "${NCMOE_PROMPT:-0}" = 1 ] && lb -ngl 99 -ncmoe "$n" -p "$LIMIT_DEPTH" -n 0 -r 1
+done
 stamp "done"
