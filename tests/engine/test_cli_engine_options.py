@@ -90,6 +90,14 @@ def test_moe_cache_size_is_gib_size_or_fraction(text, expected):
     assert config.moe_cache_size == expected
     options = config.backend_options(None).moe
     assert (options.cache_bytes, options.cache_fraction) == ((int(expected), 0.0) if expected >= 1 else (0, expected))
+    assert not options.cache_auto
+
+
+def test_moe_cache_size_auto_is_the_default():
+    for config in (EngineConfig(), _config(["serve"]), _config(["serve", "--moe-cache-size", "Auto"])):
+        assert config.moe_cache_size is None
+        options = config.backend_options(None).moe
+        assert (options.cache_bytes, options.cache_fraction, options.cache_auto) == (0, 0.0, True)
 
 
 @pytest.mark.parametrize("argv", [["--moe-cache-size", "-1"], ["--moe-cache-size", "lots"],

@@ -76,6 +76,39 @@ def test_cache_churn_in_graphs_matches_cpu(backend, reference, monkeypatch):
     assert check_logits(got, reference, TOL) > 100
 
 
+def test_auto_cache_of_a_planned_placement_in_graphs(backend, reference, monkeypatch):
+    """``--moe-cache-size auto`` (the default): a limit that holds two of the demo model's four
+    expert layers and half a layer more places two, and the half layer (the KV cache given)
+    becomes the expert cache; its routes run on the GPU inside the decode graphs, the outputs
+    the all-CPU placement's. What lies outside torch's allocator is taken as nothing and the
+    dense form and prompt chunk are fixed, so that the limit's arithmetic is exact."""
+    from freetoken.moe.session.gpu_memory_plan import GpuMemoryPlanner
+
+    monkeypatch.setattr(GpuMemoryPlanner, "_outside_allocator", lambda self, mem: 0)
+    kw = dict(dtype="bfloat16", moe_stream_prefill="off", moe_locked_fetch=0, moe_collect_stats=True,
+              gpu_dense="dequantized", gpu_embedding="device", prefill_chunk=256)
+    probe = _engine(backend, gpu_memory_limit=16 << 30, moe_cache_size=0.0, **kw)
+    sizes, kv = probe.session.report()["memory_plan"], probe.kv.bytes
+    probe.close()
+    assert sizes["cpu_layers"] == "none" and sizes["expert_layer_bytes"] == 16 * EXPERT_BYTES
+    limit = sizes["reserve"] + sizes["dense"] + kv + 5 * sizes["expert_layer_bytes"] // 2
+    eng = _engine(backend, gpu_memory_limit=limit, **kw)
+    try:
+        got = run_greedy(eng, PROMPTS, 200)
+        rep = eng.session.report()
+    finally:
+        eng.close()
+    plan = rep["memory_plan"]
+    assert (plan["gpu_layers"], plan["cpu_layers"], plan["cache_auto"]) == (2, "0-1", True)
+    spare = limit - plan["reserve"] - plan["dense"] - plan["expert_bytes"] - kv
+    assert plan["cache"] == spare // 2**20 * 2**20 > 0
+    assert rep["graphs"] is True and rep["expert_cache"]["slots"] == plan["cache"] // EXPERT_BYTES
+    for layer in ("0", "1"):
+        per = rep["moe_stats"]["per_layer"][layer]
+        assert 0 < per["gpu_routes"] < per["routes"], per
+    assert check_logits(got, reference, TOL) > 100
+
+
 def test_stats_equal_router_counts(backend):
     """Eager (the router's outputs are observable in Python): the statistics equal counts
     taken from the router's own outputs of the decode steps."""

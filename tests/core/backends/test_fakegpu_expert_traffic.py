@@ -200,3 +200,62 @@ def test_streamed_prefill_with_a_cache_copies_only_uncached_experts():
             held += len(used & cached)
     assert held > 0 and copied > 0
     assert stream["streamed_bytes"] == copied * EXPERT_BYTES
+
+
+def _limited(limit: int, **kw):
+    """Greedy tokens, the report and the KV cache's bytes of a fakegpu engine under ``limit``."""
+    registry.reset()
+    eng = LLMEngine(EngineConfig(backend="fakegpu", dtype="float32", max_model_len=128, max_running_requests=4,
+                                 gpu_memory_limit=limit, moe_stream_prefill="off", moe_collect_stats=True, **kw))
+    try:
+        reqs = [eng.add_request(p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+        while eng.has_work():
+            eng.step()
+        return [r.output_ids for r in reqs], eng.session.report(), eng.kv.bytes
+    finally:
+        eng.close()
+
+
+def test_auto_cache_takes_what_the_kv_cache_leaves_of_a_planned_placement():
+    """``--moe-cache-size auto`` (the default): a limit that holds two of the demo model's four
+    expert layers and half a layer more places two, and the half layer, less the KV cache the
+    engine allocates (every running request at the full context), becomes the expert cache;
+    its routes run on the device and the tokens stay the cpu backend's. No cache with a size
+    of 0, with a placement given, or where the KV cache takes the rest."""
+    from freetoken.moe.session.gpu_memory_plan import WORKSPACE_BYTES
+
+    want, _, _, _, _ = _run("cpu")
+    registry.reset()
+    probe = LLMEngine(EngineConfig(backend="fakegpu", dtype="float32", max_model_len=128, max_running_requests=4))
+    sizes = probe.session.report()["memory_plan"]  # no budget: every layer's experts on the host
+    per_token = probe.kv.bytes // probe.kv.total_tokens
+    probe.close()
+    layer = sizes["expert_layer_bytes"]
+    assert layer == 16 * EXPERT_BYTES
+    # the plan's fixed part (fakegpu has nothing outside the allocator) and 2.5 layers
+    fixed = WORKSPACE_BYTES + sizes["activations"] + sizes["dense"] + sizes["scratch"] + 128 * per_token
+    limit = fixed + 5 * layer // 2
+
+    got, info, kv_bytes = _limited(limit)
+    plan = info["memory_plan"]
+    assert (plan["gpu_layers"], plan["cpu_layers"], plan["cache_auto"]) == (2, "0-1", True)
+    assert kv_bytes == 4 * 128 * per_token  # every running request at the full context
+    spare = limit - plan["reserve"] - plan["dense"] - plan["expert_bytes"] - plan["scratch"] - kv_bytes
+    assert plan["cache"] == spare // 2**20 * 2**20 and plan["kv_budget"] == kv_bytes
+    assert plan["cache"] + plan["kv_budget"] + plan["reserve"] + plan["dense"] + plan["expert_bytes"] \
+        + plan["scratch"] <= limit
+    cache = info["expert_cache"]
+    assert cache["slots"] == plan["cache"] // EXPERT_BYTES > 2  # more than one expert per CPU layer
+    cpu_layers = [info["moe_stats"]["per_layer"][str(i)] for i in (0, 1)]
+    assert all(0 < s["gpu_routes"] < s["routes"] for s in cpu_layers)  # some routes hit the cache
+    assert got == want
+
+    got, info, _ = _limited(limit, moe_cache_size=0.0)
+    assert "expert_cache" not in info and info["memory_plan"]["gpu_layers"] == 2
+    assert all(info["moe_stats"]["per_layer"][str(i)]["gpu_routes"] == 0 for i in (0, 1)) and got == want
+    _, info, _ = _limited(limit, moe_cpu_layers="0-1")
+    assert "expert_cache" not in info and not info["memory_plan"]["cache_auto"]
+    # a KV cache given that takes the spare but less than an expert per CPU layer
+    tokens = (spare + kv_bytes - EXPERT_BYTES) // per_token // 16 * 16
+    _, info, kv_bytes = _limited(limit, kv_cache_tokens=tokens)
+    assert kv_bytes == tokens * per_token and "expert_cache" not in info and info["memory_plan"]["cache"] == 0

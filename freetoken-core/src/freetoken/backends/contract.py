@@ -324,6 +324,10 @@ class ModelSession(abc.ABC):
         """Bytes the KV cache may take on the dense device, or None (the engine decides)."""
         return None
 
+    def kv_cache_allocated(self, nbytes: int) -> None:
+        """The engine allocated ``nbytes`` of :meth:`kv_cache_budget` (its KV cache and any
+        recurrent state), before :meth:`start`: a session may give the rest to its own uses."""
+
     def prefill_chunk(self, requested: Optional[int]) -> int:
         """The most prompt tokens one step may compute, given ``requested`` (the engine's
         ``prefill_chunk``; None: the default for the session's device): what the session's

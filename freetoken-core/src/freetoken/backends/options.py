@@ -26,7 +26,9 @@ class MoEOptions:
     the GPU kernels read (Q4_K, Q5_K, Q6_K, Q8_0) packed, as in the file, and dequantizes
     the others to the activation dtype; ``dequantized`` always dequantizes.
     ``cache_bytes`` / ``cache_fraction``: the global expert cache for the CPU layers' experts
-    (bytes, or a fraction of the memory budget; 0: none). ``hybrid_max_fetch``: experts
+    (bytes, or a fraction of the memory budget; 0: none); ``cache_auto`` (with neither given):
+    a planned placement's spare device memory, what its KV cache leaves of the budget (see
+    :meth:`freetoken.backends.contract.ModelSession.kv_cache_allocated`). ``hybrid_max_fetch``: experts
     per layer and step copied into the cache for later steps (the most routed uncached ones,
     each replacing a clearly less routed cached one; ``freetoken.moe.experts.expert_cache``).
     ``stream_prefill``: ``auto`` (prefill chunks of at least ``stream_min_tokens`` tokens
@@ -50,6 +52,7 @@ class MoEOptions:
     gpu_experts: str = "auto"
     cache_bytes: int = 0
     cache_fraction: float = 0.0
+    cache_auto: bool = False
     hybrid_max_fetch: int = 0
     stream_prefill: str = "auto"
     stream_min_tokens: Optional[int] = None

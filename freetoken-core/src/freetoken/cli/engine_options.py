@@ -131,12 +131,16 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def cache_size(text: str) -> float:
+def cache_size(text: str) -> Optional[float]:
     """``--moe-cache-size``: GiB as a bare number (``8``), a size with a unit (``6GiB``,
-    ``512MiB``), or a fraction of the GPU memory budget below 1 (``0.25``); ``0``: no cache.
-    Returns bytes, or the fraction when below 1."""
+    ``512MiB``), or a fraction of the GPU memory budget below 1 (``0.25``); ``0``: no cache;
+    ``auto``: the spare memory of a planned placement. Returns bytes, or the fraction when
+    below 1, or None for ``auto``."""
     t = str(text).strip().lower()
-    forms = "expected GiB like 8, a size like 6GiB or 512MiB, a fraction of the GPU memory budget like 0.25, or 0"
+    if t == "auto":
+        return None
+    forms = ("expected auto, GiB like 8, a size like 6GiB or 512MiB, a fraction of the GPU memory budget like 0.25, "
+             "or 0")
     try:
         value = float(t)
     except ValueError:
@@ -292,9 +296,9 @@ _OPTIONS: tuple[_Option, ...] = (
             "serves, where the backend has it) (default: {default})",
             choice("auto", "native", "triton"), "MODE"),
     _Option("moe_cache_size", "--moe-cache-size",
-            "GPU cache for experts of the CPU layers, from any layer: GiB like 4, a size like 512MiB, or a "
-            "fraction of the GPU memory budget like 0.25; routes to cached experts run on the GPU "
-            "(default: {default})", cache_size, "SIZE"),
+            "GPU cache for experts of the CPU layers, from any layer: GiB like 4, a size like 512MiB, a "
+            "fraction of the GPU memory budget like 0.25, 0 (none) or auto; routes to cached experts run on the "
+            "GPU (default: {default})", cache_size, "SIZE"),
     _Option("moe_hybrid_max_fetch", "--moe-hybrid-max-fetch",
             "experts per layer and decode step copied into the expert cache for later steps, without "
             "stalling the current one: the most routed ones not cached (recent decode routes, a quarter weight "
@@ -359,7 +363,8 @@ _DEFAULT_TEXT: dict[str, str] = {
                      "activations fit beside the experts placed as for 256), 256 on the CPU",
     "gpu_memory_utilization": "no limit",
     "gpu_memory_limit": "no limit",
-    "moe_cache_size": "0, no cache",
+    "moe_cache_size": "auto: where the memory plan places the layers (no --moe-cpu-layers) and some stay on "
+                      "the CPU, the device memory left beside the GPU layers and the KV cache",
     "moe_stream_min_tokens": "measured at startup from PCIe and CPU expert speed",
     "moe_locked_fetch": "auto",
 }

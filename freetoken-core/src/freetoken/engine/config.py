@@ -59,8 +59,9 @@ class EngineConfig:
     pin_host_threads: str = "on"
     moe_gpu_experts: str = "auto"
     moe_gpu_kernel: str = "auto"
-    #: bytes when >= 1, a fraction of the GPU memory budget when below 1
-    moe_cache_size: float = 0.0
+    #: bytes when >= 1, a fraction of the GPU memory budget when below 1; None: auto (the
+    #: device memory a planned placement leaves beside its layers and the KV cache)
+    moe_cache_size: Optional[float] = None
     moe_hybrid_max_fetch: int = 0
     moe_stream_prefill: str = "auto"
     moe_stream_min_tokens: Optional[int] = None
@@ -75,6 +76,7 @@ class EngineConfig:
 
     def backend_options(self, act_dtype: Any) -> EngineOptions:
         """What the backend's model session acts on."""
+        cache = self.moe_cache_size or 0.0
         return EngineOptions(
             act_dtype=act_dtype, moe_cpu_layers=self.moe_cpu_layers, cpu_threads=self.cpu_threads,
             cpu_spin_ms=self.cpu_spin_ms,
@@ -87,8 +89,9 @@ class EngineConfig:
             pin_host_threads=self.pin_host_threads,
             moe=MoEOptions(
                 gpu_experts=self.moe_gpu_experts,
-                cache_bytes=int(self.moe_cache_size) if self.moe_cache_size >= 1 else 0,
-                cache_fraction=self.moe_cache_size if self.moe_cache_size < 1 else 0.0,
+                cache_bytes=int(cache) if cache >= 1 else 0,
+                cache_fraction=cache if cache < 1 else 0.0,
+                cache_auto=self.moe_cache_size is None,
                 hybrid_max_fetch=self.moe_hybrid_max_fetch, stream_prefill=self.moe_stream_prefill,
                 stream_min_tokens=self.moe_stream_min_tokens, stream_experts=self.moe_stream_experts,
                 stream_windows=self.moe_stream_windows,
@@ -133,7 +136,7 @@ class EngineConfig:
                                      ("moe_lock_host", self.moe_lock_host, ("auto", "on", "off"))):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-        if not self.moe_cache_size >= 0:
+        if self.moe_cache_size is not None and not self.moe_cache_size >= 0:
             raise ValueError(f"moe_cache_size must be >= 0 (bytes, or a fraction below 1), got {self.moe_cache_size}")
         if self.moe_locked_fetch is not None and not 0 <= self.moe_locked_fetch <= 1:
             raise ValueError(f"moe_locked_fetch must be a fraction in [0, 1], got {self.moe_locked_fetch}")

@@ -197,6 +197,7 @@ class LLMEngine:
                 "raise kv_cache_tokens"
             )
         self.max_model_len = min(ctx, self.kv.total_tokens)
+        self.session.kv_cache_allocated(self.kv.bytes + (self.states.bytes if self.states is not None else 0))
         prefix = config.enable_prefix_cache
         if prefix and self.states is not None:
             # a cached KV prefix is useless without the recurrent state at its end, which is not kept

@@ -94,6 +94,9 @@ class MemoryPlan:
     activations: int = 0  # of reserve: a prompt chunk's activations at that chunk
     outside: int = 0  # of reserve: device memory outside torch's allocator (CUDA context, other users)
     workspace: int = 0  # of reserve: workspaces and graph pools inside the allocator
+    #: the expert cache takes what the KV cache leaves of kv_budget once allocated
+    #: (``--moe-cache-size auto`` with the layers placed by the plan and some on the CPU)
+    cache_auto: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -208,6 +211,7 @@ class GpuMemoryPlanner:
         gpu = [i for i in shape.moe_layers if i not in cpu_set]
         if not cpu:
             cache = buffers = 0  # nothing to cache or stream
+        cache_auto = bool(cpu) and not cache and o.moe.cache_auto and o.moe_cpu_layers is None and budget is not None
         experts = sum(per_layer[i] for i in gpu)
         kv_budget = None
         if budget is not None and o.prefill_chunk is None:
@@ -227,13 +231,14 @@ class GpuMemoryPlanner:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, max(budget - outside, 0) / total), self.device)
         result = MemoryPlan(budget, dense, max(per_layer.values(), default=0), gpu, cpu, kv_budget, reserve,
                             sorted(set(gpu) & packed), experts, cache, buffers, self.dense_form, self.embedding_place,
-                            chunk, activations, outside, workspace)
+                            chunk, activations, outside, workspace, cache_auto)
         self.traffic_plan = TrafficPlan(locked, locked_setting, streams and bool(cpu))
         log.info("GPU memory plan: budget %s, dense %s (%s, embedding on the %s), experts of %d layers on the GPU "
-                 "(%s, %d packed), expert cache %s, streaming buffers %s, CPU layers %s; step reserve %s (prompt "
+                 "(%s, %d packed), expert cache %s%s, streaming buffers %s, CPU layers %s; step reserve %s (prompt "
                  "chunks of %d tokens %s, outside the allocator %s, workspaces %s)",
                  gib(budget) if budget else "-", gib(dense), self.dense_form, self.embedding_place, len(gpu),
-                 gib(experts), len(result.packed_layers), gib(cache), gib(buffers), layer_ranges(cpu),
+                 gib(experts), len(result.packed_layers), gib(cache),
+                 " (auto: what the KV cache leaves)" if cache_auto else "", gib(buffers), layer_ranges(cpu),
                  gib(reserve), chunk, gib(activations), gib(outside), gib(workspace))
         return result
 

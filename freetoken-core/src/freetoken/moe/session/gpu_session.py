@@ -39,7 +39,7 @@ from freetoken.backends.handoff_io import IOPath
 from freetoken.backends.options import EngineOptions
 from freetoken.models.layers import DeviceWeightPolicy
 from freetoken.moe.handoff.expert_traffic import ExpertTraffic
-from freetoken.moe.session.gpu_memory_plan import GpuMemoryPlanner, MemoryPlan, layer_ranges
+from freetoken.moe.session.gpu_memory_plan import GpuMemoryPlanner, MemoryPlan, gib, layer_ranges
 from freetoken.moe.experts.gpu_packed_experts import DequantScratch, PackedGpuExperts
 from freetoken.moe.session.host_threads import HostThreads
 
@@ -122,6 +122,24 @@ class GpuModelSession(ModelSession):
 
     def kv_cache_budget(self) -> Optional[int]:
         return self.plan_result.kv_budget if self.plan_result else None
+
+    def kv_cache_allocated(self, nbytes: int) -> None:
+        """With the expert cache's size ``auto`` (``MemoryPlan.cache_auto``), what the KV cache
+        leaves of its budget becomes the expert cache: memory a whole layer of experts did not
+        fit, its routes to the cached experts run on the GPU. Less than one expert per CPU
+        layer stays unused."""
+        plan, shape = self.plan_result, self.shape
+        if plan is None or shape is None or self.traffic is None or not plan.cache_auto or plan.kv_budget is None:
+            return
+        spare = (plan.kv_budget - nbytes) // (1 << 20) * (1 << 20)  # whole MiB
+        least = plan.expert_layer_bytes // max(shape.num_experts, 1) * len(plan.cpu_layers)
+        if spare < least:
+            log.info("expert cache (auto): none, %s left beside the KV cache (one expert per CPU layer is %s)",
+                     gib(max(spare, 0)), gib(least))
+            return
+        plan.cache, plan.kv_budget = spare, nbytes
+        self.traffic.cache_bytes = spare
+        log.info("expert cache (auto): %s, what the KV cache (%s) leaves of the plan's budget", gib(spare), gib(nbytes))
 
     def prefill_chunk(self, requested: Optional[int]) -> int:
         asked = requested or self.options.prompt_chunk(on_gpu(self.device))
