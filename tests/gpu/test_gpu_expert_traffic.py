@@ -77,7 +77,7 @@ def test_cache_churn_in_graphs_matches_cpu(backend, reference, monkeypatch):
 
 
 def test_auto_cache_of_a_planned_placement_in_graphs(backend, reference, monkeypatch):
-    """``--moe-cache-size auto`` (the default): a limit that holds two of the demo model's four
+    """``--moe-cache-size auto``: a limit that holds two of the demo model's four
     expert layers and half a layer more places two, and the half layer (the KV cache given)
     becomes the expert cache; its routes run on the GPU inside the decode graphs, the outputs
     the all-CPU placement's. What lies outside torch's allocator is taken as nothing and the
@@ -92,7 +92,7 @@ def test_auto_cache_of_a_planned_placement_in_graphs(backend, reference, monkeyp
     probe.close()
     assert sizes["cpu_layers"] == "none" and sizes["expert_layer_bytes"] == 16 * EXPERT_BYTES
     limit = sizes["reserve"] + sizes["dense"] + kv + 5 * sizes["expert_layer_bytes"] // 2
-    eng = _engine(backend, gpu_memory_limit=limit, **kw)
+    eng = _engine(backend, gpu_memory_limit=limit, moe_cache_size="auto", **kw)
     try:
         got = run_greedy(eng, PROMPTS, 200)
         rep = eng.session.report()

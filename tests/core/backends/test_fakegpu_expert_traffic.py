@@ -203,8 +203,10 @@ def test_streamed_prefill_with_a_cache_copies_only_uncached_experts():
 
 
 def _limited(limit: int, **kw):
-    """Greedy tokens, the report and the KV cache's bytes of a fakegpu engine under ``limit``."""
+    """Greedy tokens, the report and the KV cache's bytes of a fakegpu engine under ``limit``
+    (the expert cache's size ``auto`` unless ``kw`` gives one)."""
     registry.reset()
+    kw.setdefault("moe_cache_size", "auto")
     eng = LLMEngine(EngineConfig(backend="fakegpu", dtype="float32", max_model_len=128, max_running_requests=4,
                                  gpu_memory_limit=limit, moe_stream_prefill="off", moe_collect_stats=True, **kw))
     try:
@@ -217,7 +219,7 @@ def _limited(limit: int, **kw):
 
 
 def test_auto_cache_takes_what_the_kv_cache_leaves_of_a_planned_placement():
-    """``--moe-cache-size auto`` (the default): a limit that holds two of the demo model's four
+    """``--moe-cache-size auto``: a limit that holds two of the demo model's four
     expert layers and half a layer more places two, and the half layer, less the KV cache the
     engine allocates (every running request at the full context), becomes the expert cache;
     its routes run on the device and the tokens stay the cpu backend's. No cache with a size

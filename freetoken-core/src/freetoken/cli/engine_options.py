@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Union
 
 from freetoken.cli.backend_option import backend_help
 
@@ -131,14 +131,14 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def cache_size(text: str) -> Optional[float]:
+def cache_size(text: str) -> Union[float, str]:
     """``--moe-cache-size``: GiB as a bare number (``8``), a size with a unit (``6GiB``,
     ``512MiB``), or a fraction of the GPU memory budget below 1 (``0.25``); ``0``: no cache;
     ``auto``: the spare memory of a planned placement. Returns bytes, or the fraction when
-    below 1, or None for ``auto``."""
+    below 1, or ``"auto"``."""
     t = str(text).strip().lower()
     if t == "auto":
-        return None
+        return t
     forms = ("expected auto, GiB like 8, a size like 6GiB or 512MiB, a fraction of the GPU memory budget like 0.25, "
              "or 0")
     try:
@@ -363,8 +363,8 @@ _DEFAULT_TEXT: dict[str, str] = {
                      "activations fit beside the experts placed as for 256), 256 on the CPU",
     "gpu_memory_utilization": "no limit",
     "gpu_memory_limit": "no limit",
-    "moe_cache_size": "auto: where the memory plan places the layers (no --moe-cpu-layers) and some stay on "
-                      "the CPU, the device memory left beside the GPU layers and the KV cache",
+    "moe_cache_size": "0, no cache; auto: where the memory plan places the layers (no --moe-cpu-layers) and "
+                      "some stay on the CPU, the device memory left beside the GPU layers and the KV cache",
     "moe_stream_min_tokens": "measured at startup from PCIe and CPU expert speed",
     "moe_locked_fetch": "auto",
 }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from freetoken.backends.options import EngineOptions, MoEOptions
 from freetoken.moe.placement import parse_layer_spec
@@ -59,9 +59,9 @@ class EngineConfig:
     pin_host_threads: str = "on"
     moe_gpu_experts: str = "auto"
     moe_gpu_kernel: str = "auto"
-    #: bytes when >= 1, a fraction of the GPU memory budget when below 1; None: auto (the
+    #: bytes when >= 1, a fraction of the GPU memory budget when below 1, or "auto" (the
     #: device memory a planned placement leaves beside its layers and the KV cache)
-    moe_cache_size: Optional[float] = None
+    moe_cache_size: Union[float, str] = 0.0
     moe_hybrid_max_fetch: int = 0
     moe_stream_prefill: str = "auto"
     moe_stream_min_tokens: Optional[int] = None
@@ -76,7 +76,7 @@ class EngineConfig:
 
     def backend_options(self, act_dtype: Any) -> EngineOptions:
         """What the backend's model session acts on."""
-        cache = self.moe_cache_size or 0.0
+        cache = 0.0 if self.moe_cache_size == "auto" else float(self.moe_cache_size)
         return EngineOptions(
             act_dtype=act_dtype, moe_cpu_layers=self.moe_cpu_layers, cpu_threads=self.cpu_threads,
             cpu_spin_ms=self.cpu_spin_ms,
@@ -91,7 +91,7 @@ class EngineConfig:
                 gpu_experts=self.moe_gpu_experts,
                 cache_bytes=int(cache) if cache >= 1 else 0,
                 cache_fraction=cache if cache < 1 else 0.0,
-                cache_auto=self.moe_cache_size is None,
+                cache_auto=self.moe_cache_size == "auto",
                 hybrid_max_fetch=self.moe_hybrid_max_fetch, stream_prefill=self.moe_stream_prefill,
                 stream_min_tokens=self.moe_stream_min_tokens, stream_experts=self.moe_stream_experts,
                 stream_windows=self.moe_stream_windows,
@@ -136,8 +136,10 @@ class EngineConfig:
                                      ("moe_lock_host", self.moe_lock_host, ("auto", "on", "off"))):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-        if self.moe_cache_size is not None and not self.moe_cache_size >= 0:
-            raise ValueError(f"moe_cache_size must be >= 0 (bytes, or a fraction below 1), got {self.moe_cache_size}")
+        if isinstance(self.moe_cache_size, str) and self.moe_cache_size != "auto" or \
+                not isinstance(self.moe_cache_size, str) and not self.moe_cache_size >= 0:
+            raise ValueError(f"moe_cache_size must be >= 0 (bytes, or a fraction below 1) or 'auto', got "
+                             f"{self.moe_cache_size!r}")
         if self.moe_locked_fetch is not None and not 0 <= self.moe_locked_fetch <= 1:
             raise ValueError(f"moe_locked_fetch must be a fraction in [0, 1], got {self.moe_locked_fetch}")
         if self.moe_locked_max_fetch < 0:
