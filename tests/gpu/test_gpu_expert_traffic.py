@@ -40,6 +40,14 @@ def _engine(backend, **kw):
                                   max_running_requests=len(PROMPTS), cuda_graph_max_bs=len(PROMPTS), **kw), backend=backend)
 
 
+def _greedy_and_report(eng):
+    """200 greedy steps of every prompt, and the session's report; the engine closed."""
+    try:
+        return run_greedy(eng, PROMPTS, 200), eng.session.report()
+    finally:
+        eng.close()
+
+
 @pytest.fixture(scope="module")
 def reference(backend):
     """The same GPU engine and dtype with every expert computed by the CPU workers (the
@@ -63,11 +71,7 @@ def test_cache_churn_in_graphs_matches_cpu(backend, reference, monkeypatch):
     monkeypatch.setattr(expert_cache, "FETCH_MARGIN", 0.0)
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_cache_size=float(12 * EXPERT_BYTES),
                   moe_hybrid_max_fetch=2, moe_collect_stats=True, moe_stream_prefill="off", moe_locked_fetch=0)
-    try:
-        got = run_greedy(eng, PROMPTS, 200)
-        rep = eng.session.report()
-    finally:
-        eng.close()
+    got, rep = _greedy_and_report(eng)
     assert rep["graphs"] is True
     assert rep["expert_cache"]["slots"] == 12 and rep["expert_cache"]["pools"][0]["formats"][0] == "packed"
     stats = rep["moe_stats"]
@@ -93,11 +97,7 @@ def test_auto_cache_of_a_planned_placement_in_graphs(backend, reference, monkeyp
     assert sizes["cpu_layers"] == "none" and sizes["expert_layer_bytes"] == 16 * EXPERT_BYTES
     limit = sizes["reserve"] + sizes["dense"] + kv + 5 * sizes["expert_layer_bytes"] // 2
     eng = _engine(backend, gpu_memory_limit=limit, moe_cache_size="auto", **kw)
-    try:
-        got = run_greedy(eng, PROMPTS, 200)
-        rep = eng.session.report()
-    finally:
-        eng.close()
+    got, rep = _greedy_and_report(eng)
     plan = rep["memory_plan"]
     assert (plan["gpu_layers"], plan["cpu_layers"], plan["cache_auto"]) == (2, "0-1", True)
     spare = limit - plan["reserve"] - plan["dense"] - plan["expert_bytes"] - kv
@@ -161,11 +161,7 @@ def test_streamed_prefill_matches_cpu(backend, reference, lock, cache):
     extra = {"moe_cache_size": float(cache * EXPERT_BYTES), "moe_hybrid_max_fetch": 1} if cache else {}
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_stream_prefill="on", moe_lock_host=lock,
                   **extra)
-    try:
-        got = run_greedy(eng, PROMPTS, 200)
-        rep = eng.session.report()
-    finally:
-        eng.close()
+    got, rep = _greedy_and_report(eng)
     stream = rep["prefill_stream"]
     assert stream["streamed_layers"] >= 4 and stream["streamed_bytes"] > 0
     assert stream["buffer_bytes"] == 16 // 4 * EXPERT_BYTES  # the demo's 16 experts in 4 windows
@@ -188,11 +184,7 @@ def test_locked_fetch_matches_cpu(backend, reference, cache_experts, eager, mode
     eng = _engine(backend, dtype="bfloat16", moe_cpu_layers="all", moe_locked_max_fetch=2,
                   moe_cache_size=float(cache_experts * EXPERT_BYTES), moe_hybrid_max_fetch=1 if cache_experts else 0,
                   moe_collect_stats=True, moe_stream_prefill="off", enforce_eager=eager, **given)
-    try:
-        got = run_greedy(eng, PROMPTS, 200)
-        rep = eng.session.report()
-    finally:
-        eng.close()
+    got, rep = _greedy_and_report(eng)
     assert rep["graphs"] is (not eager) and rep["host_locked_bytes"] > 0
     fetch = rep["locked_fetch"]
     assert check_logits(got, reference, TOL) > 100
