@@ -136,8 +136,8 @@ class EngineConfig:
                                      ("moe_lock_host", self.moe_lock_host, ("auto", "on", "off"))):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-        if isinstance(self.moe_cache_size, str) and self.moe_cache_size != "auto" or \
-                not isinstance(self.moe_cache_size, str) and not self.moe_cache_size >= 0:
+        size = self.moe_cache_size
+        if size != "auto" if isinstance(size, str) else not size >= 0:
             raise ValueError(f"moe_cache_size must be >= 0 (bytes, or a fraction below 1) or 'auto', got "
                              f"{self.moe_cache_size!r}")
         if self.moe_locked_fetch is not None and not 0 <= self.moe_locked_fetch <= 1:
