@@ -1,15 +1,20 @@
 """Device memory of long prompts under a GPU memory limit (run on the GPU machine).
 
-For each prefill chunk size, one engine on FILE with ``--gpu-memory-limit LIMIT`` and
-``--max-model-len CTX`` runs prompts of the given lengths (greedy, 4 new tokens each). A
+For each prefill chunk size (0: the memory plan's own), one engine on FILE with
+``--gpu-memory-limit LIMIT`` and ``--max-model-len CTX`` runs prompts of the given lengths (greedy, 4 new tokens each). A
 thread samples the device's used memory (``cudaMemGetInfo``: the whole process when it is
 alone on the device, CUDA context included) every 20 ms; torch's allocator reports its own
 peak. One JSON line per prompt: the plan's parts, the outcome (tokens, or the error), the
 prompt's seconds, the whole-device peak and torch's peak, and each prefill step's growth of
 torch's peak over what was allocated before it (the step's activations and workspaces).
 
-Usage: python3 tests/gpu/memory_peaks.py FILE LIMIT_GIB CTX CHUNKS PROMPTS [THREADS]
-  e.g. python3 tests/gpu/memory_peaks.py m.gguf 16 32768 256,2048,16384 1024,8192,16384,32700 15
+With BATCHES (a comma-separated list, e.g. 1,8,32), each engine then runs that many
+concurrent requests at a time (256-token prompts, 48 new tokens each: decode steps of that
+batch, through the decode graphs where the backend captures them) and prints the same peaks
+per batch: what the step's workspaces and the graphs' pools take of the plan's reserve.
+
+Usage: python3 tests/gpu/memory_peaks.py FILE LIMIT_GIB CTX CHUNKS PROMPTS [THREADS [BATCHES]]
+  e.g. python3 tests/gpu/memory_peaks.py m.gguf 16 32768 256,2048,16384 1024,8192,16384,32700 15 1,8,32
 """
 
 from __future__ import annotations
@@ -51,12 +56,13 @@ class DevicePeak:
 def main() -> None:
     path, limit_gib, ctx, chunks, prompts = sys.argv[1:6]
     threads = int(sys.argv[6]) if len(sys.argv) > 6 else 15
+    batches = [int(b) for b in sys.argv[7].split(",")] if len(sys.argv) > 7 and sys.argv[7] else []
     peak = DevicePeak()
     for chunk in (int(c) for c in chunks.split(",")):
         t0 = time.time()
         try:
             eng = LLMEngine(EngineConfig(model=path, backend="cuda", gpu_memory_limit=int(float(limit_gib) * 2**30),
-                                         max_model_len=int(ctx), prefill_chunk=chunk, cpu_threads=threads))
+                                         max_model_len=int(ctx), prefill_chunk=chunk or None, cpu_threads=threads))
         except Exception as exc:  # noqa: BLE001
             print(json.dumps({"chunk": chunk, "startup_error": f"{type(exc).__name__}: {exc}"}), flush=True)
             continue
@@ -101,6 +107,27 @@ def main() -> None:
                 "device_peak_gib": round(peak.peak / 2**30, 3),
                 "torch_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
                 "step_growth_mib_max": round(max(growth, default=0) / 2**20, 1), "prefill_steps": len(growth),
+            }), flush=True)
+        eng.session.forward = real_forward
+        for batch in batches:
+            g = torch.Generator().manual_seed(batch)
+            torch.cuda.synchronize()
+            peak.reset()
+            torch.cuda.reset_peak_memory_stats()
+            t = time.time()
+            reqs = [eng.add_request(torch.randint(100, eng.model_config.vocab_size - 100, (256,), generator=g).tolist(),
+                                    SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+                    for _ in range(batch)]
+            while eng.has_work():
+                eng.step()
+            torch.cuda.synchronize()
+            time.sleep(0.05)
+            print(json.dumps({
+                "chunk": chunk, "batch": batch, "finished": sum(r.finish_reason == "length" for r in reqs),
+                "errors": sorted({r.error.message for r in reqs if r.error}), "s": round(time.time() - t, 2),
+                "device_peak_gib": round(peak.peak / 2**30, 3),
+                "torch_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+                "torch_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 3),
             }), flush=True)
         eng.close()
         del eng

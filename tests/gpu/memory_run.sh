@@ -6,6 +6,9 @@
 # prompts 1024 and 4000) at its limit. With LLAMA_NCMOE="N ..." (and .bench/llama.cpp carried) llama-bench
 # is built meanwhile and, at the end, runs tg16 at depth LLAMA_DEPTH (16384) with -ncmoe N on the same
 # file while nvidia-smi samples the device's used memory: llama.cpp's whole-process peak at that depth.
+# PRESET (qwen3-30b-a3b) and LAYERS (48) name another make-model preset and cut.
+# BATCHES="1,8,32": each engine then also runs that many concurrent requests at a time (decode steps of that
+# batch) and reports their peaks.
 # Usage (repository root, .whl carried): bash tests/gpu/memory_run.sh
 set -uo pipefail
 LIMITS=${LIMITS:-"16"}; CHUNKS=${CHUNKS:-"256,2048,16384"}; PROMPTS=${PROMPTS:-"1024,8192,16384"}
@@ -29,14 +32,14 @@ if [ -n "$TESTS" ]; then
   grep -E "^E " "$OUT/pytest.log" | head -20
 fi
 # the file name and its .ok mark are those of tests/gpu/bench_vs_llamacpp.sh: a later call on the warm machine reuses it
-M=/tmp/ft-bench/qwen3-30b-a3b-q4_k_m-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
+PRESET=${PRESET:-qwen3-30b-a3b}; M=/tmp/ft-bench/$PRESET-q4_k_m-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
 if [ ! -f "$M.ok" ]; then
-  timeout 200 python3 -m freetoken.cli.main bench make-model --preset qwen3-30b-a3b --layers "$LAYERS" \
+  timeout 200 python3 -m freetoken.cli.main bench make-model --preset "$PRESET" --layers "$LAYERS" \
     --quant q4_k_m --threads 16 --out "$M" > "$OUT/make-model.log" 2>&1 && touch "$M.ok"
 fi
 stamp "make-model $( [ -f "$M.ok" ] && echo ok || echo FAILED) $(du -h "$M" | cut -f1)"
 for limit in $LIMITS; do
-  timeout ${PEAK_TIMEOUT:-240} python3 tests/gpu/memory_peaks.py "$M" "$limit" "$CTX" "$CHUNKS" "$PROMPTS" 15 \
+  timeout ${PEAK_TIMEOUT:-240} python3 tests/gpu/memory_peaks.py "$M" "$limit" "$CTX" "$CHUNKS" "$PROMPTS" 15 "${BATCHES:-}" \
     > "$OUT/peaks-$limit.jsonl" 2> "$OUT/peaks-$limit.err"
   stamp "memory peaks at $limit GiB rc=$?"; cat "$OUT/peaks-$limit.jsonl"; grep -E "Error|error" "$OUT/peaks-$limit.err" | head -5
 done
