@@ -36,6 +36,9 @@ class SubsetConstraint:
         self.seen: list[int] = []
         self.mask_calls = 0
 
+    def restricts(self) -> bool:
+        return True
+
     def allows(self, token_id: int, remaining: int) -> bool:
         return token_id in self.allowed
 

@@ -19,6 +19,8 @@ from freetoken.engine.sampling import (
     device_generator,
     device_rows,
     gumbel_pick,
+    picked_on_device,
+    plain_greedy,
     plain_sampled,
     sample,
 )
@@ -180,6 +182,25 @@ NOT_PLAIN = {
     "min_p": SamplingParams(temperature=0.8, min_p=0.05),
     "greedy": SamplingParams(temperature=0.0),
 }
+
+
+class _Idle(_AllowAll):
+    """A constraint that restricts nothing yet (a budget not spent)."""
+
+    def restricts(self) -> bool:
+        return False
+
+
+def test_a_constraint_that_restricts_nothing_keeps_the_fast_paths():
+    """Plain greedy / plain sampled with a constraint that does not restrict the next token:
+    picked where the logits are (and so launched ahead); restricting: on the host."""
+    off_cpu = torch.empty(2, 10, device="meta")
+    for params, plain in ((SamplingParams(temperature=0.0), plain_greedy), (PLAIN, plain_sampled)):
+        idle, restricting = _req(params, constraint=_Idle()), _req(params, constraint=_AllowAll())
+        assert plain(idle) and not idle.constrained
+        assert not plain(restricting) and restricting.constrained
+        assert picked_on_device(off_cpu, [idle, _req(params)])
+        assert not picked_on_device(off_cpu, [restricting, _req(params)])
 
 
 def test_device_rows_selects_plain_sampled_requests_off_the_cpu():

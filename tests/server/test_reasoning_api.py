@@ -136,27 +136,35 @@ def test_reasoning_in_the_history_reaches_the_template(http):
 
 def test_anthropic_thinking_blocks_whole_and_streamed(http, ref_tok):
     """Through the official client: the thinking block first, then the text, both as one
-    message and streamed (the client assembles thinking_delta and signature_delta events)."""
+    message and streamed (the client assembles thinking_delta and signature_delta events).
+    The demo model reasons past 1024 tokens: with ``budget_tokens`` 1024 the thinking block
+    is the text of the unconstrained answer's first 1024 tokens, then the reasoning is closed
+    and the answer takes the rest of ``max_tokens``."""
     import anthropic
 
     client = anthropic.Anthropic(base_url=str(http.base_url), api_key="unused", max_retries=0, timeout=120)
-    tokens = 1030  # thinking's smallest budget is 1024 tokens, below max_tokens
-    reasoning, answer = expected_split(raw_answer(http, ref_tok, ASK, tokens, enable_thinking=True))
+    tokens, budget = 1030, 1024  # thinking's smallest budget is 1024 tokens, below max_tokens
+    free = raw_answer(http, ref_tok, ASK, tokens, enable_thinking=True)
+    assert "</think>" not in free, "the demo model closed its reasoning within the budget: nothing to cut"
+    reasoning = raw_answer(http, ref_tok, ASK, budget, enable_thinking=True).strip()
     kw = dict(model=MODEL, messages=ASK, max_tokens=tokens, extra_body={"temperature": 0},
-              thinking={"type": "enabled", "budget_tokens": 1024})  # fmt: skip
+              thinking={"type": "enabled", "budget_tokens": budget})  # fmt: skip
     whole = client.messages.create(**kw)
     assert [b.type for b in whole.content] == ["thinking", "text"], whole.content
     assert whole.content[0].thinking == reasoning and whole.content[0].signature == ""
-    assert whole.content[1].text == answer
+    answer = whole.content[1].text
+    assert answer and whole.usage.output_tokens == tokens
     with client.messages.stream(**kw) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_message()
     assert [b.type for b in final.content] == ["thinking", "text"], final.content
     assert final.content[0].thinking == reasoning and final.content[1].text == answer
     assert "thinking" in kinds and "signature" in kinds, kinds
-    # adaptive thinking with its text omitted: the block without the reasoning
+    # adaptive thinking (no budget) with its text omitted: the block without the reasoning,
+    # which runs to max_tokens here
     omitted = client.messages.create(**{**kw, "thinking": {"type": "adaptive", "display": "omitted"}})
     assert [(b.type, getattr(b, "thinking", None)) for b in omitted.content] == [("thinking", ""), ("text", None)]
+    assert omitted.content[1].text == expected_split(free)[1]
     with client.messages.stream(**{**kw, "thinking": {"type": "adaptive", "display": "omitted"}}) as stream:
         assert "thinking" not in [e.type for e in stream]
         final = stream.get_final_message()
@@ -164,7 +172,7 @@ def test_anthropic_thinking_blocks_whole_and_streamed(http, ref_tok):
         [("thinking", "", None), ("text", None, omitted.content[1].text)]
     # without the parameter: no thinking block, the answer alone
     plain = client.messages.create(**{k: v for k, v in kw.items() if k != "thinking"})
-    assert [b.type for b in plain.content] == ["text"] and plain.content[0].text == answer
+    assert [b.type for b in plain.content] == ["text"] and plain.content[0].text == expected_split(free)[1]
 
 
 def test_anthropic_thinking_disabled_and_thinking_blocks_in_the_history(http, ref_tok):
@@ -190,6 +198,8 @@ def test_anthropic_thinking_disabled_and_thinking_blocks_in_the_history(http, re
     ({"thinking": {"type": "sometimes"}}, "thinking.type"),
     ({"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x", "signature": ""}]}]},
      "messages.0.content.0"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 1100,
+      "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"}}, "tool_choice"),
 ])
 def test_bad_thinking_is_400_naming_the_field(http, body, param):
     r = http.post("/v1/messages", json={"model": MODEL, "messages": ASK, "max_tokens": 16, **body})

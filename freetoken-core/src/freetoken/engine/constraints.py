@@ -24,7 +24,11 @@ After a token is drawn the engine calls :meth:`TokenConstraint.advance`; when
 the request may still generate, this one included, so a constraint can keep its
 output closable within ``max_tokens``.
 
-Requests without a constraint never reach any of this (same code path, same cost).
+Requests without a constraint never reach any of this (same code path, same cost), nor
+do requests whose constraint says it does not restrict the next token
+(:meth:`TokenConstraint.restricts` false: a budget that is not spent yet); those are
+sampled as unconstrained ones, where the logits are, and only :meth:`TokenConstraint.advance`
+sees their tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ class NoAllowedToken(RuntimeError):
 @runtime_checkable
 class TokenConstraint(Protocol):
     """What the engine needs from a per-request constraint."""
+
+    def restricts(self) -> bool:
+        """Whether the next token is restricted at all; False: every token is allowed, and
+        the request is sampled as an unconstrained one (:meth:`advance` still sees it)."""
+        return True
 
     def allows(self, token_id: int, remaining: int) -> bool:
         """Whether ``token_id`` may come next (cheap; used for greedy candidates)."""

@@ -144,6 +144,12 @@ class Request:
         self.num_registered = 0
         return blocks
 
+    @property
+    def constrained(self) -> bool:
+        """Whether its next token is restricted: a constraint that
+        :meth:`~freetoken.engine.constraints.TokenConstraint.restricts` it."""
+        return self.constraint is not None and self.constraint.restricts()
+
     # --------------------------------------------------------------- outputs
 
     def append(self, token: int, logprob: Optional[TokenLogprob]) -> None:

@@ -7,8 +7,8 @@ are reproducible whatever else runs in the batch). Log-probabilities report the
 model's distribution (log-softmax of the raw logits), independent of the sampling
 knobs.
 
-A request with a token constraint (:mod:`freetoken.engine.constraints`) has its
-disallowed tokens masked right after the penalties, before temperature and the
+A request with a token constraint (:mod:`freetoken.engine.constraints`) that restricts
+its next token has its disallowed tokens masked right after the penalties, before temperature and the
 filters. Its log-probabilities are those of the distribution it was actually drawn
 from before the knobs: the model's log-softmax renormalised over the allowed
 tokens (``top_logprobs`` lists allowed tokens only). Unconstrained requests take
@@ -184,7 +184,7 @@ def plain_greedy(r: Request) -> bool:
     """Whether ``r`` takes the largest logit as it is: greedy, with no penalty or logit
     bias, no constraint and no log-probabilities."""
     p = r.params
-    return p.greedy and _trivial(p) and r.constraint is None and not p.logprobs and p.top_logprobs == 0
+    return p.greedy and _trivial(p) and not r.constrained and not p.logprobs and p.top_logprobs == 0
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
@@ -203,7 +203,7 @@ def plain_sampled(r: Request) -> bool:
     temperature above 0, no penalty or logit bias, no constraint, no log-probabilities,
     no top-p and no min-p."""
     p = r.params
-    return (not p.greedy and _trivial(p) and r.constraint is None and not p.logprobs and p.top_logprobs == 0
+    return (not p.greedy and _trivial(p) and not r.constrained and not p.logprobs and p.top_logprobs == 0
             and p.top_p == 1.0 and p.min_p == 0.0)
 
 
@@ -353,7 +353,7 @@ def _sample_host(logits: torch.Tensor, requests: list[Request],
     logits = logits.float().cpu()
     tokens: list[Optional[int]] = [None] * B
     done_lp: dict[int, Optional[TokenLogprob]] = {}  # constrained rows: their own log-probabilities
-    fast = [i for i, r in enumerate(requests) if r.params.greedy and _trivial(r.params) and r.constraint is None]
+    fast = [i for i, r in enumerate(requests) if r.params.greedy and _trivial(r.params) and not r.constrained]
     if fast:
         if len(fast) == B:
             tokens = list(argmax_rows(logits))
@@ -367,7 +367,8 @@ def _sample_host(logits: torch.Tensor, requests: list[Request],
         p = r.params
         row = apply_penalties(logits[i], p, r.prompt_ids, r.out_counts)
         g = r.generator if r.generator is not None else default_gen
-        if r.constraint is not None:
+        if r.constrained:
+            assert r.constraint is not None
             try:
                 tokens[i], done_lp[i] = constrained_pick(logits[i], row, p, r.constraint, r.max_new - len(r.output_ids), g)
             except NoAllowedToken:

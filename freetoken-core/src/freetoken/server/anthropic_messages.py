@@ -4,13 +4,15 @@ Messages are rendered with the model's chat template like /v1/chat/completions (
 system prompt first; tools, tool_use and tool_result blocks as function tools, tool
 calls and tool messages: anthropic_tools.py) and generated through the same engine
 streams (generation.py); ``any`` and a named tool force a call with the chat route's
-constraint. A final assistant message is a prefill: the answer continues its text.
+constraint. ``thinking.budget_tokens`` ends a reasoning model's reasoning after that many
+tokens (thinking_budget.py). A final assistant message is a prefill: the answer continues its text.
 Errors on these paths have Anthropic's shape (anthropic_protocol.response_for, used by
 the app's error handlers and the middleware).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -43,9 +45,10 @@ from freetoken.server.generation import (
     resolve_max_tokens,
     until_disconnect,
 )
-from freetoken.server.reasoning import REASONING, ReasoningSplit, pieces, split_for
+from freetoken.server.reasoning import REASONING, ReasoningSplit, pieces, split_for, style_for
 from freetoken.server.sse import sse_response
 from freetoken.server.state import EngineHolder
+from freetoken.server.thinking_budget import thinking_budget
 
 
 def render_messages(req: MessagesBase, tokenizer: Any) -> tuple[list[int], Optional[ChatTools]]:
@@ -108,6 +111,9 @@ async def create_message(request: Request) -> Response:
     job = ChoiceJob(0, prompt_ids, params)
     if tools is not None:
         job.constraint = await tools.checked_constraint()
+    budget = req.thinking_budget
+    if budget is not None and job.constraint is None and style_for(engine.tokenizer) is not None:
+        job.constraint = functools.partial(thinking_budget, engine.tokenizer, prompt_ids, budget)
     maybe_fail(request, holder, "before")
     message_id = f"msg_{uuid.uuid4().hex}"
     streams = ChoiceStreams(engine, [job], message_id, holder.metrics, arrival, holder.active,

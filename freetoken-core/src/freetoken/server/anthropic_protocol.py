@@ -127,8 +127,8 @@ class ToolChoice(BaseModel):
 
 
 class ThinkingParam(BaseModel):
-    """Thinking: ``enabled`` (with a ``budget_tokens``, checked as Anthropic checks it, not
-    enforced), ``adaptive`` and ``between_tools`` show a reasoning model's reasoning as
+    """Thinking: ``enabled`` (with a ``budget_tokens``, checked as Anthropic checks it; the
+    reasoning ends after that many tokens), ``adaptive`` and ``between_tools`` show a reasoning model's reasoning as
     ``thinking`` blocks (``display: omitted``: the blocks without their text); ``disabled``
     asks the chat template for an answer without reasoning (``enable_thinking`` false)."""
 
@@ -161,6 +161,11 @@ class MessagesBase(BaseModel):
     def omits_thinking_text(self) -> bool:
         return self.thinking is not None and self.thinking.display == "omitted"
 
+    @property
+    def thinking_budget(self) -> Optional[int]:
+        """The reasoning's budget in tokens (thinking ``enabled``), else None."""
+        return self.thinking.budget_tokens if self.thinking is not None and self.thinking.type == "enabled" else None
+
     def check(self) -> None:
         """Refuse what is recognised but not implemented, and what is inconsistent
         (called after validation)."""
@@ -178,6 +183,9 @@ class MessagesBase(BaseModel):
             if budget < MIN_THINKING_BUDGET:
                 raise FieldError("thinking.budget_tokens",
                                  f"thinking.budget_tokens: must be at least {MIN_THINKING_BUDGET}, got {budget}")
+        if self.shows_thinking and self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
+            raise FieldError("tool_choice", f"tool_choice '{self.tool_choice.type}' forces a tool call, which "
+                                            "cannot follow a reasoning: use 'auto' or 'none' with thinking")
         if len(self.messages) == 1 and self.messages[0].role == "assistant" and not self.system_text():
             raise FieldError("messages", "messages: the only message is an assistant message, a prefill that "
                                          "answers nothing; put a user message (or a system prompt) before it")

@@ -387,6 +387,9 @@ class SchemaConstraint:
     def is_complete(self) -> bool:
         return self._stopped
 
+    def restricts(self) -> bool:
+        return True
+
 
 def compile_schema(tokenizer: Any, schema: Any) -> str:
     """Compile ``schema`` for ``tokenizer`` (blocking: builds the vocabulary on first use)."""
