@@ -93,10 +93,11 @@ def test_moe_cache_size_is_gib_size_or_fraction(text, expected):
     assert not options.cache_auto
 
 
-def test_moe_cache_size_auto_can_be_given():
-    for config in (EngineConfig(), _config(["serve"])):
+def test_moe_cache_size_auto_is_the_default_and_can_be_given():
+    for config in (EngineConfig(moe_cache_size=0), _config(["serve", "--moe-cache-size", "0"])):
         assert config.moe_cache_size == 0.0 and not config.backend_options(None).moe.cache_auto
-    for config in (EngineConfig(moe_cache_size="auto"), _config(["serve", "--moe-cache-size", "Auto"])):
+    for config in (EngineConfig(), _config(["serve"]), EngineConfig(moe_cache_size="auto"),
+                   _config(["serve", "--moe-cache-size", "Auto"])):
         assert config.moe_cache_size == "auto"
         options = config.backend_options(None).moe
         assert (options.cache_bytes, options.cache_fraction, options.cache_auto) == (0, 0.0, True)

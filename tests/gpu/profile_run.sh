@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, write a Q4_K_M file of LAYERS layers of a make-model preset
-# (PRESET, default qwen3-30b-a3b), then tests/gpu/profile_decode.py for each placement and `bench cpu-moe` (T=1)
+# (PRESET, default qwen3-30b-a3b; QUANT another make-model --quant, e.g. mxfp4 for GPT-OSS), then
+# tests/gpu/profile_decode.py for each placement and `bench cpu-moe` (T=1)
 # at a few thread counts: where a decode step's time goes. TESTS (GPU test files and pytest
 # arguments) run while the file is written. A placement is a --moe-cpu-layers value, or
 # limit:SIZE (the default placement under --gpu-memory-limit SIZE), then optionally
@@ -10,10 +11,10 @@ set -uo pipefail
 LAYERS=${1:-24}; shift || true
 PLACEMENTS=${*:-all 0}
 source tests/gpu/device_setup.sh || exit 1
-PRESET=${PRESET:-qwen3-30b-a3b}
-M=/tmp/ft-bench/$PRESET-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
+PRESET=${PRESET:-qwen3-30b-a3b}; QUANT=${QUANT:-q4_k_m}
+M=/tmp/ft-bench/$PRESET-$QUANT-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
 [ -f "$M" ] || { timeout 240 python3 -m freetoken.cli.main bench make-model --preset "$PRESET" --layers "$LAYERS" \
-  --quant q4_k_m --threads 16 --out "$M" > "$OUT/make-model.log" 2>&1; echo "rc=$?" >> "$OUT/make-model.log"; } &
+  --quant "$QUANT" --threads 16 --out "$M" > "$OUT/make-model.log" 2>&1; echo "rc=$?" >> "$OUT/make-model.log"; } &
 MAKE=$!
 if [ -n "${TESTS:-}" ]; then  # pytest arguments, quoted as in a shell: TESTS="tests/gpu/x.py -k 'a or b'"
   eval "timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -v -rs -m 'gpu or not gpu' $TESTS \

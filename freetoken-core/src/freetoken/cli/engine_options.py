@@ -363,8 +363,8 @@ _DEFAULT_TEXT: dict[str, str] = {
                      "activations fit beside the experts placed as for 256), 256 on the CPU",
     "gpu_memory_utilization": "no limit",
     "gpu_memory_limit": "no limit",
-    "moe_cache_size": "0, no cache; auto: where the memory plan places the layers (no --moe-cpu-layers) and "
-                      "some stay on the CPU, the device memory left beside the GPU layers and the KV cache",
+    "moe_cache_size": "auto: where the memory plan places the layers (no --moe-cpu-layers) and some stay on "
+                      "the CPU, the device memory left beside the GPU layers and the KV cache; else none",
     "moe_stream_min_tokens": "measured at startup from PCIe and CPU expert speed",
     "moe_locked_fetch": "auto",
 }

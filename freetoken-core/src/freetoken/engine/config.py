@@ -61,7 +61,7 @@ class EngineConfig:
     moe_gpu_kernel: str = "auto"
     #: bytes when >= 1, a fraction of the GPU memory budget when below 1, or "auto" (the
     #: device memory a planned placement leaves beside its layers and the KV cache)
-    moe_cache_size: Union[float, str] = 0.0
+    moe_cache_size: Union[float, str] = "auto"
     moe_hybrid_max_fetch: int = 0
     moe_stream_prefill: str = "auto"
     moe_stream_min_tokens: Optional[int] = None
