@@ -1,14 +1,15 @@
 """Device memory of long prompts under a GPU memory limit (run on the GPU machine).
 
 For each prefill chunk size (0: the memory plan's own), one engine on FILE with
-``--gpu-memory-limit LIMIT`` and ``--max-model-len CTX`` runs prompts of the given lengths (greedy, 4 new tokens each). A
-thread samples the device's used memory (``cudaMemGetInfo``: the whole process when it is
-alone on the device, CUDA context included) every 20 ms; torch's allocator reports its own
-peak. One JSON line per prompt: the plan's parts, the outcome (tokens, or the error), the
-prompt's seconds, the whole-device peak and torch's peak, and each prefill step's growth of
-torch's peak over what was allocated before it (the step's activations and workspaces).
+``--gpu-memory-limit LIMIT`` and ``--max-model-len CTX`` runs prompts of the given lengths
+(greedy, 4 new tokens each). A thread samples the device's used memory (``cudaMemGetInfo``:
+the whole process when it is alone on the device, CUDA context included) every 20 ms;
+torch's allocator reports its own peak. One JSON line per prompt: the plan's parts, the
+outcome (tokens, or the error), the prompt's seconds, the whole-device peak and torch's peak,
+and each prefill step's growth of torch's peak over what was allocated before it (the step's
+activations and workspaces).
 
-With BATCHES (a comma-separated list, e.g. 1,8,32), each engine then runs that many
+With BATCHES (a comma-separated list, e.g. 1,8,32; the seventh argument), each engine then runs that many
 concurrent requests at a time (256-token prompts, 48 new tokens each: decode steps of that
 batch, through the decode graphs where the backend captures them) and prints the same peaks
 per batch: what the step's workspaces and the graphs' pools take of the plan's reserve.

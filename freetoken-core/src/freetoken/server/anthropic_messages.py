@@ -5,7 +5,8 @@ system prompt first; tools, tool_use and tool_result blocks as function tools, t
 calls and tool messages: anthropic_tools.py) and generated through the same engine
 streams (generation.py); ``any`` and a named tool force a call with the chat route's
 constraint. ``thinking.budget_tokens`` ends a reasoning model's reasoning after that many
-tokens (thinking_budget.py). A final assistant message is a prefill: the answer continues its text.
+tokens (thinking_budget.py). A final assistant message is a prefill: the answer continues
+its text.
 Errors on these paths have Anthropic's shape (anthropic_protocol.response_for, used by
 the app's error handlers and the middleware).
 """
