@@ -218,6 +218,30 @@ def test_mxfp4_swiglu_oai(tokens):
     assert float(x.abs().max()) * float(g64.abs().max()) > 0  # sanity: the inputs are not degenerate
 
 
+@pytest.mark.parametrize("fmt", [MX, Q5, Q8])
+def test_nvidia_byte_tiles_match_the_reference(fmt):
+    """The tiles an NVIDIA GPU gives experts whose rows the int8 dots do not read
+    (gate_up_tiles / down_tiles of NVIDIA_CONFIG: 16 rows x 512-value steps with 8 warps,
+    down steps of 128 or 256), run here (the interpreter, or compiled on a GPU) against the
+    float64 reference."""
+    nv = moe_packed.NVIDIA_CONFIG
+    gu = moe_packed.gate_up_tiles(nv, fmt, fmt, "cuda")
+    dn = moe_packed.down_tiles(nv, fmt, 4, "cuda")
+    cfg = dataclasses.replace(nv, block_h=gu.block_h, num_warps=gu.num_warps, block_r=dn.block_r,
+                              down_num_warps=dn.down_num_warps)  # fmt: skip
+    assert (cfg.block_i, cfg.block_h, cfg.num_warps) == (16, 512, 8)
+    act = "swiglu_oai" if fmt == MX else "silu"
+    (gate, up, down), (g64, u64, d64) = random_layer((fmt, fmt, fmt), seed=90 + fmt)
+    experts = PackedGpuExperts(gate, up, down, DEV, activation=act, config=cfg)
+    gen = torch.Generator().manual_seed(fmt)
+    x = torch.randn(3, H, generator=gen)
+    ids = routes(3, 4, gen)
+    w = torch.rand(3, 4, generator=gen) + 0.1
+    out = torch.full((3, H), float("nan"), device=DEV)
+    experts.forward(x.to(DEV), ids.to(DEV), w.to(DEV), out=out)
+    check_rows(out, reference_experts(x, ids, w, g64, u64, d64, act), FP32_TOL)
+
+
 def fp8_stack(rows: int, cols: int, gen: torch.Generator, name: str) -> tuple[RawTensor, torch.Tensor]:
     """Random FP8 E4M3 experts ``[E, rows, cols]`` with one float32 scale per 128 x 128
     tile (the HF block-scaled layout), and their float64 values (torch's E4M3 decoding)."""
@@ -548,6 +572,63 @@ def test_kernels_compile_for_sm90():
     assert report == {"12_12_14": [True, True], "13_8_13": [True, True], "12_12_12": [True, True],
                       "13_13_14": [True, True], "39_39_39": [True, True], "100_100_100": [True, True],
                       "12_12_14_int8": [True, True], "12_12_12_int8": [True, True], "12_12_14_int8_h": [True, True]}
+
+
+def test_no_register_spills_on_sm90():
+    """Every expert format at the presets' decode shapes, and one token through packed dense
+    matrices, with the tiles an NVIDIA GPU gives them (tests/gpu/packed_sm90_spills.py:
+    cubins for sm_90, cuobjdump's stack per thread): no kernel keeps values in local memory. NVIDIA_CONFIG's int8 tiles, run as byte tiles
+    over Q5_K/Q6_K/Q8_0/MXFP4 gate/up rows, kept 14 KB a thread there (GPT-OSS-120B's decode
+    step 56 ms on an H100). The int8 Q4_K case keeps NVIDIA_CONFIG's measured tiles."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "packed_sm90_spills.py")
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode == 3:
+        pytest.skip(proc.stderr.strip())  # a Triton without its CUDA tools
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(report) == 11
+    for case, kernels in report.items():
+        for kernel, info in kernels.items():
+            assert info["stack_bytes"] == 0, (case, kernel, info)
+    nv = moe_packed.NVIDIA_CONFIG
+    assert report["qwen3_q4k_q6k"]["gate_up"]["tiles"] == [nv.block_i, nv.block_h, nv.num_warps]
+    assert report["qwen3_q4k_q6k"]["down"]["tiles"] == [nv.block_n, nv.block_r, nv.down_num_warps]
+
+
+@pytest.mark.parametrize("backend", ["cuda", "hip", "none"])
+def test_byte_tiles_are_capped_on_nvidia_only(backend):
+    """gate_up_tiles / down_tiles: where the int8 dots run, and off NVIDIA, the tiles as given;
+    NVIDIA's byte tiles at most BYTE_TILE_VALUES accumulator values per thread, the grid's
+    tile dimension (block_i, block_n) kept."""
+    cap = moe_packed.BYTE_TILE_VALUES * 32
+    for cfg in (moe_packed.NVIDIA_CONFIG, moe_packed.DEFAULT_CONFIG, WIDE, NARROW):
+        if cfg.int8_dot or backend != "cuda":  # Q4_K through the int8 dots, or not NVIDIA: as given
+            assert moe_packed.gate_up_tiles(cfg, Q4, Q4, backend) is cfg
+        for fmt in (Q4, Q6, Q8, MX):
+            gu = moe_packed.gate_up_tiles(cfg, fmt, fmt, backend)
+            dn = moe_packed.down_tiles(cfg, fmt, 8, backend)
+            assert (gu.block_i, dn.block_n) == (cfg.block_i, cfg.block_n)
+            if backend != "cuda":
+                assert gu is cfg and dn is cfg
+                continue
+            if not (cfg.int8_dot and fmt == Q4):
+                assert gu.block_i * gu.block_h <= cap * gu.num_warps or gu.block_h == 32, (cfg, fmt, gu)
+            if not (cfg.int8_dot and cfg.down_routes_tile and fmt in (Q4, Q6)):
+                rows = (8 if dn.down_routes_tile else 1) * dn.block_n
+                assert rows * dn.block_r <= cap * dn.down_num_warps or dn.block_r <= 32, (cfg, fmt, dn)
+    from freetoken.kernels import packed_linear as plt
+
+    for cfg in (plt.NVIDIA_CONFIG, plt.NVIDIA_WIDE_CONFIG, plt.DEFAULT_CONFIG, plt.WIDE_CONFIG):
+        for fmt in (Q4, Q5, Q6, Q8):
+            one = plt.one_token_tiles(cfg, fmt, backend)
+            if backend != "cuda" or (cfg.int8_dot and fmt in (Q4, Q6)):
+                assert one is cfg
+            else:
+                assert one.block_n == cfg.block_n and one.block_n * one.block_k <= cap * one.num_warps, (cfg, fmt, one)
+    if backend == "cuda":  # GPT-OSS's MXFP4 gate/up under NVIDIA's tiles: 8 warps over 512-value steps
+        gu = moe_packed.gate_up_tiles(moe_packed.NVIDIA_CONFIG, MX, MX, backend)
+        assert (gu.block_i, gu.block_h, gu.num_warps) == (16, 512, 8)
 
 
 # --------------------------------------------------------------------------------------

@@ -571,6 +571,66 @@ def for_target(config: PackedConfig, device: Any) -> PackedConfig:
     return config
 
 
+#: The byte tiles' float32 accumulator values per thread (``block_i * block_h / (32 *
+#: num_warps)``, for each of gate and up) that the gate/up kernel may hold. Compiled for
+#: sm_90 (ptxas of the installed Triton), Q5_K, Q6_K, Q8_0 and MXFP4 rows spill registers to
+#: local memory at 64 (MXFP4: 416 B a thread at 2 x 2048 with 2 warps, 2744 B at 16 x 1024 with
+#: 8) and at NVIDIA_CONFIG's 256 (16 x 2048 with 4 warps: 14 KB a thread, ~4 ms per decode layer
+#: of GPT-OSS-120B, whose gate/up weights take ~12 us to read), and none at 32 in every tile tried
+#: (tests/gpu/packed_sm90_spills.py). The down kernel's byte tiles likewise
+#: (:func:`down_tiles`).
+BYTE_TILE_VALUES = 32
+
+
+def gate_up_tiles(config: PackedConfig, gate_fmt: int, up_fmt: int, backend: str) -> PackedConfig:
+    """``config`` as the gate/up kernel runs it on a Triton ``backend`` (``cuda``, ``hip``,
+    ...: :mod:`freetoken.backends.triton_target`): as given where its int8 dots run (Q4_K gate
+    and up) and off NVIDIA GPUs; else (the byte tiles on NVIDIA) with at most
+    :data:`BYTE_TILE_VALUES` accumulator values per thread: more warps (up to 8), then
+    narrower steps over the hidden columns. ``block_i`` is kept (the grid, and ``h``'s int8
+    groups of 16)."""
+    if backend != "cuda":
+        return config
+    if config.int8_dot and gate_fmt == FMT_Q4_K and up_fmt == FMT_Q4_K:
+        return config
+    block_h, warps = config.block_h, config.num_warps
+    while config.block_i * block_h > BYTE_TILE_VALUES * 32 * warps:
+        if warps < 8:
+            warps *= 2
+        elif block_h > 32:
+            block_h //= 2
+        else:
+            break
+    if (block_h, warps) == (config.block_h, config.num_warps):
+        return config
+    return dataclasses.replace(config, block_h=block_h, num_warps=warps)
+
+
+def down_tiles(config: PackedConfig, down_fmt: int, top_k: int, backend: str) -> PackedConfig:
+    """``config`` as the down kernel runs it on a Triton ``backend``: as given where its int8
+    dots run (the routes tile over Q4_K or Q6_K rows) and off NVIDIA GPUs; else (the byte
+    tiles on NVIDIA: Q5_K, Q8_0 and MXFP4 rows spilled at Qwen3-30B-A3B's 8 routes) with at
+    most :data:`BYTE_TILE_VALUES` accumulator values per thread (the routes tile holds
+    ``next_power_of_2(top_k) * block_n * block_r`` of them): more warps (up to 8), then narrower
+    steps over the intermediate columns. ``block_n`` is kept (the grid)."""
+    if backend != "cuda":
+        return config
+    if config.int8_dot and config.down_routes_tile and down_fmt in (FMT_Q4_K, FMT_Q6_K):
+        return config
+    rows = (triton.next_power_of_2(top_k) if config.down_routes_tile else 1) * config.block_n
+    block_r, warps = config.block_r, config.down_num_warps or config.num_warps
+    while rows * block_r > BYTE_TILE_VALUES * 32 * warps:
+        if warps < 8:
+            warps *= 2
+        elif block_r > FORMATS[down_fmt][2] and block_r > 32:
+            block_r //= 2
+        else:
+            break
+    if (block_r, warps) == (config.block_r, config.down_num_warps or config.num_warps):
+        return config
+    return dataclasses.replace(config, block_r=block_r, down_num_warps=warps)
+
+
 def quantized_h(config: PackedConfig, down_fmt: int) -> bool:
     """Whether the gate/up kernel leaves ``h`` quantized to int8 per 16 values for the down
     kernel (``int8_h``, and a down format and form the int8 dots serve) rather than in
@@ -590,6 +650,7 @@ def launch_gate_up(
     config = for_target(config, x.device)
     h_int8 = h_int8 and config.int8_dot  # where int8 dots do not run, neither does the down kernel read codes
     target = triton_target.for_device(x.device)
+    config = gate_up_tiles(config, gate.fmt, up.fmt, target.backend)
     opts = target.launch_options(config.num_warps, config.num_stages)
     _gate_up_packed_kernel[(tokens * top_k, triton.cdiv(gate.rows, config.block_i))](
         x, ids, ids if table is None else table, *gate.views(), *up.views(), h, tokens, K=top_k, H=gate.cols, I=gate.rows,
@@ -607,6 +668,7 @@ def launch_down(h: Any, ids: Any, w: Any, down: PackedStack, y: Any, config: Pac
     tokens, top_k = ids.shape
     config = for_target(config, h.device)
     target = triton_target.for_device(h.device)
+    config = down_tiles(config, down.fmt, top_k, target.backend)
     opts = target.launch_options(config.down_num_warps or config.num_warps, config.num_stages)
     _down_packed_kernel[(tokens, triton.cdiv(down.rows, config.block_n))](
         h, ids, ids if table is None else table, w, *down.views(), y, tokens, K=top_k, H=down.rows, I=down.cols,

@@ -46,6 +46,7 @@ import triton.language as tl
 
 from freetoken.backends import triton_target
 from freetoken.kernels.moe_packed import (
+    BYTE_TILE_VALUES,
     FORMAT_NAMES,
     FORMATS,
     PackedStack,
@@ -240,6 +241,29 @@ def _check_2d(name: str, t: Any, rows: int, cols: int) -> None:
         raise ValueError(f"{name} must be a contiguous [{rows}, {cols}] tensor, got {tuple(t.shape)}")
 
 
+def one_token_tiles(config: PackedLinearConfig, fmt: int, backend: str) -> PackedLinearConfig:
+    """``config`` as one token's GEMV runs it on a Triton ``backend``: as given where its int8
+    dots run (Q4_K, Q6_K rows) and off NVIDIA GPUs; else (the byte tiles on NVIDIA) with at
+    most :data:`~freetoken.kernels.moe_packed.BYTE_TILE_VALUES` accumulator values per
+    thread (``block_n * block_k / (32 * num_warps)``): more warps (up to 8), then narrower
+    steps. Compiled for sm_90, NVIDIA_CONFIG's 8 x 2048 tiles with 2 warps kept 3.2 KB a
+    thread in local memory over Q8_0 rows of 2880 columns and 2.1 KB over Q5_K ones
+    (tests/gpu/packed_sm90_spills.py). ``block_n`` is kept (the grid)."""
+    if backend != "cuda" or (config.int8_dot and fmt in (12, 14)):
+        return config
+    block_k, warps = config.block_k, config.num_warps
+    while config.block_n * block_k > BYTE_TILE_VALUES * 32 * warps:
+        if warps < 8:
+            warps *= 2
+        elif block_k > 32:
+            block_k //= 2
+        else:
+            break
+    if (block_k, warps) == (config.block_k, config.num_warps):
+        return config
+    return dataclasses.replace(config, block_k=block_k, num_warps=warps)
+
+
 def gemv(x: Any, w: PackedMatrix, y: Any, config: PackedLinearConfig = DEFAULT_CONFIG) -> Any:
     """``y [T, N] = x [T, K] @ W.T`` (x any float dtype, y BF16/FP16/FP32; both contiguous),
     in one launch; the weights are read once per ``config.block_t`` tokens."""
@@ -251,6 +275,8 @@ def gemv(x: Any, w: PackedMatrix, y: Any, config: PackedLinearConfig = DEFAULT_C
     bt = config.tokens_per_program(tokens)
     st = w.stack
     target = triton_target.for_device(x.device)
+    if bt == 1:
+        config = one_token_tiles(config, st.fmt, target.backend)
     _packed_gemv_kernel[(triton.cdiv(w.rows, config.block_n), triton.cdiv(tokens, bt))](
         x, *st.views(), y, tokens, N=w.rows, K=w.cols, FMT=st.fmt, RB=st.row_bytes, G=st.group,
         BLOCK_N=config.block_n, BLOCK_K=config.step_columns(bt, w.cols), BLOCK_T=bt,
