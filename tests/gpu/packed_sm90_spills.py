@@ -31,6 +31,7 @@ from triton.compiler import ASTSource
 from freetoken.kernels import moe_packed as mp
 from freetoken.kernels import packed_linear as pl
 from freetoken.kernels.moe_experts import ACT_CODES
+from freetoken.moe.experts.gpu_packed_experts import FMT_FP8_ROWS
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -44,6 +45,7 @@ CASES = [
     ("qwen3_q8_0", mp.FMT_Q8_0, mp.FMT_Q8_0, 2048, 768, 8, "silu"),
     ("gpt_oss_mxfp4", mp.FMT_MXFP4, mp.FMT_MXFP4, 2912, 2880, 4, "swiglu_oai"),
     ("gpt_oss_q8_0", mp.FMT_Q8_0, mp.FMT_Q8_0, 2912, 2880, 4, "swiglu_oai"),
+    ("deepseek_fp8_rows", FMT_FP8_ROWS, FMT_FP8_ROWS, 7168, 2048, 8, "silu"),  # the official FP8 checkpoints
 ]
 
 
