@@ -490,6 +490,35 @@ def test_tiles_by_batch_where_shared_memory_holds_them():
     assert dat.stage_bytes(dat.BATCH_CONFIG, 576, 512, 2, shared_kv=True) == 2 * 32 * 576 * 2
     assert dat.stage_bytes(dat.BATCH_CONFIG, 128, 128, 4) == 2 * 128 * 256 * 4
     assert dat.shared_limit(torch.device("cpu")) == 0
+    # float32: 32-token steps of 8 warps (the stages as chosen), on any device
+    for batch in (1, 4, 8, 64):
+        for limit in (h100, consumer, 0):
+            c = dat.config_for(batch, 128, 128, 4, limit)
+            assert (c.block_n, c.num_warps) == (dat.FLOAT32_BLOCK_N, dat.FLOAT32_WARPS)
+            assert c.num_stages == dat.config_for(batch, 128, 128, 2, limit).num_stages
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_no_register_spills_on_sm90():
+    """The partial kernels at every preset's head sizes, batches 1-32, float32 and bfloat16,
+    with the tiles config_for gives an H100, compiled for sm_90 (no GPU needed:
+    tests/gpu/attention_sm90_spills.py): none keeps values in local memory. Float32 with the
+    16-bit tiles kept up to 7.8 KB a thread there, inside the token loop."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_sm90_spills.py")
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode == 3:
+        pytest.skip(proc.stderr.strip())  # a Triton without its CUDA tools
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(report) >= 40
+    spilled = {name: r for name, r in report.items() if r["stack_bytes"]}
+    assert not spilled, spilled
 
 
 @pytest.mark.skipif(not TRITON_RUNS, reason="the Triton kernels need triton (a GPU or Triton's interpreter)")

@@ -104,6 +104,11 @@ DEFAULT_CONFIG = KernelConfig()
 ONE_SEQUENCE_CONFIG = KernelConfig(num_stages=3)
 BATCH_CONFIG = KernelConfig(block_n=128)
 BATCH_FROM = 8
+#: float32 queries and caches (``--dtype float32``): steps of 32 tokens with 8 warps. Compiled
+#: for sm_90, the 64- and 128-token steps of 4 warps kept 0.1-7.8 KB a thread in local memory
+#: inside the token loop at every preset's head size (Qwen3.5's 256: 7.2 KB; MLA's 576/512:
+#: 1.2 KB); these tiles keep none at any of them (tests/gpu/attention_sm90_spills.py)
+FLOAT32_BLOCK_N, FLOAT32_WARPS = 32, 8
 #: shared memory a program needs besides its K/V stages (queries, scores, the merge)
 SHARED_MARGIN = 16 * 1024
 
@@ -437,10 +442,14 @@ def config_for(batch: int, d: int, dv: int, elem_bytes: int, shared_limit: int, 
     """The tiles for a batch of ``batch`` sequences: :data:`ONE_SEQUENCE_CONFIG` for one,
     :data:`BATCH_CONFIG` from :data:`BATCH_FROM`, where their stages and
     :data:`SHARED_MARGIN` fit ``shared_limit`` bytes a program may take (a consumer GPU's
-    ~100 KiB holds neither at head size 128); :data:`DEFAULT_CONFIG` otherwise."""
+    ~100 KiB holds neither at head size 128); :data:`DEFAULT_CONFIG` otherwise. Float32
+    (``elem_bytes`` 4) takes :data:`FLOAT32_BLOCK_N` tokens a step with :data:`FLOAT32_WARPS`
+    warps in each."""
     chosen = ONE_SEQUENCE_CONFIG if batch == 1 else BATCH_CONFIG if batch >= BATCH_FROM else DEFAULT_CONFIG
-    if chosen is DEFAULT_CONFIG or stage_bytes(chosen, d, dv, elem_bytes, shared_kv) + SHARED_MARGIN > shared_limit:
-        return DEFAULT_CONFIG
+    if chosen is not DEFAULT_CONFIG and stage_bytes(chosen, d, dv, elem_bytes, shared_kv) + SHARED_MARGIN > shared_limit:
+        chosen = DEFAULT_CONFIG
+    if elem_bytes >= 4:  # (fewer tokens a step: the stages' shared memory shrinks, they still fit)
+        return dataclasses.replace(chosen, block_n=FLOAT32_BLOCK_N, num_warps=FLOAT32_WARPS)
     return chosen
 
 
