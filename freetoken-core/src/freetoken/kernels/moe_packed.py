@@ -594,10 +594,11 @@ def gate_up_tiles(config: PackedConfig, gate_fmt: int, up_fmt: int, backend: str
     if config.int8_dot and gate_fmt == FMT_Q4_K and up_fmt == FMT_Q4_K:
         return config
     block_h, warps = config.block_h, config.num_warps
+    narrowest = max(32, FORMATS[gate_fmt][2], FORMATS[up_fmt][2])  # whole groups of the formats
     while config.block_i * block_h > BYTE_TILE_VALUES * 32 * warps:
         if warps < 8:
             warps *= 2
-        elif block_h > 32:
+        elif block_h > narrowest:
             block_h //= 2
         else:
             break
