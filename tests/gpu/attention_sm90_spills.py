@@ -14,7 +14,6 @@ Run as a script in a process where TRITON_INTERPRET is unset:
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
@@ -22,7 +21,7 @@ import triton
 from triton.compiler import ASTSource
 
 from freetoken.kernels import decode_attention as da
-from packed_sm90_spills import CUOBJDUMP, TARGET, resources
+from packed_sm90_spills import TARGET, cannot_compile, resources
 
 H100_SHARED = 227 * 1024
 BLOCK_SIZE, MAX_BLOCKS = 16, 2048  # the engine's KV blocks; block tables of 32k tokens
@@ -73,12 +72,9 @@ def compile_variant(dtype: str, elem_bytes: int, precision: str, shape: tuple[An
 
 
 def main() -> int:
-    if triton.knobs.runtime.interpret:
-        print("TRITON_INTERPRET is set: nothing to compile", file=sys.stderr)
-        return 2
-    if not os.path.exists(CUOBJDUMP):
-        print(f"no cuobjdump at {CUOBJDUMP}", file=sys.stderr)
-        return 3
+    status = cannot_compile()
+    if status:
+        return status
     report = {}
     for dtype, elem_bytes, precision in (("bf16", 2, "tf32"), ("fp32", 4, "ieee")):
         for shape in SHAPES:

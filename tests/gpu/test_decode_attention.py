@@ -504,18 +504,9 @@ def test_no_register_spills_on_sm90():
     with the tiles config_for gives an H100, compiled for sm_90 (no GPU needed:
     tests/gpu/attention_sm90_spills.py): none keeps values in local memory. Float32 with the
     16-bit tiles kept up to 7.8 KB a thread there, inside the token loop."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from packed_sm90_spills import spill_report
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_sm90_spills.py")
-    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode == 3:
-        pytest.skip(proc.stderr.strip())  # a Triton without its CUDA tools
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = spill_report("attention_sm90_spills.py")
     assert len(report) >= 40
     spilled = {name: r for name, r in report.items() if r["stack_bytes"]}
     assert not spilled, spilled

@@ -582,6 +582,20 @@ def for_target(config: PackedConfig, device: Any) -> PackedConfig:
 BYTE_TILE_VALUES = 32
 
 
+def capped_byte_tiles(rows: int, step: int, warps: int, narrowest: int) -> tuple[int, int]:
+    """``(step, warps)`` of a byte tile of ``rows`` rows by ``step`` values holding at most
+    :data:`BYTE_TILE_VALUES` accumulator values per thread: the warps doubled up to 8, then
+    the step halved down to ``narrowest`` (as far as that goes)."""
+    while rows * step > BYTE_TILE_VALUES * 32 * warps:
+        if warps < 8:
+            warps *= 2
+        elif step > narrowest:
+            step //= 2
+        else:
+            break
+    return step, warps
+
+
 def gate_up_tiles(config: PackedConfig, gate_fmt: int, up_fmt: int, backend: str) -> PackedConfig:
     """``config`` as the gate/up kernel runs it on a Triton ``backend`` (``cuda``, ``hip``,
     ...: :mod:`freetoken.backends.triton_target`): as given where its int8 dots run (Q4_K gate
@@ -593,15 +607,8 @@ def gate_up_tiles(config: PackedConfig, gate_fmt: int, up_fmt: int, backend: str
         return config
     if config.int8_dot and gate_fmt == FMT_Q4_K and up_fmt == FMT_Q4_K:
         return config
-    block_h, warps = config.block_h, config.num_warps
     narrowest = max(32, FORMATS[gate_fmt][2], FORMATS[up_fmt][2])  # whole groups of the formats
-    while config.block_i * block_h > BYTE_TILE_VALUES * 32 * warps:
-        if warps < 8:
-            warps *= 2
-        elif block_h > narrowest:
-            block_h //= 2
-        else:
-            break
+    block_h, warps = capped_byte_tiles(config.block_i, config.block_h, config.num_warps, narrowest)
     if (block_h, warps) == (config.block_h, config.num_warps):
         return config
     return dataclasses.replace(config, block_h=block_h, num_warps=warps)
@@ -619,15 +626,9 @@ def down_tiles(config: PackedConfig, down_fmt: int, top_k: int, backend: str) ->
     if config.int8_dot and config.down_routes_tile and down_fmt in (FMT_Q4_K, FMT_Q6_K):
         return config
     rows = (triton.next_power_of_2(top_k) if config.down_routes_tile else 1) * config.block_n
-    block_r, warps = config.block_r, config.down_num_warps or config.num_warps
-    while rows * block_r > BYTE_TILE_VALUES * 32 * warps:
-        if warps < 8:
-            warps *= 2
-        elif block_r > FORMATS[down_fmt][2] and block_r > 32:
-            block_r //= 2
-        else:
-            break
-    if (block_r, warps) == (config.block_r, config.down_num_warps or config.num_warps):
+    warps_given = config.down_num_warps or config.num_warps
+    block_r, warps = capped_byte_tiles(rows, config.block_r, warps_given, max(32, FORMATS[down_fmt][2]))
+    if (block_r, warps) == (config.block_r, warps_given):
         return config
     return dataclasses.replace(config, block_r=block_r, down_num_warps=warps)
 

@@ -46,10 +46,10 @@ import triton.language as tl
 
 from freetoken.backends import triton_target
 from freetoken.kernels.moe_packed import (
-    BYTE_TILE_VALUES,
     FORMAT_NAMES,
     FORMATS,
     PackedStack,
+    capped_byte_tiles,
     dequant_rows_kernel,
     dequant_tile,
     load_groups,
@@ -251,14 +251,7 @@ def one_token_tiles(config: PackedLinearConfig, fmt: int, backend: str) -> Packe
     (tests/gpu/packed_sm90_spills.py). ``block_n`` is kept (the grid)."""
     if backend != "cuda" or (config.int8_dot and fmt in (12, 14)):
         return config
-    block_k, warps = config.block_k, config.num_warps
-    while config.block_n * block_k > BYTE_TILE_VALUES * 32 * warps:
-        if warps < 8:
-            warps *= 2
-        elif block_k > 32:
-            block_k //= 2
-        else:
-            break
+    block_k, warps = capped_byte_tiles(config.block_n, config.block_k, config.num_warps, 32)
     if (block_k, warps) == (config.block_k, config.num_warps):
         return config
     return dataclasses.replace(config, block_k=block_k, num_warps=warps)
