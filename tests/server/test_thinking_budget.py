@@ -163,6 +163,17 @@ def test_harmony_budget_spans_messages_and_a_spent_one_is_not_reopened(harmony_t
     assert not b.restricts()
 
 
+def test_harmony_prefill_inside_the_analysis_counts_from_the_answer(harmony_tok):
+    """A prompt that ends inside an analysis message (a prefilled answer): the answer's tokens
+    are reasoning from the first one, the prefill's are not counted."""
+    rng = random.Random(SEED + 5)
+    tok = harmony_tok
+    prompt = ids(tok, "<|start|> user <|message|> one <|end|> <|start|> assistant " + HEADER_ANALYSIS + " two three")
+    model = ids(tok, random_words(rng, 6))
+    out, _ = run(ThinkingBudget(tok, "harmony", prompt, 2), model, tok.vocab_size)
+    assert out == model[:2] + ids(tok, CLOSING) + model[2:], f"seed {SEED}"
+
+
 def test_harmony_tool_calls_and_commentary_are_not_reasoning(harmony_tok):
     rng = random.Random(SEED + 4)
     tok = harmony_tok

@@ -16,7 +16,9 @@ close it are the only ones allowed, one at a time:
   reopened; tool calls (``commentary`` messages to a recipient) stay possible.
 
 The budget counts the reasoning's own tokens (the opening tag and the closing markup are
-not counted), across every reasoning message of the answer.
+not counted), across every reasoning message of the answer; where the prompt leaves the
+model inside the reasoning (a template that opens ``<think>``, a prefilled answer that stops
+in an analysis message), from the answer's first token.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ class ThinkingBudget:
             self._in_reasoning = False
             self._header: Optional[list[int]] = None  # a message header's tokens, up to <|message|>
             self._channel_ids: Optional[list[int]] = None  # its tokens after <|channel|>
+            # the prompt's last message (the generation prompt's header, or a prefilled answer
+            # that may stop inside an analysis message): where the answer starts
+            last = max((i for i, t in enumerate(prompt_ids) if t == self._start), default=len(prompt_ids))
+            for t in prompt_ids[last:]:
+                self._harmony(t)
+            self.spent = 0  # the budget counts the answer's own reasoning
 
     # ---------------------------------------------------------------- the constraint
 
