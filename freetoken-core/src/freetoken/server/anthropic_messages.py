@@ -46,7 +46,7 @@ from freetoken.server.generation import (
     resolve_max_tokens,
     until_disconnect,
 )
-from freetoken.server.reasoning import REASONING, ReasoningSplit, pieces, split_for, style_for
+from freetoken.server.reasoning import REASONING, ReasoningSplit, pieces, split_for
 from freetoken.server.sse import sse_response
 from freetoken.server.state import EngineHolder
 from freetoken.server.thinking_budget import thinking_budget
@@ -113,7 +113,7 @@ async def create_message(request: Request) -> Response:
     if tools is not None:
         job.constraint = await tools.checked_constraint()
     budget = req.thinking_budget
-    if budget is not None and job.constraint is None and style_for(engine.tokenizer) is not None:
+    if budget is not None and job.constraint is None:  # (thinking_budget: None without reasoning markup)
         job.constraint = functools.partial(thinking_budget, engine.tokenizer, prompt_ids, budget)
     maybe_fail(request, holder, "before")
     message_id = f"msg_{uuid.uuid4().hex}"

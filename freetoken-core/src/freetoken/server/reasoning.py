@@ -32,6 +32,8 @@ ANSWER = "answer"
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 START, CHANNEL, MESSAGE, CONSTRAIN, CALL = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>"
+#: harmony's end of a message that another follows
+END = "<|end|>"
 #: harmony's channel of reasoning
 ANALYSIS = "analysis"
 

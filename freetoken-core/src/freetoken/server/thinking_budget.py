@@ -27,11 +27,8 @@ from typing import Any, Optional
 
 import torch
 
-from freetoken.server.reasoning import (ANALYSIS, CALL, CHANNEL, MESSAGE, START, THINK_CLOSE, THINK_OPEN,
+from freetoken.server.reasoning import (ANALYSIS, CALL, CHANNEL, END, MESSAGE, START, THINK_CLOSE, THINK_OPEN,
                                         starts_in_reasoning, style_for)
-
-#: harmony's end of a message
-END = "<|end|>"
 
 
 def thinking_budget(tokenizer: Any, prompt_ids: list[int], budget: int) -> Optional["ThinkingBudget"]:
