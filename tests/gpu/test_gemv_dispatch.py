@@ -185,7 +185,8 @@ class RecordingExperts(RecordingGemv):
                         dtype: Any) -> str:  # fmt: skip
         return "" if set(formats) <= set(SERVED) and activation == "silu" else "not Q4_K/Q6_K with SiLU"
 
-    def experts(self, x: Any, ids: Any, w: Any, stacks: Any, y: Any, table: Any = None) -> None:
+    def experts(self, x: Any, ids: Any, w: Any, stacks: Any, y: Any, table: Any = None,
+                activation: str = "silu") -> None:  # fmt: skip
         from expert_reference import reference_experts
 
         g, u, d = (torch.from_numpy(np.asarray(gguf_dequantize(s.data.cpu().numpy().reshape(-1),
@@ -194,7 +195,7 @@ class RecordingExperts(RecordingGemv):
         own = ids.cpu().long()
         if table is not None:
             own = torch.where(own >= 0, table.cpu().long()[own.clamp(min=0)], own)
-        y.copy_(reference_experts(x.cpu(), own, w.cpu(), g, u, d, int8_x=True, int8_h=32).to(y.dtype))
+        y.copy_(reference_experts(x.cpu(), own, w.cpu(), g, u, d, activation, int8_x=True, int8_h=32).to(y.dtype))
         self.expert_calls.append((int(ids.shape[0]), int(ids.shape[1])))
 
 
@@ -245,3 +246,56 @@ def test_moe_gpu_kernel_dispatch(tmp_path, monkeypatch):
     assert out_n == out_t
     err = float((logits_n - logits_t).abs().max() / logits_t.abs().max())
     assert err <= 1e-2, f"the recorded experts' logits against Triton's int8 dots: {err:.3g} of their scale"
+
+
+class RecordingMxfp4Experts(RecordingExperts):
+    """:class:`RecordingExperts` serving MXFP4 experts with GPT-OSS's clamped SwiGLU (as the
+    native kernels do since they read MXFP4), recording the activation each call names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.activations: list[str] = []
+
+    def experts_refusal(self, formats: Any, hidden: int, intermediate: int, top_k: int, activation: str,
+                        dtype: Any) -> str:  # fmt: skip
+        mx = int(Fmt.MXFP4)
+        return "" if tuple(formats) == (mx, mx, mx) and activation == "swiglu_oai" else "not MXFP4 with swiglu_oai"
+
+    def experts(self, x: Any, ids: Any, w: Any, stacks: Any, y: Any, table: Any = None,
+                activation: str = "silu") -> None:  # fmt: skip
+        self.activations.append(activation)
+        super().experts(x, ids, w, stacks, y, table, activation)
+
+
+def test_gpt_oss_mxfp4_experts_dispatch(tmp_path, monkeypatch):
+    """GPT-OSS's MXFP4 experts (gate/up biases folded in as one more block per row) on a
+    backend whose routed-expert kernels serve MXFP4 with the clamped SwiGLU: every packed GPU
+    layer's decode routes go to them, named ``swiglu_oai``, and the greedy tokens and logits
+    equal the engine whose Triton kernels run those experts to the int8 rounding."""
+    from freetoken_fakegpu.backend import FakeGpuBackend
+    from test_packed_checkpoints import _gpt_oss_mxfp4_gguf, _test_dirs
+
+    from freetoken.kernels import availability
+    from freetoken.kernels import moe_packed
+
+    _test_dirs("engine", "models_moe_families")
+    monkeypatch.setattr(availability, "default_impl", lambda device: ("triton", "the interpreter"))
+    wide = moe_packed.PackedConfig(block_i=256, block_h=512, block_n=512, block_r=256)
+    monkeypatch.setattr(moe_packed, "default_config", lambda device: wide)
+    path, model = _gpt_oss_mxfp4_gguf(tmp_path)
+    prompt = [(13 * j) % 150 + 3 for j in range(11)]
+    kw = dict(gpu_gemv="triton")
+    out_t, logits_t, info_t = _run(path, prompt, moe_gpu_kernel="triton", **kw)
+    layers = info_t["moe_gpu_layers"]
+    assert layers == model.config.num_hidden_layers
+
+    kernels = RecordingMxfp4Experts()
+    monkeypatch.setattr(FakeGpuBackend, "packed_gemv", lambda self: kernels, raising=False)
+    out_n, logits_n, info_n = _run(path, prompt, **kw)
+    assert info_n["moe_gpu_kernel"] == {"setting": "auto", "native_layers": layers, "triton_layers": 0,
+                                        "triton_because": []}
+    assert kernels.expert_calls.count((1, model.config.num_experts_per_tok)) == 4 * layers, kernels.expert_calls
+    assert set(kernels.activations) == {"swiglu_oai"}
+    assert out_n == out_t
+    err = float((logits_n - logits_t).abs().max() / logits_t.abs().max())
+    assert err <= 1e-2, f"the recorded experts' logits against Triton's: {err:.3g} of their scale"

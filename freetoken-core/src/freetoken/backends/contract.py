@@ -46,6 +46,10 @@ from freetoken.backends.options import CPU_PREFILL_CHUNK, EngineOptions
 #: ``Backend.api_version``; the registry refuses a backend whose value differs.
 BACKEND_API_VERSION = 1
 
+#: The clamped SwiGLU of GPT-OSS's experts (activation ``swiglu_oai``):
+#: ``min(g, LIMIT) * sigmoid(ALPHA * min(g, LIMIT)) * (clamp(u, -LIMIT, LIMIT) + 1)``.
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+
 
 def on_gpu(device: Any) -> bool:
     """Whether ``device`` is a GPU (torch's ``cuda`` device type: NVIDIA, and AMD through
@@ -142,9 +146,12 @@ class PackedGemv(abc.ABC):
         activations of ``dtype``; else why not. This implementation: it has no such kernels."""
         return f"{self.name} has no routed-expert kernels"
 
-    def experts(self, x: Any, ids: Any, w: Any, stacks: Sequence[Any], y: Any, table: Any = None) -> None:
-        """``y [T, H] = sum_k w[t, k] * down_e(act(gate_e x_t) * up_e x_t)`` for ``e = ids[t, k]``
+    def experts(self, x: Any, ids: Any, w: Any, stacks: Sequence[Any], y: Any, table: Any = None,
+                activation: str = "silu") -> None:  # fmt: skip
+        """``y [T, H] = sum_k w[t, k] * down_e(act(gate_e x_t, up_e x_t))`` for ``e = ids[t, k]``
         (``table[ids[t, k]]`` with a slot table, int32 on the device; routes to -1 add nothing),
+        ``act`` the gated ``activation`` (``silu``: ``silu(g) * u``; ``swiglu_oai``: see
+        :data:`SWIGLU_OAI_ALPHA`),
         on the device's current stream (capturable in graphs). ``stacks``: gate, up
         (``[E, I, row_bytes]``) and down (``[E, H, row_bytes]``) as
         :class:`freetoken.kernels.moe_packed.PackedStack`; ``x [T, H]``, ``ids`` and ``w

@@ -3,8 +3,8 @@
 quantized to int8 per 32 values, as the Triton int8 dots compute them, in one launch
 without Triton's per-weight overhead; with ``packed_gemv_norm`` the decoder's pre-norm and
 up to two matrices (q/k and a v of another format) in one launch; with ``packed_moe``
-(``freetoken/gpu/packed_moe.cuh``) a decode step's routes through Q4_K/Q6_K/Q8_0 experts with
-SiLU in two launches. NVIDIA builds only; a ROCm build has none.
+(``freetoken/gpu/packed_moe.cuh``) a decode step's routes through Q4_K/Q6_K/Q8_0/MXFP4 experts
+with SiLU or GPT-OSS's clamped SwiGLU in two launches. NVIDIA builds only; a ROCm build has none.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 
-from freetoken.backends.contract import PackedGemv
+from freetoken.backends.contract import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, PackedGemv
 
 #: the extension's element type codes
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+#: the extension's codes of the routed experts' activations (``MOE_ACT_*`` of packed_moe.cuh)
+_ACTIVATIONS = {"silu": 0, "swiglu_oai": 2}
 
 
 class NativePackedGemv(PackedGemv):
@@ -84,14 +86,15 @@ class NativePackedGemv(PackedGemv):
                         activation: str, dtype: Any) -> str:  # fmt: skip
         if not self.serves_experts:
             return "this build of the extension has no packed_moe"
-        if activation != "silu":
-            return f"activation {activation!r} (SiLU is served)"
+        if activation not in _ACTIVATIONS:
+            return f"activation {activation!r} (served: {', '.join(_ACTIVATIONS)})"
         if dtype is not None and dtype not in _DTYPES:
             return f"activations of {dtype} (float32, float16 or bfloat16 are served)"
         return str(self.native.packed_moe_refusal(*(int(f) for f in formats), int(hidden), int(intermediate),
-                                                  int(top_k)))
+                                                  int(top_k), _ACTIVATIONS[activation]))
 
-    def experts(self, x: Any, ids: Any, w: Any, stacks: Sequence[Any], y: Any, table: Any = None) -> None:
+    def experts(self, x: Any, ids: Any, w: Any, stacks: Sequence[Any], y: Any, table: Any = None,
+                activation: str = "silu") -> None:  # fmt: skip
         gate, up, down = stacks
         tokens, top_k = (int(s) for s in ids.shape)
         hidden, inter = int(gate.cols), int(gate.rows)
@@ -113,4 +116,5 @@ class NativePackedGemv(PackedGemv):
             self.current_stream(), x.data_ptr(), _DTYPES[x.dtype], tokens, ids.data_ptr(), int(ids.dtype == torch.int64),
             0 if table is None else table.data_ptr(), w.data_ptr(), _DTYPES[w.dtype], top_k,
             gate.data.data_ptr(), int(gate.fmt), up.data.data_ptr(), int(up.fmt), down.data.data_ptr(), int(down.fmt),
-            hidden, inter, scratch.data_ptr(), y.data_ptr(), _DTYPES[y.dtype])  # fmt: skip
+            hidden, inter, _ACTIVATIONS[activation], SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, scratch.data_ptr(), y.data_ptr(),
+            _DTYPES[y.dtype])  # fmt: skip

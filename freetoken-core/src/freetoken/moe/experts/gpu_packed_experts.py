@@ -252,7 +252,8 @@ class PackedGpuExperts(GpuRoutedExperts):
         # the packed kernels store the output once, in its dtype: no conversion kernel after them
         y, direct = (stored_output if packed else float32_output)(out, x, tokens, self.hidden, self.device)
         if packed and x.data_ptr() % 16 == 0 and self._native_for(top_k, x.dtype):  # (its rows read 16 B at a time)
-            self.native.experts(x, ids, w, (self.gate, self.up, self.down), y, table=slot_table)
+            self.native.experts(x, ids, w, (self.gate, self.up, self.down), y, table=slot_table,
+                                activation=self.activation)
             return finish_output(y, out, direct, x.dtype)
         bf16_config = self.bf16_config or moe_experts.DEFAULT_CONFIG
         grouped = not packed and self.large_batch == "grouped"

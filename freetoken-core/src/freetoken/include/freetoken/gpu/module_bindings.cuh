@@ -145,10 +145,12 @@ inline void bind_module(py::module_& m) {
     m.def("packed_moe", &packed_moe, py::arg("stream"), py::arg("x"), py::arg("x_dtype"), py::arg("tokens"),
           py::arg("ids"), py::arg("ids_64"), py::arg("table"), py::arg("w"), py::arg("w_dtype"), py::arg("top_k"),
           py::arg("gate"), py::arg("gate_fmt"), py::arg("up"), py::arg("up_fmt"), py::arg("down"), py::arg("down_fmt"),
-          py::arg("hidden"), py::arg("inter"), py::arg("scratch"), py::arg("y"), py::arg("y_dtype"),
-          "a few tokens through their routed Q4_K/Q6_K/Q8_0 experts (SiLU), two launches, int8 dots");
+          py::arg("hidden"), py::arg("inter"), py::arg("act"), py::arg("alpha"), py::arg("limit"), py::arg("scratch"),
+          py::arg("y"), py::arg("y_dtype"),
+          "a few tokens through their routed Q4_K/Q6_K/Q8_0/MXFP4 experts (SiLU or clamped SwiGLU), two launches, "
+          "int8 dots");
     m.def("packed_moe_refusal", &packed_moe_refusal, py::arg("gate_fmt"), py::arg("up_fmt"), py::arg("down_fmt"),
-          py::arg("hidden"), py::arg("inter"), py::arg("top_k"),
+          py::arg("hidden"), py::arg("inter"), py::arg("top_k"), py::arg("act"),
           "'' when packed_moe serves these expert formats and shapes, else why not");
     m.def("packed_moe_scratch_bytes", &packed_moe_scratch_bytes, py::arg("routes"), py::arg("inter"),
           "bytes of packed_moe's scratch for this many routes of `inter` values");

@@ -19,6 +19,9 @@
  *   Q8_0 (34 bytes: d, 32 int8 codes): a whole block, d * dx * sum(q * xq); 2-byte aligned as
  *     Q6_K. Its rows need only a multiple of 32 values (the K-quants: of 256), which is what
  *     rows such as GLM-4.5-Air's 1408-value expert down projections are written in.
+ *   MXFP4 (17 bytes: E8M0 exponent, 16 bytes of E2M1 codes): a whole block as Q8_0, the codes
+ *     turned into int8 values by byte permutations; served to the routed-expert kernels
+ *     (packed_moe.cuh) only, as GPT-OSS's experts are its only MXFP4 tensors.
  *
  * NVIDIA only (dp4a and 32-lane warps); the bindings leave it out of HIP builds.
  */
@@ -46,6 +49,8 @@ enum GemvDtype : int { GEMV_F32 = 0, GEMV_F16 = 1, GEMV_BF16 = 2 };
 constexpr int GEMV_Q8_0 = 8;
 constexpr int GEMV_Q4_K = 12;
 constexpr int GEMV_Q6_K = 14;
+/* served by the routed-expert kernels (packed_moe.cuh) only */
+constexpr int GEMV_MXFP4 = 39;
 /* the longest token: its int8 codes, scales and 16-value sums stay in shared memory */
 constexpr int GEMV_MAX_COLS = 16384;
 
@@ -130,18 +135,20 @@ struct TokenValues {
 
 __device__ __forceinline__ int dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
 
+/* whether a format's blocks hold 32 values (Q8_0, MXFP4: a lane item is a whole block) */
+__host__ __device__ constexpr bool block32(int fmt) { return fmt == GEMV_Q8_0 || fmt == GEMV_MXFP4; }
 /* values and bytes of one block of a served format */
-__host__ __device__ constexpr int block_values(int fmt) { return fmt == GEMV_Q8_0 ? 32 : 256; }
+__host__ __device__ constexpr int block_values(int fmt) { return block32(fmt) ? 32 : 256; }
 __host__ __device__ constexpr int block_bytes(int fmt) {
-    return fmt == GEMV_Q4_K ? 144 : fmt == GEMV_Q6_K ? 210 : 34;
+    return fmt == GEMV_Q4_K ? 144 : fmt == GEMV_Q6_K ? 210 : fmt == GEMV_MXFP4 ? 17 : 34;
 }
 /* bytes of a row of `cols` values */
 __host__ __device__ constexpr int64_t row_bytes_of(int fmt, int64_t cols) {
     return cols / block_values(fmt) * block_bytes(fmt);
 }
-/* a lane's items of a row of `cols` values: a quarter of a K-quant block, a whole Q8_0 block */
+/* a lane's items of a row of `cols` values: a quarter of a K-quant block, a whole Q8_0 or MXFP4 block */
 __host__ __device__ constexpr int items_of(int fmt, int cols) {
-    return fmt == GEMV_Q8_0 ? cols / 32 : cols / 256 * 4;
+    return block32(fmt) ? cols / 32 : cols / 256 * 4;
 }
 
 __device__ __forceinline__ uint32_t word16(const uint8_t* p) {
@@ -233,6 +240,49 @@ __device__ __forceinline__ float q8_0_item(const uint8_t* blk, int b, const int8
     return d * xd[b] * static_cast<float>(sum);
 }
 
+/* Four MXFP4 codes (one a byte, 0..15) to their int8 values {0, 1, 2, 3, 4, 6, 8, 12} and the
+ * negatives (code bit 3: the sign): ggml's doubled E2M1 values, whose scale is half the
+ * block's E8M0 power of two. The magnitudes come from two byte permutations over the eight
+ * positive and the eight negative values, the sign bit picks between them per byte. */
+__device__ __forceinline__ int mxfp4_values(uint32_t codes) {
+    const uint32_t idx = codes & 0x07070707u;
+    const uint32_t packed = idx | (idx >> 4); /* selector nibbles 0, 1 in bits 0-7; 2, 3 in bits 16-23 */
+    const uint32_t sel = (packed & 0xFFu) | ((packed >> 8) & 0xFF00u);
+    const uint32_t pos = __byte_perm(0x03020100u, 0x0C080604u, sel);
+    const uint32_t neg = __byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, sel);
+    const uint32_t negative = ((codes >> 3) & 0x01010101u) * 0xFFu;
+    return static_cast<int>((pos & ~negative) | (neg & negative));
+}
+
+/* MXFP4 (17 bytes: E8M0 exponent e, 16 bytes of codes; element j < 16 the low nibble of code
+ * byte j, element j + 16 its high nibble): lane item = block b, against the token's group b;
+ * 2^(e - 128) * dx * sum(value * xq), exponents 0 and 1 (float32 subnormals) as zero, as the
+ * CPU kernels count them. Blocks are byte-aligned: the code bytes come from five aligned
+ * words put together with funnel shifts (the fifth only where the bytes straddle it). */
+__device__ __forceinline__ float mxfp4_item(const uint8_t* blk, int b, const int8_t* xq, const float* xd) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(blk + 1);
+    const uint32_t* base = reinterpret_cast<const uint32_t*>(at & ~static_cast<uintptr_t>(3));
+    const uint32_t shift = static_cast<uint32_t>(at & 3) * 8;
+    uint32_t w[5];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = base[i];
+    w[4] = shift ? base[4] : 0u;
+    const int4* xw = reinterpret_cast<const int4*>(xq + b * 32);
+    const int4 x0 = xw[0], x1 = xw[1];
+    const int lo[4] = {x0.x, x0.y, x0.z, x0.w};
+    const int hi[4] = {x1.x, x1.y, x1.z, x1.w};
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t c = __funnelshift_r(w[i], w[i + 1], shift);
+        sum = dp4a(mxfp4_values(c & 0x0F0F0F0Fu), lo[i], sum);
+        sum = dp4a(mxfp4_values((c >> 4) & 0x0F0F0F0Fu), hi[i], sum);
+    }
+    const uint32_t e = blk[0];
+    const float scale = e >= 2 ? __uint_as_float((e - 1) << 23) : 0.f;
+    return scale * xd[b] * static_cast<float>(sum);
+}
+
 template <int DT>
 __device__ __forceinline__ void store_out(void* y, int row, float v) {
     if (DT == GEMV_F32) static_cast<float*>(y)[row] = v;
@@ -248,12 +298,13 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-/* item `it` of a row wr (four per 256-value block, one per Q8_0 block: a lane's share) against
- * the quantized token */
+/* item `it` of a row wr (four per 256-value block, one per Q8_0 or MXFP4 block: a lane's share)
+ * against the quantized token */
 template <int FMT>
 __device__ __forceinline__ float row_item(const uint8_t* wr, int it, const int8_t* xq, const float* xd,
                                           const int* xs) {
     if (FMT == GEMV_Q8_0) return q8_0_item(wr + it * block_bytes(FMT), it, xq, xd);
+    if (FMT == GEMV_MXFP4) return mxfp4_item(wr + it * block_bytes(FMT), it, xq, xd);
     const int b = it >> 2;
     if (FMT == GEMV_Q4_K) return q4k_item(wr + b * block_bytes(FMT), b, it & 3, xq, xd, xs);
     return q6k_item(wr + b * block_bytes(FMT), b, (it >> 1) & 1, (it & 1) * 16, xq, xd, xs);

@@ -1,14 +1,16 @@
 /*
- * A few tokens through their routed experts, the experts kept as a GGUF file's Q4_K, Q6_K or
- * Q8_0 blocks (gate and up [E, I, H], down [E, H, I]; gate and up both Q8_0 or both K-quants):
- * decode's mixture of experts in two launches built from packed_gemv.cuh's pieces (the same
- * int8 quantization of activations, the same per-lane block items and dp4a products).
+ * A few tokens through their routed experts, the experts kept as a GGUF file's Q4_K, Q6_K,
+ * Q8_0 or MXFP4 blocks (gate and up [E, I, H], down [E, H, I]; gate and up both of 32-value
+ * blocks or both K-quants): decode's mixture of experts in two launches built from
+ * packed_gemv.cuh's pieces (the same int8 quantization of activations, the same per-lane
+ * block items and dp4a products).
  *
  *   gate/up  grid (T * K routes, I / 32): route r = (t, k) runs expert e = ids[t, k] (through
  *            the slot table when one is given; -1: skipped, nothing written). The block
  *            quantizes x_t into shared memory; each of its 8 warps takes four of the block's
  *            32 intermediate rows, two at a time, the gate and up rows' items over its lanes
- *            (four dots in flight); h = silu(gate) * up. The block then quantizes its 32 values
+ *            (four dots in flight); h = act(gate, up): silu(gate) * up, or GPT-OSS's clamped
+ *            SwiGLU (MOE_ACT_SWIGLU_OAI). The block then quantizes its 32 values
  *            of h as one group (codes hq [T*K, I], scale hd [T*K, I/32], 16-value code sums
  *            hs [T*K, I/16]), which is what the down kernel multiplies.
  *   down     grid (H / 8, T): the block copies token t's K routes' quantized h, experts and
@@ -29,6 +31,10 @@ namespace freetoken_gpu {
 constexpr int MOE_MAX_TOP_K = 16;
 /* the down kernel's shared memory for a token's routes (the default limit of a launch) */
 constexpr int64_t MOE_MAX_DOWN_SHARED = 48 * 1024;
+/* gated activations (the Python side's ACT_CODES): silu(g) * u, and GPT-OSS's
+ * min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + 1) */
+constexpr int MOE_ACT_SILU = 0;
+constexpr int MOE_ACT_SWIGLU_OAI = 2;
 
 namespace moe_detail {
 
@@ -71,6 +77,20 @@ __device__ __forceinline__ float route_weight(const Routes& r, int route) {
     return __half2float(static_cast<const __half*>(r.w)[route]);
 }
 
+struct Activation {
+    int code;
+    float alpha, limit;
+};
+
+__device__ __forceinline__ float activate(const Activation& a, float g, float u) {
+    if (a.code == MOE_ACT_SWIGLU_OAI) {
+        g = fminf(g, a.limit);
+        u = fminf(fmaxf(u, -a.limit), a.limit);
+        return g / (1.f + expf(-a.alpha * g)) * (u + 1.f);
+    }
+    return g / (1.f + expf(-g)) * u;
+}
+
 template <int DT>
 __device__ __forceinline__ const void* token_row(const void* x, int64_t offset) {
     if (DT == GEMV_F32) return static_cast<const float*>(x) + offset;
@@ -81,7 +101,7 @@ template <int GF, int UF, int XT>
 __global__ void __launch_bounds__(kGuThreads, 2) moe_gate_up_kernel(const void* __restrict__ x, Routes routes,
                                                                  const uint8_t* __restrict__ gate,
                                                                  const uint8_t* __restrict__ up, int hidden,
-                                                                 int inter, int8_t* __restrict__ hq,
+                                                                 int inter, Activation act, int8_t* __restrict__ hq,
                                                                  float* __restrict__ hd, int* __restrict__ hs) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int r = blockIdx.x;
@@ -97,7 +117,8 @@ __global__ void __launch_bounds__(kGuThreads, 2) moe_gate_up_kernel(const void* 
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int i0 = blockIdx.y * kGuRows;
-    static_assert((GF == GEMV_Q8_0) == (UF == GEMV_Q8_0), "gate and up: both Q8_0 or both K-quants (as many items)");
+    static_assert(gemv_detail::block32(GF) == gemv_detail::block32(UF),
+                  "gate and up: both of 32-value blocks or both K-quants (as many items)");
     const int64_t g_rb = row_bytes_of(GF, hidden);
     const int64_t u_rb = row_bytes_of(UF, hidden);
     const int items = items_of(GF, hidden);
@@ -123,7 +144,7 @@ __global__ void __launch_bounds__(kGuThreads, 2) moe_gate_up_kernel(const void* 
 #pragma unroll
         for (int j = 0; j < kRowsInFlight; ++j) {
             const float gs = warp_sum(g[j]), us = warp_sum(u[j]);
-            if (lane == 0) hv[warp + (pass * kRowsInFlight + j) * kGuWarps] = gs / (1.f + expf(-gs)) * us;
+            if (lane == 0) hv[warp + (pass * kRowsInFlight + j) * kGuWarps] = activate(act, gs, us);
         }
     }
     __syncthreads();
@@ -195,28 +216,43 @@ __global__ void __launch_bounds__(kDownThreads) moe_down_kernel(Routes routes, c
     if (lane == 0) store_out<YT>(y, t * hidden + n, acc);
 }
 
-inline bool served_format(int fmt) { return fmt == GEMV_Q4_K || fmt == GEMV_Q6_K || fmt == GEMV_Q8_0; }
+inline bool served_format(int fmt) {
+    return fmt == GEMV_Q4_K || fmt == GEMV_Q6_K || fmt == GEMV_Q8_0 || fmt == GEMV_MXFP4;
+}
+
+/* f(std::integral_constant<int, FMT>) for a served expert format (checked by the caller) */
+template <class F>
+void with_format(int fmt, F&& f) {
+    gemv_detail::with_code<GEMV_Q4_K, GEMV_Q6_K, GEMV_Q8_0, GEMV_MXFP4>(fmt, f);
+}
+
+/* the bytes a stack's address must be a multiple of: Q4_K's 16-byte loads, Q6_K's and Q8_0's
+ * 16-bit ones; MXFP4 blocks are read from aligned words whatever their address */
+inline uint64_t stack_alignment(int fmt) { return fmt == GEMV_Q4_K ? 16 : fmt == GEMV_MXFP4 ? 1 : 2; }
 
 }  // namespace moe_detail
 
-/* The experts' formats and shapes packed_moe serves ("" if it does, else why not). */
+/* The experts' formats, shapes and activation (code, MOE_ACT_*) packed_moe serves ("" if it
+ * does, else why not). */
 inline std::string packed_moe_refusal(int gate_fmt, int up_fmt, int down_fmt, int64_t hidden, int64_t inter,
-                                      int64_t top_k) {
+                                      int64_t top_k, int act) {
     const char* names[3] = {"gate", "up", "down"};
     const int fmts[3] = {gate_fmt, up_fmt, down_fmt};
     for (int i = 0; i < 3; ++i)
         if (!moe_detail::served_format(fmts[i]))
             return std::string(names[i]) + " format " + std::to_string(fmts[i]) +
-                   " is not Q8_0 (8), Q4_K (12) or Q6_K (14)";
-    if ((gate_fmt == GEMV_Q8_0) != (up_fmt == GEMV_Q8_0))
+                   " is not Q8_0 (8), Q4_K (12), Q6_K (14) or MXFP4 (39)";
+    if (gemv_detail::block32(gate_fmt) != gemv_detail::block32(up_fmt))
         return "gate format " + std::to_string(gate_fmt) + " with up format " + std::to_string(up_fmt) +
-               ": gate and up are both Q8_0 or both K-quants";
+               ": gate and up are both of 32-value blocks (Q8_0, MXFP4) or both K-quants";
+    if (act != MOE_ACT_SILU && act != MOE_ACT_SWIGLU_OAI)
+        return "activation code " + std::to_string(act) + " (silu 0 and swiglu_oai 2 are served)";
     const int64_t hidden_block = gemv_detail::block_values(gate_fmt);
     if (hidden <= 0 || hidden % hidden_block || hidden > GEMV_MAX_COLS)
         return "hidden size " + std::to_string(hidden) + ": a multiple of " + std::to_string(hidden_block) + " up to " +
                std::to_string(GEMV_MAX_COLS) + " is needed";
     /* gate/up blocks quantize h in groups of 32 rows; a K-quant down row takes 256-value blocks */
-    const int64_t inter_block = down_fmt == GEMV_Q8_0 ? moe_detail::kGuRows : 256;
+    const int64_t inter_block = gemv_detail::block32(down_fmt) ? moe_detail::kGuRows : 256;
     if (inter <= 0 || inter % inter_block)
         return "intermediate size " + std::to_string(inter) + ": a multiple of " + std::to_string(inter_block) +
                " is needed";
@@ -234,17 +270,18 @@ inline int64_t packed_moe_scratch_bytes(int64_t routes, int64_t inter) {
     return routes * inter + routes * (inter / 32) * 4 + routes * (inter / 16) * 4;
 }
 
-/* y [T, H] = sum_k w[t, k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, k] (table[ids[t, k]]
- * when table != 0; routes to -1 add nothing). x [T, H] of x_dtype, ids [T, K] int32 (ids_64 0)
- * or int64, table int32, w [T, K] of w_dtype, y [T, H] of y_dtype (codes 0 f32, 1 f16, 2 bf16);
- * gate/up [E, I, H] and down [E, H, I] the experts' rows of blocks, back to back; scratch
- * packed_moe_scratch_bytes(T * K, I) bytes. Every address 16-byte aligned (Q6_K stacks: 2).
- * Launched on `stream` (capturable in graphs). */
+/* y [T, H] = sum_k w[t, k] * down_e(act(gate_e x_t, up_e x_t)), e = ids[t, k] (table[ids[t, k]]
+ * when table != 0; routes to -1 add nothing); act by its code (MOE_ACT_*), alpha and limit
+ * are the clamped SwiGLU's. x [T, H] of x_dtype, ids [T, K] int32 (ids_64 0) or int64, table
+ * int32, w [T, K] of w_dtype, y [T, H] of y_dtype (codes 0 f32, 1 f16, 2 bf16); gate/up [E, I, H]
+ * and down [E, H, I] the experts' rows of blocks, back to back; scratch
+ * packed_moe_scratch_bytes(T * K, I) bytes. x and scratch 16-byte aligned, the stacks as
+ * stack_alignment says. Launched on `stream` (capturable in graphs). */
 inline void packed_moe(uint64_t stream, uint64_t x, int x_dtype, int64_t tokens, uint64_t ids, int ids_64,
                        uint64_t table, uint64_t w, int w_dtype, int64_t top_k, uint64_t gate, int gate_fmt, uint64_t up,
-                       int up_fmt, uint64_t down, int down_fmt, int64_t hidden, int64_t inter, uint64_t scratch,
-                       uint64_t y, int y_dtype) {
-    const std::string refusal = packed_moe_refusal(gate_fmt, up_fmt, down_fmt, hidden, inter, top_k);
+                       int up_fmt, uint64_t down, int down_fmt, int64_t hidden, int64_t inter, int act, double alpha,
+                       double limit, uint64_t scratch, uint64_t y, int y_dtype) {
+    const std::string refusal = packed_moe_refusal(gate_fmt, up_fmt, down_fmt, hidden, inter, top_k, act);
     if (!refusal.empty()) throw std::invalid_argument("packed_moe: " + refusal);
     gemv_detail::check_dtype("packed_moe (x)", x_dtype);
     gemv_detail::check_dtype("packed_moe (w)", w_dtype);
@@ -254,8 +291,8 @@ inline void packed_moe(uint64_t stream, uint64_t x, int x_dtype, int64_t tokens,
     const uint64_t stacks[3] = {gate, up, down};
     const int fmts[3] = {gate_fmt, up_fmt, down_fmt};
     for (int i = 0; i < 3; ++i)
-        if (stacks[i] == 0 || stacks[i] % (fmts[i] == GEMV_Q4_K ? 16 : 2))
-            throw std::invalid_argument("packed_moe: the expert stacks must be 16-byte aligned (Q6_K, Q8_0: 2)");
+        if (stacks[i] == 0 || stacks[i] % moe_detail::stack_alignment(fmts[i]))
+            throw std::invalid_argument("packed_moe: the expert stacks must be 16-byte aligned (Q6_K, Q8_0: 2; MXFP4: any)");
     if (x % 16 || scratch % 16 || ids == 0 || w == 0 || y == 0 || x == 0 || scratch == 0)
         throw std::invalid_argument("packed_moe: x, ids, w, y and a 16-byte aligned scratch are needed (x aligned too)");
     if (tokens == 0) return;
@@ -272,13 +309,15 @@ inline void packed_moe(uint64_t stream, uint64_t x, int x_dtype, int64_t tokens,
     const auto* up_p = reinterpret_cast<const uint8_t*>(up);
     const dim3 gu_grid(static_cast<unsigned>(routes_n), static_cast<unsigned>(i / moe_detail::kGuRows));
     const size_t gu_smem = moe_detail::gate_up_shared_bytes(h);
-    gemv_detail::with_format(gate_fmt, [&](auto gf) {
-        gemv_detail::with_format(up_fmt, [&](auto uf) {
+    const moe_detail::Activation activation{act, static_cast<float>(alpha), static_cast<float>(limit)};
+    moe_detail::with_format(gate_fmt, [&](auto gf) {
+        moe_detail::with_format(up_fmt, [&](auto uf) {
             constexpr int GF = decltype(gf)::value, UF = decltype(uf)::value;
-            if constexpr ((GF == GEMV_Q8_0) == (UF == GEMV_Q8_0)) {
+            if constexpr (gemv_detail::block32(GF) == gemv_detail::block32(UF)) {
                 gemv_detail::with_dtype(x_dtype, [&](auto xt) {
                     moe_detail::moe_gate_up_kernel<GF, UF, decltype(xt)::value>
-                        <<<gu_grid, moe_detail::kGuThreads, gu_smem, s>>>(xp, routes, gp, up_p, h, i, hq, hd, hs);
+                        <<<gu_grid, moe_detail::kGuThreads, gu_smem, s>>>(xp, routes, gp, up_p, h, i, activation, hq,
+                                                                          hd, hs);
                     FT_CHECK_LAUNCH("moe_gate_up_kernel<<<>>>");
                 });
             }
@@ -289,7 +328,7 @@ inline void packed_moe(uint64_t stream, uint64_t x, int x_dtype, int64_t tokens,
     const size_t down_smem = moe_detail::down_shared_bytes(top_k, inter);
     const auto* dp = reinterpret_cast<const uint8_t*>(down);
     auto* yp = reinterpret_cast<void*>(y);
-    gemv_detail::with_format(down_fmt, [&](auto df) {
+    moe_detail::with_format(down_fmt, [&](auto df) {
         gemv_detail::with_dtype(y_dtype, [&](auto yt) {
             moe_detail::moe_down_kernel<decltype(df)::value, decltype(yt)::value>
                 <<<down_grid, moe_detail::kDownThreads, down_smem, s>>>(routes, hq, hd, hs, dp, h, i, yp);
