@@ -195,6 +195,74 @@ def test_qk_norm_rope_store_v_head_size(ops, D, DV):
 
 
 @pytest.mark.parametrize("ops", OPS, ids=_ids)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D,rotary_dim,with_bias", [(64, 64, True), (128, 64, True), (96, 96, False), (24, 24, True)],
+                         ids=["d64-bias", "d128r64-bias", "d96", "d24-bias"])  # fmt: skip
+def test_bias_rope_store(ops, dtype, D, rotary_dim, with_bias):
+    """The projections' biases (GPT-OSS, GLM-4.5), NeoX RoPE (full, or partial through the
+    permuted tables as GLM loads it) and the K/V write, without norms: against float64 from the
+    definitions on views of one fused q/k/v output, poisoned caches, only ``slots`` written."""
+    from freetoken.models.hybrid_weights import PartialRotary, rotary_permutation
+
+    Hq, Hkv, bs, nb, theta, T = 4, 2, 4, 3, 10000.0, 3
+    g = torch.Generator().manual_seed(17 * D + rotary_dim + with_bias)
+    y = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype).to(DEV)
+    q, k, v = y.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    bias = tuple(torch.randn(n * D, generator=g).to(DEV) for n in (Hq, Hkv, Hkv)) if with_bias else None
+    positions = torch.randint(0, 500, (T,), generator=g).to(DEV)
+    slots = torch.randperm(nb * bs, generator=g)[:T].to(DEV)
+    if rotary_dim == D:
+        rotary, order = Rotary(D, theta, 512, torch.device(DEV)), torch.arange(D)
+    else:
+        rotary, order = PartialRotary(D, rotary_dim, theta, 512, torch.device(DEV)), rotary_permutation(D, rotary_dim)
+    od = order.to(DEV)
+
+    def biased(t, i, heads):
+        t64 = t.double().reshape(T, heads, D)
+        return t64 + bias[i].double().reshape(heads, D) if with_bias else t64
+
+    # the checkpoint's order for the references; the op sees q, k and their biases in rotary order
+    q_ref = _partial_rope64(biased(q, 0, Hq)[..., od.argsort()], positions, theta, rotary_dim)[..., od]
+    k_ref = _partial_rope64(biased(k, 1, Hkv)[..., od.argsort()], positions, theta, rotary_dim)[..., od]
+    v_ref = biased(v, 2, Hkv)
+    kc = torch.full((nb, bs, Hkv, D), float("nan"), dtype=dtype, device=DEV)
+    vc = torch.full_like(kc, float("nan"))
+    cos, sin = rotary.tables(positions, dtype)
+    out = ops.bias_rope_store(q, k, v, bias, rotary, cos, sin, positions, kc, vc, slots)
+    assert out.shape == (T, Hq, D) and out.dtype == dtype
+    tol = _tol(ops, dtype) + (4e-5 if dtype == torch.float32 else 0.0)
+    _close(out, q_ref, tol, "q")
+    flat_k, flat_v = kc.view(nb * bs, Hkv, D), vc.view(nb * bs, Hkv, D)
+    _close(flat_k[slots], k_ref, tol, "k in the cache")
+    _close(flat_v[slots], v_ref, tol, "v in the cache")
+    others = torch.ones(nb * bs, dtype=torch.bool, device=DEV)
+    others[slots] = False
+    assert torch.isnan(flat_k[others]).all() and torch.isnan(flat_v[others]).all(), "a slot outside `slots` was written"
+    if ops.name == "triton":  # the same roundings as the torch ops, to one rounding of the dtype
+        kc2, vc2 = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
+        want = TorchDenseOps().bias_rope_store(q, k, v, bias, rotary, cos, sin, positions, kc2, vc2, slots)
+        _close(out, want.double(), _tol(ops, dtype) / 2, "q against the torch ops")
+
+
+@pytest.mark.parametrize("ops", OPS, ids=_ids)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,K,H,pad", [(1, 4, 2880, 32), (3, 4, 200, 32), (2, 8, 2048, 0)])
+def test_moe_bias_add(ops, dtype, T, K, H, pad):
+    """``y[:, :H] + sum_k w_k * bias[ids_k]`` (GPT-OSS's expert down biases after the routed
+    experts, whose outputs carry ``pad`` more columns), against float64."""
+    E = 9
+    g = torch.Generator().manual_seed(T * 100 + K + H)
+    y = torch.randn(T, H + pad, generator=g).to(dtype).to(DEV)
+    ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32).to(DEV)
+    w = torch.rand(T, K, generator=g).to(DEV)
+    bias = torch.randn(E, H, generator=g).to(DEV)
+    out = ops.moe_bias_add(y, ids, w, bias, H, dtype)
+    assert out.shape == (T, H) and out.dtype == dtype
+    ref = y[:, :H].double() + (w.double().unsqueeze(-1) * bias.double()[ids.long()]).sum(1)
+    _close(out, ref, _tol(ops, dtype) / 2, "y + the weighted biases")
+
+
+@pytest.mark.parametrize("ops", OPS, ids=_ids)
 @pytest.mark.parametrize("T,E,K", [(1, 128, 8), (6, 128, 8), (2, 60, 4), (3, 8, 2)])
 @pytest.mark.parametrize("norm", [True, False])
 def test_router_top_k(ops, T, E, K, norm):
@@ -440,14 +508,40 @@ for d, dv in json.loads(sys.argv[1]):
         report[f"{d}/{dv}"] = bool(k.asm.get("cubin"))
     except Exception as exc:
         report[f"{d}/{dv}"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+    # the bias + RoPE kernel (no norm), with and without biases
+    for has_bias in (True, False):
+        sig = {"q_ptr": "*bf16", "q_stride": "i32", "k_ptr": "*bf16", "k_stride": "i32", "v_ptr": "*bf16",
+               "v_stride": "i32", "qb_ptr": "*fp32", "kb_ptr": "*fp32", "vb_ptr": "*fp32", "cos_ptr": "*fp32",
+               "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "q_out_ptr": "*bf16", "kc_ptr": "*bf16",
+               "vc_ptr": "*bf16"}
+        consts = dict(HQ=4, HKV=2, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d),
+                      BLOCK_DV=triton.next_power_of_2(dv), HAS_BIAS=has_bias)
+        sig.update({k: "constexpr" for k in consts})
+        try:
+            k = triton.compile(ASTSource(dk._bias_rope_kernel, sig, consts, {}), target=target,
+                               options=dict(num_warps=1 if max(d, dv) <= 128 else 2))
+            report[f"bias_rope {d}/{dv} {has_bias}"] = bool(k.asm.get("cubin"))
+        except Exception as exc:
+            report[f"bias_rope {d}/{dv} {has_bias}"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+for h in (2880, 200):  # GPT-OSS's hidden size, and one that is no power of two below a tile
+    sig = {"y_ptr": "*bf16", "y_stride": "i32", "ids_ptr": "*i32", "w_ptr": "*fp32", "bias_ptr": "*fp32",
+           "out_ptr": "*bf16", "H": "i32", "K": "constexpr", "BLOCK": "constexpr"}
+    consts = dict(K=4, BLOCK=min(1024, triton.next_power_of_2(h)))
+    try:
+        k = triton.compile(ASTSource(dk._moe_bias_add_kernel, sig, consts, {}), target=target,
+                           options=dict(num_warps=4))
+        report[f"moe_bias_add {h}"] = bool(k.asm.get("cubin"))
+    except Exception as exc:
+        report[f"moe_bias_add {h}"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
 print(json.dumps(report))
 """
 
 
 def test_qk_norm_rope_compiles_for_sm90_at_any_head_size():
     """The issue's failure was Triton's compiler ('arange's range must be a power of 2'), which
-    the interpreter does not check: compile the kernel for sm_90 (no GPU needed) at the head
-    sizes of the tests, in a process without TRITON_INTERPRET."""
+    the interpreter does not check: compile the kernel (and the bias + RoPE one, and the MoE
+    bias add) for sm_90 (no GPU needed) at the head sizes of the tests, in a process without
+    TRITON_INTERPRET."""
     import json
     import os
     import subprocess

@@ -7,6 +7,11 @@ decoder layer fused so that a decode step launches a few kernels per layer, not 
                      ``[T, Hq, D]`` output, k heads (and the matching v head) straight into
                      their paged cache slot. Any even head size ``D`` and any v head size
                      ``DV``: a head is a tile of the next power of two, lanes past it masked
+* ``bias_rope``      grid (T, Hq + Hkv): ``qk_norm_rope`` without the norm, the projections'
+                     float32 biases (optional) added first (GPT-OSS: q, k and v biases, NeoX
+                     RoPE with YaRN's tables)
+* ``moe_bias_add``   grid (T, H / BLOCK): ``y[:, :H] + sum_k w[:, k] * bias[ids[:, k]]`` in
+                     float32, stored in the activation dtype (the routed experts' down biases)
 * ``router_top_k``   grid (T,): the top-k of the router logits (descending) and their
                      softmax weights (over the top-k, or over every expert)
 * ``router_logits``  grid (E / BLOCK_E, T): a decode step's float32 router logits from the
@@ -125,6 +130,99 @@ def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, slots, k_cach
                                         positions, slots, q_out, k_cache, v_cache, eps, HQ=Hq, HKV=Hkv, D=D, DV=DV,
                                         BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(DV),
                                         **opts)  # fmt: skip
+
+
+@triton.jit
+def _bias_rope_head(src, b_ptr, cos, sin, offs, rolled, mask, D: tl.constexpr, dtype: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):  # fmt: skip
+    """One head: ``rope(x + b)`` in ``dtype``, the float32 bias first rounded to ``dtype`` and
+    the sum rounded again (as torch adds ``b.to(dtype)``)."""
+    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    xr = tl.load(src + rolled, mask=mask, other=0.0).to(tl.float32)  # the rotate-half partner of each element
+    if HAS_BIAS:
+        x = (x + tl.load(b_ptr + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        xr = (xr + tl.load(b_ptr + rolled, mask=mask, other=0.0).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    a = (x * cos).to(dtype).to(tl.float32)
+    return (a + xr * sin).to(dtype)
+
+
+@triton.jit
+def _bias_rope_kernel(q_ptr, q_stride, k_ptr, k_stride, v_ptr, v_stride, qb_ptr, kb_ptr, vb_ptr, cos_ptr, sin_ptr,
+                      pos_ptr, slot_ptr, q_out_ptr, kc_ptr, vc_ptr,
+                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    dtype = q_out_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    rolled = tl.where(mask, (offs + D // 2) % D, 0)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * D + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * D + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    if h < HQ:
+        out = _bias_rope_head(q_ptr + t * q_stride + h * D, qb_ptr + h * D, cos, sin, offs, rolled, mask, D, dtype,
+                              HAS_BIAS)  # fmt: skip
+        tl.store(q_out_ptr + (t * HQ + h) * D + offs, out, mask=mask)
+    else:
+        kh = h - HQ
+        out = _bias_rope_head(k_ptr + t * k_stride + kh * D, kb_ptr + kh * D, cos, sin, offs, rolled, mask, D, dtype,
+                              HAS_BIAS)  # fmt: skip
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        tl.store(kc_ptr + slot * (HKV * D) + kh * D + offs, out.to(kc_ptr.dtype.element_ty), mask=mask)
+        offs_v = tl.arange(0, BLOCK_DV)
+        v_ok = offs_v < DV
+        v = tl.load(v_ptr + t * v_stride + kh * DV + offs_v, mask=v_ok)
+        if HAS_BIAS:
+            v = (v.to(tl.float32) + tl.load(vb_ptr + kh * DV + offs_v, mask=v_ok).to(dtype).to(tl.float32)).to(dtype)
+        tl.store(vc_ptr + slot * (HKV * DV) + kh * DV + offs_v, v.to(vc_ptr.dtype.element_ty), mask=v_ok)
+
+
+def bias_rope(q, k, v, bias, cos, sin, positions, slots, k_cache, v_cache, q_out) -> None:
+    """``q_out [T, Hq, D]`` = RoPE(q + bq), RoPE(k + bk) and v + bv stored into cache ``slots``
+    (``bias``: float32 ``(bq [Hq*D], bk [Hkv*D], bv [Hkv*DV])`` or None); the head sizes as
+    :func:`qk_norm_rope` takes them."""
+    T = q.shape[0]
+    Hq = q_out.shape[1]
+    Hkv, D = k_cache.shape[2], k_cache.shape[3]
+    DV = v_cache.shape[3]
+    if T == 0:
+        return
+    qb, kb, vb = bias if bias is not None else (q, k, v)  # (unread without biases)
+    opts = triton_target.for_device(q.device).launch_options(1 if max(D, DV) <= 128 else 2)
+    _bias_rope_kernel[(T, Hq + Hkv)](q, q.stride(0), k, k.stride(0), v, v.stride(0), qb, kb, vb, cos, sin, positions,
+                                     slots, q_out, k_cache, v_cache, HQ=Hq, HKV=Hkv, D=D, DV=DV,
+                                     BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(DV),
+                                     HAS_BIAS=bias is not None, **opts)  # fmt: skip
+
+
+@triton.jit
+def _moe_bias_add_kernel(y_ptr, y_stride, ids_ptr, w_ptr, bias_ptr, out_ptr, H, K: tl.constexpr,
+                         BLOCK: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < H
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(K):
+        e = tl.load(ids_ptr + t * K + j).to(tl.int64)
+        wj = tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += wj * tl.load(bias_ptr + e * H + offs, mask=ok & (e >= 0), other=0.0)
+    y = tl.load(y_ptr + t * y_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, (y + acc).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def moe_bias_add(y, ids, w, bias, out) -> None:
+    """``out [T, H] = y[:, :H] + sum_k w[:, k] * bias[ids[:, k]]`` (float32 ``bias [E, H]``,
+    ``y`` rows of at least H values with unit stride, ids < 0 adding nothing), summed in
+    float32 and stored in ``out``'s dtype."""
+    T, H = out.shape
+    if T == 0:
+        return
+    K = ids.shape[1]
+    block = min(1024, triton.next_power_of_2(H))
+    opts = triton_target.for_device(y.device).launch_options(4)
+    _moe_bias_add_kernel[(T, triton.cdiv(H, block))](y, y.stride(0), ids, w, bias, out, H, K=K, BLOCK=block,
+                                                      **opts)  # fmt: skip
 
 
 @triton.jit

@@ -203,6 +203,23 @@ class TritonDenseOps(DenseOps):
                             k_cache, v_cache, eps, q_out)  # fmt: skip
         return q_out
 
+    def bias_rope_store(self, q, k, v, bias, rotary, cos, sin, positions, k_cache, v_cache, slots):
+        """One launch (the tables read by position, as :meth:`qk_norm_rope_store`) where the
+        head size is the fused kernel's; else the torch ops."""
+        if not self.fused_qk_norm_rope or any(t.stride(-1) != 1 for t in (q, k, v)):
+            return TORCH_OPS.bias_rope_store(q, k, v, bias, rotary, cos, sin, positions, k_cache, v_cache, slots)
+        T, D = q.shape[0], k_cache.shape[3]
+        q_out = torch.empty(T, q.shape[1] // D, D, dtype=q.dtype, device=q.device)
+        self.k.bias_rope(q, k, v, bias, rotary.cos, rotary.sin_signed, positions, slots, k_cache, v_cache, q_out)
+        return q_out
+
+    def moe_bias_add(self, y, ids, w, bias, hidden, dtype):
+        if y.stride(-1) != 1:
+            return super().moe_bias_add(y, ids, w, bias, hidden, dtype)
+        out = torch.empty(y.shape[0], hidden, dtype=dtype, device=y.device)
+        self.k.moe_bias_add(y, ids.contiguous(), w.contiguous(), bias, out)
+        return out
+
     def router_top_k(self, logits, k, norm):
         T = logits.shape[0]
         ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
