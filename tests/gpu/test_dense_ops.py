@@ -370,20 +370,25 @@ def _top_k64(logits: torch.Tensor, K: int, norm: bool) -> tuple[torch.Tensor, to
     return order, torch.gather(torch.softmax(logits, dim=-1), 1, order)
 
 
-@pytest.mark.parametrize("T,E,K,N", [(1, 128, 8, 2048), (3, 60, 4, 96), (16, 8, 2, 640)])
+@pytest.mark.parametrize("T,E,K,N,with_bias", [(1, 128, 8, 2048, False), (3, 60, 4, 96, False),
+                                               (16, 8, 2, 640, False), (1, 128, 4, 2880, True), (2, 60, 4, 96, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("norm", [True, False])
-def test_add_norm_route_against_float64(T, E, K, N, dtype, norm):
-    """The fused decode routing (residual add, RMSNorm, float32 router, top-k) against float64:
-    h and x as ``add_rms_norm`` bounds them, the logits from the op's own x (so a rounding of
-    x cannot flip an id) in float64, their top-k ids exactly and weights to 1e-6; twice, with
-    fresh inputs, so the counter the launch leaves behind is checked to be zero again."""
+def test_add_norm_route_against_float64(T, E, K, N, with_bias, dtype, norm):
+    """The fused decode routing (residual add, RMSNorm, float32 router with or without its
+    bias as GPT-OSS has it, top-k) against float64: h and x as ``add_rms_norm`` bounds them,
+    the logits from the op's own x (so a rounding of x cannot flip an id) in float64, their
+    top-k ids exactly and weights to 1e-6; twice, with fresh inputs, so the counter the launch
+    leaves behind is checked to be zero again."""
     from freetoken.kernels.counters import zeroed_counters
     from freetoken.models.layers import RouterLinear
+    from freetoken.models.moe_block import BiasedRouter
 
     ops = TritonDenseOps()
     gen = torch.Generator().manual_seed(T * 131 + E + N)
-    router = RouterLinear((torch.randn(E, N, generator=gen) * 0.05).to(DEV))
+    linear = RouterLinear((torch.randn(E, N, generator=gen) * 0.05).to(DEV))
+    bias = torch.randn(E, generator=gen).to(DEV) if with_bias else None
+    router = BiasedRouter(linear, bias) if with_bias else linear
     nw = (1 + 0.5 * torch.randn(N, generator=gen)).to(dtype).to(DEV)
     eps = 1e-6
     for _ in range(2):
@@ -396,7 +401,9 @@ def test_add_norm_route_against_float64(T, E, K, N, dtype, norm):
         h_ref = h.double() + delta.double()
         _close(h_new, h_ref, _tol(ops, dtype) / 2, "h + delta")
         _close(x, _rms64(h_ref, nw, eps), _tol(ops, dtype), "rms norm")
-        logits = x.double().cpu() @ router.weight.double().cpu().T
+        logits = x.double().cpu() @ linear.weight.double().cpu().T
+        if with_bias:
+            logits += bias.double().cpu()
         ref_ids, ref_w = _top_k64(logits, K, norm)
         assert torch.equal(ids.cpu().long(), ref_ids), "top-k ids (descending)"
         assert float((w.cpu().double() - ref_w).abs().max()) <= 1e-5, "top-k weights"
@@ -420,6 +427,12 @@ def test_add_norm_route_declines_what_it_does_not_fuse():
     big = torch.randn(T, N, generator=gen).to(DEV)
     assert ops.add_norm_route(big, big, nw, 1e-6, router, 4, True) is None
     assert ops.add_norm_route(h, d, nw, 1e-6, TorchLinear(router.weight), 4, True) is None
+    from freetoken.models.moe_block import BiasedRouter
+
+    assert ops.add_norm_route(h, d, nw, 1e-6, BiasedRouter(TorchLinear(router.weight), torch.zeros(E, device=DEV)), 4,
+                              True) is None  # fmt: skip
+    half = torch.zeros(E, device=DEV, dtype=torch.bfloat16)
+    assert ops.add_norm_route(h, d, nw, 1e-6, BiasedRouter(router, half), 4, True) is None
     assert TorchDenseOps().add_norm_route(h, d, nw, 1e-6, router, 4, True) is None
 
 

@@ -140,10 +140,10 @@ def dense_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
             dict(H=HIDDEN, E=experts, BLOCK_E=dot.ROUTER_BLOCK_E, BLOCK_H=512), 4),
         "dense.add_norm_route": lambda: compile_kernel(
             dot._add_norm_route_kernel, target,
-            {"h_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "rw_ptr": "*fp32", "h_out_ptr": "*bf16",
-             "x_out_ptr": "*bf16", "logits_ptr": "*fp32", "count_ptr": "*i32", "ids_ptr": "*i32", "w_ptr": "*fp32",
-             "N": "i32", "E": "i32", "eps": "fp32"},
-            dict(K=TOP_K, KP=TOP_K, NORM=True, BLOCK=HIDDEN, BLOCK_E=dot.ROUTE_BLOCK_E, EP=experts),
+            {"h_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "rw_ptr": "*fp32", "rb_ptr": "*fp32",
+             "h_out_ptr": "*bf16", "x_out_ptr": "*bf16", "logits_ptr": "*fp32", "count_ptr": "*i32", "ids_ptr": "*i32",
+             "w_ptr": "*fp32", "N": "i32", "E": "i32", "eps": "fp32"},
+            dict(K=TOP_K, KP=TOP_K, NORM=True, BLOCK=HIDDEN, BLOCK_E=dot.ROUTE_BLOCK_E, EP=experts, HAS_BIAS=False),
             8 if HIDDEN >= 2048 else 4),
     }  # fmt: skip
 

@@ -302,9 +302,10 @@ def router_logits(x, weight, out) -> None:
 
 
 @triton.jit
-def _add_norm_route_kernel(h_ptr, d_ptr, nw_ptr, rw_ptr, h_out_ptr, x_out_ptr, logits_ptr, count_ptr, ids_ptr,
-                           w_ptr, N, E, eps, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                           BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, EP: tl.constexpr):  # fmt: skip
+def _add_norm_route_kernel(h_ptr, d_ptr, nw_ptr, rw_ptr, rb_ptr, h_out_ptr, x_out_ptr, logits_ptr, count_ptr,
+                           ids_ptr, w_ptr, N, E, eps, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                           BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, EP: tl.constexpr,
+                           HAS_BIAS: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -326,8 +327,12 @@ def _add_norm_route_kernel(h_ptr, d_ptr, nw_ptr, rw_ptr, h_out_ptr, x_out_ptr, l
     if pid == 0:
         tl.store(h_out_ptr + t * N + offs, h, mask=mask)
         tl.store(x_out_ptr + t * N + offs, x, mask=mask)
-    # this program's experts' logits: float32 weights times the activations as stored
-    tl.store(logits_ptr + t * E + offs_e, tl.sum(wv * x.to(tl.float32)[None, :], axis=1), mask=e_ok)
+    # this program's experts' logits: float32 weights times the activations as stored (plus
+    # the router's float32 bias)
+    logit = tl.sum(wv * x.to(tl.float32)[None, :], axis=1)
+    if HAS_BIAS:
+        logit += tl.load(rb_ptr + offs_e, mask=e_ok, other=0.0)
+    tl.store(logits_ptr + t * E + offs_e, logit, mask=e_ok)
     # every thread's logits stored before the count goes up (the atomic releases them at GPU
     # scope); the program that takes the count to the number of programs selects
     tl.debug_barrier()
@@ -346,9 +351,11 @@ ROUTE_BLOCK_E = 4
 
 
 def add_norm_route(h, delta, norm_weight, eps: float, router_weight, k: int, norm: bool, h_out, x_out, logits,
-                   counts, ids_out, w_out, block_e: int = ROUTE_BLOCK_E, num_warps: int = 0) -> None:  # fmt: skip
+                   counts, ids_out, w_out, block_e: int = ROUTE_BLOCK_E, num_warps: int = 0,
+                   bias=None) -> None:  # fmt: skip
     """``add_rms_norm(h, delta)`` into ``h_out``/``x_out``, the router's float32 logits of
-    ``x_out`` into ``logits [T, E]`` and their :func:`router_top_k` into ``ids_out``/``w_out``,
+    ``x_out`` (plus its float32 ``bias [E]``, if any) into ``logits [T, E]`` and their
+    :func:`router_top_k` into ``ids_out``/``w_out``,
     one launch. ``counts``: int32 ``[>= T]`` zeros, left zero (one program per token and
     launch increments it; the last sets it back). ``block_e`` experts per program (a power of
     two) and ``num_warps`` (0: 8 for rows of >= 2048 values, else 4) are the tile."""
@@ -359,9 +366,9 @@ def add_norm_route(h, delta, norm_weight, eps: float, router_weight, k: int, nor
     block = triton.next_power_of_2(N)
     opts = triton_target.for_device(h.device).launch_options(num_warps or (8 if block >= 2048 else 4))
     _add_norm_route_kernel[(triton.cdiv(E, block_e), T)](
-        h, delta, norm_weight, router_weight, h_out, x_out, logits, counts, ids_out, w_out, N, E, eps, K=k,
-        KP=triton.next_power_of_2(k), NORM=norm, BLOCK=block, BLOCK_E=block_e, EP=triton.next_power_of_2(E),
-        **opts)  # fmt: skip
+        h, delta, norm_weight, router_weight, router_weight if bias is None else bias, h_out, x_out, logits, counts,
+        ids_out, w_out, N, E, eps, K=k, KP=triton.next_power_of_2(k), NORM=norm, BLOCK=block, BLOCK_E=block_e,
+        EP=triton.next_power_of_2(E), HAS_BIAS=bias is not None, **opts)  # fmt: skip
 
 
 @triton.jit

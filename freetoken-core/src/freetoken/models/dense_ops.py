@@ -242,11 +242,18 @@ class TritonDenseOps(DenseOps):
 
     def add_norm_route(self, h, delta, weight, eps, router, k, norm):
         """One launch for a decode step's few tokens (up to ``RouterLinear.gemv_tokens``) with a
-        float32 :class:`~freetoken.models.layers.RouterLinear` and rows of at most
+        float32 :class:`~freetoken.models.layers.RouterLinear` (or one with a float32 bias:
+        :class:`~freetoken.models.moe_block.BiasedRouter`) and rows of at most
         :data:`FUSED_ROUTE_MAX_COLS` values; else None."""
         from freetoken.kernels.counters import zeroed_counters
         from freetoken.models.layers import RouterLinear
+        from freetoken.models.moe_block import BiasedRouter
 
+        bias = None
+        if type(router) is BiasedRouter:
+            router, bias = router.linear, router.bias
+            if bias.dtype != torch.float32 or not bias.is_contiguous() or bias.device != h.device:
+                return None
         T, N = h.shape
         rw = getattr(router, "weight", None)
         if (type(router) is not RouterLinear or T > RouterLinear.gemv_tokens or N > FUSED_ROUTE_MAX_COLS
@@ -259,7 +266,7 @@ class TritonDenseOps(DenseOps):
         ids = torch.empty(T, k, dtype=torch.int32, device=h.device)
         w = torch.empty(T, k, dtype=torch.float32, device=h.device)
         self.k.add_norm_route(h, delta.contiguous(), weight, eps, rw, k, norm, h_new, x, logits,
-                              zeroed_counters("add_norm_route", h.device, T), ids, w)  # fmt: skip
+                              zeroed_counters("add_norm_route", h.device, T), ids, w, bias=bias)  # fmt: skip
         return h_new, x, ids, w
 
 

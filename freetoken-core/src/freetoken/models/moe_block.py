@@ -146,13 +146,10 @@ class BiasedMoELayer(MoELayer):
             self._ext[key] = ext
         return ext
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, w = self.route(x)
+    def from_routes(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ext = self._bias_columns(x).expand(x.shape[0], self.pad)
         y = self.run_experts(torch.cat([x, ext], dim=1), ids, w)  # [T, hidden + pad]
         return self.ops.moe_bias_add(y, ids, w, self.down_bias, self.hidden, x.dtype)
-
-    __call__ = forward
 
 
 def moe_layer(i: int, c: ModelConfig, get: Callable[[str], RawTensor], policy: WeightPolicy, ops: DenseOps,

@@ -100,6 +100,11 @@ class MoELayer:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.route(x)
+        return self.from_routes(x, ids, w)
+
+    def from_routes(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The layer's output for ``x`` routed to ``ids`` with weights ``w``: the routed
+        experts (a subclass may add what its layer computes around them)."""
         return self.run_experts(x, ids, w)
 
     __call__ = forward
@@ -109,9 +114,9 @@ class MoELayer:
         """The residual ``h + delta`` and this layer's output for its RMSNorm (times
         ``weight``): :meth:`DenseOps.add_norm_route` where the ops fuse the norm with the
         router and top-k (one launch instead of three per decode step), else
-        ``add_rms_norm`` then :meth:`forward`. A subclass that changes what the layer computes
-        from its routes, or a :meth:`route` replaced on the instance or class (a recorder),
-        takes the second way."""
+        ``add_rms_norm`` then :meth:`forward`. A subclass that changes :meth:`forward` (not
+        only :meth:`from_routes`), or a :meth:`route` replaced on the instance or class (a
+        recorder), takes the second way."""
         fused = None
         if type(self).forward is _PLAIN_FORWARD and type(self).route is _PLAIN_ROUTE and "route" not in vars(self):
             fused = self.ops.add_norm_route(h, delta, weight, eps, self.router, self.top_k, self.norm_topk_prob)
@@ -119,7 +124,7 @@ class MoELayer:
             h, x = self.ops.add_rms_norm(h, delta, weight, eps)
             return h, self.forward(x)
         h, x, ids, w = fused
-        return h, self.run_experts(x, ids, w)
+        return h, self.from_routes(x, ids, w)
 
     def run_experts(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self._experts_fn is None:
