@@ -382,7 +382,7 @@ def test_add_norm_route_against_float64(T, E, K, N, with_bias, dtype, norm):
     leaves behind is checked to be zero again."""
     from freetoken.kernels.counters import zeroed_counters
     from freetoken.models.layers import RouterLinear
-    from freetoken.models.moe_block import BiasedRouter
+    from freetoken.models.layers import BiasedRouter
 
     ops = TritonDenseOps()
     gen = torch.Generator().manual_seed(T * 131 + E + N)
@@ -427,7 +427,7 @@ def test_add_norm_route_declines_what_it_does_not_fuse():
     big = torch.randn(T, N, generator=gen).to(DEV)
     assert ops.add_norm_route(big, big, nw, 1e-6, router, 4, True) is None
     assert ops.add_norm_route(h, d, nw, 1e-6, TorchLinear(router.weight), 4, True) is None
-    from freetoken.models.moe_block import BiasedRouter
+    from freetoken.models.layers import BiasedRouter
 
     assert ops.add_norm_route(h, d, nw, 1e-6, BiasedRouter(TorchLinear(router.weight), torch.zeros(E, device=DEV)), 4,
                               True) is None  # fmt: skip
@@ -507,45 +507,35 @@ from freetoken.kernels import dense_ops as dk
 
 target = GPUTarget("cuda", 90, 32)
 report = {}
+
+
+def attempt(key, kernel, sig, consts, warps):
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    try:
+        k = triton.compile(ASTSource(kernel, sig, consts, {}), target=target, options=dict(num_warps=warps))
+        report[key] = bool(k.asm.get("cubin"))
+    except Exception as exc:
+        report[key] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+
+
+HEADS = {"q_ptr": "*bf16", "q_stride": "i32", "k_ptr": "*bf16", "k_stride": "i32", "v_ptr": "*bf16",
+         "v_stride": "i32"}
+TABLES = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "q_out_ptr": "*bf16",
+          "kc_ptr": "*bf16", "vc_ptr": "*bf16"}
 for d, dv in json.loads(sys.argv[1]):
-    sig = {"q_ptr": "*bf16", "q_stride": "i32", "k_ptr": "*bf16", "k_stride": "i32", "v_ptr": "*bf16",
-           "v_stride": "i32", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-           "pos_ptr": "*i64", "slot_ptr": "*i64", "q_out_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
-           "eps": "fp32"}
-    # what dk.qk_norm_rope passes
-    consts = dict(HQ=4, HKV=2, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv))
-    sig.update({k: "constexpr" for k in consts})
-    try:
-        k = triton.compile(ASTSource(dk._qk_norm_rope_kernel, sig, consts, {}), target=target,
-                           options=dict(num_warps=1 if max(d, dv) <= 128 else 2))
-        report[f"{d}/{dv}"] = bool(k.asm.get("cubin"))
-    except Exception as exc:
-        report[f"{d}/{dv}"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
-    # the bias + RoPE kernel (no norm), with and without biases
+    # what dk.qk_norm_rope and dk.bias_rope pass (the latter with and without biases)
+    tiles = dict(HQ=4, HKV=2, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv))
+    warps = 1 if max(d, dv) <= 128 else 2
+    attempt(f"{d}/{dv}", dk._qk_norm_rope_kernel,
+            {**HEADS, "qw_ptr": "*bf16", "kw_ptr": "*bf16", **TABLES, "eps": "fp32"}, tiles, warps)
     for has_bias in (True, False):
-        sig = {"q_ptr": "*bf16", "q_stride": "i32", "k_ptr": "*bf16", "k_stride": "i32", "v_ptr": "*bf16",
-               "v_stride": "i32", "qb_ptr": "*fp32", "kb_ptr": "*fp32", "vb_ptr": "*fp32", "cos_ptr": "*fp32",
-               "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "q_out_ptr": "*bf16", "kc_ptr": "*bf16",
-               "vc_ptr": "*bf16"}
-        consts = dict(HQ=4, HKV=2, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d),
-                      BLOCK_DV=triton.next_power_of_2(dv), HAS_BIAS=has_bias)
-        sig.update({k: "constexpr" for k in consts})
-        try:
-            k = triton.compile(ASTSource(dk._bias_rope_kernel, sig, consts, {}), target=target,
-                               options=dict(num_warps=1 if max(d, dv) <= 128 else 2))
-            report[f"bias_rope {d}/{dv} {has_bias}"] = bool(k.asm.get("cubin"))
-        except Exception as exc:
-            report[f"bias_rope {d}/{dv} {has_bias}"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+        attempt(f"bias_rope {d}/{dv} {has_bias}", dk._bias_rope_kernel,
+                {**HEADS, "qb_ptr": "*fp32", "kb_ptr": "*fp32", "vb_ptr": "*fp32", **TABLES},
+                {**tiles, "HAS_BIAS": has_bias}, warps)
 for h in (2880, 200):  # GPT-OSS's hidden size, and one that is no power of two below a tile
-    sig = {"y_ptr": "*bf16", "y_stride": "i32", "ids_ptr": "*i32", "w_ptr": "*fp32", "bias_ptr": "*fp32",
-           "out_ptr": "*bf16", "H": "i32", "K": "constexpr", "BLOCK": "constexpr"}
-    consts = dict(K=4, BLOCK=min(1024, triton.next_power_of_2(h)))
-    try:
-        k = triton.compile(ASTSource(dk._moe_bias_add_kernel, sig, consts, {}), target=target,
-                           options=dict(num_warps=4))
-        report[f"moe_bias_add {h}"] = bool(k.asm.get("cubin"))
-    except Exception as exc:
-        report[f"moe_bias_add {h}"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+    attempt(f"moe_bias_add {h}", dk._moe_bias_add_kernel,
+            {"y_ptr": "*bf16", "y_stride": "i32", "ids_ptr": "*i32", "w_ptr": "*fp32", "bias_ptr": "*fp32",
+             "out_ptr": "*bf16", "H": "i32"}, dict(K=4, BLOCK=min(1024, triton.next_power_of_2(h))), 4)
 print(json.dumps(report))
 """
 

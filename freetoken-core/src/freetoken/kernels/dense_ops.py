@@ -119,17 +119,20 @@ def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, positions, slots, k_cach
     ``slots``; ``k_cache [.., Hkv, D]``, ``v_cache [.., Hkv, DV]`` (DV may differ from D).
     Any even ``D`` (the RoPE pairs ``(i, i + D/2)``), any ``DV``:
     :func:`freetoken.kernels.availability.head_dim_support` says which."""
-    T = q.shape[0]
-    Hq = q_out.shape[1]
-    Hkv, D = k_cache.shape[2], k_cache.shape[3]
-    DV = v_cache.shape[3]
-    if T == 0:
-        return
-    opts = triton_target.for_device(q.device).launch_options(1 if max(D, DV) <= 128 else 2)
-    _qk_norm_rope_kernel[(T, Hq + Hkv)](q, q.stride(0), k, k.stride(0), v, v.stride(0), q_weight, k_weight, cos, sin,
-                                        positions, slots, q_out, k_cache, v_cache, eps, HQ=Hq, HKV=Hkv, D=D, DV=DV,
-                                        BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(DV),
-                                        **opts)  # fmt: skip
+    T, heads, opts = _head_grid(q, q_out, k_cache, v_cache)
+    if T:
+        _qk_norm_rope_kernel[(T, heads["HQ"] + heads["HKV"])](
+            q, q.stride(0), k, k.stride(0), v, v.stride(0), q_weight, k_weight, cos, sin, positions, slots, q_out,
+            k_cache, v_cache, eps, **heads, **opts)  # fmt: skip
+
+
+def _head_grid(q, q_out, k_cache, v_cache) -> tuple[int, dict[str, int], dict[str, int]]:
+    """The tokens, the head sizes and tiles (``HQ``, ``HKV``, ``D``, ``DV``, ``BLOCK_D``,
+    ``BLOCK_DV``) and the launch options of the per-head RoPE kernels."""
+    Hkv, D, DV = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+    heads = dict(HQ=q_out.shape[1], HKV=Hkv, D=D, DV=DV, BLOCK_D=triton.next_power_of_2(D),
+                 BLOCK_DV=triton.next_power_of_2(DV))  # fmt: skip
+    return q.shape[0], heads, triton_target.for_device(q.device).launch_options(1 if max(D, DV) <= 128 else 2)
 
 
 @triton.jit
@@ -182,18 +185,12 @@ def bias_rope(q, k, v, bias, cos, sin, positions, slots, k_cache, v_cache, q_out
     """``q_out [T, Hq, D]`` = RoPE(q + bq), RoPE(k + bk) and v + bv stored into cache ``slots``
     (``bias``: float32 ``(bq [Hq*D], bk [Hkv*D], bv [Hkv*DV])`` or None); the head sizes as
     :func:`qk_norm_rope` takes them."""
-    T = q.shape[0]
-    Hq = q_out.shape[1]
-    Hkv, D = k_cache.shape[2], k_cache.shape[3]
-    DV = v_cache.shape[3]
-    if T == 0:
-        return
+    T, heads, opts = _head_grid(q, q_out, k_cache, v_cache)
     qb, kb, vb = bias if bias is not None else (q, k, v)  # (unread without biases)
-    opts = triton_target.for_device(q.device).launch_options(1 if max(D, DV) <= 128 else 2)
-    _bias_rope_kernel[(T, Hq + Hkv)](q, q.stride(0), k, k.stride(0), v, v.stride(0), qb, kb, vb, cos, sin, positions,
-                                     slots, q_out, k_cache, v_cache, HQ=Hq, HKV=Hkv, D=D, DV=DV,
-                                     BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(DV),
-                                     HAS_BIAS=bias is not None, **opts)  # fmt: skip
+    if T:
+        _bias_rope_kernel[(T, heads["HQ"] + heads["HKV"])](
+            q, q.stride(0), k, k.stride(0), v, v.stride(0), qb, kb, vb, cos, sin, positions, slots, q_out, k_cache,
+            v_cache, **heads, HAS_BIAS=bias is not None, **opts)  # fmt: skip
 
 
 @triton.jit

@@ -243,11 +243,10 @@ class TritonDenseOps(DenseOps):
     def add_norm_route(self, h, delta, weight, eps, router, k, norm):
         """One launch for a decode step's few tokens (up to ``RouterLinear.gemv_tokens``) with a
         float32 :class:`~freetoken.models.layers.RouterLinear` (or one with a float32 bias:
-        :class:`~freetoken.models.moe_block.BiasedRouter`) and rows of at most
+        :class:`~freetoken.models.layers.BiasedRouter`) and rows of at most
         :data:`FUSED_ROUTE_MAX_COLS` values; else None."""
         from freetoken.kernels.counters import zeroed_counters
-        from freetoken.models.layers import RouterLinear
-        from freetoken.models.moe_block import BiasedRouter
+        from freetoken.models.layers import BiasedRouter, RouterLinear
 
         bias = None
         if type(router) is BiasedRouter:

@@ -205,6 +205,18 @@ class RouterLinear(TorchLinear):
         return triton_target.for_device(device).usable
 
 
+class BiasedRouter:
+    """Router logits ``x W^T + b`` in float32 (GPT-OSS's router)."""
+
+    def __init__(self, linear: object, bias: torch.Tensor) -> None:
+        self.linear = linear
+        self.bias = bias
+        self.nbytes = linear.nbytes + bias.numel() * 4  # type: ignore[attr-defined]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.bias  # type: ignore[operator]
+
+
 def _check_matrix(raw: RawTensor) -> None:
     if len(raw.shape) != 2:
         raise ValueError(f"{raw.source}: {raw.name} should be a matrix, has shape {raw.shape}")

@@ -22,7 +22,7 @@ from freetoken.loading.hf import CheckpointError
 from freetoken.loading.tensors import RawTensor, TensorSource
 from freetoken.models.config import ModelConfig
 from freetoken.models.dense_ops import DenseOps
-from freetoken.models.layers import FusedLinears
+from freetoken.models.layers import BiasedRouter, FusedLinears
 from freetoken.models.moe_layer import ExpertWeights, MoELayer, stack_experts
 from freetoken.models.routing import GroupedTopK
 
@@ -101,18 +101,6 @@ class GroupedTopKMoELayer(MoELayer):
         return y
 
     __call__ = forward
-
-
-class BiasedRouter:
-    """Router logits ``x W^T + b`` in float32."""
-
-    def __init__(self, linear: object, bias: torch.Tensor) -> None:
-        self.linear = linear
-        self.bias = bias
-        self.nbytes = linear.nbytes + bias.numel() * 4  # type: ignore[attr-defined]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) + self.bias  # type: ignore[operator]
 
 
 class BiasedMoELayer(MoELayer):
