@@ -235,7 +235,21 @@ def test_gguf_logits_match_dequantized_hf(tiny_gguf):
     assert_close_rounding(got, ref, f"seed {seed}")
 
 
+#: a router's k-th and next logit closer than this in transformers' forward: a routing near-tie
+#: (the engine's rounding may choose the other expert; seen at 1.0e-2 moving a decode position
+#: by 9.2e-2 of the logits' scale)
+ROUTER_TIE = 2e-2
+
+
 def test_gguf_decode_through_cache(tiny_gguf):
+    """Greedy decode through the KV cache against transformers on the full sequence; positions
+    at a routing near-tie held to the routing-flip bound alone."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models_moe_families"))
+    from families import router_gaps
+
     path, model, _, seed, _ = tiny_gguf
     rng = random.Random(seed + 1)
     eng = engine_for(path)
@@ -247,7 +261,9 @@ def test_gguf_decode_through_cache(tiny_gguf):
     for p, r in zip(prompts, reqs):
         full = p + r.output_ids
         ref = hf_logits(model, full)[len(p) - 1 : -1]
-        assert_close_rounding(torch.stack(rec[r.request_id]), ref, f"seed {seed}")
+        gaps = router_gaps(model, full, [L.mlp.gate for L in model.model.layers], model.config.num_experts_per_tok)
+        assert_close_rounding(torch.stack(rec[r.request_id]), ref, f"seed {seed}",
+                              near_ties=gaps[len(p) - 1 : -1] < ROUTER_TIE)  # fmt: skip
 
 
 def test_gguf_without_tokenizer_rejects_text(tiny_gguf):

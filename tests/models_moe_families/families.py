@@ -175,7 +175,8 @@ def router_gaps(model: Any, ids: list[int], routers: list[Any], top_k: int) -> t
     rounding)."""
 
     def gaps_of(router: Any, x: torch.Tensor) -> torch.Tensor:
-        logits = x @ router.weight.float().T + (0 if router.bias is None else router.bias.float())
+        bias = getattr(router, "bias", None)  # (Qwen3-MoE's router module has none)
+        logits = x @ router.weight.float().T + (0 if bias is None else bias.float())
         top = logits.topk(top_k + 1, dim=-1).values
         return top[:, top_k - 1] - top[:, top_k]
 
