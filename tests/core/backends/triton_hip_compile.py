@@ -135,6 +135,17 @@ def dense_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
         "dense.router_top_k": lambda: compile_kernel(
             dot._router_top_k_kernel, target, {"logits_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*fp32", "E": "i32"},
             dict(K=TOP_K, KP=TOP_K, NORM=True, BLOCK=experts), 1 if experts <= 256 else 4),
+        "dense.bias_rope": lambda: compile_kernel(
+            dot._bias_rope_kernel, target,
+            {"q_ptr": "*bf16", "q_stride": "i32", "k_ptr": "*bf16", "k_stride": "i32", "v_ptr": "*bf16",
+             "v_stride": "i32", "qb_ptr": "*fp32", "kb_ptr": "*fp32", "vb_ptr": "*fp32", "cos_ptr": "*fp32",
+             "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "q_out_ptr": "*bf16", "kc_ptr": "*bf16",
+             "vc_ptr": "*bf16"},
+            dict(HQ=hq, HKV=hkv, D=64, DV=64, BLOCK_D=64, BLOCK_DV=64, HAS_BIAS=True), 1),
+        "dense.moe_bias_add": lambda: compile_kernel(
+            dot._moe_bias_add_kernel, target,
+            {"y_ptr": "*bf16", "y_stride": "i32", "ids_ptr": "*i32", "w_ptr": "*fp32", "bias_ptr": "*fp32",
+             "out_ptr": "*bf16", "H": "i32"}, dict(K=4, BLOCK=1024), 4),
         "dense.router_logits": lambda: compile_kernel(
             dot._router_logits_kernel, target, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
             dict(H=HIDDEN, E=experts, BLOCK_E=dot.ROUTER_BLOCK_E, BLOCK_H=512), 4),
