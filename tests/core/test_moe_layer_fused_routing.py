@@ -66,3 +66,54 @@ def test_route_replaced_on_the_instance_keeps_the_launches_apart():
     lay.route = lambda x: (recorded.append(x) or (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)))
     lay.add_norm_forward(torch.randn(1, 4), None, None, 1e-6)
     assert ops.fused_calls == 0 and len(recorded) == 1 and len(seen) == 1
+
+
+class _GroupedOps(_Ops):
+    """Dense ops whose fused grouped routing answers (ids 1, weight 0.5) and counts its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grouped_calls = 0
+
+    def add_norm_grouped_route(self, h, delta, weight, eps, router, correction_bias, routing):
+        self.grouped_calls += 1
+        return h, h * 3, torch.ones(1, 1, dtype=torch.int32), torch.full((1, 1), 0.5)
+
+    def grouped_top_k(self, logits, correction_bias, routing):
+        return torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+
+
+def _grouped_layer(shared=None):
+    from freetoken.models.moe_block import GroupedTopKMoELayer
+
+    lay = GroupedTopKMoELayer.__new__(GroupedTopKMoELayer)
+    ops = _GroupedOps()
+    seen: list = []
+    lay.ops, lay.router, lay.top_k, lay.norm_topk_prob, lay.layer = ops, (lambda x: x), 1, True, 0
+    lay.routing, lay.correction_bias, lay.shared = None, None, shared
+    lay._experts_fn = lambda x, ids, w: seen.append((x.clone(), ids.clone(), w.clone())) or x
+    return lay, ops, seen
+
+
+def test_grouped_layer_takes_its_fused_routing_and_adds_its_shared_experts():
+    """A grouped-routing layer asks the ops' grouped fusion (not the softmax one), runs its
+    experts on the fused routes and adds its shared experts to them, as its unfused forward."""
+    lay, ops, seen = _grouped_layer(shared=lambda x: x * 10)
+    h = torch.randn(1, 4)
+    h_out, y = lay.add_norm_forward(h, None, None, 1e-6)
+    assert ops.grouped_calls == 1 and ops.fused_calls == 0
+    assert torch.equal(seen[0][0], h * 3) and seen[0][1].tolist() == [[1]] and seen[0][2].tolist() == [[0.5]]
+    assert torch.equal(y, h * 3 + (h * 3) * 10)
+    lay2, _, seen2 = _grouped_layer(shared=lambda x: x * 10)
+    assert torch.equal(lay2(h), h + h * 10) and seen2[0][1].tolist() == [[0]]  # unfused: grouped_top_k's routes
+
+
+def test_grouped_route_replaced_keeps_the_launches_apart(monkeypatch):
+    from freetoken.models.moe_block import GroupedTopKMoELayer
+
+    recorded = []
+    plain = GroupedTopKMoELayer.route
+    monkeypatch.setattr(GroupedTopKMoELayer, "route", lambda self, x: recorded.append(x) or plain(self, x))
+    lay, ops, seen = _grouped_layer()
+    lay.add_norm_forward(torch.randn(1, 4), None, None, 1e-6)
+    assert ops.grouped_calls == 0 and len(recorded) == 1 and len(seen) == 1

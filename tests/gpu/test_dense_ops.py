@@ -436,6 +436,47 @@ def test_add_norm_route_declines_what_it_does_not_fuse():
     assert TorchDenseOps().add_norm_route(h, d, nw, 1e-6, router, 4, True) is None
 
 
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("shape", list(GROUPED))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_norm_grouped_route_against_float64(T, shape, dtype):
+    """The fused decode routing with the grouped choice (GLM-4.5, DeepSeek-V2/V3, Kimi-K2):
+    h and x as ``add_rms_norm`` bounds them, the experts of the float64 grouped reference over
+    the float64 logits of the op's own x, their weights to 1e-6; twice, with fresh inputs (the
+    counters left at zero); the correction bias changing the choice."""
+    from freetoken.kernels.counters import zeroed_counters
+    from freetoken.models.layers import RouterLinear
+    from freetoken.models.routing import GroupedTopK
+
+    E, groups, topk_group, k, sigmoid, norm, scale = GROUPED[shape]
+    N = 320
+    ops = TritonDenseOps()
+    gen = torch.Generator().manual_seed(E * 7 + T)
+    router = RouterLinear((torch.randn(E, N, generator=gen) * 0.1).to(DEV))
+    bias = (torch.randn(E, generator=gen) * 0.5).float() if sigmoid else None
+    routing = GroupedTopK(E, k, groups, topk_group, norm, scale, "sigmoid" if sigmoid else "softmax")
+    nw = (1 + 0.5 * torch.randn(N, generator=gen)).to(dtype).to(DEV)
+    eps = 1e-6
+    for _ in range(2):
+        h = torch.randn(T, N, generator=gen).to(dtype).to(DEV)
+        delta = torch.randn(T, N, generator=gen).to(dtype).to(DEV)
+        out = ops.add_norm_grouped_route(h, delta, nw, eps, router, None if bias is None else bias.to(DEV), routing)
+        assert out is not None, "the Triton ops fuse a RouterLinear's grouped decode routing"
+        h_new, x, ids, w = out
+        h_ref = h.double() + delta.double()
+        _close(h_new, h_ref, _tol(ops, dtype) / 2, "h + delta")
+        _close(x, _rms64(h_ref, nw, eps), _tol(ops, dtype), "rms norm")
+        logits = x.double().cpu() @ router.weight.double().cpu().T
+        chosen, ref = _grouped_top_k64(logits, bias, groups, topk_group, k, norm, scale)
+        assert ids.cpu().tolist() == chosen, f"{shape}: experts"
+        assert float((w.cpu().double() - ref).abs().max() / ref.abs().max()) <= 1e-6, f"{shape}: weights"
+        assert int(zeroed_counters("add_norm_route", h_new.device, T).abs().sum()) == 0, "the counters are left at zero"
+    if sigmoid:  # the bias moved the choice: without it other experts win
+        plain, _ = _grouped_top_k64(logits, torch.zeros(E), groups, topk_group, k, norm, scale)
+        assert plain != chosen
+    assert TorchDenseOps().add_norm_grouped_route(h, delta, nw, eps, router, bias, routing) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: graph-replayed timing")
 def test_add_norm_route_tiles_timing():
@@ -536,6 +577,15 @@ for h in (2880, 200):  # GPT-OSS's hidden size, and one that is no power of two 
     attempt(f"moe_bias_add {h}", dk._moe_bias_add_kernel,
             {"y_ptr": "*bf16", "y_stride": "i32", "ids_ptr": "*i32", "w_ptr": "*fp32", "bias_ptr": "*fp32",
              "out_ptr": "*bf16", "H": "i32"}, dict(K=4, BLOCK=min(1024, triton.next_power_of_2(h))), 4)
+# the fused grouped routing at GLM-4.5-Air's and DeepSeek-V3's shapes
+ROUTE = {"h_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "rw_ptr": "*fp32", "h_out_ptr": "*bf16",
+         "x_out_ptr": "*bf16", "logits_ptr": "*fp32", "count_ptr": "*i32", "cb_ptr": "*fp32", "ids_ptr": "*i32",
+         "w_ptr": "*fp32", "N": "i32", "eps": "fp32", "scale": "fp32"}
+for n, e, groups, topk_group, per_p in ((4096, 128, 1, 1, 128), (7168, 256, 8, 4, 32)):
+    attempt(f"add_norm_grouped_route {e}/{groups}", dk._add_norm_grouped_route_kernel, ROUTE,
+            dict(E=e, GROUPS=groups, PER=e // groups, GP=triton.next_power_of_2(groups), PP=per_p,
+                 TOPK_GROUP=topk_group, K=8, KP=8, SIGMOID=True, NORM=True, BLOCK=triton.next_power_of_2(n),
+                 BLOCK_E=dk.ROUTE_BLOCK_E), 8)
 print(json.dumps(report))
 """
 

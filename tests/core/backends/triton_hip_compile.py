@@ -146,6 +146,13 @@ def dense_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
             dot._moe_bias_add_kernel, target,
             {"y_ptr": "*bf16", "y_stride": "i32", "ids_ptr": "*i32", "w_ptr": "*fp32", "bias_ptr": "*fp32",
              "out_ptr": "*bf16", "H": "i32"}, dict(K=4, BLOCK=1024), 4),
+        "dense.add_norm_grouped_route": lambda: compile_kernel(
+            dot._add_norm_grouped_route_kernel, target,
+            {"h_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "rw_ptr": "*fp32", "h_out_ptr": "*bf16",
+             "x_out_ptr": "*bf16", "logits_ptr": "*fp32", "count_ptr": "*i32", "cb_ptr": "*fp32", "ids_ptr": "*i32",
+             "w_ptr": "*fp32", "N": "i32", "eps": "fp32", "scale": "fp32"},
+            dict(E=256, GROUPS=8, PER=32, GP=8, PP=32, TOPK_GROUP=4, K=TOP_K, KP=TOP_K, SIGMOID=True, NORM=True,
+                 BLOCK=HIDDEN, BLOCK_E=dot.ROUTE_BLOCK_E), 8 if HIDDEN >= 2048 else 4),
         "dense.router_logits": lambda: compile_kernel(
             dot._router_logits_kernel, target, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
             dict(H=HIDDEN, E=experts, BLOCK_E=dot.ROUTER_BLOCK_E, BLOCK_H=512), 4),

@@ -22,7 +22,9 @@ decoder layer fused so that a decode step launches a few kernels per layer, not 
                      the token's norm (the first also stores ``h`` and ``x``) and its experts'
                      logits; the token's last program to finish (a counter taken with an
                      atomic add) selects the top-k from every program's logits and sets the
-                     counter back to zero for the next launch
+                     counter back to zero for the next launch (a float32 router bias added
+                     to the logits where the router has one)
+* ``add_norm_grouped_route`` the same with ``grouped_top_k``'s choice (GLM-4.5, DeepSeek)
 
 Each kernel rounds to the activation dtype at the points where the torch implementation
 (:class:`freetoken.models.dense_ops.TorchDenseOps`) stores a tensor in that dtype and
@@ -299,10 +301,12 @@ def router_logits(x, weight, out) -> None:
 
 
 @triton.jit
-def _add_norm_route_kernel(h_ptr, d_ptr, nw_ptr, rw_ptr, rb_ptr, h_out_ptr, x_out_ptr, logits_ptr, count_ptr,
-                           ids_ptr, w_ptr, N, E, eps, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                           BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, EP: tl.constexpr,
-                           HAS_BIAS: tl.constexpr):  # fmt: skip
+def _norm_route_logits(h_ptr, d_ptr, nw_ptr, rw_ptr, rb_ptr, h_out_ptr, x_out_ptr, logits_ptr, count_ptr, N, E, eps,
+                       BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The shared part of the fused decode routings: token ``t``'s ``add_rms_norm`` (the
+    first program stores ``h`` and ``x``) and this program's experts' float32 logits (plus the
+    router's bias); True in the token's last program to finish, which then sees every
+    program's logits (and sets the counter back to zero after its selection)."""
     pid = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -334,12 +338,39 @@ def _add_norm_route_kernel(h_ptr, d_ptr, nw_ptr, rw_ptr, rb_ptr, h_out_ptr, x_ou
     # scope); the program that takes the count to the number of programs selects
     tl.debug_barrier()
     done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
+    return done == tl.num_programs(0) - 1
+
+
+@triton.jit
+def _add_norm_route_kernel(h_ptr, d_ptr, nw_ptr, rw_ptr, rb_ptr, h_out_ptr, x_out_ptr, logits_ptr, count_ptr,
+                           ids_ptr, w_ptr, N, E, eps, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                           BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, EP: tl.constexpr,
+                           HAS_BIAS: tl.constexpr):  # fmt: skip
+    t = tl.program_id(1).to(tl.int64)
+    if _norm_route_logits(h_ptr, d_ptr, nw_ptr, rw_ptr, rb_ptr, h_out_ptr, x_out_ptr, logits_ptr, count_ptr, N, E,
+                          eps, BLOCK, BLOCK_E, HAS_BIAS):  # fmt: skip
         eo = tl.arange(0, EP)
         vals = tl.load(logits_ptr + t * E + eo, mask=eo < E, other=float("-inf"), cache_modifier=".cg")
         kk, ids, w = _select_top_k(vals, eo, EP, K, KP, NORM)
         tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
         tl.store(w_ptr + t * K + kk, w, mask=kk < K)
+        tl.atomic_xchg(count_ptr + t, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _add_norm_grouped_route_kernel(h_ptr, d_ptr, nw_ptr, rw_ptr, h_out_ptr, x_out_ptr, logits_ptr, count_ptr, cb_ptr,
+                                   ids_ptr, w_ptr, N, eps, scale, E: tl.constexpr, GROUPS: tl.constexpr,
+                                   PER: tl.constexpr, GP: tl.constexpr, PP: tl.constexpr,
+                                   TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                                   SIGMOID: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+                                   BLOCK_E: tl.constexpr):  # fmt: skip
+    t = tl.program_id(1).to(tl.int64)
+    if _norm_route_logits(h_ptr, d_ptr, nw_ptr, rw_ptr, rw_ptr, h_out_ptr, x_out_ptr, logits_ptr, count_ptr, N, E,
+                          eps, BLOCK, BLOCK_E, False):  # fmt: skip
+        kk, ids, w = _grouped_select(logits_ptr + t * E, cb_ptr, E, GROUPS, PER, GP, PP, TOPK_GROUP, K, KP, SIGMOID,
+                                     NORM, ".cg")  # fmt: skip
+        tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
+        tl.store(w_ptr + t * K + kk, w * scale, mask=kk < K)
         tl.atomic_xchg(count_ptr + t, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -369,15 +400,17 @@ def add_norm_route(h, delta, norm_weight, eps: float, router_weight, k: int, nor
 
 
 @triton.jit
-def _grouped_top_k_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, E: tl.constexpr, GROUPS: tl.constexpr,
-                          PER: tl.constexpr, GP: tl.constexpr, PP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                          K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
+def _grouped_select(row_ptr, bias_ptr, E: tl.constexpr, GROUPS: tl.constexpr, PER: tl.constexpr, GP: tl.constexpr,
+                    PP: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                    SIGMOID: tl.constexpr, NORM: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+    """:func:`grouped_top_k`'s choice for one token's float32 logits at ``row_ptr``: ``(kk,
+    ids, w)`` over ``KP`` lanes, the weights not yet scaled. ``CACHE``: the logits' load's
+    cache modifier ("" or ".cg" where other programs of the launch just stored them)."""
     g = tl.arange(0, GP)[:, None]
     p = tl.arange(0, PP)[None, :]
     ok = (g < GROUPS) & (p < PER)
     idx = g * PER + p  # [GP, PP]: the expert of each lane
-    v = tl.load(logits_ptr + row * E + idx, mask=ok, other=float("-inf")).to(tl.float32)
+    v = tl.load(row_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=CACHE).to(tl.float32)
     if SIGMOID:
         scores = tl.where(ok, 1.0 / (1.0 + tl.exp(-v)), 0.0)
         choice = tl.where(ok, scores + tl.load(bias_ptr + idx, mask=ok, other=0.0), float("-inf"))
@@ -411,8 +444,42 @@ def _grouped_top_k_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, E: tl.con
         choice = tl.where(idx == i, float("-inf"), choice)
     if NORM:
         w = w / (tl.sum(w, axis=0) + 1e-20)
+    return kk, ids, w
+
+
+@triton.jit
+def _grouped_top_k_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scale, E: tl.constexpr, GROUPS: tl.constexpr,
+                          PER: tl.constexpr, GP: tl.constexpr, PP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                          K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    kk, ids, w = _grouped_select(logits_ptr + row * E, bias_ptr, E, GROUPS, PER, GP, PP, TOPK_GROUP, K, KP, SIGMOID,
+                                 NORM, "")  # fmt: skip
     tl.store(ids_ptr + row * K + kk, ids, mask=kk < K)
     tl.store(w_ptr + row * K + kk, w * scale, mask=kk < K)
+
+
+def _grouped_consts(E: int, groups: int, topk_group: int, k: int, sigmoid: bool, norm: bool) -> dict:
+    """The constexprs of the grouped selection (:func:`_grouped_select`)."""
+    per = E // groups
+    return dict(E=E, GROUPS=groups, PER=per, GP=triton.next_power_of_2(groups), PP=triton.next_power_of_2(per),
+                TOPK_GROUP=topk_group, K=k, KP=triton.next_power_of_2(k), SIGMOID=sigmoid, NORM=norm)
+
+
+def add_norm_grouped_route(h, delta, norm_weight, eps: float, router_weight, correction_bias, groups: int,
+                           topk_group: int, k: int, sigmoid: bool, norm: bool, scale: float, h_out, x_out, logits,
+                           counts, ids_out, w_out, block_e: int = ROUTE_BLOCK_E) -> None:  # fmt: skip
+    """:func:`add_norm_route` with :func:`grouped_top_k`'s choice (``correction_bias``: float32
+    ``[E]`` for sigmoid scoring, None for softmax), one launch."""
+    T, N = h.shape
+    E = router_weight.shape[0]
+    if T == 0:
+        return
+    block = triton.next_power_of_2(N)
+    opts = triton_target.for_device(h.device).launch_options(8 if block >= 2048 else 4)
+    _add_norm_grouped_route_kernel[(triton.cdiv(E, block_e), T)](
+        h, delta, norm_weight, router_weight, h_out, x_out, logits, counts,
+        correction_bias if correction_bias is not None else router_weight, ids_out, w_out, N, eps, float(scale),
+        **_grouped_consts(E, groups, topk_group, k, sigmoid, norm), BLOCK=block, BLOCK_E=block_e, **opts)  # fmt: skip
 
 
 #: the most routed experts :func:`grouped_top_k` takes (a program holds a token's scores)
@@ -431,9 +498,6 @@ def grouped_top_k(logits, bias, groups: int, topk_group: int, k: int, sigmoid: b
     T, E = logits.shape
     if T == 0:
         return
-    per = E // groups
     opts = triton_target.for_device(logits.device).launch_options(1 if E <= 256 else 4)
-    _grouped_top_k_kernel[(T,)](logits, bias if bias is not None else logits, ids_out, w_out, float(scale), E=E,
-                                GROUPS=groups, PER=per, GP=triton.next_power_of_2(groups),
-                                PP=triton.next_power_of_2(per), TOPK_GROUP=topk_group, K=k,
-                                KP=triton.next_power_of_2(k), SIGMOID=sigmoid, NORM=norm, **opts)  # fmt: skip
+    _grouped_top_k_kernel[(T,)](logits, bias if bias is not None else logits, ids_out, w_out, float(scale),
+                                **_grouped_consts(E, groups, topk_group, k, sigmoid, norm), **opts)  # fmt: skip

@@ -87,6 +87,14 @@ class DenseOps:
         the three). This implementation: None."""
         return None
 
+    def add_norm_grouped_route(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                               router: Any, correction_bias: Optional[torch.Tensor],
+                               routing: Any) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """:meth:`add_norm_route` with :meth:`grouped_top_k`'s choice instead of the softmax
+        top-k: ``(h + delta, x, ids, weights)`` where an implementation has it as one
+        operation; None where it has not. This implementation: None."""
+        return None
+
     def bias_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], rotary: Rotary,
                         cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
@@ -266,6 +274,34 @@ class TritonDenseOps(DenseOps):
         w = torch.empty(T, k, dtype=torch.float32, device=h.device)
         self.k.add_norm_route(h, delta.contiguous(), weight, eps, rw, k, norm, h_new, x, logits,
                               zeroed_counters("add_norm_route", h.device, T), ids, w, bias=bias)  # fmt: skip
+        return h_new, x, ids, w
+
+    def add_norm_grouped_route(self, h, delta, weight, eps, router, correction_bias, routing):
+        """One launch under :meth:`add_norm_route`'s conditions (a float32 ``RouterLinear``, no
+        router bias) for at most :data:`~freetoken.kernels.dense_ops.GROUPED_TOP_K_MAX_EXPERTS`
+        experts and a float32 correction bias on the device; else None."""
+        from freetoken.kernels.counters import zeroed_counters
+        from freetoken.models.layers import RouterLinear
+
+        T, N = h.shape
+        rw = getattr(router, "weight", None)
+        if (type(router) is not RouterLinear or T > RouterLinear.gemv_tokens or N > FUSED_ROUTE_MAX_COLS
+                or rw is None or not rw.is_contiguous() or rw.shape[1] != N or h.device != rw.device
+                or rw.shape[0] > self.k.GROUPED_TOP_K_MAX_EXPERTS):
+            return None
+        if correction_bias is not None and (correction_bias.dtype != torch.float32 or not correction_bias.is_contiguous()
+                                            or correction_bias.device != h.device):
+            return None
+        E = rw.shape[0]
+        h = h.contiguous()
+        h_new, x = torch.empty_like(h), torch.empty_like(h)
+        logits = torch.empty(T, E, dtype=torch.float32, device=h.device)
+        ids = torch.empty(T, routing.top_k, dtype=torch.int32, device=h.device)
+        w = torch.empty(T, routing.top_k, dtype=torch.float32, device=h.device)
+        self.k.add_norm_grouped_route(h, delta.contiguous(), weight, eps, rw, correction_bias, routing.n_group,
+                                      routing.topk_group, routing.top_k, correction_bias is not None,
+                                      routing.norm_topk_prob, routing.routed_scaling_factor, h_new, x, logits,
+                                      zeroed_counters("add_norm_route", h.device, T), ids, w)  # fmt: skip
         return h_new, x, ids, w
 
 

@@ -23,7 +23,7 @@ from freetoken.loading.tensors import RawTensor, TensorSource
 from freetoken.models.config import ModelConfig
 from freetoken.models.dense_ops import DenseOps
 from freetoken.models.layers import BiasedRouter, FusedLinears
-from freetoken.models.moe_layer import ExpertWeights, MoELayer, stack_experts
+from freetoken.models.moe_layer import ExpertWeights, MoELayer, fuses_route, stack_experts
 from freetoken.models.routing import GroupedTopK
 
 #: the constant the folded gate/up biases of :class:`BiasedMoELayer` multiply: columns
@@ -64,15 +64,14 @@ class SharedExpertMoELayer(MoELayer):
         self.shared = shared
         self.shared_gate = shared_gate  # [hidden]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+    def from_routes(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = self.run_experts(x, ids, w)
         s = self.shared(x)
-        w = torch.sigmoid(x @ self.shared_gate.to(x.dtype)).unsqueeze(-1)
-        return y + w * s
-
-    __call__ = forward
+        gate = torch.sigmoid(x @ self.shared_gate.to(x.dtype)).unsqueeze(-1)
+        return y + gate * s
 
 
+@fuses_route
 class GroupedTopKMoELayer(MoELayer):
     """Routed experts chosen by :func:`~freetoken.models.routing.grouped_sigmoid_top_k`
     (sigmoid scores, the correction bias for the choice only, grouped top-k, renormalised and
@@ -94,13 +93,15 @@ class GroupedTopKMoELayer(MoELayer):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.grouped_top_k(self.router(x), self.correction_bias, self.routing)  # type: ignore[operator]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+    def fused_route(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+        return self.ops.add_norm_grouped_route(h, delta, weight, eps, self.router, self.correction_bias, self.routing)
+
+    def from_routes(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = self.run_experts(x, ids, w)
         if self.shared is not None:
             y = y + self.shared(x)
         return y
-
-    __call__ = forward
 
 
 class BiasedMoELayer(MoELayer):

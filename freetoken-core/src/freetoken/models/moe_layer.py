@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -118,13 +118,21 @@ class MoELayer:
         only :meth:`from_routes`), or a :meth:`route` replaced on the instance or class (a
         recorder), takes the second way."""
         fused = None
-        if type(self).forward is _PLAIN_FORWARD and type(self).route is _PLAIN_ROUTE and "route" not in vars(self):
-            fused = self.ops.add_norm_route(h, delta, weight, eps, self.router, self.top_k, self.norm_topk_prob)
+        if (type(self).forward is _PLAIN_FORWARD and type(self).route is _FUSED_ROUTES.get(type(self), _PLAIN_ROUTE)
+                and "route" not in vars(self)):
+            fused = self.fused_route(h, delta, weight, eps)
         if fused is None:
             h, x = self.ops.add_rms_norm(h, delta, weight, eps)
             return h, self.forward(x)
         h, x, ids, w = fused
         return h, self.from_routes(x, ids, w)
+
+    def fused_route(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """:meth:`route`'s choice fused with the pre-norm by the dense ops (``(h + delta, x,
+        ids, w)``), or None where they do not fuse it. A subclass whose :meth:`route` differs
+        overrides both and registers the pair (:func:`fuses_route`)."""
+        return self.ops.add_norm_route(h, delta, weight, eps, self.router, self.top_k, self.norm_topk_prob)
 
     def run_experts(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self._experts_fn is None:
@@ -139,3 +147,12 @@ class MoELayer:
 #: replaces ``MoELayer.route`` itself must still turn the fused routing off
 _PLAIN_ROUTE = MoELayer.route
 _PLAIN_FORWARD = MoELayer.forward
+#: subclasses with their own :meth:`MoELayer.route` and a :meth:`MoELayer.fused_route` of it, by
+#: class: the route as the class defines it (one replaced later, a recorder, turns the fusion off)
+_FUSED_ROUTES: dict[type, Any] = {}
+
+
+def fuses_route(cls: type) -> type:
+    """Class decorator: ``cls.fused_route`` computes ``cls.route``'s choice (kept as defined now)."""
+    _FUSED_ROUTES[cls] = cls.route
+    return cls
