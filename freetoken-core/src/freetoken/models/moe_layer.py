@@ -112,9 +112,9 @@ class MoELayer:
     def add_norm_forward(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The residual ``h + delta`` and this layer's output for its RMSNorm (times
-        ``weight``): :meth:`DenseOps.add_norm_route` where the ops fuse the norm with the
-        router and top-k (one launch instead of three per decode step), else
-        ``add_rms_norm`` then :meth:`forward`. A subclass that changes :meth:`forward` (not
+        ``weight``): :meth:`fused_route` (:meth:`DenseOps.add_norm_route`, or the grouped form)
+        where the ops fuse the norm with the router and its choice (one launch instead of three
+        per decode step), then :meth:`from_routes`; else ``add_rms_norm`` then :meth:`forward`. A subclass that changes :meth:`forward` (not
         only :meth:`from_routes`), or a :meth:`route` replaced on the instance or class (a
         recorder), takes the second way."""
         fused = None
