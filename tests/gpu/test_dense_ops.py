@@ -541,20 +541,25 @@ def test_router_linear_takes_the_gemv_for_decode_and_the_matmul_for_prompts():
 
 
 QK_SM90_SCRIPT = r"""
-import json, sys, triton
+import json, os, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from freetoken.kernels import dense_ops as dk
+
+sys.path.insert(0, sys.argv[2])  # tests/gpu: the spill reading of packed_sm90_spills
+from packed_sm90_spills import CUOBJDUMP, resources
 
 target = GPUTarget("cuda", 90, 32)
 report = {}
 
 
 def attempt(key, kernel, sig, consts, warps):
+    # True: compiled, and (where Triton has cuobjdump) no local-memory stack
     sig = {**sig, **{k: "constexpr" for k in consts}}
     try:
         k = triton.compile(ASTSource(kernel, sig, consts, {}), target=target, options=dict(num_warps=warps))
-        report[key] = bool(k.asm.get("cubin"))
+        stack = resources(k)["stack_bytes"] if os.path.exists(CUOBJDUMP) else 0
+        report[key] = bool(k.asm.get("cubin")) and (stack == 0 or f"a {stack}-byte stack")
     except Exception as exc:
         report[key] = f"{type(exc).__name__}: {str(exc)[-300:]}"
 
@@ -581,20 +586,22 @@ for h in (2880, 200):  # GPT-OSS's hidden size, and one that is no power of two 
 ROUTE = {"h_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "rw_ptr": "*fp32", "h_out_ptr": "*bf16",
          "x_out_ptr": "*bf16", "logits_ptr": "*fp32", "count_ptr": "*i32", "cb_ptr": "*fp32", "ids_ptr": "*i32",
          "w_ptr": "*fp32", "N": "i32", "eps": "fp32", "scale": "fp32"}
-for n, e, groups, topk_group, per_p in ((4096, 128, 1, 1, 128), (7168, 256, 8, 4, 32)):
-    attempt(f"add_norm_grouped_route {e}/{groups}", dk._add_norm_grouped_route_kernel, ROUTE,
+for n, e, groups, topk_group, per_p in ((4096, 128, 1, 1, 128), (7168, 256, 8, 4, 32), (5120, 160, 1, 1, 256)):
+    block = triton.next_power_of_2(n)
+    attempt(f"add_norm_grouped_route {n}/{e}/{groups}", dk._add_norm_grouped_route_kernel, ROUTE,
             dict(E=e, GROUPS=groups, PER=e // groups, GP=triton.next_power_of_2(groups), PP=per_p,
-                 TOPK_GROUP=topk_group, K=8, KP=8, SIGMOID=True, NORM=True, BLOCK=triton.next_power_of_2(n),
-                 BLOCK_E=dk.ROUTE_BLOCK_E), 8)
+                 TOPK_GROUP=topk_group, K=8, KP=8, SIGMOID=True, NORM=True, BLOCK=block,
+                 BLOCK_E=dk.ROUTE_BLOCK_E), dk._route_warps(block))
 print(json.dumps(report))
 """
 
 
 def test_qk_norm_rope_compiles_for_sm90_at_any_head_size():
     """The issue's failure was Triton's compiler ('arange's range must be a power of 2'), which
-    the interpreter does not check: compile the kernel (and the bias + RoPE one, and the MoE
-    bias add) for sm_90 (no GPU needed) at the head sizes of the tests, in a process without
-    TRITON_INTERPRET."""
+    the interpreter does not check: compile the kernel (and the bias + RoPE one, the MoE bias
+    add and the fused grouped routing at GLM-4.5(-Air)'s and DeepSeek-V3's widths) for sm_90
+    (no GPU needed) at the head sizes of the tests, in a process without TRITON_INTERPRET; none
+    keeps a local-memory stack (where Triton ships cuobjdump)."""
     import json
     import os
     import subprocess
@@ -602,8 +609,9 @@ def test_qk_norm_rope_compiles_for_sm90_at_any_head_size():
 
     sizes = [[24, 24], [80, 80], [96, 96], [128, 128], [192, 192], [192, 128], [24, 16]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", QK_SM90_SCRIPT, json.dumps(sizes)], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", QK_SM90_SCRIPT, json.dumps(sizes), here], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(v is True for v in report.values()), report
