@@ -2,13 +2,15 @@
 gpu/packed_moe.cuh) behind PackedGpuExperts, on the GPU machine.
 
 Every result is compared with float64 over gguf-py's dequantization of random Q4_K, Q6_K,
-Q8_0 and MXFP4 blocks (tests/gpu/expert_reference.reference_experts), with the token and each route's h
-quantized per 32 values as the kernels do it (int8_groups, the Triton int8 dots' rounding),
+Q8_0 and MXFP4 blocks (tests/gpu/expert_reference.reference_experts), with the token and
+each route's h quantized per 32 values as the kernels do it (int8_groups, the Triton int8
+dots' rounding),
 and against the unquantized result (the quantization's error is there, and small). Outputs
 are poisoned (NaN) first; the Triton launch is made to fail, so a result can only come from
 the native kernels. Without a GPU, or with an extension built without the kernels, the module
-is skipped (CI compiles them with nvcc: test_gpu_packages; the dispatch through an engine runs
-in CI: test_gemv_dispatch.py).
+is skipped (CI compiles them with nvcc: test_gpu_packages, and reads their resources:
+test_native_kernel_resources; the dispatch through an engine runs in CI:
+test_gemv_dispatch.py).
 """
 
 from __future__ import annotations
