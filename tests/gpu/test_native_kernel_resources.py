@@ -14,9 +14,10 @@ import subprocess
 
 import pytest
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+from packed_sm90_spills import CUOBJDUMP  # noqa: E402  (Triton's cuobjdump)
+
 #: one kernel's lines of ``cuobjdump -res-usage``: its (mangled) name, then its resources
 _FUNCTION = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)")
 #: Stacks known and left: (architecture, a piece of the kernel's name) -> bytes. On sm_120,

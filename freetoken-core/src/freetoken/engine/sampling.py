@@ -9,8 +9,8 @@ knobs.
 
 A request with a token constraint (:mod:`freetoken.engine.constraints`) that restricts
 its next token has its disallowed tokens masked right after the penalties, before
-temperature and the filters. Its log-probabilities are those of the distribution it was actually drawn
-from before the knobs: the model's log-softmax renormalised over the allowed
+temperature and the filters. Its log-probabilities are those of the distribution it was
+actually drawn from before the knobs: the model's log-softmax renormalised over the allowed
 tokens (``top_logprobs`` lists allowed tokens only). Unconstrained requests take
 exactly the same path as before.
 

@@ -46,6 +46,8 @@ import triton.language as tl
 
 from freetoken.backends import triton_target
 from freetoken.kernels.moe_packed import (
+    FMT_Q4_K,
+    FMT_Q6_K,
     FORMAT_NAMES,
     FORMATS,
     PackedStack,
@@ -249,7 +251,7 @@ def one_token_tiles(config: PackedLinearConfig, fmt: int, backend: str) -> Packe
     steps. Compiled for sm_90, NVIDIA_CONFIG's 8 x 2048 tiles with 2 warps kept 3.2 KB a
     thread in local memory over Q8_0 rows of 2880 columns and 2.1 KB over Q5_K ones
     (tests/gpu/packed_sm90_spills.py). ``block_n`` is kept (the grid)."""
-    if backend != "cuda" or (config.int8_dot and fmt in (12, 14)):
+    if backend != "cuda" or (config.int8_dot and fmt in (FMT_Q4_K, FMT_Q6_K)):
         return config
     block_k, warps = capped_byte_tiles(config.block_n, config.block_k, config.num_warps, 32)
     if (block_k, warps) == (config.block_k, config.num_warps):

@@ -249,60 +249,71 @@ class TritonDenseOps(DenseOps):
         return ids, w
 
     def add_norm_route(self, h, delta, weight, eps, router, k, norm):
-        """One launch for a decode step's few tokens (up to ``RouterLinear.gemv_tokens``) with a
-        float32 :class:`~freetoken.models.layers.RouterLinear` (or one with a float32 bias:
-        :class:`~freetoken.models.layers.BiasedRouter`) and rows of at most
-        :data:`FUSED_ROUTE_MAX_COLS` values; else None."""
-        from freetoken.kernels.counters import zeroed_counters
-        from freetoken.models.layers import BiasedRouter, RouterLinear
+        """One launch for a decode step's few tokens with a router the fused routings take
+        (:func:`_fused_router_weight`), or one with a float32 bias
+        (:class:`~freetoken.models.layers.BiasedRouter`); else None."""
+        from freetoken.models.layers import BiasedRouter
 
         bias = None
         if type(router) is BiasedRouter:
             router, bias = router.linear, router.bias
-            if bias.dtype != torch.float32 or not bias.is_contiguous() or bias.device != h.device:
+            if not _float32_on(bias, h.device):
                 return None
-        T, N = h.shape
-        rw = getattr(router, "weight", None)
-        if (type(router) is not RouterLinear or T > RouterLinear.gemv_tokens or N > FUSED_ROUTE_MAX_COLS
-                or rw is None or not rw.is_contiguous() or rw.shape[1] != N or h.device != rw.device):
+        rw = _fused_router_weight(h, router)
+        if rw is None:
             return None
-        E = rw.shape[0]
-        h = h.contiguous()
-        h_new, x = torch.empty_like(h), torch.empty_like(h)
-        logits = torch.empty(T, E, dtype=torch.float32, device=h.device)
-        ids = torch.empty(T, k, dtype=torch.int32, device=h.device)
-        w = torch.empty(T, k, dtype=torch.float32, device=h.device)
-        self.k.add_norm_route(h, delta.contiguous(), weight, eps, rw, k, norm, h_new, x, logits,
-                              zeroed_counters("add_norm_route", h.device, T), ids, w, bias=bias)  # fmt: skip
+        h, h_new, x, logits, ids, w, counts = _routing_outputs(h, rw.shape[0], k)
+        self.k.add_norm_route(h, delta.contiguous(), weight, eps, rw, k, norm, h_new, x, logits, counts, ids, w,
+                              bias=bias)  # fmt: skip
         return h_new, x, ids, w
 
     def add_norm_grouped_route(self, h, delta, weight, eps, router, correction_bias, routing):
-        """One launch under :meth:`add_norm_route`'s conditions (a float32 ``RouterLinear``, no
-        router bias) for at most :data:`~freetoken.kernels.dense_ops.GROUPED_TOP_K_MAX_EXPERTS`
-        experts and a float32 correction bias on the device; else None."""
-        from freetoken.kernels.counters import zeroed_counters
-        from freetoken.models.layers import RouterLinear
-
-        T, N = h.shape
-        rw = getattr(router, "weight", None)
-        if (type(router) is not RouterLinear or T > RouterLinear.gemv_tokens or N > FUSED_ROUTE_MAX_COLS
-                or rw is None or not rw.is_contiguous() or rw.shape[1] != N or h.device != rw.device
-                or rw.shape[0] > self.k.GROUPED_TOP_K_MAX_EXPERTS):
+        """One launch under :meth:`add_norm_route`'s conditions (no router bias) for at most
+        :data:`~freetoken.kernels.dense_ops.GROUPED_TOP_K_MAX_EXPERTS` experts and a float32
+        correction bias on the device; else None."""
+        rw = _fused_router_weight(h, router)
+        if rw is None or rw.shape[0] > self.k.GROUPED_TOP_K_MAX_EXPERTS:
             return None
-        if correction_bias is not None and (correction_bias.dtype != torch.float32 or not correction_bias.is_contiguous()
-                                            or correction_bias.device != h.device):
+        if correction_bias is not None and not _float32_on(correction_bias, h.device):
             return None
-        E = rw.shape[0]
-        h = h.contiguous()
-        h_new, x = torch.empty_like(h), torch.empty_like(h)
-        logits = torch.empty(T, E, dtype=torch.float32, device=h.device)
-        ids = torch.empty(T, routing.top_k, dtype=torch.int32, device=h.device)
-        w = torch.empty(T, routing.top_k, dtype=torch.float32, device=h.device)
+        h, h_new, x, logits, ids, w, counts = _routing_outputs(h, rw.shape[0], routing.top_k)
         self.k.add_norm_grouped_route(h, delta.contiguous(), weight, eps, rw, correction_bias, routing.n_group,
                                       routing.topk_group, routing.top_k, correction_bias is not None,
                                       routing.norm_topk_prob, routing.routed_scaling_factor, h_new, x, logits,
-                                      zeroed_counters("add_norm_route", h.device, T), ids, w)  # fmt: skip
+                                      counts, ids, w)  # fmt: skip
         return h_new, x, ids, w
+
+
+def _fused_router_weight(h: torch.Tensor, router: Any) -> Optional[torch.Tensor]:
+    """The float32 weight the fused decode routings read from ``router``: a contiguous
+    :class:`~freetoken.models.layers.RouterLinear` on ``h``'s device, for at most
+    ``RouterLinear.gemv_tokens`` tokens of rows of at most :data:`FUSED_ROUTE_MAX_COLS` values;
+    else None."""
+    from freetoken.models.layers import RouterLinear
+
+    T, N = h.shape
+    rw = getattr(router, "weight", None)
+    if (type(router) is not RouterLinear or T > RouterLinear.gemv_tokens or N > FUSED_ROUTE_MAX_COLS
+            or rw is None or not rw.is_contiguous() or rw.shape[1] != N or h.device != rw.device):
+        return None
+    return rw
+
+
+def _float32_on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.dtype == torch.float32 and t.is_contiguous() and t.device == device
+
+
+def _routing_outputs(h: torch.Tensor, experts: int, k: int) -> tuple[torch.Tensor, ...]:
+    """``h`` contiguous and the fused routings' outputs for it: ``h + delta``, ``x``, the float32
+    logits ``[T, experts]``, int32 ids and float32 weights ``[T, k]``, and the zeroed counters."""
+    from freetoken.kernels.counters import zeroed_counters
+
+    T = h.shape[0]
+    h = h.contiguous()
+    return (h, torch.empty_like(h), torch.empty_like(h),
+            torch.empty(T, experts, dtype=torch.float32, device=h.device),
+            torch.empty(T, k, dtype=torch.int32, device=h.device), torch.empty(T, k, dtype=torch.float32, device=h.device),
+            zeroed_counters("add_norm_route", h.device, T))  # fmt: skip
 
 
 TORCH_OPS = TorchDenseOps()

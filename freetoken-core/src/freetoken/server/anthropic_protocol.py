@@ -129,8 +129,9 @@ class ToolChoice(BaseModel):
 class ThinkingParam(BaseModel):
     """Thinking: ``enabled`` (with a ``budget_tokens``, checked as Anthropic checks it; the
     reasoning ends after that many tokens), ``adaptive`` and ``between_tools`` show a
-    reasoning model's reasoning as ``thinking`` blocks (``display: omitted``: the blocks without their text); ``disabled``
-    asks the chat template for an answer without reasoning (``enable_thinking`` false)."""
+    reasoning model's reasoning as ``thinking`` blocks (``display: omitted``: the blocks
+    without their text); ``disabled`` asks the chat template for an answer without reasoning
+    (``enable_thinking`` false)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
