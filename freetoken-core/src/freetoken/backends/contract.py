@@ -192,6 +192,23 @@ class GraphCapture(abc.ABC):
 #: the routed experts of one MoE layer (the weighted sum over each token's top-k routes).
 ExpertsFn = Callable[[Any, Any, Any], Any]
 
+#: work of a MoE layer that does not depend on its routed experts (a shared expert): a
+#: no-argument callable returning a new ``[T, H]`` tensor in x's dtype, added to their output
+BesideFn = Callable[[], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlappedExpertsFn:
+    """An :data:`ExpertsFn` that can also take the layer's :data:`BesideFn` and run it while
+    the routed experts run elsewhere (a hybrid layer: after the hand-off to the CPU, before
+    its result is awaited), returning the experts' output plus the beside work's. Called
+    with three arguments it is the plain experts function."""
+
+    run: Callable[[Any, Any, Any, Optional[BesideFn]], Any]
+
+    def __call__(self, x: Any, ids: Any, w: Any) -> Any:
+        return self.run(x, ids, w, None)
+
 
 class Linear(Protocol):
     """A runnable projection ``y = x @ W.T`` (what :meth:`WeightPolicy.linear` returns)."""

@@ -65,10 +65,11 @@ class SharedExpertMoELayer(MoELayer):
         self.shared_gate = shared_gate  # [hidden]
 
     def from_routes(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        y = self.run_experts(x, ids, w)
-        s = self.shared(x)
-        gate = torch.sigmoid(x @ self.shared_gate.to(x.dtype)).unsqueeze(-1)
-        return y + gate * s
+        def shared() -> torch.Tensor:
+            gate = torch.sigmoid(x @ self.shared_gate.to(x.dtype)).unsqueeze(-1)
+            return gate * self.shared(x)
+
+        return self.run_experts(x, ids, w, beside=shared)
 
 
 @fuses_route
@@ -98,10 +99,8 @@ class GroupedTopKMoELayer(MoELayer):
         return self.ops.add_norm_grouped_route(h, delta, weight, eps, self.router, self.correction_bias, self.routing)
 
     def from_routes(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        y = self.run_experts(x, ids, w)
-        if self.shared is not None:
-            y = y + self.shared(x)
-        return y
+        shared = self.shared
+        return self.run_experts(x, ids, w, beside=None if shared is None else lambda: shared(x))
 
 
 class BiasedMoELayer(MoELayer):

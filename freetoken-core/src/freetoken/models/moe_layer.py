@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from freetoken.backends.contract import ExpertsFn, Linear, MoELayerSpec
+from freetoken.backends.contract import BesideFn, ExpertsFn, Linear, MoELayerSpec, OverlappedExpertsFn
 from freetoken.loading.tensors import RawTensor
 from freetoken.models.dense_ops import TORCH_OPS, DenseOps
 
@@ -134,13 +134,22 @@ class MoELayer:
         overrides both and registers the pair (:func:`fuses_route`)."""
         return self.ops.add_norm_route(h, delta, weight, eps, self.router, self.top_k, self.norm_topk_prob)
 
-    def run_experts(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self._experts_fn is None:
+    def run_experts(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                    beside: Optional[BesideFn] = None) -> torch.Tensor:  # fmt: skip
+        """The routed experts' output, plus ``beside()`` (work independent of them, such as a
+        shared expert) where given: run while the experts run elsewhere where the function
+        can (:class:`~freetoken.backends.contract.OverlappedExpertsFn`), else after them."""
+        fn = self._experts_fn
+        if fn is None:
             raise RuntimeError(
                 f"MoE layer {self.layer}: no routed-experts function; the engine installs one from the "
                 "backend's model session (ModelSession.routed_experts) before the model runs"
             )
-        return self._experts_fn(x, ids, w)
+        if beside is None:
+            return fn(x, ids, w)
+        if isinstance(fn, OverlappedExpertsFn):
+            return fn.run(x, ids, w, beside)
+        return fn(x, ids, w) + beside()
 
 
 #: the class's own route and forward, kept apart from the class attributes: a recorder that

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from freetoken.backends.contract import on_gpu
+from freetoken.backends.contract import BesideFn, OverlappedExpertsFn, on_gpu
 from freetoken.backends.options import MoEOptions
 from freetoken.moe.experts.copy_queue import CopyQueue
 from freetoken.moe.experts.expert_cache import ExpertCache
@@ -47,8 +47,6 @@ from freetoken.moe.handoff.moe_stats import MoEStats, RouteLog
 from freetoken.moe.experts.prefill_stream import PrefillStreamer, StreamProfile, measure_threshold, streamable
 
 log = logging.getLogger(__name__)
-
-ExpertsFn = Callable[[Any, Any, Any], Any]
 
 
 class ExpertTraffic:
@@ -223,21 +221,23 @@ class ExpertTraffic:
         return (SplitGpuExperts(cached, resident, gpu, e.hidden),
                 LockedPlacement(resident, fraction=o.locked_fetch, max_fetch=o.locked_max_fetch))
 
-    def wrap(self, layer: int, fn: Callable[[], ExpertsFn]) -> ExpertsFn:
-        """The layer's experts function: routes recorded, streaming steps computed on the GPU,
-        else ``fn()`` (looked up at each call: the session installs executors at start)."""
+    def wrap(self, layer: int, run: Callable[[Any, Any, Any, Optional[BesideFn]], Any]) -> OverlappedExpertsFn:
+        """The layer's experts function: routes recorded, streaming steps computed on the GPU
+        (the beside work after them), else ``run`` (the session's own, which looks its
+        executors up at each call: they are installed at start)."""
 
-        def experts_fn(x: Any, ids: Any, w: Any) -> Any:
+        def experts_fn(x: Any, ids: Any, w: Any, beside: Optional[BesideFn]) -> Any:
             if self.route_log is not None:
                 self.route_log.record(layer, ids)
             if not self._decode and self._prompt_counts is not None and layer in self.cache.rows:  # type: ignore[union-attr]
                 self._count_prompt_routes(layer, ids)
             st = self.streamer
             if self._streaming and st is not None and layer in st.layers:
-                return st.forward(layer, x, ids, w)
-            return fn()(x, ids, w)
+                y = st.forward(layer, x, ids, w)
+                return y if beside is None else y + beside()
+            return run(x, ids, w, beside)
 
-        return experts_fn
+        return OverlappedExpertsFn(experts_fn)
 
     def _cached_experts(self, layer: int) -> Optional[tuple[Any, Any]]:
         """(the cache's experts of ``layer``, their residency row), or None (no slots for it)."""

@@ -29,8 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from freetoken.backends.contract import Backend
-
+from freetoken.backends.contract import Backend, BesideFn
 from freetoken.backends.handoff_io import HandoffTask, IOPath, SyncMode
 from freetoken.moe.handoff import faults
 from freetoken.moe.experts.routed import GpuRoutedExperts
@@ -180,9 +179,12 @@ class HybridMoEExecutor:
         self.scratch.clear()
 
     # ---- one step --------------------------------------------------------------------
-    def forward(self, x: Any, ids: Any, w: Any, cpu_mask: Optional[Any] = None) -> Any:
+    def forward(self, x: Any, ids: Any, w: Any, cpu_mask: Optional[Any] = None,
+                beside: Optional[BesideFn] = None) -> Any:  # fmt: skip
         """``x [T, H]``, ``ids [T, K]`` expert ids, ``w [T, K]`` routing weights; ``cpu_mask``
-        (bool ``[T, K]``) overrides the placement. Returns ``[T, H]`` in ``x.dtype``."""
+        (bool ``[T, K]``) overrides the placement; ``beside`` (the layer's work that does not
+        depend on its routed experts, e.g. a shared expert) runs on the GPU after the hand-off,
+        while the CPU serves, and its result is added. Returns ``[T, H]`` in ``x.dtype``."""
         import torch
 
         tokens = x.shape[0]
@@ -204,13 +206,16 @@ class HybridMoEExecutor:
             self.kio.publish_routes(stream, task, x.contiguous(), ids.contiguous(), w32, **split)
             self._open.add(task.max_tokens)
             if self._all_cpu(cpu_mask):
-                out = torch.zeros_like(x)
+                out = beside().contiguous() if beside is not None else torch.zeros_like(x)
+                beside = None
             elif self._own_split(cpu_mask):
                 out = self.experts.forward_routes(x, ids, w).contiguous()
             else:
                 if cpu_mask is None:
                     cpu_mask = self.placement.cpu_mask(ids)
                 out = self.experts.forward(x, split_routes(ids, cpu_mask)[0], w).contiguous()
+            if beside is not None:
+                out.add_(beside())
             self.kio.combine(stream, task, out)
             self._open.discard(task.max_tokens)
             return out
@@ -221,8 +226,9 @@ class HybridMoEExecutor:
 
         def gpu_side() -> Any:
             if self.experts is None:
-                return torch.zeros_like(x)
-            return self.experts.forward_routes(x, ids, w) if own else self.experts.forward(x, gpu_ids, w)
+                return beside() if beside is not None else torch.zeros_like(x)
+            y = self.experts.forward_routes(x, ids, w) if own else self.experts.forward(x, gpu_ids, w)
+            return y if beside is None else y + beside()
 
         if self.kio is not None:
             self.kio.publish(stream, task, x.contiguous(), cpu_ids.contiguous(), w32)

@@ -34,7 +34,8 @@ from typing import Any, Optional
 
 import torch
 
-from freetoken.backends.contract import Backend, CpuExperts, ExpertsFn, MoELayerSpec, ModelSession, ModelShape, on_gpu
+from freetoken.backends.contract import (Backend, BesideFn, CpuExperts, ExpertsFn, MoELayerSpec, ModelSession, ModelShape,
+                                        OverlappedExpertsFn, on_gpu)
 from freetoken.backends.handoff_io import IOPath
 from freetoken.backends.options import EngineOptions
 from freetoken.models.layers import DeviceWeightPolicy
@@ -189,14 +190,19 @@ class GpuModelSession(ModelSession):
             experts = GpuExperts(gate, up, down, activation=spec.activation)
             self.gpu_experts[layer] = experts
             self.layer_fns[layer] = experts.forward
-        fns = self.layer_fns
+        fns, executors = self.layer_fns, self.executors
+
+        def run(x: Any, ids: Any, w: Any, beside: Optional[BesideFn]) -> Any:
+            # looked up at each call: a CPU layer's executor is installed at start
+            ex = executors.get(layer)
+            if beside is not None and ex is not None:
+                return ex.forward(x, ids, w, beside=beside)  # beside the CPU's serve
+            y = fns[layer](x, ids, w)
+            return y if beside is None else y + beside()
+
         if self.traffic is not None:
-            return self.traffic.wrap(layer, lambda: fns[layer])
-
-        def experts_fn(x: Any, ids: Any, w: Any) -> Any:
-            return fns[layer](x, ids, w)
-
-        return experts_fn
+            return self.traffic.wrap(layer, run)
+        return OverlappedExpertsFn(run)
 
     def _to_device(self, raw: Any) -> torch.Tensor:
         from freetoken.loading.dequant import to_device_float
