@@ -31,15 +31,17 @@ from freetoken.kernels import moe_experts as tm
 from freetoken.kernels import moe_grouped as tg
 from freetoken.kernels import moe_packed as tp
 from freetoken.kernels import route_slots as rs
+from freetoken.moe.experts import route_split as rsp
 
 # Qwen3-30B-A3B's expert shapes (hidden 2048, expert intermediate 768), top-8 routing
 HIDDEN, INTER, TOP_K = 2048, 768, 8
 
 
 def compile_kernel(fn: Any, target: TritonTarget, types: dict[str, str], consts: dict[str, Any],
-                   num_warps: int, num_stages: int | None = None) -> Any:  # fmt: skip
+                   num_warps: int, num_stages: int | None = None, **extra: Any) -> Any:  # fmt: skip
     """``fn`` for ``target``: runtime arguments typed by ``types`` (every other argument a
-    constexpr of ``consts``), 16-byte aligned pointers, launched with ``target``'s options."""
+    constexpr of ``consts``), 16-byte aligned pointers, launched with ``target``'s options
+    (and ``extra`` launch options)."""
     names = fn.arg_names
     missing = [n for n in names if n not in types and n not in consts]
     if missing:
@@ -47,7 +49,7 @@ def compile_kernel(fn: Any, target: TritonTarget, types: dict[str, str], consts:
     sig = {n: types.get(n, "constexpr") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
     src = ASTSource(fn, sig, {n: consts[n] for n in names if n not in types}, aligned)
-    opts = target.launch_options(num_warps, num_stages)
+    opts = target.launch_options(num_warps, num_stages, **extra)
     return triton.compile(src, target=target.compile_target(), options=opts)
 
 
@@ -236,8 +238,17 @@ def grouped_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
 
 def traffic_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
     """The expert-traffic kernels: the routed experts' gather from mapped host banks (one
-    Q4_K gate stack's expert bytes) and the cache's route -> slot map."""
+    Q4_K gate stack's expert bytes), the cache's route -> slot map and locked fetch's split
+    of a step's routes (int64 ids; one token's block, one warp, and the largest)."""
     per = INTER * (HIDDEN // tp.FORMATS[tp.FMT_Q4_K][0]) * tp.FORMATS[tp.FMT_Q4_K][1]
+
+    def route_split(routes: int) -> Any:
+        block, warps = rsp.launch_shape(routes)
+        return compile_kernel(
+            rsp._route_split_kernel, target,
+            {"ids_ptr": "*i64", "resident_ptr": "*i1", "cpu_ptr": "*i1", "locked_ptr": "*i1", "n": "i32",
+             "fraction": "fp32", "max_fetch": "fp32"}, dict(BLOCK=block), warps, enable_fp_fusion=False)
+
     return {
         "traffic.gather": lambda: compile_kernel(
             eg._gather_kernel, target, {"src_ptr": "*u8", "dst_ptr": "*u8", "counts_ptr": "*i32"},
@@ -245,6 +256,8 @@ def traffic_kernels(target: TritonTarget) -> dict[str, Callable[[], Any]]:
         "traffic.route_slots": lambda: compile_kernel(
             rs._route_slots_kernel, target, {"ids_ptr": "*i32", "table_ptr": "*i32", "out_ptr": "*i32", "n": "i32"},
             dict(BLOCK=rs.BLOCK), 4),
+        "traffic.route_split": lambda: route_split(TOP_K),
+        "traffic.route_split.max": lambda: route_split(rsp.MAX_ROUTES),
     }
 
 

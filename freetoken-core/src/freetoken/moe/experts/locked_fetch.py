@@ -17,9 +17,10 @@ first ``round(fraction * missed)`` -- at most ``max_fetch`` -- of the step in (t
 order, known from the batch size alone: the masks and slot ids are constants of each batch
 size (:class:`FirstRoutesPlacement`), and a step costs the gather launch and the expert
 kernels, nothing else on the GPU. Beside a cache, :class:`LockedPlacement` decides per step,
-on the device (captured in graphs): of the layer's missed routes (expert not cached), the
-first ``round(fraction * missed)``, at most ``max_fetch``, run on the GPU, the rest on the
-CPU; :class:`SplitGpuExperts` is then the layer's GPU side: cached routes through the
+on the device (captured in graphs; one kernel where Triton runs,
+:mod:`~freetoken.moe.experts.route_split`): of the layer's missed routes (expert not cached),
+the first ``round(fraction * missed)``, at most ``max_fetch``, run on the GPU, the rest on
+the CPU; :class:`SplitGpuExperts` is then the layer's GPU side: cached routes through the
 cache's pool, locked routes through the slots.
 
 (Having the packed kernels read the locked routes' blocks in place over PCIe, with no copy,
@@ -38,6 +39,7 @@ from typing import Any, ClassVar, Optional
 import numpy as np
 import torch
 
+from freetoken.backends import triton_target
 from freetoken.backends.contract import on_gpu
 from freetoken.moe.experts.gpu_packed_experts import PACKED_FORMATS
 from freetoken.moe.experts.routed import GpuRoutedExperts
@@ -228,14 +230,26 @@ class LockedPlacement(Placement):
         return self.split(ids)[0]
 
     def split(self, ids: Any) -> tuple[Any, Any]:
-        """(cpu mask, locked mask), bool ``[T, K]``, computed on the device."""
-        valid = ids >= 0
-        miss = valid & ~self.resident[ids.clamp(min=0).long()]
-        flat = miss.reshape(-1)
-        rank = torch.cumsum(flat.to(torch.int32), 0) - 1
-        budget = torch.clamp(torch.floor(flat.sum().to(torch.float32) * self.fraction + 0.5), max=self.max_fetch)
-        locked = flat & (rank < budget)
-        return (flat & ~locked).reshape(ids.shape), locked.reshape(ids.shape)
+        """(cpu mask, locked mask), bool ``[T, K]``, computed on the device: one kernel
+        where Triton runs (:func:`~freetoken.moe.experts.route_split.locked_split`), else
+        the torch ops (:func:`locked_split_torch`)."""
+        if on_gpu(ids.device) and triton_target.for_device(ids.device).usable:
+            from freetoken.moe.experts.route_split import locked_split
+
+            return locked_split(ids, self.resident, self.fraction, self.max_fetch)
+        return locked_split_torch(ids, self.resident, self.fraction, self.max_fetch)
+
+
+def locked_split_torch(ids: torch.Tensor, resident: torch.Tensor, fraction: float,
+                       max_fetch: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:meth:`LockedPlacement.split` as torch ops on ids' device (no host sync)."""
+    valid = ids >= 0
+    miss = valid & ~resident[ids.clamp(min=0).long()]
+    flat = miss.reshape(-1)
+    rank = torch.cumsum(flat.to(torch.int32), 0) - 1
+    budget = torch.clamp(torch.floor(flat.sum().to(torch.float32) * fraction + 0.5), max=max_fetch)
+    locked = flat & (rank < budget)
+    return (flat & ~locked).reshape(ids.shape), locked.reshape(ids.shape)
 
 
 def fetch_budget(missed: int, fraction: float, max_fetch: int) -> int:
