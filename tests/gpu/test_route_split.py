@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from freetoken.moe.experts import route_split as rs
-from freetoken.moe.experts.locked_fetch import LockedPlacement, fetch_budget, locked_routes
+from freetoken.moe.experts.locked_fetch import LockedPlacement, fetch_budget, locked_routes, locked_split_torch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 EXPERTS = 16
@@ -114,14 +114,19 @@ class _CountedKernel:
 @pytest.mark.parametrize("tokens,top_k,launches", [(rs.MAX_ROUTES // 8, 8, 1), (rs.MAX_ROUTES // 8 + 1, 8, 0),
                                                    (rs.MAX_ROUTES + 3, 1, 0)])
 def test_one_launch_up_to_the_bound_then_the_torch_ops(tokens, top_k, launches, monkeypatch):
-    """Up to MAX_ROUTES routes one program splits them; above, the torch ops do, with the same masks."""
+    """Up to MAX_ROUTES routes one program splits them; above, the kernel declines and the
+    torch ops split them (LockedPlacement's fallback), with the same masks."""
     counted = _CountedKernel(rs._route_split_kernel)
     monkeypatch.setattr(rs, "_route_split_kernel", counted)
     gen = torch.Generator().manual_seed(BASE_SEED + tokens * top_k)
     for fraction, max_fetch in ((0.5, 8), (0.25, 4096)):
         ids, resident = _inputs(gen, tokens, top_k, torch.int64)
         ids, resident = ids.to(DEV), resident.to(DEV)
-        _check(ids, resident, fraction, max_fetch, *rs.locked_split(ids, resident, fraction, max_fetch))
+        masks = rs.locked_split(ids, resident, fraction, max_fetch)
+        assert (masks is None) == (launches == 0)
+        if masks is None:
+            masks = locked_split_torch(ids, resident, fraction, max_fetch)
+        _check(ids, resident, fraction, max_fetch, *masks)
     assert counted.launches == 2 * launches
 
 

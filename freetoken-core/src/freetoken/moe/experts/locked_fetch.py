@@ -236,7 +236,9 @@ class LockedPlacement(Placement):
         if on_gpu(ids.device) and triton_target.for_device(ids.device).usable:
             from freetoken.moe.experts.route_split import locked_split
 
-            return locked_split(ids, self.resident, self.fraction, self.max_fetch)
+            masks = locked_split(ids, self.resident, self.fraction, self.max_fetch)
+            if masks is not None:
+                return masks
         return locked_split_torch(ids, self.resident, self.fraction, self.max_fetch)
 
 

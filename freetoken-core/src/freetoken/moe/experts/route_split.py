@@ -14,21 +14,22 @@ product and its + 0.5 are two roundings, as the torch ops and the host form
 fused multiply-adds, which would round once and could move a budget by one route.
 
 One program holds every route of the step: up to :data:`MAX_ROUTES` (a decode step has
-``T x K`` of them, a few hundred at most; 4096 are 32 a thread in four warps); a larger
-step takes the torch ops (:func:`~freetoken.moe.experts.locked_fetch.locked_split_torch`),
-which compute the same.
+``T x K`` of them, a few hundred at most; 4096 are 32 a thread in four warps); for a larger
+step :func:`locked_split` declines and the caller takes the torch ops
+(:func:`~freetoken.moe.experts.locked_fetch.locked_split_torch`), which compute the same.
 
 triton is optional: import this module lazily, only where Triton runs.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from freetoken.backends import triton_target
-from freetoken.moe.experts.locked_fetch import locked_split_torch
 
 #: most routes (tokens x top-k) the one program splits; more take the torch ops
 MAX_ROUTES = 4096
@@ -62,16 +63,17 @@ def launch_shape(routes: int) -> tuple[int, int]:
 
 
 def locked_split(ids: torch.Tensor, resident: torch.Tensor, fraction: float,
-                 max_fetch: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 max_fetch: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """(cpu mask, locked mask), bool ``[T, K]`` on ids' device: of the routes whose expert
     is not ``resident`` (``ids`` int32 or int64 ``[T, K]``, -1 = no route; ``resident``
     bool ``[num_experts]`` on the same device), the first ``floor(float32(missed) *
     float32(fraction) + 0.5)``, at most ``max_fetch``, in (token, k) order are locked, the
     others go to the CPU. One launch for up to :data:`MAX_ROUTES` routes, no host sync
-    (captured in graphs); more take the torch ops."""
+    (captured in graphs); None for no route or more than that (the caller takes the torch
+    ops)."""
     n = ids.numel()
     if not 0 < n <= MAX_ROUTES:
-        return locked_split_torch(ids, resident, fraction, max_fetch)
+        return None
     cpu = torch.empty(ids.shape, dtype=torch.bool, device=ids.device)
     locked = torch.empty(ids.shape, dtype=torch.bool, device=ids.device)
     block, warps = launch_shape(n)
