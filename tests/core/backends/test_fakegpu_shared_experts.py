@@ -45,20 +45,20 @@ def shared_expert_checkpoint(request, tmp_path_factory):
 
 
 def _run(backend: str, path: str, **kw: Any) -> list[tuple[list[int], torch.Tensor]]:
+    from helpers import LogitsRecorder
+
     registry.reset()
     eng = LLMEngine(EngineConfig(model=path, backend=backend, dtype="float32", max_model_len=128,
                                  kv_cache_tokens=1024, **kw))  # fmt: skip
-    rows: dict[str, list[torch.Tensor]] = {}
-    remove = eng.add_logits_observer(
-        lambda ids, logits: [rows.setdefault(r, []).append(logits[i].clone()) for i, r in enumerate(ids)])
     try:
-        reqs = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
-        while eng.has_work():
-            eng.step()
+        with LogitsRecorder(eng) as rec:
+            params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+            reqs = [eng.add_request(p, params) for p in PROMPTS]
+            while eng.has_work():
+                eng.step()
+            return [(r.output_ids, torch.stack(rec[r.request_id])) for r in reqs]
     finally:
-        remove()
         eng.close()
-    return [(r.output_ids, torch.stack(rows[r.request_id])) for r in reqs]
 
 
 class _Events:
