@@ -6,18 +6,23 @@
 # from PYTHONPATH with this build's native extensions copied in.
 # Placements: PLACEMENTS (default "limit:16GiB cpu:all"): limit:SIZE = --gpu-memory-limit SIZE,
 # cpu:SPEC = --moe-cpu-layers SPEC. ROUNDS (2) rounds, each: per placement before, then after.
-# The 48-layer Qwen3-30B-A3B-shaped Q4_K_M file is made once under /tmp/ft-bench.
+# The file: make-model's PRESET (default qwen3-30b-a3b) cut to LAYERS (48) layers in QUANT (q4_k_m;
+# mxfp4 for gpt-oss-120b), made once under /tmp/ft-bench.
 # Usage (repository root, .whl and $BEFORE carried): BEFORE=.before bash tests/gpu/ab_decode_run.sh
+#   e.g. BEFORE=.before PRESET=glm-4.5-air LAYERS=20 PLACEMENTS=limit:24576MiB bash tests/gpu/ab_decode_run.sh
 set -uo pipefail
 BEFORE=${BEFORE:-.before}; LAYERS=${LAYERS:-48}; ROUNDS=${ROUNDS:-2}
+PRESET=${PRESET:-qwen3-30b-a3b}; QUANT=${QUANT:-q4_k_m}
 PLACEMENTS=${PLACEMENTS:-"limit:16GiB cpu:all"}
 source tests/gpu/device_setup.sh || exit 1
 for so in freetoken-cpu-moe/src/freetoken_cpu_moe/_core*.so freetoken-cuda/src/freetoken_cuda/_C*.so; do
   cp "$so" "$BEFORE/${so%/*}/" || { echo "no native extension $so to copy"; exit 1; }
 done
-M=/tmp/ft-bench/q4km-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
-[ -f "$M" ] || timeout 200 python3 -m freetoken.cli.main bench make-model --preset qwen3-30b-a3b --layers "$LAYERS" \
-  --quant q4_k_m --threads 16 --out "$M" > "$OUT/make-model.log" 2>&1
+M=/tmp/ft-bench/$PRESET-$QUANT-L$LAYERS.gguf; mkdir -p /tmp/ft-bench
+# (the default file under the name the other scripts of tests/gpu give it, so a warm machine reuses it)
+[ "$PRESET-$QUANT" = qwen3-30b-a3b-q4_k_m ] && M=/tmp/ft-bench/q4km-L$LAYERS.gguf
+[ -f "$M" ] || timeout 200 python3 -m freetoken.cli.main bench make-model --preset "$PRESET" --layers "$LAYERS" \
+  --quant "$QUANT" --threads 16 --out "$M" > "$OUT/make-model.log" 2>&1
 stamp "make-model rc=$? $(du -h "$M" | cut -f1)"
 BEFORE_PATH="$PWD/$BEFORE/freetoken-core/src:$PWD/$BEFORE/freetoken-cpu-moe/src:$PWD/$BEFORE/freetoken-cuda/src"
 run() {  # run TREE PLACEMENT ROUND
