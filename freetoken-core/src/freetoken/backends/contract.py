@@ -197,6 +197,11 @@ ExpertsFn = Callable[[Any, Any, Any], Any]
 BesideFn = Callable[[], Any]
 
 
+def plus_beside(y: Any, beside: Optional[BesideFn]) -> Any:
+    """The experts' output ``y`` plus the beside work's, computed now (``y`` if none)."""
+    return y if beside is None else y + beside()
+
+
 @dataclasses.dataclass(frozen=True)
 class OverlappedExpertsFn:
     """An :data:`ExpertsFn` that can also take the layer's :data:`BesideFn` and run it while

@@ -114,9 +114,9 @@ class MoELayer:
         """The residual ``h + delta`` and this layer's output for its RMSNorm (times
         ``weight``): :meth:`fused_route` (:meth:`DenseOps.add_norm_route`, or the grouped form)
         where the ops fuse the norm with the router and its choice (one launch instead of three
-        per decode step), then :meth:`from_routes`; else ``add_rms_norm`` then :meth:`forward`. A subclass that changes :meth:`forward` (not
-        only :meth:`from_routes`), or a :meth:`route` replaced on the instance or class (a
-        recorder), takes the second way."""
+        per decode step), then :meth:`from_routes`; else ``add_rms_norm`` then :meth:`forward`.
+        A subclass that changes :meth:`forward` (not only :meth:`from_routes`), or a
+        :meth:`route` replaced on the instance or class (a recorder), takes the second way."""
         fused = None
         if (type(self).forward is _PLAIN_FORWARD and type(self).route is _FUSED_ROUTES.get(type(self), _PLAIN_ROUTE)
                 and "route" not in vars(self)):

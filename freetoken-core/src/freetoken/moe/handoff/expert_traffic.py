@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from freetoken.backends.contract import BesideFn, OverlappedExpertsFn, on_gpu
+from freetoken.backends.contract import BesideFn, OverlappedExpertsFn, on_gpu, plus_beside
 from freetoken.backends.options import MoEOptions
 from freetoken.moe.experts.copy_queue import CopyQueue
 from freetoken.moe.experts.expert_cache import ExpertCache
@@ -233,8 +233,7 @@ class ExpertTraffic:
                 self._count_prompt_routes(layer, ids)
             st = self.streamer
             if self._streaming and st is not None and layer in st.layers:
-                y = st.forward(layer, x, ids, w)
-                return y if beside is None else y + beside()
+                return plus_beside(st.forward(layer, x, ids, w), beside)
             return run(x, ids, w, beside)
 
         return OverlappedExpertsFn(experts_fn)

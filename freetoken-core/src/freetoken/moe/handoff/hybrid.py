@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from freetoken.backends.contract import Backend, BesideFn
+from freetoken.backends.contract import Backend, BesideFn, plus_beside
 from freetoken.backends.handoff_io import HandoffTask, IOPath, SyncMode
 from freetoken.moe.handoff import faults
 from freetoken.moe.experts.routed import GpuRoutedExperts
@@ -205,16 +205,16 @@ class HybridMoEExecutor:
             split = self._kernel_split(cpu_mask)
             self.kio.publish_routes(stream, task, x.contiguous(), ids.contiguous(), w32, **split)
             self._open.add(task.max_tokens)
-            if self._all_cpu(cpu_mask):
-                out = beside().contiguous() if beside is not None else torch.zeros_like(x)
-                beside = None
+            all_cpu = self._all_cpu(cpu_mask)
+            if all_cpu:  # the beside work alone (a new tensor), or nothing
+                out = torch.zeros_like(x) if beside is None else beside().contiguous()
             elif self._own_split(cpu_mask):
                 out = self.experts.forward_routes(x, ids, w).contiguous()
             else:
                 if cpu_mask is None:
                     cpu_mask = self.placement.cpu_mask(ids)
                 out = self.experts.forward(x, split_routes(ids, cpu_mask)[0], w).contiguous()
-            if beside is not None:
+            if beside is not None and not all_cpu:
                 out.add_(beside())
             self.kio.combine(stream, task, out)
             self._open.discard(task.max_tokens)
@@ -226,9 +226,9 @@ class HybridMoEExecutor:
 
         def gpu_side() -> Any:
             if self.experts is None:
-                return beside() if beside is not None else torch.zeros_like(x)
+                return torch.zeros_like(x) if beside is None else beside()
             y = self.experts.forward_routes(x, ids, w) if own else self.experts.forward(x, gpu_ids, w)
-            return y if beside is None else y + beside()
+            return plus_beside(y, beside)
 
         if self.kio is not None:
             self.kio.publish(stream, task, x.contiguous(), cpu_ids.contiguous(), w32)

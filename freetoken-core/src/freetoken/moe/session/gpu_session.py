@@ -34,8 +34,8 @@ from typing import Any, Optional
 
 import torch
 
-from freetoken.backends.contract import (Backend, BesideFn, CpuExperts, ExpertsFn, MoELayerSpec, ModelSession, ModelShape,
-                                        OverlappedExpertsFn, on_gpu)
+from freetoken.backends.contract import (Backend, BesideFn, CpuExperts, ExpertsFn, MoELayerSpec, ModelSession,
+                                        ModelShape, OverlappedExpertsFn, on_gpu, plus_beside)
 from freetoken.backends.handoff_io import IOPath
 from freetoken.backends.options import EngineOptions
 from freetoken.models.layers import DeviceWeightPolicy
@@ -197,8 +197,7 @@ class GpuModelSession(ModelSession):
             ex = executors.get(layer)
             if beside is not None and ex is not None:
                 return ex.forward(x, ids, w, beside=beside)  # beside the CPU's serve
-            y = fns[layer](x, ids, w)
-            return y if beside is None else y + beside()
+            return plus_beside(fns[layer](x, ids, w), beside)
 
         if self.traffic is not None:
             return self.traffic.wrap(layer, run)
